@@ -1,0 +1,167 @@
+use super::*;
+use proptest::prelude::*;
+
+/// Random problem: `n_ranks` ranks, `n_experts` experts, each with its owner
+/// `e % n_ranks` plus up to `extra` replicas on other ranks.
+fn problem_strategy(max_ranks: usize, max_experts: usize, max_pairs: u64) -> impl Strategy<Value = Problem> {
+    (1..=max_ranks, 1..=max_experts).prop_flat_map(move |(n_ranks, n_experts)| {
+        (
+            prop::collection::vec(prop::collection::vec(0..=max_pairs, n_experts), n_ranks),
+            prop::collection::vec(prop::collection::vec(0..n_ranks, 0..3), n_experts),
+            prop::collection::vec(0u64..20, n_ranks),
+            prop::option::of(prop::collection::vec(0u64..(max_pairs * 3 + 2), n_ranks)),
+        )
+            .prop_map(move |(kept, extra, base_load, caps)| {
+                let instances = extra
+                    .into_iter()
+                    .enumerate()
+                    .map(|(e, reps)| {
+                        let mut inst = vec![e % n_ranks];
+                        for r in reps {
+                            if !inst.contains(&r) {
+                                inst.push(r);
+                            }
+                        }
+                        inst
+                    })
+                    .collect();
+                Problem { n_ranks, kept, instances, base_load, rank_capacity: caps }
+            })
+    })
+}
+
+fn cfg(solver: Solver) -> Config {
+    Config { solver, ..Config::default() }
+}
+
+/// Solves and checks the contract every solver must meet.
+fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeError> {
+    let a = solve(problem, cfg)?;
+    assert_eq!(conservation_error(problem, &a.routes), None);
+    for r in 0..problem.n_ranks {
+        assert!(a.pairs_per_rank[r] <= problem.cap(r), "rank {r} over its cap");
+    }
+    let recomputed = assignment_from_routes(problem, &cfg.load, a.routes.clone());
+    assert_eq!(recomputed.load, a.load);
+    assert_eq!(recomputed.peak, a.peak);
+    if cfg.load.network_per_pair == 0 {
+        assert!(a.peak >= peak_lower_bound(problem, &cfg.load), "peak below a lower bound");
+    }
+    Ok(a)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+
+    #[test]
+    fn exact_equals_ilp_optimum_and_greedy_is_never_better(p in problem_strategy(4, 6, 12)) {
+        let exact = check(&p, &cfg(Solver::Exact));
+        let ilp = check(&p, &cfg(Solver::Ilp));
+        let greedy = check(&p, &cfg(Solver::Greedy));
+        match exact {
+            Err(RedistributeError::Infeasible { .. }) => {
+                let greedy_infeasible = matches!(greedy, Err(RedistributeError::Infeasible { .. }));
+                prop_assert!(greedy_infeasible);
+            }
+            Err(e) => prop_assert!(false, "exact failed: {}", e),
+            Ok(exact) => {
+                let ilp = ilp.expect("ILP feasible where exact is");
+                prop_assert_eq!(&ilp.status, &Status::Done);
+                prop_assert_eq!(exact.peak, ilp.peak);
+                prop_assert!(greedy.expect("greedy or its fallback").peak >= exact.peak);
+            }
+        }
+    }
+
+    #[test]
+    fn ilp_with_network_term_conserves_and_beats_greedy(p in problem_strategy(3, 4, 6)) {
+        let mut p = p;
+        p.rank_capacity = None;
+        let load = LoadModel { compute_per_pair: 2, network_per_pair: 1 };
+        let ilp = check(&p, &Config { solver: Solver::Ilp, load, ..Config::default() }).unwrap();
+        let greedy = check(&p, &Config { solver: Solver::Greedy, load, ..Config::default() }).unwrap();
+        prop_assert!(ilp.peak <= greedy.peak);
+    }
+}
+
+/// Exhaustive: every split of one expert's pairs over two instances.
+#[test]
+fn exact_matches_brute_force_on_two_instance_problems() {
+    for k in 0..8u64 {
+        for b0 in 0..5u64 {
+            for b1 in 0..5u64 {
+                let p = Problem {
+                    n_ranks: 2,
+                    kept: vec![vec![k, 1], vec![0, 2]],
+                    instances: vec![vec![0, 1], vec![1]],
+                    base_load: vec![b0, b1],
+                    rank_capacity: None,
+                };
+                let best = (0..=k).map(|x| (b0 + x).max(b1 + 3 + (k - x))).min().unwrap();
+                assert_eq!(check(&p, &cfg(Solver::Exact)).unwrap().peak, best);
+            }
+        }
+    }
+}
+
+#[test]
+fn local_pairs_stay_home() {
+    let p = Problem {
+        n_ranks: 2,
+        kept: vec![vec![4], vec![4]],
+        instances: vec![vec![0, 1]],
+        base_load: vec![0, 0],
+        rank_capacity: None,
+    };
+    let a = check(&p, &cfg(Solver::Exact)).unwrap();
+    assert!(a.routes.iter().all(|r| r.source == r.rank), "{:?}", a.routes);
+}
+
+#[test]
+fn bad_problems_are_typed_errors() {
+    let good = Problem {
+        n_ranks: 2,
+        kept: vec![vec![1, 0], vec![0, 0]],
+        instances: vec![vec![0], vec![1]],
+        base_load: vec![0, 0],
+        rank_capacity: None,
+    };
+    let mut p = good.clone();
+    p.instances[0].clear();
+    assert_eq!(solve(&p, &cfg(Solver::Exact)), Err(RedistributeError::NoInstance { expert: 0, pairs: 1 }));
+    let mut p = good.clone();
+    p.instances[1] = vec![1, 1];
+    assert!(matches!(solve(&p, &cfg(Solver::Exact)), Err(RedistributeError::BadInstance { rank: 1, .. })));
+    let mut p = good.clone();
+    p.base_load.pop();
+    assert!(matches!(solve(&p, &cfg(Solver::Greedy)), Err(RedistributeError::Shape { what: "base_load", .. })));
+    let mut p = good.clone();
+    p.rank_capacity = Some(vec![0, 5]);
+    assert_eq!(
+        solve(&p, &cfg(Solver::Exact)),
+        Err(RedistributeError::Infeasible { placeable: 0, total: 1 })
+    );
+    let load = LoadModel { compute_per_pair: 1, network_per_pair: 1 };
+    assert!(matches!(
+        solve(&good, &Config { solver: Solver::Exact, load, ..Config::default() }),
+        Err(RedistributeError::ExactNeedsComputeOnly { .. })
+    ));
+}
+
+#[test]
+fn zero_ranks_experts_and_pairs_are_ordinary() {
+    let p = Problem { n_ranks: 0, kept: vec![], instances: vec![], base_load: vec![], rank_capacity: None };
+    for s in [Solver::Exact, Solver::Ilp, Solver::Greedy] {
+        assert_eq!(check(&p, &cfg(s)).unwrap().peak, 0);
+    }
+    let p = Problem {
+        n_ranks: 3,
+        kept: vec![vec![0, 0]; 3],
+        instances: vec![vec![], vec![2]],
+        base_load: vec![1, 2, 3],
+        rank_capacity: None,
+    };
+    for s in [Solver::Exact, Solver::Ilp, Solver::Greedy] {
+        assert_eq!(check(&p, &cfg(s)).unwrap().peak, 3);
+    }
+}
