@@ -1,1 +1,684 @@
-//! placeholder
+//! # quota — the LRMoE controller
+//!
+//! Before a layer's backward runs, the controller sees how many routed pairs
+//! reached each expert from each source rank, `n[s][e]`, and fixes how many
+//! of them the backward keeps, `k[s][e] ≤ n[s][e]` (the expert's quota is
+//! `q_e = Σ_s k[s][e]`). It also plans the forward-time replicas of hot
+//! experts. Quotas are fixed for the whole layer call; which pairs fill them
+//! is decided later by their LRM scores (`lrm-score`).
+//!
+//! ## Cost model ([`CostModel`])
+//!
+//! A kept pair carries `row = act_row_bytes + grad_row_bytes` bytes (its saved
+//! activation row and its output-gradient row) from its source rank to the
+//! instance that computes its backward, and occupies `row` bytes of backward
+//! buffer there. An expert instance holds `W + G = expert_weight_bytes +
+//! expert_grad_bytes`. For rank `r` with `o_r` owned experts and `ρ_r`
+//! replicas, and at most `P_r` pairs processed:
+//!
+//! ```text
+//! memory_r   = (o_r + ρ_r)·(W + G) + P_r·row                ≤ memory_bytes_r
+//! dispatch_in_r  = P_r·row   (upper bound: every pair remote) ≤ network_bytes_r
+//! dispatch_out_s = K_s·row   (K_s = Σ_e k[s][e])              ≤ network_bytes_s
+//! compute_r  = P_r·flops_per_pair / flops_per_s
+//! network_r  = max(dispatch_in_r, dispatch_out_r) / link_bytes_per_s
+//! ```
+//!
+//! The network budget bounds the backward *dispatch* all-to-all (kept rows
+//! to instances); the return of input-gradient rows moves `grad_row_bytes`
+//! per pair the other way and is reported, not budgeted. From the budgets
+//! each rank gets a pair capacity
+//! `cap_r = min(⌊(memory_bytes_r − (o_r+ρ_r)(W+G)) / row⌋, ⌊network_bytes_r / row⌋)`
+//! and each source a send capacity `⌊network_bytes_s / row⌋`. A rank whose
+//! weights alone exceed its memory budget is [`QuotaError::InsufficientMemory`]
+//! naming the rank and the shortfall.
+//!
+//! The caps go to `redistribute` as its `rank_capacity`, so *any* assignment
+//! it returns keeps every rank within budget. Quotas are feasible exactly when
+//! the flow network
+//!
+//! ```text
+//! SOURCE →(send cap_s)→ s →(k[s][e])→ e →(∞)→ r ∈ instances(e) →(cap_r)→ SINK
+//! ```
+//!
+//! carries `Σ k[s][e]` — checked with `redistribute::flow`'s max-flow.
+//!
+//! ## Policies ([`Policy`])
+//!
+//! * **Uniform:** one retention ratio `ρ ∈ [0, 1]` for every cell,
+//!   `k[s][e] = ⌊ρ·n[s][e]⌋`, with `ρ` the largest feasible value (binary
+//!   search over `ρ = j / 2²⁰`; `ρ = 1` is tried first so unlimited budgets
+//!   keep every pair). Feasibility is monotone in `ρ` and in the budgets, so a
+//!   larger budget never lowers a quota.
+//! * **Max-min fair:** first the uniform `ρ*` (this maximises the smallest
+//!   retention ratio up to the floor), then, keeping every `k[s][e] ≥
+//!   ⌊ρ*·n[s][e]⌋`, the total kept pairs are maximised by augmenting the same
+//!   flow with the lower bounds frozen. Its smallest ratio never falls as
+//!   budgets grow; an individual expert's extra pairs may move between
+//!   experts (max-min allocations are not monotone per flow in general).
+//!
+//! ## Replicas ([`plan_replicas`])
+//!
+//! Greedy, as in deepseek-ai/EPLB: repeatedly give one more instance to the
+//! expert with the largest routed load per instance, on the rank with the
+//! smallest modelled load that does not host it, has a free replica slot,
+//! and keeps replica memory within `replica_memory_fraction` of the memory
+//! its budget leaves after owned experts. Replicas cost buffer memory, so
+//! [`plan`] trades them off through that fraction.
+//!
+//! ## Not here
+//!
+//! No I/O, no CUDA, no choice of *which* pairs are kept (`lrm-score`) and no
+//! assignment of pairs to instances (`redistribute`).
+
+#![deny(missing_docs)]
+
+use redistribute::flow::{EdgeId, FlowGraph};
+use serde::{Deserialize, Serialize};
+
+/// Errors of this crate.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum QuotaError {
+    /// A vector's length does not match the problem's dimensions.
+    #[error("{what}: expected length {expected}, got {got}")]
+    Shape {
+        /// Which field.
+        what: &'static str,
+        /// Expected length.
+        expected: usize,
+        /// Given length.
+        got: usize,
+    },
+    /// A placement names a rank outside `0..n_ranks` or repeats one.
+    #[error("expert {expert}: rank {rank} is out of range or repeated (n_ranks = {n_ranks})")]
+    BadRank {
+        /// The expert.
+        expert: usize,
+        /// The rank.
+        rank: usize,
+        /// Number of ranks.
+        n_ranks: usize,
+    },
+    /// The experts placed on a rank alone exceed its memory budget.
+    #[error("rank {rank}: expert weights and gradients need {needed_bytes} B but the memory budget is {budget_bytes} B (short by {shortfall_bytes} B)")]
+    InsufficientMemory {
+        /// The rank.
+        rank: usize,
+        /// Bytes of owned and replicated experts.
+        needed_bytes: u64,
+        /// Its memory budget.
+        budget_bytes: u64,
+        /// `needed − budget`.
+        shortfall_bytes: u64,
+    },
+    /// A cost-model value is negative, NaN or infinite.
+    #[error("cost model field {field} must be finite and > 0 (got {value})")]
+    BadCost {
+        /// Field name.
+        field: &'static str,
+        /// Value.
+        value: f64,
+    },
+    /// A fraction is outside `[0, 1]`.
+    #[error("{field} must be in [0, 1] (got {value})")]
+    BadFraction {
+        /// Field name.
+        field: &'static str,
+        /// Value.
+        value: f64,
+    },
+}
+
+/// Where each expert lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Placement {
+    /// Owner rank of each expert, `[n_experts]`.
+    pub owner: Vec<usize>,
+    /// Replica ranks of each expert, `[n_experts][*]` (may be empty).
+    #[serde(default)]
+    pub replicas: Vec<Vec<usize>>,
+}
+
+impl Placement {
+    /// Every rank holding an instance of `expert`: owner first.
+    pub fn instances(&self, expert: usize) -> Vec<usize> {
+        let mut v = vec![self.owner[expert]];
+        if let Some(r) = self.replicas.get(expert) {
+            v.extend_from_slice(r);
+        }
+        v
+    }
+
+    /// Instances of every expert.
+    pub fn all_instances(&self) -> Vec<Vec<usize>> {
+        (0..self.owner.len()).map(|e| self.instances(e)).collect()
+    }
+
+    /// Number of expert instances (owned plus replicas) on each rank.
+    pub fn instances_per_rank(&self, n_ranks: usize) -> Vec<u64> {
+        let mut n = vec![0u64; n_ranks];
+        for e in 0..self.owner.len() {
+            for r in self.instances(e) {
+                n[r] += 1;
+            }
+        }
+        n
+    }
+}
+
+/// Byte and rate costs (see the crate doc).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CostModel {
+    /// Saved activation bytes per kept pair.
+    pub act_row_bytes: u64,
+    /// Output-gradient bytes per kept pair.
+    pub grad_row_bytes: u64,
+    /// Bytes of one expert's weights.
+    pub expert_weight_bytes: u64,
+    /// Bytes of one expert's weight gradient.
+    pub expert_grad_bytes: u64,
+    /// Backward FLOPs per kept pair.
+    pub flops_per_pair: f64,
+    /// Link bandwidth per rank and direction, bytes/s.
+    pub link_bytes_per_s: f64,
+    /// Compute rate per rank, FLOP/s.
+    pub flops_per_s: f64,
+}
+
+impl CostModel {
+    /// Bytes a kept pair moves and buffers.
+    pub fn row_bytes(&self) -> u64 {
+        self.act_row_bytes.saturating_add(self.grad_row_bytes)
+    }
+
+    /// Bytes of one expert instance (weights and gradient).
+    pub fn instance_bytes(&self) -> u64 {
+        self.expert_weight_bytes
+            .saturating_add(self.expert_grad_bytes)
+    }
+
+    fn validate(&self) -> Result<(), QuotaError> {
+        for (field, value) in [
+            ("flops_per_pair", self.flops_per_pair),
+            ("link_bytes_per_s", self.link_bytes_per_s),
+            ("flops_per_s", self.flops_per_s),
+        ] {
+            if !(value.is_finite() && value > 0.0) {
+                return Err(QuotaError::BadCost { field, value });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One rank's budgets for the backward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankBudget {
+    /// Memory for owned and replicated experts plus backward buffers, bytes.
+    pub memory_bytes: u64,
+    /// Backward dispatch bytes per direction.
+    pub network_bytes: u64,
+}
+
+impl RankBudget {
+    /// No limit on either resource.
+    pub const UNLIMITED: Self = Self {
+        memory_bytes: u64::MAX,
+        network_bytes: u64::MAX,
+    };
+}
+
+/// How quotas share a scarce budget.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// One retention ratio for every (source, expert) cell.
+    #[default]
+    Uniform,
+    /// Maximise the smallest ratio, then the total kept pairs.
+    Maxmin,
+}
+
+/// Controller settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Quota policy.
+    pub policy: Policy,
+    /// Replicas each rank may host (0 disables replication).
+    pub replica_slots_per_rank: usize,
+    /// Share of a rank's post-placement memory that replicas may use.
+    pub replica_memory_fraction: f64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            policy: Policy::Uniform,
+            replica_slots_per_rank: 0,
+            replica_memory_fraction: 0.25,
+        }
+    }
+}
+
+/// Routed pair counts and everything the controller needs to plan.
+#[derive(Debug, Clone, Copy)]
+pub struct Inputs<'a> {
+    /// Routed pairs `[n_ranks][n_experts]`, source rank × expert.
+    pub counts: &'a [Vec<u64>],
+    /// Expert placement (replicas given here are kept).
+    pub placement: &'a Placement,
+    /// Cost model.
+    pub cost: &'a CostModel,
+    /// Budgets `[n_ranks]`.
+    pub budgets: &'a [RankBudget],
+}
+
+impl Inputs<'_> {
+    fn n_ranks(&self) -> usize {
+        self.budgets.len()
+    }
+
+    fn n_experts(&self) -> usize {
+        self.placement.owner.len()
+    }
+
+    fn validate(&self) -> Result<(), QuotaError> {
+        let (n_ranks, n_experts) = (self.n_ranks(), self.n_experts());
+        shape("counts", n_ranks, self.counts.len())?;
+        for row in self.counts {
+            shape("counts[source]", n_experts, row.len())?;
+        }
+        if !self.placement.replicas.is_empty() {
+            shape("placement.replicas", n_experts, self.placement.replicas.len())?;
+        }
+        for expert in 0..n_experts {
+            let inst = self.placement.instances(expert);
+            for (i, &rank) in inst.iter().enumerate() {
+                if rank >= n_ranks || inst[..i].contains(&rank) {
+                    return Err(QuotaError::BadRank {
+                        expert,
+                        rank,
+                        n_ranks,
+                    });
+                }
+            }
+        }
+        self.cost.validate()
+    }
+
+    fn routed_per_expert(&self) -> Vec<u64> {
+        let mut n = vec![0u64; self.n_experts()];
+        for row in self.counts {
+            for (e, &c) in row.iter().enumerate() {
+                n[e] = n[e].saturating_add(c);
+            }
+        }
+        n
+    }
+}
+
+fn shape(what: &'static str, expected: usize, got: usize) -> Result<(), QuotaError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(QuotaError::Shape {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// Kept pairs per (source, expert). Only the controller builds one, so a
+/// `Quotas` value always satisfies `k[s][e] ≤ n[s][e]` and the budgets it was
+/// planned for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Quotas {
+    per_source: Vec<Vec<u64>>,
+}
+
+impl Quotas {
+    /// `k[s][e]`: kept pairs of expert `e` from source rank `s`.
+    pub fn per_source(&self) -> &[Vec<u64>] {
+        &self.per_source
+    }
+
+    /// `q_e = Σ_s k[s][e]`.
+    pub fn per_expert(&self) -> Vec<u64> {
+        let n_experts = self.per_source.first().map_or(0, Vec::len);
+        let mut q = vec![0u64; n_experts];
+        for row in &self.per_source {
+            for (e, &k) in row.iter().enumerate() {
+                q[e] += k;
+            }
+        }
+        q
+    }
+
+    /// Total kept pairs.
+    pub fn total(&self) -> u64 {
+        self.per_source.iter().flatten().sum()
+    }
+}
+
+/// The modelled backward of one rank (see the crate doc's formulas).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct RankModel {
+    /// Bytes of owned experts (weights + gradients).
+    pub placement_bytes: u64,
+    /// Bytes of replicas (weights + gradients).
+    pub replica_bytes: u64,
+    /// Backward buffer bytes at the pair capacity.
+    pub buffer_bytes: u64,
+    /// Sum of the three.
+    pub memory_bytes: u64,
+    /// Most pairs this rank may process (`cap_r`, also given to `redistribute`).
+    pub pair_capacity: u64,
+    /// Kept pairs whose source is this rank (`K_s`).
+    pub source_pairs: u64,
+    /// Upper bound on dispatch bytes received.
+    pub dispatch_in_bytes: u64,
+    /// Upper bound on dispatch bytes sent.
+    pub dispatch_out_bytes: u64,
+    /// Modelled compute time at the capacity, seconds.
+    pub compute_s: f64,
+    /// Modelled dispatch time, seconds.
+    pub network_s: f64,
+}
+
+/// The controller's decision for one layer call.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Kept pairs per (source, expert).
+    pub quotas: Quotas,
+    /// Placement including the replicas added for this call.
+    pub placement: Placement,
+    /// `(expert, rank)` of each replica added by the controller.
+    pub replicas_added: Vec<(usize, usize)>,
+    /// Retention ratio every cell reaches at least (`ρ*`).
+    pub retention_floor: f64,
+    /// Kept fraction of all routed pairs.
+    pub kept_fraction: f64,
+    /// Per-rank model.
+    pub ranks: Vec<RankModel>,
+    /// Policy used.
+    pub policy: Policy,
+}
+
+/// Static (weights and gradients) bytes per rank under `placement`.
+fn static_bytes(inputs: &Inputs<'_>, placement: &Placement) -> Vec<u64> {
+    placement
+        .instances_per_rank(inputs.n_ranks())
+        .iter()
+        .map(|&n| n.saturating_mul(inputs.cost.instance_bytes()))
+        .collect()
+}
+
+/// Per-rank pair capacity and per-source send capacity.
+fn capacities(inputs: &Inputs<'_>, placement: &Placement) -> Result<(Vec<u64>, Vec<u64>), QuotaError> {
+    let row = inputs.cost.row_bytes();
+    let per = |bytes: u64| if row == 0 { u64::MAX } else { bytes / row };
+    let stat = static_bytes(inputs, placement);
+    let mut caps = Vec::with_capacity(inputs.n_ranks());
+    for (rank, b) in inputs.budgets.iter().enumerate() {
+        let Some(free) = b.memory_bytes.checked_sub(stat[rank]) else {
+            return Err(QuotaError::InsufficientMemory {
+                rank,
+                needed_bytes: stat[rank],
+                budget_bytes: b.memory_bytes,
+                shortfall_bytes: stat[rank] - b.memory_bytes,
+            });
+        };
+        caps.push(per(free).min(per(b.network_bytes)));
+    }
+    let send = inputs.budgets.iter().map(|b| per(b.network_bytes)).collect();
+    Ok((caps, send))
+}
+
+/// The quota flow network (see the crate doc).
+struct Network {
+    graph: FlowGraph,
+    /// `(source, expert, mandatory edge, extra edge)` per non-empty cell.
+    cells: Vec<(usize, usize, EdgeId, EdgeId)>,
+    sink: usize,
+}
+
+fn build_network(inputs: &Inputs<'_>, placement: &Placement, caps: &[u64], send: &[u64]) -> Network {
+    let (n_ranks, n_experts) = (inputs.n_ranks(), inputs.n_experts());
+    let expert_node = |e: usize| 1 + n_ranks + e;
+    let rank_node = |r: usize| 1 + n_ranks + n_experts + r;
+    let sink = 1 + 2 * n_ranks + n_experts;
+    let mut graph = FlowGraph::new(sink + 1);
+    let routed = inputs.routed_per_expert();
+    let mut cells = Vec::new();
+    for (s, row) in inputs.counts.iter().enumerate() {
+        graph.add_edge(0, 1 + s, send[s]);
+        for (e, &n) in row.iter().enumerate() {
+            if n > 0 {
+                let mandatory = graph.add_edge(1 + s, expert_node(e), 0);
+                let extra = graph.add_edge(1 + s, expert_node(e), 0);
+                cells.push((s, e, mandatory, extra));
+            }
+        }
+    }
+    for (e, &n) in routed.iter().enumerate() {
+        for r in placement.instances(e) {
+            graph.add_edge(expert_node(e), rank_node(r), n);
+        }
+    }
+    for (r, &cap) in caps.iter().enumerate() {
+        graph.add_edge(rank_node(r), sink, cap);
+    }
+    Network { graph, cells, sink }
+}
+
+const RATIO_DEN: u64 = 1 << 20;
+
+fn floor_ratio(n: u64, num: u64) -> u64 {
+    ((u128::from(n) * u128::from(num)) / u128::from(RATIO_DEN)) as u64
+}
+
+/// Whether every cell can keep `⌊num/DEN · n[s][e]⌋` pairs.
+fn uniform_feasible(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> bool {
+    net.graph.clear_flow();
+    let mut want = 0u64;
+    for &(s, e, mandatory, extra) in &net.cells {
+        let k = floor_ratio(inputs.counts[s][e], num);
+        want += k;
+        net.graph.set_capacity(extra, 0);
+        net.graph.set_capacity(mandatory, k);
+    }
+    net.graph.max_flow(0, net.sink) == want
+}
+
+/// Quotas and the per-rank model for a fixed placement (no replicas added).
+pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
+    inputs.validate()?;
+    let placement = inputs.placement.clone();
+    let (caps, send) = capacities(inputs, &placement)?;
+    let mut net = build_network(inputs, &placement, &caps, &send);
+
+    let num = if uniform_feasible(&mut net, inputs, RATIO_DEN) {
+        RATIO_DEN
+    } else {
+        let (mut lo, mut hi) = (0u64, RATIO_DEN - 1);
+        while lo < hi {
+            let mid = lo + (hi - lo).div_ceil(2);
+            if uniform_feasible(&mut net, inputs, mid) {
+                lo = mid;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        lo
+    };
+    // Leave the network holding the feasible uniform flow at `num`.
+    let ok = uniform_feasible(&mut net, inputs, num);
+    debug_assert!(ok, "invariant: the searched ratio is feasible");
+
+    if policy == Policy::Maxmin {
+        for &(s, e, mandatory, extra) in &net.cells {
+            net.graph.freeze(mandatory);
+            let k = floor_ratio(inputs.counts[s][e], num);
+            net.graph.set_capacity(extra, inputs.counts[s][e] - k);
+        }
+        net.graph.max_flow(0, net.sink);
+    }
+
+    let mut per_source = vec![vec![0u64; inputs.n_experts()]; inputs.n_ranks()];
+    for &(s, e, mandatory, extra) in &net.cells {
+        per_source[s][e] = net.graph.flow(mandatory) + net.graph.flow(extra);
+    }
+    let quotas = Quotas { per_source };
+    let routed: u64 = inputs.routed_per_expert().iter().sum();
+    let kept_fraction = if routed == 0 {
+        1.0
+    } else {
+        quotas.total() as f64 / routed as f64
+    };
+    let ranks = rank_models(inputs, &placement, &caps, &quotas);
+    Ok(Plan {
+        quotas,
+        placement,
+        replicas_added: Vec::new(),
+        retention_floor: num as f64 / RATIO_DEN as f64,
+        kept_fraction,
+        ranks,
+        policy,
+    })
+}
+
+fn rank_models(inputs: &Inputs<'_>, placement: &Placement, caps: &[u64], quotas: &Quotas) -> Vec<RankModel> {
+    let cost = inputs.cost;
+    let row = cost.row_bytes();
+    let total = quotas.total();
+    let owned = {
+        let mut n = vec![0u64; inputs.n_ranks()];
+        for &r in &placement.owner {
+            n[r] += 1;
+        }
+        n
+    };
+    let all = placement.instances_per_rank(inputs.n_ranks());
+    (0..inputs.n_ranks())
+        .map(|r| {
+            let pair_capacity = caps[r].min(total);
+            let source_pairs: u64 = quotas.per_source[r].iter().sum();
+            let placement_bytes = owned[r] * cost.instance_bytes();
+            let replica_bytes = (all[r] - owned[r]) * cost.instance_bytes();
+            let buffer_bytes = pair_capacity.saturating_mul(row);
+            let dispatch_in_bytes = buffer_bytes;
+            let dispatch_out_bytes = source_pairs.saturating_mul(row);
+            RankModel {
+                placement_bytes,
+                replica_bytes,
+                buffer_bytes,
+                memory_bytes: placement_bytes
+                    .saturating_add(replica_bytes)
+                    .saturating_add(buffer_bytes),
+                pair_capacity,
+                source_pairs,
+                dispatch_in_bytes,
+                dispatch_out_bytes,
+                compute_s: pair_capacity as f64 * cost.flops_per_pair / cost.flops_per_s,
+                network_s: dispatch_in_bytes.max(dispatch_out_bytes) as f64 / cost.link_bytes_per_s,
+            }
+        })
+        .collect()
+}
+
+/// Adds replicas of hot experts to `inputs.placement` (see the crate doc).
+pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
+    inputs.validate()?;
+    if !(0.0..=1.0).contains(&cfg.replica_memory_fraction) {
+        return Err(QuotaError::BadFraction {
+            field: "replica_memory_fraction",
+            value: cfg.replica_memory_fraction,
+        });
+    }
+    let (n_ranks, n_experts) = (inputs.n_ranks(), inputs.n_experts());
+    let mut placement = inputs.placement.clone();
+    placement.replicas.resize(n_experts, Vec::new());
+    let stat = static_bytes(inputs, &placement);
+    let inst_bytes = inputs.cost.instance_bytes();
+    let mut replica_room: Vec<u64> = (0..n_ranks)
+        .map(|r| {
+            let free = inputs.budgets[r].memory_bytes.saturating_sub(stat[r]);
+            (free as f64 * cfg.replica_memory_fraction) as u64
+        })
+        .collect();
+    let mut slots: Vec<usize> = (0..n_ranks)
+        .map(|r| {
+            let hosted = placement.replicas.iter().filter(|v| v.contains(&r)).count();
+            cfg.replica_slots_per_rank.saturating_sub(hosted)
+        })
+        .collect();
+    let routed = inputs.routed_per_expert();
+    let per_instance = |e: usize, p: &Placement| routed[e] as f64 / (1 + p.replicas[e].len()) as f64;
+    let mut rank_load = vec![0.0f64; n_ranks];
+    for e in 0..n_experts {
+        for r in placement.instances(e) {
+            rank_load[r] += per_instance(e, &placement);
+        }
+    }
+    let mut exhausted = vec![false; n_experts];
+    loop {
+        let Some(e) = (0..n_experts)
+            .filter(|&e| !exhausted[e] && routed[e] > 0)
+            .max_by(|&a, &b| {
+                per_instance(a, &placement)
+                    .total_cmp(&per_instance(b, &placement))
+                    .then(b.cmp(&a))
+            })
+        else {
+            break;
+        };
+        let inst = placement.instances(e);
+        let target = (0..n_ranks)
+            .filter(|&r| !inst.contains(&r) && slots[r] > 0 && replica_room[r] >= inst_bytes)
+            .min_by(|&a, &b| rank_load[a].total_cmp(&rank_load[b]).then(a.cmp(&b)));
+        let Some(r) = target else {
+            exhausted[e] = true;
+            continue;
+        };
+        let old = per_instance(e, &placement);
+        placement.replicas[e].push(r);
+        let new = per_instance(e, &placement);
+        for &i in &inst {
+            rank_load[i] += new - old;
+        }
+        rank_load[r] += new;
+        slots[r] -= 1;
+        replica_room[r] -= inst_bytes;
+    }
+    Ok(placement)
+}
+
+/// Replica plan, then quotas for it: the controller's whole decision.
+pub fn plan(inputs: &Inputs<'_>, cfg: &Config) -> Result<Plan, QuotaError> {
+    let placement = plan_replicas(inputs, cfg)?;
+    let with_replicas = Inputs {
+        placement: &placement,
+        ..*inputs
+    };
+    let mut p = quotas(&with_replicas, cfg.policy)?;
+    let given = inputs.placement;
+    p.replicas_added = (0..placement.owner.len())
+        .flat_map(|e| {
+            let before: &[usize] = given.replicas.get(e).map_or(&[], Vec::as_slice);
+            placement.replicas[e]
+                .iter()
+                .filter(|r| !before.contains(r))
+                .map(move |&r| (e, r))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    Ok(p)
+}
+
+#[cfg(test)]
+mod tests;

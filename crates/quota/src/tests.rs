@@ -1,0 +1,251 @@
+use super::*;
+use proptest::prelude::*;
+
+fn cost() -> CostModel {
+    CostModel {
+        act_row_bytes: 6,
+        grad_row_bytes: 4,
+        expert_weight_bytes: 100,
+        expert_grad_bytes: 100,
+        flops_per_pair: 1e3,
+        link_bytes_per_s: 1e9,
+        flops_per_s: 1e12,
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    counts: Vec<Vec<u64>>,
+    placement: Placement,
+    budgets: Vec<RankBudget>,
+}
+
+fn case_strategy() -> impl Strategy<Value = Case> {
+    (1usize..5, 1usize..7).prop_flat_map(|(n_ranks, n_experts)| {
+        (
+            prop::collection::vec(prop::collection::vec(0u64..30, n_experts), n_ranks),
+            prop::collection::vec(0..n_ranks, n_experts),
+            prop::collection::vec(prop::collection::vec(0..n_ranks, 0..2), n_experts),
+            prop::collection::vec((0u64..3000, 0u64..2000), n_ranks),
+        )
+            .prop_map(move |(counts, owner, reps, budgets)| {
+                let replicas = reps
+                    .into_iter()
+                    .enumerate()
+                    .map(|(e, r)| {
+                        let mut v: Vec<usize> = r.into_iter().filter(|&x| x != owner[e]).collect();
+                        v.dedup();
+                        v
+                    })
+                    .collect();
+                let placement = Placement { owner, replicas };
+                // Budgets always hold the experts themselves.
+                let inst = placement.instances_per_rank(n_ranks);
+                let budgets = budgets
+                    .into_iter()
+                    .enumerate()
+                    .map(|(r, (m, n))| RankBudget {
+                        memory_bytes: inst[r] * cost().instance_bytes() + m,
+                        network_bytes: n,
+                    })
+                    .collect();
+                Case { counts, placement, budgets }
+            })
+    })
+}
+
+fn inputs<'a>(c: &'a Case, cost: &'a CostModel) -> Inputs<'a> {
+    Inputs { counts: &c.counts, placement: &c.placement, cost, budgets: &c.budgets }
+}
+
+/// Plans, redistributes with the plan's caps, and checks every budget on the
+/// resulting assignment (not only the model's bounds).
+fn check(c: &Case, policy: Policy) -> Plan {
+    let cost = cost();
+    let plan = quotas(&inputs(c, &cost), policy).expect("budgets hold the experts");
+    let k = plan.quotas.per_source();
+    for (s, row) in k.iter().enumerate() {
+        for (e, &q) in row.iter().enumerate() {
+            assert!(q <= c.counts[s][e], "quota above routed count at ({s}, {e})");
+            assert!(
+                q >= floor_ratio(c.counts[s][e], (plan.retention_floor * RATIO_DEN as f64) as u64),
+                "cell ({s}, {e}) below the retention floor"
+            );
+        }
+    }
+    let problem = redistribute::Problem {
+        n_ranks: c.budgets.len(),
+        kept: k.to_vec(),
+        instances: plan.placement.all_instances(),
+        base_load: vec![0; c.budgets.len()],
+        rank_capacity: Some(plan.ranks.iter().map(|r| r.pair_capacity).collect()),
+    };
+    let a = redistribute::solve(&problem, &redistribute::Config::default())
+        .expect("quotas are placeable within the caps");
+    let row = cost.row_bytes();
+    let stat = plan.placement.instances_per_rank(c.budgets.len());
+    for (r, b) in c.budgets.iter().enumerate() {
+        let m = &plan.ranks[r];
+        assert!(m.memory_bytes <= b.memory_bytes, "rank {r}: modelled memory over budget");
+        assert!(m.dispatch_in_bytes <= b.network_bytes, "rank {r}: modelled network in over budget");
+        assert!(m.dispatch_out_bytes <= b.network_bytes, "rank {r}: modelled network out over budget");
+        let used = stat[r] * cost.instance_bytes() + a.pairs_per_rank[r] * row;
+        assert!(used <= b.memory_bytes, "rank {r}: assigned memory over budget");
+        let received: u64 = a.routes.iter().filter(|x| x.rank == r && x.source != r).map(|x| x.pairs).sum();
+        let sent: u64 = a.routes.iter().filter(|x| x.source == r && x.rank != r).map(|x| x.pairs).sum();
+        assert!(received * row <= b.network_bytes && sent * row <= b.network_bytes);
+    }
+    plan
+}
+
+fn grow(c: &Case, extra_mem: &[u64], extra_net: &[u64]) -> Case {
+    let mut bigger = c.clone();
+    for (r, b) in bigger.budgets.iter_mut().enumerate() {
+        b.memory_bytes += extra_mem[r];
+        b.network_bytes += extra_net[r];
+    }
+    bigger
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+
+    #[test]
+    fn quotas_respect_counts_and_every_budget(c in case_strategy()) {
+        check(&c, Policy::Uniform);
+        check(&c, Policy::Maxmin);
+    }
+
+    #[test]
+    fn maxmin_keeps_at_least_uniform(c in case_strategy()) {
+        let u = check(&c, Policy::Uniform);
+        let m = check(&c, Policy::Maxmin);
+        prop_assert_eq!(u.retention_floor, m.retention_floor);
+        prop_assert!(m.quotas.total() >= u.quotas.total());
+    }
+
+    #[test]
+    fn unlimited_budgets_keep_every_pair(c in case_strategy(), policy in prop_oneof![Just(Policy::Uniform), Just(Policy::Maxmin)]) {
+        let mut c = c;
+        c.budgets.iter_mut().for_each(|b| *b = RankBudget::UNLIMITED);
+        let plan = check(&c, policy);
+        prop_assert_eq!(plan.quotas.per_source(), c.counts.as_slice());
+        prop_assert_eq!(plan.retention_floor, 1.0);
+    }
+
+    #[test]
+    fn a_larger_budget_never_lowers_a_quota(
+        c in case_strategy(),
+        extra_mem in prop::collection::vec(0u64..500, 5),
+        extra_net in prop::collection::vec(0u64..500, 5),
+    ) {
+        let bigger = grow(&c, &extra_mem, &extra_net);
+        let small = check(&c, Policy::Uniform);
+        let large = check(&bigger, Policy::Uniform);
+        for (a, b) in small.quotas.per_source().iter().flatten().zip(large.quotas.per_source().iter().flatten()) {
+            prop_assert!(b >= a, "uniform quota fell from {} to {}", a, b);
+        }
+        // Max-min: the floor and the total never fall.
+        let small = check(&c, Policy::Maxmin);
+        let large = check(&bigger, Policy::Maxmin);
+        prop_assert!(large.retention_floor >= small.retention_floor);
+    }
+}
+
+#[test]
+fn weights_too_big_is_a_typed_error_naming_rank_and_shortfall() {
+    let c = Case {
+        counts: vec![vec![1, 1], vec![1, 1]],
+        placement: Placement { owner: vec![1, 1], replicas: vec![] },
+        budgets: vec![
+            RankBudget { memory_bytes: 1000, network_bytes: 1000 },
+            RankBudget { memory_bytes: 350, network_bytes: 1000 },
+        ],
+    };
+    let cost = cost();
+    assert_eq!(
+        quotas(&inputs(&c, &cost), Policy::Uniform),
+        Err(QuotaError::InsufficientMemory { rank: 1, needed_bytes: 400, budget_bytes: 350, shortfall_bytes: 50 })
+    );
+}
+
+#[test]
+fn worked_example_uniform_and_maxmin() {
+    // Two ranks, two experts owned one each; rank 0 may buffer 10 pairs,
+    // rank 1 100. Expert 0 (on rank 0) gets 40 pairs, expert 1 gets 20.
+    let cost = CostModel { expert_weight_bytes: 0, expert_grad_bytes: 0, ..cost() };
+    let c = Case {
+        counts: vec![vec![20, 10], vec![20, 10]],
+        placement: Placement { owner: vec![0, 1], replicas: vec![] },
+        budgets: vec![
+            RankBudget { memory_bytes: 100, network_bytes: u64::MAX },
+            RankBudget { memory_bytes: 1000, network_bytes: u64::MAX },
+        ],
+    };
+    let u = quotas(&inputs(&c, &cost), Policy::Uniform).unwrap();
+    // ρ* is just below 0.3: ⌊0.3·20⌋ + ⌊0.3·20⌋ = 12 would overflow rank 0.
+    assert_eq!(u.quotas.per_expert(), vec![10, 4]);
+    assert!((0.29..0.3).contains(&u.retention_floor), "{}", u.retention_floor);
+    let m = quotas(&inputs(&c, &cost), Policy::Maxmin).unwrap();
+    assert_eq!(m.quotas.per_expert(), vec![10, 20]);
+}
+
+#[test]
+fn replicas_go_to_the_hottest_expert_on_the_least_loaded_rank() {
+    let cost = cost();
+    let c = Case {
+        counts: vec![vec![90, 5, 5], vec![90, 5, 5], vec![0, 0, 0]],
+        placement: Placement { owner: vec![0, 1, 1], replicas: vec![] },
+        budgets: vec![RankBudget::UNLIMITED; 3],
+    };
+    let cfg = Config { replica_slots_per_rank: 1, ..Config::default() };
+    let p = plan(&inputs(&c, &cost), &cfg).unwrap();
+    // Expert 0 takes the idle rank 2, then rank 1; with expert 0 on every
+    // rank, expert 1 (tied with 2, smaller index) takes rank 0's slot.
+    assert_eq!(p.replicas_added, vec![(0, 2), (0, 1), (1, 0)]);
+    assert_eq!(p.placement.instances(0), vec![0, 2, 1]);
+    // No slots: no replicas.
+    let p = plan(&inputs(&c, &cost), &Config::default()).unwrap();
+    assert!(p.replicas_added.is_empty());
+}
+
+#[test]
+fn replicas_stay_within_their_memory_fraction() {
+    let cost = cost();
+    let c = Case {
+        counts: vec![vec![100, 1], vec![1, 1]],
+        placement: Placement { owner: vec![0, 0], replicas: vec![] },
+        // Rank 1 has 500 B free: a quarter (125 B) cannot hold a 200 B replica.
+        budgets: vec![RankBudget::UNLIMITED, RankBudget { memory_bytes: 500, network_bytes: u64::MAX }],
+    };
+    let cfg = Config { replica_slots_per_rank: 4, ..Config::default() };
+    assert!(plan(&inputs(&c, &cost), &cfg).unwrap().replicas_added.is_empty());
+    let cfg = Config { replica_slots_per_rank: 4, replica_memory_fraction: 0.5, ..Config::default() };
+    assert_eq!(plan(&inputs(&c, &cost), &cfg).unwrap().replicas_added, vec![(0, 1)]);
+}
+
+#[test]
+fn bad_inputs_are_typed_errors() {
+    let cost = cost();
+    let c = Case {
+        counts: vec![vec![1]],
+        placement: Placement { owner: vec![3], replicas: vec![] },
+        budgets: vec![RankBudget::UNLIMITED],
+    };
+    assert!(matches!(quotas(&inputs(&c, &cost), Policy::Uniform), Err(QuotaError::BadRank { rank: 3, .. })));
+    let c = Case { counts: vec![vec![1, 2]], placement: Placement { owner: vec![0], replicas: vec![] }, ..c };
+    assert!(matches!(quotas(&inputs(&c, &cost), Policy::Uniform), Err(QuotaError::Shape { .. })));
+    let c = Case { counts: vec![vec![1]], ..c };
+    let bad = CostModel { flops_per_s: f64::NAN, ..cost };
+    assert!(matches!(quotas(&inputs(&c, &bad), Policy::Uniform), Err(QuotaError::BadCost { field: "flops_per_s", .. })));
+}
+
+#[test]
+fn zero_ranks_and_experts_are_ordinary() {
+    let cost = cost();
+    let c = Case { counts: vec![], placement: Placement { owner: vec![], replicas: vec![] }, budgets: vec![] };
+    let p = quotas(&inputs(&c, &cost), Policy::Maxmin).unwrap();
+    assert_eq!(p.quotas.total(), 0);
+    let c = Case { counts: vec![vec![], vec![]], placement: Placement { owner: vec![], replicas: vec![] }, budgets: vec![RankBudget::UNLIMITED; 2] };
+    assert_eq!(quotas(&inputs(&c, &cost), Policy::Uniform).unwrap().ranks.len(), 2);
+}
