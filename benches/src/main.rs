@@ -1,1 +1,243 @@
-fn main() {}
+//! `lrmoe-bench`: prints the planning-core tables of `docs/benchmarks.md`.
+//!
+//! Each throughput is shown beside a plain rayon-parallel copy of the same
+//! bytes measured in the same run, so the ratio is what to compare across
+//! machines.
+
+use std::hint::black_box;
+use std::time::{Duration, Instant};
+
+use clap::{Parser, ValueEnum};
+use half::bf16;
+use rayon::prelude::*;
+
+use lrmoe_benches::redistribution_problem;
+
+#[derive(Parser)]
+#[command(about = "Benchmarks of lrmoe's planning core (CPU)")]
+struct Args {
+    /// Which table to print.
+    #[arg(value_enum, default_value_t = Table::All)]
+    table: Table,
+    /// Seconds to spend per measured case (at least 3 runs each).
+    #[arg(long, default_value_t = 1.0)]
+    seconds: f64,
+    /// ILP time limit in seconds for the solver table.
+    #[arg(long, default_value_t = 2.0)]
+    ilp_time_limit: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Table {
+    All,
+    Score,
+    Pack,
+    Redistribute,
+}
+
+/// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
+fn time_runs(budget: Duration, mut f: impl FnMut()) -> Vec<f64> {
+    f(); // warm up
+    let mut times = vec![];
+    let start = Instant::now();
+    while times.len() < 3 || (start.elapsed() < budget && times.len() < 10_000) {
+        let t = Instant::now();
+        f();
+        times.push(t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    times
+}
+
+fn median(t: &[f64]) -> f64 {
+    t[t.len() / 2]
+}
+
+/// Rayon-parallel copy of `src` into `dst`, the peer of every throughput.
+fn par_copy<T: Copy + Send + Sync>(src: &[T], dst: &mut [T]) {
+    dst.par_chunks_mut(1 << 16)
+        .zip(src.par_chunks(1 << 16))
+        .for_each(|(d, s)| d.copy_from_slice(s));
+}
+
+fn copy_gbps(bytes: usize, budget: Duration) -> f64 {
+    let src = vec![1u8; bytes];
+    let mut dst = vec![0u8; bytes];
+    let t = time_runs(budget, || par_copy(black_box(&src), black_box(&mut dst)));
+    bytes as f64 / median(&t) / 1e9
+}
+
+fn fill<T: Copy>(n: usize, f: impl Fn(usize) -> T) -> Vec<T> {
+    (0..n).map(f).collect()
+}
+
+fn score_table(budget: Duration) {
+    println!("## LRM scores (n = 65536 pairs, d_in = 768, d_out = 2048)\n");
+    println!("| input | accumulate | median ms | GB/s read | copy GB/s (same bytes) | ratio |");
+    println!("|---|---|---|---|---|---|");
+    let (n, d_in, d_out) = (65536usize, 768usize, 2048usize);
+    let gate = fill(n, |i| (i % 7) as f32 / 7.0);
+    let mut out = vec![0f32; n];
+    let hf = fill(n * d_in, |i| ((i * 31) % 97) as f32 / 97.0 - 0.5);
+    let df = fill(n * d_out, |i| ((i * 17) % 89) as f32 / 89.0 - 0.5);
+    let hb: Vec<bf16> = hf.iter().map(|&x| bf16::from_f32(x)).collect();
+    let db: Vec<bf16> = df.iter().map(|&x| bf16::from_f32(x)).collect();
+    for (name, elem) in [("bf16", 2usize), ("f32", 4usize)] {
+        let bytes = n * (d_in + d_out) * elem + n * 4;
+        let copy = copy_gbps(bytes, budget);
+        for acc in [lrm_score::Accumulate::F32, lrm_score::Accumulate::F64] {
+            let t = time_runs(budget, || {
+                let r = if elem == 2 {
+                    lrm_score::pair_scores(
+                        lrm_score::PairRows { h: &hb, delta: &db, gate: &gate, d_in, d_out },
+                        acc,
+                        &mut out,
+                    )
+                } else {
+                    lrm_score::pair_scores(
+                        lrm_score::PairRows { h: &hf, delta: &df, gate: &gate, d_in, d_out },
+                        acc,
+                        &mut out,
+                    )
+                };
+                r.expect("finite");
+                black_box(&out);
+            });
+            let gbps = bytes as f64 / median(&t) / 1e9;
+            println!(
+                "| {name} | {acc:?} | {:.3} | {gbps:.2} | {copy:.2} | {:.2} |",
+                median(&t) * 1e3,
+                gbps / copy
+            );
+        }
+    }
+    // Selection: 128 experts × 131072 pairs, quotas at 50%.
+    let n = 131072usize;
+    let expert = fill(n, |i| ((i * 2654435761) % 128) as u32);
+    let id = fill(n, |i| i as u64);
+    let score = fill(n, |i| ((i * 40503) % 65521) as f32);
+    let quotas = vec![n / 256; 128];
+    let mut kept = vec![false; n];
+    let t = time_runs(budget, || {
+        lrm_score::select_top(lrm_score::Candidates { expert: &expert, id: &id, score: &score }, &quotas, &mut kept)
+            .expect("valid");
+        black_box(&kept);
+    });
+    println!(
+        "\nTop-q selection, 128 experts × 131072 pairs, 50% kept: median {:.3} ms (max {:.3} ms)\n",
+        median(&t) * 1e3,
+        t[t.len() - 1] * 1e3
+    );
+}
+
+fn pack_table(budget: Duration) {
+    println!("## Pack / unpack (65536 pair rows, 8 destinations × 16 experts, 50% kept)\n");
+    println!("| dtype | width | op | median ms | GB/s moved | copy GB/s (same bytes) | ratio |");
+    println!("|---|---|---|---|---|---|---|");
+    let n = 65536usize;
+    let (n_ranks, n_experts) = (8usize, 16usize);
+    let expert = fill(n, |i| ((i * 7919) % n_experts) as u32);
+    let kept = fill(n, |i| (i * 40503) % 100 < 50);
+    let mut routes = vec![];
+    for e in 0..n_experts {
+        let k = (0..n).filter(|&i| kept[i] && expert[i] as usize == e).count() as u64;
+        for r in 0..n_ranks as u64 {
+            let share = k / n_ranks as u64 + u64::from(r < k % n_ranks as u64);
+            routes.push(pack::SendRoute { expert: e, rank: r as usize, pairs: share });
+        }
+    }
+    let plan = pack::plan(&expert, &kept, &routes, n_ranks, n_experts).expect("valid");
+    let t = time_runs(budget, || {
+        black_box(pack::plan(&expert, &kept, &routes, n_ranks, n_experts).expect("valid"));
+    });
+    for width in [768usize, 2048] {
+        let rows = plan.packed_rows();
+        bench_rows::<bf16>("bf16", width, n, rows, &plan, budget);
+        bench_rows::<f32>("f32", width, n, rows, &plan, budget);
+    }
+    println!("\nPlan construction (65536 pairs): median {:.3} ms\n", median(&t) * 1e3);
+}
+
+fn bench_rows<T: Copy + Send + Sync + Default + From<u8>>(
+    name: &str,
+    width: usize,
+    n: usize,
+    rows: usize,
+    plan: &pack::PackPlan,
+    budget: Duration,
+) {
+    let elem = std::mem::size_of::<T>();
+    let src: Vec<T> = fill(n * width, |i| T::from((i % 251) as u8));
+    let mut packed = vec![T::default(); rows * width];
+    let t = time_runs(budget, || {
+        pack::gather_rows(&src, width, &plan.gather, &mut packed).expect("valid");
+        black_box(&packed);
+    });
+    let bytes = rows * width * elem;
+    let copy = copy_gbps(bytes, budget);
+    let g = bytes as f64 / median(&t) / 1e9;
+    println!("| {name} | {width} | pack (gather) | {:.3} | {g:.2} | {copy:.2} | {:.2} |", median(&t) * 1e3, g / copy);
+    let mut out = vec![T::default(); n * width];
+    let t = time_runs(budget, || {
+        pack::unpack_rows(&packed, width, &plan.inverse, T::default(), &mut out).expect("valid");
+        black_box(&out);
+    });
+    // Unpack writes every row (kept rows copied, dropped rows zeroed).
+    let bytes = n * width * elem;
+    let copy = copy_gbps(bytes, budget);
+    let g = bytes as f64 / median(&t) / 1e9;
+    println!("| {name} | {width} | unpack (scatter + zero) | {:.3} | {g:.2} | {copy:.2} | {:.2} |", median(&t) * 1e3, g / copy);
+}
+
+fn redistribute_table(budget: Duration, ilp_limit: f64) {
+    println!("## Redistribution solve latency (Zipf 1.2 counts, 4096 tokens × top-8 per rank, 60% kept)\n");
+    println!("| experts | ranks | extra replicas | solver | median µs | max µs | peak | lower bound | status |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (e, r, x) in [(64, 8, 16), (128, 8, 32), (256, 32, 64), (256, 64, 128), (1024, 64, 512)] {
+        let p = redistribution_problem(e, r, x, 7);
+        let lb = redistribute::peak_lower_bound(&p, &redistribute::LoadModel::default());
+        for solver in [redistribute::Solver::Exact, redistribute::Solver::Greedy, redistribute::Solver::Ilp] {
+            let cfg = redistribute::Config {
+                solver,
+                ilp_time_limit: Duration::from_secs_f64(ilp_limit),
+                ..redistribute::Config::default()
+            };
+            let mut last = None;
+            // The ILP gets a smaller budget of repetitions: each solve can take seconds.
+            let b = if solver == redistribute::Solver::Ilp { budget.min(Duration::from_secs(3)) } else { budget };
+            let t = time_runs(b, || last = Some(redistribute::solve(&p, &cfg).expect("feasible")));
+            let a = last.expect("ran");
+            let status = match &a.status {
+                redistribute::Status::Done => "done".to_string(),
+                redistribute::Status::TimeLimit => "time limit".to_string(),
+                redistribute::Status::FellBack { used, .. } => format!("fell back to {used:?}"),
+            };
+            println!(
+                "| {e} | {r} | {x} | {solver:?} | {:.1} | {:.1} | {} | {lb} | {status} |",
+                median(&t) * 1e6,
+                t[t.len() - 1] * 1e6,
+                a.peak
+            );
+        }
+    }
+    println!();
+}
+
+fn main() {
+    let args = Args::parse();
+    let budget = Duration::from_secs_f64(args.seconds);
+    println!(
+        "lrmoe-bench: {} rayon threads, {} logical CPUs\n",
+        rayon::current_num_threads(),
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
+    if matches!(args.table, Table::All | Table::Score) {
+        score_table(budget);
+    }
+    if matches!(args.table, Table::All | Table::Pack) {
+        pack_table(budget);
+    }
+    if matches!(args.table, Table::All | Table::Redistribute) {
+        redistribute_table(budget, args.ilp_time_limit);
+    }
+}
