@@ -6,13 +6,21 @@ use rand_chacha::ChaCha8Rng;
 
 /// Routed pairs `[n_ranks][n_experts]`: each rank routes `pairs_per_rank`
 /// pairs, expert popularity Zipf(`s`) over a seeded random expert order.
-pub fn zipf_counts(n_ranks: usize, n_experts: usize, pairs_per_rank: u64, s: f64, seed: u64) -> Vec<Vec<u64>> {
+pub fn zipf_counts(
+    n_ranks: usize,
+    n_experts: usize,
+    pairs_per_rank: u64,
+    s: f64,
+    seed: u64,
+) -> Vec<Vec<u64>> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let mut order: Vec<usize> = (0..n_experts).collect();
     for i in (1..n_experts).rev() {
         order.swap(i, rng.random_range(0..=i));
     }
-    let weights: Vec<f64> = (0..n_experts).map(|r| 1.0 / ((r + 1) as f64).powf(s)).collect();
+    let weights: Vec<f64> = (0..n_experts)
+        .map(|r| 1.0 / ((r + 1) as f64).powf(s))
+        .collect();
     let total: f64 = weights.iter().sum();
     let cdf: Vec<f64> = weights
         .iter()
@@ -36,7 +44,11 @@ pub fn zipf_counts(n_ranks: usize, n_experts: usize, pairs_per_rank: u64, s: f64
 
 /// Owners in contiguous blocks (expert `e` on rank `e · n_ranks / n_experts`)
 /// plus `extra` replicas placed by the controller's greedy rule.
-pub fn placement_with_replicas(counts: &[Vec<u64>], n_experts: usize, extra: usize) -> quota::Placement {
+pub fn placement_with_replicas(
+    counts: &[Vec<u64>],
+    n_experts: usize,
+    extra: usize,
+) -> quota::Placement {
     let n_ranks = counts.len();
     let placement = quota::Placement {
         owner: (0..n_experts).map(|e| e * n_ranks / n_experts).collect(),
@@ -76,7 +88,12 @@ pub fn placement_with_replicas(counts: &[Vec<u64>], n_experts: usize, extra: usi
 
 /// A redistribution problem at `(experts, ranks, extra replicas)` with
 /// Zipf(1.2) counts, 4096 tokens × top-8 per rank, 60% kept.
-pub fn redistribution_problem(n_experts: usize, n_ranks: usize, extra: usize, seed: u64) -> redistribute::Problem {
+pub fn redistribution_problem(
+    n_experts: usize,
+    n_ranks: usize,
+    extra: usize,
+    seed: u64,
+) -> redistribute::Problem {
     let routed = zipf_counts(n_ranks, n_experts, 4096 * 8, 1.2, seed);
     let placement = placement_with_replicas(&routed, n_experts, extra);
     let kept = routed

@@ -89,13 +89,25 @@ fn score_table(budget: Duration) {
             let t = time_runs(budget, || {
                 let r = if elem == 2 {
                     lrm_score::pair_scores(
-                        lrm_score::PairRows { h: &hb, delta: &db, gate: &gate, d_in, d_out },
+                        lrm_score::PairRows {
+                            h: &hb,
+                            delta: &db,
+                            gate: &gate,
+                            d_in,
+                            d_out,
+                        },
                         acc,
                         &mut out,
                     )
                 } else {
                     lrm_score::pair_scores(
-                        lrm_score::PairRows { h: &hf, delta: &df, gate: &gate, d_in, d_out },
+                        lrm_score::PairRows {
+                            h: &hf,
+                            delta: &df,
+                            gate: &gate,
+                            d_in,
+                            d_out,
+                        },
                         acc,
                         &mut out,
                     )
@@ -119,8 +131,16 @@ fn score_table(budget: Duration) {
     let quotas = vec![n / 256; 128];
     let mut kept = vec![false; n];
     let t = time_runs(budget, || {
-        lrm_score::select_top(lrm_score::Candidates { expert: &expert, id: &id, score: &score }, &quotas, &mut kept)
-            .expect("valid");
+        lrm_score::select_top(
+            lrm_score::Candidates {
+                expert: &expert,
+                id: &id,
+                score: &score,
+            },
+            &quotas,
+            &mut kept,
+        )
+        .expect("valid");
         black_box(&kept);
     });
     println!(
@@ -140,10 +160,16 @@ fn pack_table(budget: Duration) {
     let kept = fill(n, |i| (i * 40503) % 100 < 50);
     let mut routes = vec![];
     for e in 0..n_experts {
-        let k = (0..n).filter(|&i| kept[i] && expert[i] as usize == e).count() as u64;
+        let k = (0..n)
+            .filter(|&i| kept[i] && expert[i] as usize == e)
+            .count() as u64;
         for r in 0..n_ranks as u64 {
             let share = k / n_ranks as u64 + u64::from(r < k % n_ranks as u64);
-            routes.push(pack::SendRoute { expert: e, rank: r as usize, pairs: share });
+            routes.push(pack::SendRoute {
+                expert: e,
+                rank: r as usize,
+                pairs: share,
+            });
         }
     }
     let plan = pack::plan(&expert, &kept, &routes, n_ranks, n_experts).expect("valid");
@@ -155,7 +181,10 @@ fn pack_table(budget: Duration) {
         bench_rows::<bf16>("bf16", width, n, rows, &plan, budget);
         bench_rows::<f32>("f32", width, n, rows, &plan, budget);
     }
-    println!("\nPlan construction (65536 pairs): median {:.3} ms\n", median(&t) * 1e3);
+    println!(
+        "\nPlan construction (65536 pairs): median {:.3} ms\n",
+        median(&t) * 1e3
+    );
 }
 
 fn bench_rows<T: Copy + Send + Sync + Default + From<u8>>(
@@ -176,7 +205,11 @@ fn bench_rows<T: Copy + Send + Sync + Default + From<u8>>(
     let bytes = rows * width * elem;
     let copy = copy_gbps(bytes, budget);
     let g = bytes as f64 / median(&t) / 1e9;
-    println!("| {name} | {width} | pack (gather) | {:.3} | {g:.2} | {copy:.2} | {:.2} |", median(&t) * 1e3, g / copy);
+    println!(
+        "| {name} | {width} | pack (gather) | {:.3} | {g:.2} | {copy:.2} | {:.2} |",
+        median(&t) * 1e3,
+        g / copy
+    );
     let mut out = vec![T::default(); n * width];
     let t = time_runs(budget, || {
         pack::unpack_rows(&packed, width, &plan.inverse, T::default(), &mut out).expect("valid");
@@ -186,17 +219,37 @@ fn bench_rows<T: Copy + Send + Sync + Default + From<u8>>(
     let bytes = n * width * elem;
     let copy = copy_gbps(bytes, budget);
     let g = bytes as f64 / median(&t) / 1e9;
-    println!("| {name} | {width} | unpack (scatter + zero) | {:.3} | {g:.2} | {copy:.2} | {:.2} |", median(&t) * 1e3, g / copy);
+    println!(
+        "| {name} | {width} | unpack (scatter + zero) | {:.3} | {g:.2} | {copy:.2} | {:.2} |",
+        median(&t) * 1e3,
+        g / copy
+    );
 }
 
 fn redistribute_table(budget: Duration, ilp_limit: f64) {
     println!("## Redistribution solve latency (Zipf 1.2 counts, 4096 tokens × top-8 per rank, 60% kept)\n");
-    println!("| experts | ranks | extra replicas | solver | median µs | max µs | peak | lower bound | status |");
-    println!("|---|---|---|---|---|---|---|---|---|");
-    for (e, r, x) in [(64, 8, 16), (128, 8, 32), (256, 32, 64), (256, 64, 128), (1024, 64, 512)] {
-        let p = redistribution_problem(e, r, x, 7);
+    println!("Base loads: `zero`, or `random` (uniform in [0, 8000) per rank, so the simple lower bound is not tight).\n");
+    println!("| experts | ranks | extra replicas | base loads | solver | median µs | max µs | peak | lower bound | status |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let sizes = [
+        (64, 8, 16),
+        (128, 8, 32),
+        (256, 32, 64),
+        (256, 64, 128),
+        (1024, 64, 512),
+    ];
+    for ((e, r, x), random_base) in sizes.iter().flat_map(|&s| [(s, false), (s, true)]) {
+        let mut p = redistribution_problem(e, r, x, 7);
+        if random_base {
+            p.base_load = (0..r as u64).map(|i| (i * 2654435761) % 8000).collect();
+        }
+        let base = if random_base { "random" } else { "zero" };
         let lb = redistribute::peak_lower_bound(&p, &redistribute::LoadModel::default());
-        for solver in [redistribute::Solver::Exact, redistribute::Solver::Greedy, redistribute::Solver::Ilp] {
+        for solver in [
+            redistribute::Solver::Exact,
+            redistribute::Solver::Greedy,
+            redistribute::Solver::Ilp,
+        ] {
             let cfg = redistribute::Config {
                 solver,
                 ilp_time_limit: Duration::from_secs_f64(ilp_limit),
@@ -204,8 +257,14 @@ fn redistribute_table(budget: Duration, ilp_limit: f64) {
             };
             let mut last = None;
             // The ILP gets a smaller budget of repetitions: each solve can take seconds.
-            let b = if solver == redistribute::Solver::Ilp { budget.min(Duration::from_secs(3)) } else { budget };
-            let t = time_runs(b, || last = Some(redistribute::solve(&p, &cfg).expect("feasible")));
+            let b = if solver == redistribute::Solver::Ilp {
+                budget.min(Duration::from_secs(3))
+            } else {
+                budget
+            };
+            let t = time_runs(b, || {
+                last = Some(redistribute::solve(&p, &cfg).expect("feasible"))
+            });
             let a = last.expect("ran");
             let status = match &a.status {
                 redistribute::Status::Done => "done".to_string(),
@@ -213,7 +272,7 @@ fn redistribute_table(budget: Duration, ilp_limit: f64) {
                 redistribute::Status::FellBack { used, .. } => format!("fell back to {used:?}"),
             };
             println!(
-                "| {e} | {r} | {x} | {solver:?} | {:.1} | {:.1} | {} | {lb} | {status} |",
+                "| {e} | {r} | {x} | {base} | {solver:?} | {:.1} | {:.1} | {} | {lb} | {status} |",
                 median(&t) * 1e6,
                 t[t.len() - 1] * 1e6,
                 a.peak

@@ -103,9 +103,12 @@ proptest! {
 /// Runs [`select_top`] and asserts the contract: counts, dominance, tie rule.
 fn check_selection(expert: &[u32], id: &[u64], score: &[f32], quotas: &[usize]) -> Vec<bool> {
     let mut kept = vec![true; expert.len()];
-    let counts = select_top(Candidates { expert, id, score }, quotas, &mut kept).expect("valid input");
+    let counts =
+        select_top(Candidates { expert, id, score }, quotas, &mut kept).expect("valid input");
     for (e, &q) in quotas.iter().enumerate() {
-        let mine: Vec<usize> = (0..expert.len()).filter(|&i| expert[i] as usize == e).collect();
+        let mine: Vec<usize> = (0..expert.len())
+            .filter(|&i| expert[i] as usize == e)
+            .collect();
         let n_kept = mine.iter().filter(|&&i| kept[i]).count();
         assert_eq!(n_kept, q.min(mine.len()), "expert {e}");
         assert_eq!(counts[e], n_kept);
@@ -140,7 +143,8 @@ fn exhaustive_small_selection_matches_a_sort() {
                 let kept = check_selection(&expert, &id, &score, &quotas);
                 // Naive reference: sort each expert's pairs fully.
                 for (e, &q) in quotas.iter().enumerate() {
-                    let mut mine: Vec<usize> = (0..5).filter(|&i| expert[i] as usize == e).collect();
+                    let mut mine: Vec<usize> =
+                        (0..5).filter(|&i| expert[i] as usize == e).collect();
                     mine.sort_by(|&a, &b| score[b].total_cmp(&score[a]).then(id[a].cmp(&id[b])));
                     for (rank, &i) in mine.iter().enumerate() {
                         assert_eq!(kept[i], rank < q, "code {code} quotas {quotas:?}");
@@ -157,48 +161,110 @@ fn non_finite_inputs_are_errors() {
     let d = [1.0];
     let mut out = [0.0];
     let err = pair_scores(
-        PairRows { h: &h, delta: &d, gate: &[1.0], d_in: 2, d_out: 1 },
+        PairRows {
+            h: &h,
+            delta: &d,
+            gate: &[1.0],
+            d_in: 2,
+            d_out: 1,
+        },
         Accumulate::F32,
         &mut out,
     )
     .unwrap_err();
-    assert!(matches!(err, ScoreError::NonFinite { pair: 0, .. }), "{err}");
+    assert!(
+        matches!(err, ScoreError::NonFinite { pair: 0, .. }),
+        "{err}"
+    );
 
     let mut kept = [false; 2];
     let err = select_top(
-        Candidates { expert: &[0, 0], id: &[0, 1], score: &[1.0, f32::INFINITY] },
+        Candidates {
+            expert: &[0, 0],
+            id: &[0, 1],
+            score: &[1.0, f32::INFINITY],
+        },
         &[1],
         &mut kept,
     )
     .unwrap_err();
-    assert_eq!(err, ScoreError::NonFinite { pair: 1, value: f32::INFINITY });
+    assert_eq!(
+        err,
+        ScoreError::NonFinite {
+            pair: 1,
+            value: f32::INFINITY
+        }
+    );
 }
 
 #[test]
 fn bad_shapes_and_experts_are_errors() {
     let mut out = [0.0; 2];
     let err = pair_scores(
-        PairRows { h: &[1.0; 3], delta: &[1.0; 2], gate: &[1.0, 1.0], d_in: 2, d_out: 1 },
+        PairRows {
+            h: &[1.0; 3],
+            delta: &[1.0; 2],
+            gate: &[1.0, 1.0],
+            d_in: 2,
+            d_out: 1,
+        },
         Accumulate::F32,
         &mut out,
     )
     .unwrap_err();
-    assert_eq!(err, ScoreError::Shape { what: "h", expected: 4, got: 3 });
+    assert_eq!(
+        err,
+        ScoreError::Shape {
+            what: "h",
+            expected: 4,
+            got: 3
+        }
+    );
     let mut kept = [false; 1];
-    let err = select_top(Candidates { expert: &[3], id: &[0], score: &[1.0] }, &[1, 1], &mut kept)
-        .unwrap_err();
-    assert_eq!(err, ScoreError::ExpertOutOfRange { pair: 0, expert: 3, n_experts: 2 });
+    let err = select_top(
+        Candidates {
+            expert: &[3],
+            id: &[0],
+            score: &[1.0],
+        },
+        &[1, 1],
+        &mut kept,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        ScoreError::ExpertOutOfRange {
+            pair: 0,
+            expert: 3,
+            n_experts: 2
+        }
+    );
 }
 
 #[test]
 fn empty_inputs_and_zero_quotas_are_ordinary() {
     let mut out: [f32; 0] = [];
     pair_scores(
-        PairRows::<f32> { h: &[], delta: &[], gate: &[], d_in: 4, d_out: 4 },
+        PairRows::<f32> {
+            h: &[],
+            delta: &[],
+            gate: &[],
+            d_in: 4,
+            d_out: 4,
+        },
         Accumulate::F32,
         &mut out,
     )
     .unwrap();
-    let counts = select_top(Candidates { expert: &[], id: &[], score: &[] }, &[0, 3], &mut []).unwrap();
+    let counts = select_top(
+        Candidates {
+            expert: &[],
+            id: &[],
+            score: &[],
+        },
+        &[0, 3],
+        &mut [],
+    )
+    .unwrap();
     assert_eq!(counts, vec![0, 0]);
 }

@@ -6,11 +6,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Context;
-use lrmoe::{quota, redistribute};
 use clap::{Parser, Subcommand, ValueEnum};
+use lrmoe::{quota, redistribute};
 
 #[derive(Parser)]
-#[command(name = "lrmoe", version, about = "LRMoE: plannable, compacted MoE backward")]
+#[command(
+    name = "lrmoe",
+    version,
+    about = "LRMoE: plannable, compacted MoE backward"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -187,7 +187,10 @@ pub struct PlanReport {
 
 fn check_matrix(field: &str, m: &[Vec<u64>], rows: usize, cols: usize) -> Result<(), PlanError> {
     if m.len() != rows {
-        return Err(invalid(field, format!("expected {rows} source ranks, got {}", m.len())));
+        return Err(invalid(
+            field,
+            format!("expected {rows} source ranks, got {}", m.len()),
+        ));
     }
     for (i, row) in m.iter().enumerate() {
         if row.len() != cols {
@@ -204,7 +207,10 @@ fn check_matrix(field: &str, m: &[Vec<u64>], rows: usize, cols: usize) -> Result
 pub fn validate(p: &Problem) -> Result<(), PlanError> {
     let (n_ranks, n_experts) = (p.n_ranks, p.placement.owner.len());
     if n_ranks == 0 && n_experts > 0 {
-        return Err(invalid("n_ranks", "must be at least 1 when there are experts"));
+        return Err(invalid(
+            "n_ranks",
+            "must be at least 1 when there are experts",
+        ));
     }
     for (e, &r) in p.placement.owner.iter().enumerate() {
         if r >= n_ranks {
@@ -217,7 +223,10 @@ pub fn validate(p: &Problem) -> Result<(), PlanError> {
     if !p.placement.replicas.is_empty() && p.placement.replicas.len() != n_experts {
         return Err(invalid(
             "placement.replicas",
-            format!("expected {n_experts} lists (one per expert), got {}", p.placement.replicas.len()),
+            format!(
+                "expected {n_experts} lists (one per expert), got {}",
+                p.placement.replicas.len()
+            ),
         ));
     }
     for (e, reps) in p.placement.replicas.iter().enumerate() {
@@ -232,7 +241,10 @@ pub fn validate(p: &Problem) -> Result<(), PlanError> {
     }
     match (&p.routed_counts, &p.kept_counts) {
         (Some(_), Some(_)) => {
-            return Err(invalid("kept_counts", "give routed_counts or kept_counts, not both"))
+            return Err(invalid(
+                "kept_counts",
+                "give routed_counts or kept_counts, not both",
+            ))
         }
         (None, None) => return Err(invalid("routed_counts", "missing (or give kept_counts)")),
         (Some(routed), None) => {
@@ -248,17 +260,26 @@ pub fn validate(p: &Problem) -> Result<(), PlanError> {
     }
     if let Some(b) = &p.budgets {
         if b.len() != n_ranks {
-            return Err(invalid("budgets", format!("expected {n_ranks} ranks, got {}", b.len())));
+            return Err(invalid(
+                "budgets",
+                format!("expected {n_ranks} ranks, got {}", b.len()),
+            ));
         }
     }
     if let Some(b) = &p.base_load {
         if b.len() != n_ranks {
-            return Err(invalid("base_load", format!("expected {n_ranks} ranks, got {}", b.len())));
+            return Err(invalid(
+                "base_load",
+                format!("expected {n_ranks} ranks, got {}", b.len()),
+            ));
         }
     }
     if let Some(f) = p.controller.replica_memory_fraction {
         if !(0.0..=1.0).contains(&f) {
-            return Err(invalid("controller.replica_memory_fraction", "must be in [0, 1]"));
+            return Err(invalid(
+                "controller.replica_memory_fraction",
+                "must be in [0, 1]",
+            ));
         }
     }
     Ok(())
@@ -274,7 +295,10 @@ pub fn run(p: &Problem, opts: &Options) -> Result<PlanReport, PlanError> {
             let budgets = p.budgets.as_deref().expect("invariant: validated");
             let defaults = quota::Config::default();
             let cfg = quota::Config {
-                policy: opts.policy.or(p.controller.policy).unwrap_or(defaults.policy),
+                policy: opts
+                    .policy
+                    .or(p.controller.policy)
+                    .unwrap_or(defaults.policy),
                 replica_slots_per_rank: p
                     .controller
                     .replica_slots_per_rank
@@ -300,7 +324,12 @@ pub fn run(p: &Problem, opts: &Options) -> Result<PlanReport, PlanError> {
                 kept_fraction: plan.kept_fraction,
                 replicas_added: plan.replicas_added.clone(),
             };
-            (Some(report), plan.quotas.per_source().to_vec(), plan.placement, Some(caps))
+            (
+                Some(report),
+                plan.quotas.per_source().to_vec(),
+                plan.placement,
+                Some(caps),
+            )
         }
         (None, Some(kept)) => (None, kept.clone(), p.placement.clone(), None),
         (None, None) => unreachable!("validated"),
@@ -345,8 +374,16 @@ fn rank_reports(
             let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
             let (recv, sent) = a.routes.iter().fold((0u64, 0u64), |(i, o), x| {
                 (
-                    i + if x.rank == r && x.source != r { x.pairs } else { 0 },
-                    o + if x.source == r && x.rank != r { x.pairs } else { 0 },
+                    i + if x.rank == r && x.source != r {
+                        x.pairs
+                    } else {
+                        0
+                    },
+                    o + if x.source == r && x.rank != r {
+                        x.pairs
+                    } else {
+                        0
+                    },
                 )
             });
             let cost = p.cost_model.as_ref();

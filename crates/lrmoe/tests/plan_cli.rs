@@ -1,5 +1,7 @@
 //! `lrmoe plan` end to end: example files plan, bad input is one line.
 
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -9,7 +11,11 @@ fn root() -> PathBuf {
 
 /// Runs `lrmoe plan` on `json` and returns (success, stdout, stderr).
 fn plan(json: &str, extra: &[&str]) -> (bool, String, String) {
-    let dir = std::env::temp_dir().join(format!("lrmoe-plan-{}-{}", std::process::id(), rand_suffix()));
+    let dir = std::env::temp_dir().join(format!(
+        "lrmoe-plan-{}-{}",
+        std::process::id(),
+        rand_suffix()
+    ));
     std::fs::create_dir_all(&dir).unwrap();
     let input = dir.join("problem.json");
     std::fs::write(&input, json).unwrap();
@@ -46,27 +52,40 @@ fn check_error(json: &str, needles: &[&str]) {
     }
 }
 
-const KEPT_OK: &str = r#"{"n_ranks": 2, "placement": {"owner": [0, 1]}, "kept_counts": [[3, 1], [2, 2]]}"#;
+const KEPT_OK: &str =
+    r#"{"n_ranks": 2, "placement": {"owner": [0, 1]}, "kept_counts": [[3, 1], [2, 2]]}"#;
 
 #[test]
 fn example_problems_plan_and_conserve_pairs() {
-    for (file, solver) in [("plan-routed.json", "exact"), ("plan-kept.json", "ilp"), ("plan-kept.json", "greedy")] {
+    for (file, solver) in [
+        ("plan-routed.json", "exact"),
+        ("plan-kept.json", "ilp"),
+        ("plan-kept.json", "greedy"),
+    ] {
         let text = std::fs::read_to_string(root().join("examples").join(file)).unwrap();
         let (ok, stdout, stderr) = plan(&text, &["--solver", solver]);
         assert!(ok, "{file}: {stderr}");
         let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
         let kept: Vec<Vec<u64>> = match v["controller"]["quotas_per_source"].as_array() {
-            Some(_) => serde_json::from_value(v["controller"]["quotas_per_source"].clone()).unwrap(),
-            None => serde_json::from_str::<serde_json::Value>(&text).map(|p| serde_json::from_value(p["kept_counts"].clone()).unwrap()).unwrap(),
+            Some(_) => {
+                serde_json::from_value(v["controller"]["quotas_per_source"].clone()).unwrap()
+            }
+            None => serde_json::from_str::<serde_json::Value>(&text)
+                .map(|p| serde_json::from_value(p["kept_counts"].clone()).unwrap())
+                .unwrap(),
         };
         let mut routed = vec![vec![0u64; kept[0].len()]; kept.len()];
         for r in v["assignment"].as_array().unwrap() {
-            routed[r["source"].as_u64().unwrap() as usize][r["expert"].as_u64().unwrap() as usize] += r["pairs"].as_u64().unwrap();
+            routed[r["source"].as_u64().unwrap() as usize]
+                [r["expert"].as_u64().unwrap() as usize] += r["pairs"].as_u64().unwrap();
         }
         assert_eq!(routed, kept, "{file}");
         assert!(v["peak_load"].as_u64().unwrap() >= v["peak_lower_bound"].as_u64().unwrap());
         for r in v["ranks"].as_array().unwrap() {
-            if let (Some(m), Some(b)) = (r["memory_bytes"].as_u64(), r["memory_budget_bytes"].as_u64()) {
+            if let (Some(m), Some(b)) = (
+                r["memory_bytes"].as_u64(),
+                r["memory_budget_bytes"].as_u64(),
+            ) {
                 assert!(m <= b, "{file}: rank over memory budget");
             }
         }
@@ -81,15 +100,23 @@ fn plan_writes_atomically_to_out() {
     let (ok, stdout, stderr) = plan(KEPT_OK, &["--out", out.to_str().unwrap()]);
     assert!(ok, "{stderr}");
     assert!(stdout.is_empty());
-    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(v["peak_load"], 5);
-    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "no temporary left behind");
+    assert_eq!(
+        std::fs::read_dir(&dir).unwrap().count(),
+        1,
+        "no temporary left behind"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
 #[test]
 fn malformed_json_names_the_line() {
-    check_error(r#"{"n_ranks": 2, "placement": "#, &["problem.json", "line 1"]);
+    check_error(
+        r#"{"n_ranks": 2, "placement": "#,
+        &["problem.json", "line 1"],
+    );
 }
 
 #[test]
@@ -116,11 +143,15 @@ fn an_expert_with_no_instance_is_named() {
 fn missing_budget_fields_are_named() {
     let cost = r#""cost_model": {"act_row_bytes": 1, "grad_row_bytes": 1, "expert_weight_bytes": 1, "expert_grad_bytes": 1, "flops_per_pair": 1, "link_bytes_per_s": 1, "flops_per_s": 1}"#;
     check_error(
-        &format!(r#"{{"n_ranks": 1, "placement": {{"owner": [0]}}, "routed_counts": [[1]], {cost}}}"#),
+        &format!(
+            r#"{{"n_ranks": 1, "placement": {{"owner": [0]}}, "routed_counts": [[1]], {cost}}}"#
+        ),
         &["budgets", "required"],
     );
     check_error(
-        &format!(r#"{{"n_ranks": 1, "placement": {{"owner": [0]}}, "routed_counts": [[1]], {cost}, "budgets": [{{"memory_bytes": 9}}]}}"#),
+        &format!(
+            r#"{{"n_ranks": 1, "placement": {{"owner": [0]}}, "routed_counts": [[1]], {cost}, "budgets": [{{"memory_bytes": 9}}]}}"#
+        ),
         &["budgets[0]", "network_bytes"],
     );
     check_error(
@@ -162,5 +193,8 @@ fn missing_file_is_one_line() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1);
-    assert!(err.contains("cannot read /nonexistent/problem.json"), "{err}");
+    assert!(
+        err.contains("cannot read /nonexistent/problem.json"),
+        "{err}"
+    );
 }

@@ -1,5 +1,7 @@
 //! Random, often inconsistent problems never panic `plan::run`.
 
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
 use lrmoe::plan::{run, Options, Problem};
 use lrmoe::quota::{CostModel, Placement, RankBudget};
 use proptest::prelude::*;
@@ -13,25 +15,38 @@ fn problem() -> impl Strategy<Value = Problem> {
         prop::collection::vec((0u64..5000, 0u64..5000), 0..5),
         prop::option::of(prop::collection::vec(0u64..10, 0..5)),
     )
-        .prop_map(|(n_ranks, owner, counts, routed, budgets, base_load)| Problem {
-            n_ranks,
-            placement: Placement { owner, replicas: vec![] },
-            routed_counts: routed.then(|| counts.clone()),
-            kept_counts: (!routed).then_some(counts),
-            cost_model: Some(CostModel {
-                act_row_bytes: 8,
-                grad_row_bytes: 8,
-                expert_weight_bytes: 100,
-                expert_grad_bytes: 100,
-                flops_per_pair: 1.0,
-                link_bytes_per_s: 1.0,
-                flops_per_s: 1.0,
-            }),
-            budgets: Some(budgets.into_iter().map(|(m, n)| RankBudget { memory_bytes: m, network_bytes: n }).collect()),
-            controller: Default::default(),
-            base_load,
-            load_model: None,
-        })
+        .prop_map(
+            |(n_ranks, owner, counts, routed, budgets, base_load)| Problem {
+                n_ranks,
+                placement: Placement {
+                    owner,
+                    replicas: vec![],
+                },
+                routed_counts: routed.then(|| counts.clone()),
+                kept_counts: (!routed).then_some(counts),
+                cost_model: Some(CostModel {
+                    act_row_bytes: 8,
+                    grad_row_bytes: 8,
+                    expert_weight_bytes: 100,
+                    expert_grad_bytes: 100,
+                    flops_per_pair: 1.0,
+                    link_bytes_per_s: 1.0,
+                    flops_per_s: 1.0,
+                }),
+                budgets: Some(
+                    budgets
+                        .into_iter()
+                        .map(|(m, n)| RankBudget {
+                            memory_bytes: m,
+                            network_bytes: n,
+                        })
+                        .collect(),
+                ),
+                controller: Default::default(),
+                base_load,
+                load_model: None,
+            },
+        )
 }
 
 proptest! {

@@ -23,14 +23,26 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                 let kept: Vec<bool> = pairs.iter().map(|p| p.1).collect();
                 let mut routes = vec![];
                 for (e, w) in weights.iter().enumerate() {
-                    let mut left = (0..expert.len()).filter(|&i| kept[i] && expert[i] as usize == e).count() as u64;
+                    let mut left = (0..expert.len())
+                        .filter(|&i| kept[i] && expert[i] as usize == e)
+                        .count() as u64;
                     for (r, &wr) in w.iter().enumerate() {
                         let take = if r + 1 == n_ranks { left } else { wr.min(left) };
-                        routes.push(SendRoute { expert: e, rank: r, pairs: take });
+                        routes.push(SendRoute {
+                            expert: e,
+                            rank: r,
+                            pairs: take,
+                        });
                         left -= take;
                     }
                 }
-                Case { expert, kept, routes, n_ranks, n_experts }
+                Case {
+                    expert,
+                    kept,
+                    routes,
+                    n_ranks,
+                    n_experts,
+                }
             })
     })
 }
@@ -38,9 +50,18 @@ fn case_strategy() -> impl Strategy<Value = Case> {
 fn check(c: &Case) -> PackPlan {
     let p = plan(&c.expert, &c.kept, &c.routes, c.n_ranks, c.n_experts).expect("valid case");
     let n_kept = c.kept.iter().filter(|&&k| k).count();
-    assert_eq!(p.packed_rows(), n_kept, "no padding: packed rows = kept rows");
+    assert_eq!(
+        p.packed_rows(),
+        n_kept,
+        "no padding: packed rows = kept rows"
+    );
     for r in &c.routes {
-        let routed: u64 = c.routes.iter().filter(|x| x.rank == r.rank && x.expert == r.expert).map(|x| x.pairs).sum();
+        let routed: u64 = c
+            .routes
+            .iter()
+            .filter(|x| x.rank == r.rank && x.expert == r.expert)
+            .map(|x| x.pairs)
+            .sum();
         assert_eq!(p.block_sizes[r.rank][r.expert] as u64, routed);
     }
     // Each block holds exactly rows of its expert, ascending.
@@ -49,7 +70,9 @@ fn check(c: &Case) -> PackPlan {
         assert_eq!(p.send_offsets[d], at);
         for e in 0..c.n_experts {
             let block = &p.gather[at..at + p.block_sizes[d][e]];
-            assert!(block.iter().all(|&i| c.expert[i as usize] as usize == e && c.kept[i as usize]));
+            assert!(block
+                .iter()
+                .all(|&i| c.expert[i as usize] as usize == e && c.kept[i as usize]));
             assert!(block.windows(2).all(|w| w[0] < w[1]));
             at += p.block_sizes[d][e];
         }
@@ -112,12 +135,53 @@ proptest! {
 
 #[test]
 fn routes_must_match_kept_pairs() {
-    let err = plan(&[0, 0], &[true, true], &[SendRoute { expert: 0, rank: 0, pairs: 1 }], 1, 1).unwrap_err();
-    assert_eq!(err, PackError::RouteMismatch { expert: 0, routed: 1, kept: 2 });
-    let err = plan(&[0], &[true], &[SendRoute { expert: 0, rank: 2, pairs: 1 }], 2, 1).unwrap_err();
-    assert_eq!(err, PackError::RankOutOfRange { rank: 2, n_ranks: 2 });
+    let err = plan(
+        &[0, 0],
+        &[true, true],
+        &[SendRoute {
+            expert: 0,
+            rank: 0,
+            pairs: 1,
+        }],
+        1,
+        1,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        PackError::RouteMismatch {
+            expert: 0,
+            routed: 1,
+            kept: 2
+        }
+    );
+    let err = plan(
+        &[0],
+        &[true],
+        &[SendRoute {
+            expert: 0,
+            rank: 2,
+            pairs: 1,
+        }],
+        2,
+        1,
+    )
+    .unwrap_err();
+    assert_eq!(
+        err,
+        PackError::RankOutOfRange {
+            rank: 2,
+            n_ranks: 2
+        }
+    );
     let err = plan(&[4], &[false], &[], 1, 2).unwrap_err();
-    assert_eq!(err, PackError::ExpertOutOfRange { expert: 4, n_experts: 2 });
+    assert_eq!(
+        err,
+        PackError::ExpertOutOfRange {
+            expert: 4,
+            n_experts: 2
+        }
+    );
 }
 
 #[test]
@@ -125,10 +189,20 @@ fn bad_indices_and_shapes_are_errors() {
     let mut out = [0.0f32; 2];
     assert_eq!(
         gather_rows(&[1.0, 2.0], 2, &[1], &mut out),
-        Err(PackError::IndexOutOfRange { position: 0, index: 1, rows: 1 })
+        Err(PackError::IndexOutOfRange {
+            position: 0,
+            index: 1,
+            rows: 1
+        })
     );
-    assert!(matches!(gather_rows(&[1.0, 2.0], 2, &[0, 0], &mut out), Err(PackError::Shape { what: "out", .. })));
-    assert!(matches!(unpack_rows(&[1.0], 1, &[3], 0.0, &mut [0.0]), Err(PackError::IndexOutOfRange { .. })));
+    assert!(matches!(
+        gather_rows(&[1.0, 2.0], 2, &[0, 0], &mut out),
+        Err(PackError::Shape { what: "out", .. })
+    ));
+    assert!(matches!(
+        unpack_rows(&[1.0], 1, &[3], 0.0, &mut [0.0]),
+        Err(PackError::IndexOutOfRange { .. })
+    ));
 }
 
 #[test]

@@ -293,7 +293,11 @@ impl Inputs<'_> {
             shape("counts[source]", n_experts, row.len())?;
         }
         if !self.placement.replicas.is_empty() {
-            shape("placement.replicas", n_experts, self.placement.replicas.len())?;
+            shape(
+                "placement.replicas",
+                n_experts,
+                self.placement.replicas.len(),
+            )?;
         }
         for expert in 0..n_experts {
             let inst = self.placement.instances(expert);
@@ -419,9 +423,12 @@ fn static_bytes(inputs: &Inputs<'_>, placement: &Placement) -> Vec<u64> {
 }
 
 /// Per-rank pair capacity and per-source send capacity.
-fn capacities(inputs: &Inputs<'_>, placement: &Placement) -> Result<(Vec<u64>, Vec<u64>), QuotaError> {
+fn capacities(
+    inputs: &Inputs<'_>,
+    placement: &Placement,
+) -> Result<(Vec<u64>, Vec<u64>), QuotaError> {
     let row = inputs.cost.row_bytes();
-    let per = |bytes: u64| if row == 0 { u64::MAX } else { bytes / row };
+    let per = |bytes: u64| bytes.checked_div(row).unwrap_or(u64::MAX);
     let stat = static_bytes(inputs, placement);
     let mut caps = Vec::with_capacity(inputs.n_ranks());
     for (rank, b) in inputs.budgets.iter().enumerate() {
@@ -435,7 +442,11 @@ fn capacities(inputs: &Inputs<'_>, placement: &Placement) -> Result<(Vec<u64>, V
         };
         caps.push(per(free).min(per(b.network_bytes)));
     }
-    let send = inputs.budgets.iter().map(|b| per(b.network_bytes)).collect();
+    let send = inputs
+        .budgets
+        .iter()
+        .map(|b| per(b.network_bytes))
+        .collect();
     Ok((caps, send))
 }
 
@@ -447,7 +458,12 @@ struct Network {
     sink: usize,
 }
 
-fn build_network(inputs: &Inputs<'_>, placement: &Placement, caps: &[u64], send: &[u64]) -> Network {
+fn build_network(
+    inputs: &Inputs<'_>,
+    placement: &Placement,
+    caps: &[u64],
+    send: &[u64],
+) -> Network {
     let (n_ranks, n_experts) = (inputs.n_ranks(), inputs.n_experts());
     let expert_node = |e: usize| 1 + n_ranks + e;
     let rank_node = |r: usize| 1 + n_ranks + n_experts + r;
@@ -552,7 +568,12 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     })
 }
 
-fn rank_models(inputs: &Inputs<'_>, placement: &Placement, caps: &[u64], quotas: &Quotas) -> Vec<RankModel> {
+fn rank_models(
+    inputs: &Inputs<'_>,
+    placement: &Placement,
+    caps: &[u64],
+    quotas: &Quotas,
+) -> Vec<RankModel> {
     let cost = inputs.cost;
     let row = cost.row_bytes();
     let total = quotas.total();
@@ -618,7 +639,8 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         })
         .collect();
     let routed = inputs.routed_per_expert();
-    let per_instance = |e: usize, p: &Placement| routed[e] as f64 / (1 + p.replicas[e].len()) as f64;
+    let per_instance =
+        |e: usize, p: &Placement| routed[e] as f64 / (1 + p.replicas[e].len()) as f64;
     let mut rank_load = vec![0.0f64; n_ranks];
     for e in 0..n_experts {
         for r in placement.instances(e) {
@@ -626,17 +648,14 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         }
     }
     let mut exhausted = vec![false; n_experts];
-    loop {
-        let Some(e) = (0..n_experts)
-            .filter(|&e| !exhausted[e] && routed[e] > 0)
-            .max_by(|&a, &b| {
-                per_instance(a, &placement)
-                    .total_cmp(&per_instance(b, &placement))
-                    .then(b.cmp(&a))
-            })
-        else {
-            break;
-        };
+    while let Some(e) = (0..n_experts)
+        .filter(|&e| !exhausted[e] && routed[e] > 0)
+        .max_by(|&a, &b| {
+            per_instance(a, &placement)
+                .total_cmp(&per_instance(b, &placement))
+                .then(b.cmp(&a))
+        })
+    {
         let inst = placement.instances(e);
         let target = (0..n_ranks)
             .filter(|&r| !inst.contains(&r) && slots[r] > 0 && replica_room[r] >= inst_bytes)

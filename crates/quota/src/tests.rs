@@ -49,13 +49,22 @@ fn case_strategy() -> impl Strategy<Value = Case> {
                         network_bytes: n,
                     })
                     .collect();
-                Case { counts, placement, budgets }
+                Case {
+                    counts,
+                    placement,
+                    budgets,
+                }
             })
     })
 }
 
 fn inputs<'a>(c: &'a Case, cost: &'a CostModel) -> Inputs<'a> {
-    Inputs { counts: &c.counts, placement: &c.placement, cost, budgets: &c.budgets }
+    Inputs {
+        counts: &c.counts,
+        placement: &c.placement,
+        cost,
+        budgets: &c.budgets,
+    }
 }
 
 /// Plans, redistributes with the plan's caps, and checks every budget on the
@@ -66,9 +75,15 @@ fn check(c: &Case, policy: Policy) -> Plan {
     let k = plan.quotas.per_source();
     for (s, row) in k.iter().enumerate() {
         for (e, &q) in row.iter().enumerate() {
-            assert!(q <= c.counts[s][e], "quota above routed count at ({s}, {e})");
             assert!(
-                q >= floor_ratio(c.counts[s][e], (plan.retention_floor * RATIO_DEN as f64) as u64),
+                q <= c.counts[s][e],
+                "quota above routed count at ({s}, {e})"
+            );
+            assert!(
+                q >= floor_ratio(
+                    c.counts[s][e],
+                    (plan.retention_floor * RATIO_DEN as f64) as u64
+                ),
                 "cell ({s}, {e}) below the retention floor"
             );
         }
@@ -86,13 +101,35 @@ fn check(c: &Case, policy: Policy) -> Plan {
     let stat = plan.placement.instances_per_rank(c.budgets.len());
     for (r, b) in c.budgets.iter().enumerate() {
         let m = &plan.ranks[r];
-        assert!(m.memory_bytes <= b.memory_bytes, "rank {r}: modelled memory over budget");
-        assert!(m.dispatch_in_bytes <= b.network_bytes, "rank {r}: modelled network in over budget");
-        assert!(m.dispatch_out_bytes <= b.network_bytes, "rank {r}: modelled network out over budget");
+        assert!(
+            m.memory_bytes <= b.memory_bytes,
+            "rank {r}: modelled memory over budget"
+        );
+        assert!(
+            m.dispatch_in_bytes <= b.network_bytes,
+            "rank {r}: modelled network in over budget"
+        );
+        assert!(
+            m.dispatch_out_bytes <= b.network_bytes,
+            "rank {r}: modelled network out over budget"
+        );
         let used = stat[r] * cost.instance_bytes() + a.pairs_per_rank[r] * row;
-        assert!(used <= b.memory_bytes, "rank {r}: assigned memory over budget");
-        let received: u64 = a.routes.iter().filter(|x| x.rank == r && x.source != r).map(|x| x.pairs).sum();
-        let sent: u64 = a.routes.iter().filter(|x| x.source == r && x.rank != r).map(|x| x.pairs).sum();
+        assert!(
+            used <= b.memory_bytes,
+            "rank {r}: assigned memory over budget"
+        );
+        let received: u64 = a
+            .routes
+            .iter()
+            .filter(|x| x.rank == r && x.source != r)
+            .map(|x| x.pairs)
+            .sum();
+        let sent: u64 = a
+            .routes
+            .iter()
+            .filter(|x| x.source == r && x.rank != r)
+            .map(|x| x.pairs)
+            .sum();
         assert!(received * row <= b.network_bytes && sent * row <= b.network_bytes);
     }
     plan
@@ -156,16 +193,30 @@ proptest! {
 fn weights_too_big_is_a_typed_error_naming_rank_and_shortfall() {
     let c = Case {
         counts: vec![vec![1, 1], vec![1, 1]],
-        placement: Placement { owner: vec![1, 1], replicas: vec![] },
+        placement: Placement {
+            owner: vec![1, 1],
+            replicas: vec![],
+        },
         budgets: vec![
-            RankBudget { memory_bytes: 1000, network_bytes: 1000 },
-            RankBudget { memory_bytes: 350, network_bytes: 1000 },
+            RankBudget {
+                memory_bytes: 1000,
+                network_bytes: 1000,
+            },
+            RankBudget {
+                memory_bytes: 350,
+                network_bytes: 1000,
+            },
         ],
     };
     let cost = cost();
     assert_eq!(
         quotas(&inputs(&c, &cost), Policy::Uniform),
-        Err(QuotaError::InsufficientMemory { rank: 1, needed_bytes: 400, budget_bytes: 350, shortfall_bytes: 50 })
+        Err(QuotaError::InsufficientMemory {
+            rank: 1,
+            needed_bytes: 400,
+            budget_bytes: 350,
+            shortfall_bytes: 50
+        })
     );
 }
 
@@ -173,19 +224,36 @@ fn weights_too_big_is_a_typed_error_naming_rank_and_shortfall() {
 fn worked_example_uniform_and_maxmin() {
     // Two ranks, two experts owned one each; rank 0 may buffer 10 pairs,
     // rank 1 100. Expert 0 (on rank 0) gets 40 pairs, expert 1 gets 20.
-    let cost = CostModel { expert_weight_bytes: 0, expert_grad_bytes: 0, ..cost() };
+    let cost = CostModel {
+        expert_weight_bytes: 0,
+        expert_grad_bytes: 0,
+        ..cost()
+    };
     let c = Case {
         counts: vec![vec![20, 10], vec![20, 10]],
-        placement: Placement { owner: vec![0, 1], replicas: vec![] },
+        placement: Placement {
+            owner: vec![0, 1],
+            replicas: vec![],
+        },
         budgets: vec![
-            RankBudget { memory_bytes: 100, network_bytes: u64::MAX },
-            RankBudget { memory_bytes: 1000, network_bytes: u64::MAX },
+            RankBudget {
+                memory_bytes: 100,
+                network_bytes: u64::MAX,
+            },
+            RankBudget {
+                memory_bytes: 1000,
+                network_bytes: u64::MAX,
+            },
         ],
     };
     let u = quotas(&inputs(&c, &cost), Policy::Uniform).unwrap();
     // ρ* is just below 0.3: ⌊0.3·20⌋ + ⌊0.3·20⌋ = 12 would overflow rank 0.
     assert_eq!(u.quotas.per_expert(), vec![10, 4]);
-    assert!((0.29..0.3).contains(&u.retention_floor), "{}", u.retention_floor);
+    assert!(
+        (0.29..0.3).contains(&u.retention_floor),
+        "{}",
+        u.retention_floor
+    );
     let m = quotas(&inputs(&c, &cost), Policy::Maxmin).unwrap();
     assert_eq!(m.quotas.per_expert(), vec![10, 20]);
 }
@@ -195,10 +263,16 @@ fn replicas_go_to_the_hottest_expert_on_the_least_loaded_rank() {
     let cost = cost();
     let c = Case {
         counts: vec![vec![90, 5, 5], vec![90, 5, 5], vec![0, 0, 0]],
-        placement: Placement { owner: vec![0, 1, 1], replicas: vec![] },
+        placement: Placement {
+            owner: vec![0, 1, 1],
+            replicas: vec![],
+        },
         budgets: vec![RankBudget::UNLIMITED; 3],
     };
-    let cfg = Config { replica_slots_per_rank: 1, ..Config::default() };
+    let cfg = Config {
+        replica_slots_per_rank: 1,
+        ..Config::default()
+    };
     let p = plan(&inputs(&c, &cost), &cfg).unwrap();
     // Expert 0 takes the idle rank 2, then rank 1; with expert 0 on every
     // rank, expert 1 (tied with 2, smaller index) takes rank 0's slot.
@@ -214,14 +288,36 @@ fn replicas_stay_within_their_memory_fraction() {
     let cost = cost();
     let c = Case {
         counts: vec![vec![100, 1], vec![1, 1]],
-        placement: Placement { owner: vec![0, 0], replicas: vec![] },
+        placement: Placement {
+            owner: vec![0, 0],
+            replicas: vec![],
+        },
         // Rank 1 has 500 B free: a quarter (125 B) cannot hold a 200 B replica.
-        budgets: vec![RankBudget::UNLIMITED, RankBudget { memory_bytes: 500, network_bytes: u64::MAX }],
+        budgets: vec![
+            RankBudget::UNLIMITED,
+            RankBudget {
+                memory_bytes: 500,
+                network_bytes: u64::MAX,
+            },
+        ],
     };
-    let cfg = Config { replica_slots_per_rank: 4, ..Config::default() };
-    assert!(plan(&inputs(&c, &cost), &cfg).unwrap().replicas_added.is_empty());
-    let cfg = Config { replica_slots_per_rank: 4, replica_memory_fraction: 0.5, ..Config::default() };
-    assert_eq!(plan(&inputs(&c, &cost), &cfg).unwrap().replicas_added, vec![(0, 1)]);
+    let cfg = Config {
+        replica_slots_per_rank: 4,
+        ..Config::default()
+    };
+    assert!(plan(&inputs(&c, &cost), &cfg)
+        .unwrap()
+        .replicas_added
+        .is_empty());
+    let cfg = Config {
+        replica_slots_per_rank: 4,
+        replica_memory_fraction: 0.5,
+        ..Config::default()
+    };
+    assert_eq!(
+        plan(&inputs(&c, &cost), &cfg).unwrap().replicas_added,
+        vec![(0, 1)]
+    );
 }
 
 #[test]
@@ -229,23 +325,71 @@ fn bad_inputs_are_typed_errors() {
     let cost = cost();
     let c = Case {
         counts: vec![vec![1]],
-        placement: Placement { owner: vec![3], replicas: vec![] },
+        placement: Placement {
+            owner: vec![3],
+            replicas: vec![],
+        },
         budgets: vec![RankBudget::UNLIMITED],
     };
-    assert!(matches!(quotas(&inputs(&c, &cost), Policy::Uniform), Err(QuotaError::BadRank { rank: 3, .. })));
-    let c = Case { counts: vec![vec![1, 2]], placement: Placement { owner: vec![0], replicas: vec![] }, ..c };
-    assert!(matches!(quotas(&inputs(&c, &cost), Policy::Uniform), Err(QuotaError::Shape { .. })));
-    let c = Case { counts: vec![vec![1]], ..c };
-    let bad = CostModel { flops_per_s: f64::NAN, ..cost };
-    assert!(matches!(quotas(&inputs(&c, &bad), Policy::Uniform), Err(QuotaError::BadCost { field: "flops_per_s", .. })));
+    assert!(matches!(
+        quotas(&inputs(&c, &cost), Policy::Uniform),
+        Err(QuotaError::BadRank { rank: 3, .. })
+    ));
+    let c = Case {
+        counts: vec![vec![1, 2]],
+        placement: Placement {
+            owner: vec![0],
+            replicas: vec![],
+        },
+        ..c
+    };
+    assert!(matches!(
+        quotas(&inputs(&c, &cost), Policy::Uniform),
+        Err(QuotaError::Shape { .. })
+    ));
+    let c = Case {
+        counts: vec![vec![1]],
+        ..c
+    };
+    let bad = CostModel {
+        flops_per_s: f64::NAN,
+        ..cost
+    };
+    assert!(matches!(
+        quotas(&inputs(&c, &bad), Policy::Uniform),
+        Err(QuotaError::BadCost {
+            field: "flops_per_s",
+            ..
+        })
+    ));
 }
 
 #[test]
 fn zero_ranks_and_experts_are_ordinary() {
     let cost = cost();
-    let c = Case { counts: vec![], placement: Placement { owner: vec![], replicas: vec![] }, budgets: vec![] };
+    let c = Case {
+        counts: vec![],
+        placement: Placement {
+            owner: vec![],
+            replicas: vec![],
+        },
+        budgets: vec![],
+    };
     let p = quotas(&inputs(&c, &cost), Policy::Maxmin).unwrap();
     assert_eq!(p.quotas.total(), 0);
-    let c = Case { counts: vec![vec![], vec![]], placement: Placement { owner: vec![], replicas: vec![] }, budgets: vec![RankBudget::UNLIMITED; 2] };
-    assert_eq!(quotas(&inputs(&c, &cost), Policy::Uniform).unwrap().ranks.len(), 2);
+    let c = Case {
+        counts: vec![vec![], vec![]],
+        placement: Placement {
+            owner: vec![],
+            replicas: vec![],
+        },
+        budgets: vec![RankBudget::UNLIMITED; 2],
+    };
+    assert_eq!(
+        quotas(&inputs(&c, &cost), Policy::Uniform)
+            .unwrap()
+            .ranks
+            .len(),
+        2
+    );
 }

@@ -1,10 +1,16 @@
-//! Exact compute-only solver: binary search over the peak with max-flow
-//! feasibility checks (see the crate doc).
+//! Exact compute-only solver: the smallest feasible peak, found by an
+//! incremental search over the peak with max-flow feasibility checks (see
+//! the crate doc).
+//!
+//! Raising the peak only raises sink capacities, so a flow found for one
+//! peak stays valid for every larger one and is *augmented*, not recomputed:
+//! the search starts at the lower bound (usually already optimal), gallops
+//! upward, then bisects from a saved residual state.
 
 use crate::flow::{EdgeId, FlowGraph};
-use crate::{greedy, peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
+use crate::{peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
 
-/// The flow network source → expert → instance rank → sink, built once.
+/// The flow network source → expert → instance rank → sink.
 struct Network {
     graph: FlowGraph,
     instance_edges: Vec<Vec<EdgeId>>,
@@ -16,8 +22,17 @@ fn build(problem: &Problem, kept: &[u64]) -> Network {
     let (n_experts, n_ranks) = (problem.n_experts(), problem.n_ranks);
     let sink = n_experts + n_ranks + 1;
     let mut graph = FlowGraph::new(sink + 1);
+    // Sink edges first: Dinic scans adjacency lists newest-first, so experts
+    // are tried before the (few) long residual paths through ranks.
+    let sink_edges = (0..n_ranks)
+        .map(|r| graph.add_edge(1 + n_experts + r, sink, 0))
+        .collect();
     let mut instance_edges = Vec::with_capacity(n_experts);
     for (e, inst) in problem.instances.iter().enumerate() {
+        if kept[e] == 0 {
+            instance_edges.push(Vec::new());
+            continue;
+        }
         graph.add_edge(0, 1 + e, kept[e]);
         instance_edges.push(
             inst.iter()
@@ -25,9 +40,6 @@ fn build(problem: &Problem, kept: &[u64]) -> Network {
                 .collect(),
         );
     }
-    let sink_edges = (0..n_ranks)
-        .map(|r| graph.add_edge(1 + n_experts + r, sink, 0))
-        .collect();
     Network {
         graph,
         instance_edges,
@@ -44,62 +56,81 @@ fn rank_room(problem: &Problem, load: &LoadModel, r: usize, peak: u64) -> u64 {
     }
 }
 
-/// Max flow when every rank may rise to `peak`.
-fn flow_at(net: &mut Network, problem: &Problem, load: &LoadModel, peak: u64) -> u64 {
-    net.graph.clear_flow();
+/// Raises every sink capacity to the room at `peak` and augments; returns
+/// the flow added.
+fn raise_to(net: &mut Network, problem: &Problem, load: &LoadModel, peak: u64) -> u64 {
     for (r, &e) in net.sink_edges.iter().enumerate() {
         net.graph.set_capacity(e, rank_room(problem, load, r, peak));
     }
     net.graph.max_flow(0, net.sink)
 }
 
-fn flows_of(net: &Network) -> ExpertFlows {
-    net.instance_edges
+fn flows_of(net: &Network, problem: &Problem) -> ExpertFlows {
+    problem
+        .instances
         .iter()
-        .map(|edges| edges.iter().map(|&e| net.graph.flow(e)).collect())
+        .zip(&net.instance_edges)
+        .map(|(inst, edges)| {
+            if edges.is_empty() {
+                vec![0; inst.len()]
+            } else {
+                edges.iter().map(|&e| net.graph.flow(e)).collect()
+            }
+        })
         .collect()
 }
 
-fn compute_peak(problem: &Problem, load: &LoadModel, flows: &ExpertFlows) -> u64 {
-    let mut l = problem.base_load.clone();
-    for (e, inst) in problem.instances.iter().enumerate() {
-        for (i, &r) in inst.iter().enumerate() {
-            l[r] += load.compute_per_pair * flows[e][i];
-        }
-    }
-    l.into_iter().max().unwrap_or(0)
-}
-
-pub(crate) fn solve(problem: &Problem, load: &LoadModel) -> Result<ExpertFlows, RedistributeError> {
-    let kept = problem.kept_per_expert();
+/// Optimal expert-level flows; `kept` is [`Problem::kept_per_expert`].
+pub(crate) fn solve(
+    problem: &Problem,
+    load: &LoadModel,
+    kept: &[u64],
+) -> Result<ExpertFlows, RedistributeError> {
     let total: u64 = kept.iter().sum();
-    let mut net = build(problem, &kept);
-    let (mut best, mut hi) = match greedy::solve(problem, load) {
-        Some(flows) => {
-            let peak = compute_peak(problem, load, &flows);
-            (flows, peak)
+    let mut net = build(problem, kept);
+    let c = load.compute_per_pair;
+    // At this peak every rank has room for every pair (caps aside).
+    let t_max = (0..problem.n_ranks)
+        .map(|r| problem.base_load[r] + c * problem.cap(r).min(total))
+        .max()
+        .unwrap_or(0);
+    let mut lo = peak_lower_bound(problem, load).min(t_max);
+    let mut value = raise_to(&mut net, problem, load, lo);
+    if value == total {
+        return Ok(flows_of(&net, problem));
+    }
+    // Gallop upward from the infeasible `lo`, keeping its residual state.
+    let mut saved = (net.graph.snapshot(), value);
+    let mut step = 1u64;
+    let hi = loop {
+        if lo >= t_max {
+            return Err(RedistributeError::Infeasible {
+                placeable: value,
+                total,
+            });
         }
-        None => {
-            // Greedy got stuck on the caps: start from the loosest peak.
-            let hi = (0..problem.n_ranks)
-                .map(|r| problem.base_load[r] + load.compute_per_pair * problem.cap(r).min(total))
-                .max()
-                .unwrap_or(0);
-            let placeable = flow_at(&mut net, problem, load, hi);
-            if placeable < total {
-                return Err(RedistributeError::Infeasible { placeable, total });
-            }
-            (flows_of(&net), hi)
+        let next = lo.saturating_add(step).min(t_max);
+        value += raise_to(&mut net, problem, load, next);
+        if value == total {
+            break next;
         }
+        lo = next;
+        saved = (net.graph.snapshot(), value);
+        step = step.saturating_mul(2);
     };
-    let mut lo = peak_lower_bound(problem, load).min(hi);
-    while lo < hi {
+    // Bisect (lo, hi]: lo infeasible (state saved), hi feasible.
+    let mut best = flows_of(&net, problem);
+    let mut hi = hi;
+    while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        if flow_at(&mut net, problem, load, mid) == total {
+        net.graph.restore(&saved.0);
+        let v = saved.1 + raise_to(&mut net, problem, load, mid);
+        if v == total {
             hi = mid;
-            best = flows_of(&net);
+            best = flows_of(&net, problem);
         } else {
-            lo = mid + 1;
+            lo = mid;
+            saved = (net.graph.snapshot(), v);
         }
     }
     Ok(best)

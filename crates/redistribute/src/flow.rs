@@ -74,6 +74,17 @@ impl FlowGraph {
         self.blocked[e.0 as usize + 1] = true;
     }
 
+    /// Saves the residual state (flows and capacities) for [`Self::restore`].
+    pub fn snapshot(&self) -> (Vec<u64>, Vec<u64>) {
+        (self.cap.clone(), self.capacity.clone())
+    }
+
+    /// Returns to a state saved by [`Self::snapshot`] of this graph.
+    pub fn restore(&mut self, state: &(Vec<u64>, Vec<u64>)) {
+        self.cap.copy_from_slice(&state.0);
+        self.capacity.copy_from_slice(&state.1);
+    }
+
     /// Current flow on an edge.
     pub fn flow(&self, e: EdgeId) -> u64 {
         let i = e.0 as usize;

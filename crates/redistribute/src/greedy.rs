@@ -29,8 +29,9 @@ pub(crate) fn solve(problem: &Problem, load: &LoadModel) -> Option<ExpertFlows> 
             return None;
         }
         let fits = |level: u64| -> u64 {
-            inst.iter()
-                .fold(0u64, |a, &r| a.saturating_add(take_at(level, loads[r], room[r], c)))
+            inst.iter().fold(0u64, |a, &r| {
+                a.saturating_add(take_at(level, loads[r], room[r], c))
+            })
         };
         // Smallest level at which the instances can absorb q pairs.
         let mut lo = inst.iter().map(|&r| loads[r]).min().unwrap_or(0);

@@ -37,7 +37,10 @@ fn build(problem: &Problem, cfg: &Config) -> Result<Model, String> {
     let mut moved: Vec<Expression> = vec![Expression::from(0.0); n];
     for (e, inst) in problem.instances.iter().enumerate() {
         let sources: Vec<Option<usize>> = if by_source {
-            (0..n).filter(|&s| problem.kept[s][e] > 0).map(Some).collect()
+            (0..n)
+                .filter(|&s| problem.kept[s][e] > 0)
+                .map(Some)
+                .collect()
         } else {
             vec![None]
         };
@@ -68,7 +71,9 @@ fn build(problem: &Problem, cfg: &Config) -> Result<Model, String> {
     for r in 0..n {
         let base = as_i32(problem.base_load[r])?;
         let p = processed[r].clone();
-        constraints.push(constraint!(base + c * p.clone() + m * moved[r].clone() <= peak));
+        constraints.push(constraint!(
+            base + c * p.clone() + m * moved[r].clone() <= peak
+        ));
         if let Some(cap) = problem.rank_capacity.as_ref().map(|caps| caps[r]) {
             if cap < kept.iter().sum::<u64>() {
                 constraints.push(constraint!(p <= as_i32(cap)?));
@@ -100,7 +105,10 @@ where
     }
     let sol = m.solve().map_err(|e| e.to_string())?;
     let optimal = matches!(sol.status(), SolutionStatus::Optimal);
-    Ok((cells.iter().map(|cell| sol.value(cell.3)).collect(), optimal))
+    Ok((
+        cells.iter().map(|cell| sol.value(cell.3)).collect(),
+        optimal,
+    ))
 }
 
 #[allow(unreachable_code)]
@@ -116,7 +124,10 @@ fn run_backend(model: Model, limit_s: f64) -> Result<(Vec<f64>, bool), String> {
 }
 
 /// Solves the ILP, or falls back to greedy (and from there to exact).
-pub(crate) fn solve(problem: &Problem, cfg: &Config) -> Result<(Vec<Route>, Status), RedistributeError> {
+pub(crate) fn solve(
+    problem: &Problem,
+    cfg: &Config,
+) -> Result<(Vec<Route>, Status), RedistributeError> {
     let attempt = build(problem, cfg).and_then(|model| {
         let cells: Vec<_> = model.cells.iter().map(|c| (c.0, c.1, c.2)).collect();
         run_backend(model, cfg.ilp_time_limit.as_secs_f64()).map(|(v, opt)| (cells, v, opt))
@@ -129,7 +140,12 @@ pub(crate) fn solve(problem: &Problem, cfg: &Config) -> Result<(Vec<Route>, Stat
             for ((s, e, r), v) in cells.into_iter().zip(values) {
                 let pairs = v.round().max(0.0) as u64;
                 match s {
-                    Some(source) => routes.push(Route { source, expert: e, rank: r, pairs }),
+                    Some(source) => routes.push(Route {
+                        source,
+                        expert: e,
+                        rank: r,
+                        pairs,
+                    }),
                     None => {
                         let i = problem.instances[e]
                             .iter()
@@ -143,21 +159,36 @@ pub(crate) fn solve(problem: &Problem, cfg: &Config) -> Result<(Vec<Route>, Stat
                 routes = crate::split_to_sources(problem, &expert_flows);
             }
             if crate::conservation_error(problem, &routes).is_none() {
-                let status = if optimal { Status::Done } else { Status::TimeLimit };
+                let status = if optimal {
+                    Status::Done
+                } else {
+                    Status::TimeLimit
+                };
                 return Ok((routes, status));
             }
-            fallback(problem, cfg, "ILP solution does not conserve pairs after rounding".into())
+            fallback(
+                problem,
+                cfg,
+                "ILP solution does not conserve pairs after rounding".into(),
+            )
         }
         Err(reason) => fallback(problem, cfg, reason),
     }
 }
 
-fn fallback(problem: &Problem, cfg: &Config, reason: String) -> Result<(Vec<Route>, Status), RedistributeError> {
+fn fallback(
+    problem: &Problem,
+    cfg: &Config,
+    reason: String,
+) -> Result<(Vec<Route>, Status), RedistributeError> {
     {
         {
             let (flows, used) = match greedy::solve(problem, &cfg.load) {
                 Some(f) => (f, Solver::Greedy),
-                None => (crate::exact::solve(problem, &cfg.load)?, Solver::Exact),
+                None => (
+                    crate::exact::solve(problem, &cfg.load, &problem.kept_per_expert())?,
+                    Solver::Exact,
+                ),
             };
             Ok((
                 crate::split_to_sources(problem, &flows),

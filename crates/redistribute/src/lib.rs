@@ -95,7 +95,9 @@ pub enum RedistributeError {
         pairs: u64,
     },
     /// An instance names a rank outside `0..n_ranks`, or appears twice.
-    #[error("expert {expert}: instance rank {rank} is out of range or repeated (n_ranks = {n_ranks})")]
+    #[error(
+        "expert {expert}: instance rank {rank} is out of range or repeated (n_ranks = {n_ranks})"
+    )]
     BadInstance {
         /// The expert.
         expert: usize,
@@ -249,7 +251,7 @@ pub enum Status {
 /// A solved redistribution.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Assignment {
-    /// Non-empty routes, sorted by (source, expert, rank).
+    /// Non-empty routes, sorted by (expert, source, rank).
     pub routes: Vec<Route>,
     /// Modelled load per rank.
     pub load: Vec<u64>,
@@ -318,7 +320,8 @@ pub fn solve(problem: &Problem, cfg: &Config) -> Result<Assignment, Redistribute
     if cfg.load.compute_per_pair == 0 {
         return Err(RedistributeError::ZeroComputeCost);
     }
-    checked_total_load(problem, &cfg.load)?;
+    let kept = problem.kept_per_expert();
+    checked_total_load(problem, &cfg.load, &kept)?;
     let (routes, status) = match cfg.solver {
         Solver::Exact => {
             if cfg.load.network_per_pair != 0 {
@@ -327,14 +330,14 @@ pub fn solve(problem: &Problem, cfg: &Config) -> Result<Assignment, Redistribute
                 });
             }
             (
-                split_to_sources(problem, &exact::solve(problem, &cfg.load)?),
+                split_to_sources(problem, &exact::solve(problem, &cfg.load, &kept)?),
                 Status::Done,
             )
         }
         Solver::Greedy => match greedy::solve(problem, &cfg.load) {
             Some(flows) => (split_to_sources(problem, &flows), Status::Done),
             None => (
-                split_to_sources(problem, &exact::solve(problem, &cfg.load)?),
+                split_to_sources(problem, &exact::solve(problem, &cfg.load, &kept)?),
                 Status::FellBack {
                     reason: "rank capacities left greedy stuck".into(),
                     used: Solver::Exact,
@@ -351,15 +354,22 @@ pub fn solve(problem: &Problem, cfg: &Config) -> Result<Assignment, Redistribute
 }
 
 /// Rejects problems whose worst-case load overflows `u64`.
-fn checked_total_load(problem: &Problem, load: &LoadModel) -> Result<(), RedistributeError> {
-    let total: u64 = problem
-        .kept_per_expert()
+fn checked_total_load(
+    problem: &Problem,
+    load: &LoadModel,
+    kept: &[u64],
+) -> Result<(), RedistributeError> {
+    let total: u64 = kept
         .iter()
         .try_fold(0u64, |a, &k| a.checked_add(k))
         .ok_or(RedistributeError::Overflow)?;
     let per_pair = load
         .compute_per_pair
-        .checked_add(load.network_per_pair.checked_mul(2).ok_or(RedistributeError::Overflow)?)
+        .checked_add(
+            load.network_per_pair
+                .checked_mul(2)
+                .ok_or(RedistributeError::Overflow)?,
+        )
         .ok_or(RedistributeError::Overflow)?;
     let base_max = problem.base_load.iter().copied().max().unwrap_or(0);
     total
@@ -370,10 +380,23 @@ fn checked_total_load(problem: &Problem, load: &LoadModel) -> Result<(), Redistr
         .ok_or(RedistributeError::Overflow)
 }
 
+fn route_key(r: &Route) -> (usize, usize, usize) {
+    (r.expert, r.source, r.rank)
+}
+
 /// Builds an [`Assignment`] (loads, peak) from routes under `load`.
-pub fn assignment_from_routes(problem: &Problem, load: &LoadModel, mut routes: Vec<Route>) -> Assignment {
+pub fn assignment_from_routes(
+    problem: &Problem,
+    load: &LoadModel,
+    mut routes: Vec<Route>,
+) -> Assignment {
     routes.retain(|r| r.pairs > 0);
-    routes.sort_by_key(|r| (r.source, r.expert, r.rank));
+    if !routes
+        .windows(2)
+        .all(|w| route_key(&w[0]) <= route_key(&w[1]))
+    {
+        routes.sort_unstable_by_key(route_key);
+    }
     let n = problem.n_ranks;
     let mut pairs_per_rank = vec![0u64; n];
     let mut moved = vec![0u64; n];
@@ -434,7 +457,9 @@ pub fn conservation_error(problem: &Problem, routes: &[Route]) -> Option<String>
             return Some(format!("route {r:?} is out of range"));
         }
         if !problem.instances[r.expert].contains(&r.rank) {
-            return Some(format!("route {r:?} uses a rank without an instance of its expert"));
+            return Some(format!(
+                "route {r:?} uses a rank without an instance of its expert"
+            ));
         }
         got[r.source][r.expert] += r.pairs;
     }
@@ -455,36 +480,64 @@ pub fn conservation_error(problem: &Problem, routes: &[Route]) -> Option<String>
 pub(crate) type ExpertFlows = Vec<Vec<u64>>;
 
 /// Splits expert-level flows into per-source routes: local pairs first, then
-/// the remaining sources fill the remaining instances in rank order.
+/// the remaining sources fill the remaining instances in rank order. Routes
+/// come out sorted by (expert, source, rank) without a sort.
 fn split_to_sources(problem: &Problem, flows: &ExpertFlows) -> Vec<Route> {
-    let mut routes = Vec::new();
+    let mut routes = Vec::with_capacity(problem.n_ranks * problem.n_experts());
+    let mut left_inst: Vec<u64> = Vec::new();
+    let mut local: Vec<u64> = vec![0; problem.n_ranks];
+    let mut order: Vec<usize> = Vec::new();
+    let mut mine: Vec<Route> = Vec::new();
     for (expert, inst) in problem.instances.iter().enumerate() {
-        let mut left_inst: Vec<u64> = flows[expert].clone();
-        let mut left_src: Vec<u64> = problem.kept.iter().map(|row| row[expert]).collect();
+        left_inst.clear();
+        left_inst.extend_from_slice(&flows[expert]);
         for (i, &rank) in inst.iter().enumerate() {
-            let local = left_src[rank].min(left_inst[i]);
-            if local > 0 {
-                routes.push(Route { source: rank, expert, rank, pairs: local });
-                left_src[rank] -= local;
-                left_inst[i] -= local;
-            }
+            local[rank] = problem.kept[rank][expert].min(left_inst[i]);
+            left_inst[i] -= local[rank];
         }
-        let mut order: Vec<usize> = (0..inst.len()).collect();
-        order.sort_by_key(|&i| inst[i]);
+        order.clear();
+        order.extend(0..inst.len());
+        order.sort_unstable_by_key(|&i| inst[i]);
         let mut oi = 0;
-        for (source, left) in left_src.iter_mut().enumerate() {
-            while *left > 0 {
+        for (source, &local_here) in local.iter().enumerate() {
+            let here = if inst.contains(&source) {
+                local_here
+            } else {
+                0
+            };
+            let mut left = problem.kept[source][expert] - here;
+            mine.clear();
+            if here > 0 {
+                mine.push(Route {
+                    source,
+                    expert,
+                    rank: source,
+                    pairs: here,
+                });
+            }
+            while left > 0 {
                 let Some(&i) = order.get(oi) else { break };
-                let take = (*left).min(left_inst[i]);
+                let take = left.min(left_inst[i]);
                 if take > 0 {
-                    routes.push(Route { source, expert, rank: inst[i], pairs: take });
-                    *left -= take;
+                    mine.push(Route {
+                        source,
+                        expert,
+                        rank: inst[i],
+                        pairs: take,
+                    });
+                    left -= take;
                     left_inst[i] -= take;
                 }
                 if left_inst[i] == 0 {
                     oi += 1;
                 }
             }
+            // At most one route (the local one) is out of rank order.
+            mine.sort_unstable_by_key(|r| r.rank);
+            routes.extend_from_slice(&mine);
+        }
+        for &rank in inst {
+            local[rank] = 0;
         }
     }
     routes

@@ -3,7 +3,11 @@ use proptest::prelude::*;
 
 /// Random problem: `n_ranks` ranks, `n_experts` experts, each with its owner
 /// `e % n_ranks` plus up to `extra` replicas on other ranks.
-fn problem_strategy(max_ranks: usize, max_experts: usize, max_pairs: u64) -> impl Strategy<Value = Problem> {
+fn problem_strategy(
+    max_ranks: usize,
+    max_experts: usize,
+    max_pairs: u64,
+) -> impl Strategy<Value = Problem> {
     (1..=max_ranks, 1..=max_experts).prop_flat_map(move |(n_ranks, n_experts)| {
         (
             prop::collection::vec(prop::collection::vec(0..=max_pairs, n_experts), n_ranks),
@@ -25,13 +29,22 @@ fn problem_strategy(max_ranks: usize, max_experts: usize, max_pairs: u64) -> imp
                         inst
                     })
                     .collect();
-                Problem { n_ranks, kept, instances, base_load, rank_capacity: caps }
+                Problem {
+                    n_ranks,
+                    kept,
+                    instances,
+                    base_load,
+                    rank_capacity: caps,
+                }
             })
     })
 }
 
 fn cfg(solver: Solver) -> Config {
-    Config { solver, ..Config::default() }
+    Config {
+        solver,
+        ..Config::default()
+    }
 }
 
 /// Solves and checks the contract every solver must meet.
@@ -39,13 +52,19 @@ fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeErro
     let a = solve(problem, cfg)?;
     assert_eq!(conservation_error(problem, &a.routes), None);
     for r in 0..problem.n_ranks {
-        assert!(a.pairs_per_rank[r] <= problem.cap(r), "rank {r} over its cap");
+        assert!(
+            a.pairs_per_rank[r] <= problem.cap(r),
+            "rank {r} over its cap"
+        );
     }
     let recomputed = assignment_from_routes(problem, &cfg.load, a.routes.clone());
     assert_eq!(recomputed.load, a.load);
     assert_eq!(recomputed.peak, a.peak);
     if cfg.load.network_per_pair == 0 {
-        assert!(a.peak >= peak_lower_bound(problem, &cfg.load), "peak below a lower bound");
+        assert!(
+            a.peak >= peak_lower_bound(problem, &cfg.load),
+            "peak below a lower bound"
+        );
     }
     Ok(a)
 }
@@ -97,7 +116,10 @@ fn exact_matches_brute_force_on_two_instance_problems() {
                     base_load: vec![b0, b1],
                     rank_capacity: None,
                 };
-                let best = (0..=k).map(|x| (b0 + x).max(b1 + 3 + (k - x))).min().unwrap();
+                let best = (0..=k)
+                    .map(|x| (b0 + x).max(b1 + 3 + (k - x)))
+                    .min()
+                    .unwrap();
                 assert_eq!(check(&p, &cfg(Solver::Exact)).unwrap().peak, best);
             }
         }
@@ -114,7 +136,11 @@ fn local_pairs_stay_home() {
         rank_capacity: None,
     };
     let a = check(&p, &cfg(Solver::Exact)).unwrap();
-    assert!(a.routes.iter().all(|r| r.source == r.rank), "{:?}", a.routes);
+    assert!(
+        a.routes.iter().all(|r| r.source == r.rank),
+        "{:?}",
+        a.routes
+    );
 }
 
 #[test]
@@ -128,29 +154,63 @@ fn bad_problems_are_typed_errors() {
     };
     let mut p = good.clone();
     p.instances[0].clear();
-    assert_eq!(solve(&p, &cfg(Solver::Exact)), Err(RedistributeError::NoInstance { expert: 0, pairs: 1 }));
+    assert_eq!(
+        solve(&p, &cfg(Solver::Exact)),
+        Err(RedistributeError::NoInstance {
+            expert: 0,
+            pairs: 1
+        })
+    );
     let mut p = good.clone();
     p.instances[1] = vec![1, 1];
-    assert!(matches!(solve(&p, &cfg(Solver::Exact)), Err(RedistributeError::BadInstance { rank: 1, .. })));
+    assert!(matches!(
+        solve(&p, &cfg(Solver::Exact)),
+        Err(RedistributeError::BadInstance { rank: 1, .. })
+    ));
     let mut p = good.clone();
     p.base_load.pop();
-    assert!(matches!(solve(&p, &cfg(Solver::Greedy)), Err(RedistributeError::Shape { what: "base_load", .. })));
+    assert!(matches!(
+        solve(&p, &cfg(Solver::Greedy)),
+        Err(RedistributeError::Shape {
+            what: "base_load",
+            ..
+        })
+    ));
     let mut p = good.clone();
     p.rank_capacity = Some(vec![0, 5]);
     assert_eq!(
         solve(&p, &cfg(Solver::Exact)),
-        Err(RedistributeError::Infeasible { placeable: 0, total: 1 })
+        Err(RedistributeError::Infeasible {
+            placeable: 0,
+            total: 1
+        })
     );
-    let load = LoadModel { compute_per_pair: 1, network_per_pair: 1 };
+    let load = LoadModel {
+        compute_per_pair: 1,
+        network_per_pair: 1,
+    };
     assert!(matches!(
-        solve(&good, &Config { solver: Solver::Exact, load, ..Config::default() }),
+        solve(
+            &good,
+            &Config {
+                solver: Solver::Exact,
+                load,
+                ..Config::default()
+            }
+        ),
         Err(RedistributeError::ExactNeedsComputeOnly { .. })
     ));
 }
 
 #[test]
 fn zero_ranks_experts_and_pairs_are_ordinary() {
-    let p = Problem { n_ranks: 0, kept: vec![], instances: vec![], base_load: vec![], rank_capacity: None };
+    let p = Problem {
+        n_ranks: 0,
+        kept: vec![],
+        instances: vec![],
+        base_load: vec![],
+        rank_capacity: None,
+    };
     for s in [Solver::Exact, Solver::Ilp, Solver::Greedy] {
         assert_eq!(check(&p, &cfg(s)).unwrap().peak, 0);
     }
