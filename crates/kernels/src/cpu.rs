@@ -1,0 +1,294 @@
+//! The CPU backend: element trait, GEMM and SwiGLU.
+
+use crate::KernelError;
+
+/// Floating-point element of the CPU backend (`f32` or `f64`).
+pub trait Real:
+    num_traits::Float
+    + num_traits::FromPrimitive
+    + bytemuck::Pod
+    + Default
+    + Send
+    + Sync
+    + std::fmt::Debug
+    + std::iter::Sum
+    + std::ops::AddAssign
+    + std::ops::SubAssign
+    + std::ops::MulAssign
+    + 'static
+    + private::Sealed
+{
+    /// Converts from `f64` (rounding for `f32`).
+    fn of(x: f64) -> Self;
+    /// Widens to `f64`.
+    fn wide(self) -> f64;
+}
+
+impl Real for f32 {
+    #[inline(always)]
+    fn of(x: f64) -> Self {
+        x as f32
+    }
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        f64::from(self)
+    }
+}
+
+impl Real for f64 {
+    #[inline(always)]
+    fn of(x: f64) -> Self {
+        x
+    }
+    #[inline(always)]
+    fn wide(self) -> f64 {
+        self
+    }
+}
+
+mod private {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for f64 {}
+}
+
+/// Whether an operand is used as stored or transposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Op {
+    /// As stored.
+    N,
+    /// Transposed.
+    T,
+}
+
+fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// `c (+)= op(a) · op(b)` with row-major storage: `op(a)` is `m × k`,
+/// `op(b)` is `k × n`, `c` is `m × n`. With `accumulate` the product is added
+/// to `c`; otherwise `c` is overwritten. `a` is stored `m × k` (`Op::N`) or
+/// `k × m` (`Op::T`); likewise `b`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul<T: Real>(
+    c: &mut [T],
+    a: &[T],
+    op_a: Op,
+    b: &[T],
+    op_b: Op,
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    check("c", m * n, c.len())?;
+    check("a", m * k, a.len())?;
+    check("b", k * n, b.len())?;
+    if m == 0 || n == 0 {
+        return Ok(());
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(T::zero());
+        }
+        return Ok(());
+    }
+    let (a_rs, a_cs) = match op_a {
+        Op::N => (k as isize, 1),
+        Op::T => (1, m as isize),
+    };
+    let (b_rs, b_cs) = match op_b {
+        Op::N => (n as isize, 1),
+        Op::T => (1, k as isize),
+    };
+    let parallelism = if m * n * k >= 1 << 18 {
+        gemm::Parallelism::Rayon(0)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: the lengths checked above make every (row, column) the strides
+    // address lie inside its slice: c is m×n with (n, 1); a is m×k with
+    // (k, 1) or stored k×m with (1, m); b is k×n with (n, 1) or stored n×k
+    // with (1, k). `c` is exclusively borrowed and does not alias `a`/`b`.
+    // T is f32 or f64 (sealed), both supported by `gemm`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            T::one(),
+            T::one(),
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+    Ok(())
+}
+
+/// Naive triple-loop twin of [`matmul`], the reference in tests.
+pub fn matmul_reference<T: Real>(
+    c: &mut [T],
+    a: &[T],
+    op_a: Op,
+    b: &[T],
+    op_b: Op,
+    (m, k, n): (usize, usize, usize),
+    accumulate: bool,
+) -> Result<(), KernelError> {
+    check("c", m * n, c.len())?;
+    check("a", m * k, a.len())?;
+    check("b", k * n, b.len())?;
+    for i in 0..m {
+        for j in 0..n {
+            let mut s = 0.0f64;
+            for p in 0..k {
+                let av = match op_a {
+                    Op::N => a[i * k + p],
+                    Op::T => a[p * m + i],
+                };
+                let bv = match op_b {
+                    Op::N => b[p * n + j],
+                    Op::T => b[j * k + p],
+                };
+                s += av.wide() * bv.wide();
+            }
+            let prev = if accumulate { c[i * n + j].wide() } else { 0.0 };
+            c[i * n + j] = T::of(prev + s);
+        }
+    }
+    Ok(())
+}
+
+/// `silu(a) = a · σ(a)`.
+#[inline]
+pub fn silu<T: Real>(a: T) -> T {
+    a / (T::one() + (-a).exp())
+}
+
+/// `d silu / d a = σ(a) · (1 + a · (1 − σ(a)))`.
+#[inline]
+pub fn silu_grad<T: Real>(a: T) -> T {
+    let s = T::one() / (T::one() + (-a).exp());
+    s * (T::one() + a * (T::one() - s))
+}
+
+/// `h = silu(a) ⊙ b`, element-wise over equal-length slices.
+pub fn swiglu<T: Real>(a: &[T], b: &[T], h: &mut [T]) -> Result<(), KernelError> {
+    check("b", a.len(), b.len())?;
+    check("h", a.len(), h.len())?;
+    for ((h, &a), &b) in h.iter_mut().zip(a).zip(b) {
+        *h = silu(a) * b;
+    }
+    Ok(())
+}
+
+/// Backward of [`swiglu`]: from `dh`, writes `da = dh ⊙ b ⊙ silu'(a)` and
+/// `db = dh ⊙ silu(a)`.
+pub fn swiglu_backward<T: Real>(
+    a: &[T],
+    b: &[T],
+    dh: &[T],
+    da: &mut [T],
+    db: &mut [T],
+) -> Result<(), KernelError> {
+    let n = a.len();
+    check("b", n, b.len())?;
+    check("dh", n, dh.len())?;
+    check("da", n, da.len())?;
+    check("db", n, db.len())?;
+    for i in 0..n {
+        da[i] = dh[i] * b[i] * silu_grad(a[i]);
+        db[i] = dh[i] * silu(a[i]);
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rand_vec(n: usize, seed: u64) -> Vec<f64> {
+        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 20001) as f64 / 10000.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// GEMM against its naive twin, every transpose, fresh inputs, poisoned
+    /// outputs, including zero-size dimensions and the parallel path.
+    #[test]
+    fn matmul_matches_reference() {
+        let shapes = [(0, 3, 4), (3, 0, 4), (3, 4, 0), (1, 1, 1), (5, 7, 3), (17, 33, 9), (70, 80, 90)];
+        for (si, &(m, k, n)) in shapes.iter().enumerate() {
+            for (oi, (op_a, op_b)) in [(Op::N, Op::N), (Op::T, Op::N), (Op::N, Op::T), (Op::T, Op::T)]
+                .into_iter()
+                .enumerate()
+            {
+                for accumulate in [false, true] {
+                    let seed = (si * 8 + oi * 2 + usize::from(accumulate)) as u64;
+                    let a = rand_vec(m * k, seed);
+                    let b = rand_vec(k * n, seed + 100);
+                    let init = rand_vec(m * n, seed + 200);
+                    let mut want = init.clone();
+                    matmul_reference(&mut want, &a, op_a, &b, op_b, (m, k, n), accumulate).unwrap();
+                    let mut got = if accumulate { init.clone() } else { vec![f64::NAN; m * n] };
+                    matmul(&mut got, &a, op_a, &b, op_b, (m, k, n), accumulate).unwrap();
+                    for (g, w) in got.iter().zip(&want) {
+                        assert!((g - w).abs() <= 1e-12 * (1.0 + w.abs()), "{m}x{k}x{n} {op_a:?}{op_b:?}");
+                    }
+                    // f32 path: relative Frobenius error ≤ 1e-5.
+                    let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
+                    let b32: Vec<f32> = b.iter().map(|&x| x as f32).collect();
+                    let mut got32: Vec<f32> = if accumulate {
+                        init.iter().map(|&x| x as f32).collect()
+                    } else {
+                        vec![f32::NAN; m * n]
+                    };
+                    matmul(&mut got32, &a32, op_a, &b32, op_b, (m, k, n), accumulate).unwrap();
+                    let err: f64 = got32.iter().zip(&want).map(|(g, w)| (f64::from(*g) - w).powi(2)).sum();
+                    let norm: f64 = want.iter().map(|w| w * w).sum();
+                    assert!(err.sqrt() <= 1e-5 * norm.sqrt().max(1e-30), "f32 {m}x{k}x{n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn shape_errors_are_values() {
+        let mut c = [0.0f32; 4];
+        let err = matmul(&mut c, &[1.0; 3], Op::N, &[1.0; 4], Op::N, (2, 2, 2), false).unwrap_err();
+        assert_eq!(err, KernelError::Shape { what: "a", expected: 4, got: 3 });
+    }
+
+    #[test]
+    fn swiglu_gradient_matches_finite_differences() {
+        for &a in &[-3.0f64, -0.5, 0.0, 0.7, 2.5] {
+            let eps = 1e-6;
+            let fd = (silu(a + eps) - silu(a - eps)) / (2.0 * eps);
+            assert!((fd - silu_grad(a)).abs() < 1e-8, "a = {a}");
+        }
+    }
+}
