@@ -226,7 +226,9 @@ mod tests {
     use super::*;
 
     fn rand_vec(n: usize, seed: u64) -> Vec<f64> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
                 s ^= s << 13;
@@ -241,11 +243,24 @@ mod tests {
     /// outputs, including zero-size dimensions and the parallel path.
     #[test]
     fn matmul_matches_reference() {
-        let shapes = [(0, 3, 4), (3, 0, 4), (3, 4, 0), (1, 1, 1), (5, 7, 3), (17, 33, 9), (70, 80, 90)];
+        let shapes = [
+            (0, 3, 4),
+            (3, 0, 4),
+            (3, 4, 0),
+            (1, 1, 1),
+            (5, 7, 3),
+            (17, 33, 9),
+            (70, 80, 90),
+        ];
         for (si, &(m, k, n)) in shapes.iter().enumerate() {
-            for (oi, (op_a, op_b)) in [(Op::N, Op::N), (Op::T, Op::N), (Op::N, Op::T), (Op::T, Op::T)]
-                .into_iter()
-                .enumerate()
+            for (oi, (op_a, op_b)) in [
+                (Op::N, Op::N),
+                (Op::T, Op::N),
+                (Op::N, Op::T),
+                (Op::T, Op::T),
+            ]
+            .into_iter()
+            .enumerate()
             {
                 for accumulate in [false, true] {
                     let seed = (si * 8 + oi * 2 + usize::from(accumulate)) as u64;
@@ -254,10 +269,17 @@ mod tests {
                     let init = rand_vec(m * n, seed + 200);
                     let mut want = init.clone();
                     matmul_reference(&mut want, &a, op_a, &b, op_b, (m, k, n), accumulate).unwrap();
-                    let mut got = if accumulate { init.clone() } else { vec![f64::NAN; m * n] };
+                    let mut got = if accumulate {
+                        init.clone()
+                    } else {
+                        vec![f64::NAN; m * n]
+                    };
                     matmul(&mut got, &a, op_a, &b, op_b, (m, k, n), accumulate).unwrap();
                     for (g, w) in got.iter().zip(&want) {
-                        assert!((g - w).abs() <= 1e-12 * (1.0 + w.abs()), "{m}x{k}x{n} {op_a:?}{op_b:?}");
+                        assert!(
+                            (g - w).abs() <= 1e-12 * (1.0 + w.abs()),
+                            "{m}x{k}x{n} {op_a:?}{op_b:?}"
+                        );
                     }
                     // f32 path: relative Frobenius error ≤ 1e-5.
                     let a32: Vec<f32> = a.iter().map(|&x| x as f32).collect();
@@ -268,9 +290,16 @@ mod tests {
                         vec![f32::NAN; m * n]
                     };
                     matmul(&mut got32, &a32, op_a, &b32, op_b, (m, k, n), accumulate).unwrap();
-                    let err: f64 = got32.iter().zip(&want).map(|(g, w)| (f64::from(*g) - w).powi(2)).sum();
+                    let err: f64 = got32
+                        .iter()
+                        .zip(&want)
+                        .map(|(g, w)| (f64::from(*g) - w).powi(2))
+                        .sum();
                     let norm: f64 = want.iter().map(|w| w * w).sum();
-                    assert!(err.sqrt() <= 1e-5 * norm.sqrt().max(1e-30), "f32 {m}x{k}x{n}");
+                    assert!(
+                        err.sqrt() <= 1e-5 * norm.sqrt().max(1e-30),
+                        "f32 {m}x{k}x{n}"
+                    );
                 }
             }
         }
@@ -280,7 +309,14 @@ mod tests {
     fn shape_errors_are_values() {
         let mut c = [0.0f32; 4];
         let err = matmul(&mut c, &[1.0; 3], Op::N, &[1.0; 4], Op::N, (2, 2, 2), false).unwrap_err();
-        assert_eq!(err, KernelError::Shape { what: "a", expected: 4, got: 3 });
+        assert_eq!(
+            err,
+            KernelError::Shape {
+                what: "a",
+                expected: 4,
+                got: 3
+            }
+        );
     }
 
     #[test]

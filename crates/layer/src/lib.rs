@@ -1,21 +1,109 @@
-//! # layer — the MoE layer with the LRMoE backward (contract only, issue #3)
+//! # layer — the MoE layer with the LRMoE backward
 //!
-//! This crate will glue the pipeline into one MoE layer: router, top-k,
-//! complete forward over every routed pair; backward in the LRMoE order —
-//! quotas fixed at forward time (`quota`), LRM scores of the down
-//! projection (`lrm-score`), per-expert top-q selection, redistribution over
-//! existing instances (`redistribute`), compaction into dense per-destination,
-//! per-expert blocks (`pack`), grouped GEMMs on the compacted rows only, and
-//! scatter back — over a transport trait (in-process ranks now, NCCL later).
+//! A Qwen3-MoE style layer: router linear (`hidden → n_experts`), softmax,
+//! top-k (optionally renormalised), SwiGLU experts (`w_gate`, `w_up`:
+//! `hidden → ffn`; `w_down`: `ffn → hidden`), output
+//! `y_t = Σ_k g_{t,k} · expert_{e_k}(x_t)`. Expert parallelism runs over a
+//! [`Transport`]: each rank holds its own tokens; an expert's owner rank and
+//! its replicas compute its pairs. Generic over `f32`/`f64`
+//! ([`kernels::cpu::Real`]); GEMMs go through `kernels::cpu::matmul`.
 //!
-//! **Status:** not implemented yet; this crate exposes only [`LayerError`].
+//! ## Forward ([`forward`]) — always complete
+//!
+//! 1. Router, softmax, top-k on each rank; routed counts `n[s][e]` are
+//!    all-gathered.
+//! 2. The controller (`quota`) fixes this call's replicas and backward
+//!    quotas `k[s][e]` from the counts ([`Retention`]); they hold for the
+//!    whole call and are stored in [`Saved`].
+//! 3. Every routed pair is dispatched (pairs spread over instances by
+//!    `redistribute`'s exact solver), computed, and its output row `o` and
+//!    the squared norm `‖h‖²` of the down projection's input returned to the
+//!    source, which combines `y`.
+//!
+//! The source keeps `x`, the router state, `o` and `‖h‖²` per pair. Expert
+//! instances keep nothing: the backward recomputes `a = x·W_gate`,
+//! `b = x·W_up`, `h = silu(a)⊙b` for the kept pairs only.
+//!
+//! ## Backward ([`backward`]) — in the LRMoE order
+//!
+//! 1. Quotas: fixed at forward.
+//! 2. LRM score per pair for the down projection,
+//!    `g² · ‖δ‖² · ‖h‖²` with `δ = ∂L/∂y_t`, no gradient matrix formed.
+//! 3. Keep the top `k[s][e]` pairs of each expert on each source
+//!    (`lrm_score::select_top`).
+//! 4. Redistribute the kept pairs over the existing instances
+//!    (`redistribute`, solved on rank 0 and broadcast so every rank uses the
+//!    same plan).
+//! 5. Pack `[x_t | g·δ_t]` rows of kept pairs into dense per-destination,
+//!    per-expert blocks (`pack`), exchange only those, regroup per expert,
+//!    run the expert GEMMs (recompute, `dW_down`, `dW_gate`, `dW_up`, `dX`)
+//!    on the compacted rows, return `dX` rows and scatter-add them.
+//!
+//! **What a dropped pair loses:** its contribution to its expert's three
+//! weight gradients, and its input gradient through that expert (`dX` of the
+//! pair is zero). **What it keeps:** the router gradient, which flows from the
+//! forward outputs `o` of *every* pair (`∂L/∂g = δ·o`), so routing still
+//! learns from dropped pairs. With full retention the result is the exact
+//! gradient.
+//!
+//! Backward buffers (packed rows, received rows, per-expert intermediates,
+//! returned `dX`) are sized by the kept pairs, not the routed ones;
+//! [`BackwardStats::buffer_bytes`] reports them per rank.
+//!
+//! ## Not here
+//!
+//! No optimizer, no model around the layer (the top crate has them), no
+//! GPU code (`kernels`), no I/O.
 
 #![deny(missing_docs)]
 
+mod moe;
+pub mod transport;
+
+pub use moe::{
+    backward, forward, BackwardConfig, BackwardStats, CallPlan, ExpertWeights, MoeConfig,
+    MoeParams, Retention, Saved, StageTimes,
+};
+pub use transport::{run_local, LocalTransport, Transport, TransportError};
+
 /// Errors of the layer.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum LayerError {
-    /// The layer is not implemented in this build.
-    #[error("the MoE layer is not implemented yet (issue #3)")]
-    NotImplemented,
+    /// The layer configuration cannot work.
+    #[error("bad layer config: {0}")]
+    Config(String),
+    /// A buffer does not match the configuration.
+    #[error("{what}: expected {expected} elements, got {got}")]
+    Shape {
+        /// Which buffer.
+        what: String,
+        /// Expected length.
+        expected: usize,
+        /// Given length.
+        got: usize,
+    },
+    /// A non-finite value reached the layer (e.g. a NaN loss gradient).
+    #[error("non-finite value in {0}")]
+    NonFinite(&'static str),
+    /// A collective failed.
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    /// The controller rejected the call.
+    #[error("controller: {0}")]
+    Quota(#[from] quota::QuotaError),
+    /// The redistribution failed.
+    #[error("redistribute: {0}")]
+    Redistribute(#[from] redistribute::RedistributeError),
+    /// Scoring or selection failed.
+    #[error("lrm-score: {0}")]
+    Score(#[from] lrm_score::ScoreError),
+    /// Compaction failed.
+    #[error("pack: {0}")]
+    Pack(#[from] pack::PackError),
+    /// A kernel rejected its inputs.
+    #[error("kernel: {0}")]
+    Kernel(#[from] kernels::KernelError),
 }
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,859 @@
+//! Forward and backward of the MoE layer (see the crate doc).
+
+use std::time::Instant;
+
+use kernels::cpu::{matmul, swiglu, swiglu_backward, Op, Real};
+use quota::{CostModel, Placement, Policy, RankBudget};
+use serde::Serialize;
+
+use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport};
+use crate::LayerError;
+
+/// Shape of the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
+pub struct MoeConfig {
+    /// Model width.
+    pub hidden: usize,
+    /// Expert FFN width.
+    pub ffn: usize,
+    /// Number of experts.
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise the top-k routing weights to sum to one.
+    pub renormalize: bool,
+}
+
+impl MoeConfig {
+    /// Rejects shapes that cannot work.
+    pub fn validate(&self) -> Result<(), LayerError> {
+        if self.n_experts == 0 {
+            return Err(LayerError::Config("n_experts must be at least 1".into()));
+        }
+        if self.top_k == 0 || self.top_k > self.n_experts {
+            return Err(LayerError::Config(format!(
+                "top_k = {} must be in 1..={} (n_experts)",
+                self.top_k, self.n_experts
+            )));
+        }
+        if self.hidden == 0 || self.ffn == 0 {
+            return Err(LayerError::Config(
+                "hidden and ffn must be at least 1".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// One expert's SwiGLU weights, row-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExpertWeights<T> {
+    /// `hidden × ffn`.
+    pub gate: Vec<T>,
+    /// `hidden × ffn`.
+    pub up: Vec<T>,
+    /// `ffn × hidden`.
+    pub down: Vec<T>,
+}
+
+/// All weights of the layer (or their gradients, same shapes).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MoeParams<T> {
+    /// Router, `hidden × n_experts`.
+    pub router: Vec<T>,
+    /// Experts.
+    pub experts: Vec<ExpertWeights<T>>,
+}
+
+impl<T: Real> MoeParams<T> {
+    /// Zeros of the configured shapes.
+    pub fn zeros(cfg: &MoeConfig) -> Self {
+        let (h, f) = (cfg.hidden, cfg.ffn);
+        Self {
+            router: vec![T::zero(); h * cfg.n_experts],
+            experts: (0..cfg.n_experts)
+                .map(|_| ExpertWeights {
+                    gate: vec![T::zero(); h * f],
+                    up: vec![T::zero(); h * f],
+                    down: vec![T::zero(); f * h],
+                })
+                .collect(),
+        }
+    }
+
+    /// Seeded initialisation: uniform in `±1/√fan_in`.
+    pub fn init(cfg: &MoeConfig, seed: u64) -> Self {
+        let mut p = Self::zeros(cfg);
+        let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
+        let mut fill = |v: &mut [T], fan_in: usize| {
+            let scale = 1.0 / (fan_in as f64).sqrt();
+            for x in v.iter_mut() {
+                state = state
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+                *x = T::of((2.0 * u - 1.0) * scale);
+            }
+        };
+        fill(&mut p.router, cfg.hidden);
+        for e in &mut p.experts {
+            fill(&mut e.gate, cfg.hidden);
+            fill(&mut e.up, cfg.hidden);
+            fill(&mut e.down, cfg.ffn);
+        }
+        p
+    }
+
+    /// Checks every tensor's length against `cfg`.
+    pub fn validate(&self, cfg: &MoeConfig) -> Result<(), LayerError> {
+        let (h, f) = (cfg.hidden, cfg.ffn);
+        shape("router".into(), h * cfg.n_experts, self.router.len())?;
+        shape("experts".into(), cfg.n_experts, self.experts.len())?;
+        for (i, e) in self.experts.iter().enumerate() {
+            shape(format!("experts[{i}].gate"), h * f, e.gate.len())?;
+            shape(format!("experts[{i}].up"), h * f, e.up.len())?;
+            shape(format!("experts[{i}].down"), f * h, e.down.len())?;
+        }
+        Ok(())
+    }
+
+    /// Every tensor with its name, mutably (for optimizers and checkpoints).
+    pub fn tensors_mut(&mut self) -> Vec<(String, &mut Vec<T>)> {
+        let mut v = vec![("router".to_string(), &mut self.router)];
+        for (i, e) in self.experts.iter_mut().enumerate() {
+            v.push((format!("experts.{i}.gate"), &mut e.gate));
+            v.push((format!("experts.{i}.up"), &mut e.up));
+            v.push((format!("experts.{i}.down"), &mut e.down));
+        }
+        v
+    }
+
+    /// Every tensor with its name.
+    pub fn tensors(&self) -> Vec<(String, &Vec<T>)> {
+        let mut v = vec![("router".to_string(), &self.router)];
+        for (i, e) in self.experts.iter().enumerate() {
+            v.push((format!("experts.{i}.gate"), &e.gate));
+            v.push((format!("experts.{i}.up"), &e.up));
+            v.push((format!("experts.{i}.down"), &e.down));
+        }
+        v
+    }
+}
+
+fn shape(what: String, expected: usize, got: usize) -> Result<(), LayerError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(LayerError::Shape {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// How many pairs the backward keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Retention {
+    /// Every pair (exact gradient).
+    Full,
+    /// `round(r · n[s][e])` pairs of every (source, expert) cell, `r ∈ [0, 1]`.
+    Ratio(f64),
+    /// The controller's quotas under per-rank budgets.
+    Budgeted {
+        /// One budget per rank.
+        budgets: Vec<RankBudget>,
+        /// Quota policy.
+        policy: Policy,
+    },
+}
+
+/// Backward planning settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackwardConfig {
+    /// Quotas.
+    pub retention: Retention,
+    /// Replicas each rank may host in this call.
+    pub replica_slots_per_rank: usize,
+    /// Share of a rank's free memory replicas may use (budgeted mode).
+    pub replica_memory_fraction: f64,
+    /// Solver of the backward redistribution.
+    pub solver: redistribute::Solver,
+}
+
+impl Default for BackwardConfig {
+    fn default() -> Self {
+        Self {
+            retention: Retention::Full,
+            replica_slots_per_rank: 0,
+            replica_memory_fraction: 0.25,
+            solver: redistribute::Solver::Exact,
+        }
+    }
+}
+
+/// The controller's decision for one call, identical on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CallPlan {
+    /// Routed pairs `[source][expert]`.
+    pub routed: Vec<Vec<u64>>,
+    /// Placement with this call's replicas.
+    pub placement: Placement,
+    /// Backward quotas `[source][expert]`.
+    pub kept: Vec<Vec<u64>>,
+    /// Per-rank pair caps (budgeted mode).
+    pub caps: Option<Vec<u64>>,
+}
+
+/// What the forward keeps for the backward (on the source rank).
+#[derive(Debug, Clone)]
+pub struct Saved<T> {
+    x: Vec<T>,
+    probs: Vec<T>,
+    expert_of_pair: Vec<u32>,
+    gate: Vec<T>,
+    out: Vec<T>,
+    h_sq: Vec<T>,
+    /// The call's plan.
+    pub plan: CallPlan,
+}
+
+impl<T> Saved<T> {
+    /// Expert of each of this rank's pairs (`token · top_k + slot`).
+    pub fn expert_of_pair(&self) -> &[u32] {
+        &self.expert_of_pair
+    }
+    /// Routing weight of each pair.
+    pub fn gate(&self) -> &[T] {
+        &self.gate
+    }
+}
+
+/// Wall time per backward stage, seconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct StageTimes {
+    /// Router gradient.
+    pub router: f64,
+    /// LRM scores.
+    pub score: f64,
+    /// Top-q selection.
+    pub select: f64,
+    /// Redistribution solve and broadcast.
+    pub redistribute: f64,
+    /// Compaction plans, gathers and scatters.
+    pub pack: f64,
+    /// All-to-all exchanges.
+    pub exchange: f64,
+    /// Expert GEMMs and SwiGLU.
+    pub gemm: f64,
+    /// Gradient all-reduce.
+    pub reduce: f64,
+}
+
+/// Figures of one backward on one rank.
+#[derive(Debug, Clone, Serialize)]
+pub struct BackwardStats {
+    /// Routed pairs of this rank.
+    pub routed_pairs: usize,
+    /// Kept pairs of this rank.
+    pub kept_pairs: usize,
+    /// Kept mask of this rank's pairs.
+    pub kept: Vec<bool>,
+    /// LRM score of each of this rank's pairs.
+    pub scores: Vec<f32>,
+    /// Pairs processed per rank after redistribution (same on every rank).
+    pub pairs_per_rank: Vec<u64>,
+    /// Bytes of this rank's backward token buffers.
+    pub buffer_bytes: u64,
+    /// Bytes this rank sent to other ranks during the backward exchange.
+    pub bytes_sent: u64,
+    /// Stage times.
+    pub times: StageTimes,
+}
+
+fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
+    let size = std::mem::size_of::<T>() as u64;
+    let (h, f) = (cfg.hidden as u64, cfg.ffn as u64);
+    CostModel {
+        act_row_bytes: h * size,
+        grad_row_bytes: h * size,
+        expert_weight_bytes: 3 * h * f * size,
+        expert_grad_bytes: 3 * h * f * size,
+        flops_per_pair: 16.0 * (h * f) as f64,
+        link_bytes_per_s: 1e11,
+        flops_per_s: 1e12,
+    }
+}
+
+/// The controller's plan from the all-gathered routed counts.
+fn plan_call<T>(
+    cfg: &MoeConfig,
+    bwd: &BackwardConfig,
+    routed: Vec<Vec<u64>>,
+    placement: &Placement,
+) -> Result<CallPlan, LayerError> {
+    let n_ranks = routed.len();
+    let cost = cost_model::<T>(cfg);
+    let unlimited = vec![RankBudget::UNLIMITED; n_ranks];
+    let (budgets, policy) = match &bwd.retention {
+        Retention::Budgeted { budgets, policy } => {
+            if budgets.len() != n_ranks {
+                return Err(LayerError::Config(format!(
+                    "{} budgets for {n_ranks} ranks",
+                    budgets.len()
+                )));
+            }
+            (budgets.as_slice(), *policy)
+        }
+        _ => (unlimited.as_slice(), Policy::Uniform),
+    };
+    let inputs = quota::Inputs {
+        counts: &routed,
+        placement,
+        cost: &cost,
+        budgets,
+    };
+    let qcfg = quota::Config {
+        policy,
+        replica_slots_per_rank: bwd.replica_slots_per_rank,
+        replica_memory_fraction: bwd.replica_memory_fraction,
+    };
+    let with_replicas = quota::plan_replicas(&inputs, &qcfg)?;
+    let (kept, caps) = match &bwd.retention {
+        Retention::Full => (routed.clone(), None),
+        Retention::Ratio(r) => {
+            if !(0.0..=1.0).contains(r) {
+                return Err(LayerError::Config(format!(
+                    "retention ratio {r} is not in [0, 1]"
+                )));
+            }
+            let kept = routed
+                .iter()
+                .map(|row| {
+                    row.iter()
+                        .map(|&n| ((n as f64) * r).round() as u64)
+                        .collect()
+                })
+                .collect();
+            (kept, None)
+        }
+        Retention::Budgeted { .. } => {
+            let inputs = quota::Inputs {
+                placement: &with_replicas,
+                ..inputs
+            };
+            let p = quota::quotas(&inputs, policy)?;
+            let caps = p.ranks.iter().map(|r| r.pair_capacity).collect();
+            (p.quotas.per_source().to_vec(), Some(caps))
+        }
+    };
+    Ok(CallPlan {
+        routed,
+        placement: with_replicas,
+        kept,
+        caps,
+    })
+}
+
+/// Routes `(source, expert, rank, pairs)` from rank 0's solve, broadcast so
+/// every rank follows one plan even if a solver could differ between runs.
+fn agreed_routes<X: Transport>(
+    comm: &X,
+    problem: &redistribute::Problem,
+    solver: redistribute::Solver,
+) -> Result<(Vec<redistribute::Route>, Vec<u64>), LayerError> {
+    let mine: Vec<u64> = if comm.rank() == 0 {
+        let cfg = redistribute::Config {
+            solver,
+            ..redistribute::Config::default()
+        };
+        let a = redistribute::solve(problem, &cfg)?;
+        a.routes
+            .iter()
+            .flat_map(|r| [r.source as u64, r.expert as u64, r.rank as u64, r.pairs])
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let all = all_gather(comm, &mine)?;
+    let routes: Vec<redistribute::Route> = all[0]
+        .chunks_exact(4)
+        .map(|c| redistribute::Route {
+            source: c[0] as usize,
+            expert: c[1] as usize,
+            rank: c[2] as usize,
+            pairs: c[3],
+        })
+        .collect();
+    let mut pairs_per_rank = vec![0u64; problem.n_ranks];
+    for r in &routes {
+        pairs_per_rank[r.rank] += r.pairs;
+    }
+    Ok((routes, pairs_per_rank))
+}
+
+/// Sender plan of this rank and receiver plan for this rank, from global routes.
+fn exchange_plans(
+    me: usize,
+    n_ranks: usize,
+    n_experts: usize,
+    routes: &[redistribute::Route],
+    expert_of_pair: &[u32],
+    kept: &[bool],
+) -> Result<(pack::PackPlan, pack::RecvPlan), LayerError> {
+    let send: Vec<pack::SendRoute> = routes
+        .iter()
+        .filter(|r| r.source == me)
+        .map(|r| pack::SendRoute {
+            expert: r.expert,
+            rank: r.rank,
+            pairs: r.pairs,
+        })
+        .collect();
+    let plan = pack::plan(expert_of_pair, kept, &send, n_ranks, n_experts)?;
+    let mut blocks_from = vec![vec![0usize; n_experts]; n_ranks];
+    for r in routes.iter().filter(|r| r.rank == me) {
+        blocks_from[r.source][r.expert] += r.pairs as usize;
+    }
+    let recv = pack::receive_plan(&blocks_from, n_experts)?;
+    Ok((plan, recv))
+}
+
+fn softmax_rows<T: Real>(logits: &mut [T], width: usize) {
+    for row in logits.chunks_exact_mut(width) {
+        let max = row.iter().fold(T::neg_infinity(), |m, &v| m.max(v));
+        let mut sum = T::zero();
+        for v in row.iter_mut() {
+            *v = (*v - max).exp();
+            sum += *v;
+        }
+        for v in row.iter_mut() {
+            *v = *v / sum;
+        }
+    }
+}
+
+/// Indices of the `k` largest entries of `row` (ties: lower index first).
+fn top_k<T: Real>(row: &[T], k: usize, out: &mut [u32]) {
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let better = |a: &u32, b: &u32| {
+        let (x, y) = (row[*a as usize], row[*b as usize]);
+        y.partial_cmp(&x)
+            .unwrap_or(std::cmp::Ordering::Equal)
+            .then(a.cmp(b))
+    };
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, better);
+    }
+    idx[..k].sort_by(better);
+    out.copy_from_slice(&idx[..k]);
+}
+
+/// Runs the layer forward on this rank's tokens `x` (`n_tokens × hidden`).
+/// `placement` gives the experts' owners (and standing replicas).
+pub fn forward<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &MoeConfig,
+    bwd: &BackwardConfig,
+    params: &MoeParams<T>,
+    placement: &Placement,
+    x: &[T],
+) -> Result<(Vec<T>, Saved<T>), LayerError> {
+    cfg.validate()?;
+    params.validate(cfg)?;
+    let (hd, e_n, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    if x.len() % hd != 0 {
+        return Err(LayerError::Shape {
+            what: "x".into(),
+            expected: (x.len() / hd + 1) * hd,
+            got: x.len(),
+        });
+    }
+    if placement.owner.len() != e_n {
+        return Err(LayerError::Config(format!(
+            "placement has {} experts, the layer {e_n}",
+            placement.owner.len()
+        )));
+    }
+    if x.iter().any(|v| !v.is_finite()) {
+        return Err(LayerError::NonFinite("layer input"));
+    }
+    let n_tok = x.len() / hd;
+    let (me, n_ranks) = (comm.rank(), comm.world_size());
+
+    // Router.
+    let mut probs = vec![T::zero(); n_tok * e_n];
+    matmul(
+        &mut probs,
+        x,
+        Op::N,
+        &params.router,
+        Op::N,
+        (n_tok, hd, e_n),
+        false,
+    )?;
+    softmax_rows(&mut probs, e_n);
+    let mut expert_of_pair = vec![0u32; n_tok * k];
+    let mut gate = vec![T::zero(); n_tok * k];
+    for t in 0..n_tok {
+        let sel = &mut expert_of_pair[t * k..(t + 1) * k];
+        top_k(&probs[t * e_n..(t + 1) * e_n], k, sel);
+        let g = &mut gate[t * k..(t + 1) * k];
+        for (gj, &e) in g.iter_mut().zip(sel.iter()) {
+            *gj = probs[t * e_n + e as usize];
+        }
+        if cfg.renormalize {
+            let s: T = g.iter().copied().sum();
+            g.iter_mut().for_each(|v| *v = *v / s);
+        }
+    }
+
+    // Counts and the call's plan.
+    let mut local = vec![0u64; e_n];
+    for &e in &expert_of_pair {
+        local[e as usize] += 1;
+    }
+    let routed = all_gather(comm, &local)?;
+    let plan = plan_call::<T>(cfg, bwd, routed, placement)?;
+
+    // Dispatch every pair, spread over instances.
+    let problem = redistribute::Problem {
+        n_ranks,
+        kept: plan.routed.clone(),
+        instances: plan.placement.all_instances(),
+        base_load: vec![0; n_ranks],
+        rank_capacity: None,
+    };
+    let (routes, _) = agreed_routes(comm, &problem, redistribute::Solver::Exact)?;
+    let all = vec![true; expert_of_pair.len()];
+    let (send_plan, recv_plan) = exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &all)?;
+    let token_rows: Vec<u32> = send_plan.gather.iter().map(|&p| p / k as u32).collect();
+    let mut packed = vec![T::zero(); token_rows.len() * hd];
+    pack::gather_rows(x, hd, &token_rows, &mut packed)?;
+    let counts: Vec<usize> = send_plan.send_counts.iter().map(|c| c * hd).collect();
+    let (recv, _) = all_to_all(comm, &packed, &counts)?;
+
+    // Expert compute on grouped rows; results go back as [o | ‖h‖²].
+    let w = hd + 1;
+    let mut grouped = vec![T::zero(); recv_plan.order.len() * hd];
+    pack::gather_rows(&recv, hd, &recv_plan.order, &mut grouped)?;
+    let mut result = vec![T::zero(); recv_plan.order.len() * w];
+    let mut start = 0;
+    for (e, &rows) in recv_plan.group_sizes.iter().enumerate() {
+        if rows == 0 {
+            continue;
+        }
+        let xe = &grouped[start * hd..(start + rows) * hd];
+        let (_, _, hmat) = expert_hidden(cfg, &params.experts[e], xe)?;
+        let mut o = vec![T::zero(); rows * hd];
+        matmul(
+            &mut o,
+            &hmat,
+            Op::N,
+            &params.experts[e].down,
+            Op::N,
+            (rows, cfg.ffn, hd),
+            false,
+        )?;
+        for r in 0..rows {
+            let dst = &mut result[(start + r) * w..(start + r + 1) * w];
+            dst[..hd].copy_from_slice(&o[r * hd..(r + 1) * hd]);
+            dst[hd] = hmat[r * cfg.ffn..(r + 1) * cfg.ffn]
+                .iter()
+                .map(|&v| v * v)
+                .sum();
+        }
+        start += rows;
+    }
+    let back_order = pack::invert(&recv_plan.order, recv_plan.order.len())?;
+    let mut reply = vec![T::zero(); result.len()];
+    pack::gather_rows(&result, w, &back_order, &mut reply)?;
+    let counts: Vec<usize> = recv_plan.recv_counts.iter().map(|c| c * w).collect();
+    let (returned, _) = all_to_all(comm, &reply, &counts)?;
+    let mut per_pair = vec![T::zero(); expert_of_pair.len() * w];
+    pack::unpack_rows(&returned, w, &send_plan.inverse, T::zero(), &mut per_pair)?;
+
+    // Combine.
+    let mut y = vec![T::zero(); n_tok * hd];
+    let mut out = vec![T::zero(); expert_of_pair.len() * hd];
+    let mut h_sq = vec![T::zero(); expert_of_pair.len()];
+    for p in 0..expert_of_pair.len() {
+        let t = p / k;
+        let row = &per_pair[p * w..(p + 1) * w];
+        out[p * hd..(p + 1) * hd].copy_from_slice(&row[..hd]);
+        h_sq[p] = row[hd];
+        let g = gate[p];
+        for (yv, &ov) in y[t * hd..(t + 1) * hd].iter_mut().zip(&row[..hd]) {
+            *yv += g * ov;
+        }
+    }
+    Ok((
+        y,
+        Saved {
+            x: x.to_vec(),
+            probs,
+            expert_of_pair,
+            gate,
+            out,
+            h_sq,
+            plan,
+        },
+    ))
+}
+
+/// `(a, b, h)` of one expert on rows `x` (`rows × hidden`): `a = x·W_gate`,
+/// `b = x·W_up`, `h = silu(a) ⊙ b`. The forward and the backward's
+/// recomputation share it.
+#[allow(clippy::type_complexity)]
+fn expert_hidden<T: Real>(
+    cfg: &MoeConfig,
+    w: &ExpertWeights<T>,
+    x: &[T],
+) -> Result<(Vec<T>, Vec<T>, Vec<T>), LayerError> {
+    let (hd, f) = (cfg.hidden, cfg.ffn);
+    let rows = x.len() / hd;
+    let mut a = vec![T::zero(); rows * f];
+    let mut b = vec![T::zero(); rows * f];
+    let mut h = vec![T::zero(); rows * f];
+    matmul(&mut a, x, Op::N, &w.gate, Op::N, (rows, hd, f), false)?;
+    matmul(&mut b, x, Op::N, &w.up, Op::N, (rows, hd, f), false)?;
+    swiglu(&a, &b, &mut h)?;
+    Ok((a, b, h))
+}
+
+/// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).
+/// Returns this rank's input gradient, the gradients of every weight summed
+/// over all ranks (identical on every rank), and this rank's figures.
+pub fn backward<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &MoeConfig,
+    bwd: &BackwardConfig,
+    params: &MoeParams<T>,
+    saved: &Saved<T>,
+    dy: &[T],
+) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), LayerError> {
+    let (hd, f, e_n, k) = (cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
+    let n_tok = saved.x.len() / hd;
+    let n_pairs = saved.expert_of_pair.len();
+    shape("dy".into(), n_tok * hd, dy.len())?;
+    if dy.iter().any(|v| !v.is_finite()) {
+        return Err(LayerError::NonFinite("output gradient"));
+    }
+    let (me, n_ranks) = (comm.rank(), comm.world_size());
+    let size = std::mem::size_of::<T>() as u64;
+    let mut times = StageTimes::default();
+    let mut grads = MoeParams::<T>::zeros(cfg);
+
+    // Router: every pair's forward output feeds ∂L/∂g, kept or not.
+    let clock = Instant::now();
+    let mut dlogits = vec![T::zero(); n_tok * e_n];
+    for t in 0..n_tok {
+        let dyt = &dy[t * hd..(t + 1) * hd];
+        let dg: Vec<T> = (0..k)
+            .map(|j| {
+                let o = &saved.out[(t * k + j) * hd..(t * k + j + 1) * hd];
+                dyt.iter().zip(o).map(|(&a, &b)| a * b).sum()
+            })
+            .collect();
+        let p = &saved.probs[t * e_n..(t + 1) * e_n];
+        let mut dp = vec![T::zero(); e_n];
+        let sel = &saved.expert_of_pair[t * k..(t + 1) * k];
+        if cfg.renormalize {
+            let s: T = sel.iter().map(|&e| p[e as usize]).sum();
+            let g = &saved.gate[t * k..(t + 1) * k];
+            let dot: T = dg.iter().zip(g).map(|(&a, &b)| a * b).sum();
+            for (j, &e) in sel.iter().enumerate() {
+                dp[e as usize] = (dg[j] - dot) / s;
+            }
+        } else {
+            for (j, &e) in sel.iter().enumerate() {
+                dp[e as usize] = dg[j];
+            }
+        }
+        let dot: T = p.iter().zip(&dp).map(|(&a, &b)| a * b).sum();
+        for (i, dl) in dlogits[t * e_n..(t + 1) * e_n].iter_mut().enumerate() {
+            *dl = p[i] * (dp[i] - dot);
+        }
+    }
+    matmul(
+        &mut grads.router,
+        &saved.x,
+        Op::T,
+        &dlogits,
+        Op::N,
+        (hd, n_tok, e_n),
+        false,
+    )?;
+    let mut dx = vec![T::zero(); n_tok * hd];
+    matmul(
+        &mut dx,
+        &dlogits,
+        Op::N,
+        &params.router,
+        Op::T,
+        (n_tok, e_n, hd),
+        false,
+    )?;
+    times.router = clock.elapsed().as_secs_f64();
+
+    // LRM scores: g² · ‖δ‖² · ‖h‖² per pair.
+    let clock = Instant::now();
+    let dy_sq: Vec<f64> = dy
+        .chunks_exact(hd)
+        .map(|r| r.iter().map(|&v| v.wide() * v.wide()).sum())
+        .collect();
+    let scores: Vec<f32> = (0..n_pairs)
+        .map(|p| {
+            let g = saved.gate[p].wide();
+            (g * g * dy_sq[p / k] * saved.h_sq[p].wide()) as f32
+        })
+        .collect();
+    times.score = clock.elapsed().as_secs_f64();
+
+    // Keep the top k[me][e] pairs of each expert.
+    let clock = Instant::now();
+    let ids: Vec<u64> = (0..n_pairs as u64).collect();
+    let quotas: Vec<usize> = saved.plan.kept[me].iter().map(|&q| q as usize).collect();
+    let mut kept = vec![false; n_pairs];
+    lrm_score::select_top(
+        lrm_score::Candidates {
+            expert: &saved.expert_of_pair,
+            id: &ids,
+            score: &scores,
+        },
+        &quotas,
+        &mut kept,
+    )?;
+    times.select = clock.elapsed().as_secs_f64();
+
+    // Redistribute kept pairs over existing instances.
+    let clock = Instant::now();
+    let problem = redistribute::Problem {
+        n_ranks,
+        kept: saved.plan.kept.clone(),
+        instances: saved.plan.placement.all_instances(),
+        base_load: vec![0; n_ranks],
+        rank_capacity: saved.plan.caps.clone(),
+    };
+    let (routes, pairs_per_rank) = agreed_routes(comm, &problem, bwd.solver)?;
+    times.redistribute = clock.elapsed().as_secs_f64();
+
+    // Pack [x | g·δ] rows of kept pairs and exchange only those.
+    let clock = Instant::now();
+    let (send_plan, recv_plan) =
+        exchange_plans(me, n_ranks, e_n, &routes, &saved.expert_of_pair, &kept)?;
+    let w2 = 2 * hd;
+    let mut packed = vec![T::zero(); send_plan.packed_rows() * w2];
+    for (row, &p) in packed.chunks_exact_mut(w2).zip(&send_plan.gather) {
+        let (p, t) = (p as usize, p as usize / k);
+        row[..hd].copy_from_slice(&saved.x[t * hd..(t + 1) * hd]);
+        let g = saved.gate[p];
+        for (d, &v) in row[hd..].iter_mut().zip(&dy[t * hd..(t + 1) * hd]) {
+            *d = g * v;
+        }
+    }
+    times.pack += clock.elapsed().as_secs_f64();
+    let clock = Instant::now();
+    let sent_before = comm.bytes_sent();
+    let counts: Vec<usize> = send_plan.send_counts.iter().map(|c| c * w2).collect();
+    let (recv, _) = all_to_all(comm, &packed, &counts)?;
+    times.exchange += clock.elapsed().as_secs_f64();
+
+    let clock = Instant::now();
+    let n_recv = recv_plan.order.len();
+    let mut grouped = vec![T::zero(); n_recv * w2];
+    pack::gather_rows(&recv, w2, &recv_plan.order, &mut grouped)?;
+    let mut xs = vec![T::zero(); n_recv * hd];
+    let mut dos = vec![T::zero(); n_recv * hd];
+    for ((row, xr), dr) in grouped
+        .chunks_exact(w2)
+        .zip(xs.chunks_exact_mut(hd))
+        .zip(dos.chunks_exact_mut(hd))
+    {
+        xr.copy_from_slice(&row[..hd]);
+        dr.copy_from_slice(&row[hd..]);
+    }
+    times.pack += clock.elapsed().as_secs_f64();
+
+    // Expert GEMMs on the compacted rows only.
+    let clock = Instant::now();
+    let mut dx_grouped = vec![T::zero(); n_recv * hd];
+    let mut largest = 0usize;
+    let mut start = 0;
+    for (e, &rows) in recv_plan.group_sizes.iter().enumerate() {
+        if rows == 0 {
+            continue;
+        }
+        largest = largest.max(rows);
+        let w = &params.experts[e];
+        let g = &mut grads.experts[e];
+        let xe = &xs[start * hd..(start + rows) * hd];
+        let doe = &dos[start * hd..(start + rows) * hd];
+        let (a, b, h) = expert_hidden(cfg, w, xe)?;
+        matmul(&mut g.down, &h, Op::T, doe, Op::N, (f, rows, hd), true)?;
+        let mut dh = vec![T::zero(); rows * f];
+        matmul(&mut dh, doe, Op::N, &w.down, Op::T, (rows, hd, f), false)?;
+        let mut da = vec![T::zero(); rows * f];
+        let mut db = vec![T::zero(); rows * f];
+        swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
+        matmul(&mut g.gate, xe, Op::T, &da, Op::N, (hd, rows, f), true)?;
+        matmul(&mut g.up, xe, Op::T, &db, Op::N, (hd, rows, f), true)?;
+        let dxe = &mut dx_grouped[start * hd..(start + rows) * hd];
+        matmul(dxe, &da, Op::N, &w.gate, Op::T, (rows, f, hd), false)?;
+        matmul(dxe, &db, Op::N, &w.up, Op::T, (rows, f, hd), true)?;
+        start += rows;
+    }
+    times.gemm = clock.elapsed().as_secs_f64();
+
+    // Return dX rows to their sources and scatter-add.
+    let clock = Instant::now();
+    let back_order = pack::invert(&recv_plan.order, n_recv)?;
+    let mut reply = vec![T::zero(); n_recv * hd];
+    pack::gather_rows(&dx_grouped, hd, &back_order, &mut reply)?;
+    times.pack += clock.elapsed().as_secs_f64();
+    let clock = Instant::now();
+    let counts: Vec<usize> = recv_plan.recv_counts.iter().map(|c| c * hd).collect();
+    let (returned, _) = all_to_all(comm, &reply, &counts)?;
+    let bytes_sent = comm.bytes_sent() - sent_before;
+    times.exchange += clock.elapsed().as_secs_f64();
+    let clock = Instant::now();
+    for (j, &p) in send_plan.gather.iter().enumerate() {
+        let t = p as usize / k;
+        for (d, &v) in dx[t * hd..(t + 1) * hd]
+            .iter_mut()
+            .zip(&returned[j * hd..(j + 1) * hd])
+        {
+            *d += v;
+        }
+    }
+    times.pack += clock.elapsed().as_secs_f64();
+
+    // Replica and data-parallel gradients summed into every rank.
+    let clock = Instant::now();
+    for (_, t) in grads.tensors_mut() {
+        all_reduce_sum(comm, t)?;
+    }
+    times.reduce = clock.elapsed().as_secs_f64();
+
+    let n_sent = send_plan.packed_rows() as u64;
+    let n_recv = n_recv as u64;
+    // packed + recv + grouped (2H each), xs + dos + dx_grouped + reply (H),
+    // returned (H per sent row), and one expert's a, b, h, dh, da, db (F).
+    let buffer_bytes = size
+        * (n_sent * 2 * hd as u64
+            + n_recv * (2 + 2) * hd as u64
+            + n_recv * 4 * hd as u64
+            + n_sent * hd as u64
+            + largest as u64 * 6 * f as u64);
+    let stats = BackwardStats {
+        routed_pairs: n_pairs,
+        kept_pairs: send_plan.packed_rows(),
+        kept,
+        scores,
+        pairs_per_rank,
+        buffer_bytes,
+        bytes_sent,
+        times,
+    };
+    Ok((dx, grads, stats))
+}

@@ -1,0 +1,507 @@
+//! Layer tests: finite differences, an independent naive reference, EP = N
+//! against EP = 1, compaction of the backward exchange, bad input.
+
+#![allow(clippy::needless_range_loop, clippy::type_complexity)] // the reference reads as the math does
+
+use std::time::Duration;
+
+use super::*;
+use quota::Placement;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+
+fn cfg(renormalize: bool) -> MoeConfig {
+    MoeConfig {
+        hidden: 6,
+        ffn: 5,
+        n_experts: 4,
+        top_k: 2,
+        renormalize,
+    }
+}
+
+fn data(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x2545F4914F6CDD1D) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 20001) as f64 / 10000.0 - 1.0
+        })
+        .collect()
+}
+
+fn placement(n_experts: usize, n_ranks: usize) -> Placement {
+    Placement {
+        owner: (0..n_experts).map(|e| e * n_ranks / n_experts).collect(),
+        replicas: vec![],
+    }
+}
+
+/// Output of running the layer on `n_ranks` in-process ranks, tokens split
+/// evenly, concatenated back in token order.
+struct Run {
+    y: Vec<f64>,
+    dx: Vec<f64>,
+    grads: MoeParams<f64>,
+    kept: Vec<bool>,
+    bytes_sent: u64,
+    kept_pairs: usize,
+}
+
+fn run(
+    cfg: &MoeConfig,
+    bwd: &BackwardConfig,
+    params: &MoeParams<f64>,
+    x: &[f64],
+    dy: &[f64],
+    n_ranks: usize,
+) -> Result<Run, LayerError> {
+    let hd = cfg.hidden;
+    let n_tok = x.len() / hd;
+    let place = placement(cfg.n_experts, n_ranks);
+    let per_rank: Vec<Result<_, LayerError>> = run_local(n_ranks, TIMEOUT, |t| {
+        let r = t.rank();
+        let (lo, hi) = (r * n_tok / n_ranks, (r + 1) * n_tok / n_ranks);
+        let (y, saved) = forward(t, cfg, bwd, params, &place, &x[lo * hd..hi * hd])?;
+        let (dx, grads, stats) = backward(t, cfg, bwd, params, &saved, &dy[lo * hd..hi * hd])?;
+        Ok((y, dx, grads, stats))
+    });
+    let mut out = Run {
+        y: vec![],
+        dx: vec![],
+        grads: MoeParams::zeros(cfg),
+        kept: vec![],
+        bytes_sent: 0,
+        kept_pairs: 0,
+    };
+    for (r, res) in per_rank.into_iter().enumerate() {
+        let (y, dx, grads, stats) = res?;
+        out.y.extend(y);
+        out.dx.extend(dx);
+        out.kept.extend(stats.kept);
+        out.bytes_sent += stats.bytes_sent;
+        out.kept_pairs += stats.kept_pairs;
+        if r == 0 {
+            out.grads = grads;
+        } else {
+            assert_eq!(
+                out.grads, grads,
+                "all-reduced gradients differ between ranks"
+            );
+        }
+    }
+    Ok(out)
+}
+
+/// Naive per-pair reference in f64: forward, and the exact gradient of the
+/// computation with the expert contributions of pairs where `kept` is false
+/// removed (the router gradient stays complete).
+fn reference(
+    cfg: &MoeConfig,
+    p: &MoeParams<f64>,
+    x: &[f64],
+    dy: &[f64],
+    kept: &[bool],
+) -> (Vec<f64>, Vec<f64>, MoeParams<f64>) {
+    let (hd, f, en, k) = (cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
+    let n = x.len() / hd;
+    let silu = |a: f64| a / (1.0 + (-a).exp());
+    let dsilu = |a: f64| {
+        let s = 1.0 / (1.0 + (-a).exp());
+        s * (1.0 + a * (1.0 - s))
+    };
+    let mut y = vec![0.0; n * hd];
+    let mut dx = vec![0.0; n * hd];
+    let mut g = MoeParams::<f64>::zeros(cfg);
+    for t in 0..n {
+        let xt = &x[t * hd..(t + 1) * hd];
+        let logits: Vec<f64> = (0..en)
+            .map(|e| (0..hd).map(|i| xt[i] * p.router[i * en + e]).sum())
+            .collect();
+        let m = logits.iter().cloned().fold(f64::MIN, f64::max);
+        let z: f64 = logits.iter().map(|l| (l - m).exp()).sum();
+        let prob: Vec<f64> = logits.iter().map(|l| (l - m).exp() / z).collect();
+        let mut order: Vec<usize> = (0..en).collect();
+        order.sort_by(|&a, &b| prob[b].partial_cmp(&prob[a]).unwrap().then(a.cmp(&b)));
+        let sel = &order[..k];
+        let s: f64 = sel.iter().map(|&e| prob[e]).sum();
+        let gate: Vec<f64> = sel
+            .iter()
+            .map(|&e| {
+                if cfg.renormalize {
+                    prob[e] / s
+                } else {
+                    prob[e]
+                }
+            })
+            .collect();
+        let mut dg = vec![0.0; k];
+        for (j, &e) in sel.iter().enumerate() {
+            let w = &p.experts[e];
+            let a: Vec<f64> = (0..f)
+                .map(|c| (0..hd).map(|i| xt[i] * w.gate[i * f + c]).sum())
+                .collect();
+            let b: Vec<f64> = (0..f)
+                .map(|c| (0..hd).map(|i| xt[i] * w.up[i * f + c]).sum())
+                .collect();
+            let h: Vec<f64> = (0..f).map(|c| silu(a[c]) * b[c]).collect();
+            let o: Vec<f64> = (0..hd)
+                .map(|i| (0..f).map(|c| h[c] * w.down[c * hd + i]).sum())
+                .collect();
+            for i in 0..hd {
+                y[t * hd + i] += gate[j] * o[i];
+            }
+            let dyt = &dy[t * hd..(t + 1) * hd];
+            dg[j] = (0..hd).map(|i| dyt[i] * o[i]).sum();
+            if !kept[t * k + j] {
+                continue;
+            }
+            let dout: Vec<f64> = dyt.iter().map(|v| v * gate[j]).collect();
+            let ge = &mut g.experts[e];
+            let dh: Vec<f64> = (0..f)
+                .map(|c| (0..hd).map(|i| dout[i] * w.down[c * hd + i]).sum())
+                .collect();
+            for c in 0..f {
+                for i in 0..hd {
+                    ge.down[c * hd + i] += h[c] * dout[i];
+                }
+                let da = dh[c] * b[c] * dsilu(a[c]);
+                let db = dh[c] * silu(a[c]);
+                for i in 0..hd {
+                    ge.gate[i * f + c] += xt[i] * da;
+                    ge.up[i * f + c] += xt[i] * db;
+                    dx[t * hd + i] += da * w.gate[i * f + c] + db * w.up[i * f + c];
+                }
+            }
+        }
+        let mut dp = vec![0.0; en];
+        if cfg.renormalize {
+            let dot: f64 = (0..k).map(|j| dg[j] * gate[j]).sum();
+            for (j, &e) in sel.iter().enumerate() {
+                dp[e] = (dg[j] - dot) / s;
+            }
+        } else {
+            for (j, &e) in sel.iter().enumerate() {
+                dp[e] = dg[j];
+            }
+        }
+        let dot: f64 = (0..en).map(|e| prob[e] * dp[e]).sum();
+        for e in 0..en {
+            let dl = prob[e] * (dp[e] - dot);
+            for i in 0..hd {
+                g.router[i * en + e] += xt[i] * dl;
+                dx[t * hd + i] += dl * p.router[i * en + e];
+            }
+        }
+    }
+    (y, dx, g)
+}
+
+fn assert_close(what: &str, got: &[f64], want: &[f64], tol: f64) {
+    assert_eq!(got.len(), want.len(), "{what}: lengths");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= tol * (1.0 + w.abs()),
+            "{what}[{i}]: got {g}, want {w}"
+        );
+    }
+}
+
+fn assert_grads_close(got: &MoeParams<f64>, want: &MoeParams<f64>, tol: f64) {
+    for ((name, g), (_, w)) in got.tensors().into_iter().zip(want.tensors()) {
+        assert_close(&name, g, w, tol);
+    }
+}
+
+fn setup(cfg: &MoeConfig, n_tok: usize, seed: u64) -> (MoeParams<f64>, Vec<f64>, Vec<f64>) {
+    let params = MoeParams::<f64>::init(cfg, seed);
+    (
+        params,
+        data(n_tok * cfg.hidden, seed + 1),
+        data(n_tok * cfg.hidden, seed + 2),
+    )
+}
+
+/// Loss `Σ dy · y` of the layer on one rank.
+fn loss(cfg: &MoeConfig, params: &MoeParams<f64>, x: &[f64], dy: &[f64]) -> f64 {
+    let r = run(cfg, &BackwardConfig::default(), params, x, dy, 1).unwrap();
+    r.y.iter().zip(dy).map(|(a, b)| a * b).sum()
+}
+
+#[test]
+fn full_retention_gradients_match_central_finite_differences() {
+    for renormalize in [false, true] {
+        let cfg = cfg(renormalize);
+        let (params, x, dy) = setup(&cfg, 9, 11);
+        let r = run(&cfg, &BackwardConfig::default(), &params, &x, &dy, 1).unwrap();
+        let eps = 1e-6;
+        let fd = |perturb: &dyn Fn(&mut MoeParams<f64>, &mut Vec<f64>, f64)| {
+            let (mut p1, mut x1) = (params.clone(), x.clone());
+            perturb(&mut p1, &mut x1, eps);
+            let (mut p2, mut x2) = (params.clone(), x.clone());
+            perturb(&mut p2, &mut x2, -eps);
+            (loss(&cfg, &p1, &x1, &dy) - loss(&cfg, &p2, &x2, &dy)) / (2.0 * eps)
+        };
+        let check = |name: &str, analytic: f64, numeric: f64| {
+            assert!(
+                (analytic - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "{name} (renorm {renormalize}): analytic {analytic}, numeric {numeric}"
+            );
+        };
+        for i in [0, 7, 23] {
+            check("router", r.grads.router[i], fd(&|p, _, d| p.router[i] += d));
+        }
+        for e in 0..cfg.n_experts {
+            for i in [0, 13, 29] {
+                check(
+                    "gate",
+                    r.grads.experts[e].gate[i],
+                    fd(&|p, _, d| p.experts[e].gate[i] += d),
+                );
+                check(
+                    "up",
+                    r.grads.experts[e].up[i],
+                    fd(&|p, _, d| p.experts[e].up[i] += d),
+                );
+                check(
+                    "down",
+                    r.grads.experts[e].down[i],
+                    fd(&|p, _, d| p.experts[e].down[i] += d),
+                );
+            }
+        }
+        for i in [0, 5, 17, 40, 53] {
+            check("x", r.dx[i], fd(&|_, x, d| x[i] += d));
+        }
+    }
+}
+
+#[test]
+fn full_retention_matches_the_naive_reference_for_every_ep_size() {
+    let cfg = cfg(true);
+    let (params, x, dy) = setup(&cfg, 24, 5);
+    let all = vec![true; 24 * cfg.top_k];
+    let (y, dx, g) = reference(&cfg, &params, &x, &dy, &all);
+    for n_ranks in [1, 2, 4, 8] {
+        for slots in [0, 1] {
+            let bwd = BackwardConfig {
+                replica_slots_per_rank: slots,
+                ..BackwardConfig::default()
+            };
+            let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
+            assert_close("y", &r.y, &y, 1e-12);
+            assert_close("dx", &r.dx, &dx, 1e-12);
+            assert_grads_close(&r.grads, &g, 1e-12);
+            assert!(r.kept.iter().all(|&k| k));
+        }
+    }
+}
+
+#[test]
+fn pruned_backward_equals_the_gradient_without_the_dropped_pairs() {
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 32, 9);
+    for n_ranks in [1, 2, 4] {
+        for retention in [0.75, 0.5, 0.25, 0.0] {
+            let bwd = BackwardConfig {
+                retention: Retention::Ratio(retention),
+                replica_slots_per_rank: 1,
+                ..BackwardConfig::default()
+            };
+            let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
+            let kept_frac = r.kept_pairs as f64 / r.kept.len() as f64;
+            assert!(
+                (kept_frac - retention).abs() < 0.15,
+                "kept {kept_frac} for {retention}"
+            );
+            let (y, dx, g) = reference(&cfg, &params, &x, &dy, &r.kept);
+            assert_close("y", &r.y, &y, 1e-12);
+            assert_close("dx", &r.dx, &dx, 1e-12);
+            assert_grads_close(&r.grads, &g, 1e-12);
+        }
+    }
+}
+
+#[test]
+fn kept_pairs_are_the_highest_scoring_of_each_expert() {
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 40, 3);
+    let place = placement(cfg.n_experts, 1);
+    let bwd = BackwardConfig {
+        retention: Retention::Ratio(0.5),
+        ..BackwardConfig::default()
+    };
+    let res: Vec<Result<_, LayerError>> = run_local(1, TIMEOUT, |t| {
+        let (_, saved) = forward(t, &cfg, &bwd, &params, &place, &x)?;
+        let (_, _, stats) = backward(t, &cfg, &bwd, &params, &saved, &dy)?;
+        Ok((saved.expert_of_pair().to_vec(), stats))
+    });
+    let (experts, stats) = res.into_iter().next().unwrap().unwrap();
+    for e in 0..cfg.n_experts as u32 {
+        let mine: Vec<usize> = (0..experts.len()).filter(|&p| experts[p] == e).collect();
+        let min_kept = mine
+            .iter()
+            .filter(|&&p| stats.kept[p])
+            .map(|&p| stats.scores[p])
+            .fold(f32::MAX, f32::min);
+        let max_dropped = mine
+            .iter()
+            .filter(|&&p| !stats.kept[p])
+            .map(|&p| stats.scores[p])
+            .fold(f32::MIN, f32::max);
+        assert!(min_kept >= max_dropped, "expert {e}");
+    }
+}
+
+#[test]
+fn f32_layer_matches_f64_within_tolerance() {
+    let cfg = MoeConfig {
+        hidden: 16,
+        ffn: 24,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: true,
+    };
+    let (params, x, dy) = setup(&cfg, 64, 21);
+    let r64 = run(&cfg, &BackwardConfig::default(), &params, &x, &dy, 2).unwrap();
+    let to32 = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
+    let p32 = MoeParams {
+        router: to32(&params.router),
+        experts: params
+            .experts
+            .iter()
+            .map(|e| ExpertWeights {
+                gate: to32(&e.gate),
+                up: to32(&e.up),
+                down: to32(&e.down),
+            })
+            .collect(),
+    };
+    let place = placement(cfg.n_experts, 2);
+    let (x32, dy32) = (to32(&x), to32(&dy));
+    let bwd = BackwardConfig::default();
+    let res: Vec<Result<_, LayerError>> = run_local(2, TIMEOUT, |t| {
+        let n = 32 * cfg.hidden;
+        let r = t.rank();
+        let (y, saved) = forward(t, &cfg, &bwd, &p32, &place, &x32[r * n..(r + 1) * n])?;
+        let (dx, g, _) = backward(t, &cfg, &bwd, &p32, &saved, &dy32[r * n..(r + 1) * n])?;
+        Ok((y, dx, g))
+    });
+    let (y0, dx0, g) = res.into_iter().next().unwrap().unwrap();
+    let rel = |a: &[f32], b: &[f64]| {
+        let num: f64 = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (f64::from(*x) - y).powi(2))
+            .sum();
+        let den: f64 = b.iter().map(|y| y * y).sum();
+        (num / den.max(1e-300)).sqrt()
+    };
+    let n = 32 * cfg.hidden;
+    assert!(rel(&y0, &r64.y[..n]) < 1e-5);
+    assert!(rel(&dx0, &r64.dx[..n]) < 1e-5);
+    assert!(rel(&g.router, &r64.grads.router) < 1e-5);
+    assert!(rel(&g.experts[3].down, &r64.grads.experts[3].down) < 1e-5);
+}
+
+#[test]
+fn backward_exchange_bytes_scale_with_the_kept_fraction() {
+    let cfg = MoeConfig {
+        hidden: 32,
+        ffn: 16,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: false,
+    };
+    let (params, x, dy) = setup(&cfg, 256, 4);
+    let bytes = |r: f64| {
+        let bwd = BackwardConfig {
+            retention: Retention::Ratio(r),
+            ..BackwardConfig::default()
+        };
+        run(&cfg, &bwd, &params, &x, &dy, 4).unwrap().bytes_sent as f64
+    };
+    let full = bytes(1.0);
+    assert!(full > 0.0);
+    for r in [0.5, 0.25] {
+        let ratio = bytes(r) / full;
+        assert!(
+            (ratio - r).abs() < 0.08,
+            "retention {r}: bytes ratio {ratio}"
+        );
+    }
+}
+
+#[test]
+fn budgeted_retention_runs_the_controller() {
+    let cfg = MoeConfig {
+        hidden: 8,
+        ffn: 8,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: false,
+    };
+    let (params, x, dy) = setup(&cfg, 64, 8);
+    // Per rank: 2 experts (2 × 2 × 3·8·8·8 B = 6144 B) + room for 20 pairs of 128 B.
+    let budget = quota::RankBudget {
+        memory_bytes: 6144 + 20 * 128,
+        network_bytes: u64::MAX,
+    };
+    let bwd = BackwardConfig {
+        retention: Retention::Budgeted {
+            budgets: vec![budget; 2],
+            policy: quota::Policy::Maxmin,
+        },
+        ..BackwardConfig::default()
+    };
+    let r = run(&cfg, &bwd, &params, &x, &dy, 2).unwrap();
+    assert!(
+        r.kept_pairs <= 40,
+        "kept {} pairs with room for 40",
+        r.kept_pairs
+    );
+    assert!(r.kept_pairs >= 30);
+    let (_, dx, g) = reference(&cfg, &params, &x, &dy, &r.kept);
+    assert_close("dx", &r.dx, &dx, 1e-12);
+    assert_grads_close(&r.grads, &g, 1e-12);
+}
+
+#[test]
+fn bad_configs_and_inputs_are_errors() {
+    let good = cfg(false);
+    let (params, x, dy) = setup(&good, 4, 1);
+    let bad_k = MoeConfig { top_k: 5, ..good };
+    assert!(matches!(
+        run(&bad_k, &BackwardConfig::default(), &params, &x, &dy, 1),
+        Err(LayerError::Config(_))
+    ));
+    let zero = MoeConfig {
+        n_experts: 0,
+        ..good
+    };
+    assert!(matches!(
+        run(&zero, &BackwardConfig::default(), &params, &x, &dy, 1),
+        Err(LayerError::Config(_))
+    ));
+    let mut nan_dy = dy.clone();
+    nan_dy[3] = f64::NAN;
+    assert!(matches!(
+        run(&good, &BackwardConfig::default(), &params, &x, &nan_dy, 1),
+        Err(LayerError::NonFinite(_))
+    ));
+    let wrong = MoeConfig { hidden: 7, ..good };
+    assert!(matches!(
+        run(&wrong, &BackwardConfig::default(), &params, &x, &dy, 1),
+        Err(LayerError::Shape { .. })
+    ));
+    let bad_ratio = BackwardConfig {
+        retention: Retention::Ratio(1.5),
+        ..BackwardConfig::default()
+    };
+    assert!(matches!(
+        run(&good, &bad_ratio, &params, &x, &dy, 2),
+        Err(LayerError::Config(_))
+    ));
+}

@@ -1,0 +1,421 @@
+//! The collective operations the layer needs, and an in-process
+//! implementation in which every rank is a thread.
+//!
+//! The NCCL implementation (issue #5) implements the same [`Transport`].
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use kernels::cpu::Real;
+
+/// Errors of a collective.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TransportError {
+    /// A peer did not reach the collective in time.
+    #[error("rank {rank}: peers did not reach the collective within {timeout_ms} ms")]
+    Timeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The configured timeout.
+        timeout_ms: u64,
+    },
+    /// Another rank failed and aborted the group.
+    #[error("rank {rank}: a peer failed ({reason})")]
+    PeerFailed {
+        /// The rank that noticed.
+        rank: usize,
+        /// What the failing peer reported.
+        reason: String,
+    },
+    /// Counts are inconsistent with the buffers or the world size.
+    #[error("rank {rank}: {message}")]
+    BadCounts {
+        /// The rank.
+        rank: usize,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+/// Collectives over a fixed group of ranks. Every rank must call the same
+/// collectives in the same order.
+pub trait Transport: Sync {
+    /// This rank's index.
+    fn rank(&self) -> usize;
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+    /// Variable all-to-all of bytes: `send` holds the messages for ranks
+    /// `0..world` back to back, `send_counts[d]` bytes each. Returns the
+    /// received messages back to back in source order, and their lengths.
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+    ) -> Result<(Vec<u8>, Vec<usize>), TransportError>;
+    /// Every rank's `local`, in rank order.
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, TransportError>;
+    /// Bytes this rank has sent to *other* ranks so far.
+    fn bytes_sent(&self) -> u64;
+}
+
+/// Typed variable all-to-all: `counts` are in elements.
+pub fn all_to_all<T: bytemuck::Pod, X: Transport + ?Sized>(
+    comm: &X,
+    send: &[T],
+    send_counts: &[usize],
+) -> Result<(Vec<T>, Vec<usize>), TransportError> {
+    let size = std::mem::size_of::<T>();
+    let byte_counts: Vec<usize> = send_counts.iter().map(|c| c * size).collect();
+    let (bytes, counts) = comm.all_to_all_bytes(bytemuck::cast_slice(send), &byte_counts)?;
+    let out: Vec<T> = bytes
+        .chunks_exact(size)
+        .map(bytemuck::pod_read_unaligned)
+        .collect();
+    Ok((out, counts.iter().map(|c| c / size).collect()))
+}
+
+/// Every rank's `local` vector, in rank order.
+pub fn all_gather<T: bytemuck::Pod, X: Transport + ?Sized>(
+    comm: &X,
+    local: &[T],
+) -> Result<Vec<Vec<T>>, TransportError> {
+    Ok(comm
+        .all_gather_bytes(bytemuck::cast_slice(local))?
+        .iter()
+        .map(|b| {
+            b.chunks_exact(std::mem::size_of::<T>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect()
+        })
+        .collect())
+}
+
+/// Sums `buf` element-wise over all ranks, in rank order (so every rank gets
+/// bit-identical results).
+pub fn all_reduce_sum<T: Real, X: Transport + ?Sized>(
+    comm: &X,
+    buf: &mut [T],
+) -> Result<(), TransportError> {
+    if comm.world_size() == 1 {
+        return Ok(());
+    }
+    let all = all_gather(comm, buf)?;
+    buf.fill(T::zero());
+    for part in &all {
+        if part.len() != buf.len() {
+            return Err(TransportError::BadCounts {
+                rank: comm.rank(),
+                message: format!("all-reduce lengths differ: {} vs {}", part.len(), buf.len()),
+            });
+        }
+        for (b, &p) in buf.iter_mut().zip(part) {
+            *b += p;
+        }
+    }
+    Ok(())
+}
+
+/// A barrier that times out and can be aborted.
+#[derive(Debug)]
+struct Barrier {
+    state: Mutex<BarrierState>,
+    cv: Condvar,
+    n: usize,
+}
+
+#[derive(Debug, Default)]
+struct BarrierState {
+    arrived: usize,
+    generation: u64,
+    aborted: Option<String>,
+}
+
+impl Barrier {
+    fn wait(&self, rank: usize, timeout: Duration) -> Result<(), TransportError> {
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(reason) = &s.aborted {
+            return Err(TransportError::PeerFailed {
+                rank,
+                reason: reason.clone(),
+            });
+        }
+        let gen = s.generation;
+        s.arrived += 1;
+        if s.arrived == self.n {
+            s.arrived = 0;
+            s.generation += 1;
+            self.cv.notify_all();
+            return Ok(());
+        }
+        while s.generation == gen {
+            if let Some(reason) = &s.aborted {
+                return Err(TransportError::PeerFailed {
+                    rank,
+                    reason: reason.clone(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let reason = format!("rank {rank} timed out");
+                s.aborted = Some(reason);
+                self.cv.notify_all();
+                return Err(TransportError::Timeout {
+                    rank,
+                    timeout_ms: timeout.as_millis() as u64,
+                });
+            }
+            s = self
+                .cv
+                .wait_timeout(s, deadline - now)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn abort(&self, reason: String) {
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.aborted.get_or_insert(reason);
+        self.cv.notify_all();
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    n: usize,
+    slots: Mutex<Vec<Vec<u8>>>,
+    barrier: Barrier,
+    timeout: Duration,
+}
+
+/// One rank of an in-process group (see [`run_local`]).
+#[derive(Debug)]
+pub struct LocalTransport {
+    rank: usize,
+    shared: Arc<Shared>,
+    sent: AtomicU64,
+}
+
+impl LocalTransport {
+    fn post_and_collect(&self, outgoing: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, TransportError> {
+        let n = self.shared.n;
+        {
+            let mut slots = self.shared.slots.lock().unwrap_or_else(|p| p.into_inner());
+            for (d, msg) in outgoing.into_iter().enumerate() {
+                if d != self.rank {
+                    self.sent.fetch_add(msg.len() as u64, Ordering::Relaxed);
+                }
+                slots[self.rank * n + d] = msg;
+            }
+        }
+        self.shared.barrier.wait(self.rank, self.shared.timeout)?;
+        let incoming = {
+            let mut slots = self.shared.slots.lock().unwrap_or_else(|p| p.into_inner());
+            (0..n)
+                .map(|s| std::mem::take(&mut slots[s * n + self.rank]))
+                .collect()
+        };
+        // Nobody may post the next round before everyone has collected.
+        self.shared.barrier.wait(self.rank, self.shared.timeout)?;
+        Ok(incoming)
+    }
+}
+
+impl Transport for LocalTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.shared.n
+    }
+
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+    ) -> Result<(Vec<u8>, Vec<usize>), TransportError> {
+        let n = self.shared.n;
+        if send_counts.len() != n || send_counts.iter().sum::<usize>() != send.len() {
+            let message = format!(
+                "all-to-all: {} counts summing to {} for a {}-byte buffer and {n} ranks",
+                send_counts.len(),
+                send_counts.iter().sum::<usize>(),
+                send.len()
+            );
+            self.shared.barrier.abort(message.clone());
+            return Err(TransportError::BadCounts {
+                rank: self.rank,
+                message,
+            });
+        }
+        let mut at = 0;
+        let outgoing = send_counts
+            .iter()
+            .map(|&c| {
+                let m = send[at..at + c].to_vec();
+                at += c;
+                m
+            })
+            .collect();
+        let incoming = self.post_and_collect(outgoing)?;
+        let counts = incoming.iter().map(Vec::len).collect();
+        Ok((incoming.concat(), counts))
+    }
+
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.post_and_collect(vec![local.to_vec(); self.shared.n])
+    }
+
+    fn bytes_sent(&self) -> u64 {
+        self.sent.load(Ordering::Relaxed)
+    }
+}
+
+/// Runs `f` on `n` in-process ranks (one thread each) and returns their
+/// results in rank order. A rank that returns an error or panics aborts the
+/// group, so its peers fail with [`TransportError::PeerFailed`] instead of
+/// waiting; a rank that never arrives makes the others time out.
+pub fn run_local<R, E, F>(n: usize, timeout: Duration, f: F) -> Vec<Result<R, E>>
+where
+    R: Send,
+    E: Send + std::fmt::Display + From<TransportError>,
+    F: Fn(&LocalTransport) -> Result<R, E> + Sync,
+{
+    let shared = Arc::new(Shared {
+        n,
+        slots: Mutex::new(vec![Vec::new(); n * n]),
+        barrier: Barrier {
+            state: Mutex::default(),
+            cv: Condvar::new(),
+            n,
+        },
+        timeout,
+    });
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let t = LocalTransport {
+                    rank,
+                    shared: Arc::clone(&shared),
+                    sent: AtomicU64::new(0),
+                };
+                let f = &f;
+                scope.spawn(move || {
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&t)));
+                    match r {
+                        Ok(Ok(v)) => Ok(v),
+                        Ok(Err(e)) => {
+                            t.shared.barrier.abort(format!("rank {rank}: {e}"));
+                            Err(e)
+                        }
+                        Err(_) => {
+                            let reason = format!("rank {rank} panicked");
+                            t.shared.barrier.abort(reason.clone());
+                            Err(E::from(TransportError::PeerFailed { rank, reason }))
+                        }
+                    }
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| {
+                h.join().unwrap_or_else(|_| {
+                    Err(E::from(TransportError::PeerFailed {
+                        rank,
+                        reason: "thread lost".into(),
+                    }))
+                })
+            })
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The suite every transport must pass (the NCCL one will run it too).
+    pub(crate) fn transport_suite<X: Transport>(t: &X) -> Result<(), TransportError> {
+        let (r, n) = (t.rank(), t.world_size());
+        // Rank r sends (r + 1) · d copies of the value 100·r + d to rank d.
+        let mut send = vec![];
+        let mut counts = vec![];
+        for d in 0..n {
+            let c = (r + 1) * d;
+            send.extend(std::iter::repeat_n((100 * r + d) as u32, c));
+            counts.push(c);
+        }
+        let before = t.bytes_sent();
+        let (recv, rc) = all_to_all(t, &send, &counts)?;
+        let off_rank: usize = (0..n).filter(|&d| d != r).map(|d| counts[d] * 4).sum();
+        assert_eq!(t.bytes_sent() - before, off_rank as u64);
+        let mut at = 0;
+        for (s, &c) in rc.iter().enumerate() {
+            assert_eq!(c, (s + 1) * r);
+            assert!(recv[at..at + c].iter().all(|&v| v == (100 * s + r) as u32));
+            at += c;
+        }
+        let g = all_gather(t, &[r as u64, 7])?;
+        assert_eq!(g, (0..n).map(|s| vec![s as u64, 7]).collect::<Vec<_>>());
+        let mut buf = vec![r as f64, 1.0];
+        all_reduce_sum(t, &mut buf)?;
+        assert_eq!(buf, vec![(n * (n - 1) / 2) as f64, n as f64]);
+        // Zero-size messages are ordinary.
+        let (recv, rc) = all_to_all::<f32, _>(t, &[], &vec![0; n])?;
+        assert!(recv.is_empty() && rc.iter().all(|&c| c == 0));
+        Ok(())
+    }
+
+    #[test]
+    fn local_transport_passes_the_suite() {
+        for n in [1, 2, 3, 8] {
+            let res = run_local(n, Duration::from_secs(10), transport_suite);
+            assert!(res.iter().all(Result::is_ok), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn a_failing_rank_ends_every_rank_with_an_error() {
+        let res: Vec<Result<(), TransportError>> = run_local(3, Duration::from_secs(30), |t| {
+            if t.rank() == 1 {
+                return Err(TransportError::BadCounts {
+                    rank: 1,
+                    message: "boom".into(),
+                });
+            }
+            all_gather(t, &[1u8]).map(|_| ())
+        });
+        assert!(res.iter().all(Result::is_err));
+        assert!(matches!(&res[0], Err(TransportError::PeerFailed { .. })));
+    }
+
+    #[test]
+    fn a_missing_peer_times_out() {
+        let start = Instant::now();
+        let res: Vec<Result<(), TransportError>> = run_local(2, Duration::from_millis(200), |t| {
+            if t.rank() == 0 {
+                std::thread::sleep(Duration::from_millis(600));
+                return Ok(());
+            }
+            all_gather(t, &[1u8]).map(|_| ())
+        });
+        assert!(matches!(
+            res[1],
+            Err(TransportError::Timeout { rank: 1, .. })
+        ));
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn bad_counts_are_errors() {
+        let res: Vec<Result<(), TransportError>> = run_local(2, Duration::from_secs(5), |t| {
+            all_to_all(t, &[1u8, 2], &[1, 0]).map(|_| ())
+        });
+        assert!(res.iter().all(Result::is_err));
+    }
+}
