@@ -24,4 +24,5 @@ pub use quota;
 pub use redistribute;
 
 pub mod fsutil;
+pub mod model;
 pub mod plan;
