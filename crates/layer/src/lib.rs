@@ -61,7 +61,7 @@ mod moe;
 pub mod transport;
 
 pub use moe::{
-    backward, forward, BackwardConfig, BackwardStats, CallPlan, ExpertWeights, MoeConfig,
+    backward, forward, CallConfig, BackwardStats, CallPlan, ExpertWeights, MoeConfig,
     MoeParams, Retention, Saved, StageTimes,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};

@@ -170,7 +170,7 @@ pub enum Retention {
 
 /// Backward planning settings.
 #[derive(Debug, Clone, PartialEq)]
-pub struct BackwardConfig {
+pub struct CallConfig {
     /// Quotas.
     pub retention: Retention,
     /// Replicas each rank may host in this call.
@@ -179,15 +179,21 @@ pub struct BackwardConfig {
     pub replica_memory_fraction: f64,
     /// Solver of the backward redistribution.
     pub solver: redistribute::Solver,
+    /// Capacity-factor token dropping (the Switch/Megatron baseline, not
+    /// LRMoE): each source rank sends an expert at most
+    /// `⌈factor · pairs / n_experts⌉` pairs, first come first served; the
+    /// rest skip the expert in forward *and* backward. `None`: dropless.
+    pub capacity_factor: Option<f64>,
 }
 
-impl Default for BackwardConfig {
+impl Default for CallConfig {
     fn default() -> Self {
         Self {
             retention: Retention::Full,
             replica_slots_per_rank: 0,
             replica_memory_fraction: 0.25,
             solver: redistribute::Solver::Exact,
+            capacity_factor: None,
         }
     }
 }
@@ -211,6 +217,7 @@ pub struct Saved<T> {
     x: Vec<T>,
     probs: Vec<T>,
     expert_of_pair: Vec<u32>,
+    active: Vec<bool>,
     gate: Vec<T>,
     out: Vec<T>,
     h_sq: Vec<T>,
@@ -288,7 +295,7 @@ fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
 /// The controller's plan from the all-gathered routed counts.
 fn plan_call<T>(
     cfg: &MoeConfig,
-    bwd: &BackwardConfig,
+    bwd: &CallConfig,
     routed: Vec<Vec<u64>>,
     placement: &Placement,
 ) -> Result<CallPlan, LayerError> {
@@ -454,7 +461,7 @@ fn top_k<T: Real>(row: &[T], k: usize, out: &mut [u32]) {
 pub fn forward<T: Real, X: Transport>(
     comm: &X,
     cfg: &MoeConfig,
-    bwd: &BackwardConfig,
+    bwd: &CallConfig,
     params: &MoeParams<T>,
     placement: &Placement,
     x: &[T],
@@ -508,9 +515,10 @@ pub fn forward<T: Real, X: Transport>(
         }
     }
 
-    // Counts and the call's plan.
+    // Capacity dropping (baseline only), counts and the call's plan.
+    let active = capacity_mask(bwd.capacity_factor, &expert_of_pair, e_n)?;
     let mut local = vec![0u64; e_n];
-    for &e in &expert_of_pair {
+    for (&e, _) in expert_of_pair.iter().zip(&active).filter(|(_, &a)| a) {
         local[e as usize] += 1;
     }
     let routed = all_gather(comm, &local)?;
@@ -525,8 +533,7 @@ pub fn forward<T: Real, X: Transport>(
         rank_capacity: None,
     };
     let (routes, _) = agreed_routes(comm, &problem, redistribute::Solver::Exact)?;
-    let all = vec![true; expert_of_pair.len()];
-    let (send_plan, recv_plan) = exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &all)?;
+    let (send_plan, recv_plan) = exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &active)?;
     let token_rows: Vec<u32> = send_plan.gather.iter().map(|&p| p / k as u32).collect();
     let mut packed = vec![T::zero(); token_rows.len() * hd];
     pack::gather_rows(x, hd, &token_rows, &mut packed)?;
@@ -593,12 +600,33 @@ pub fn forward<T: Real, X: Transport>(
             x: x.to_vec(),
             probs,
             expert_of_pair,
+            active,
             gate,
             out,
             h_sq,
             plan,
         },
     ))
+}
+
+/// Which pairs reach their expert: all, or the first `⌈factor · P / E⌉` per
+/// expert in pair order.
+fn capacity_mask(factor: Option<f64>, expert_of_pair: &[u32], n_experts: usize) -> Result<Vec<bool>, LayerError> {
+    let Some(factor) = factor else {
+        return Ok(vec![true; expert_of_pair.len()]);
+    };
+    if !(factor.is_finite() && factor > 0.0) {
+        return Err(LayerError::Config(format!("capacity factor {factor} must be positive")));
+    }
+    let cap = (factor * expert_of_pair.len() as f64 / n_experts as f64).ceil() as usize;
+    let mut used = vec![0usize; n_experts];
+    Ok(expert_of_pair
+        .iter()
+        .map(|&e| {
+            used[e as usize] += 1;
+            used[e as usize] <= cap
+        })
+        .collect())
 }
 
 /// `(a, b, h)` of one expert on rows `x` (`rows × hidden`): `a = x·W_gate`,
@@ -627,7 +655,7 @@ fn expert_hidden<T: Real>(
 pub fn backward<T: Real, X: Transport>(
     comm: &X,
     cfg: &MoeConfig,
-    bwd: &BackwardConfig,
+    bwd: &CallConfig,
     params: &MoeParams<T>,
     saved: &Saved<T>,
     dy: &[T],
@@ -712,18 +740,22 @@ pub fn backward<T: Real, X: Transport>(
 
     // Keep the top k[me][e] pairs of each expert.
     let clock = Instant::now();
-    let ids: Vec<u64> = (0..n_pairs as u64).collect();
+    // Only pairs that reached their expert in the forward are candidates.
+    let candidates: Vec<usize> = (0..n_pairs).filter(|&p| saved.active[p]).collect();
+    let experts: Vec<u32> = candidates.iter().map(|&p| saved.expert_of_pair[p]).collect();
+    let ids: Vec<u64> = candidates.iter().map(|&p| p as u64).collect();
+    let cand_scores: Vec<f32> = candidates.iter().map(|&p| scores[p]).collect();
     let quotas: Vec<usize> = saved.plan.kept[me].iter().map(|&q| q as usize).collect();
-    let mut kept = vec![false; n_pairs];
+    let mut kept_cand = vec![false; candidates.len()];
     lrm_score::select_top(
-        lrm_score::Candidates {
-            expert: &saved.expert_of_pair,
-            id: &ids,
-            score: &scores,
-        },
+        lrm_score::Candidates { expert: &experts, id: &ids, score: &cand_scores },
         &quotas,
-        &mut kept,
+        &mut kept_cand,
     )?;
+    let mut kept = vec![false; n_pairs];
+    for (&p, &k) in candidates.iter().zip(&kept_cand) {
+        kept[p] = k;
+    }
     times.select = clock.elapsed().as_secs_f64();
 
     // Redistribute kept pairs over existing instances.

@@ -52,7 +52,7 @@ struct Run {
 
 fn run(
     cfg: &MoeConfig,
-    bwd: &BackwardConfig,
+    bwd: &CallConfig,
     params: &MoeParams<f64>,
     x: &[f64],
     dy: &[f64],
@@ -226,7 +226,7 @@ fn setup(cfg: &MoeConfig, n_tok: usize, seed: u64) -> (MoeParams<f64>, Vec<f64>,
 
 /// Loss `Σ dy · y` of the layer on one rank.
 fn loss(cfg: &MoeConfig, params: &MoeParams<f64>, x: &[f64], dy: &[f64]) -> f64 {
-    let r = run(cfg, &BackwardConfig::default(), params, x, dy, 1).unwrap();
+    let r = run(cfg, &CallConfig::default(), params, x, dy, 1).unwrap();
     r.y.iter().zip(dy).map(|(a, b)| a * b).sum()
 }
 
@@ -235,7 +235,7 @@ fn full_retention_gradients_match_central_finite_differences() {
     for renormalize in [false, true] {
         let cfg = cfg(renormalize);
         let (params, x, dy) = setup(&cfg, 9, 11);
-        let r = run(&cfg, &BackwardConfig::default(), &params, &x, &dy, 1).unwrap();
+        let r = run(&cfg, &CallConfig::default(), &params, &x, &dy, 1).unwrap();
         let eps = 1e-6;
         let fd = |perturb: &dyn Fn(&mut MoeParams<f64>, &mut Vec<f64>, f64)| {
             let (mut p1, mut x1) = (params.clone(), x.clone());
@@ -286,9 +286,9 @@ fn full_retention_matches_the_naive_reference_for_every_ep_size() {
     let (y, dx, g) = reference(&cfg, &params, &x, &dy, &all);
     for n_ranks in [1, 2, 4, 8] {
         for slots in [0, 1] {
-            let bwd = BackwardConfig {
+            let bwd = CallConfig {
                 replica_slots_per_rank: slots,
-                ..BackwardConfig::default()
+                ..CallConfig::default()
             };
             let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
             assert_close("y", &r.y, &y, 1e-12);
@@ -305,10 +305,10 @@ fn pruned_backward_equals_the_gradient_without_the_dropped_pairs() {
     let (params, x, dy) = setup(&cfg, 32, 9);
     for n_ranks in [1, 2, 4] {
         for retention in [0.75, 0.5, 0.25, 0.0] {
-            let bwd = BackwardConfig {
+            let bwd = CallConfig {
                 retention: Retention::Ratio(retention),
                 replica_slots_per_rank: 1,
-                ..BackwardConfig::default()
+                ..CallConfig::default()
             };
             let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
             let kept_frac = r.kept_pairs as f64 / r.kept.len() as f64;
@@ -329,9 +329,9 @@ fn kept_pairs_are_the_highest_scoring_of_each_expert() {
     let cfg = cfg(false);
     let (params, x, dy) = setup(&cfg, 40, 3);
     let place = placement(cfg.n_experts, 1);
-    let bwd = BackwardConfig {
+    let bwd = CallConfig {
         retention: Retention::Ratio(0.5),
-        ..BackwardConfig::default()
+        ..CallConfig::default()
     };
     let res: Vec<Result<_, LayerError>> = run_local(1, TIMEOUT, |t| {
         let (_, saved) = forward(t, &cfg, &bwd, &params, &place, &x)?;
@@ -365,7 +365,7 @@ fn f32_layer_matches_f64_within_tolerance() {
         renormalize: true,
     };
     let (params, x, dy) = setup(&cfg, 64, 21);
-    let r64 = run(&cfg, &BackwardConfig::default(), &params, &x, &dy, 2).unwrap();
+    let r64 = run(&cfg, &CallConfig::default(), &params, &x, &dy, 2).unwrap();
     let to32 = |v: &[f64]| v.iter().map(|&a| a as f32).collect::<Vec<f32>>();
     let p32 = MoeParams {
         router: to32(&params.router),
@@ -381,7 +381,7 @@ fn f32_layer_matches_f64_within_tolerance() {
     };
     let place = placement(cfg.n_experts, 2);
     let (x32, dy32) = (to32(&x), to32(&dy));
-    let bwd = BackwardConfig::default();
+    let bwd = CallConfig::default();
     let res: Vec<Result<_, LayerError>> = run_local(2, TIMEOUT, |t| {
         let n = 32 * cfg.hidden;
         let r = t.rank();
@@ -417,9 +417,9 @@ fn backward_exchange_bytes_scale_with_the_kept_fraction() {
     };
     let (params, x, dy) = setup(&cfg, 256, 4);
     let bytes = |r: f64| {
-        let bwd = BackwardConfig {
+        let bwd = CallConfig {
             retention: Retention::Ratio(r),
-            ..BackwardConfig::default()
+            ..CallConfig::default()
         };
         run(&cfg, &bwd, &params, &x, &dy, 4).unwrap().bytes_sent as f64
     };
@@ -449,12 +449,12 @@ fn budgeted_retention_runs_the_controller() {
         memory_bytes: 6144 + 20 * 128,
         network_bytes: u64::MAX,
     };
-    let bwd = BackwardConfig {
+    let bwd = CallConfig {
         retention: Retention::Budgeted {
             budgets: vec![budget; 2],
             policy: quota::Policy::Maxmin,
         },
-        ..BackwardConfig::default()
+        ..CallConfig::default()
     };
     let r = run(&cfg, &bwd, &params, &x, &dy, 2).unwrap();
     assert!(
@@ -474,7 +474,7 @@ fn bad_configs_and_inputs_are_errors() {
     let (params, x, dy) = setup(&good, 4, 1);
     let bad_k = MoeConfig { top_k: 5, ..good };
     assert!(matches!(
-        run(&bad_k, &BackwardConfig::default(), &params, &x, &dy, 1),
+        run(&bad_k, &CallConfig::default(), &params, &x, &dy, 1),
         Err(LayerError::Config(_))
     ));
     let zero = MoeConfig {
@@ -482,26 +482,47 @@ fn bad_configs_and_inputs_are_errors() {
         ..good
     };
     assert!(matches!(
-        run(&zero, &BackwardConfig::default(), &params, &x, &dy, 1),
+        run(&zero, &CallConfig::default(), &params, &x, &dy, 1),
         Err(LayerError::Config(_))
     ));
     let mut nan_dy = dy.clone();
     nan_dy[3] = f64::NAN;
     assert!(matches!(
-        run(&good, &BackwardConfig::default(), &params, &x, &nan_dy, 1),
+        run(&good, &CallConfig::default(), &params, &x, &nan_dy, 1),
         Err(LayerError::NonFinite(_))
     ));
     let wrong = MoeConfig { hidden: 7, ..good };
     assert!(matches!(
-        run(&wrong, &BackwardConfig::default(), &params, &x, &dy, 1),
+        run(&wrong, &CallConfig::default(), &params, &x, &dy, 1),
         Err(LayerError::Shape { .. })
     ));
-    let bad_ratio = BackwardConfig {
+    let bad_ratio = CallConfig {
         retention: Retention::Ratio(1.5),
-        ..BackwardConfig::default()
+        ..CallConfig::default()
     };
     assert!(matches!(
         run(&good, &bad_ratio, &params, &x, &dy, 2),
         Err(LayerError::Config(_))
     ));
+}
+
+#[test]
+fn capacity_dropping_skips_the_expert_in_forward_and_backward() {
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 40, 12);
+    let bwd = CallConfig { capacity_factor: Some(0.5), ..CallConfig::default() };
+    let r = run(&cfg, &bwd, &params, &x, &dy, 1).unwrap();
+    // At factor 0.5 each expert takes at most ⌈0.5 · 80 / 4⌉ = 10 pairs.
+    assert!(r.kept_pairs <= 40);
+    // Reference: dropped pairs have no expert output and no gradient, so the
+    // computation equals the dropless one with those pairs' weight set to 0.
+    let full = run(&cfg, &CallConfig::default(), &params, &x, &dy, 1).unwrap();
+    assert!(r.y.iter().zip(&full.y).any(|(a, b)| (a - b).abs() > 1e-9), "dropping changed nothing");
+    let (_, _, g) = reference(&cfg, &params, &x, &dy, &r.kept);
+    for e in 0..cfg.n_experts {
+        assert_close("down", &r.grads.experts[e].down, &g.experts[e].down, 1e-12);
+        assert_close("gate", &r.grads.experts[e].gate, &g.experts[e].gate, 1e-12);
+    }
+    let bad = CallConfig { capacity_factor: Some(-1.0), ..CallConfig::default() };
+    assert!(matches!(run(&cfg, &bad, &params, &x, &dy, 1), Err(LayerError::Config(_))));
 }

@@ -24,5 +24,7 @@ pub use quota;
 pub use redistribute;
 
 pub mod fsutil;
+pub mod data;
 pub mod model;
+pub mod optim;
 pub mod plan;

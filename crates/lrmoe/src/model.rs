@@ -10,7 +10,7 @@
 
 use kernels::cpu::{matmul, Op, Real};
 use layer::transport::all_reduce_sum;
-use layer::{BackwardConfig, BackwardStats, MoeConfig, MoeParams, Saved, Transport};
+use layer::{CallConfig, BackwardStats, MoeConfig, MoeParams, Saved, Transport};
 use quota::Placement;
 use serde::{Deserialize, Serialize};
 
@@ -286,6 +286,8 @@ pub struct Cache<T> {
     inv_f: Vec<T>,
     hf: Vec<T>,
     probs: Vec<T>,
+    /// Wall time spent in the MoE layers' forwards, seconds.
+    pub moe_seconds: f64,
 }
 
 impl<T> Cache<T> {
@@ -301,7 +303,7 @@ pub struct MoeRun<'a> {
     /// Expert placement (owners).
     pub placement: &'a Placement,
     /// Backward planning.
-    pub backward: &'a BackwardConfig,
+    pub backward: &'a CallConfig,
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -365,6 +367,7 @@ pub fn forward<T: Real, X: Transport>(
     }
     let scale = T::of(1.0 / (dh as f64).sqrt());
     let mut blocks = Vec::with_capacity(cfg.n_layers);
+    let mut moe_seconds = 0.0;
     for b in &model.blocks {
         let x_in = x.clone();
         let mut a = vec![T::zero(); n * d];
@@ -413,7 +416,9 @@ pub fn forward<T: Real, X: Transport>(
         let x_mid = x.clone();
         let mut m = vec![T::zero(); n * d];
         let inv2 = rmsnorm(&x, &b.norm2, &mut m);
+        let clock = std::time::Instant::now();
         let (y, moe) = layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
+        moe_seconds += clock.elapsed().as_secs_f64();
         for (xv, yv) in x.iter_mut().zip(&y) {
             *xv += *yv;
         }
@@ -442,8 +447,18 @@ pub fn forward<T: Real, X: Transport>(
     }
     Ok((
         loss,
-        Cache { tokens: tokens.to_vec(), targets: targets.to_vec(), blocks, x_final: x, inv_f, hf, probs },
+        Cache { tokens: tokens.to_vec(), targets: targets.to_vec(), blocks, x_final: x, inv_f, hf, probs, moe_seconds },
     ))
+}
+
+/// What [`backward`] returns.
+pub struct Gradients<T> {
+    /// Gradients of every weight, summed over ranks.
+    pub grads: Model<T>,
+    /// Each MoE layer's backward figures on this rank, in layer order.
+    pub moe_stats: Vec<BackwardStats>,
+    /// Wall time spent in the MoE layers' backwards, seconds.
+    pub moe_seconds: f64,
 }
 
 /// Gradients of the mean loss over *all* ranks' tokens (each rank holds the
@@ -456,7 +471,7 @@ pub fn backward<T: Real, X: Transport>(
     run: &MoeRun<'_>,
     cache: &Cache<T>,
     seq: usize,
-) -> Result<(Model<T>, Vec<BackwardStats>), ModelError> {
+) -> Result<Gradients<T>, ModelError> {
     let (d, v_n, heads) = (cfg.d_model, cfg.vocab, cfg.n_heads);
     let dh = d / heads;
     let n = cache.tokens.len();
@@ -477,11 +492,14 @@ pub fn backward<T: Real, X: Transport>(
     rmsnorm_backward(&cache.x_final, &model.norm_f, &cache.inv_f, &dhf, &mut dx, &mut g.norm_f);
 
     let mut stats = Vec::with_capacity(cfg.n_layers);
+    let mut moe_seconds = 0.0;
     let scale = T::of(1.0 / (dh as f64).sqrt());
     for (li, (b, c)) in model.blocks.iter().zip(&cache.blocks).enumerate().rev() {
         let gb = &mut g.blocks[li];
         // MoE branch: x = x_mid + moe(norm2(x_mid)).
+        let clock = std::time::Instant::now();
         let (dm, moe_grads, st) = layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
+        moe_seconds += clock.elapsed().as_secs_f64();
         gb.moe = moe_grads;
         stats.push(st);
         rmsnorm_backward(&c.x_mid, &b.norm2, &c.inv2, &dm, &mut dx, &mut gb.norm2);
@@ -535,7 +553,7 @@ pub fn backward<T: Real, X: Transport>(
     if g.tensors().iter().any(|(_, t)| t.iter().any(|v| !v.is_finite())) {
         return Err(ModelError::NonFinite("gradient"));
     }
-    Ok((g, stats))
+    Ok(Gradients { grads: g, moe_stats: stats, moe_seconds })
 }
 
 #[cfg(test)]
@@ -557,14 +575,14 @@ mod tests {
         ranks: usize,
     ) -> (f64, Model<f64>) {
         let placement = Placement { owner: (0..cfg.n_experts).map(|e| e % ranks).collect(), replicas: vec![] };
-        let bwd = BackwardConfig::default();
+        let bwd = CallConfig::default();
         let run = MoeRun { placement: &placement, backward: &bwd };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
             let r = t.rank();
             let (l, c) = forward(t, cfg, model, &run, &tokens[r * per..(r + 1) * per], &targets[r * per..(r + 1) * per], seq)?;
-            let (g, _) = backward(t, cfg, model, &run, &c, seq)?;
-            Ok((l, g))
+            let g = backward(t, cfg, model, &run, &c, seq)?;
+            Ok((l, g.grads))
         });
         let mut total = 0.0;
         let mut grads = None;
@@ -623,7 +641,7 @@ mod tests {
         let cfg = tiny();
         let model = Model::<f32>::init(&cfg, 1);
         let placement = Placement { owner: vec![0; 4], replicas: vec![] };
-        let bwd = BackwardConfig::default();
+        let bwd = CallConfig::default();
         let run = MoeRun { placement: &placement, backward: &bwd };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())
