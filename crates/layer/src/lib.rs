@@ -61,8 +61,8 @@ mod moe;
 pub mod transport;
 
 pub use moe::{
-    backward, forward, CallConfig, BackwardStats, CallPlan, ExpertWeights, MoeConfig,
-    MoeParams, Retention, Saved, StageTimes,
+    backward, forward, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams,
+    Retention, Saved, StageTimes,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

@@ -533,7 +533,8 @@ pub fn forward<T: Real, X: Transport>(
         rank_capacity: None,
     };
     let (routes, _) = agreed_routes(comm, &problem, redistribute::Solver::Exact)?;
-    let (send_plan, recv_plan) = exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &active)?;
+    let (send_plan, recv_plan) =
+        exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &active)?;
     let token_rows: Vec<u32> = send_plan.gather.iter().map(|&p| p / k as u32).collect();
     let mut packed = vec![T::zero(); token_rows.len() * hd];
     pack::gather_rows(x, hd, &token_rows, &mut packed)?;
@@ -611,12 +612,18 @@ pub fn forward<T: Real, X: Transport>(
 
 /// Which pairs reach their expert: all, or the first `⌈factor · P / E⌉` per
 /// expert in pair order.
-fn capacity_mask(factor: Option<f64>, expert_of_pair: &[u32], n_experts: usize) -> Result<Vec<bool>, LayerError> {
+fn capacity_mask(
+    factor: Option<f64>,
+    expert_of_pair: &[u32],
+    n_experts: usize,
+) -> Result<Vec<bool>, LayerError> {
     let Some(factor) = factor else {
         return Ok(vec![true; expert_of_pair.len()]);
     };
     if !(factor.is_finite() && factor > 0.0) {
-        return Err(LayerError::Config(format!("capacity factor {factor} must be positive")));
+        return Err(LayerError::Config(format!(
+            "capacity factor {factor} must be positive"
+        )));
     }
     let cap = (factor * expert_of_pair.len() as f64 / n_experts as f64).ceil() as usize;
     let mut used = vec![0usize; n_experts];
@@ -742,13 +749,20 @@ pub fn backward<T: Real, X: Transport>(
     let clock = Instant::now();
     // Only pairs that reached their expert in the forward are candidates.
     let candidates: Vec<usize> = (0..n_pairs).filter(|&p| saved.active[p]).collect();
-    let experts: Vec<u32> = candidates.iter().map(|&p| saved.expert_of_pair[p]).collect();
+    let experts: Vec<u32> = candidates
+        .iter()
+        .map(|&p| saved.expert_of_pair[p])
+        .collect();
     let ids: Vec<u64> = candidates.iter().map(|&p| p as u64).collect();
     let cand_scores: Vec<f32> = candidates.iter().map(|&p| scores[p]).collect();
     let quotas: Vec<usize> = saved.plan.kept[me].iter().map(|&q| q as usize).collect();
     let mut kept_cand = vec![false; candidates.len()];
     lrm_score::select_top(
-        lrm_score::Candidates { expert: &experts, id: &ids, score: &cand_scores },
+        lrm_score::Candidates {
+            expert: &experts,
+            id: &ids,
+            score: &cand_scores,
+        },
         &quotas,
         &mut kept_cand,
     )?;

@@ -510,19 +510,31 @@ fn bad_configs_and_inputs_are_errors() {
 fn capacity_dropping_skips_the_expert_in_forward_and_backward() {
     let cfg = cfg(false);
     let (params, x, dy) = setup(&cfg, 40, 12);
-    let bwd = CallConfig { capacity_factor: Some(0.5), ..CallConfig::default() };
+    let bwd = CallConfig {
+        capacity_factor: Some(0.5),
+        ..CallConfig::default()
+    };
     let r = run(&cfg, &bwd, &params, &x, &dy, 1).unwrap();
     // At factor 0.5 each expert takes at most ⌈0.5 · 80 / 4⌉ = 10 pairs.
     assert!(r.kept_pairs <= 40);
     // Reference: dropped pairs have no expert output and no gradient, so the
     // computation equals the dropless one with those pairs' weight set to 0.
     let full = run(&cfg, &CallConfig::default(), &params, &x, &dy, 1).unwrap();
-    assert!(r.y.iter().zip(&full.y).any(|(a, b)| (a - b).abs() > 1e-9), "dropping changed nothing");
+    assert!(
+        r.y.iter().zip(&full.y).any(|(a, b)| (a - b).abs() > 1e-9),
+        "dropping changed nothing"
+    );
     let (_, _, g) = reference(&cfg, &params, &x, &dy, &r.kept);
     for e in 0..cfg.n_experts {
         assert_close("down", &r.grads.experts[e].down, &g.experts[e].down, 1e-12);
         assert_close("gate", &r.grads.experts[e].gate, &g.experts[e].gate, 1e-12);
     }
-    let bad = CallConfig { capacity_factor: Some(-1.0), ..CallConfig::default() };
-    assert!(matches!(run(&cfg, &bad, &params, &x, &dy, 1), Err(LayerError::Config(_))));
+    let bad = CallConfig {
+        capacity_factor: Some(-1.0),
+        ..CallConfig::default()
+    };
+    assert!(matches!(
+        run(&cfg, &bad, &params, &x, &dy, 1),
+        Err(LayerError::Config(_))
+    ));
 }

@@ -40,19 +40,32 @@ pub const MIN_CORPUS_BYTES: usize = 4096;
 
 /// Loads a text corpus and splits off the last `val_fraction` as validation.
 pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::Read { path: path.display().to_string(), source })?;
-    let corrupted = |reason: String| DataError::Corrupted { path: path.display().to_string(), reason };
+    let bytes = std::fs::read(path).map_err(|source| DataError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let corrupted = |reason: String| DataError::Corrupted {
+        path: path.display().to_string(),
+        reason,
+    };
     if bytes.len() < MIN_CORPUS_BYTES {
-        return Err(corrupted(format!("{} bytes, need at least {MIN_CORPUS_BYTES}", bytes.len())));
+        return Err(corrupted(format!(
+            "{} bytes, need at least {MIN_CORPUS_BYTES}",
+            bytes.len()
+        )));
     }
     if let Some(pos) = bytes.iter().position(|&b| b == 0) {
-        return Err(corrupted(format!("NUL byte at offset {pos} (binary data?)")));
+        return Err(corrupted(format!(
+            "NUL byte at offset {pos} (binary data?)"
+        )));
     }
     if let Err(e) = std::str::from_utf8(&bytes) {
         return Err(corrupted(format!("not UTF-8 text ({e})")));
     }
     if !(0.0..0.5).contains(&val_fraction) || val_fraction == 0.0 {
-        return Err(corrupted(format!("val_fraction {val_fraction} must be in (0, 0.5)")));
+        return Err(corrupted(format!(
+            "val_fraction {val_fraction} must be in (0, 0.5)"
+        )));
     }
     let mut present = [false; 256];
     bytes.iter().for_each(|&b| present[b as usize] = true);
@@ -63,7 +76,11 @@ pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> 
     }
     let tokens: Vec<u32> = bytes.iter().map(|&b| id[b as usize]).collect();
     let split = ((1.0 - val_fraction) * tokens.len() as f64) as usize;
-    Ok(Corpus { vocab, train: tokens[..split].to_vec(), val: tokens[split..].to_vec() })
+    Ok(Corpus {
+        vocab,
+        train: tokens[..split].to_vec(),
+        val: tokens[split..].to_vec(),
+    })
 }
 
 /// Cross-entropy (nats per token) of the validation split under the
@@ -74,7 +91,11 @@ pub fn unigram_baseline(corpus: &Corpus) -> f64 {
     let mut counts = vec![1.0f64; v];
     corpus.train.iter().for_each(|&t| counts[t as usize] += 1.0);
     let total: f64 = counts.iter().sum();
-    let nll: f64 = corpus.val.iter().map(|&t| -(counts[t as usize] / total).ln()).sum();
+    let nll: f64 = corpus
+        .val
+        .iter()
+        .map(|&t| -(counts[t as usize] / total).ln())
+        .sum();
     nll / corpus.val.len().max(1) as f64
 }
 
@@ -94,7 +115,12 @@ impl SplitMix {
 }
 
 /// `n_seq` random windows of `seq + 1` tokens: inputs and next-token targets.
-pub fn random_batch(data: &[u32], n_seq: usize, seq: usize, rng: &mut SplitMix) -> (Vec<u32>, Vec<u32>) {
+pub fn random_batch(
+    data: &[u32],
+    n_seq: usize,
+    seq: usize,
+    rng: &mut SplitMix,
+) -> (Vec<u32>, Vec<u32>) {
     let span = data.len() - seq - 1;
     let mut x = Vec::with_capacity(n_seq * seq);
     let mut y = Vec::with_capacity(n_seq * seq);
@@ -107,7 +133,13 @@ pub fn random_batch(data: &[u32], n_seq: usize, seq: usize, rng: &mut SplitMix) 
 }
 
 /// Fixed validation windows evenly spread over `data` (the same every eval).
-pub fn eval_batch(data: &[u32], n_seq: usize, seq: usize, index: usize, batches: usize) -> (Vec<u32>, Vec<u32>) {
+pub fn eval_batch(
+    data: &[u32],
+    n_seq: usize,
+    seq: usize,
+    index: usize,
+    batches: usize,
+) -> (Vec<u32>, Vec<u32>) {
     let span = data.len() - seq - 1;
     let total = n_seq * batches;
     let mut x = Vec::with_capacity(n_seq * seq);
@@ -138,10 +170,16 @@ mod tests {
     fn missing_and_corrupted_corpora_are_errors() {
         let dir = std::env::temp_dir().join(format!("lrmoe-data-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        assert!(matches!(load_corpus(&dir.join("nope.txt"), 0.1), Err(DataError::Read { .. })));
+        assert!(matches!(
+            load_corpus(&dir.join("nope.txt"), 0.1),
+            Err(DataError::Read { .. })
+        ));
         let small = dir.join("small.txt");
         std::fs::write(&small, "tiny").unwrap();
-        assert!(matches!(load_corpus(&small, 0.1), Err(DataError::Corrupted { .. })));
+        assert!(matches!(
+            load_corpus(&small, 0.1),
+            Err(DataError::Corrupted { .. })
+        ));
         let bin = dir.join("bin.txt");
         let mut b = vec![b'a'; 5000];
         b[10] = 0;

@@ -23,8 +23,11 @@ pub use pack;
 pub use quota;
 pub use redistribute;
 
-pub mod fsutil;
+pub mod compare;
 pub mod data;
+pub mod fsutil;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod tensorfile;
+pub mod train;

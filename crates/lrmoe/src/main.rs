@@ -40,6 +40,110 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
+    /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2 cores).
+    Train(TrainArgs),
+}
+
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// TOML configuration (every field optional; flags below override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Optimizer steps.
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Seed.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Backward mode of the MoE layers.
+    #[arg(long, value_enum)]
+    mode: Option<lrmoe::train::Mode>,
+    /// In-process expert-parallel ranks.
+    #[arg(long)]
+    ranks: Option<usize>,
+    /// Output folder (metrics.jsonl, checkpoint.safetensors, reports).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Text corpus.
+    #[arg(long)]
+    corpus: Option<PathBuf>,
+    /// Stop at the first evaluation at or below this validation loss.
+    #[arg(long)]
+    target_val_loss: Option<f64>,
+    /// Wall-time limit in minutes.
+    #[arg(long)]
+    max_minutes: Option<f64>,
+    /// Continue from the checkpoint in the output folder.
+    #[arg(long)]
+    resume: bool,
+    /// Train full, LRMoE and capacity-factor backwards to the same target
+    /// validation loss and write a comparison table and plot.
+    #[arg(long)]
+    compare: bool,
+    /// No progress bar.
+    #[arg(long)]
+    no_progress: bool,
+}
+
+fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
+    let mut cfg = match &a.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            lrmoe::train::TrainConfig::from_toml(&text)
+                .with_context(|| format!("{}", path.display()))?
+        }
+        None => lrmoe::train::TrainConfig::default(),
+    };
+    if let Some(v) = a.steps {
+        cfg.steps = v;
+    }
+    if let Some(v) = a.seed {
+        cfg.seed = v;
+    }
+    if let Some(v) = a.mode {
+        cfg.moe.mode = v;
+    }
+    if let Some(v) = a.ranks {
+        cfg.moe.ranks = v;
+    }
+    if let Some(v) = &a.out {
+        cfg.run.out_dir = v.clone();
+    }
+    if let Some(v) = &a.corpus {
+        cfg.data.corpus = v.clone();
+    }
+    if let Some(v) = a.target_val_loss {
+        cfg.run.target_val_loss = Some(v);
+    }
+    if let Some(v) = a.max_minutes {
+        cfg.run.max_minutes = Some(v);
+    }
+    Ok(cfg)
+}
+
+fn train(a: &TrainArgs) -> anyhow::Result<()> {
+    let cfg = train_config(a)?;
+    let opts = lrmoe::train::RunOptions {
+        resume: a.resume,
+        progress: !a.no_progress,
+    };
+    if a.compare {
+        let report = lrmoe::compare::run(&cfg, &opts)?;
+        println!("{}", report.table);
+        println!("wrote {}", report.files.join(", "));
+        return Ok(());
+    }
+    let s = lrmoe::train::train(&cfg, &opts)?;
+    println!(
+        "steps {} | validation loss {:.4} nats/token | unigram baseline {:.4} | mean kept fraction {:.3} | {}",
+        s.steps,
+        s.final_val_loss,
+        s.unigram_val_loss,
+        s.mean_kept_fraction,
+        cfg.run.out_dir.display()
+    );
+    Ok(())
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -57,6 +161,7 @@ enum PolicyArg {
 
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
+        Command::Train(a) => train(&a),
         Command::Plan {
             input,
             solver,
@@ -95,6 +200,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LRMOE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

@@ -10,7 +10,7 @@
 
 use kernels::cpu::{matmul, Op, Real};
 use layer::transport::all_reduce_sum;
-use layer::{CallConfig, BackwardStats, MoeConfig, MoeParams, Saved, Transport};
+use layer::{BackwardStats, CallConfig, MoeConfig, MoeParams, Saved, Transport};
 use quota::Placement;
 use serde::{Deserialize, Serialize};
 
@@ -74,7 +74,9 @@ impl ModelConfig {
     /// Rejects shapes that cannot work.
     pub fn validate(&self) -> Result<(), ModelError> {
         if self.vocab == 0 || self.d_model == 0 || self.n_layers == 0 || self.n_heads == 0 {
-            return Err(ModelError::Config("vocab, d_model, n_layers and n_heads must be positive".into()));
+            return Err(ModelError::Config(
+                "vocab, d_model, n_layers and n_heads must be positive".into(),
+            ));
         }
         if self.d_model % self.n_heads != 0 {
             return Err(ModelError::Config(format!(
@@ -123,7 +125,10 @@ struct Rng(u64);
 
 impl Rng {
     fn uniform(&mut self) -> f64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (self.0 >> 11) as f64 / (1u64 << 53) as f64
     }
     fn fill<T: Real>(&mut self, v: &mut [T], scale: f64) {
@@ -251,9 +256,19 @@ fn rmsnorm<T: Real>(x: &[T], w: &[T], y: &mut [T]) -> Vec<T> {
 /// Backward of [`rmsnorm`]: adds into `dx` and `dw`.
 fn rmsnorm_backward<T: Real>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T], dw: &mut [T]) {
     let d = w.len();
-    for (r, ((xr, dyr), dxr)) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)).enumerate() {
+    for (r, ((xr, dyr), dxr)) in x
+        .chunks_exact(d)
+        .zip(dy.chunks_exact(d))
+        .zip(dx.chunks_exact_mut(d))
+        .enumerate()
+    {
         let s = inv[r];
-        let dot: T = xr.iter().zip(dyr).zip(w).map(|((&xv, &g), &wv)| g * wv * xv).sum();
+        let dot: T = xr
+            .iter()
+            .zip(dyr)
+            .zip(w)
+            .map(|((&xv, &g), &wv)| g * wv * xv)
+            .sum();
         let c = dot * s * s * s / T::of(d as f64);
         for i in 0..d {
             dw[i] += dyr[i] * xr[i] * s;
@@ -329,7 +344,8 @@ fn merge_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut 
         for t in 0..seq {
             for hh in 0..heads {
                 let src = ((b * heads + hh) * seq + t) * dh;
-                out[(b * seq + t) * d + hh * dh..(b * seq + t) * d + (hh + 1) * dh].copy_from_slice(&x[src..src + dh]);
+                out[(b * seq + t) * d + hh * dh..(b * seq + t) * d + (hh + 1) * dh]
+                    .copy_from_slice(&x[src..src + dh]);
             }
         }
     }
@@ -357,7 +373,9 @@ pub fn forward<T: Real, X: Transport>(
         )));
     }
     if let Some(&t) = tokens.iter().chain(targets).find(|&&t| t as usize >= v_n) {
-        return Err(ModelError::Batch(format!("token {t} outside the vocabulary of {v_n}")));
+        return Err(ModelError::Batch(format!(
+            "token {t} outside the vocabulary of {v_n}"
+        )));
     }
     let n = tokens.len();
     let n_seq = n / seq;
@@ -395,7 +413,7 @@ pub fn forward<T: Real, X: Transport>(
                     if j > i {
                         *s = T::neg_infinity();
                     } else {
-                        *s = *s * scale;
+                        *s *= scale;
                         max = max.max(*s);
                     }
                 }
@@ -408,7 +426,15 @@ pub fn forward<T: Real, X: Transport>(
                     *s = *s / sum;
                 }
             }
-            matmul(&mut ctx[sh * seq * dh..(sh + 1) * seq * dh], p, Op::N, vs, Op::N, (seq, seq, dh), false)?;
+            matmul(
+                &mut ctx[sh * seq * dh..(sh + 1) * seq * dh],
+                p,
+                Op::N,
+                vs,
+                Op::N,
+                (seq, seq, dh),
+                false,
+            )?;
         }
         let mut attn = vec![T::zero(); n * d];
         merge_heads(&ctx, seq, heads, dh, &mut attn);
@@ -422,12 +448,32 @@ pub fn forward<T: Real, X: Transport>(
         for (xv, yv) in x.iter_mut().zip(&y) {
             *xv += *yv;
         }
-        blocks.push(BlockCache { x_in, inv1, a, q, k, v, probs, attn, x_mid, inv2, moe });
+        blocks.push(BlockCache {
+            x_in,
+            inv1,
+            a,
+            q,
+            k,
+            v,
+            probs,
+            attn,
+            x_mid,
+            inv2,
+            moe,
+        });
     }
     let mut hf = vec![T::zero(); n * d];
     let inv_f = rmsnorm(&x, &model.norm_f, &mut hf);
     let mut probs = vec![T::zero(); n * v_n];
-    matmul(&mut probs, &hf, Op::N, &model.head, Op::N, (n, d, v_n), false)?;
+    matmul(
+        &mut probs,
+        &hf,
+        Op::N,
+        &model.head,
+        Op::N,
+        (n, d, v_n),
+        false,
+    )?;
     let mut loss = 0.0f64;
     for (row, &t) in probs.chunks_exact_mut(v_n).zip(targets) {
         let max = row.iter().fold(T::neg_infinity(), |a, &b| a.max(b));
@@ -447,7 +493,16 @@ pub fn forward<T: Real, X: Transport>(
     }
     Ok((
         loss,
-        Cache { tokens: tokens.to_vec(), targets: targets.to_vec(), blocks, x_final: x, inv_f, hf, probs, moe_seconds },
+        Cache {
+            tokens: tokens.to_vec(),
+            targets: targets.to_vec(),
+            blocks,
+            x_final: x,
+            inv_f,
+            hf,
+            probs,
+            moe_seconds,
+        },
     ))
 }
 
@@ -483,13 +538,36 @@ pub fn backward<T: Real, X: Transport>(
     let mut dlogits = cache.probs.clone();
     for (row, &t) in dlogits.chunks_exact_mut(v_n).zip(&cache.targets) {
         row[t as usize] -= T::one();
-        row.iter_mut().for_each(|v| *v = *v * inv_n);
+        row.iter_mut().for_each(|v| *v *= inv_n);
     }
-    matmul(&mut g.head, &cache.hf, Op::T, &dlogits, Op::N, (d, n, v_n), false)?;
+    matmul(
+        &mut g.head,
+        &cache.hf,
+        Op::T,
+        &dlogits,
+        Op::N,
+        (d, n, v_n),
+        false,
+    )?;
     let mut dhf = vec![T::zero(); n * d];
-    matmul(&mut dhf, &dlogits, Op::N, &model.head, Op::T, (n, v_n, d), false)?;
+    matmul(
+        &mut dhf,
+        &dlogits,
+        Op::N,
+        &model.head,
+        Op::T,
+        (n, v_n, d),
+        false,
+    )?;
     let mut dx = vec![T::zero(); n * d];
-    rmsnorm_backward(&cache.x_final, &model.norm_f, &cache.inv_f, &dhf, &mut dx, &mut g.norm_f);
+    rmsnorm_backward(
+        &cache.x_final,
+        &model.norm_f,
+        &cache.inv_f,
+        &dhf,
+        &mut dx,
+        &mut g.norm_f,
+    );
 
     let mut stats = Vec::with_capacity(cfg.n_layers);
     let mut moe_seconds = 0.0;
@@ -498,7 +576,8 @@ pub fn backward<T: Real, X: Transport>(
         let gb = &mut g.blocks[li];
         // MoE branch: x = x_mid + moe(norm2(x_mid)).
         let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) = layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
+        let (dm, moe_grads, st) =
+            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
         moe_seconds += clock.elapsed().as_secs_f64();
         gb.moe = moe_grads;
         stats.push(st);
@@ -516,8 +595,24 @@ pub fn backward<T: Real, X: Transport>(
         for sh in 0..n_seq * heads {
             let r = sh * seq * dh..(sh + 1) * seq * dh;
             let p = &c.probs[sh * seq * seq..(sh + 1) * seq * seq];
-            matmul(&mut dv[r.clone()], p, Op::T, &dctx[r.clone()], Op::N, (seq, seq, dh), false)?;
-            matmul(&mut dp, &dctx[r.clone()], Op::N, &c.v[r.clone()], Op::T, (seq, dh, seq), false)?;
+            matmul(
+                &mut dv[r.clone()],
+                p,
+                Op::T,
+                &dctx[r.clone()],
+                Op::N,
+                (seq, seq, dh),
+                false,
+            )?;
+            matmul(
+                &mut dp,
+                &dctx[r.clone()],
+                Op::N,
+                &c.v[r.clone()],
+                Op::T,
+                (seq, dh, seq),
+                false,
+            )?;
             // dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the 1/√dh scale.
             for (prow, dprow) in p.chunks_exact(seq).zip(dp.chunks_exact_mut(seq)) {
                 let dot: T = prow.iter().zip(dprow.iter()).map(|(&a, &b)| a * b).sum();
@@ -525,12 +620,32 @@ pub fn backward<T: Real, X: Transport>(
                     *ds = pv * (*ds - dot) * scale;
                 }
             }
-            matmul(&mut dq[r.clone()], &dp, Op::N, &c.k[r.clone()], Op::N, (seq, seq, dh), false)?;
-            matmul(&mut dk[r.clone()], &dp, Op::T, &c.q[r.clone()], Op::N, (seq, seq, dh), false)?;
+            matmul(
+                &mut dq[r.clone()],
+                &dp,
+                Op::N,
+                &c.k[r.clone()],
+                Op::N,
+                (seq, seq, dh),
+                false,
+            )?;
+            matmul(
+                &mut dk[r.clone()],
+                &dp,
+                Op::T,
+                &c.q[r.clone()],
+                Op::N,
+                (seq, seq, dh),
+                false,
+            )?;
         }
         let mut da = vec![T::zero(); n * d];
         let mut merged = vec![T::zero(); n * d];
-        for (dproj, w, gw) in [(&dq, &b.wq, &mut gb.wq), (&dk, &b.wk, &mut gb.wk), (&dv, &b.wv, &mut gb.wv)] {
+        for (dproj, w, gw) in [
+            (&dq, &b.wq, &mut gb.wq),
+            (&dk, &b.wk, &mut gb.wk),
+            (&dv, &b.wv, &mut gb.wv),
+        ] {
             merge_heads(dproj, seq, heads, dh, &mut merged);
             matmul(gw, &c.a, Op::T, &merged, Op::N, (d, n, d), false)?;
             matmul(&mut da, &merged, Op::N, w, Op::T, (n, d, d), true)?;
@@ -538,7 +653,10 @@ pub fn backward<T: Real, X: Transport>(
         rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, &mut dx, &mut gb.norm1);
     }
     for (row, &t) in dx.chunks_exact(d).zip(&cache.tokens) {
-        for (gv, &v) in g.embed[t as usize * d..(t as usize + 1) * d].iter_mut().zip(row) {
+        for (gv, &v) in g.embed[t as usize * d..(t as usize + 1) * d]
+            .iter_mut()
+            .zip(row)
+        {
             *gv += v;
         }
     }
@@ -550,10 +668,17 @@ pub fn backward<T: Real, X: Transport>(
             all_reduce_sum(comm, t)?;
         }
     }
-    if g.tensors().iter().any(|(_, t)| t.iter().any(|v| !v.is_finite())) {
+    if g.tensors()
+        .iter()
+        .any(|(_, t)| t.iter().any(|v| !v.is_finite()))
+    {
         return Err(ModelError::NonFinite("gradient"));
     }
-    Ok(Gradients { grads: g, moe_stats: stats, moe_seconds })
+    Ok(Gradients {
+        grads: g,
+        moe_stats: stats,
+        moe_seconds,
+    })
 }
 
 #[cfg(test)]
@@ -563,7 +688,16 @@ mod tests {
     use std::time::Duration;
 
     fn tiny() -> ModelConfig {
-        ModelConfig { vocab: 7, d_model: 8, n_layers: 2, n_heads: 2, ffn: 6, n_experts: 4, top_k: 2, renormalize: true }
+        ModelConfig {
+            vocab: 7,
+            d_model: 8,
+            n_layers: 2,
+            n_heads: 2,
+            ffn: 6,
+            n_experts: 4,
+            top_k: 2,
+            renormalize: true,
+        }
     }
 
     fn loss_and_grads(
@@ -574,13 +708,27 @@ mod tests {
         seq: usize,
         ranks: usize,
     ) -> (f64, Model<f64>) {
-        let placement = Placement { owner: (0..cfg.n_experts).map(|e| e % ranks).collect(), replicas: vec![] };
+        let placement = Placement {
+            owner: (0..cfg.n_experts).map(|e| e % ranks).collect(),
+            replicas: vec![],
+        };
         let bwd = CallConfig::default();
-        let run = MoeRun { placement: &placement, backward: &bwd };
+        let run = MoeRun {
+            placement: &placement,
+            backward: &bwd,
+        };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
             let r = t.rank();
-            let (l, c) = forward(t, cfg, model, &run, &tokens[r * per..(r + 1) * per], &targets[r * per..(r + 1) * per], seq)?;
+            let (l, c) = forward(
+                t,
+                cfg,
+                model,
+                &run,
+                &tokens[r * per..(r + 1) * per],
+                &targets[r * per..(r + 1) * per],
+                seq,
+            )?;
             let g = backward(t, cfg, model, &run, &c, seq)?;
             Ok((l, g.grads))
         });
@@ -615,7 +763,10 @@ mod tests {
                     - loss_and_grads(&cfg, &minus, &tokens, &targets, seq, 1).0)
                     / (2.0 * eps);
                 let an = grads.tensors()[ti].1[idx];
-                assert!((fd - an).abs() <= 1e-6 * (1.0 + fd.abs()), "{name}[{idx}]: analytic {an}, numeric {fd}");
+                assert!(
+                    (fd - an).abs() <= 1e-6 * (1.0 + fd.abs()),
+                    "{name}[{idx}]: analytic {an}, numeric {fd}"
+                );
             }
         }
     }
@@ -640,9 +791,15 @@ mod tests {
     fn bad_batches_are_errors() {
         let cfg = tiny();
         let model = Model::<f32>::init(&cfg, 1);
-        let placement = Placement { owner: vec![0; 4], replicas: vec![] };
+        let placement = Placement {
+            owner: vec![0; 4],
+            replicas: vec![],
+        };
         let bwd = CallConfig::default();
-        let run = MoeRun { placement: &placement, backward: &bwd };
+        let run = MoeRun {
+            placement: &placement,
+            backward: &bwd,
+        };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())
         });

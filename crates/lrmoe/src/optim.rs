@@ -28,7 +28,16 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self { lr: 3e-3, min_lr: 3e-4, warmup: 100, weight_decay: 0.1, beta1: 0.9, beta2: 0.95, eps: 1e-8, clip: 1.0 }
+        Self {
+            lr: 3e-3,
+            min_lr: 3e-4,
+            warmup: 100,
+            weight_decay: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            clip: 1.0,
+        }
     }
 }
 
@@ -59,7 +68,13 @@ fn decays(name: &str) -> bool {
 
 /// Clips `grads` to global norm `cfg.clip` and applies one AdamW update at
 /// learning rate `lr`. Returns the gradient norm before clipping.
-pub fn step<T: Real>(cfg: &AdamWConfig, model: &mut Model<T>, grads: &Model<T>, state: &mut AdamWState<T>, lr: f64) -> f64 {
+pub fn step<T: Real>(
+    cfg: &AdamWConfig,
+    model: &mut Model<T>,
+    grads: &Model<T>,
+    state: &mut AdamWState<T>,
+    lr: f64,
+) -> f64 {
     let norm: f64 = grads
         .tensors()
         .iter()
@@ -67,14 +82,24 @@ pub fn step<T: Real>(cfg: &AdamWConfig, model: &mut Model<T>, grads: &Model<T>, 
         .map(|g| g.wide() * g.wide())
         .sum::<f64>()
         .sqrt();
-    let scale = if cfg.clip > 0.0 && norm > cfg.clip { cfg.clip / norm } else { 1.0 };
+    let scale = if cfg.clip > 0.0 && norm > cfg.clip {
+        cfg.clip / norm
+    } else {
+        1.0
+    };
     state.t += 1;
     let bc1 = 1.0 - cfg.beta1.powi(state.t as i32);
     let bc2 = 1.0 - cfg.beta2.powi(state.t as i32);
     let g_all = grads.tensors();
     let m_all = state.m.tensors_mut();
     let v_all = state.v.tensors_mut();
-    for ((((name, p), (_, g)), (_, m)), (_, v)) in model.tensors_mut().into_iter().zip(g_all).zip(m_all).zip(v_all) {
+    for ((((name, p), (_, g)), (_, m)), (_, v)) in model
+        .tensors_mut()
+        .into_iter()
+        .zip(g_all)
+        .zip(m_all)
+        .zip(v_all)
+    {
         let wd = if decays(&name) { cfg.weight_decay } else { 0.0 };
         for i in 0..p.len() {
             let gi = g[i].wide() * scale;
@@ -96,7 +121,10 @@ mod tests {
 
     #[test]
     fn schedule_warms_up_then_decays_to_min() {
-        let c = AdamWConfig { warmup: 10, ..AdamWConfig::default() };
+        let c = AdamWConfig {
+            warmup: 10,
+            ..AdamWConfig::default()
+        };
         assert!((lr_at(&c, 9, 100) - c.lr).abs() < 1e-12);
         assert!(lr_at(&c, 50, 100) < c.lr);
         assert!((lr_at(&c, 100, 100) - c.min_lr).abs() < 1e-12);
@@ -104,13 +132,30 @@ mod tests {
 
     #[test]
     fn first_step_moves_each_weight_by_lr_against_its_gradient_sign() {
-        let cfg = ModelConfig { vocab: 3, d_model: 4, n_layers: 1, n_heads: 1, ffn: 2, n_experts: 2, top_k: 1, renormalize: false };
+        let cfg = ModelConfig {
+            vocab: 3,
+            d_model: 4,
+            n_layers: 1,
+            n_heads: 1,
+            ffn: 2,
+            n_experts: 2,
+            top_k: 1,
+            renormalize: false,
+        };
         let mut model = Model::<f64>::zeros(&cfg);
         let mut grads = Model::<f64>::zeros(&cfg);
         grads.head[0] = 0.5;
         grads.head[1] = -0.25;
-        let mut state = AdamWState { m: Model::zeros(&cfg), v: Model::zeros(&cfg), t: 0 };
-        let c = AdamWConfig { clip: 0.0, weight_decay: 0.0, ..AdamWConfig::default() };
+        let mut state = AdamWState {
+            m: Model::zeros(&cfg),
+            v: Model::zeros(&cfg),
+            t: 0,
+        };
+        let c = AdamWConfig {
+            clip: 0.0,
+            weight_decay: 0.0,
+            ..AdamWConfig::default()
+        };
         step(&c, &mut model, &grads, &mut state, 0.01);
         assert!((model.head[0] + 0.01).abs() < 1e-6);
         assert!((model.head[1] - 0.01).abs() < 1e-6);

@@ -1,0 +1,160 @@
+//! Named f32 tensors in safetensors files, written atomically.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use safetensors::tensor::{Dtype, TensorView};
+
+use crate::fsutil::write_atomic;
+
+/// Errors of tensor files.
+#[derive(Debug, thiserror::Error)]
+pub enum TensorFileError {
+    /// The file cannot be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not a valid safetensors file.
+    #[error("{path}: not a valid safetensors file ({reason})")]
+    Format {
+        /// The path.
+        path: String,
+        /// The parser's complaint.
+        reason: String,
+    },
+    /// A tensor is missing, has another dtype or shape.
+    #[error("{path}: tensor {name}: {reason}")]
+    Tensor {
+        /// The path.
+        path: String,
+        /// The tensor.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// A tensor to write: name, shape, data (row-major f32).
+pub type NamedTensor<'a> = (String, Vec<usize>, &'a [f32]);
+
+/// Writes tensors and string metadata atomically.
+pub fn save(
+    path: &Path,
+    tensors: &[NamedTensor<'_>],
+    metadata: HashMap<String, String>,
+) -> Result<(), TensorFileError> {
+    let fmt = |reason: String| TensorFileError::Format {
+        path: path.display().to_string(),
+        reason,
+    };
+    let views: Vec<(String, TensorView<'_>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), bytemuck_f32(data))
+                .map(|v| (name.clone(), v))
+                .map_err(|e| fmt(e.to_string()))
+        })
+        .collect::<Result<_, _>>()?;
+    let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| fmt(e.to_string()))?;
+    write_atomic(path, &bytes).map_err(|source| TensorFileError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The little-endian bytes of `data` (safetensors is little-endian, as is
+/// every host this crate builds for).
+fn bytemuck_f32(data: &[f32]) -> &[u8] {
+    const _: () = assert!(
+        cfg!(target_endian = "little"),
+        "safetensors needs a little-endian host"
+    );
+    bytemuck::cast_slice(data)
+}
+
+/// Tensors (shape, data) by name and the metadata of a file.
+pub struct Loaded {
+    /// Tensors by name.
+    pub tensors: HashMap<String, (Vec<usize>, Vec<f32>)>,
+    /// String metadata.
+    pub metadata: HashMap<String, String>,
+    path: String,
+}
+
+impl Loaded {
+    /// Takes tensor `name`, checking its shape.
+    pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, TensorFileError> {
+        let err = |reason: String| TensorFileError::Tensor {
+            path: self.path.clone(),
+            name: name.to_string(),
+            reason,
+        };
+        let (s, data) = self
+            .tensors
+            .remove(name)
+            .ok_or_else(|| err("missing".into()))?;
+        if s != shape {
+            return Err(err(format!("shape {s:?}, expected {shape:?}")));
+        }
+        Ok(data)
+    }
+
+    /// Metadata value `key`.
+    pub fn meta(&self, key: &str) -> Result<&str, TensorFileError> {
+        self.metadata
+            .get(key)
+            .map(String::as_str)
+            .ok_or_else(|| TensorFileError::Format {
+                path: self.path.clone(),
+                reason: format!("metadata field {key} is missing"),
+            })
+    }
+}
+
+/// Reads every f32 tensor of a safetensors file.
+pub fn load(path: &Path) -> Result<Loaded, TensorFileError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|source| TensorFileError::Io {
+        path: p.clone(),
+        source,
+    })?;
+    let st =
+        safetensors::SafeTensors::deserialize(&bytes).map_err(|e| TensorFileError::Format {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+    let (_, meta) =
+        safetensors::SafeTensors::read_metadata(&bytes).map_err(|e| TensorFileError::Format {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+    let mut tensors = HashMap::new();
+    for name in st.names() {
+        let v = st.tensor(name).map_err(|e| TensorFileError::Format {
+            path: p.clone(),
+            reason: e.to_string(),
+        })?;
+        if v.dtype() != Dtype::F32 {
+            return Err(TensorFileError::Tensor {
+                path: p.clone(),
+                name: name.to_string(),
+                reason: format!("dtype {:?}, expected F32", v.dtype()),
+            });
+        }
+        let data: Vec<f32> = v
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        tensors.insert(name.to_string(), (v.shape().to_vec(), data));
+    }
+    Ok(Loaded {
+        tensors,
+        metadata: meta.metadata().clone().unwrap_or_default(),
+        path: p,
+    })
+}

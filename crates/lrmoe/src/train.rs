@@ -1,0 +1,881 @@
+//! `lrmoe train`: the MoE language model trained on the CPU with the LRMoE
+//! backward, expert parallel over in-process ranks.
+//!
+//! Every rank (a thread) holds the full dense model and the same optimizer
+//! state; each step it takes its shard of a global batch, runs the model
+//! (MoE layers exchanging tokens with the other ranks), and applies the
+//! all-reduced gradients. Rank 0 evaluates, logs, and writes metrics and
+//! checkpoints.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use layer::transport::all_gather;
+use layer::{CallConfig, Retention, Transport};
+use quota::{Placement, Policy, RankBudget};
+use serde::{Deserialize, Serialize};
+
+use crate::data::{eval_batch, load_corpus, random_batch, unigram_baseline, Corpus, SplitMix};
+use crate::model::{self, Model, ModelConfig, MoeRun};
+use crate::optim::{lr_at, step as adamw_step, AdamWConfig, AdamWState};
+use crate::tensorfile::{self, TensorFileError};
+
+/// Errors of training.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The configuration cannot work.
+    #[error("config: {0}")]
+    Config(String),
+    /// The corpus failed to load.
+    #[error(transparent)]
+    Data(#[from] crate::data::DataError),
+    /// The model failed (shapes, NaN loss, a collective).
+    #[error(transparent)]
+    Model(#[from] model::ModelError),
+    /// A checkpoint could not be read or written.
+    #[error("checkpoint: {0}")]
+    Checkpoint(#[from] TensorFileError),
+    /// A metrics or report file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+}
+
+impl From<layer::TransportError> for TrainError {
+    fn from(e: layer::TransportError) -> Self {
+        TrainError::Model(e.into())
+    }
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+    move |source| TrainError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// Which backward the MoE layers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// Every pair in the backward (exact gradient).
+    Full,
+    /// LRMoE: controller quotas under per-rank budgets, replicas, compaction.
+    Lrmoe,
+    /// Capacity-factor token dropping in forward and backward (baseline).
+    Capacity,
+}
+
+/// Model shape (the vocabulary comes from the corpus).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// Width.
+    pub d_model: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Attention heads.
+    pub n_heads: usize,
+    /// Expert FFN width.
+    pub ffn: usize,
+    /// Experts per MoE layer.
+    pub n_experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Renormalise top-k weights.
+    pub renormalize: bool,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            d_model: 128,
+            n_layers: 2,
+            n_heads: 4,
+            ffn: 256,
+            n_experts: 8,
+            top_k: 2,
+            renormalize: true,
+        }
+    }
+}
+
+/// Corpus and batching.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
+    /// Text corpus.
+    pub corpus: PathBuf,
+    /// Held-out share at the end of the corpus.
+    pub val_fraction: f64,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Sequences per global batch (split over ranks).
+    pub batch_size: usize,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            corpus: PathBuf::from("data/shakespeare.txt"),
+            val_fraction: 0.1,
+            seq_len: 64,
+            batch_size: 32,
+        }
+    }
+}
+
+/// MoE execution.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MoeSection {
+    /// Backward mode.
+    pub mode: Mode,
+    /// In-process expert-parallel ranks.
+    pub ranks: usize,
+    /// Replicas each rank may host per layer call (lrmoe mode).
+    pub replica_slots_per_rank: usize,
+    /// Per-rank backward buffer budget as a share of the average routed
+    /// pairs per rank (lrmoe mode).
+    pub buffer_fraction: f64,
+    /// Quota policy (lrmoe mode).
+    pub policy: Policy,
+    /// Capacity factor (capacity mode).
+    pub capacity_factor: f64,
+}
+
+impl Default for MoeSection {
+    fn default() -> Self {
+        Self {
+            mode: Mode::Lrmoe,
+            ranks: 2,
+            replica_slots_per_rank: 1,
+            buffer_fraction: 0.6,
+            policy: Policy::Maxmin,
+            capacity_factor: 1.0,
+        }
+    }
+}
+
+/// Run control.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSection {
+    /// Output folder: metrics, checkpoint, reports.
+    pub out_dir: PathBuf,
+    /// Steps between evaluations.
+    pub eval_every: usize,
+    /// Validation batches per evaluation.
+    pub eval_batches: usize,
+    /// Steps between checkpoints (0: only at the end).
+    pub checkpoint_every: usize,
+    /// Stop at the first evaluation at or below this validation loss.
+    pub target_val_loss: Option<f64>,
+    /// Stop after this much wall time.
+    pub max_minutes: Option<f64>,
+}
+
+impl Default for RunSection {
+    fn default() -> Self {
+        Self {
+            out_dir: PathBuf::from("runs/default"),
+            eval_every: 100,
+            eval_batches: 8,
+            checkpoint_every: 500,
+            target_val_loss: None,
+            max_minutes: Some(10.0),
+        }
+    }
+}
+
+/// The whole training configuration (TOML; every field has a default).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// Seed of initialisation and batches.
+    pub seed: u64,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Model shape.
+    pub model: ModelSection,
+    /// Data.
+    pub data: DataSection,
+    /// Optimizer.
+    pub optim: AdamWConfig,
+    /// MoE execution.
+    pub moe: MoeSection,
+    /// Run control.
+    pub run: RunSection,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            steps: 6000,
+            model: ModelSection::default(),
+            data: DataSection::default(),
+            optim: AdamWConfig::default(),
+            moe: MoeSection::default(),
+            run: RunSection::default(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Parses TOML, naming the offending key on error.
+    pub fn from_toml(text: &str) -> Result<Self, TrainError> {
+        toml::from_str(text).map_err(|e| TrainError::Config(e.to_string().replace('\n', " ")))
+    }
+
+    /// Rejects settings that cannot work.
+    pub fn validate(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
+        if self.moe.ranks == 0 {
+            return bad("moe.ranks must be at least 1".into());
+        }
+        if self.data.batch_size == 0 || self.data.batch_size % self.moe.ranks != 0 {
+            return bad(format!(
+                "data.batch_size = {} must be a positive multiple of moe.ranks = {}",
+                self.data.batch_size, self.moe.ranks
+            ));
+        }
+        if self.data.seq_len < 2 {
+            return bad("data.seq_len must be at least 2".into());
+        }
+        if self.run.eval_every == 0 || self.run.eval_batches == 0 {
+            return bad("run.eval_every and run.eval_batches must be positive".into());
+        }
+        if self.moe.buffer_fraction.is_nan() || self.moe.buffer_fraction <= 0.0 {
+            return bad("moe.buffer_fraction must be positive".into());
+        }
+        if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
+            return bad("optim.lr must be positive".into());
+        }
+        Ok(())
+    }
+
+    fn model_config(&self, vocab: usize) -> ModelConfig {
+        let m = &self.model;
+        ModelConfig {
+            vocab,
+            d_model: m.d_model,
+            n_layers: m.n_layers,
+            n_heads: m.n_heads,
+            ffn: m.ffn,
+            n_experts: m.n_experts,
+            top_k: m.top_k,
+            renormalize: m.renormalize,
+        }
+    }
+}
+
+/// One evaluation point.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct EvalPoint {
+    /// Step after which it was taken.
+    pub step: usize,
+    /// Training wall time so far, seconds (evaluation excluded).
+    pub wall_s: f64,
+    /// Cumulative time in MoE layers (forward + backward), seconds.
+    pub moe_s: f64,
+    /// Validation loss, nats per token.
+    pub val_loss: f64,
+}
+
+/// The outcome of a training run.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct TrainSummary {
+    /// Mode trained.
+    pub mode: Mode,
+    /// Steps done.
+    pub steps: usize,
+    /// Evaluation curve.
+    pub evals: Vec<EvalPoint>,
+    /// Final validation loss.
+    pub final_val_loss: f64,
+    /// Unigram baseline on the same split.
+    pub unigram_val_loss: f64,
+    /// First evaluation at or below the target, if any.
+    pub reached_target: Option<EvalPoint>,
+    /// Mean kept fraction of routed pairs in the backward.
+    pub mean_kept_fraction: f64,
+    /// Largest backward buffer of any rank and layer, bytes.
+    pub max_buffer_bytes: u64,
+}
+
+/// Command-line choices around a run.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// Continue from the checkpoint in `out_dir`.
+    pub resume: bool,
+    /// Draw a progress bar.
+    pub progress: bool,
+}
+
+/// Byte and memory model the controller plans with (f32 rows).
+fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<RankBudget> {
+    let ranks = cfg.moe.ranks;
+    let size = 4u64;
+    let (h, f) = (mcfg.d_model as u64, mcfg.ffn as u64);
+    let instance = 2 * 3 * h * f * size;
+    let row = 2 * h * size;
+    let pairs_per_rank = (cfg.data.batch_size / ranks * cfg.data.seq_len * mcfg.top_k) as f64;
+    let buffer = (cfg.moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
+    (0..ranks)
+        .map(|r| {
+            let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
+            RankBudget {
+                memory_bytes: (owned + cfg.moe.replica_slots_per_rank as u64) * instance + buffer,
+                network_bytes: u64::MAX,
+            }
+        })
+        .collect()
+}
+
+fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> CallConfig {
+    match cfg.moe.mode {
+        Mode::Full => CallConfig::default(),
+        Mode::Capacity => CallConfig {
+            capacity_factor: Some(cfg.moe.capacity_factor),
+            ..CallConfig::default()
+        },
+        Mode::Lrmoe => CallConfig {
+            retention: Retention::Budgeted {
+                budgets: budgets(cfg, mcfg, placement),
+                policy: cfg.moe.policy,
+            },
+            replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
+            replica_memory_fraction: 1.0,
+            ..CallConfig::default()
+        },
+    }
+}
+
+/// The training state a checkpoint holds.
+struct State {
+    model: Model<f32>,
+    adam: AdamWState<f32>,
+    step: usize,
+    rng: SplitMix,
+    evals: Vec<EvalPoint>,
+    wall_s: f64,
+    moe_s: f64,
+}
+
+const CHECKPOINT: &str = "checkpoint.safetensors";
+
+fn shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, v, f) = (cfg.d_model, cfg.vocab, cfg.ffn);
+    let z = Model::<f32>::zeros(cfg);
+    z.tensors()
+        .iter()
+        .map(|(name, t)| {
+            let shape = match name.rsplit('.').next().unwrap_or("") {
+                "embed" => vec![v, d],
+                "head" => vec![d, v],
+                "router" => vec![d, cfg.n_experts],
+                "gate" | "up" => vec![d, f],
+                "down" => vec![f, d],
+                "wq" | "wk" | "wv" | "wo" => vec![d, d],
+                _ => vec![t.len()],
+            };
+            (name.clone(), shape)
+        })
+        .collect()
+}
+
+fn save_checkpoint(
+    path: &Path,
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+    s: &State,
+) -> Result<(), TrainError> {
+    let shapes = shapes(mcfg);
+    let mut tensors = Vec::new();
+    for (prefix, m) in [
+        ("model.", &s.model),
+        ("adam.m.", &s.adam.m),
+        ("adam.v.", &s.adam.v),
+    ] {
+        for ((name, t), (_, shape)) in m.tensors().into_iter().zip(&shapes) {
+            tensors.push((format!("{prefix}{name}"), shape.clone(), t.as_slice()));
+        }
+    }
+    let mut meta = HashMap::new();
+    meta.insert("format".into(), "lrmoe-checkpoint-1".into());
+    meta.insert("step".into(), s.step.to_string());
+    meta.insert("adam_t".into(), s.adam.t.to_string());
+    meta.insert("rng".into(), s.rng.0.to_string());
+    meta.insert("wall_s".into(), s.wall_s.to_string());
+    meta.insert("moe_s".into(), s.moe_s.to_string());
+    meta.insert(
+        "model".into(),
+        serde_json::to_string(mcfg).unwrap_or_default(),
+    );
+    meta.insert(
+        "vocab".into(),
+        corpus.vocab.iter().map(|b| format!("{b:02x}")).collect(),
+    );
+    meta.insert(
+        "evals".into(),
+        serde_json::to_string(&s.evals).unwrap_or_default(),
+    );
+    meta.insert("config".into(), toml::to_string(cfg).unwrap_or_default());
+    tensorfile::save(path, &tensors, meta)?;
+    Ok(())
+}
+
+fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<State, TrainError> {
+    let mut f = tensorfile::load(path)?;
+    let fmt = |m: String| {
+        TrainError::Checkpoint(TensorFileError::Format {
+            path: path.display().to_string(),
+            reason: m,
+        })
+    };
+    if f.meta("format")? != "lrmoe-checkpoint-1" {
+        return Err(fmt("not an lrmoe checkpoint".into()));
+    }
+    let saved: ModelConfig =
+        serde_json::from_str(f.meta("model")?).map_err(|e| fmt(e.to_string()))?;
+    if saved != *mcfg {
+        return Err(fmt(format!(
+            "model shape {saved:?} differs from the configured {mcfg:?}"
+        )));
+    }
+    let vocab: String = corpus.vocab.iter().map(|b| format!("{b:02x}")).collect();
+    if f.meta("vocab")? != vocab {
+        return Err(fmt("vocabulary differs from the corpus".into()));
+    }
+    let num = |f: &tensorfile::Loaded, k: &str| -> Result<f64, TrainError> {
+        f.meta(k)?
+            .parse::<f64>()
+            .map_err(|e| fmt(format!("{k}: {e}")))
+    };
+    let step = num(&f, "step")? as usize;
+    let adam_t = num(&f, "adam_t")? as u64;
+    let rng = f
+        .meta("rng")?
+        .parse::<u64>()
+        .map_err(|e| fmt(format!("rng: {e}")))?;
+    let wall_s = num(&f, "wall_s")?;
+    let moe_s = num(&f, "moe_s")?;
+    let evals: Vec<EvalPoint> =
+        serde_json::from_str(f.meta("evals")?).map_err(|e| fmt(e.to_string()))?;
+    let shapes = shapes(mcfg);
+    let mut take = |prefix: &str| -> Result<Model<f32>, TrainError> {
+        let mut m = Model::<f32>::zeros(mcfg);
+        for ((name, t), (_, shape)) in m.tensors_mut().into_iter().zip(&shapes) {
+            *t = f.take(&format!("{prefix}{name}"), shape)?;
+        }
+        Ok(m)
+    };
+    let model = take("model.")?;
+    let adam = AdamWState {
+        m: take("adam.m.")?,
+        v: take("adam.v.")?,
+        t: adam_t,
+    };
+    if model
+        .tensors()
+        .iter()
+        .any(|(_, t)| t.iter().any(|v| !v.is_finite()))
+    {
+        return Err(fmt("non-finite weights".into()));
+    }
+    Ok(State {
+        model,
+        adam,
+        step,
+        rng: SplitMix(rng),
+        evals,
+        wall_s,
+        moe_s,
+    })
+}
+
+/// Per-step, per-layer figures written to `metrics.jsonl`.
+#[derive(Debug, Serialize)]
+struct LayerMetrics {
+    layer: usize,
+    tokens_per_expert: Vec<u64>,
+    load_min: u64,
+    load_max: u64,
+    load_cv: f64,
+    kept_fraction: f64,
+    peak_rank_pairs: u64,
+    buffer_bytes: u64,
+    replicas: usize,
+    times: layer::StageTimes,
+}
+
+#[derive(Debug, Serialize)]
+struct StepMetrics {
+    step: usize,
+    loss: f64,
+    lr: f64,
+    grad_norm: f64,
+    wall_s: f64,
+    moe_s: f64,
+    tokens_per_s: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    val_loss: Option<f64>,
+    layers: Vec<LayerMetrics>,
+}
+
+fn layer_metrics<T>(
+    li: usize,
+    saved: &layer::Saved<T>,
+    stats: &layer::BackwardStats,
+    kept_all: u64,
+    routed_all: u64,
+) -> LayerMetrics {
+    let plan = &saved.plan;
+    let n_e = plan.placement.owner.len();
+    let per_expert: Vec<u64> = (0..n_e)
+        .map(|e| plan.routed.iter().map(|r| r[e]).sum())
+        .collect();
+    let mean = per_expert.iter().sum::<u64>() as f64 / n_e.max(1) as f64;
+    let var = per_expert
+        .iter()
+        .map(|&c| (c as f64 - mean).powi(2))
+        .sum::<f64>()
+        / n_e.max(1) as f64;
+    LayerMetrics {
+        layer: li,
+        load_min: per_expert.iter().copied().min().unwrap_or(0),
+        load_max: per_expert.iter().copied().max().unwrap_or(0),
+        load_cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
+        tokens_per_expert: per_expert,
+        kept_fraction: if routed_all > 0 {
+            kept_all as f64 / routed_all as f64
+        } else {
+            1.0
+        },
+        peak_rank_pairs: stats.pairs_per_rank.iter().copied().max().unwrap_or(0),
+        buffer_bytes: stats.buffer_bytes,
+        replicas: plan.placement.replicas.iter().map(Vec::len).sum(),
+        times: stats.times,
+    }
+}
+
+/// Mean of `x` over ranks.
+fn mean_over_ranks<X: Transport>(comm: &X, x: f64) -> Result<f64, TrainError> {
+    let all = all_gather(comm, &[x])?;
+    Ok(all.iter().map(|v| v[0]).sum::<f64>() / all.len() as f64)
+}
+
+/// Trains with `cfg`; returns rank 0's summary.
+pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
+    cfg.validate()?;
+    let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
+    let mcfg = cfg.model_config(corpus.vocab.len());
+    mcfg.validate()?;
+    let unigram = unigram_baseline(&corpus);
+    std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
+    let ckpt = cfg.run.out_dir.join(CHECKPOINT);
+    let initial = if opts.resume {
+        let s = load_checkpoint(&ckpt, &mcfg, &corpus)?;
+        tracing::info!(step = s.step, path = %ckpt.display(), "resumed");
+        s
+    } else {
+        let model = Model::<f32>::init(&mcfg, cfg.seed);
+        State {
+            adam: AdamWState {
+                m: Model::zeros(&mcfg),
+                v: Model::zeros(&mcfg),
+                t: 0,
+            },
+            model,
+            step: 0,
+            rng: SplitMix(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD),
+            evals: Vec::new(),
+            wall_s: 0.0,
+            moe_s: 0.0,
+        }
+    };
+    tracing::info!(
+        params = initial.model.n_params(),
+        vocab = mcfg.vocab,
+        mode = ?cfg.moe.mode,
+        ranks = cfg.moe.ranks,
+        unigram_val_loss = unigram,
+        "training"
+    );
+    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
+    let metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(opts.resume)
+        .write(true)
+        .truncate(!opts.resume)
+        .open(&metrics_path)
+        .map_err(io_err(&metrics_path))?;
+    let metrics = std::sync::Mutex::new(metrics);
+    let ranks = cfg.moe.ranks;
+    let placement = Placement {
+        owner: (0..mcfg.n_experts)
+            .map(|e| e * ranks / mcfg.n_experts)
+            .collect(),
+        replicas: vec![],
+    };
+    let call = call_config(cfg, &mcfg, &placement);
+    let run = MoeRun {
+        placement: &placement,
+        backward: &call,
+    };
+    let bar = (opts.progress).then(|| {
+        let b = indicatif::ProgressBar::new(cfg.steps as u64);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} {elapsed_precise} eta {eta} {msg}",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_position(initial.step as u64);
+        b
+    });
+
+    let results = layer::run_local(ranks, Duration::from_secs(600), |comm| {
+        rank_loop(
+            comm,
+            cfg,
+            &mcfg,
+            &corpus,
+            &run,
+            &initial,
+            &metrics,
+            bar.as_ref(),
+            &ckpt,
+        )
+    });
+    if let Some(b) = &bar {
+        b.finish_and_clear();
+    }
+    let mut summary = None;
+    for r in results {
+        let s = r?;
+        summary = summary.or(s);
+    }
+    let mut s = summary.ok_or_else(|| TrainError::Config("rank 0 returned no summary".into()))?;
+    s.unigram_val_loss = unigram;
+    Ok(s)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rank_loop<X: Transport>(
+    comm: &X,
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+    run: &MoeRun<'_>,
+    initial: &State,
+    metrics: &std::sync::Mutex<File>,
+    bar: Option<&indicatif::ProgressBar>,
+    ckpt: &Path,
+) -> Result<Option<TrainSummary>, TrainError> {
+    let me = comm.rank();
+    let ranks = comm.world_size();
+    let seq = cfg.data.seq_len;
+    let per_rank = cfg.data.batch_size / ranks;
+    let mut s = State {
+        model: initial.model.clone(),
+        adam: initial.adam.clone(),
+        step: initial.step,
+        rng: initial.rng,
+        evals: initial.evals.clone(),
+        wall_s: initial.wall_s,
+        moe_s: initial.moe_s,
+    };
+    let deadline = cfg
+        .run
+        .max_minutes
+        .map(|m| Duration::from_secs_f64(m * 60.0));
+    let mut kept_sum = 0.0;
+    let mut kept_n = 0usize;
+    let mut max_buffer = 0u64;
+    let mut reached = s
+        .evals
+        .iter()
+        .copied()
+        .find(|e| cfg.run.target_val_loss.is_some_and(|t| e.val_loss <= t));
+    while s.step < cfg.steps && reached.is_none() {
+        if deadline.is_some_and(|d| s.wall_s >= d.as_secs_f64()) {
+            break;
+        }
+        let clock = Instant::now();
+        let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
+        let lo = me * per_rank * seq;
+        let hi = lo + per_rank * seq;
+        let (loss, cache) = model::forward(
+            comm,
+            mcfg,
+            &s.model,
+            run,
+            &tokens[lo..hi],
+            &targets[lo..hi],
+            seq,
+        )?;
+        let g = model::backward(comm, mcfg, &s.model, run, &cache, seq)?;
+        let lr = lr_at(&cfg.optim, s.step, cfg.steps);
+        let grad_norm = adamw_step(&cfg.optim, &mut s.model, &g.grads, &mut s.adam, lr);
+        let loss = mean_over_ranks(comm, loss)?;
+        let step_s = clock.elapsed().as_secs_f64();
+        s.wall_s += step_s;
+        s.moe_s += cache.moe_seconds + g.moe_seconds;
+        s.step += 1;
+
+        // Kept fraction over all ranks, per layer.
+        let kept: Vec<u64> = g
+            .moe_stats
+            .iter()
+            .flat_map(|st| [st.kept_pairs as u64, st.routed_pairs as u64])
+            .collect();
+        let totals = all_gather(comm, &kept)?;
+        let layers: Vec<LayerMetrics> = cache
+            .moe_saved()
+            .zip(&g.moe_stats)
+            .enumerate()
+            .map(|(li, (saved, st))| {
+                let k: u64 = totals.iter().map(|t| t[2 * li]).sum();
+                let n: u64 = totals.iter().map(|t| t[2 * li + 1]).sum();
+                layer_metrics(li, saved, st, k, n)
+            })
+            .collect();
+        for l in &layers {
+            kept_sum += l.kept_fraction;
+            kept_n += 1;
+            max_buffer = max_buffer.max(l.buffer_bytes);
+        }
+
+        let val_loss = if s.step % cfg.run.eval_every == 0 || s.step == cfg.steps {
+            let v = evaluate(comm, cfg, mcfg, corpus, run, &s.model)?;
+            let point = EvalPoint {
+                step: s.step,
+                wall_s: s.wall_s,
+                moe_s: s.moe_s,
+                val_loss: v,
+            };
+            s.evals.push(point);
+            if me == 0 {
+                tracing::info!(
+                    step = s.step,
+                    val_loss = v,
+                    train_loss = loss,
+                    wall_s = s.wall_s,
+                    "eval"
+                );
+            }
+            if cfg.run.target_val_loss.is_some_and(|t| v <= t) {
+                reached = Some(point);
+            }
+            Some(v)
+        } else {
+            None
+        };
+        if me == 0 {
+            let m = StepMetrics {
+                step: s.step,
+                loss,
+                lr,
+                grad_norm,
+                wall_s: s.wall_s,
+                moe_s: s.moe_s,
+                tokens_per_s: (cfg.data.batch_size * seq) as f64 / step_s,
+                val_loss,
+                layers,
+            };
+            let line = serde_json::to_string(&m).unwrap_or_default() + "\n";
+            let mut f = metrics.lock().unwrap_or_else(|p| p.into_inner());
+            f.write_all(line.as_bytes())
+                .map_err(io_err(&cfg.run.out_dir.join("metrics.jsonl")))?;
+            if let Some(b) = bar {
+                b.set_position(s.step as u64);
+                let last = s
+                    .evals
+                    .last()
+                    .map_or(String::new(), |e| format!(" val {:.3}", e.val_loss));
+                b.set_message(format!("loss {loss:.3}{last}"));
+            }
+            if cfg.run.checkpoint_every > 0 && s.step % cfg.run.checkpoint_every == 0 {
+                save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
+                tracing::debug!(step = s.step, "checkpoint written");
+            }
+        }
+    }
+    let final_val = match s.evals.last() {
+        Some(e) if e.step == s.step => e.val_loss,
+        _ => {
+            let v = evaluate(comm, cfg, mcfg, corpus, run, &s.model)?;
+            s.evals.push(EvalPoint {
+                step: s.step,
+                wall_s: s.wall_s,
+                moe_s: s.moe_s,
+                val_loss: v,
+            });
+            v
+        }
+    };
+    if me != 0 {
+        return Ok(None);
+    }
+    save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
+    Ok(Some(TrainSummary {
+        mode: cfg.moe.mode,
+        steps: s.step,
+        evals: s.evals,
+        final_val_loss: final_val,
+        unigram_val_loss: f64::NAN,
+        reached_target: reached,
+        mean_kept_fraction: if kept_n > 0 {
+            kept_sum / kept_n as f64
+        } else {
+            1.0
+        },
+        max_buffer_bytes: max_buffer,
+    }))
+}
+
+/// Mean validation loss over the fixed evaluation batches.
+fn evaluate<X: Transport>(
+    comm: &X,
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+    run: &MoeRun<'_>,
+    model: &Model<f32>,
+) -> Result<f64, TrainError> {
+    let (me, ranks) = (comm.rank(), comm.world_size());
+    let seq = cfg.data.seq_len;
+    let per_rank = cfg.data.batch_size / ranks;
+    let mut total = 0.0;
+    for i in 0..cfg.run.eval_batches {
+        let (x, y) = eval_batch(
+            &corpus.val,
+            cfg.data.batch_size,
+            seq,
+            i,
+            cfg.run.eval_batches,
+        );
+        let lo = me * per_rank * seq;
+        let (loss, _) = model::forward(
+            comm,
+            mcfg,
+            model,
+            run,
+            &x[lo..lo + per_rank * seq],
+            &y[lo..lo + per_rank * seq],
+            seq,
+        )?;
+        total += loss;
+    }
+    mean_over_ranks(comm, total / cfg.run.eval_batches as f64)
+}
