@@ -43,9 +43,9 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions) -> Result<Report, TrainError> {
     let dir = &cfg.run.out_dir;
     let io = |p: &std::path::Path| {
         let p = p.to_path_buf();
-        move |source| TrainError::Io {
+        move |error| TrainError::Io {
             path: p.display().to_string(),
-            source,
+            error,
         }
     };
     let md = dir.join("compare.md");

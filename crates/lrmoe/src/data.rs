@@ -7,12 +7,13 @@ use std::path::Path;
 #[derive(Debug, thiserror::Error)]
 pub enum DataError {
     /// The corpus file cannot be read.
-    #[error("cannot read corpus {path}: {source}")]
+    #[error("cannot read corpus {path}: {error}")]
     Read {
         /// The path.
         path: String,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (shown in the message, not chained, so the CLI's
+        /// one-line error does not repeat it).
+        error: std::io::Error,
     },
     /// The corpus is not usable text.
     #[error("corpus {path} looks corrupted: {reason}")]
@@ -40,9 +41,9 @@ pub const MIN_CORPUS_BYTES: usize = 4096;
 
 /// Loads a text corpus and splits off the last `val_fraction` as validation.
 pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> {
-    let bytes = std::fs::read(path).map_err(|source| DataError::Read {
+    let bytes = std::fs::read(path).map_err(|error| DataError::Read {
         path: path.display().to_string(),
-        source,
+        error,
     })?;
     let corrupted = |reason: String| DataError::Corrupted {
         path: path.display().to_string(),

@@ -42,6 +42,27 @@ enum Command {
     },
     /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2 cores).
     Train(TrainArgs),
+    /// One MoE layer's forward and LRMoE backward from safetensors files.
+    LayerGrad {
+        /// Layer weights: router, experts.{e}.{gate,up,down}.
+        #[arg(long)]
+        weights: PathBuf,
+        /// Inputs: x and dy, both tokens × hidden.
+        #[arg(long)]
+        inputs: PathBuf,
+        /// Output file (written atomically).
+        #[arg(long)]
+        out: PathBuf,
+        /// Kept share of each expert's pairs in the backward.
+        #[arg(long, default_value_t = 1.0)]
+        retention: f64,
+        /// Experts per token.
+        #[arg(long, default_value_t = 2)]
+        top_k: usize,
+        /// Renormalise the top-k routing weights.
+        #[arg(long)]
+        renormalize: bool,
+    },
 }
 
 #[derive(clap::Args)]
@@ -162,6 +183,26 @@ enum PolicyArg {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train(&a),
+        Command::LayerGrad {
+            weights,
+            inputs,
+            out,
+            retention,
+            top_k,
+            renormalize,
+        } => {
+            if !(0.0..=1.0).contains(&retention) {
+                anyhow::bail!("--retention {retention} must be in [0, 1]");
+            }
+            let opts = lrmoe::layer_grad::Options {
+                top_k,
+                renormalize,
+                retention,
+            };
+            lrmoe::layer_grad::run(&weights, &inputs, &out, &opts)?;
+            println!("wrote {}", out.display());
+            Ok(())
+        }
         Command::Plan {
             input,
             solver,

@@ -11,12 +11,13 @@ use crate::fsutil::write_atomic;
 #[derive(Debug, thiserror::Error)]
 pub enum TensorFileError {
     /// The file cannot be read or written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The path.
         path: String,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (shown in the message, not chained, so the CLI's
+        /// one-line error does not repeat it).
+        error: std::io::Error,
     },
     /// The file is not a valid safetensors file.
     #[error("{path}: not a valid safetensors file ({reason})")]
@@ -60,9 +61,9 @@ pub fn save(
         })
         .collect::<Result<_, _>>()?;
     let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| fmt(e.to_string()))?;
-    write_atomic(path, &bytes).map_err(|source| TensorFileError::Io {
+    write_atomic(path, &bytes).map_err(|error| TensorFileError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     })
 }
 
@@ -118,9 +119,9 @@ impl Loaded {
 /// Reads every f32 tensor of a safetensors file.
 pub fn load(path: &Path) -> Result<Loaded, TensorFileError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|source| TensorFileError::Io {
+    let bytes = std::fs::read(path).map_err(|error| TensorFileError::Io {
         path: p.clone(),
-        source,
+        error,
     })?;
     let st =
         safetensors::SafeTensors::deserialize(&bytes).map_err(|e| TensorFileError::Format {

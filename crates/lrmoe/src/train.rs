@@ -39,12 +39,13 @@ pub enum TrainError {
     #[error("checkpoint: {0}")]
     Checkpoint(#[from] TensorFileError),
     /// A metrics or report file could not be written.
-    #[error("{path}: {source}")]
+    #[error("{path}: {error}")]
     Io {
         /// The path.
         path: String,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (shown in the message, not chained, so the CLI's
+        /// one-line error does not repeat it).
+        error: std::io::Error,
     },
 }
 
@@ -55,9 +56,9 @@ impl From<layer::TransportError> for TrainError {
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
-    move |source| TrainError::Io {
+    move |error| TrainError::Io {
         path: path.display().to_string(),
-        source,
+        error,
     }
 }
 
@@ -577,6 +578,8 @@ fn mean_over_ranks<X: Transport>(comm: &X, x: f64) -> Result<f64, TrainError> {
 /// Trains with `cfg`; returns rank 0's summary.
 pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
     cfg.validate()?;
+    // Shapes first: a bad config should not wait for the corpus.
+    cfg.model_config(1).validate()?;
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
     let mcfg = cfg.model_config(corpus.vocab.len());
     mcfg.validate()?;

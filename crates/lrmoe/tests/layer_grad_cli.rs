@@ -1,0 +1,114 @@
+//! `lrmoe layer-grad` round trip through safetensors files.
+
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
+use std::collections::HashMap;
+use std::process::Command;
+
+use lrmoe::tensorfile;
+
+fn vals(n: usize, seed: u32) -> Vec<f32> {
+    (0..n)
+        .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 2001) as f32 / 1000.0 - 1.0)
+        .collect()
+}
+
+#[test]
+fn layer_grad_writes_every_gradient_and_the_kept_mask() {
+    let dir = std::env::temp_dir().join(format!("lrmoe-lg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (h, f, e, t) = (8usize, 6usize, 4usize, 20usize);
+    let router = vals(h * e, 1);
+    let mut w: Vec<(String, Vec<usize>, Vec<f32>)> = vec![("router".into(), vec![h, e], router)];
+    for i in 0..e {
+        w.push((
+            format!("experts.{i}.gate"),
+            vec![h, f],
+            vals(h * f, 10 + i as u32),
+        ));
+        w.push((
+            format!("experts.{i}.up"),
+            vec![h, f],
+            vals(h * f, 20 + i as u32),
+        ));
+        w.push((
+            format!("experts.{i}.down"),
+            vec![f, h],
+            vals(f * h, 30 + i as u32),
+        ));
+    }
+    let wv: Vec<_> = w
+        .iter()
+        .map(|(n, s, d)| (n.clone(), s.clone(), d.as_slice()))
+        .collect();
+    tensorfile::save(&dir.join("w.safetensors"), &wv, HashMap::new()).unwrap();
+    let x = vals(t * h, 7);
+    let dy = vals(t * h, 8);
+    tensorfile::save(
+        &dir.join("x.safetensors"),
+        &[
+            ("x".into(), vec![t, h], x.as_slice()),
+            ("dy".into(), vec![t, h], dy.as_slice()),
+        ],
+        HashMap::new(),
+    )
+    .unwrap();
+    let run = |retention: &str, out: &str| {
+        Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+            .args(["layer-grad", "--weights"])
+            .arg(dir.join("w.safetensors"))
+            .arg("--inputs")
+            .arg(dir.join("x.safetensors"))
+            .arg("--out")
+            .arg(dir.join(out))
+            .args(["--retention", retention])
+            .output()
+            .unwrap()
+    };
+    assert!(run("1.0", "full.safetensors").status.success());
+    let mut full = tensorfile::load(&dir.join("full.safetensors")).unwrap();
+    for e_i in 0..e {
+        full.take(&format!("grad.experts.{e_i}.down"), &[f, h])
+            .unwrap();
+    }
+    full.take("grad.router", &[h, e]).unwrap();
+    full.take("y", &[t, h]).unwrap();
+    full.take("dx", &[t, h]).unwrap();
+    assert!(full
+        .take("kept", &[t, 2])
+        .unwrap()
+        .iter()
+        .all(|&k| k == 1.0));
+    let scores = full.take("scores", &[t, 2]).unwrap();
+    assert!(scores.iter().all(|&s| s.is_finite() && s >= 0.0));
+
+    assert!(run("0.5", "half.safetensors").status.success());
+    let mut half = tensorfile::load(&dir.join("half.safetensors")).unwrap();
+    let kept = half
+        .take("kept", &[t, 2])
+        .unwrap()
+        .iter()
+        .filter(|&&k| k == 1.0)
+        .count();
+    assert!(
+        (15..=25).contains(&kept),
+        "kept {kept} of 40 at retention 0.5"
+    );
+
+    // A weights file without the router is a one-line error.
+    tensorfile::save(&dir.join("bad.safetensors"), &wv[1..], HashMap::new()).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["layer-grad", "--weights"])
+        .arg(dir.join("bad.safetensors"))
+        .arg("--inputs")
+        .arg(dir.join("x.safetensors"))
+        .arg("--out")
+        .arg(dir.join("o.safetensors"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(err.contains("tensor router is missing"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
