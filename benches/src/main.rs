@@ -33,6 +33,7 @@ enum Table {
     Score,
     Pack,
     Redistribute,
+    Layer,
 }
 
 /// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
@@ -299,4 +300,81 @@ fn main() {
     if matches!(args.table, Table::All | Table::Redistribute) {
         redistribute_table(budget, args.ilp_time_limit);
     }
+    if matches!(args.table, Table::All | Table::Layer) {
+        layer_table(budget);
+    }
+}
+
+/// sgemm of the `gemm` crate through `kernels::cpu::matmul`, GFLOP/s.
+fn sgemm_gflops(m: usize, k: usize, n: usize, budget: Duration) -> f64 {
+    let a = fill(m * k, |i| (i % 7) as f32 * 0.1);
+    let b = fill(k * n, |i| (i % 5) as f32 * 0.1);
+    let mut c = vec![0f32; m * n];
+    let op = kernels::cpu::Op::N;
+    let t = time_runs(budget, || {
+        kernels::cpu::matmul(&mut c, &a, op, &b, op, (m, k, n), false).expect("shapes");
+        black_box(&c);
+    });
+    2.0 * (m * k * n) as f64 / median(&t) / 1e9
+}
+
+fn layer_table(budget: Duration) {
+    use layer::{CallConfig, MoeConfig, MoeParams, Retention};
+    println!("## MoE layer on CPU (f32, 1 rank, tokens 4096, top-2)\n");
+    println!("FLOPs counted: forward 6·H·F per pair (+ router); backward 16·H·F per kept pair");
+    println!("(recompute of gate/up 4, dW_down 2, dH 2, dW_gate + dW_up 4, dX 4) + router.");
+    println!("Peer: the gemm crate's sgemm (same wrapper) at the per-expert GEMM shape and at 1024³, same run.\n");
+    println!("| hidden | ffn | experts | retention | fwd ms | fwd GFLOP/s | bwd ms | bwd GFLOP/s | sgemm GFLOP/s (expert shape) | fwd / sgemm | bwd / sgemm | sgemm 1024³ |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let place = |e: usize| quota::Placement { owner: vec![0; e], replicas: vec![] };
+    for (hidden, ffn, n_experts) in [(256usize, 512usize, 8usize), (512, 1024, 16)] {
+        let cfg = MoeConfig { hidden, ffn, n_experts, top_k: 2, renormalize: true };
+        let n_tok = 4096;
+        let params = MoeParams::<f32>::init(&cfg, 1);
+        let x = fill(n_tok * hidden, |i| ((i * 37) % 101) as f32 / 101.0 - 0.5);
+        let dy = fill(n_tok * hidden, |i| ((i * 53) % 103) as f32 / 103.0 - 0.5);
+        let rows = n_tok * 2 / n_experts;
+        let peer = sgemm_gflops(rows, hidden, ffn, budget);
+        let big = sgemm_gflops(1024, 1024, 1024, budget);
+        let placement = place(n_experts);
+        for retention in [1.0, 0.5, 0.25] {
+            let call = CallConfig {
+                retention: if retention >= 1.0 { Retention::Full } else { Retention::Ratio(retention) },
+                ..CallConfig::default()
+            };
+            let res = layer::run_local(1, Duration::from_secs(600), |t| {
+                let (mut fwd, mut bwd) = (vec![], vec![]);
+                let deadline = Instant::now() + budget;
+                while fwd.len() < 3 || Instant::now() < deadline {
+                    let c = Instant::now();
+                    let (_, saved) = layer::forward(t, &cfg, &call, &params, &placement, &x)?;
+                    let f_s = c.elapsed().as_secs_f64();
+                    let c = Instant::now();
+                    black_box(layer::backward(t, &cfg, &call, &params, &saved, &dy)?);
+                    let b_s = c.elapsed().as_secs_f64();
+                    fwd.push(f_s);
+                    bwd.push(b_s);
+                }
+                Ok::<_, layer::LayerError>((fwd, bwd))
+            });
+            let (mut fwd, mut bwd) = res.into_iter().next().expect("one rank").expect("layer runs");
+            fwd.sort_by(f64::total_cmp);
+            bwd.sort_by(f64::total_cmp);
+            let pairs = (n_tok * 2) as f64;
+            let hf = (hidden * ffn) as f64;
+            let router = 2.0 * (n_tok * hidden * n_experts) as f64;
+            let f_flops = 6.0 * hf * pairs + router;
+            let b_flops = 16.0 * hf * pairs * retention + 2.0 * router;
+            let (fm, bm) = (median(&fwd), median(&bwd));
+            let (fg, bg) = (f_flops / fm / 1e9, b_flops / bm / 1e9);
+            println!(
+                "| {hidden} | {ffn} | {n_experts} | {retention} | {:.2} | {fg:.1} | {:.2} | {bg:.1} | {peer:.1} | {:.2} | {:.2} | {big:.1} |",
+                fm * 1e3,
+                bm * 1e3,
+                fg / peer,
+                bg / peer
+            );
+        }
+    }
+    println!();
 }
