@@ -326,9 +326,18 @@ fn layer_table(budget: Duration) {
     println!("Peer: the gemm crate's sgemm (same wrapper) at the per-expert GEMM shape and at 1024³, same run.\n");
     println!("| hidden | ffn | experts | retention | fwd ms | fwd GFLOP/s | bwd ms | bwd GFLOP/s | sgemm GFLOP/s (expert shape) | fwd / sgemm | bwd / sgemm | sgemm 1024³ |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    let place = |e: usize| quota::Placement { owner: vec![0; e], replicas: vec![] };
+    let place = |e: usize| quota::Placement {
+        owner: vec![0; e],
+        replicas: vec![],
+    };
     for (hidden, ffn, n_experts) in [(256usize, 512usize, 8usize), (512, 1024, 16)] {
-        let cfg = MoeConfig { hidden, ffn, n_experts, top_k: 2, renormalize: true };
+        let cfg = MoeConfig {
+            hidden,
+            ffn,
+            n_experts,
+            top_k: 2,
+            renormalize: true,
+        };
         let n_tok = 4096;
         let params = MoeParams::<f32>::init(&cfg, 1);
         let x = fill(n_tok * hidden, |i| ((i * 37) % 101) as f32 / 101.0 - 0.5);
@@ -339,7 +348,11 @@ fn layer_table(budget: Duration) {
         let placement = place(n_experts);
         for retention in [1.0, 0.5, 0.25] {
             let call = CallConfig {
-                retention: if retention >= 1.0 { Retention::Full } else { Retention::Ratio(retention) },
+                retention: if retention >= 1.0 {
+                    Retention::Full
+                } else {
+                    Retention::Ratio(retention)
+                },
                 ..CallConfig::default()
             };
             let res = layer::run_local(1, Duration::from_secs(600), |t| {
@@ -357,7 +370,11 @@ fn layer_table(budget: Duration) {
                 }
                 Ok::<_, layer::LayerError>((fwd, bwd))
             });
-            let (mut fwd, mut bwd) = res.into_iter().next().expect("one rank").expect("layer runs");
+            let (mut fwd, mut bwd) = res
+                .into_iter()
+                .next()
+                .expect("one rank")
+                .expect("layer runs");
             fwd.sort_by(f64::total_cmp);
             bwd.sort_by(f64::total_cmp);
             let pairs = (n_tok * 2) as f64;

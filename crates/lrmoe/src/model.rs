@@ -57,6 +57,8 @@ pub struct ModelConfig {
     pub top_k: usize,
     /// Renormalise top-k routing weights.
     pub renormalize: bool,
+    /// Longest sequence (rows of the learned position embedding).
+    pub max_seq: usize,
 }
 
 impl ModelConfig {
@@ -113,6 +115,8 @@ pub struct Block<T> {
 pub struct Model<T> {
     /// Token embedding, `vocab × d`.
     pub embed: Vec<T>,
+    /// Learned position embedding, `max_seq × d`.
+    pub pos: Vec<T>,
     /// Blocks.
     pub blocks: Vec<Block<T>>,
     /// Final RMSNorm gain, `d`.
@@ -145,6 +149,7 @@ impl<T: Real> Model<T> {
         let z = |n: usize| vec![T::zero(); n];
         Self {
             embed: z(cfg.vocab * d),
+            pos: z(cfg.max_seq * d),
             blocks: (0..cfg.n_layers)
                 .map(|_| Block {
                     norm1: z(d),
@@ -168,6 +173,7 @@ impl<T: Real> Model<T> {
         let d = cfg.d_model;
         let s = 1.0 / (d as f64).sqrt();
         rng.fill(&mut m.embed, 1.0);
+        rng.fill(&mut m.pos, 0.1);
         for (i, b) in m.blocks.iter_mut().enumerate() {
             b.norm1.fill(T::one());
             b.norm2.fill(T::one());
@@ -185,7 +191,10 @@ impl<T: Real> Model<T> {
 
     /// Every tensor with a stable name, in a fixed order.
     pub fn tensors(&self) -> Vec<(String, &Vec<T>)> {
-        let mut v = vec![("embed".to_string(), &self.embed)];
+        let mut v = vec![
+            ("embed".to_string(), &self.embed),
+            ("pos".to_string(), &self.pos),
+        ];
         for (i, b) in self.blocks.iter().enumerate() {
             for (n, t) in [
                 ("norm1", &b.norm1),
@@ -208,7 +217,10 @@ impl<T: Real> Model<T> {
 
     /// Every tensor with its name, mutably, in the order of [`Self::tensors`].
     pub fn tensors_mut(&mut self) -> Vec<(String, &mut Vec<T>)> {
-        let mut v = vec![("embed".to_string(), &mut self.embed)];
+        let mut v = vec![
+            ("embed".to_string(), &mut self.embed),
+            ("pos".to_string(), &mut self.pos),
+        ];
         for (i, b) in self.blocks.iter_mut().enumerate() {
             for (n, t) in [
                 ("norm1", &mut b.norm1),
@@ -365,11 +377,12 @@ pub fn forward<T: Real, X: Transport>(
     cfg.validate()?;
     let (d, v_n, heads) = (cfg.d_model, cfg.vocab, cfg.n_heads);
     let dh = d / heads;
-    if seq == 0 || tokens.len() % seq != 0 || targets.len() != tokens.len() {
+    if seq == 0 || seq > cfg.max_seq || tokens.len() % seq != 0 || targets.len() != tokens.len() {
         return Err(ModelError::Batch(format!(
-            "{} tokens and {} targets do not form sequences of {seq}",
+            "{} tokens and {} targets do not form sequences of {seq} (max_seq {})",
             tokens.len(),
-            targets.len()
+            targets.len(),
+            cfg.max_seq
         )));
     }
     if let Some(&t) = tokens.iter().chain(targets).find(|&&t| t as usize >= v_n) {
@@ -380,8 +393,15 @@ pub fn forward<T: Real, X: Transport>(
     let n = tokens.len();
     let n_seq = n / seq;
     let mut x = vec![T::zero(); n * d];
-    for (row, &t) in x.chunks_exact_mut(d).zip(tokens) {
-        row.copy_from_slice(&model.embed[t as usize * d..(t as usize + 1) * d]);
+    for (i, (row, &t)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
+        let p = i % seq;
+        for ((o, &e), &q) in row
+            .iter_mut()
+            .zip(&model.embed[t as usize * d..(t as usize + 1) * d])
+            .zip(&model.pos[p * d..(p + 1) * d])
+        {
+            *o = e + q;
+        }
     }
     let scale = T::of(1.0 / (dh as f64).sqrt());
     let mut blocks = Vec::with_capacity(cfg.n_layers);
@@ -652,11 +672,15 @@ pub fn backward<T: Real, X: Transport>(
         }
         rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, &mut dx, &mut gb.norm1);
     }
-    for (row, &t) in dx.chunks_exact(d).zip(&cache.tokens) {
+    for (i, (row, &t)) in dx.chunks_exact(d).zip(&cache.tokens).enumerate() {
         for (gv, &v) in g.embed[t as usize * d..(t as usize + 1) * d]
             .iter_mut()
             .zip(row)
         {
+            *gv += v;
+        }
+        let p = i % seq;
+        for (gv, &v) in g.pos[p * d..(p + 1) * d].iter_mut().zip(row) {
             *gv += v;
         }
     }
@@ -697,6 +721,7 @@ mod tests {
             n_experts: 4,
             top_k: 2,
             renormalize: true,
+            max_seq: 8,
         }
     }
 

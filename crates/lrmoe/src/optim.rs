@@ -63,7 +63,7 @@ pub struct AdamWState<T> {
 }
 
 fn decays(name: &str) -> bool {
-    !(name.contains("norm") || name == "embed")
+    !(name.contains("norm") || name == "embed" || name == "pos")
 }
 
 /// Clips `grads` to global norm `cfg.clip` and applies one AdamW update at
@@ -141,6 +141,7 @@ mod tests {
             n_experts: 2,
             top_k: 1,
             renormalize: false,
+            max_seq: 4,
         };
         let mut model = Model::<f64>::zeros(&cfg);
         let mut grads = Model::<f64>::zeros(&cfg);

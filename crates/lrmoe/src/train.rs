@@ -274,6 +274,7 @@ impl TrainConfig {
             n_experts: m.n_experts,
             top_k: m.top_k,
             renormalize: m.renormalize,
+            max_seq: self.data.seq_len,
         }
     }
 }
@@ -381,6 +382,7 @@ fn shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
         .map(|(name, t)| {
             let shape = match name.rsplit('.').next().unwrap_or("") {
                 "embed" => vec![v, d],
+                "pos" => vec![cfg.max_seq, d],
                 "head" => vec![d, v],
                 "router" => vec![d, cfg.n_experts],
                 "gate" | "up" => vec![d, f],
