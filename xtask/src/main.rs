@@ -1,8 +1,9 @@
 //! `cargo xtask <task>`: project automation (alias in `.cargo/config.toml`).
 //!
-//! * `kernels` — compile `kernels/*.cu` for Hopper with nvcc into the place
-//!   the `kernels` crate loads them from. The CUDA backend is issue #4: until
-//!   its sources exist this task says so and fails, rather than pretending.
+//! * `kernels` — compile `kernels/*.cu` for Hopper (sm_90) with nvcc into
+//!   `kernels/out/` (fatbins and a STAMP of what they were built from), where
+//!   the `kernels` crate embeds them. nvcc comes from PyPI, pinned in
+//!   `kernels::artifacts`, installed into `.venv-cuda/` on first use.
 //! * `ci` — run what `.ci/run` runs (format check, clippy, tests).
 
 use std::path::{Path, PathBuf};
@@ -28,23 +29,52 @@ fn run(cmd: &mut Command) -> Result<()> {
     Ok(())
 }
 
-fn kernels() -> Result<()> {
-    let dir = root().join("kernels");
-    let sources: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
-        .collect();
-    if sources.is_empty() {
-        bail!(
-            "no CUDA sources under {} yet: the CUDA backend is issue #4, nothing to build",
-            dir.display()
-        );
+/// nvcc from the project-local virtual environment, installing the pinned
+/// PyPI packages on first use.
+fn nvcc(root: &Path) -> Result<PathBuf> {
+    let venv = root.join(".venv-cuda");
+    let find = || -> Option<PathBuf> {
+        let lib = venv.join("lib");
+        std::fs::read_dir(&lib).ok()?.filter_map(|e| e.ok()).find_map(|e| {
+            let p = e.path().join("site-packages/nvidia/cu13/bin/nvcc");
+            p.exists().then_some(p)
+        })
+    };
+    if let Some(p) = find() {
+        return Ok(p);
     }
-    bail!(
-        "building {} CUDA sources is not implemented yet (issue #4)",
-        sources.len()
-    )
+    run(Command::new("python3").arg("-m").arg("venv").arg(&venv))?;
+    run(Command::new(venv.join("bin/pip"))
+        .args(["install", "--quiet", "--disable-pip-version-check"])
+        .args(kernels::artifacts::NVCC_PACKAGES))?;
+    find().context("nvcc not found in .venv-cuda after installing the pinned packages")
+}
+
+fn kernels() -> Result<()> {
+    let root = root();
+    let sources = kernels::artifacts::sources(&root).context("cannot list kernels/*.cu")?;
+    if sources.is_empty() {
+        bail!("no CUDA sources under kernels/");
+    }
+    let nvcc = nvcc(&root)?;
+    let out = kernels::artifacts::out_dir(&root);
+    std::fs::create_dir_all(&out)?;
+    for src in &sources {
+        let stem = src.file_stem().context("source without a name")?.to_string_lossy().into_owned();
+        let target = out.join(format!("{stem}.fatbin"));
+        let tmp = out.join(format!(".{stem}.fatbin.tmp"));
+        run(Command::new(&nvcc)
+            .args(kernels::artifacts::NVCC_FLAGS)
+            .arg("-o")
+            .arg(&tmp)
+            .arg(src))?;
+        std::fs::rename(&tmp, &target)?;
+        eprintln!("xtask: wrote {}", target.display());
+    }
+    let stamp = kernels::artifacts::stamp(&root)?;
+    std::fs::write(out.join("STAMP"), format!("{stamp}\n"))?;
+    eprintln!("xtask: kernels/out is fresh ({stamp})");
+    Ok(())
 }
 
 fn ci() -> Result<()> {

@@ -8,10 +8,14 @@
 //!   ([`cpu::matmul`], with transposes and accumulation), and the SwiGLU
 //!   activation and its derivative. These are also the references the GPU
 //!   kernels will be tested against.
-//! * CUDA kernels (fused LRM scores, top-q selection, pack/unpack, the
-//!   variable-size grouped GEMM, SwiGLU, router, combine) behind a `cuda`
-//!   feature, built by `cargo xtask kernels` — **not implemented yet
-//!   (issue #4)**.
+//! * [`gpu`] — CUDA kernels from `kernels/*.cu`, built by
+//!   `cargo xtask kernels` (flags and pinned nvcc in [`artifacts`]), embedded
+//!   and loaded through cudarc behind the `cuda` feature: fused LRM scores
+//!   (bf16 in, f32 out), pack (row gather) and unpack (row scatter with zero
+//!   fill). Each has a CPU twin in [`cpu`] (`lrm_scores_reference`,
+//!   `gather_rows_reference`, `unpack_rows_reference`) and a device test.
+//!   **Not built yet (issue #4):** top-q selection, the variable-size grouped
+//!   GEMM, SwiGLU, router and combine kernels, and the layer on the GPU.
 //!
 //! ## Invariants
 //!
@@ -24,7 +28,9 @@
 
 #![deny(missing_docs)]
 
+pub mod artifacts;
 pub mod cpu;
+pub mod gpu;
 
 /// Errors of the kernel layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -32,6 +38,9 @@ pub enum KernelError {
     /// The crate was built without the `cuda` feature.
     #[error("lrmoe was built without CUDA support (rebuild with --features cuda)")]
     NotCompiledWithCuda,
+    /// A CUDA driver call or launch failed.
+    #[error("CUDA: {0}")]
+    Cuda(String),
     /// A buffer's length does not match the declared shape.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {

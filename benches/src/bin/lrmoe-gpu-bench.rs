@@ -1,0 +1,64 @@
+//! `lrmoe-gpu-bench`: the CUDA kernels against the device's copy bandwidth
+//! and the PyTorch peers, measured in the same call on the GPU machine.
+//!
+//! Usage: `lrmoe-gpu-bench [anchors.json]` where the optional file holds the
+//! JSON object printed on the `SINGLE` line of `torch_anchors.py`, run in the
+//! same device call.
+
+use kernels::gpu::Gpu;
+
+fn anchor(anchors: &serde_json::Value, key: &str) -> Option<f64> {
+    anchors.get(key).and_then(serde_json::Value::as_f64)
+}
+
+fn main() -> anyhow::Result<()> {
+    let anchors: serde_json::Value = match std::env::args().nth(1) {
+        Some(p) => serde_json::from_str(&std::fs::read_to_string(&p)?)?,
+        None => serde_json::Value::Null,
+    };
+    let gpu = Gpu::open(0)?;
+    let copy = gpu.bench_copy(2 << 30)?;
+    println!("copy (device to device, 2 GiB): {:.3} ms, {:.0} GB/s read+write", copy.ms, copy.gbps());
+    if let Some(t) = anchor(&anchors, "copy_GBps_rw") {
+        println!("torch copy_ (same run): {t:.0} GB/s read+write");
+    }
+    println!();
+    println!("| kernel | shape | median ms | GB/s | / copy | torch peer GB/s | / torch |");
+    println!("|---|---|---|---|---|---|---|");
+    for (key, n, d_in, d_out) in [("E128_H2048_F768_rows131072", 131072usize, 768usize, 2048usize), ("E64_H4096_F1536_rows131072", 131072, 1536, 4096)] {
+        let t = gpu.bench_scores(n, d_in, d_out)?;
+        let peer = anchor(&anchors, &format!("rownorm_{key}_GBps"));
+        println!(
+            "| LRM scores (bf16 in, f32 out; bytes read) | {n} × ({d_in} + {d_out}) | {:.3} | {:.0} | {:.2} | {} | {} |",
+            t.ms,
+            t.gbps(),
+            t.gbps() / copy.gbps(),
+            peer.map_or("-".into(), |p| format!("{p:.0} (row norms of one {n} × {d_out} matrix)")),
+            peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+        );
+    }
+    for (key, n, width) in [("E128_H2048_F768_rows131072", 131072usize, 2048usize), ("E64_H4096_F1536_rows131072", 131072, 4096)] {
+        let peer = anchor(&anchors, &format!("gather_{key}_GBps_rw"));
+        let t = gpu.bench_gather(n, width)?;
+        println!(
+            "| pack (row gather, random permutation; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
+            t.ms,
+            t.gbps(),
+            t.gbps() / copy.gbps(),
+            peer.map_or("-".into(), |p| format!("{p:.0} (index_select)")),
+            peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+        );
+        for dropped in [0usize, 50] {
+            let t = gpu.bench_unpack(n, width, dropped)?;
+            println!(
+                "| unpack (row scatter, {dropped}% dropped rows zero-filled; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
+                t.ms,
+                t.gbps(),
+                t.gbps() / copy.gbps(),
+                peer.map_or("-".into(), |p| format!("{p:.0} (index_select)")),
+                peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,324 @@
+//! The CUDA backend: safe wrappers that check shapes, then launch the
+//! kernels of `kernels/lrmoe.cu` through cudarc (loaded dynamically, so the
+//! crate builds with no CUDA installed). Without the `cuda` feature the same
+//! API returns [`KernelError::NotCompiledWithCuda`].
+//!
+//! Host-slice methods copy in, poison the output (0xFF bytes: NaN for f32
+//! and bf16) so unwritten elements cannot pass a test, launch, and copy out;
+//! the `bench_*` methods keep data on the device and time with CUDA events.
+
+use crate::KernelError;
+
+/// Medians of a device benchmark, milliseconds, with the bytes each moved.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Timing {
+    /// Median kernel time, ms.
+    pub ms: f64,
+    /// Bytes the kernel must move (reads + writes, or reads only where stated).
+    pub bytes: f64,
+}
+
+impl Timing {
+    /// `bytes / ms`, in GB/s.
+    pub fn gbps(&self) -> f64 {
+        self.bytes / (self.ms * 1e-3) / 1e9
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::Gpu;
+
+/// Stand-in when built without CUDA: every call is an error.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct Gpu(());
+
+#[cfg(not(feature = "cuda"))]
+impl Gpu {
+    /// Opens device `ordinal`.
+    pub fn open(_ordinal: usize) -> Result<Self, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn lrm_scores_bf16(&self, _h: &[u16], _d: &[u16], _g: &[f32], _di: usize, _do: usize) -> Result<Vec<f32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn gather_rows_u16(&self, _src: &[u16], _width: usize, _idx: &[u32]) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn unpack_rows_u16(&self, _packed: &[u16], _width: usize, _inverse: &[u32]) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+
+    use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+
+    use super::Timing;
+    use crate::KernelError;
+
+    static FATBIN: &[u8] = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/out/lrmoe.fatbin"));
+
+    fn cuda(e: impl std::fmt::Debug) -> KernelError {
+        KernelError::Cuda(format!("{e:?}"))
+    }
+
+    fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+        if expected == got {
+            Ok(())
+        } else {
+            Err(KernelError::Shape { what, expected, got })
+        }
+    }
+
+    fn dim(what: &'static str, x: usize) -> Result<i32, KernelError> {
+        i32::try_from(x).map_err(|_| KernelError::Shape { what, expected: i32::MAX as usize, got: x })
+    }
+
+    /// One device with the lrmoe module loaded.
+    pub struct Gpu {
+        ctx: Arc<CudaContext>,
+        stream: Arc<CudaStream>,
+        _module: Arc<CudaModule>,
+        scores: CudaFunction,
+        gather: CudaFunction,
+        unpack: CudaFunction,
+        n_sms: u32,
+    }
+
+    impl std::fmt::Debug for Gpu {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Gpu").field("n_sms", &self.n_sms).finish()
+        }
+    }
+
+    /// Warps per block of the row kernels.
+    const THREADS: u32 = 256;
+
+    impl Gpu {
+        /// Opens device `ordinal` and loads the kernels.
+        pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+            let ctx = CudaContext::new(ordinal).map_err(cuda)?;
+            let stream = ctx.default_stream();
+            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec())).map_err(cuda)?;
+            let n_sms = ctx
+                .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+                .map_err(cuda)? as u32;
+            Ok(Self {
+                scores: module.load_function("lrm_scores_bf16").map_err(cuda)?,
+                gather: module.load_function("gather_rows_u16").map_err(cuda)?,
+                unpack: module.load_function("unpack_rows_u16").map_err(cuda)?,
+                _module: module,
+                ctx,
+                stream,
+                n_sms,
+            })
+        }
+
+        /// A grid of warps-per-row kernels: enough blocks to fill the chip.
+        fn rows_config(&self, rows: usize) -> LaunchConfig {
+            let warps_per_block = (THREADS / 32) as usize;
+            let blocks = rows.div_ceil(warps_per_block).clamp(1, (self.n_sms * 16) as usize) as u32;
+            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+        }
+
+        fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, KernelError> {
+            if host.is_empty() {
+                // Zero-size buffers are ordinary: allocate one element so the
+                // pointer is valid; kernels never read it.
+                return unsafe { self.stream.alloc::<T>(1) }.map_err(cuda);
+            }
+            self.stream.clone_htod(host).map_err(cuda)
+        }
+
+        fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(&self, n: usize) -> Result<CudaSlice<T>, KernelError> {
+            let bytes = vec![0xFFu8; n.max(1) * std::mem::size_of::<T>()];
+            let host: Vec<T> = bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect();
+            self.stream.clone_htod(&host).map_err(cuda)
+        }
+
+        fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>, n: usize) -> Result<Vec<T>, KernelError> {
+            let mut v = self.stream.clone_dtoh(dev).map_err(cuda)?;
+            v.truncate(n);
+            Ok(v)
+        }
+
+        /// LRM scores `g² · ‖δ‖² · ‖h‖²` of `gate.len()` rows of bf16 bits.
+        pub fn lrm_scores_bf16(&self, h: &[u16], delta: &[u16], gate: &[f32], d_in: usize, d_out: usize) -> Result<Vec<f32>, KernelError> {
+            let n = gate.len();
+            check("h", n * d_in, h.len())?;
+            check("delta", n * d_out, delta.len())?;
+            let (hd, dd, gd) = (self.upload(h)?, self.upload(delta)?, self.upload(gate)?);
+            let mut out = self.poisoned::<f32>(n)?;
+            if n > 0 {
+                self.launch_scores(&hd, &dd, &gd, &mut out, n, d_in, d_out)?;
+            }
+            self.download(&out, n)
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        fn launch_scores(
+            &self,
+            h: &CudaSlice<u16>,
+            delta: &CudaSlice<u16>,
+            gate: &CudaSlice<f32>,
+            out: &mut CudaSlice<f32>,
+            n: usize,
+            d_in: usize,
+            d_out: usize,
+        ) -> Result<(), KernelError> {
+            let (n_i, di, dout) = (dim("n", n)?, dim("d_in", d_in)?, dim("d_out", d_out)?);
+            let mut b = self.stream.launch_builder(&self.scores);
+            b.arg(h).arg(delta).arg(gate).arg(out).arg(&n_i).arg(&di).arg(&dout);
+            // SAFETY: 1. the kernel's signature is (u16*, u16*, f32*, f32*,
+            // int, int, int), matching the arguments in order; 2. h holds
+            // n·d_in, delta n·d_out, gate and out n elements (checked by the
+            // callers); 3. out does not alias the inputs.
+            unsafe { b.launch(self.rows_config(n)) }.map_err(cuda)?;
+            Ok(())
+        }
+
+        /// `out[j] = src[idx[j]]` for rows of `width` u16 (bf16 bits).
+        pub fn gather_rows_u16(&self, src: &[u16], width: usize, idx: &[u32]) -> Result<Vec<u16>, KernelError> {
+            let rows = if width == 0 { 0 } else { src.len() / width };
+            check("src", rows * width, src.len())?;
+            if let Some(&bad) = idx.iter().find(|&&i| width > 0 && i as usize >= rows) {
+                return Err(KernelError::Shape { what: "idx (row out of range)", expected: rows, got: bad as usize });
+            }
+            let (sd, id) = (self.upload(src)?, self.upload(idx)?);
+            let mut out = self.poisoned::<u16>(idx.len() * width)?;
+            if !idx.is_empty() && width > 0 {
+                self.launch_rows(&self.gather, &sd, &id, &mut out, idx.len(), width)?;
+            }
+            self.download(&out, idx.len() * width)
+        }
+
+        /// `out[i] = packed[inverse[i]]`, zeros where `inverse[i]` is `u32::MAX`.
+        pub fn unpack_rows_u16(&self, packed: &[u16], width: usize, inverse: &[u32]) -> Result<Vec<u16>, KernelError> {
+            let rows = if width == 0 { 0 } else { packed.len() / width };
+            check("packed", rows * width, packed.len())?;
+            if let Some(&bad) = inverse.iter().find(|&&i| width > 0 && i != u32::MAX && i as usize >= rows) {
+                return Err(KernelError::Shape { what: "inverse (row out of range)", expected: rows, got: bad as usize });
+            }
+            let (pd, id) = (self.upload(packed)?, self.upload(inverse)?);
+            let mut out = self.poisoned::<u16>(inverse.len() * width)?;
+            if !inverse.is_empty() && width > 0 {
+                self.launch_rows(&self.unpack, &pd, &id, &mut out, inverse.len(), width)?;
+            }
+            self.download(&out, inverse.len() * width)
+        }
+
+        fn launch_rows(
+            &self,
+            f: &CudaFunction,
+            src: &CudaSlice<u16>,
+            idx: &CudaSlice<u32>,
+            out: &mut CudaSlice<u16>,
+            n_out: usize,
+            width: usize,
+        ) -> Result<(), KernelError> {
+            let (n_i, w) = (dim("rows", n_out)?, dim("width", width)?);
+            let mut b = self.stream.launch_builder(f);
+            b.arg(src).arg(idx).arg(out).arg(&n_i).arg(&w);
+            // SAFETY: 1. both row kernels take (u16*, u32*, u16*, int, int);
+            // 2. idx holds n_out indices, each < rows of src (checked by the
+            // callers, DROPPED allowed for unpack); 3. out holds n_out·width
+            // elements and does not alias src.
+            unsafe { b.launch(self.rows_config(n_out)) }.map_err(cuda)?;
+            Ok(())
+        }
+
+        /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.
+        fn time(&self, reps: usize, mut f: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+            for _ in 0..3 {
+                f()?;
+            }
+            let mut ts = Vec::with_capacity(reps);
+            for _ in 0..reps {
+                let a = self.ctx.new_event(None).map_err(cuda)?;
+                let b = self.ctx.new_event(None).map_err(cuda)?;
+                a.record(&self.stream).map_err(cuda)?;
+                f()?;
+                b.record(&self.stream).map_err(cuda)?;
+                b.synchronize().map_err(cuda)?;
+                ts.push(f64::from(a.elapsed_ms(&b).map_err(cuda)?));
+            }
+            ts.sort_by(f64::total_cmp);
+            Ok(ts[ts.len() / 2])
+        }
+
+        /// Device-to-device copy of `bytes`: the bandwidth peer (bytes read + written).
+        pub fn bench_copy(&self, bytes: usize) -> Result<Timing, KernelError> {
+            let src = self.poisoned::<u8>(bytes)?;
+            let mut dst = self.poisoned::<u8>(bytes)?;
+            let ms = self.time(20, || self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda))?;
+            Ok(Timing { ms, bytes: 2.0 * bytes as f64 })
+        }
+
+        /// LRM scores over `n` random rows; bytes = rows read.
+        pub fn bench_scores(&self, n: usize, d_in: usize, d_out: usize) -> Result<Timing, KernelError> {
+            let h = self.upload(&random_bf16(n * d_in, 1))?;
+            let d = self.upload(&random_bf16(n * d_out, 2))?;
+            let g = self.upload(&vec![0.5f32; n])?;
+            let mut out = self.poisoned::<f32>(n)?;
+            let ms = self.time(20, || self.launch_scores(&h, &d, &g, &mut out, n, d_in, d_out))?;
+            Ok(Timing { ms, bytes: (n * (d_in + d_out) * 2 + n * 8) as f64 })
+        }
+
+        /// Gather of `n` rows of `width` bf16 through a random permutation;
+        /// bytes = read + written.
+        pub fn bench_gather(&self, n: usize, width: usize) -> Result<Timing, KernelError> {
+            let src = self.upload(&random_bf16(n * width, 3))?;
+            let idx = self.upload(&permutation(n, 4))?;
+            let mut out = self.poisoned::<u16>(n * width)?;
+            let ms = self.time(20, || self.launch_rows(&self.gather, &src, &idx, &mut out, n, width))?;
+            Ok(Timing { ms, bytes: 2.0 * (n * width * 2) as f64 + (n * 4) as f64 })
+        }
+
+        /// Unpack of `n` rows of `width` bf16 with `dropped` of every 100
+        /// rows dropped; bytes = rows read + all rows written.
+        pub fn bench_unpack(&self, n: usize, width: usize, dropped_per_100: usize) -> Result<Timing, KernelError> {
+            let kept: Vec<usize> = (0..n).filter(|i| (i * 37) % 100 >= dropped_per_100).collect();
+            let mut inverse = vec![u32::MAX; n];
+            let perm = permutation(kept.len(), 5);
+            for (j, &i) in kept.iter().enumerate() {
+                inverse[i] = perm[j];
+            }
+            let packed = self.upload(&random_bf16(kept.len().max(1) * width, 6))?;
+            let inv = self.upload(&inverse)?;
+            let mut out = self.poisoned::<u16>(n * width)?;
+            let ms = self.time(20, || self.launch_rows(&self.unpack, &packed, &inv, &mut out, n, width))?;
+            Ok(Timing { ms, bytes: ((kept.len() + n) * width * 2 + n * 4) as f64 })
+        }
+    }
+
+    fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
+        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                let x = (s % 20001) as f32 / 10000.0 - 1.0;
+                (x.to_bits() >> 16) as u16
+            })
+            .collect()
+    }
+
+    fn permutation(n: usize, seed: u64) -> Vec<u32> {
+        let mut p: Vec<u32> = (0..n as u32).collect();
+        let mut s = seed | 1;
+        for i in (1..n).rev() {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            p.swap(i, (s % (i as u64 + 1)) as usize);
+        }
+        p
+    }
+}

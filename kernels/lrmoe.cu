@@ -1,0 +1,132 @@
+// lrmoe CUDA kernels (built by `cargo xtask kernels`; loaded by crates/kernels
+// with the `cuda` feature). Every kernel has a CPU twin in
+// crates/kernels/src/cpu.rs and a device test against it.
+//
+// bf16 tensors travel as raw uint16 bit patterns; all row-major.
+
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#define DROPPED 0xFFFFFFFFu
+
+__device__ __forceinline__ float bf16_sq_sum8(uint4 u) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 f = __bfloat1622float2(p[i]);
+        s = fmaf(f.x, f.x, s);
+        s = fmaf(f.y, f.y, s);
+    }
+    return s;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// Sum of squares of one bf16 row of `d` elements, by one warp. Rows whose
+// start is 16-byte aligned and whose width is a multiple of 8 take 16-byte
+// loads, four in flight per lane; others fall back to scalar loads.
+__device__ __forceinline__ float row_sq_norm(const uint16_t* __restrict__ row, int d, int lane) {
+    float acc = 0.f;
+    if ((reinterpret_cast<uintptr_t>(row) & 15) == 0 && (d & 7) == 0) {
+        const uint4* v = reinterpret_cast<const uint4*>(row);
+        int nv = d >> 3;
+        int i = lane;
+        for (; i + 96 < nv; i += 128) {
+            uint4 a = __ldg(v + i), b = __ldg(v + i + 32), c = __ldg(v + i + 64), e = __ldg(v + i + 96);
+            acc += bf16_sq_sum8(a) + bf16_sq_sum8(b) + bf16_sq_sum8(c) + bf16_sq_sum8(e);
+        }
+        for (; i < nv; i += 32) acc += bf16_sq_sum8(__ldg(v + i));
+    } else {
+        for (int i = lane; i < d; i += 32) {
+            float x = __uint_as_float(static_cast<uint32_t>(__ldg(row + i)) << 16);
+            acc = fmaf(x, x, acc);
+        }
+    }
+    return warp_sum(acc);
+}
+
+// LRM scores: out[i] = gate[i]^2 * ||delta_i||^2 * ||h_i||^2.
+//   h:     device, [n, d_in]  bf16 bits
+//   delta: device, [n, d_out] bf16 bits
+//   gate:  device, [n] f32
+//   out:   device, [n] f32
+// One warp per row, grid-stride over rows.
+extern "C" __global__ void lrm_scores_bf16(const uint16_t* __restrict__ h, const uint16_t* __restrict__ delta,
+                                           const float* __restrict__ gate, float* __restrict__ out, int n,
+                                           int d_in, int d_out) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int r = warp; r < n; r += n_warps) {
+        float sh = row_sq_norm(h + static_cast<size_t>(r) * d_in, d_in, lane);
+        float sd = row_sq_norm(delta + static_cast<size_t>(r) * d_out, d_out, lane);
+        if (lane == 0) {
+            float g = gate[r];
+            out[r] = g * g * sd * sh;
+        }
+    }
+}
+
+// Copies one row of `width` u16 elements, by one warp.
+__device__ __forceinline__ void copy_row(const uint16_t* __restrict__ src, uint16_t* __restrict__ dst, int width,
+                                         int lane) {
+    if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0 && (width & 7) == 0) {
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        int nv = width >> 3;
+        int i = lane;
+        for (; i + 32 < nv; i += 64) {
+            uint4 a = __ldg(s + i), b = __ldg(s + i + 32);
+            d[i] = a;
+            d[i + 32] = b;
+        }
+        for (; i < nv; i += 32) d[i] = __ldg(s + i);
+    } else {
+        for (int i = lane; i < width; i += 32) dst[i] = __ldg(src + i);
+    }
+}
+
+// Pack (gather): out[j] = src[idx[j]] row by row.
+//   src: device, [n_src, width] u16 (bf16 bits)
+//   idx: device, [n_out] u32, each < n_src
+//   out: device, [n_out, width] u16
+extern "C" __global__ void gather_rows_u16(const uint16_t* __restrict__ src, const uint32_t* __restrict__ idx,
+                                           uint16_t* __restrict__ out, int n_out, int width) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int j = warp; j < n_out; j += n_warps) {
+        copy_row(src + static_cast<size_t>(idx[j]) * width, out + static_cast<size_t>(j) * width, width, lane);
+    }
+}
+
+// Unpack (scatter back): out[i] = packed[inverse[i]], or zeros where
+// inverse[i] == DROPPED.
+//   packed:  device, [n_packed, width] u16
+//   inverse: device, [n] u32
+//   out:     device, [n, width] u16
+extern "C" __global__ void unpack_rows_u16(const uint16_t* __restrict__ packed, const uint32_t* __restrict__ inverse,
+                                           uint16_t* __restrict__ out, int n, int width) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int i = warp; i < n; i += n_warps) {
+        uint32_t p = inverse[i];
+        uint16_t* dst = out + static_cast<size_t>(i) * width;
+        if (p == DROPPED) {
+            if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0 && (width & 7) == 0) {
+                uint4* d = reinterpret_cast<uint4*>(dst);
+                for (int k = lane; k < (width >> 3); k += 32) d[k] = make_uint4(0, 0, 0, 0);
+            } else {
+                for (int k = lane; k < width; k += 32) dst[k] = 0;
+            }
+        } else {
+            copy_row(packed + static_cast<size_t>(p) * width, dst, width, lane);
+        }
+    }
+}
