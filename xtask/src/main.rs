@@ -35,10 +35,13 @@ fn nvcc(root: &Path) -> Result<PathBuf> {
     let venv = root.join(".venv-cuda");
     let find = || -> Option<PathBuf> {
         let lib = venv.join("lib");
-        std::fs::read_dir(&lib).ok()?.filter_map(|e| e.ok()).find_map(|e| {
-            let p = e.path().join("site-packages/nvidia/cu13/bin/nvcc");
-            p.exists().then_some(p)
-        })
+        std::fs::read_dir(&lib)
+            .ok()?
+            .filter_map(|e| e.ok())
+            .find_map(|e| {
+                let p = e.path().join("site-packages/nvidia/cu13/bin/nvcc");
+                p.exists().then_some(p)
+            })
     };
     if let Some(p) = find() {
         return Ok(p);
@@ -60,7 +63,11 @@ fn kernels() -> Result<()> {
     let out = kernels::artifacts::out_dir(&root);
     std::fs::create_dir_all(&out)?;
     for src in &sources {
-        let stem = src.file_stem().context("source without a name")?.to_string_lossy().into_owned();
+        let stem = src
+            .file_stem()
+            .context("source without a name")?
+            .to_string_lossy()
+            .into_owned();
         let target = out.join(format!("{stem}.fatbin"));
         let tmp = out.join(format!(".{stem}.fatbin.tmp"));
         run(Command::new(&nvcc)

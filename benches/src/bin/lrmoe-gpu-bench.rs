@@ -18,14 +18,26 @@ fn main() -> anyhow::Result<()> {
     };
     let gpu = Gpu::open(0)?;
     let copy = gpu.bench_copy(2 << 30)?;
-    println!("copy (device to device, 2 GiB): {:.3} ms, {:.0} GB/s read+write", copy.ms, copy.gbps());
+    println!(
+        "copy (device to device, 2 GiB): {:.3} ms, {:.0} GB/s read+write",
+        copy.ms,
+        copy.gbps()
+    );
     if let Some(t) = anchor(&anchors, "copy_GBps_rw") {
         println!("torch copy_ (same run): {t:.0} GB/s read+write");
     }
     println!();
     println!("| kernel | shape | median ms | GB/s | / copy | torch peer GB/s | / torch |");
     println!("|---|---|---|---|---|---|---|");
-    for (key, n, d_in, d_out) in [("E128_H2048_F768_rows131072", 131072usize, 768usize, 2048usize), ("E64_H4096_F1536_rows131072", 131072, 1536, 4096)] {
+    for (key, n, d_in, d_out) in [
+        (
+            "E128_H2048_F768_rows131072",
+            131072usize,
+            768usize,
+            2048usize,
+        ),
+        ("E64_H4096_F1536_rows131072", 131072, 1536, 4096),
+    ] {
         let t = gpu.bench_scores(n, d_in, d_out)?;
         let peer = anchor(&anchors, &format!("rownorm_{key}_GBps"));
         println!(
@@ -37,7 +49,10 @@ fn main() -> anyhow::Result<()> {
             peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
         );
     }
-    for (key, n, width) in [("E128_H2048_F768_rows131072", 131072usize, 2048usize), ("E64_H4096_F1536_rows131072", 131072, 4096)] {
+    for (key, n, width) in [
+        ("E128_H2048_F768_rows131072", 131072usize, 2048usize),
+        ("E64_H4096_F1536_rows131072", 131072, 4096),
+    ] {
         let peer = anchor(&anchors, &format!("gather_{key}_GBps_rw"));
         let t = gpu.bench_gather(n, width)?;
         println!(

@@ -54,7 +54,10 @@ pub fn stamp(workspace: &Path) -> std::io::Result<String> {
         eat(&[0]);
     }
     for src in sources(workspace)? {
-        eat(src.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
+        eat(src
+            .file_name()
+            .map(|n| n.as_encoded_bytes())
+            .unwrap_or_default());
         eat(&[0]);
         eat(&std::fs::read(&src)?);
     }
@@ -76,7 +79,11 @@ mod tests {
             "kernels/out is stale against kernels/*.cu: run `cargo xtask kernels`"
         );
         for src in sources(&ws).expect("sources") {
-            let stem = src.file_stem().expect("a file name").to_string_lossy().into_owned();
+            let stem = src
+                .file_stem()
+                .expect("a file name")
+                .to_string_lossy()
+                .into_owned();
             assert!(
                 out_dir(&ws).join(format!("{stem}.fatbin")).exists(),
                 "kernels/out/{stem}.fatbin is missing: run `cargo xtask kernels`"

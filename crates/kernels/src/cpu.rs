@@ -221,6 +221,91 @@ pub fn swiglu_backward<T: Real>(
     Ok(())
 }
 
+/// Marks a row [`unpack_rows_reference`] fills with zeros.
+pub const DROPPED: u32 = u32::MAX;
+
+/// Widens bf16 bits to f32 exactly.
+#[inline]
+pub fn bf16_bits_to_f32(b: u16) -> f32 {
+    f32::from_bits(u32::from(b) << 16)
+}
+
+/// CPU twin of the `lrm_scores_bf16` kernel: `g² · ‖δ‖² · ‖h‖²` per row,
+/// accumulated in f64. `h` is `n × d_in`, `delta` `n × d_out` (bf16 bits).
+pub fn lrm_scores_reference(
+    h: &[u16],
+    delta: &[u16],
+    gate: &[f32],
+    d_in: usize,
+    d_out: usize,
+) -> Result<Vec<f32>, KernelError> {
+    let n = gate.len();
+    check("h", n * d_in, h.len())?;
+    check("delta", n * d_out, delta.len())?;
+    let sq = |row: &[u16]| {
+        row.iter()
+            .map(|&b| f64::from(bf16_bits_to_f32(b)).powi(2))
+            .sum::<f64>()
+    };
+    Ok((0..n)
+        .map(|i| {
+            let g = f64::from(gate[i]);
+            (g * g * sq(&delta[i * d_out..(i + 1) * d_out]) * sq(&h[i * d_in..(i + 1) * d_in]))
+                as f32
+        })
+        .collect())
+}
+
+/// CPU twin of `gather_rows_u16`: `out[j] = src[idx[j]]`.
+pub fn gather_rows_reference(
+    src: &[u16],
+    width: usize,
+    idx: &[u32],
+) -> Result<Vec<u16>, KernelError> {
+    let rows = src.len().checked_div(width).unwrap_or(0);
+    check("src", rows * width, src.len())?;
+    let mut out = Vec::with_capacity(idx.len() * width);
+    for &i in idx {
+        let i = i as usize;
+        if width > 0 && i >= rows {
+            return Err(KernelError::Shape {
+                what: "idx (row out of range)",
+                expected: rows,
+                got: i,
+            });
+        }
+        out.extend_from_slice(&src[i * width..(i + 1) * width]);
+    }
+    Ok(out)
+}
+
+/// CPU twin of `unpack_rows_u16`: `out[i] = packed[inverse[i]]`, zeros for
+/// [`DROPPED`].
+pub fn unpack_rows_reference(
+    packed: &[u16],
+    width: usize,
+    inverse: &[u32],
+) -> Result<Vec<u16>, KernelError> {
+    let rows = packed.len().checked_div(width).unwrap_or(0);
+    check("packed", rows * width, packed.len())?;
+    let mut out = vec![0u16; inverse.len() * width];
+    for (i, &p) in inverse.iter().enumerate() {
+        if p == DROPPED {
+            continue;
+        }
+        let p = p as usize;
+        if width > 0 && p >= rows {
+            return Err(KernelError::Shape {
+                what: "inverse (row out of range)",
+                expected: rows,
+                got: p,
+            });
+        }
+        out[i * width..(i + 1) * width].copy_from_slice(&packed[p * width..(p + 1) * width]);
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -327,62 +412,4 @@ mod tests {
             assert!((fd - silu_grad(a)).abs() < 1e-8, "a = {a}");
         }
     }
-}
-
-/// Marks a row [`unpack_rows_reference`] fills with zeros.
-pub const DROPPED: u32 = u32::MAX;
-
-/// Widens bf16 bits to f32 exactly.
-#[inline]
-pub fn bf16_bits_to_f32(b: u16) -> f32 {
-    f32::from_bits(u32::from(b) << 16)
-}
-
-/// CPU twin of the `lrm_scores_bf16` kernel: `g² · ‖δ‖² · ‖h‖²` per row,
-/// accumulated in f64. `h` is `n × d_in`, `delta` `n × d_out` (bf16 bits).
-pub fn lrm_scores_reference(h: &[u16], delta: &[u16], gate: &[f32], d_in: usize, d_out: usize) -> Result<Vec<f32>, KernelError> {
-    let n = gate.len();
-    check("h", n * d_in, h.len())?;
-    check("delta", n * d_out, delta.len())?;
-    let sq = |row: &[u16]| row.iter().map(|&b| f64::from(bf16_bits_to_f32(b)).powi(2)).sum::<f64>();
-    Ok((0..n)
-        .map(|i| {
-            let g = f64::from(gate[i]);
-            (g * g * sq(&delta[i * d_out..(i + 1) * d_out]) * sq(&h[i * d_in..(i + 1) * d_in])) as f32
-        })
-        .collect())
-}
-
-/// CPU twin of `gather_rows_u16`: `out[j] = src[idx[j]]`.
-pub fn gather_rows_reference(src: &[u16], width: usize, idx: &[u32]) -> Result<Vec<u16>, KernelError> {
-    let rows = if width == 0 { 0 } else { src.len() / width };
-    check("src", rows * width, src.len())?;
-    let mut out = Vec::with_capacity(idx.len() * width);
-    for &i in idx {
-        let i = i as usize;
-        if width > 0 && i >= rows {
-            return Err(KernelError::Shape { what: "idx (row out of range)", expected: rows, got: i });
-        }
-        out.extend_from_slice(&src[i * width..(i + 1) * width]);
-    }
-    Ok(out)
-}
-
-/// CPU twin of `unpack_rows_u16`: `out[i] = packed[inverse[i]]`, zeros for
-/// [`DROPPED`].
-pub fn unpack_rows_reference(packed: &[u16], width: usize, inverse: &[u32]) -> Result<Vec<u16>, KernelError> {
-    let rows = if width == 0 { 0 } else { packed.len() / width };
-    check("packed", rows * width, packed.len())?;
-    let mut out = vec![0u16; inverse.len() * width];
-    for (i, &p) in inverse.iter().enumerate() {
-        if p == DROPPED {
-            continue;
-        }
-        let p = p as usize;
-        if width > 0 && p >= rows {
-            return Err(KernelError::Shape { what: "inverse (row out of range)", expected: rows, got: p });
-        }
-        out[i * width..(i + 1) * width].copy_from_slice(&packed[p * width..(p + 1) * width]);
-    }
-    Ok(out)
 }

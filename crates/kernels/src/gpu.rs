@@ -7,6 +7,7 @@
 //! and bf16) so unwritten elements cannot pass a test, launch, and copy out;
 //! the `bench_*` methods keep data on the device and time with CUDA events.
 
+#[cfg(not(feature = "cuda"))]
 use crate::KernelError;
 
 /// Medians of a device benchmark, milliseconds, with the bytes each moved.
@@ -40,15 +41,32 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
-    pub fn lrm_scores_bf16(&self, _h: &[u16], _d: &[u16], _g: &[f32], _di: usize, _do: usize) -> Result<Vec<f32>, KernelError> {
+    pub fn lrm_scores_bf16(
+        &self,
+        _h: &[u16],
+        _d: &[u16],
+        _g: &[f32],
+        _di: usize,
+        _do: usize,
+    ) -> Result<Vec<f32>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
-    pub fn gather_rows_u16(&self, _src: &[u16], _width: usize, _idx: &[u32]) -> Result<Vec<u16>, KernelError> {
+    pub fn gather_rows_u16(
+        &self,
+        _src: &[u16],
+        _width: usize,
+        _idx: &[u32],
+    ) -> Result<Vec<u16>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
-    pub fn unpack_rows_u16(&self, _packed: &[u16], _width: usize, _inverse: &[u32]) -> Result<Vec<u16>, KernelError> {
+    pub fn unpack_rows_u16(
+        &self,
+        _packed: &[u16],
+        _width: usize,
+        _inverse: &[u32],
+    ) -> Result<Vec<u16>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
 }
@@ -57,12 +75,17 @@ impl Gpu {
 mod imp {
     use std::sync::Arc;
 
-    use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+    use cudarc::driver::{
+        CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+    };
 
     use super::Timing;
     use crate::KernelError;
 
-    static FATBIN: &[u8] = include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../kernels/out/lrmoe.fatbin"));
+    static FATBIN: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../kernels/out/lrmoe.fatbin"
+    ));
 
     fn cuda(e: impl std::fmt::Debug) -> KernelError {
         KernelError::Cuda(format!("{e:?}"))
@@ -72,12 +95,20 @@ mod imp {
         if expected == got {
             Ok(())
         } else {
-            Err(KernelError::Shape { what, expected, got })
+            Err(KernelError::Shape {
+                what,
+                expected,
+                got,
+            })
         }
     }
 
     fn dim(what: &'static str, x: usize) -> Result<i32, KernelError> {
-        i32::try_from(x).map_err(|_| KernelError::Shape { what, expected: i32::MAX as usize, got: x })
+        i32::try_from(x).map_err(|_| KernelError::Shape {
+            what,
+            expected: i32::MAX as usize,
+            got: x,
+        })
     }
 
     /// One device with the lrmoe module loaded.
@@ -105,7 +136,9 @@ mod imp {
         pub fn open(ordinal: usize) -> Result<Self, KernelError> {
             let ctx = CudaContext::new(ordinal).map_err(cuda)?;
             let stream = ctx.default_stream();
-            let module = ctx.load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec())).map_err(cuda)?;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
+                .map_err(cuda)?;
             let n_sms = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cuda)? as u32;
@@ -123,11 +156,20 @@ mod imp {
         /// A grid of warps-per-row kernels: enough blocks to fill the chip.
         fn rows_config(&self, rows: usize) -> LaunchConfig {
             let warps_per_block = (THREADS / 32) as usize;
-            let blocks = rows.div_ceil(warps_per_block).clamp(1, (self.n_sms * 16) as usize) as u32;
-            LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 }
+            let blocks = rows
+                .div_ceil(warps_per_block)
+                .clamp(1, (self.n_sms * 16) as usize) as u32;
+            LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
         }
 
-        fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, KernelError> {
+        fn upload<T: cudarc::driver::DeviceRepr>(
+            &self,
+            host: &[T],
+        ) -> Result<CudaSlice<T>, KernelError> {
             if host.is_empty() {
                 // Zero-size buffers are ordinary: allocate one element so the
                 // pointer is valid; kernels never read it.
@@ -136,20 +178,37 @@ mod imp {
             self.stream.clone_htod(host).map_err(cuda)
         }
 
-        fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(&self, n: usize) -> Result<CudaSlice<T>, KernelError> {
+        fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(
+            &self,
+            n: usize,
+        ) -> Result<CudaSlice<T>, KernelError> {
             let bytes = vec![0xFFu8; n.max(1) * std::mem::size_of::<T>()];
-            let host: Vec<T> = bytes.chunks_exact(std::mem::size_of::<T>()).map(bytemuck::pod_read_unaligned).collect();
+            let host: Vec<T> = bytes
+                .chunks_exact(std::mem::size_of::<T>())
+                .map(bytemuck::pod_read_unaligned)
+                .collect();
             self.stream.clone_htod(&host).map_err(cuda)
         }
 
-        fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>, n: usize) -> Result<Vec<T>, KernelError> {
+        fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+            &self,
+            dev: &CudaSlice<T>,
+            n: usize,
+        ) -> Result<Vec<T>, KernelError> {
             let mut v = self.stream.clone_dtoh(dev).map_err(cuda)?;
             v.truncate(n);
             Ok(v)
         }
 
         /// LRM scores `g² · ‖δ‖² · ‖h‖²` of `gate.len()` rows of bf16 bits.
-        pub fn lrm_scores_bf16(&self, h: &[u16], delta: &[u16], gate: &[f32], d_in: usize, d_out: usize) -> Result<Vec<f32>, KernelError> {
+        pub fn lrm_scores_bf16(
+            &self,
+            h: &[u16],
+            delta: &[u16],
+            gate: &[f32],
+            d_in: usize,
+            d_out: usize,
+        ) -> Result<Vec<f32>, KernelError> {
             let n = gate.len();
             check("h", n * d_in, h.len())?;
             check("delta", n * d_out, delta.len())?;
@@ -174,7 +233,13 @@ mod imp {
         ) -> Result<(), KernelError> {
             let (n_i, di, dout) = (dim("n", n)?, dim("d_in", d_in)?, dim("d_out", d_out)?);
             let mut b = self.stream.launch_builder(&self.scores);
-            b.arg(h).arg(delta).arg(gate).arg(out).arg(&n_i).arg(&di).arg(&dout);
+            b.arg(h)
+                .arg(delta)
+                .arg(gate)
+                .arg(out)
+                .arg(&n_i)
+                .arg(&di)
+                .arg(&dout);
             // SAFETY: 1. the kernel's signature is (u16*, u16*, f32*, f32*,
             // int, int, int), matching the arguments in order; 2. h holds
             // n·d_in, delta n·d_out, gate and out n elements (checked by the
@@ -184,11 +249,20 @@ mod imp {
         }
 
         /// `out[j] = src[idx[j]]` for rows of `width` u16 (bf16 bits).
-        pub fn gather_rows_u16(&self, src: &[u16], width: usize, idx: &[u32]) -> Result<Vec<u16>, KernelError> {
-            let rows = if width == 0 { 0 } else { src.len() / width };
+        pub fn gather_rows_u16(
+            &self,
+            src: &[u16],
+            width: usize,
+            idx: &[u32],
+        ) -> Result<Vec<u16>, KernelError> {
+            let rows = src.len().checked_div(width).unwrap_or(0);
             check("src", rows * width, src.len())?;
             if let Some(&bad) = idx.iter().find(|&&i| width > 0 && i as usize >= rows) {
-                return Err(KernelError::Shape { what: "idx (row out of range)", expected: rows, got: bad as usize });
+                return Err(KernelError::Shape {
+                    what: "idx (row out of range)",
+                    expected: rows,
+                    got: bad as usize,
+                });
             }
             let (sd, id) = (self.upload(src)?, self.upload(idx)?);
             let mut out = self.poisoned::<u16>(idx.len() * width)?;
@@ -199,11 +273,23 @@ mod imp {
         }
 
         /// `out[i] = packed[inverse[i]]`, zeros where `inverse[i]` is `u32::MAX`.
-        pub fn unpack_rows_u16(&self, packed: &[u16], width: usize, inverse: &[u32]) -> Result<Vec<u16>, KernelError> {
-            let rows = if width == 0 { 0 } else { packed.len() / width };
+        pub fn unpack_rows_u16(
+            &self,
+            packed: &[u16],
+            width: usize,
+            inverse: &[u32],
+        ) -> Result<Vec<u16>, KernelError> {
+            let rows = packed.len().checked_div(width).unwrap_or(0);
             check("packed", rows * width, packed.len())?;
-            if let Some(&bad) = inverse.iter().find(|&&i| width > 0 && i != u32::MAX && i as usize >= rows) {
-                return Err(KernelError::Shape { what: "inverse (row out of range)", expected: rows, got: bad as usize });
+            if let Some(&bad) = inverse
+                .iter()
+                .find(|&&i| width > 0 && i != u32::MAX && i as usize >= rows)
+            {
+                return Err(KernelError::Shape {
+                    what: "inverse (row out of range)",
+                    expected: rows,
+                    got: bad as usize,
+                });
             }
             let (pd, id) = (self.upload(packed)?, self.upload(inverse)?);
             let mut out = self.poisoned::<u16>(inverse.len() * width)?;
@@ -234,7 +320,11 @@ mod imp {
         }
 
         /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.
-        fn time(&self, reps: usize, mut f: impl FnMut() -> Result<(), KernelError>) -> Result<f64, KernelError> {
+        fn time(
+            &self,
+            reps: usize,
+            mut f: impl FnMut() -> Result<(), KernelError>,
+        ) -> Result<f64, KernelError> {
             for _ in 0..3 {
                 f()?;
             }
@@ -257,17 +347,30 @@ mod imp {
             let src = self.poisoned::<u8>(bytes)?;
             let mut dst = self.poisoned::<u8>(bytes)?;
             let ms = self.time(20, || self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda))?;
-            Ok(Timing { ms, bytes: 2.0 * bytes as f64 })
+            Ok(Timing {
+                ms,
+                bytes: 2.0 * bytes as f64,
+            })
         }
 
         /// LRM scores over `n` random rows; bytes = rows read.
-        pub fn bench_scores(&self, n: usize, d_in: usize, d_out: usize) -> Result<Timing, KernelError> {
+        pub fn bench_scores(
+            &self,
+            n: usize,
+            d_in: usize,
+            d_out: usize,
+        ) -> Result<Timing, KernelError> {
             let h = self.upload(&random_bf16(n * d_in, 1))?;
             let d = self.upload(&random_bf16(n * d_out, 2))?;
             let g = self.upload(&vec![0.5f32; n])?;
             let mut out = self.poisoned::<f32>(n)?;
-            let ms = self.time(20, || self.launch_scores(&h, &d, &g, &mut out, n, d_in, d_out))?;
-            Ok(Timing { ms, bytes: (n * (d_in + d_out) * 2 + n * 8) as f64 })
+            let ms = self.time(20, || {
+                self.launch_scores(&h, &d, &g, &mut out, n, d_in, d_out)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: (n * (d_in + d_out) * 2 + n * 8) as f64,
+            })
         }
 
         /// Gather of `n` rows of `width` bf16 through a random permutation;
@@ -276,14 +379,26 @@ mod imp {
             let src = self.upload(&random_bf16(n * width, 3))?;
             let idx = self.upload(&permutation(n, 4))?;
             let mut out = self.poisoned::<u16>(n * width)?;
-            let ms = self.time(20, || self.launch_rows(&self.gather, &src, &idx, &mut out, n, width))?;
-            Ok(Timing { ms, bytes: 2.0 * (n * width * 2) as f64 + (n * 4) as f64 })
+            let ms = self.time(20, || {
+                self.launch_rows(&self.gather, &src, &idx, &mut out, n, width)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: 2.0 * (n * width * 2) as f64 + (n * 4) as f64,
+            })
         }
 
         /// Unpack of `n` rows of `width` bf16 with `dropped` of every 100
         /// rows dropped; bytes = rows read + all rows written.
-        pub fn bench_unpack(&self, n: usize, width: usize, dropped_per_100: usize) -> Result<Timing, KernelError> {
-            let kept: Vec<usize> = (0..n).filter(|i| (i * 37) % 100 >= dropped_per_100).collect();
+        pub fn bench_unpack(
+            &self,
+            n: usize,
+            width: usize,
+            dropped_per_100: usize,
+        ) -> Result<Timing, KernelError> {
+            let kept: Vec<usize> = (0..n)
+                .filter(|i| (i * 37) % 100 >= dropped_per_100)
+                .collect();
             let mut inverse = vec![u32::MAX; n];
             let perm = permutation(kept.len(), 5);
             for (j, &i) in kept.iter().enumerate() {
@@ -292,8 +407,13 @@ mod imp {
             let packed = self.upload(&random_bf16(kept.len().max(1) * width, 6))?;
             let inv = self.upload(&inverse)?;
             let mut out = self.poisoned::<u16>(n * width)?;
-            let ms = self.time(20, || self.launch_rows(&self.unpack, &packed, &inv, &mut out, n, width))?;
-            Ok(Timing { ms, bytes: ((kept.len() + n) * width * 2 + n * 4) as f64 })
+            let ms = self.time(20, || {
+                self.launch_rows(&self.unpack, &packed, &inv, &mut out, n, width)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: ((kept.len() + n) * width * 2 + n * 4) as f64,
+            })
         }
     }
 

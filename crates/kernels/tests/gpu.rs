@@ -30,28 +30,50 @@ impl Rng {
         self.0
     }
     fn bf16(&mut self, n: usize) -> Vec<u16> {
-        (0..n).map(|_| (((self.next() % 40001) as f32 / 10000.0 - 2.0).to_bits() >> 16) as u16).collect()
+        (0..n)
+            .map(|_| (((self.next() % 40001) as f32 / 10000.0 - 2.0).to_bits() >> 16) as u16)
+            .collect()
     }
 }
 
 fn seed() -> u64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_nanos() as u64 | 1
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
 }
 
 #[test]
 fn lrm_scores_match_the_cpu_twin() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(seed());
-    for &(n, d_in, d_out) in &[(0, 8, 8), (1, 1, 1), (33, 13, 7), (1000, 768, 2048), (4097, 64, 24), (70000, 128, 256)] {
+    for &(n, d_in, d_out) in &[
+        (0, 8, 8),
+        (1, 1, 1),
+        (33, 13, 7),
+        (1000, 768, 2048),
+        (4097, 64, 24),
+        (70000, 128, 256),
+    ] {
         let h = rng.bf16(n * d_in);
         let d = rng.bf16(n * d_out);
-        let gate: Vec<f32> = (0..n).map(|_| (rng.next() % 1000) as f32 / 1000.0).collect();
+        let gate: Vec<f32> = (0..n)
+            .map(|_| (rng.next() % 1000) as f32 / 1000.0)
+            .collect();
         let got = g.lrm_scores_bf16(&h, &d, &gate, d_in, d_out).unwrap();
         let want = lrm_scores_reference(&h, &d, &gate, d_in, d_out).unwrap();
         assert_eq!(got.len(), n);
-        let err: f64 = got.iter().zip(&want).map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2)).sum();
+        let err: f64 = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (f64::from(*a) - f64::from(*b)).powi(2))
+            .sum();
         let norm: f64 = want.iter().map(|b| f64::from(*b).powi(2)).sum();
-        assert!(got.iter().all(|x| x.is_finite()), "unwritten (NaN) output at n = {n}");
+        assert!(
+            got.iter().all(|x| x.is_finite()),
+            "unwritten (NaN) output at n = {n}"
+        );
         assert!(
             err.sqrt() <= 1e-5 * norm.sqrt().max(1e-30),
             "relative error {} at ({n}, {d_in}, {d_out})",
@@ -64,23 +86,58 @@ fn lrm_scores_match_the_cpu_twin() {
 fn pack_and_unpack_match_the_cpu_twins_bit_exactly() {
     let Some(g) = gpu() else { return };
     let mut rng = Rng(seed());
-    for &(rows, width, n_out) in &[(0, 8, 0), (5, 0, 3), (7, 13, 20), (1000, 2048, 777), (50000, 768, 65536), (3, 8, 3)] {
+    for &(rows, width, n_out) in &[
+        (0, 8, 0),
+        (5, 0, 3),
+        (7, 13, 20),
+        (1000, 2048, 777),
+        (50000, 768, 65536),
+        (3, 8, 3),
+    ] {
         let src = rng.bf16(rows * width);
-        let idx: Vec<u32> = (0..n_out).map(|_| if rows == 0 { 0 } else { (rng.next() % rows as u64) as u32 }).collect();
+        let idx: Vec<u32> = (0..n_out)
+            .map(|_| {
+                if rows == 0 {
+                    0
+                } else {
+                    (rng.next() % rows as u64) as u32
+                }
+            })
+            .collect();
         let got = g.gather_rows_u16(&src, width, &idx).unwrap();
-        assert_eq!(got, gather_rows_reference(&src, width, &idx).unwrap(), "gather ({rows}, {width}, {n_out})");
+        assert_eq!(
+            got,
+            gather_rows_reference(&src, width, &idx).unwrap(),
+            "gather ({rows}, {width}, {n_out})"
+        );
 
         let inverse: Vec<u32> = (0..n_out)
-            .map(|_| if rows == 0 || rng.next() % 3 == 0 { DROPPED } else { (rng.next() % rows as u64) as u32 })
+            .map(|_| {
+                if rows == 0 || rng.next() % 3 == 0 {
+                    DROPPED
+                } else {
+                    (rng.next() % rows as u64) as u32
+                }
+            })
             .collect();
         let got = g.unpack_rows_u16(&src, width, &inverse).unwrap();
-        assert_eq!(got, unpack_rows_reference(&src, width, &inverse).unwrap(), "unpack ({rows}, {width}, {n_out})");
+        assert_eq!(
+            got,
+            unpack_rows_reference(&src, width, &inverse).unwrap(),
+            "unpack ({rows}, {width}, {n_out})"
+        );
     }
 }
 
 #[test]
 fn bad_shapes_are_errors_not_launches() {
     let Some(g) = gpu() else { return };
-    assert!(matches!(g.lrm_scores_bf16(&[0; 3], &[0; 4], &[1.0; 2], 2, 2), Err(KernelError::Shape { what: "h", .. })));
-    assert!(matches!(g.gather_rows_u16(&[0; 4], 2, &[2]), Err(KernelError::Shape { .. })));
+    assert!(matches!(
+        g.lrm_scores_bf16(&[0; 3], &[0; 4], &[1.0; 2], 2, 2),
+        Err(KernelError::Shape { what: "h", .. })
+    ));
+    assert!(matches!(
+        g.gather_rows_u16(&[0; 4], 2, &[2]),
+        Err(KernelError::Shape { .. })
+    ));
 }
