@@ -330,8 +330,9 @@ mod imp {
             }
             let mut ts = Vec::with_capacity(reps);
             for _ in 0..reps {
-                let a = self.ctx.new_event(None).map_err(cuda)?;
-                let b = self.ctx.new_event(None).map_err(cuda)?;
+                let timing = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+                let a = self.ctx.new_event(timing).map_err(cuda)?;
+                let b = self.ctx.new_event(timing).map_err(cuda)?;
                 a.record(&self.stream).map_err(cuda)?;
                 f()?;
                 b.record(&self.stream).map_err(cuda)?;
@@ -344,8 +345,8 @@ mod imp {
 
         /// Device-to-device copy of `bytes`: the bandwidth peer (bytes read + written).
         pub fn bench_copy(&self, bytes: usize) -> Result<Timing, KernelError> {
-            let src = self.poisoned::<u8>(bytes)?;
-            let mut dst = self.poisoned::<u8>(bytes)?;
+            let src = self.upload(&random_bf16(bytes / 2, 7))?;
+            let mut dst = self.poisoned::<u16>(bytes / 2)?;
             let ms = self.time(20, || self.stream.memcpy_dtod(&src, &mut dst).map_err(cuda))?;
             Ok(Timing {
                 ms,
