@@ -98,6 +98,16 @@ fn ci() -> Result<()> {
         "-D",
         "warnings",
     ]))?;
+    run(Command::new(&cargo).current_dir(&r).args([
+        "clippy",
+        "--workspace",
+        "--all-targets",
+        "--features",
+        "kernels/cuda,lrmoe-benches/cuda",
+        "--",
+        "-D",
+        "warnings",
+    ]))?;
     run(Command::new(&cargo)
         .current_dir(&r)
         .args(["test", "--workspace", "--all-targets"]))
