@@ -130,3 +130,68 @@ extern "C" __global__ void unpack_rows_u16(const uint16_t* __restrict__ packed, 
         }
     }
 }
+
+// Per-expert top-q selection.
+//   scores:  device, [n_pairs] f32, grouped by expert (finite, >= 0)
+//   ids:     device, [n_pairs] u32, ties go to the smaller id
+//   offsets: device, [n_experts + 1] u32, expert e owns [offsets[e], offsets[e+1])
+//   quotas:  device, [n_experts] u32
+//   kept:    device, [n_pairs] u8 (1 kept, 0 dropped)
+//   error:   device, [1] u32, set to 1 if a score is NaN or infinite
+// One block per expert. The q-th best pair is found by an 8-pass radix
+// select over the 64-bit key (score bits << 32 | ~id), whose order is the
+// tie rule itself, so exactly min(q, n) pairs are kept.
+__device__ __forceinline__ unsigned long long select_key(float s, uint32_t id) {
+    // Non-negative floats order like their bit patterns; -0.0 maps to +0.0.
+    uint32_t b = __float_as_uint(s) & 0x7fffffffu;
+    return (static_cast<unsigned long long>(b) << 32) | static_cast<unsigned long long>(~id);
+}
+
+extern "C" __global__ void select_top_q(const float* __restrict__ scores, const uint32_t* __restrict__ ids,
+                                        const uint32_t* __restrict__ offsets, const uint32_t* __restrict__ quotas,
+                                        uint8_t* __restrict__ kept, uint32_t* __restrict__ error) {
+    __shared__ uint32_t hist[256];
+    __shared__ unsigned long long prefix;
+    __shared__ uint32_t remaining;
+    int e = blockIdx.x;
+    uint32_t lo = offsets[e], hi = offsets[e + 1];
+    uint32_t n = hi - lo;
+    uint32_t q = min(quotas[e], n);
+    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        float s = scores[i];
+        if (!isfinite(s) || s < 0.f) atomicOr(error, 1u);
+    }
+    if (q == 0 || q == n) {
+        for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) kept[i] = q == n ? 1 : 0;
+        return;
+    }
+    if (threadIdx.x == 0) {
+        prefix = 0ull;
+        remaining = q;
+    }
+    unsigned long long mask = 0ull;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += blockDim.x) hist[b] = 0;
+        __syncthreads();
+        unsigned long long p = prefix;
+        for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+            unsigned long long k = select_key(scores[i], ids[i]);
+            if ((k & mask) == p) atomicAdd(&hist[(k >> shift) & 255ull], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            uint32_t need = remaining, above = 0;
+            int b = 255;
+            for (; b > 0; --b) {
+                if (above + hist[b] >= need) break;
+                above += hist[b];
+            }
+            remaining = need - above;
+            prefix = p | (static_cast<unsigned long long>(b) << shift);
+        }
+        mask |= 255ull << shift;
+        __syncthreads();
+    }
+    unsigned long long t = prefix;
+    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) kept[i] = select_key(scores[i], ids[i]) >= t ? 1 : 0;
+}

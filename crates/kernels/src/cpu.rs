@@ -306,6 +306,38 @@ pub fn unpack_rows_reference(
     Ok(out)
 }
 
+/// CPU twin of `select_top_q`: within each expert's segment
+/// `offsets[e]..offsets[e + 1]` keep the `min(quotas[e], n_e)` pairs of
+/// highest score, ties to the smaller id, by a full sort (the naive way).
+pub fn select_top_reference(
+    scores: &[f32],
+    ids: &[u32],
+    offsets: &[u32],
+    quotas: &[u32],
+) -> Result<Vec<bool>, KernelError> {
+    check("ids", scores.len(), ids.len())?;
+    check("offsets", quotas.len() + 1, offsets.len())?;
+    if offsets.last().copied().unwrap_or(0) as usize != scores.len()
+        || offsets.windows(2).any(|w| w[0] > w[1])
+    {
+        return Err(KernelError::Shape {
+            what: "offsets (not a partition of the pairs)",
+            expected: scores.len(),
+            got: offsets.last().copied().unwrap_or(0) as usize,
+        });
+    }
+    let mut kept = vec![false; scores.len()];
+    for (e, &q) in quotas.iter().enumerate() {
+        let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);
+        let mut idx: Vec<usize> = (lo..hi).collect();
+        idx.sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(ids[a].cmp(&ids[b])));
+        for &i in idx.iter().take(q as usize) {
+            kept[i] = true;
+        }
+    }
+    Ok(kept)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

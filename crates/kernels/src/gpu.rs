@@ -119,6 +119,7 @@ mod imp {
         scores: CudaFunction,
         gather: CudaFunction,
         unpack: CudaFunction,
+        select: CudaFunction,
         n_sms: u32,
     }
 
@@ -146,6 +147,7 @@ mod imp {
                 scores: module.load_function("lrm_scores_bf16").map_err(cuda)?,
                 gather: module.load_function("gather_rows_u16").map_err(cuda)?,
                 unpack: module.load_function("unpack_rows_u16").map_err(cuda)?,
+                select: module.load_function("select_top_q").map_err(cuda)?,
                 _module: module,
                 ctx,
                 stream,
@@ -317,6 +319,129 @@ mod imp {
             // elements and does not alias src.
             unsafe { b.launch(self.rows_config(n_out)) }.map_err(cuda)?;
             Ok(())
+        }
+
+        /// Per-expert top-q: pairs grouped by expert (`offsets`, `n_experts + 1`
+        /// entries), ties to the smaller id. Scores must be finite and ≥ 0.
+        pub fn select_top(
+            &self,
+            scores: &[f32],
+            ids: &[u32],
+            offsets: &[u32],
+            quotas: &[u32],
+        ) -> Result<Vec<bool>, KernelError> {
+            check("ids", scores.len(), ids.len())?;
+            check("offsets", quotas.len() + 1, offsets.len())?;
+            if offsets.last().copied().unwrap_or(0) as usize != scores.len()
+                || offsets.windows(2).any(|w| w[0] > w[1])
+            {
+                return Err(KernelError::Shape {
+                    what: "offsets (not a partition of the pairs)",
+                    expected: scores.len(),
+                    got: offsets.last().copied().unwrap_or(0) as usize,
+                });
+            }
+            let (sd, idd, od, qd) = (
+                self.upload(scores)?,
+                self.upload(ids)?,
+                self.upload(offsets)?,
+                self.upload(quotas)?,
+            );
+            let mut kept = self.poisoned::<u8>(scores.len())?;
+            let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
+            if !quotas.is_empty() {
+                self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, quotas.len())?;
+            }
+            if self.stream.clone_dtoh(&err).map_err(cuda)?[0] != 0 {
+                return Err(KernelError::Cuda(
+                    "select_top: a score is NaN, infinite or negative".into(),
+                ));
+            }
+            Ok(self
+                .download(&kept, scores.len())?
+                .into_iter()
+                .map(|k| k == 1)
+                .collect())
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        fn launch_select(
+            &self,
+            scores: &CudaSlice<f32>,
+            ids: &CudaSlice<u32>,
+            offsets: &CudaSlice<u32>,
+            quotas: &CudaSlice<u32>,
+            kept: &mut CudaSlice<u8>,
+            err: &mut CudaSlice<u32>,
+            n_experts: usize,
+        ) -> Result<(), KernelError> {
+            let grid = u32::try_from(n_experts).map_err(|_| KernelError::Shape {
+                what: "experts",
+                expected: u32::MAX as usize,
+                got: n_experts,
+            })?;
+            let mut b = self.stream.launch_builder(&self.select);
+            b.arg(scores)
+                .arg(ids)
+                .arg(offsets)
+                .arg(quotas)
+                .arg(kept)
+                .arg(err);
+            // SAFETY: 1. the kernel takes (f32*, u32*, u32*, u32*, u8*, u32*);
+            // 2. offsets has n_experts + 1 non-decreasing entries ending at
+            // the pair count (checked by the caller), so every block reads
+            // and writes inside scores, ids and kept; 3. kept and err alias
+            // nothing else.
+            unsafe {
+                b.launch(LaunchConfig {
+                    grid_dim: (grid, 1, 1),
+                    block_dim: (512, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(cuda)?;
+            Ok(())
+        }
+
+        /// Top-q selection of `n_pairs` pairs over `n_experts` experts with
+        /// Zipf(0.8) counts, half of each expert kept; bytes = scores and ids read.
+        pub fn bench_select(
+            &self,
+            n_experts: usize,
+            n_pairs: usize,
+        ) -> Result<Timing, KernelError> {
+            let w: Vec<f64> = (1..=n_experts).map(|i| (i as f64).powf(-0.8)).collect();
+            let total: f64 = w.iter().sum();
+            let mut counts: Vec<u32> = w
+                .iter()
+                .map(|x| (x / total * n_pairs as f64) as u32)
+                .collect();
+            counts[0] += n_pairs as u32 - counts.iter().sum::<u32>();
+            let mut offsets = vec![0u32];
+            for c in &counts {
+                offsets.push(offsets.last().copied().unwrap_or(0) + c);
+            }
+            let quotas: Vec<u32> = counts.iter().map(|c| c / 2).collect();
+            let scores: Vec<f32> = random_bf16(n_pairs, 9)
+                .iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16).abs())
+                .collect();
+            let ids: Vec<u32> = (0..n_pairs as u32).collect();
+            let (sd, idd, od, qd) = (
+                self.upload(&scores)?,
+                self.upload(&ids)?,
+                self.upload(&offsets)?,
+                self.upload(&quotas)?,
+            );
+            let mut kept = self.poisoned::<u8>(n_pairs)?;
+            let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
+            let ms = self.time(50, || {
+                self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, n_experts)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: (n_pairs * 9) as f64,
+            })
         }
 
         /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.

@@ -6,7 +6,10 @@
 
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
-use kernels::cpu::{gather_rows_reference, lrm_scores_reference, unpack_rows_reference, DROPPED};
+use kernels::cpu::{
+    gather_rows_reference, lrm_scores_reference, select_top_reference, unpack_rows_reference,
+    DROPPED,
+};
 use kernels::gpu::Gpu;
 use kernels::KernelError;
 
@@ -140,4 +143,40 @@ fn bad_shapes_are_errors_not_launches() {
         g.gather_rows_u16(&[0; 4], 2, &[2]),
         Err(KernelError::Shape { .. })
     ));
+}
+
+#[test]
+fn top_q_selection_matches_the_cpu_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for &(n_experts, n_pairs) in &[(1, 0), (3, 1), (8, 100), (128, 131072), (16, 40000)] {
+        // Random segment sizes (some empty), scores from a small set so ties are common.
+        let mut cuts: Vec<u32> = (0..n_experts - 1)
+            .map(|_| (rng.next() % (n_pairs as u64 + 1)) as u32)
+            .collect();
+        cuts.sort_unstable();
+        let mut offsets = vec![0u32];
+        offsets.extend(cuts);
+        offsets.push(n_pairs as u32);
+        let scores: Vec<f32> = (0..n_pairs)
+            .map(|_| (rng.next() % 50) as f32 * 0.25)
+            .collect();
+        let mut ids: Vec<u32> = (0..n_pairs as u32).collect();
+        for i in (1..ids.len()).rev() {
+            ids.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        }
+        let quotas: Vec<u32> = (0..n_experts)
+            .map(|e| {
+                let n = offsets[e + 1] - offsets[e];
+                (rng.next() % (u64::from(n) + 2)) as u32
+            })
+            .collect();
+        let got = g.select_top(&scores, &ids, &offsets, &quotas).unwrap();
+        assert_eq!(
+            got,
+            select_top_reference(&scores, &ids, &offsets, &quotas).unwrap(),
+            "({n_experts}, {n_pairs})"
+        );
+    }
+    assert!(g.select_top(&[f32::NAN], &[0], &[0, 1], &[1]).is_err());
 }
