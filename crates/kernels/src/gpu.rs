@@ -69,6 +69,16 @@ impl Gpu {
     ) -> Result<Vec<u16>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
+    /// See the CUDA build.
+    pub fn select_top(
+        &self,
+        _scores: &[f32],
+        _ids: &[u32],
+        _offsets: &[u32],
+        _quotas: &[u32],
+    ) -> Result<Vec<bool>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
 }
 
 #[cfg(feature = "cuda")]
