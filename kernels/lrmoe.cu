@@ -195,3 +195,121 @@ extern "C" __global__ void select_top_q(const float* __restrict__ scores, const 
     unsigned long long t = prefix;
     for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) kept[i] = select_key(scores[i], ids[i]) >= t ? 1 : 0;
 }
+
+__device__ __forceinline__ float bf(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+__device__ __forceinline__ uint16_t to_bf(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+__device__ __forceinline__ float sigmoidf(float a) { return 1.f / (1.f + expf(-a)); }
+
+// SwiGLU forward: h = silu(a) * b, element-wise, f32 math, bf16 (RNE) out.
+//   a, b, h: device, [n] bf16 bits
+extern "C" __global__ void swiglu_fwd_bf16(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b,
+                                           uint16_t* __restrict__ h, long long n) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        float x = bf(a[i]);
+        h[i] = to_bf(x * sigmoidf(x) * bf(b[i]));
+    }
+}
+
+// SwiGLU backward: da = dh * b * silu'(a), db = dh * silu(a).
+//   a, b, dh, da, db: device, [n] bf16 bits
+extern "C" __global__ void swiglu_bwd_bf16(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b,
+                                           const uint16_t* __restrict__ dh, uint16_t* __restrict__ da,
+                                           uint16_t* __restrict__ db, long long n) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x) {
+        float x = bf(a[i]), y = bf(b[i]), g = bf(dh[i]);
+        float s = sigmoidf(x);
+        da[i] = to_bf(g * y * s * (1.f + x * (1.f - s)));
+        db[i] = to_bf(g * x * s);
+    }
+}
+
+// Router: softmax over E logits, top-k (ties to the lower expert), optional
+// renormalisation of the k weights. One warp per token.
+//   logits: device, [t, e] f32
+//   probs:  device, [t, e] f32
+//   idx:    device, [t, k] u32 (descending probability)
+//   gates:  device, [t, k] f32
+extern "C" __global__ void router_topk(const float* __restrict__ logits, float* __restrict__ probs,
+                                       uint32_t* __restrict__ idx, float* __restrict__ gates, int t, int e, int k,
+                                       int renormalize) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int r = warp; r < t; r += n_warps) {
+        const float* l = logits + static_cast<size_t>(r) * e;
+        float* p = probs + static_cast<size_t>(r) * e;
+        float m = -INFINITY;
+        for (int i = lane; i < e; i += 32) m = fmaxf(m, l[i]);
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        float s = 0.f;
+        for (int i = lane; i < e; i += 32) s += expf(l[i] - m);
+        s = warp_sum(s);
+        for (int i = lane; i < e; i += 32) p[i] = expf(l[i] - m) / s;
+        __syncwarp();
+        float total = 0.f;
+        uint32_t prev_i = 0xffffffffu;
+        float prev_v = INFINITY;
+        for (int j = 0; j < k; ++j) {
+            // Best (value, index) strictly after (prev_v, prev_i) in the order
+            // "higher value, then lower index".
+            float bv = -1.f;
+            uint32_t bi = 0xffffffffu;
+            for (int i = lane; i < e; i += 32) {
+                float v = p[i];
+                bool after = v < prev_v || (v == prev_v && static_cast<uint32_t>(i) > prev_i);
+                bool better = v > bv || (v == bv && static_cast<uint32_t>(i) < bi);
+                if (after && better) {
+                    bv = v;
+                    bi = i;
+                }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+                uint32_t oi = __shfl_xor_sync(0xffffffffu, bi, o);
+                if (ov > bv || (ov == bv && oi < bi)) {
+                    bv = ov;
+                    bi = oi;
+                }
+            }
+            if (lane == 0) {
+                idx[static_cast<size_t>(r) * k + j] = bi;
+                gates[static_cast<size_t>(r) * k + j] = bv;
+            }
+            total += bv;
+            prev_v = bv;
+            prev_i = bi;
+        }
+        if (renormalize && lane == 0) {
+            for (int j = 0; j < k; ++j) gates[static_cast<size_t>(r) * k + j] /= total;
+        }
+    }
+}
+
+// Combine: y[t] = sum_j gate[t, j] * o[row[t, j]], f32 accumulation, bf16
+// out; rows equal to DROPPED contribute nothing. One warp per token; no
+// atomics, so the result is deterministic.
+//   o:     device, [n_rows, h] bf16 bits (expert outputs, any order)
+//   row:   device, [t, k] u32 (row of o for each pair, or DROPPED)
+//   gates: device, [t, k] f32
+//   y:     device, [t, h] bf16 bits
+extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const uint32_t* __restrict__ row,
+                                        const float* __restrict__ gates, uint16_t* __restrict__ y, int t, int h,
+                                        int k) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int r = warp; r < t; r += n_warps) {
+        for (int c = lane; c < h; c += 32) {
+            float acc = 0.f;
+            for (int j = 0; j < k; ++j) {
+                uint32_t src = row[static_cast<size_t>(r) * k + j];
+                if (src != DROPPED) acc = fmaf(gates[static_cast<size_t>(r) * k + j], bf(o[static_cast<size_t>(src) * h + c]), acc);
+            }
+            y[static_cast<size_t>(r) * h + c] = to_bf(acc);
+        }
+    }
+}

@@ -75,6 +75,20 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    let t = gpu.bench_swiglu(131072 * 768)?;
+    println!(
+        "| SwiGLU forward (bf16; read a, b + write h) | 131072 × 768 | {:.3} | {:.0} | {:.2} | - | - |",
+        t.ms,
+        t.gbps(),
+        t.gbps() / copy.gbps()
+    );
+    let t = gpu.bench_combine(16384, 2048, 8)?;
+    println!(
+        "| combine (weighted sum of top-8 rows; read + write) | 16384 tokens × 8 × 2048 | {:.3} | {:.0} | {:.2} | - | - |",
+        t.ms,
+        t.gbps(),
+        t.gbps() / copy.gbps()
+    );
     let t = gpu.bench_select(128, 131072)?;
     println!();
     println!(

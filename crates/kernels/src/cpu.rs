@@ -338,6 +338,124 @@ pub fn select_top_reference(
     Ok(kept)
 }
 
+/// f32 to bf16 bits, round to nearest even (as `__float2bfloat16_rn`).
+#[inline]
+pub fn f32_to_bf16_bits(x: f32) -> u16 {
+    if x.is_nan() {
+        return 0x7FC0;
+    }
+    let u = x.to_bits();
+    let round = ((u >> 16) & 1) + 0x7FFF;
+    (u.wrapping_add(round) >> 16) as u16
+}
+
+/// CPU twin of `swiglu_fwd_bf16`.
+pub fn swiglu_bf16_reference(a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError> {
+    check("b", a.len(), b.len())?;
+    Ok(a.iter()
+        .zip(b)
+        .map(|(&x, &y)| f32_to_bf16_bits(silu(bf16_bits_to_f32(x)) * bf16_bits_to_f32(y)))
+        .collect())
+}
+
+/// CPU twin of `swiglu_bwd_bf16`: `(da, db)`.
+pub fn swiglu_backward_bf16_reference(
+    a: &[u16],
+    b: &[u16],
+    dh: &[u16],
+) -> Result<(Vec<u16>, Vec<u16>), KernelError> {
+    check("b", a.len(), b.len())?;
+    check("dh", a.len(), dh.len())?;
+    let mut da = Vec::with_capacity(a.len());
+    let mut db = Vec::with_capacity(a.len());
+    for i in 0..a.len() {
+        let (x, y, g) = (
+            bf16_bits_to_f32(a[i]),
+            bf16_bits_to_f32(b[i]),
+            bf16_bits_to_f32(dh[i]),
+        );
+        da.push(f32_to_bf16_bits(g * y * silu_grad(x)));
+        db.push(f32_to_bf16_bits(g * silu(x)));
+    }
+    Ok((da, db))
+}
+
+/// CPU twin of `router_topk`: `(probs, idx, gates)` for `t × e` logits.
+#[allow(clippy::type_complexity)]
+pub fn router_topk_reference(
+    logits: &[f32],
+    e: usize,
+    k: usize,
+    renormalize: bool,
+) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
+    if e == 0 || k == 0 || k > e {
+        return Err(KernelError::Shape {
+            what: "top_k (must be in 1..=experts)",
+            expected: e,
+            got: k,
+        });
+    }
+    let t = logits.len() / e;
+    check("logits", t * e, logits.len())?;
+    let mut probs = vec![0f32; t * e];
+    let mut idx = vec![0u32; t * k];
+    let mut gates = vec![0f32; t * k];
+    for r in 0..t {
+        let l = &logits[r * e..(r + 1) * e];
+        let m = l.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let s: f32 = l.iter().map(|&v| (v - m).exp()).sum();
+        let p = &mut probs[r * e..(r + 1) * e];
+        for (pi, &v) in p.iter_mut().zip(l) {
+            *pi = (v - m).exp() / s;
+        }
+        let mut order: Vec<u32> = (0..e as u32).collect();
+        order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+        let total: f32 = order[..k].iter().map(|&i| p[i as usize]).sum();
+        for j in 0..k {
+            idx[r * k + j] = order[j];
+            let g = p[order[j] as usize];
+            gates[r * k + j] = if renormalize { g / total } else { g };
+        }
+    }
+    Ok((probs, idx, gates))
+}
+
+/// CPU twin of `combine_bf16`: `y[t] = Σ_j gates[t, j] · o[row[t, j]]`.
+pub fn combine_bf16_reference(
+    o: &[u16],
+    h: usize,
+    row: &[u32],
+    gates: &[f32],
+    k: usize,
+) -> Result<Vec<u16>, KernelError> {
+    check("gates", row.len(), gates.len())?;
+    let t = row.len().checked_div(k).unwrap_or(0);
+    check("row", t * k, row.len())?;
+    let rows = o.len().checked_div(h).unwrap_or(0);
+    let mut y = Vec::with_capacity(t * h);
+    for r in 0..t {
+        for c in 0..h {
+            let mut acc = 0f32;
+            for j in 0..k {
+                let src = row[r * k + j];
+                if src == DROPPED {
+                    continue;
+                }
+                if src as usize >= rows {
+                    return Err(KernelError::Shape {
+                        what: "row (out of range)",
+                        expected: rows,
+                        got: src as usize,
+                    });
+                }
+                acc = gates[r * k + j].mul_add(bf16_bits_to_f32(o[src as usize * h + c]), acc);
+            }
+            y.push(f32_to_bf16_bits(acc));
+        }
+    }
+    Ok(y)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

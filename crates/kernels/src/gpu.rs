@@ -79,6 +79,42 @@ impl Gpu {
     ) -> Result<Vec<bool>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
+    /// See the CUDA build.
+    pub fn swiglu_bf16(&self, _a: &[u16], _b: &[u16]) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    #[allow(clippy::type_complexity)]
+    pub fn swiglu_backward_bf16(
+        &self,
+        _a: &[u16],
+        _b: &[u16],
+        _dh: &[u16],
+    ) -> Result<(Vec<u16>, Vec<u16>), KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    #[allow(clippy::type_complexity)]
+    pub fn router_topk(
+        &self,
+        _logits: &[f32],
+        _e: usize,
+        _k: usize,
+        _renormalize: bool,
+    ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn combine_bf16(
+        &self,
+        _o: &[u16],
+        _h: usize,
+        _row: &[u32],
+        _gates: &[f32],
+        _k: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -130,6 +166,10 @@ mod imp {
         gather: CudaFunction,
         unpack: CudaFunction,
         select: CudaFunction,
+        swiglu_fwd: CudaFunction,
+        swiglu_bwd: CudaFunction,
+        router: CudaFunction,
+        combine: CudaFunction,
         n_sms: u32,
     }
 
@@ -158,6 +198,10 @@ mod imp {
                 gather: module.load_function("gather_rows_u16").map_err(cuda)?,
                 unpack: module.load_function("unpack_rows_u16").map_err(cuda)?,
                 select: module.load_function("select_top_q").map_err(cuda)?,
+                swiglu_fwd: module.load_function("swiglu_fwd_bf16").map_err(cuda)?,
+                swiglu_bwd: module.load_function("swiglu_bwd_bf16").map_err(cuda)?,
+                router: module.load_function("router_topk").map_err(cuda)?,
+                combine: module.load_function("combine_bf16").map_err(cuda)?,
                 _module: module,
                 ctx,
                 stream,
@@ -451,6 +495,208 @@ mod imp {
             Ok(Timing {
                 ms,
                 bytes: (n_pairs * 9) as f64,
+            })
+        }
+
+        fn elementwise_config(&self, n: usize) -> LaunchConfig {
+            let blocks = n
+                .div_ceil(THREADS as usize)
+                .clamp(1, (self.n_sms * 32) as usize) as u32;
+            LaunchConfig {
+                grid_dim: (blocks, 1, 1),
+                block_dim: (THREADS, 1, 1),
+                shared_mem_bytes: 0,
+            }
+        }
+
+        /// `h = silu(a) ⊙ b` on bf16 bits (f32 math, round to nearest even).
+        pub fn swiglu_bf16(&self, a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError> {
+            check("b", a.len(), b.len())?;
+            let n = a.len();
+            let (ad, bd) = (self.upload(a)?, self.upload(b)?);
+            let mut h = self.poisoned::<u16>(n)?;
+            if n > 0 {
+                let n_i = n as i64;
+                let mut l = self.stream.launch_builder(&self.swiglu_fwd);
+                l.arg(&ad).arg(&bd).arg(&mut h).arg(&n_i);
+                // SAFETY: 1. (u16*, u16*, u16*, long long) matches; 2. all
+                // three buffers hold n elements; 3. h aliases nothing.
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            self.download(&h, n)
+        }
+
+        /// SwiGLU backward on bf16 bits: `(da, db)`.
+        #[allow(clippy::type_complexity)]
+        pub fn swiglu_backward_bf16(
+            &self,
+            a: &[u16],
+            b: &[u16],
+            dh: &[u16],
+        ) -> Result<(Vec<u16>, Vec<u16>), KernelError> {
+            check("b", a.len(), b.len())?;
+            check("dh", a.len(), dh.len())?;
+            let n = a.len();
+            let (ad, bd, gd) = (self.upload(a)?, self.upload(b)?, self.upload(dh)?);
+            let mut da = self.poisoned::<u16>(n)?;
+            let mut db = self.poisoned::<u16>(n)?;
+            if n > 0 {
+                let n_i = n as i64;
+                let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+                l.arg(&ad)
+                    .arg(&bd)
+                    .arg(&gd)
+                    .arg(&mut da)
+                    .arg(&mut db)
+                    .arg(&n_i);
+                // SAFETY: 1. (u16*, u16*, u16*, u16*, u16*, long long)
+                // matches; 2. all buffers hold n elements; 3. da and db
+                // alias nothing.
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            Ok((self.download(&da, n)?, self.download(&db, n)?))
+        }
+
+        /// Router softmax and top-k over `t × e` logits: `(probs, idx, gates)`.
+        #[allow(clippy::type_complexity)]
+        pub fn router_topk(
+            &self,
+            logits: &[f32],
+            e: usize,
+            k: usize,
+            renormalize: bool,
+        ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
+            if e == 0 || k == 0 || k > e {
+                return Err(KernelError::Shape {
+                    what: "top_k (must be in 1..=experts)",
+                    expected: e,
+                    got: k,
+                });
+            }
+            let t = logits.len() / e;
+            check("logits", t * e, logits.len())?;
+            let ld = self.upload(logits)?;
+            let mut probs = self.poisoned::<f32>(t * e)?;
+            let mut idx = self.poisoned::<u32>(t * k)?;
+            let mut gates = self.poisoned::<f32>(t * k)?;
+            if t > 0 {
+                let (t_i, e_i, k_i, r_i) = (
+                    dim("tokens", t)?,
+                    dim("experts", e)?,
+                    dim("top_k", k)?,
+                    i32::from(renormalize),
+                );
+                let mut l = self.stream.launch_builder(&self.router);
+                l.arg(&ld)
+                    .arg(&mut probs)
+                    .arg(&mut idx)
+                    .arg(&mut gates)
+                    .arg(&t_i)
+                    .arg(&e_i)
+                    .arg(&k_i)
+                    .arg(&r_i);
+                // SAFETY: 1. (f32*, f32*, u32*, f32*, int, int, int, int)
+                // matches; 2. logits and probs hold t·e, idx and gates t·k
+                // elements; 3. outputs alias nothing.
+                unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+            }
+            Ok((
+                self.download(&probs, t * e)?,
+                self.download(&idx, t * k)?,
+                self.download(&gates, t * k)?,
+            ))
+        }
+
+        /// Combine: `y[t] = Σ_j gates[t, j] · o[row[t, j]]` on bf16 bits.
+        pub fn combine_bf16(
+            &self,
+            o: &[u16],
+            h: usize,
+            row: &[u32],
+            gates: &[f32],
+            k: usize,
+        ) -> Result<Vec<u16>, KernelError> {
+            check("gates", row.len(), gates.len())?;
+            let t = row.len().checked_div(k).unwrap_or(0);
+            check("row", t * k, row.len())?;
+            let rows = o.len().checked_div(h).unwrap_or(0);
+            check("o", rows * h, o.len())?;
+            if let Some(&bad) = row.iter().find(|&&r| r != u32::MAX && r as usize >= rows) {
+                return Err(KernelError::Shape {
+                    what: "row (out of range)",
+                    expected: rows,
+                    got: bad as usize,
+                });
+            }
+            let (od, rd, gd) = (self.upload(o)?, self.upload(row)?, self.upload(gates)?);
+            let mut y = self.poisoned::<u16>(t * h)?;
+            if t > 0 && h > 0 {
+                let (t_i, h_i, k_i) = (dim("tokens", t)?, dim("hidden", h)?, dim("top_k", k)?);
+                let mut l = self.stream.launch_builder(&self.combine);
+                l.arg(&od)
+                    .arg(&rd)
+                    .arg(&gd)
+                    .arg(&mut y)
+                    .arg(&t_i)
+                    .arg(&h_i)
+                    .arg(&k_i);
+                // SAFETY: 1. (u16*, u32*, f32*, u16*, int, int, int)
+                // matches; 2. every row index is DROPPED or < rows of o
+                // (checked above), y holds t·h elements; 3. y aliases nothing.
+                unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+            }
+            self.download(&y, t * h)
+        }
+
+        /// SwiGLU forward over `n` elements; bytes = a, b read + h written.
+        pub fn bench_swiglu(&self, n: usize) -> Result<Timing, KernelError> {
+            let (a, b) = (
+                self.upload(&random_bf16(n, 10))?,
+                self.upload(&random_bf16(n, 11))?,
+            );
+            let mut h = self.poisoned::<u16>(n)?;
+            let n_i = n as i64;
+            let ms = self.time(20, || {
+                let mut l = self.stream.launch_builder(&self.swiglu_fwd);
+                l.arg(&a).arg(&b).arg(&mut h).arg(&n_i);
+                // SAFETY: as in `swiglu_bf16`: matching signature, n elements each.
+                unsafe { l.launch(self.elementwise_config(n)) }
+                    .map(|_| ())
+                    .map_err(cuda)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: (3 * n * 2) as f64,
+            })
+        }
+
+        /// Combine of `t` tokens × `k` pairs of width `h`; bytes = expert rows
+        /// read + outputs written.
+        pub fn bench_combine(&self, t: usize, h: usize, k: usize) -> Result<Timing, KernelError> {
+            let rows = t * k;
+            let o = self.upload(&random_bf16(rows * h, 12))?;
+            let row = self.upload(&permutation(rows, 13))?;
+            let gates = self.upload(&vec![0.25f32; rows])?;
+            let mut y = self.poisoned::<u16>(t * h)?;
+            let (t_i, h_i, k_i) = (dim("tokens", t)?, dim("hidden", h)?, dim("top_k", k)?);
+            let ms = self.time(20, || {
+                let mut l = self.stream.launch_builder(&self.combine);
+                l.arg(&o)
+                    .arg(&row)
+                    .arg(&gates)
+                    .arg(&mut y)
+                    .arg(&t_i)
+                    .arg(&h_i)
+                    .arg(&k_i);
+                // SAFETY: as in `combine_bf16`: matching signature, rows a
+                // permutation of 0..t·k, y holds t·h elements.
+                unsafe { l.launch(self.rows_config(t)) }
+                    .map(|_| ())
+                    .map_err(cuda)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: ((rows + t) * h * 2 + rows * 8) as f64,
             })
         }
 

@@ -7,8 +7,9 @@
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
 use kernels::cpu::{
-    gather_rows_reference, lrm_scores_reference, select_top_reference, unpack_rows_reference,
-    DROPPED,
+    bf16_bits_to_f32, combine_bf16_reference, gather_rows_reference, lrm_scores_reference,
+    router_topk_reference, select_top_reference, swiglu_backward_bf16_reference,
+    swiglu_bf16_reference, unpack_rows_reference, DROPPED,
 };
 use kernels::gpu::Gpu;
 use kernels::KernelError;
@@ -179,4 +180,96 @@ fn top_q_selection_matches_the_cpu_twin() {
         );
     }
     assert!(g.select_top(&[f32::NAN], &[0], &[0, 1], &[1]).is_err());
+}
+
+/// ‖got − want‖ / ‖want‖ over bf16 bit patterns.
+fn rel_bf16(got: &[u16], want: &[u16]) -> f64 {
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let (g, w) = (
+            f64::from(bf16_bits_to_f32(g)),
+            f64::from(bf16_bits_to_f32(w)),
+        );
+        assert!(g.is_finite(), "non-finite (unwritten?) output");
+        num += (g - w).powi(2);
+        den += w * w;
+    }
+    (num / den.max(1e-300)).sqrt()
+}
+
+#[test]
+fn swiglu_forward_and_backward_match_the_cpu_twins() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for n in [0usize, 1, 1000, 3_000_001] {
+        let (a, b, dh) = (rng.bf16(n), rng.bf16(n), rng.bf16(n));
+        let h = g.swiglu_bf16(&a, &b).unwrap();
+        assert!(
+            rel_bf16(&h, &swiglu_bf16_reference(&a, &b).unwrap()) <= 1e-2,
+            "swiglu n = {n}"
+        );
+        let (da, db) = g.swiglu_backward_bf16(&a, &b, &dh).unwrap();
+        let (wa, wb) = swiglu_backward_bf16_reference(&a, &b, &dh).unwrap();
+        assert!(
+            rel_bf16(&da, &wa) <= 1e-2 && rel_bf16(&db, &wb) <= 1e-2,
+            "swiglu backward n = {n}"
+        );
+    }
+}
+
+#[test]
+fn router_topk_matches_the_cpu_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for &(t, e, k, renorm) in &[
+        (0, 8, 2, true),
+        (1, 1, 1, false),
+        (300, 128, 8, true),
+        (5000, 64, 6, false),
+        (17, 40, 40, true),
+    ] {
+        let logits: Vec<f32> = (0..t * e)
+            .map(|_| (rng.next() % 2001) as f32 / 250.0 - 4.0)
+            .collect();
+        let (p, idx, gates) = g.router_topk(&logits, e, k, renorm).unwrap();
+        let (wp, widx, wg) = router_topk_reference(&logits, e, k, renorm).unwrap();
+        assert_eq!(idx, widx, "top-k indices ({t}, {e}, {k})");
+        for (a, b) in p.iter().zip(&wp).chain(gates.iter().zip(&wg)) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "({t}, {e}, {k}): {a} vs {b}"
+            );
+        }
+    }
+}
+
+#[test]
+fn combine_matches_the_cpu_twin() {
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for &(t, h, k, rows) in &[
+        (0, 8, 2, 4),
+        (3, 5, 1, 3),
+        (2048, 2048, 8, 16384),
+        (100, 96, 2, 150),
+    ] {
+        let o = rng.bf16(rows * h);
+        let row: Vec<u32> = (0..t * k)
+            .map(|_| {
+                if rng.next() % 5 == 0 {
+                    DROPPED
+                } else {
+                    (rng.next() % rows as u64) as u32
+                }
+            })
+            .collect();
+        let gates: Vec<f32> = (0..t * k)
+            .map(|_| (rng.next() % 1000) as f32 / 1000.0)
+            .collect();
+        let y = g.combine_bf16(&o, h, &row, &gates, k).unwrap();
+        let want = combine_bf16_reference(&o, h, &row, &gates, k).unwrap();
+        if t > 0 {
+            assert!(rel_bf16(&y, &want) <= 1e-2, "combine ({t}, {h}, {k})");
+        }
+    }
 }
