@@ -33,36 +33,56 @@ using Element = cutlass::bfloat16_t;
 using Accum = float;
 constexpr int Align = 8;
 
-template <class LayoutA, class LayoutB>
-struct GroupedGemm {
-    using LayoutD = cutlass::layout::RowMajor;
-    using TileShape = Shape<_128, _256, _64>;
-    using ClusterShape = Shape<_1, _1, _1>;
-    using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-    using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+// One concrete configuration per variant, at namespace scope (the host
+// compiler rejects the builders' dependent types inside a class template).
+#define LRMOE_GROUPED_GEMM(NAME, LAYOUT_A, LAYOUT_B)                                                                   \
+    namespace NAME {                                                                                                   \
+    using LayoutA = LAYOUT_A;                                                                                          \
+    using LayoutB = LAYOUT_B;                                                                                          \
+    using LayoutD = cutlass::layout::RowMajor;                                                                         \
+    using TileShape = Shape<_128, _256, _64>;                                                                          \
+    using ClusterShape = Shape<_1, _1, _1>;                                                                            \
+    using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveBuilder<                                       \
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,                                  \
+        cutlass::epilogue::collective::EpilogueTileAuto, Accum, Accum, Element, LayoutD*, Align, Element, LayoutD*,   \
+        Align, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,                                               \
+        cutlass::epilogue::fusion::LinearCombination<Element, Accum>>::CollectiveOp;                                   \
+    using CollectiveMainloop = cutlass::gemm::collective::CollectiveBuilder<                                           \
+        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, Align, Element, LayoutB*, Align,       \
+        Accum, TileShape, ClusterShape,                                                                                \
+        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(                                            \
+            sizeof(typename CollectiveEpilogue::SharedStorage))>,                                                      \
+        cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;                                     \
+    using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;          \
+    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;                                                  \
+    using StrideA = typename Gemm::GemmKernel::InternalStrideA;                                                        \
+    using StrideB = typename Gemm::GemmKernel::InternalStrideB;                                                        \
+    using StrideD = typename Gemm::GemmKernel::InternalStrideD;                                                        \
+    }
 
-    using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-        cutlass::epilogue::collective::EpilogueTileAuto, Accum, Accum, Element, LayoutD*, Align, Element, LayoutD*,
-        Align, EpilogueSchedule, cutlass::epilogue::fusion::LinearCombination<Element, Accum>>::CollectiveOp;
+LRMOE_GROUPED_GEMM(fwd_cfg, cutlass::layout::RowMajor, cutlass::layout::RowMajor)
+LRMOE_GROUPED_GEMM(dgrad_cfg, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor)
+LRMOE_GROUPED_GEMM(wgrad_cfg, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor)
 
-    using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-        cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, Align, Element, LayoutB*, Align, Accum,
-        TileShape, ClusterShape,
-        cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-            sizeof(typename CollectiveEpilogue::SharedStorage))>,
-        KernelSchedule>::CollectiveOp;
-
-    using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, CollectiveMainloop, CollectiveEpilogue>;
-    using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-    using StrideA = typename Gemm::GemmKernel::InternalStrideA;
-    using StrideB = typename Gemm::GemmKernel::InternalStrideB;
-    using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+// Adapters so the templates below can take a configuration as a type.
+struct Fwd {
+    using Gemm = fwd_cfg::Gemm;
+    using StrideA = fwd_cfg::StrideA;
+    using StrideB = fwd_cfg::StrideB;
+    using StrideD = fwd_cfg::StrideD;
 };
-
-using Fwd = GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::RowMajor>;
-using Dgrad = GroupedGemm<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
-using Wgrad = GroupedGemm<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor>;
+struct Dgrad {
+    using Gemm = dgrad_cfg::Gemm;
+    using StrideA = dgrad_cfg::StrideA;
+    using StrideB = dgrad_cfg::StrideB;
+    using StrideD = dgrad_cfg::StrideD;
+};
+struct Wgrad {
+    using Gemm = wgrad_cfg::Gemm;
+    using StrideA = wgrad_cfg::StrideA;
+    using StrideB = wgrad_cfg::StrideB;
+    using StrideD = wgrad_cfg::StrideD;
+};
 
 // Per-group arrays carved from the caller's workspace.
 template <class G>

@@ -50,6 +50,14 @@ fn nvcc(root: &Path) -> Result<PathBuf> {
     run(Command::new(venv.join("bin/pip"))
         .args(["install", "--quiet", "--disable-pip-version-check"])
         .args(kernels::artifacts::NVCC_PACKAGES))?;
+    run(Command::new(venv.join("bin/pip"))
+        .args([
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+        ])
+        .arg(kernels::artifacts::CUTLASS_PACKAGE))?;
     find().context("nvcc not found in .venv-cuda after installing the pinned packages")
 }
 
@@ -75,6 +83,45 @@ fn kernels() -> Result<()> {
             .arg("-o")
             .arg(&tmp)
             .arg(src))?;
+        std::fs::rename(&tmp, &target)?;
+        eprintln!("xtask: wrote {}", target.display());
+    }
+    // Host-side libraries (CUTLASS): headers and the static runtime come
+    // from the same virtual environment as nvcc.
+    let cu13 = nvcc
+        .parent()
+        .and_then(Path::parent)
+        .context("nvcc outside its package")?;
+    let site = cu13
+        .parent()
+        .and_then(Path::parent)
+        .context("nvidia package outside site-packages")?;
+    let cutlass = site.join("cutlass_library/source");
+    for src in kernels::artifacts::lib_sources(&root)? {
+        if !cutlass.join("include/cutlass/cutlass.h").exists() {
+            bail!(
+                "CUTLASS headers missing under {}: delete .venv-cuda and rerun",
+                cutlass.display()
+            );
+        }
+        let stem = src
+            .file_stem()
+            .context("source without a name")?
+            .to_string_lossy()
+            .into_owned();
+        let target = out.join(format!("liblrmoe_{stem}.so"));
+        let tmp = out.join(format!(".liblrmoe_{stem}.so.tmp"));
+        run(Command::new(&nvcc)
+            .args(kernels::artifacts::LIB_FLAGS)
+            .arg(format!("-I{}", cutlass.join("include").display()))
+            .arg(format!(
+                "-I{}",
+                cutlass.join("tools/util/include").display()
+            ))
+            .arg(format!("-L{}", cu13.join("lib").display()))
+            .arg("-o")
+            .arg(&tmp)
+            .arg(&src))?;
         std::fs::rename(&tmp, &target)?;
         eprintln!("xtask: wrote {}", target.display());
     }

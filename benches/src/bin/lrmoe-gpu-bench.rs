@@ -89,6 +89,36 @@ fn main() -> anyhow::Result<()> {
         t.gbps(),
         t.gbps() / copy.gbps()
     );
+    println!();
+    println!("| grouped GEMM (bf16, f32 acc) | shape | median ms | TFLOP/s | torch._grouped_mm TFLOP/s | / torch |");
+    println!("|---|---|---|---|---|---|");
+    for (key, e, h, f) in [
+        ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
+        ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
+    ] {
+        // The anchors' skewed counts: Zipf(0.8) shares of 131072 rows.
+        let w: Vec<f64> = (1..=e).map(|i| (i as f64).powf(-0.8)).collect();
+        let total: f64 = w.iter().sum();
+        let mut counts: Vec<u32> = w
+            .iter()
+            .map(|x| (x / total * 131072.0).floor() as u32)
+            .collect();
+        counts[0] += 131072 - counts.iter().sum::<u32>();
+        for (variant, name) in [
+            (kernels::cpu::GemmVariant::Forward, "fwd"),
+            (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
+            (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
+        ] {
+            let (t, tflops) = gpu.bench_grouped_gemm(variant, &counts, h, f)?;
+            let peer = anchor(&anchors, &format!("grouped_mm_{name}_{key}_tflops"));
+            println!(
+                "| {name} | {e} experts, hidden {h}, ffn {f}, 131072 rows | {:.3} | {tflops:.0} | {} | {} |",
+                t.ms,
+                peer.map_or("-".into(), |p| format!("{p:.0}")),
+                peer.map_or("-".into(), |p| format!("{:.2}", tflops / p)),
+            );
+        }
+    }
     let t = gpu.bench_select(128, 131072)?;
     println!();
     println!(

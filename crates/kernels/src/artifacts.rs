@@ -15,6 +15,23 @@ pub const NVCC_PACKAGES: &[&str] = &[
     "nvidia-cuda-cccl==13.0.85",
 ];
 
+/// CUTLASS headers (C++ templates, CuTe), installed without dependencies.
+pub const CUTLASS_PACKAGE: &str = "nvidia-cutlass==4.2.0.0";
+
+/// nvcc flags for `kernels/lib/*.cu`: shared libraries with `extern "C"`
+/// launchers, sm_90a (wgmma needs it), static CUDA runtime. The include and
+/// library folders of the virtual environment are added by the builder.
+pub const LIB_FLAGS: &[&str] = &[
+    "-O3",
+    "-std=c++17",
+    "-DNDEBUG",
+    "--expt-relaxed-constexpr",
+    "-Xcompiler",
+    "-fPIC",
+    "-shared",
+    "-gencode=arch=compute_90a,code=sm_90a",
+];
+
 /// nvcc flags: Hopper machine code (no JIT at load) plus compute_90 PTX.
 pub const NVCC_FLAGS: &[&str] = &[
     "-O3",
@@ -27,6 +44,21 @@ pub const NVCC_FLAGS: &[&str] = &[
 /// The CUDA sources, `<workspace>/kernels/*.cu`, sorted.
 pub fn sources(workspace: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(workspace.join("kernels"))?
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu"))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+/// Host-side libraries, `<workspace>/kernels/lib/*.cu`, sorted; each becomes
+/// `kernels/out/lib<stem>.so`.
+pub fn lib_sources(workspace: &Path) -> std::io::Result<Vec<PathBuf>> {
+    let dir = workspace.join("kernels").join("lib");
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    let mut v: Vec<PathBuf> = std::fs::read_dir(dir)?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "cu"))
         .collect();
@@ -49,11 +81,19 @@ pub fn stamp(workspace: &Path) -> std::io::Result<String> {
             h = h.wrapping_mul(0x0100_0000_01b3);
         }
     };
-    for f in NVCC_FLAGS.iter().chain(NVCC_PACKAGES) {
+    for f in NVCC_FLAGS
+        .iter()
+        .chain(NVCC_PACKAGES)
+        .chain(LIB_FLAGS)
+        .chain([&CUTLASS_PACKAGE])
+    {
         eat(f.as_bytes());
         eat(&[0]);
     }
-    for src in sources(workspace)? {
+    for src in sources(workspace)?
+        .into_iter()
+        .chain(lib_sources(workspace)?)
+    {
         eat(src
             .file_name()
             .map(|n| n.as_encoded_bytes())

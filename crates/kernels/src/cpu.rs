@@ -456,6 +456,78 @@ pub fn combine_bf16_reference(
     Ok(y)
 }
 
+/// The three products of the MoE expert GEMMs (see `kernels/lib/grouped_gemm.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GemmVariant {
+    /// `D[rows, f] = A[rows, h] · B[e]`, `B`: `E × h × f`.
+    Forward,
+    /// `D[rows, h] = A[rows, f] · B[e]ᵀ`, `B`: `E × h × f`.
+    DataGrad,
+    /// `D[e] (h × f) = A[rows_e, h]ᵀ · B[rows_e, f]`.
+    WeightGrad,
+}
+
+/// CPU twin of the grouped GEMM: bf16 inputs, f32 accumulation, f32 out.
+/// `offsets` (`E + 1` entries) splits the routed rows into groups.
+pub fn grouped_gemm_reference(
+    variant: GemmVariant,
+    offsets: &[i32],
+    a: &[u16],
+    b: &[u16],
+    h: usize,
+    f: usize,
+) -> Result<Vec<f32>, KernelError> {
+    let e = offsets.len().saturating_sub(1);
+    let rows = offsets.last().copied().unwrap_or(0).max(0) as usize;
+    let bf = |x: u16| f64::from(bf16_bits_to_f32(x));
+    let range = |g: usize| offsets[g] as usize..offsets[g + 1] as usize;
+    match variant {
+        GemmVariant::Forward | GemmVariant::DataGrad => {
+            let (k, n) = if variant == GemmVariant::Forward {
+                (h, f)
+            } else {
+                (f, h)
+            };
+            check("a", rows * k, a.len())?;
+            check("b", e * h * f, b.len())?;
+            let mut d = vec![0f32; rows * n];
+            for g in 0..e {
+                let w = &b[g * h * f..(g + 1) * h * f];
+                for r in range(g) {
+                    for j in 0..n {
+                        let s: f64 = (0..k)
+                            .map(|p| {
+                                let wv = if variant == GemmVariant::Forward {
+                                    w[p * f + j]
+                                } else {
+                                    w[j * f + p]
+                                };
+                                bf(a[r * k + p]) * bf(wv)
+                            })
+                            .sum();
+                        d[r * n + j] = s as f32;
+                    }
+                }
+            }
+            Ok(d)
+        }
+        GemmVariant::WeightGrad => {
+            check("a", rows * h, a.len())?;
+            check("b", rows * f, b.len())?;
+            let mut d = vec![0f32; e * h * f];
+            for g in 0..e {
+                for i in 0..h {
+                    for j in 0..f {
+                        let s: f64 = range(g).map(|r| bf(a[r * h + i]) * bf(b[r * f + j])).sum();
+                        d[g * h * f + i * f + j] = s as f32;
+                    }
+                }
+            }
+            Ok(d)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

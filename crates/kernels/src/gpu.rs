@@ -105,6 +105,18 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    pub fn grouped_gemm_bf16(
+        &self,
+        _variant: crate::cpu::GemmVariant,
+        _offsets: &[i32],
+        _a: &[u16],
+        _b: &[u16],
+        _h: usize,
+        _f: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn combine_bf16(
         &self,
         _o: &[u16],
@@ -126,12 +138,87 @@ mod imp {
     };
 
     use super::Timing;
+    use crate::cpu::GemmVariant;
     use crate::KernelError;
 
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../kernels/out/lrmoe.fatbin"
     ));
+    static GEMM_SO: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../kernels/out/liblrmoe_grouped_gemm.so"
+    ));
+
+    type WorkspaceFn = unsafe extern "C" fn(i32, i32, i32) -> usize;
+    type RunFn = unsafe extern "C" fn(
+        i32,
+        i32,
+        *const i32,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *mut std::ffi::c_void,
+        i32,
+        i32,
+        i32,
+        *mut std::ffi::c_void,
+        usize,
+        *mut std::ffi::c_void,
+    ) -> i32;
+
+    /// The CUTLASS grouped GEMM library, written from the embedded bytes to a
+    /// content-named file in the temporary folder and opened with dlopen.
+    struct GemmLib {
+        _lib: libloading::Library,
+        workspace: WorkspaceFn,
+        run: RunFn,
+    }
+
+    fn load_gemm() -> Result<GemmLib, KernelError> {
+        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+        for &b in GEMM_SO {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+        let path = std::env::temp_dir().join(format!("lrmoe-gemm-{h:016x}.so"));
+        if !path.exists() {
+            let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
+            std::fs::write(&tmp, GEMM_SO)
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .map_err(|e| {
+                    KernelError::Cuda(format!(
+                        "cannot write the grouped GEMM library to {}: {e}",
+                        path.display()
+                    ))
+                })?;
+        }
+        // SAFETY: 1. the library is the one `cargo xtask kernels` built from
+        // kernels/lib/grouped_gemm.cu, embedded in this binary; 2. its
+        // initialisers only register CUDA kernels; 3. the symbols' types are
+        // the `extern "C"` signatures declared in that file.
+        unsafe {
+            let lib = libloading::Library::new(&path)
+                .map_err(|e| KernelError::Cuda(format!("dlopen {}: {e}", path.display())))?;
+            let workspace = *lib
+                .get::<WorkspaceFn>(b"lrmoe_grouped_gemm_workspace\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let run = *lib
+                .get::<RunFn>(b"lrmoe_grouped_gemm\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            Ok(GemmLib {
+                _lib: lib,
+                workspace,
+                run,
+            })
+        }
+    }
+
+    fn variant_code(v: GemmVariant) -> i32 {
+        match v {
+            GemmVariant::Forward => 0,
+            GemmVariant::DataGrad => 1,
+            GemmVariant::WeightGrad => 2,
+        }
+    }
 
     fn cuda(e: impl std::fmt::Debug) -> KernelError {
         KernelError::Cuda(format!("{e:?}"))
@@ -170,6 +257,7 @@ mod imp {
         swiglu_bwd: CudaFunction,
         router: CudaFunction,
         combine: CudaFunction,
+        gemm: GemmLib,
         n_sms: u32,
     }
 
@@ -202,6 +290,7 @@ mod imp {
                 swiglu_bwd: module.load_function("swiglu_bwd_bf16").map_err(cuda)?,
                 router: module.load_function("router_topk").map_err(cuda)?,
                 combine: module.load_function("combine_bf16").map_err(cuda)?,
+                gemm: load_gemm()?,
                 _module: module,
                 ctx,
                 stream,
@@ -698,6 +787,163 @@ mod imp {
                 ms,
                 bytes: ((rows + t) * h * 2 + rows * 8) as f64,
             })
+        }
+
+        /// Shapes of a grouped GEMM: `(a, b, d)` element counts.
+        fn gemm_shapes(
+            variant: GemmVariant,
+            offsets: &[i32],
+            h: usize,
+            f: usize,
+        ) -> Result<(usize, usize, usize), KernelError> {
+            if offsets.first().copied().unwrap_or(0) != 0 || offsets.windows(2).any(|w| w[0] > w[1])
+            {
+                return Err(KernelError::Shape {
+                    what: "offsets (must start at 0 and not decrease)",
+                    expected: 0,
+                    got: 1,
+                });
+            }
+            if h % 8 != 0 || f % 8 != 0 {
+                return Err(KernelError::Shape {
+                    what: "h and f (multiples of 8 for 16-byte TMA rows)",
+                    expected: 8,
+                    got: h % 8 + f % 8,
+                });
+            }
+            let e = offsets.len().saturating_sub(1);
+            let rows = offsets.last().copied().unwrap_or(0) as usize;
+            Ok(match variant {
+                GemmVariant::Forward => (rows * h, e * h * f, rows * f),
+                GemmVariant::DataGrad => (rows * f, e * h * f, rows * h),
+                GemmVariant::WeightGrad => (rows * h, rows * f, e * h * f),
+            })
+        }
+
+        #[allow(clippy::too_many_arguments)]
+        fn launch_gemm(
+            &self,
+            variant: GemmVariant,
+            groups: usize,
+            offsets: &CudaSlice<i32>,
+            a: &CudaSlice<u16>,
+            b: &CudaSlice<u16>,
+            d: &mut CudaSlice<u16>,
+            h: usize,
+            f: usize,
+            ws: &mut CudaSlice<u8>,
+        ) -> Result<(), KernelError> {
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let ws_len = ws.len();
+            let (g, hh, ff) = (dim("groups", groups)?, dim("h", h)?, dim("f", f)?);
+            self.ctx.bind_to_thread().map_err(cuda)?;
+            let (po, _o) = offsets.device_ptr(&self.stream);
+            let (pa, _a) = a.device_ptr(&self.stream);
+            let (pb, _b) = b.device_ptr(&self.stream);
+            let (pd, _d) = d.device_ptr_mut(&self.stream);
+            let (pw, _w) = ws.device_ptr_mut(&self.stream);
+            // SAFETY: 1. the function is the library's `lrmoe_grouped_gemm`
+            // with the declared C signature; 2. every pointer is a live
+            // device allocation of the sizes `gemm_shapes` checked (offsets
+            // has groups + 1 entries, the workspace the size the library
+            // asked for); 3. the stream belongs to the current context.
+            let rc = unsafe {
+                (self.gemm.run)(
+                    variant_code(variant),
+                    g,
+                    po as *const i32,
+                    pa as *const std::ffi::c_void,
+                    pb as *const std::ffi::c_void,
+                    pd as *mut std::ffi::c_void,
+                    hh,
+                    ff,
+                    self.n_sms as i32,
+                    pw as *mut std::ffi::c_void,
+                    ws_len,
+                    self.stream.cu_stream() as *mut std::ffi::c_void,
+                )
+            };
+            if rc != 0 {
+                return Err(KernelError::Cuda(format!(
+                    "grouped GEMM failed with code {rc}"
+                )));
+            }
+            Ok(())
+        }
+
+        fn gemm_workspace(
+            &self,
+            variant: GemmVariant,
+            groups: usize,
+        ) -> Result<CudaSlice<u8>, KernelError> {
+            // SAFETY: a pure query of the library (declared C signature).
+            let bytes = unsafe {
+                (self.gemm.workspace)(
+                    variant_code(variant),
+                    dim("groups", groups)?,
+                    self.n_sms as i32,
+                )
+            };
+            self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda)
+        }
+
+        /// Grouped GEMM on bf16 bits (f32 accumulation, bf16 out); see
+        /// [`GemmVariant`] for the three products. Group sizes are read on
+        /// the device from `offsets`.
+        pub fn grouped_gemm_bf16(
+            &self,
+            variant: GemmVariant,
+            offsets: &[i32],
+            a: &[u16],
+            b: &[u16],
+            h: usize,
+            f: usize,
+        ) -> Result<Vec<u16>, KernelError> {
+            let (na, nb, nd) = Self::gemm_shapes(variant, offsets, h, f)?;
+            check("a", na, a.len())?;
+            check("b", nb, b.len())?;
+            let groups = offsets.len().saturating_sub(1);
+            let (od, ad, bd) = (self.upload(offsets)?, self.upload(a)?, self.upload(b)?);
+            let mut d = self.poisoned::<u16>(nd)?;
+            if groups > 0 && nd > 0 {
+                let mut ws = self.gemm_workspace(variant, groups)?;
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, h, f, &mut ws)?;
+            }
+            self.download(&d, nd)
+        }
+
+        /// Grouped GEMM over `counts` rows per group, random bf16 data;
+        /// returns the timing and the TFLOP/s (`2·rows·h·f` FLOPs).
+        pub fn bench_grouped_gemm(
+            &self,
+            variant: GemmVariant,
+            counts: &[u32],
+            h: usize,
+            f: usize,
+        ) -> Result<(Timing, f64), KernelError> {
+            let mut offsets = vec![0i32];
+            for &c in counts {
+                offsets.push(offsets.last().copied().unwrap_or(0) + c as i32);
+            }
+            let (na, nb, nd) = Self::gemm_shapes(variant, &offsets, h, f)?;
+            let groups = counts.len();
+            let od = self.upload(&offsets)?;
+            let ad = self.upload(&random_bf16(na, 21))?;
+            let bd = self.upload(&random_bf16(nb, 22))?;
+            let mut d = self.poisoned::<u16>(nd)?;
+            let mut ws = self.gemm_workspace(variant, groups)?;
+            let ms = self.time(20, || {
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, h, f, &mut ws)
+            })?;
+            let rows = offsets.last().copied().unwrap_or(0) as f64;
+            let flops = 2.0 * rows * h as f64 * f as f64;
+            Ok((
+                Timing {
+                    ms,
+                    bytes: ((na + nb + nd) * 2) as f64,
+                },
+                flops / (ms * 1e-3) / 1e12,
+            ))
         }
 
         /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.

@@ -273,3 +273,55 @@ fn combine_matches_the_cpu_twin() {
         }
     }
 }
+
+#[test]
+fn grouped_gemm_matches_the_cpu_twin() {
+    use kernels::cpu::{grouped_gemm_reference, GemmVariant};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for &(e, h, f, max_rows) in &[(4, 64, 128, 300), (8, 128, 64, 90), (3, 256, 768, 700)] {
+        // Random group sizes, some empty.
+        let counts: Vec<i32> = (0..e)
+            .map(|_| {
+                if rng.next() % 4 == 0 {
+                    0
+                } else {
+                    (rng.next() % max_rows) as i32
+                }
+            })
+            .collect();
+        let mut offsets = vec![0i32];
+        for c in &counts {
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        let rows = *offsets.last().unwrap() as usize;
+        for variant in [
+            GemmVariant::Forward,
+            GemmVariant::DataGrad,
+            GemmVariant::WeightGrad,
+        ] {
+            let (na, nb) = match variant {
+                GemmVariant::Forward => (rows * h, e * h * f),
+                GemmVariant::DataGrad => (rows * f, e * h * f),
+                GemmVariant::WeightGrad => (rows * h, rows * f),
+            };
+            let (a, b) = (rng.bf16(na), rng.bf16(nb));
+            let got = g
+                .grouped_gemm_bf16(variant, &offsets, &a, &b, h, f)
+                .unwrap();
+            let want = grouped_gemm_reference(variant, &offsets, &a, &b, h, f).unwrap();
+            let (mut num, mut den) = (0f64, 0f64);
+            for (x, y) in got.iter().zip(&want) {
+                let x = f64::from(bf16_bits_to_f32(*x));
+                assert!(x.is_finite(), "{variant:?}: unwritten output");
+                num += (x - f64::from(*y)).powi(2);
+                den += f64::from(*y).powi(2);
+            }
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(
+                rel <= 1e-2,
+                "{variant:?} ({e}, {h}, {f}, counts {counts:?}): relative error {rel}"
+            );
+        }
+    }
+}
