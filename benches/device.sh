@@ -4,6 +4,7 @@
 # (no Rust toolchain on the GPU machine) and carried in .device/:
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-gpu-bench
 #   cargo test -p kernels --features cuda --release --no-run   (test binary)
+#   cargo test -p layer --features cuda --release --no-run     (test binary)
 # then:  bash benches/device.sh   (with $OUT set by the device tool)
 set -uo pipefail
 OUT=${OUT:-/tmp/lrmoe-out}
@@ -11,6 +12,8 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 echo "== device tests (kernels vs CPU twins)"
 LRMOE_GPU_TESTS=1 .device/kernels-gpu-tests --test-threads=1 2>&1 | tee "$OUT/tests.log"
+echo "== device test (GPU layer vs CPU layer)"
+LRMOE_GPU_TESTS=1 .device/layer-gpu-tests 2>&1 | tee -a "$OUT/tests.log"
 echo "== torch anchors"
 python3 .device/torch_anchors.py 2>&1 | tee "$OUT/anchors.log"
 grep '^SINGLE ' "$OUT/anchors.log" | sed 's/^SINGLE //' > "$OUT/anchors.json"

@@ -354,3 +354,157 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// Routing and LRMoE backward helpers for the single-GPU layer.
+
+// Block-wide exclusive scan of one u32 per thread (blockDim.x <= 1024).
+__device__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* total) {
+    __shared__ uint32_t warp_sums[32];
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
+    uint32_t x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        uint32_t y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[wid] = x;
+    __syncthreads();
+    if (wid == 0) {
+        int nw = (blockDim.x + 31) >> 5;
+        uint32_t s = lane < nw ? warp_sums[lane] : 0;
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+            uint32_t y = __shfl_up_sync(0xffffffffu, s, o);
+            if (lane >= o) s += y;
+        }
+        if (lane < nw) warp_sums[lane] = s;
+    }
+    __syncthreads();
+    uint32_t before = (wid > 0 ? warp_sums[wid - 1] : 0) + x - v;
+    *total = warp_sums[((blockDim.x + 31) >> 5) - 1];
+    __syncthreads();
+    return before;
+}
+
+// Stable grouping of pairs by expert (one block per expert, in pair order):
+//   expert: device, [n] u32 (expert of each pair; DROPPED = not grouped)
+//   keep:   device, [n] u8 or null (only pairs with keep[p] != 0 are grouped)
+//   base:   device, [E] u32, first output slot of each expert
+//   dst:    device, [n] u32, output slot of each pair (DROPPED if not grouped)
+//   src:    device, [sum] u32, pair of each output slot
+extern "C" __global__ void group_by_expert(const uint32_t* __restrict__ expert, const uint8_t* __restrict__ keep,
+                                           const uint32_t* __restrict__ base, uint32_t* __restrict__ dst,
+                                           uint32_t* __restrict__ src, int n) {
+    uint32_t e = blockIdx.x;
+    uint32_t next = base[e];
+    for (int start = 0; start < n; start += blockDim.x) {
+        int p = start + threadIdx.x;
+        bool mine = p < n && expert[p] == e && (keep == nullptr || keep[p] != 0);
+        uint32_t total;
+        uint32_t rank = block_exclusive_scan(mine ? 1u : 0u, &total);
+        if (mine) {
+            dst[p] = next + rank;
+            src[next + rank] = p;
+        }
+        next += total;
+    }
+}
+
+// Pairs per expert: counts[e] = #{p : expert[p] == e}. One block per expert.
+extern "C" __global__ void expert_counts(const uint32_t* __restrict__ expert, uint32_t* __restrict__ counts, int n) {
+    __shared__ uint32_t acc;
+    if (threadIdx.x == 0) acc = 0;
+    __syncthreads();
+    uint32_t c = 0;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) c += expert[p] == blockIdx.x;
+    atomicAdd(&acc, c);
+    __syncthreads();
+    if (threadIdx.x == 0) counts[blockIdx.x] = acc;
+}
+
+// Gather with a per-pair scale: out[j] = scale[pair[j]] * src[pair[j] / div]
+// (bf16; scale may be null for 1.0).
+//   src:  device, [rows, width] bf16 bits
+//   pair: device, [n_out] u32
+extern "C" __global__ void gather_scaled_u16(const uint16_t* __restrict__ src, const uint32_t* __restrict__ pair,
+                                             int div, const float* __restrict__ scale, uint16_t* __restrict__ out,
+                                             int n_out, int width) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int j = warp; j < n_out; j += n_warps) {
+        uint32_t p = pair[j];
+        const uint16_t* s = src + static_cast<size_t>(p / div) * width;
+        uint16_t* d = out + static_cast<size_t>(j) * width;
+        float g = scale ? scale[p] : 1.f;
+        for (int c = lane; c < width; c += 32) d[c] = to_bf(g * bf(s[c]));
+    }
+}
+
+// out[j] = src[idx[j]] for 32-bit values; DROPPED indices give DROPPED.
+extern "C" __global__ void gather_32(const uint32_t* __restrict__ src, const uint32_t* __restrict__ idx,
+                                     uint32_t* __restrict__ out, int n) {
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+        uint32_t i = idx[j];
+        out[j] = i == DROPPED ? DROPPED : src[i];
+    }
+}
+
+// out = a + b (bf16, f32 math).
+extern "C" __global__ void add_bf16(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b,
+                                    uint16_t* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x)
+        out[i] = to_bf(bf(a[i]) + bf(b[i]));
+}
+
+// bf16 -> f32.
+extern "C" __global__ void bf16_to_f32(const uint16_t* __restrict__ a, float* __restrict__ out, long long n) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x)
+        out[i] = bf(a[i]);
+}
+
+// Router backward for one token per warp. dg[p] = dy[t] . o[row[p]] for
+// each of its k pairs (o in grouped order), then through the optional
+// renormalisation and the softmax: dlogits [t, e] as bf16.
+//   dy: [t, h] bf16; o: [rows, h] bf16; row: [t*k] u32 (grouped row of each pair)
+//   probs: [t, e] f32; idx: [t*k] u32; gates: [t*k] f32
+extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ o,
+                                           const uint32_t* __restrict__ row, const float* __restrict__ probs,
+                                           const uint32_t* __restrict__ idx, const float* __restrict__ gates,
+                                           uint16_t* __restrict__ dlogits, int t, int h, int e, int k,
+                                           int renormalize) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int r = warp; r < t; r += n_warps) {
+        const float* p = probs + static_cast<size_t>(r) * e;
+        float dgv[32];  // k <= 32
+        float dot_g = 0.f, s = 0.f;
+        for (int j = 0; j < k; ++j) {
+            uint32_t rr = row[static_cast<size_t>(r) * k + j];
+            float acc = 0.f;
+            for (int c = lane; c < h; c += 32)
+                acc = fmaf(bf(dy[static_cast<size_t>(r) * h + c]), bf(o[static_cast<size_t>(rr) * h + c]), acc);
+            acc = warp_sum(acc);
+            dgv[j] = acc;
+            dot_g += acc * gates[static_cast<size_t>(r) * k + j];
+            s += p[idx[static_cast<size_t>(r) * k + j]];
+        }
+        // dp is nonzero only on the k selected experts.
+        float dot_p = 0.f;
+        for (int j = 0; j < k; ++j) {
+            float dpj = renormalize ? (dgv[j] - dot_g) / s : dgv[j];
+            dot_p += p[idx[static_cast<size_t>(r) * k + j]] * dpj;
+        }
+        for (int i = lane; i < e; i += 32) {
+            float dpi = 0.f;
+            for (int j = 0; j < k; ++j)
+                if (idx[static_cast<size_t>(r) * k + j] == static_cast<uint32_t>(i))
+                    dpi = renormalize ? (dgv[j] - dot_g) / s : dgv[j];
+            dlogits[static_cast<size_t>(r) * e + i] = to_bf(p[i] * (dpi - dot_p));
+        }
+    }
+}

@@ -119,6 +119,43 @@ fn main() -> anyhow::Result<()> {
             );
         }
     }
+    println!();
+    println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");
+    println!();
+    println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | backward peak MiB | kept pairs |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for (key, e, h, f) in [
+        ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
+        ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
+    ] {
+        let shape = kernels::gpu::MoeShape {
+            tokens: 16384,
+            hidden: h,
+            ffn: f,
+            experts: e,
+            top_k: 8,
+            renormalize: true,
+        };
+        let (fwd, rows) = gpu.bench_moe(&shape, &[1.0, 0.75, 0.5, 0.25])?;
+        let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
+        let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));
+        let full = rows[0].backward_ms;
+        for r in &rows {
+            println!(
+                "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
+                tf.map_or("-".into(), |v| format!("{v:.2}")),
+                tf.map_or("-".into(), |v| format!("{:.2}", v / fwd)),
+                r.retention,
+                r.backward_ms,
+                r.backward_ms / full,
+                r.retention + 0.1,
+                tb.map_or("-".into(), |v| format!("{v:.2}")),
+                tb.map_or("-".into(), |v| format!("{:.2}", v / r.backward_ms)),
+                r.peak_bytes as f64 / (1 << 20) as f64,
+                r.kept_pairs
+            );
+        }
+    }
     let t = gpu.bench_select(128, 131072)?;
     println!();
     println!(

@@ -130,7 +130,12 @@ impl Gpu {
 }
 
 #[cfg(feature = "cuda")]
+pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeShape, MoeWeights};
+
+#[cfg(feature = "cuda")]
 mod imp {
+    pub mod moe;
+
     use std::sync::Arc;
 
     use cudarc::driver::{
@@ -258,6 +263,13 @@ mod imp {
         router: CudaFunction,
         combine: CudaFunction,
         gemm: GemmLib,
+        f_group: CudaFunction,
+        f_counts: CudaFunction,
+        f_gather_scaled: CudaFunction,
+        f_gather32: CudaFunction,
+        f_add: CudaFunction,
+        f_to_f32: CudaFunction,
+        f_router_bwd: CudaFunction,
         n_sms: u32,
     }
 
@@ -291,6 +303,13 @@ mod imp {
                 router: module.load_function("router_topk").map_err(cuda)?,
                 combine: module.load_function("combine_bf16").map_err(cuda)?,
                 gemm: load_gemm()?,
+                f_group: module.load_function("group_by_expert").map_err(cuda)?,
+                f_counts: module.load_function("expert_counts").map_err(cuda)?,
+                f_gather_scaled: module.load_function("gather_scaled_u16").map_err(cuda)?,
+                f_gather32: module.load_function("gather_32").map_err(cuda)?,
+                f_add: module.load_function("add_bf16").map_err(cuda)?,
+                f_to_f32: module.load_function("bf16_to_f32").map_err(cuda)?,
+                f_router_bwd: module.load_function("router_backward").map_err(cuda)?,
                 _module: module,
                 ctx,
                 stream,

@@ -1,0 +1,725 @@
+//! The MoE layer on one GPU (EP = 1): forward, and the LRMoE backward with
+//! per-expert quotas, LRM scores, top-q selection, compaction and grouped
+//! GEMMs on the kept rows only. bf16 activations and weights, f32
+//! accumulation; router probabilities in f32.
+//!
+//! Rows are grouped by expert (stable, in pair order) with the
+//! `group_by_expert` kernel; group offsets go to the grouped GEMM on the
+//! device. The one host synchronisation per call is the download of the
+//! routed counts per expert in the forward (the controller needs them to fix
+//! the quotas); the backward's kept counts follow from those quotas on the
+//! host without another sync.
+
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{cuda, dim, random_bf16, Gpu};
+use crate::cpu::GemmVariant;
+use crate::KernelError;
+
+const DROPPED: u32 = u32::MAX;
+
+/// Shape of the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Tokens.
+    pub tokens: usize,
+    /// Width (multiple of 8).
+    pub hidden: usize,
+    /// Expert FFN width (multiple of 8).
+    pub ffn: usize,
+    /// Experts (multiple of 8, at most 1024).
+    pub experts: usize,
+    /// Experts per token (at most 32).
+    pub top_k: usize,
+    /// Renormalise the top-k weights.
+    pub renormalize: bool,
+}
+
+impl MoeShape {
+    fn check(&self) -> Result<(), KernelError> {
+        let bad = |what: &'static str, got: usize| {
+            Err(KernelError::Shape {
+                what,
+                expected: 8,
+                got,
+            })
+        };
+        if self.hidden % 8 != 0 || self.hidden == 0 {
+            return bad("hidden (positive multiple of 8)", self.hidden);
+        }
+        if self.ffn % 8 != 0 || self.ffn == 0 {
+            return bad("ffn (positive multiple of 8)", self.ffn);
+        }
+        if self.experts % 8 != 0 || self.experts == 0 || self.experts > 1024 {
+            return bad("experts (multiple of 8, at most 1024)", self.experts);
+        }
+        if self.top_k == 0 || self.top_k > 32 || self.top_k > self.experts {
+            return bad("top_k (1..=32 and at most experts)", self.top_k);
+        }
+        Ok(())
+    }
+    fn pairs(&self) -> usize {
+        self.tokens * self.top_k
+    }
+}
+
+/// Layer weights on the device, bf16: router `H × E`, gate and up
+/// `E × H × F`, down `E × F × H` (row-major, `x · W`).
+pub struct MoeWeights {
+    router: CudaSlice<u16>,
+    gate: CudaSlice<u16>,
+    up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+}
+
+/// Forward state kept for the backward.
+pub struct MoeSaved {
+    x: CudaSlice<u16>,
+    /// Layer output `T × H`.
+    pub y: CudaSlice<u16>,
+    probs: CudaSlice<f32>,
+    idx: CudaSlice<u32>,
+    gates: CudaSlice<f32>,
+    dst: CudaSlice<u32>,
+    src: CudaSlice<u32>,
+    offsets_u: CudaSlice<u32>,
+    expert_of_row: CudaSlice<u32>,
+    counts: Vec<u32>,
+    xs: CudaSlice<u16>,
+    h: CudaSlice<u16>,
+    o: CudaSlice<u16>,
+}
+
+/// Gradients and figures of one backward.
+pub struct MoeBackward {
+    /// Input gradient `T × H`.
+    pub dx: CudaSlice<u16>,
+    /// Router gradient `H × E`.
+    pub router: CudaSlice<u16>,
+    /// Gate gradients `E × H × F`.
+    pub gate: CudaSlice<u16>,
+    /// Up gradients `E × H × F`.
+    pub up: CudaSlice<u16>,
+    /// Down gradients `E × F × H`.
+    pub down: CudaSlice<u16>,
+    /// Kept pairs.
+    pub kept_pairs: usize,
+    /// Device memory the backward held at its peak (bytes, by `cuMemGetInfo`).
+    pub peak_bytes: u64,
+}
+
+fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
+    let mut v = Vec::with_capacity(counts.len() + 1);
+    let mut s = 0u32;
+    v.push(0);
+    for &c in counts {
+        s += c;
+        v.push(s);
+    }
+    v
+}
+
+fn used_bytes() -> Result<u64, KernelError> {
+    let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+    Ok((total - free) as u64)
+}
+
+impl Gpu {
+    /// Uploads layer weights given as bf16 bits.
+    pub fn moe_weights(
+        &self,
+        s: &MoeShape,
+        router: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+    ) -> Result<MoeWeights, KernelError> {
+        s.check()?;
+        let (h, f, e) = (s.hidden, s.ffn, s.experts);
+        super::check("router", h * e, router.len())?;
+        super::check("gate", e * h * f, gate.len())?;
+        super::check("up", e * h * f, up.len())?;
+        super::check("down", e * f * h, down.len())?;
+        Ok(MoeWeights {
+            router: self.upload(router)?,
+            gate: self.upload(gate)?,
+            up: self.upload(up)?,
+            down: self.upload(down)?,
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        variant: GemmVariant,
+        offsets: &CudaSlice<i32>,
+        groups: usize,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        out_len: usize,
+        h: usize,
+        f: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let mut d = self
+            .stream
+            .alloc_zeros::<u16>(out_len.max(1))
+            .map_err(cuda)?;
+        let mut ws = self.gemm_workspace(variant, groups)?;
+        self.launch_gemm(variant, groups, offsets, a, b, &mut d, h, f, &mut ws)?;
+        Ok(d)
+    }
+
+    fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(cuda)
+    }
+
+    fn group(
+        &self,
+        expert: &CudaSlice<u32>,
+        keep: Option<&CudaSlice<u8>>,
+        base: &[u32],
+        n: usize,
+        out: usize,
+        groups: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>), KernelError> {
+        let base_d = self.upload(base)?;
+        let mut dst = self
+            .stream
+            .clone_htod(&vec![DROPPED; n.max(1)])
+            .map_err(cuda)?;
+        let mut src = self.zeros::<u32>(out)?;
+        let n_i = dim("pairs", n)?;
+        let null: u64 = 0;
+        let mut l = self.stream.launch_builder(&self.f_group);
+        l.arg(expert);
+        match keep {
+            Some(k) => l.arg(k),
+            None => l.arg(&null),
+        };
+        l.arg(&base_d).arg(&mut dst).arg(&mut src).arg(&n_i);
+        // SAFETY: 1. (u32*, u8* or null, u32*, u32*, u32*, int) matches;
+        // 2. expert, keep and dst hold n entries, base one per block
+        // (groups), src the grouped total; 3. outputs alias nothing.
+        unsafe {
+            l.launch(LaunchConfig {
+                grid_dim: (groups as u32, 1, 1),
+                block_dim: (1024, 1, 1),
+                shared_mem_bytes: 0,
+            })
+        }
+        .map_err(cuda)?;
+        Ok((dst, src))
+    }
+
+    fn gather_scaled(
+        &self,
+        src: &CudaSlice<u16>,
+        pair: &CudaSlice<u32>,
+        div: usize,
+        scale: Option<&CudaSlice<f32>>,
+        n_out: usize,
+        width: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let mut out = self.zeros::<u16>(n_out * width)?;
+        if n_out == 0 {
+            return Ok(out);
+        }
+        let (d, n, w) = (dim("div", div)?, dim("rows", n_out)?, dim("width", width)?);
+        let null: u64 = 0;
+        let mut l = self.stream.launch_builder(&self.f_gather_scaled);
+        l.arg(src).arg(pair).arg(&d);
+        match scale {
+            Some(s) => l.arg(s),
+            None => l.arg(&null),
+        };
+        l.arg(&mut out).arg(&n).arg(&w);
+        // SAFETY: 1. (u16*, u32*, int, f32* or null, u16*, int, int)
+        // matches; 2. every pair / div indexes a row of src and every pair
+        // an entry of scale (built from the routing of this call); out holds
+        // n_out·width; 3. out aliases nothing.
+        unsafe { l.launch(self.rows_config(n_out)) }.map_err(cuda)?;
+        Ok(out)
+    }
+
+    /// `out[j] = src[idx[j]]` for any 4-byte element (u32 indices, f32 gates).
+    fn gather32<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        src: &CudaSlice<T>,
+        idx: &CudaSlice<u32>,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        debug_assert_eq!(
+            std::mem::size_of::<T>(),
+            4,
+            "invariant: gather_32 moves 4-byte values"
+        );
+        let mut out = self.zeros::<T>(n)?;
+        if n > 0 {
+            let n_i = dim("n", n)?;
+            let mut l = self.stream.launch_builder(&self.f_gather32);
+            l.arg(src).arg(idx).arg(&mut out).arg(&n_i);
+            // SAFETY: (u32*, u32*, u32*, int); idx entries index src or are
+            // DROPPED; out holds n.
+            unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
+    fn add(
+        &self,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        n: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let mut out = self.zeros::<u16>(n)?;
+        let n_i = n as i64;
+        let mut l = self.stream.launch_builder(&self.f_add);
+        l.arg(a).arg(b).arg(&mut out).arg(&n_i);
+        // SAFETY: (u16*, u16*, u16*, long long); all hold n.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(out)
+    }
+
+    fn swiglu_dev(
+        &self,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        n: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let mut h = self.zeros::<u16>(n)?;
+        let n_i = n as i64;
+        let mut l = self.stream.launch_builder(&self.swiglu_fwd);
+        l.arg(a).arg(b).arg(&mut h).arg(&n_i);
+        // SAFETY: (u16*, u16*, u16*, long long); all hold n.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(h)
+    }
+
+    fn combine_dev(
+        &self,
+        o: &CudaSlice<u16>,
+        row: &CudaSlice<u32>,
+        gates: &CudaSlice<f32>,
+        s: &MoeShape,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let mut y = self.zeros::<u16>(s.tokens * s.hidden)?;
+        let (t, h, k) = (
+            dim("tokens", s.tokens)?,
+            dim("hidden", s.hidden)?,
+            dim("top_k", s.top_k)?,
+        );
+        let mut l = self.stream.launch_builder(&self.combine);
+        l.arg(o)
+            .arg(row)
+            .arg(gates)
+            .arg(&mut y)
+            .arg(&t)
+            .arg(&h)
+            .arg(&k);
+        // SAFETY: as in `combine_bf16`; row entries index o or are DROPPED.
+        unsafe { l.launch(self.rows_config(s.tokens)) }.map_err(cuda)?;
+        Ok(y)
+    }
+
+    /// Forward of the layer on `x` (`T × H` bf16 on the device): complete,
+    /// every routed pair computed.
+    pub fn moe_forward(
+        &self,
+        s: &MoeShape,
+        w: &MoeWeights,
+        x: &CudaSlice<u16>,
+    ) -> Result<MoeSaved, KernelError> {
+        s.check()?;
+        let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
+        let p = s.pairs();
+        let one = self.upload(&[0i32, dim("tokens", t)?])?;
+        // Router: logits = x · W_r (a one-group GEMM), softmax, top-k.
+        let logits = self.gemm(GemmVariant::Forward, &one, 1, x, &w.router, t * e, h, e)?;
+        let mut lf = self.zeros::<f32>(t * e)?;
+        {
+            let n = (t * e) as i64;
+            let mut l = self.stream.launch_builder(&self.f_to_f32);
+            l.arg(&logits).arg(&mut lf).arg(&n);
+            // SAFETY: (u16*, f32*, long long); both hold t·e.
+            unsafe { l.launch(self.elementwise_config(t * e)) }.map_err(cuda)?;
+        }
+        let mut probs = self.zeros::<f32>(t * e)?;
+        let mut idx = self.zeros::<u32>(p)?;
+        let mut gates = self.zeros::<f32>(p)?;
+        {
+            let (t_i, e_i, k_i, r_i) = (
+                dim("tokens", t)?,
+                dim("experts", e)?,
+                dim("top_k", k)?,
+                i32::from(s.renormalize),
+            );
+            let mut l = self.stream.launch_builder(&self.router);
+            l.arg(&lf)
+                .arg(&mut probs)
+                .arg(&mut idx)
+                .arg(&mut gates)
+                .arg(&t_i)
+                .arg(&e_i)
+                .arg(&k_i)
+                .arg(&r_i);
+            // SAFETY: as in `router_topk`.
+            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+        }
+        // Counts (the call's one host sync), offsets, stable grouping.
+        let mut counts_d = self.zeros::<u32>(e)?;
+        {
+            let n_i = dim("pairs", p)?;
+            let mut l = self.stream.launch_builder(&self.f_counts);
+            l.arg(&idx).arg(&mut counts_d).arg(&n_i);
+            // SAFETY: (u32*, u32*, int); one block per expert writes counts[e].
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (e as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                })
+            }
+            .map_err(cuda)?;
+        }
+        let counts = self.download(&counts_d, e)?;
+        let base = exclusive_scan(&counts);
+        let offsets = self.upload(&base.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
+        let offsets_u = self.upload(&base)?;
+        let mut eor = Vec::with_capacity(p);
+        for (ex, &c) in counts.iter().enumerate() {
+            eor.extend(std::iter::repeat_n(ex as u32, c as usize));
+        }
+        let expert_of_row = self.upload(&eor)?;
+        let (dst, src) = self.group(&idx, None, &base[..e], p, p, e)?;
+        // Experts on the grouped rows.
+        let xs = self.gather_scaled(x, &src, k, None, p, h)?;
+        let a = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.gate, p * f, h, f)?;
+        let b = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.up, p * f, h, f)?;
+        let hh = self.swiglu_dev(&a, &b, p * f)?;
+        let o = self.gemm(GemmVariant::Forward, &offsets, e, &hh, &w.down, p * h, f, h)?;
+        let y = self.combine_dev(&o, &dst, &gates, s)?;
+        Ok(MoeSaved {
+            x: x.clone(),
+            y,
+            probs,
+            idx,
+            gates,
+            dst,
+            src,
+            offsets_u,
+            expert_of_row,
+            counts,
+            xs,
+            h: hh,
+            o,
+        })
+    }
+
+    /// The LRMoE backward for `dy` (`T × H`): each expert keeps
+    /// `round(retention · n_e)` of its pairs by LRM score; only those rows are
+    /// packed and multiplied. The router gradient is complete.
+    pub fn moe_backward(
+        &self,
+        s: &MoeShape,
+        w: &MoeWeights,
+        sv: &MoeSaved,
+        dy: &CudaSlice<u16>,
+        retention: f64,
+    ) -> Result<MoeBackward, KernelError> {
+        if !(0.0..=1.0).contains(&retention) {
+            return Err(KernelError::Shape {
+                what: "retention (in [0, 1])",
+                expected: 1,
+                got: 2,
+            });
+        }
+        let before = used_bytes()?;
+        let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
+        let p = s.pairs();
+        let one = self.upload(&[0i32, dim("tokens", t)?])?;
+        // Router gradient from every pair's forward output.
+        let mut dlogits = self.zeros::<u16>(t * e)?;
+        {
+            let (t_i, h_i, e_i, k_i, r_i) = (
+                dim("tokens", t)?,
+                dim("hidden", h)?,
+                dim("experts", e)?,
+                dim("top_k", k)?,
+                i32::from(s.renormalize),
+            );
+            let mut l = self.stream.launch_builder(&self.f_router_bwd);
+            l.arg(dy)
+                .arg(&sv.o)
+                .arg(&sv.dst)
+                .arg(&sv.probs)
+                .arg(&sv.idx)
+                .arg(&sv.gates)
+                .arg(&mut dlogits);
+            l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&r_i);
+            // SAFETY: (u16*, u16*, u32*, f32*, u32*, f32*, u16*, int×5)
+            // matches; dst maps every pair to a row of o; k ≤ 32 (checked).
+            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+        }
+        let g_router = self.gemm(
+            GemmVariant::WeightGrad,
+            &one,
+            1,
+            &sv.x,
+            &dlogits,
+            h * e,
+            h,
+            e,
+        )?;
+        let dx_router = self.gemm(
+            GemmVariant::DataGrad,
+            &one,
+            1,
+            &dlogits,
+            &w.router,
+            t * h,
+            h,
+            e,
+        )?;
+        // LRM scores in grouped order: g² · ‖δ‖² · ‖h‖².
+        let delta = self.gather_scaled(dy, &sv.src, k, None, p, h)?;
+        let gates_g = self.gather32(&sv.gates, &sv.src, p)?;
+        let mut scores = self.zeros::<f32>(p)?;
+        self.launch_scores(&sv.h, &delta, &gates_g, &mut scores, p, f, h)?;
+        // Quotas and selection.
+        let quotas: Vec<u32> = sv
+            .counts
+            .iter()
+            .map(|&n| ((n as f64) * retention).round() as u32)
+            .collect();
+        let kept_counts: Vec<u32> = quotas
+            .iter()
+            .zip(&sv.counts)
+            .map(|(&q, &n)| q.min(n))
+            .collect();
+        let kbase = exclusive_scan(&kept_counts);
+        let kept_total = kbase[e] as usize;
+        let (qd, mut kept) = (self.upload(&quotas)?, self.zeros::<u8>(p)?);
+        let mut err = self.zeros::<u32>(1)?;
+        self.launch_select(&scores, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
+        // Compaction of the kept rows (still grouped by expert).
+        let (dstk, srck) = self.group(
+            &sv.expert_of_row,
+            Some(&kept),
+            &kbase[..e],
+            p,
+            kept_total,
+            e,
+        )?;
+        let koff = self.upload(&kbase.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
+        let xk = self.gather_scaled(&sv.xs, &srck, 1, None, kept_total, h)?;
+        let pair_of_kept = self.gather32(&sv.src, &srck, kept_total)?;
+        let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), kept_total, h)?;
+        // Grouped GEMMs on the kept rows only.
+        let ak = self.gemm(
+            GemmVariant::Forward,
+            &koff,
+            e,
+            &xk,
+            &w.gate,
+            kept_total * f,
+            h,
+            f,
+        )?;
+        let bk = self.gemm(
+            GemmVariant::Forward,
+            &koff,
+            e,
+            &xk,
+            &w.up,
+            kept_total * f,
+            h,
+            f,
+        )?;
+        let hk = self.swiglu_dev(&ak, &bk, kept_total * f)?;
+        let g_down = self.gemm(
+            GemmVariant::WeightGrad,
+            &koff,
+            e,
+            &hk,
+            &dok,
+            e * f * h,
+            f,
+            h,
+        )?;
+        let dh = self.gemm(
+            GemmVariant::DataGrad,
+            &koff,
+            e,
+            &dok,
+            &w.down,
+            kept_total * f,
+            f,
+            h,
+        )?;
+        let mut da = self.zeros::<u16>(kept_total * f)?;
+        let mut db = self.zeros::<u16>(kept_total * f)?;
+        if kept_total > 0 {
+            let n = (kept_total * f) as i64;
+            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+            l.arg(&ak)
+                .arg(&bk)
+                .arg(&dh)
+                .arg(&mut da)
+                .arg(&mut db)
+                .arg(&n);
+            // SAFETY: as in `swiglu_backward_bf16`; all hold kept·F.
+            unsafe { l.launch(self.elementwise_config(kept_total * f)) }.map_err(cuda)?;
+        }
+        let g_gate = self.gemm(GemmVariant::WeightGrad, &koff, e, &xk, &da, e * h * f, h, f)?;
+        let g_up = self.gemm(GemmVariant::WeightGrad, &koff, e, &xk, &db, e * h * f, h, f)?;
+        let dx1 = self.gemm(
+            GemmVariant::DataGrad,
+            &koff,
+            e,
+            &da,
+            &w.gate,
+            kept_total * h,
+            h,
+            f,
+        )?;
+        let dx2 = self.gemm(
+            GemmVariant::DataGrad,
+            &koff,
+            e,
+            &db,
+            &w.up,
+            kept_total * h,
+            h,
+            f,
+        )?;
+        let dxk = self.add(&dx1, &dx2, kept_total * h)?;
+        // Scatter-add back to tokens (dropped pairs contribute nothing).
+        let row_k = self.gather32(&dstk, &sv.dst, p)?;
+        let ones = self.upload(&vec![1f32; p])?;
+        let dx_experts = self.combine_dev(&dxk, &row_k, &ones, s)?;
+        let dx = self.add(&dx_router, &dx_experts, t * h)?;
+        self.stream.synchronize().map_err(cuda)?;
+        let peak_bytes = used_bytes()?.saturating_sub(before);
+        if self.download(&err, 1)?[0] != 0 {
+            return Err(KernelError::Cuda(
+                "moe_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
+            ));
+        }
+        Ok(MoeBackward {
+            dx,
+            router: g_router,
+            gate: g_gate,
+            up: g_up,
+            down: g_down,
+            kept_pairs: kept_total,
+            peak_bytes,
+        })
+    }
+}
+
+/// Host copies of one forward + backward (for tests and `layer-grad`-style use).
+#[derive(Debug, Clone)]
+pub struct MoeHostResult {
+    /// Output `T × H` (bf16 bits).
+    pub y: Vec<u16>,
+    /// Input gradient `T × H`.
+    pub dx: Vec<u16>,
+    /// Router gradient `H × E`.
+    pub router: Vec<u16>,
+    /// Gate gradients `E × H × F`.
+    pub gate: Vec<u16>,
+    /// Up gradients `E × H × F`.
+    pub up: Vec<u16>,
+    /// Down gradients `E × F × H`.
+    pub down: Vec<u16>,
+    /// Kept pairs.
+    pub kept_pairs: usize,
+}
+
+/// One row of the layer benchmark.
+#[derive(Debug, Clone, Copy)]
+pub struct MoeBenchRow {
+    /// Retention.
+    pub retention: f64,
+    /// Median backward time, ms (router, scores, selection, packing and GEMMs included).
+    pub backward_ms: f64,
+    /// Device memory the backward held at its peak, bytes.
+    pub peak_bytes: u64,
+    /// Kept pairs.
+    pub kept_pairs: usize,
+}
+
+impl Gpu {
+    /// Forward and LRMoE backward from host data (bf16 bits), copied back.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_host(
+        &self,
+        s: &MoeShape,
+        router: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+        x: &[u16],
+        dy: &[u16],
+        retention: f64,
+    ) -> Result<MoeHostResult, KernelError> {
+        super::check("x", s.tokens * s.hidden, x.len())?;
+        super::check("dy", s.tokens * s.hidden, dy.len())?;
+        let w = self.moe_weights(s, router, gate, up, down)?;
+        let (xd, dyd) = (self.upload(x)?, self.upload(dy)?);
+        let sv = self.moe_forward(s, &w, &xd)?;
+        let b = self.moe_backward(s, &w, &sv, &dyd, retention)?;
+        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
+        Ok(MoeHostResult {
+            y: self.download(&sv.y, t * h)?,
+            dx: self.download(&b.dx, t * h)?,
+            router: self.download(&b.router, h * e)?,
+            gate: self.download(&b.gate, e * h * f)?,
+            up: self.download(&b.up, e * h * f)?,
+            down: self.download(&b.down, e * f * h)?,
+            kept_pairs: b.kept_pairs,
+        })
+    }
+
+    /// Times the layer on random bf16 data: the forward (median ms) and the
+    /// backward at each retention.
+    pub fn bench_moe(
+        &self,
+        s: &MoeShape,
+        retentions: &[f64],
+    ) -> Result<(f64, Vec<MoeBenchRow>), KernelError> {
+        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
+        let scale = |v: Vec<u16>, fan_in: usize| -> Vec<u16> {
+            let k = 1.0 / (fan_in as f32).sqrt();
+            v.into_iter()
+                .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
+                .collect()
+        };
+        let w = self.moe_weights(
+            s,
+            &scale(random_bf16(h * e, 31), h),
+            &scale(random_bf16(e * h * f, 32), h),
+            &scale(random_bf16(e * h * f, 33), h),
+            &scale(random_bf16(e * f * h, 34), f),
+        )?;
+        let x = self.upload(&random_bf16(t * h, 35))?;
+        let dy = self.upload(&random_bf16(t * h, 36))?;
+        let fwd = self.time(10, || self.moe_forward(s, &w, &x).map(|_| ()))?;
+        let sv = self.moe_forward(s, &w, &x)?;
+        let mut rows = Vec::new();
+        for &r in retentions {
+            let last = self.moe_backward(s, &w, &sv, &dy, r)?;
+            let ms = self.time(10, || self.moe_backward(s, &w, &sv, &dy, r).map(|_| ()))?;
+            rows.push(MoeBenchRow {
+                retention: r,
+                backward_ms: ms,
+                peak_bytes: last.peak_bytes,
+                kept_pairs: last.kept_pairs,
+            });
+        }
+        Ok((fwd, rows))
+    }
+}

@@ -1,0 +1,152 @@
+//! The MoE layer on the GPU (`kernels::gpu::Gpu::moe_host`, bf16) against
+//! this crate's CPU layer (f32) on the same bf16-rounded weights and inputs.
+//! Runs on the GPU machine: `LRMOE_GPU_TESTS=1`, feature `cuda`.
+//!
+//! Inputs and router weights are small multiples of powers of two so the
+//! router logits are exact in bf16 and f32 alike: both sides then route every
+//! token to the same experts, and the comparison measures the expert math.
+
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
+use std::time::Duration;
+
+use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits};
+use kernels::gpu::{Gpu, MoeShape};
+use layer::{run_local, CallConfig, ExpertWeights, MoeConfig, MoeParams};
+use quota::Placement;
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn ternary(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() % 3) as f32 - 1.0) * scale)
+            .collect()
+    }
+}
+
+fn round(v: &[f32]) -> Vec<f32> {
+    v.iter()
+        .map(|&x| bf16_bits_to_f32(f32_to_bf16_bits(x)))
+        .collect()
+}
+
+fn bits(v: &[f32]) -> Vec<u16> {
+    v.iter().map(|&x| f32_to_bf16_bits(x)).collect()
+}
+
+fn rel(got: &[u16], want: &[f32]) -> f64 {
+    let (mut n, mut d) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let g = f64::from(bf16_bits_to_f32(g));
+        assert!(g.is_finite(), "non-finite GPU output");
+        n += (g - f64::from(w)).powi(2);
+        d += f64::from(w).powi(2);
+    }
+    (n / d.max(1e-300)).sqrt()
+}
+
+fn cat(p: &MoeParams<f32>, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>) -> Vec<f32> {
+    p.experts
+        .iter()
+        .flat_map(|ex| sel(ex).iter().copied())
+        .collect()
+}
+
+#[test]
+fn gpu_layer_matches_the_cpu_layer() {
+    if std::env::var("LRMOE_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipping: set LRMOE_GPU_TESTS=1 on a GPU machine");
+        return;
+    }
+    let gpu = Gpu::open(0).unwrap();
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    let mut rng = Rng(seed);
+    for &(t, h, f, e, k, renormalize) in &[
+        (256usize, 64usize, 128usize, 8usize, 2usize, true),
+        (512, 128, 64, 16, 4, false),
+    ] {
+        let cfg = MoeConfig {
+            hidden: h,
+            ffn: f,
+            n_experts: e,
+            top_k: k,
+            renormalize,
+        };
+        let mut p = MoeParams::<f32>::init(&cfg, rng.next());
+        p.router = rng.ternary(h * e, 0.125);
+        for ex in &mut p.experts {
+            ex.gate = round(&ex.gate);
+            ex.up = round(&ex.up);
+            ex.down = round(&ex.down);
+        }
+        let x = rng.ternary(t * h, 0.25);
+        let dy = round(
+            &(0..t * h)
+                .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+                .collect::<Vec<_>>(),
+        );
+        let place = Placement {
+            owner: vec![0; e],
+            replicas: vec![],
+        };
+        let call = CallConfig::default();
+        let mut cpu = run_local(1, Duration::from_secs(120), |tr| {
+            let (y, saved) = layer::forward(tr, &cfg, &call, &p, &place, &x)?;
+            let (dx, g, _) = layer::backward(tr, &cfg, &call, &p, &saved, &dy)?;
+            Ok::<_, layer::LayerError>((y, dx, g))
+        });
+        let (y, dx, g) = cpu.remove(0).unwrap();
+        let shape = MoeShape {
+            tokens: t,
+            hidden: h,
+            ffn: f,
+            experts: e,
+            top_k: k,
+            renormalize,
+        };
+        let (wr, wg, wu, wd) = (
+            bits(&p.router),
+            bits(&cat(&p, |w| &w.gate)),
+            bits(&cat(&p, |w| &w.up)),
+            bits(&cat(&p, |w| &w.down)),
+        );
+        let r = gpu
+            .moe_host(&shape, &wr, &wg, &wu, &wd, &bits(&x), &bits(&dy), 1.0)
+            .unwrap();
+        assert_eq!(r.kept_pairs, t * k);
+        let checks = [
+            ("y", rel(&r.y, &y)),
+            ("dx", rel(&r.dx, &dx)),
+            ("router", rel(&r.router, &g.router)),
+            ("gate", rel(&r.gate, &cat(&g, |w| &w.gate))),
+            ("up", rel(&r.up, &cat(&g, |w| &w.up))),
+            ("down", rel(&r.down, &cat(&g, |w| &w.down))),
+        ];
+        for (name, err) in checks {
+            assert!(
+                err <= 3e-2,
+                "{name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
+            );
+        }
+        // Pruned: kept pairs follow the quotas round(r · n_e).
+        let half = gpu
+            .moe_host(&shape, &wr, &wg, &wu, &wd, &bits(&x), &bits(&dy), 0.5)
+            .unwrap();
+        assert!(
+            half.kept_pairs <= t * k / 2 + e && half.kept_pairs + e >= t * k / 2,
+            "kept {}",
+            half.kept_pairs
+        );
+    }
+}
