@@ -502,7 +502,8 @@ impl Gpu {
         let kbase = exclusive_scan(&kept_counts);
         let kept_total = kbase[e] as usize;
         let (qd, mut kept) = (self.upload(&quotas)?, self.zeros::<u8>(p)?);
-        let mut err = self.zeros::<u32>(1)?;
+        // The selection kernel only ever sets the flag: it must start at 0.
+        let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
         self.launch_select(&scores, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
         // Compaction of the kept rows (still grouped by expert).
         let (dstk, srck) = self.group(
