@@ -8,14 +8,20 @@
 //!   ([`cpu::matmul`], with transposes and accumulation), and the SwiGLU
 //!   activation and its derivative. These are also the references the GPU
 //!   kernels will be tested against.
-//! * [`gpu`] — CUDA kernels from `kernels/*.cu`, built by
-//!   `cargo xtask kernels` (flags and pinned nvcc in [`artifacts`]), embedded
-//!   and loaded through cudarc behind the `cuda` feature: fused LRM scores
-//!   (bf16 in, f32 out), pack (row gather) and unpack (row scatter with zero
-//!   fill). Each has a CPU twin in [`cpu`] (`lrm_scores_reference`,
-//!   `gather_rows_reference`, `unpack_rows_reference`) and a device test.
-//!   **Not built yet (issue #4):** top-q selection, the variable-size grouped
-//!   GEMM, SwiGLU, router and combine kernels, and the layer on the GPU.
+//! * [`gpu`] — CUDA kernels from `kernels/lrmoe.cu` (embedded fatbin) and
+//!   the CUTLASS 4.2 sm90 grouped GEMM from `kernels/lib/grouped_gemm.cu`
+//!   (embedded shared library, opened with dlopen), built by
+//!   `cargo xtask kernels` (pinned nvcc and CUTLASS in [`artifacts`]) and
+//!   loaded through cudarc behind the `cuda` feature: fused LRM scores,
+//!   per-expert top-q selection, pack (row gather) and unpack (row scatter
+//!   with zero fill), SwiGLU forward/backward, router softmax + top-k,
+//!   combine, and the variable-size grouped GEMM (forward, data gradient,
+//!   weight gradient; group sizes read on the device). Each has a CPU twin in
+//!   [`cpu`] and a device test. `gpu::MoeShape` / `Gpu::moe_forward` /
+//!   `Gpu::moe_backward` compose them into the MoE layer with the LRMoE
+//!   backward on one GPU (EP = 1), tested against the `layer` crate's CPU
+//!   layer. **Not built yet (issue #4):** training on the GPU
+//!   (`lrmoe train --device cuda`) and expert parallelism across GPUs (#5).
 //!
 //! ## Invariants
 //!
