@@ -306,6 +306,27 @@ pub fn unpack_rows_reference(
     Ok(out)
 }
 
+/// Checks the inputs of a per-expert selection: one id per score, one
+/// quota per group, and `offsets` a non-decreasing partition of the scores.
+pub(crate) fn check_selection(
+    scores: &[f32],
+    ids: &[u32],
+    offsets: &[u32],
+    quotas: &[u32],
+) -> Result<(), KernelError> {
+    check("ids", scores.len(), ids.len())?;
+    check("offsets", quotas.len() + 1, offsets.len())?;
+    let end = offsets.last().copied().unwrap_or(0) as usize;
+    if end != scores.len() || offsets.windows(2).any(|w| w[0] > w[1]) {
+        return Err(KernelError::Shape {
+            what: "offsets (not a partition of the pairs)",
+            expected: scores.len(),
+            got: end,
+        });
+    }
+    Ok(())
+}
+
 /// CPU twin of `select_top_q`: within each expert's segment
 /// `offsets[e]..offsets[e + 1]` keep the `min(quotas[e], n_e)` pairs of
 /// highest score, ties to the smaller id, by a full sort (the naive way).
@@ -315,17 +336,7 @@ pub fn select_top_reference(
     offsets: &[u32],
     quotas: &[u32],
 ) -> Result<Vec<bool>, KernelError> {
-    check("ids", scores.len(), ids.len())?;
-    check("offsets", quotas.len() + 1, offsets.len())?;
-    if offsets.last().copied().unwrap_or(0) as usize != scores.len()
-        || offsets.windows(2).any(|w| w[0] > w[1])
-    {
-        return Err(KernelError::Shape {
-            what: "offsets (not a partition of the pairs)",
-            expected: scores.len(),
-            got: offsets.last().copied().unwrap_or(0) as usize,
-        });
-    }
+    check_selection(scores, ids, offsets, quotas)?;
     let mut kept = vec![false; scores.len()];
     for (e, &q) in quotas.iter().enumerate() {
         let (lo, hi) = (offsets[e] as usize, offsets[e + 1] as usize);

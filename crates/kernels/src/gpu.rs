@@ -492,17 +492,7 @@ mod imp {
             offsets: &[u32],
             quotas: &[u32],
         ) -> Result<Vec<bool>, KernelError> {
-            check("ids", scores.len(), ids.len())?;
-            check("offsets", quotas.len() + 1, offsets.len())?;
-            if offsets.last().copied().unwrap_or(0) as usize != scores.len()
-                || offsets.windows(2).any(|w| w[0] > w[1])
-            {
-                return Err(KernelError::Shape {
-                    what: "offsets (not a partition of the pairs)",
-                    expected: scores.len(),
-                    got: offsets.last().copied().unwrap_or(0) as usize,
-                });
-            }
+            crate::cpu::check_selection(scores, ids, offsets, quotas)?;
             let (sd, idd, od, qd) = (
                 self.upload(scores)?,
                 self.upload(ids)?,

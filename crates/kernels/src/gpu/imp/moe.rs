@@ -268,19 +268,32 @@ impl Gpu {
         Ok(out)
     }
 
-    fn add(
+    /// `out = f(a, b)` for a two-input element-wise kernel of signature
+    /// `(u16*, u16*, u16*, long long)` (`add_bf16`, `swiglu_fwd_bf16`).
+    fn binary(
         &self,
+        f: &cudarc::driver::CudaFunction,
         a: &CudaSlice<u16>,
         b: &CudaSlice<u16>,
         n: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
         let mut out = self.zeros::<u16>(n)?;
         let n_i = n as i64;
-        let mut l = self.stream.launch_builder(&self.f_add);
+        let mut l = self.stream.launch_builder(f);
         l.arg(a).arg(b).arg(&mut out).arg(&n_i);
-        // SAFETY: (u16*, u16*, u16*, long long); all hold n.
+        // SAFETY: 1. both kernels take (u16*, u16*, u16*, long long);
+        // 2. a, b and out hold n elements; 3. out aliases nothing.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(out)
+    }
+
+    fn add(
+        &self,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        n: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        self.binary(&self.f_add, a, b, n)
     }
 
     fn swiglu_dev(
@@ -289,13 +302,7 @@ impl Gpu {
         b: &CudaSlice<u16>,
         n: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        let mut h = self.zeros::<u16>(n)?;
-        let n_i = n as i64;
-        let mut l = self.stream.launch_builder(&self.swiglu_fwd);
-        l.arg(a).arg(b).arg(&mut h).arg(&n_i);
-        // SAFETY: (u16*, u16*, u16*, long long); all hold n.
-        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
-        Ok(h)
+        self.binary(&self.swiglu_fwd, a, b, n)
     }
 
     fn combine_dev(
