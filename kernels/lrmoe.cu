@@ -311,7 +311,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, float* 
 // atomics, so the result is deterministic.
 //   o:     device, [n_rows, h] bf16 bits (expert outputs, any order)
 //   row:   device, [t, k] u32 (row of o for each pair, or DROPPED)
-//   gates: device, [t, k] f32
+//   gates: device, [t, k] f32, or null for all-ones (a plain scatter-add)
 //   y:     device, [t, h] bf16 bits
 extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const uint32_t* __restrict__ row,
                                         const float* __restrict__ gates, uint16_t* __restrict__ y, int t, int h,
@@ -323,14 +323,14 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
     bool vec = (h & 7) == 0 && ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(y)) & 15) == 0;
     for (int r = warp; r < t; r += n_warps) {
         const uint32_t* rr = row + static_cast<size_t>(r) * k;
-        const float* gg = gates + static_cast<size_t>(r) * k;
+        const float* gg = gates ? gates + static_cast<size_t>(r) * k : nullptr;
         if (vec) {
             for (int c = lane * 8; c < h; c += 256) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
                 for (int j = 0; j < k; ++j) {
                     uint32_t src = rr[j];
                     if (src == DROPPED) continue;
-                    float g = gg[j];
+                    float g = gg ? gg[j] : 1.f;
                     uint4 u = __ldg(reinterpret_cast<const uint4*>(o + static_cast<size_t>(src) * h + c));
                     const uint16_t* p = reinterpret_cast<const uint16_t*>(&u);
 #pragma unroll
@@ -347,7 +347,7 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
                 float acc = 0.f;
                 for (int j = 0; j < k; ++j) {
                     uint32_t src = rr[j];
-                    if (src != DROPPED) acc = fmaf(gg[j], bf(o[static_cast<size_t>(src) * h + c]), acc);
+                    if (src != DROPPED) acc = fmaf(gg ? gg[j] : 1.f, bf(o[static_cast<size_t>(src) * h + c]), acc);
                 }
                 y[static_cast<size_t>(r) * h + c] = to_bf(acc);
             }
@@ -507,4 +507,32 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
             dlogits[static_cast<size_t>(r) * e + i] = to_bf(p[i] * (dpi - dot_p));
         }
     }
+}
+
+// Squared norm of each bf16 row: out[r] = ||x_r||^2 (f32). One warp per row.
+extern "C" __global__ void row_sq_norms_bf16(const uint16_t* __restrict__ x, float* __restrict__ out, int n, int d) {
+    int lane = threadIdx.x & 31;
+    int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    int n_warps = (gridDim.x * blockDim.x) >> 5;
+    for (int r = warp; r < n; r += n_warps) {
+        float s = row_sq_norm(x + static_cast<size_t>(r) * d, d, lane);
+        if (lane == 0) out[r] = s;
+    }
+}
+
+// LRM scores from precomputed norms, in grouped order:
+// score[j] = g[p]^2 * dy_sq[p / k] * h_sq[j] with p = pair[j].
+extern "C" __global__ void scores_from_norms(const float* __restrict__ gates, const float* __restrict__ dy_sq,
+                                             const float* __restrict__ h_sq, const uint32_t* __restrict__ pair,
+                                             float* __restrict__ out, int n, int k) {
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) {
+        uint32_t p = pair[j];
+        float g = gates[p];
+        out[j] = g * g * dy_sq[p / k] * h_sq[j];
+    }
+}
+
+// out[i] = value.
+extern "C" __global__ void fill_u32(uint32_t* __restrict__ out, uint32_t value, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = value;
 }

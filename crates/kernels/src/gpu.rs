@@ -270,6 +270,9 @@ mod imp {
         f_add: CudaFunction,
         f_to_f32: CudaFunction,
         f_router_bwd: CudaFunction,
+        f_row_sq: CudaFunction,
+        f_scores_norms: CudaFunction,
+        f_fill: CudaFunction,
         n_sms: u32,
     }
 
@@ -310,6 +313,9 @@ mod imp {
                 f_add: module.load_function("add_bf16").map_err(cuda)?,
                 f_to_f32: module.load_function("bf16_to_f32").map_err(cuda)?,
                 f_router_bwd: module.load_function("router_backward").map_err(cuda)?,
+                f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
+                f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
+                f_fill: module.load_function("fill_u32").map_err(cuda)?,
                 _module: module,
                 ctx,
                 stream,

@@ -86,7 +86,8 @@ pub struct MoeSaved {
     expert_of_row: CudaSlice<u32>,
     counts: Vec<u32>,
     xs: CudaSlice<u16>,
-    h: CudaSlice<u16>,
+    /// `‖h‖²` of each grouped row (the down projection's input), for scoring.
+    h_sq: CudaSlice<f32>,
     o: CudaSlice<u16>,
 }
 
@@ -176,6 +177,35 @@ impl Gpu {
         unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)
     }
 
+    /// `n` copies of `value`, filled on the device.
+    fn filled(&self, value: u32, n: usize) -> Result<CudaSlice<u32>, KernelError> {
+        let mut out = self.zeros::<u32>(n)?;
+        let n_i = dim("n", n.max(1))?;
+        let mut l = self.stream.launch_builder(&self.f_fill);
+        l.arg(&mut out).arg(&value).arg(&n_i);
+        // SAFETY: (u32*, u32, int); out holds max(n, 1) elements.
+        unsafe { l.launch(self.elementwise_config(n.max(1))) }.map_err(cuda)?;
+        Ok(out)
+    }
+
+    /// `‖row‖²` of `n` bf16 rows of width `d`.
+    fn row_sq(
+        &self,
+        x: &CudaSlice<u16>,
+        n: usize,
+        d: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        let mut out = self.zeros::<f32>(n)?;
+        if n > 0 {
+            let (n_i, d_i) = (dim("rows", n)?, dim("width", d)?);
+            let mut l = self.stream.launch_builder(&self.f_row_sq);
+            l.arg(x).arg(&mut out).arg(&n_i).arg(&d_i);
+            // SAFETY: (u16*, f32*, int, int); x holds n·d, out n.
+            unsafe { l.launch(self.rows_config(n)) }.map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
     fn group(
         &self,
         expert: &CudaSlice<u32>,
@@ -186,10 +216,7 @@ impl Gpu {
         groups: usize,
     ) -> Result<(CudaSlice<u32>, CudaSlice<u32>), KernelError> {
         let base_d = self.upload(base)?;
-        let mut dst = self
-            .stream
-            .clone_htod(&vec![DROPPED; n.max(1)])
-            .map_err(cuda)?;
+        let mut dst = self.filled(DROPPED, n)?;
         let mut src = self.zeros::<u32>(out)?;
         let n_i = dim("pairs", n)?;
         let null: u64 = 0;
@@ -309,7 +336,7 @@ impl Gpu {
         &self,
         o: &CudaSlice<u16>,
         row: &CudaSlice<u32>,
-        gates: &CudaSlice<f32>,
+        gates: Option<&CudaSlice<f32>>,
         s: &MoeShape,
     ) -> Result<CudaSlice<u16>, KernelError> {
         let mut y = self.zeros::<u16>(s.tokens * s.hidden)?;
@@ -318,14 +345,14 @@ impl Gpu {
             dim("hidden", s.hidden)?,
             dim("top_k", s.top_k)?,
         );
+        let null: u64 = 0;
         let mut l = self.stream.launch_builder(&self.combine);
-        l.arg(o)
-            .arg(row)
-            .arg(gates)
-            .arg(&mut y)
-            .arg(&t)
-            .arg(&h)
-            .arg(&k);
+        l.arg(o).arg(row);
+        match gates {
+            Some(g) => l.arg(g),
+            None => l.arg(&null),
+        };
+        l.arg(&mut y).arg(&t).arg(&h).arg(&k);
         // SAFETY: as in `combine_bf16`; row entries index o or are DROPPED.
         unsafe { l.launch(self.rows_config(s.tokens)) }.map_err(cuda)?;
         Ok(y)
@@ -407,7 +434,8 @@ impl Gpu {
         let b = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.up, p * f, h, f)?;
         let hh = self.swiglu_dev(&a, &b, p * f)?;
         let o = self.gemm(GemmVariant::Forward, &offsets, e, &hh, &w.down, p * h, f, h)?;
-        let y = self.combine_dev(&o, &dst, &gates, s)?;
+        let y = self.combine_dev(&o, &dst, Some(&gates), s)?;
+        let h_sq = self.row_sq(&hh, p, f)?;
         Ok(MoeSaved {
             x: x.clone(),
             y,
@@ -420,7 +448,7 @@ impl Gpu {
             expert_of_row,
             counts,
             xs,
-            h: hh,
+            h_sq,
             o,
         })
     }
@@ -491,10 +519,24 @@ impl Gpu {
             e,
         )?;
         // LRM scores in grouped order: g² · ‖δ‖² · ‖h‖².
-        let delta = self.gather_scaled(dy, &sv.src, k, None, p, h)?;
-        let gates_g = self.gather32(&sv.gates, &sv.src, p)?;
+        // From norms: ‖δ‖² per token, ‖h‖² per grouped row (saved by the
+        // forward), so no δ row is gathered and no h row re-read.
+        let dy_sq = self.row_sq(dy, t, h)?;
         let mut scores = self.zeros::<f32>(p)?;
-        self.launch_scores(&sv.h, &delta, &gates_g, &mut scores, p, f, h)?;
+        if p > 0 {
+            let (n_i, k_i) = (dim("pairs", p)?, dim("top_k", k)?);
+            let mut l = self.stream.launch_builder(&self.f_scores_norms);
+            l.arg(&sv.gates)
+                .arg(&dy_sq)
+                .arg(&sv.h_sq)
+                .arg(&sv.src)
+                .arg(&mut scores)
+                .arg(&n_i)
+                .arg(&k_i);
+            // SAFETY: (f32*, f32*, f32*, u32*, f32*, int, int); src maps
+            // each of the p grouped rows to its pair (< p), pair / k < t.
+            unsafe { l.launch(self.elementwise_config(p)) }.map_err(cuda)?;
+        }
         // Quotas and selection.
         let quotas: Vec<u32> = sv
             .counts
@@ -606,8 +648,7 @@ impl Gpu {
         let dxk = self.add(&dx1, &dx2, kept_total * h)?;
         // Scatter-add back to tokens (dropped pairs contribute nothing).
         let row_k = self.gather32(&dstk, &sv.dst, p)?;
-        let ones = self.upload(&vec![1f32; p])?;
-        let dx_experts = self.combine_dev(&dxk, &row_k, &ones, s)?;
+        let dx_experts = self.combine_dev(&dxk, &row_k, None, s)?;
         let dx = self.add(&dx_router, &dx_experts, t * h)?;
         self.stream.synchronize().map_err(cuda)?;
         let peak_bytes = used_bytes()?.saturating_sub(before);
