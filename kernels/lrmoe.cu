@@ -393,14 +393,18 @@ __device__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* total) {
 //   base:   device, [E] u32, first output slot of each expert
 //   dst:    device, [n] u32, output slot of each pair (DROPPED if not grouped)
 //   src:    device, [sum] u32, pair of each output slot
+//   seg:    device, [E + 1] u32 or null: when the input is already grouped by
+//           expert, block e scans only [seg[e], seg[e+1]) instead of all n
 extern "C" __global__ void group_by_expert(const uint32_t* __restrict__ expert, const uint8_t* __restrict__ keep,
                                            const uint32_t* __restrict__ base, uint32_t* __restrict__ dst,
-                                           uint32_t* __restrict__ src, int n) {
+                                           uint32_t* __restrict__ src, int n, const uint32_t* __restrict__ seg) {
     uint32_t e = blockIdx.x;
     uint32_t next = base[e];
-    for (int start = 0; start < n; start += blockDim.x) {
+    int lo = seg ? static_cast<int>(seg[e]) : 0;
+    int hi = seg ? static_cast<int>(seg[e + 1]) : n;
+    for (int start = lo; start < hi; start += blockDim.x) {
         int p = start + threadIdx.x;
-        bool mine = p < n && expert[p] == e && (keep == nullptr || keep[p] != 0);
+        bool mine = p < hi && expert[p] == e && (keep == nullptr || keep[p] != 0);
         uint32_t total;
         uint32_t rank = block_exclusive_scan(mine ? 1u : 0u, &total);
         if (mine) {

@@ -206,10 +206,14 @@ impl Gpu {
         Ok(out)
     }
 
+    /// Stable grouping by expert; `seg` (the input's own group offsets) lets
+    /// each block scan only its expert's segment when the input is grouped.
+    #[allow(clippy::too_many_arguments)]
     fn group(
         &self,
         expert: &CudaSlice<u32>,
         keep: Option<&CudaSlice<u8>>,
+        seg: Option<&CudaSlice<u32>>,
         base: &[u32],
         n: usize,
         out: usize,
@@ -227,7 +231,12 @@ impl Gpu {
             None => l.arg(&null),
         };
         l.arg(&base_d).arg(&mut dst).arg(&mut src).arg(&n_i);
-        // SAFETY: 1. (u32*, u8* or null, u32*, u32*, u32*, int) matches;
+        match seg {
+            Some(sg) => l.arg(sg),
+            None => l.arg(&null),
+        };
+        // SAFETY: 1. (u32*, u8* or null, u32*, u32*, u32*, int, u32* or
+        // null) matches; seg, when given, partitions 0..n by expert;
         // 2. expert, keep and dst hold n entries, base one per block
         // (groups), src the grouped total; 3. outputs alias nothing.
         unsafe {
@@ -427,7 +436,7 @@ impl Gpu {
             eor.extend(std::iter::repeat_n(ex as u32, c as usize));
         }
         let expert_of_row = self.upload(&eor)?;
-        let (dst, src) = self.group(&idx, None, &base[..e], p, p, e)?;
+        let (dst, src) = self.group(&idx, None, None, &base[..e], p, p, e)?;
         // Experts on the grouped rows.
         let xs = self.gather_scaled(x, &src, k, None, p, h)?;
         let a = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.gate, p * f, h, f)?;
@@ -558,6 +567,7 @@ impl Gpu {
         let (dstk, srck) = self.group(
             &sv.expert_of_row,
             Some(&kept),
+            Some(&sv.offsets_u),
             &kbase[..e],
             p,
             kept_total,
