@@ -391,6 +391,21 @@ pub fn swiglu_backward_bf16_reference(
     Ok((da, db))
 }
 
+/// Checks a router's shapes (`1 ≤ k ≤ e`, logits a whole number of rows of
+/// `e`) and returns the number of tokens.
+pub(crate) fn check_router(logits_len: usize, e: usize, k: usize) -> Result<usize, KernelError> {
+    if e == 0 || k == 0 || k > e {
+        return Err(KernelError::Shape {
+            what: "top_k (must be in 1..=experts)",
+            expected: e,
+            got: k,
+        });
+    }
+    let t = logits_len / e;
+    check("logits", t * e, logits_len)?;
+    Ok(t)
+}
+
 /// CPU twin of `router_topk`: `(probs, idx, gates)` for `t × e` logits.
 #[allow(clippy::type_complexity)]
 pub fn router_topk_reference(
@@ -399,15 +414,7 @@ pub fn router_topk_reference(
     k: usize,
     renormalize: bool,
 ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
-    if e == 0 || k == 0 || k > e {
-        return Err(KernelError::Shape {
-            what: "top_k (must be in 1..=experts)",
-            expected: e,
-            got: k,
-        });
-    }
-    let t = logits.len() / e;
-    check("logits", t * e, logits.len())?;
+    let t = check_router(logits.len(), e, k)?;
     let mut probs = vec![0f32; t * e];
     let mut idx = vec![0u32; t * k];
     let mut gates = vec![0f32; t * k];

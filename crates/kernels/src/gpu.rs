@@ -670,15 +670,7 @@ mod imp {
             k: usize,
             renormalize: bool,
         ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
-            if e == 0 || k == 0 || k > e {
-                return Err(KernelError::Shape {
-                    what: "top_k (must be in 1..=experts)",
-                    expected: e,
-                    got: k,
-                });
-            }
-            let t = logits.len() / e;
-            check("logits", t * e, logits.len())?;
+            let t = crate::cpu::check_router(logits.len(), e, k)?;
             let ld = self.upload(logits)?;
             let mut probs = self.poisoned::<f32>(t * e)?;
             let mut idx = self.poisoned::<u32>(t * k)?;
