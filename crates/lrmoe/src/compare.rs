@@ -110,81 +110,20 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
     t
 }
 
-/// A line chart of validation loss against wall time, one polyline per run.
+/// Validation loss against wall time, one line per run.
 fn plot(target: f64, runs: &[TrainSummary]) -> String {
-    let (w, h, m) = (720.0, 440.0, 60.0);
-    let pts = runs.iter().flat_map(|r| r.evals.iter());
-    let t_max = pts.clone().map(|p| p.wall_s).fold(1e-9, f64::max);
-    let l_min = pts.clone().map(|p| p.val_loss).fold(target, f64::min) - 0.05;
-    let l_max = pts.map(|p| p.val_loss).fold(target, f64::max) + 0.05;
-    let x = |t: f64| m + (w - 2.0 * m) * t / t_max;
-    let y = |l: f64| h - m - (h - 2.0 * m) * (l - l_min) / (l_max - l_min);
-    let colors = ["#1f77b4", "#d62728", "#2ca02c"];
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
-        h - m,
-        w - m,
-        h - m
-    );
-    let _ = writeln!(
-        s,
-        "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>",
-        h - m
-    );
-    for i in 0..=4 {
-        let t = t_max * i as f64 / 4.0;
-        let l = l_min + (l_max - l_min) * i as f64 / 4.0;
-        let _ = writeln!(
-            s,
-            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{t:.0}</text>",
-            x(t),
-            h - m + 18.0
-        );
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{l:.2}</text>",
-            m - 6.0,
-            y(l) + 4.0
-        );
-    }
-    let _ = writeln!(
-        s,
-        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">wall time (s)</text>",
-        w / 2.0,
-        h - 15.0
-    );
-    let _ = writeln!(s, "<text x=\"15\" y=\"{}\" transform=\"rotate(-90 15 {})\" text-anchor=\"middle\">validation loss (nats/token)</text>", h / 2.0, h / 2.0);
-    let _ = writeln!(
-        s,
-        "<line x1=\"{m}\" y1=\"{0:.1}\" x2=\"{1}\" y2=\"{0:.1}\" stroke=\"gray\" stroke-dasharray=\"4 4\"/><text x=\"{1}\" y=\"{2:.1}\" text-anchor=\"end\" fill=\"gray\">target {target:.3}</text>",
-        y(target),
-        w - m,
-        y(target) - 4.0
-    );
-    for (i, r) in runs.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        let line: Vec<String> = r
-            .evals
-            .iter()
-            .map(|p| format!("{:.1},{:.1}", x(p.wall_s), y(p.val_loss)))
-            .collect();
-        let _ = writeln!(
-            s,
-            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>",
-            line.join(" ")
-        );
-        let _ = writeln!(
-            s,
-            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{:?}</text>",
-            w - m - 90.0,
-            m + 16.0 * (i as f64 + 1.0),
-            r.mode
-        );
-    }
-    s.push_str("</svg>\n");
-    s
+    let names: Vec<String> = runs.iter().map(|r| format!("{:?}", r.mode)).collect();
+    let series: Vec<crate::svgplot::Series<'_>> = runs
+        .iter()
+        .zip(&names)
+        .map(|(r, name)| crate::svgplot::Series { name, points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect() })
+        .collect();
+    let label = format!("target {target:.3}");
+    crate::svgplot::lines(
+        "validation loss against wall time",
+        "wall time (s)",
+        "validation loss (nats/token)",
+        &series,
+        Some((target, &label)),
+    )
 }

@@ -30,5 +30,7 @@ pub mod layer_grad;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod replay;
+pub mod svgplot;
 pub mod tensorfile;
 pub mod train;

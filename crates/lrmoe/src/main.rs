@@ -42,6 +42,9 @@ enum Command {
     },
     /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2 cores).
     Train(TrainArgs),
+    /// Replay routing traces: memory and backward time of fixed ownership,
+    /// replication and LRMoE under one per-rank budget.
+    Replay(ReplayArgs),
     /// One MoE layer's forward and LRMoE backward from safetensors files.
     LayerGrad {
         /// Layer weights: router, experts.{e}.{gate,up,down}.
@@ -104,6 +107,110 @@ struct TrainArgs {
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+}
+
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// deepseek-ai/EPLB load matrix [layers][experts] (JSON).
+    #[arg(long, group = "source")]
+    eplb: Option<PathBuf>,
+    /// Megatron-Core router traces (JSON lines with step, layer, rank, top_indices).
+    #[arg(long, group = "source")]
+    megatron: Option<PathBuf>,
+    /// `lrmoe train`'s metrics.jsonl.
+    #[arg(long, group = "source")]
+    lrmoe_metrics: Option<PathBuf>,
+    /// A synthetic workload.
+    #[arg(long, value_enum, group = "source")]
+    synthetic: Option<lrmoe::replay::Workload>,
+    /// Experts per layer (Megatron traces and synthetic workloads).
+    #[arg(long, default_value_t = 128)]
+    experts: usize,
+    /// Ranks (GPUs).
+    #[arg(long, default_value_t = 8)]
+    ranks: usize,
+    /// Synthetic: steps.
+    #[arg(long, default_value_t = 100)]
+    steps: usize,
+    /// Synthetic: MoE layers.
+    #[arg(long, default_value_t = 4)]
+    layers: usize,
+    /// Synthetic: tokens per rank per step.
+    #[arg(long, default_value_t = 16384)]
+    tokens: usize,
+    /// Synthetic: experts per token.
+    #[arg(long, default_value_t = 8)]
+    top_k: usize,
+    /// Synthetic: Zipf exponent of the hot workloads.
+    #[arg(long, default_value_t = 1.2)]
+    zipf: f64,
+    /// Synthetic: seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Model width.
+    #[arg(long, default_value_t = 2048)]
+    hidden: usize,
+    /// Expert FFN width.
+    #[arg(long, default_value_t = 768)]
+    ffn: usize,
+    /// Per-rank memory budget for one layer call, MiB.
+    #[arg(long, default_value_t = 1024.0)]
+    budget_mib: f64,
+    /// Replicas each rank may host.
+    #[arg(long, default_value_t = 2)]
+    replica_slots: usize,
+    /// LRMoE quota policy.
+    #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
+    policy: PolicyArg,
+    /// Output folder for replay.json, replay.csv, memory.svg, time.svg.
+    #[arg(long, default_value = "runs/replay")]
+    out: PathBuf,
+}
+
+fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
+    use lrmoe::replay as rp;
+    let trace = if let Some(p) = &a.eplb {
+        rp::load_eplb(p, a.ranks)?
+    } else if let Some(p) = &a.megatron {
+        rp::load_megatron(p, a.experts)?
+    } else if let Some(p) = &a.lrmoe_metrics {
+        rp::load_lrmoe_metrics(p, a.ranks)?
+    } else {
+        let workload = a.synthetic.unwrap_or(rp::Workload::HotExperts);
+        rp::synthetic(&rp::Synthetic {
+            workload,
+            steps: a.steps,
+            layers: a.layers,
+            experts: a.experts,
+            ranks: a.ranks,
+            tokens: a.tokens,
+            top_k: a.top_k,
+            zipf: a.zipf,
+            seed: a.seed,
+        })?
+    };
+    if !(a.budget_mib.is_finite() && a.budget_mib > 0.0) {
+        anyhow::bail!("--budget-mib must be positive");
+    }
+    let cfg = rp::ReplayConfig {
+        hidden: a.hidden,
+        ffn: a.ffn,
+        element_bytes: 2,
+        memory_budget_bytes: (a.budget_mib * (1 << 20) as f64) as u64,
+        link_bytes_per_s: 4.5e11,
+        flops_per_s: 8.0e14,
+        replica_slots_per_rank: a.replica_slots,
+        replica_memory_fraction: 0.5,
+        policy: match a.policy {
+            PolicyArg::Uniform => quota::Policy::Uniform,
+            PolicyArg::Maxmin => quota::Policy::Maxmin,
+        },
+    };
+    let report = rp::replay(&trace, &cfg)?;
+    let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;
+    print!("{}", rp::table(&report));
+    println!("wrote {}", files.join(", "));
+    Ok(())
 }
 
 fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
@@ -183,6 +290,7 @@ enum PolicyArg {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train(&a),
+        Command::Replay(a) => replay(&a),
         Command::LayerGrad {
             weights,
             inputs,

@@ -1,0 +1,684 @@
+//! `lrmoe replay`: memory and modelled backward time of fixed expert
+//! ownership, replication and LRMoE on routing traces, before a user changes
+//! any training code.
+//!
+//! A trace is routed pair counts `[step][layer][source rank][expert]`
+//! ([`Trace`]), read from deepseek-ai/EPLB load matrices, Megatron-Core router
+//! traces, `lrmoe train`'s `metrics.jsonl`, or a seeded synthetic generator.
+//! Every (step, layer) is replayed with three strategies on the same ranks
+//! and per-rank budget (memory for one layer call: its experts, replicas and
+//! backward token buffers — `quota`'s model):
+//!
+//! * **fixed** — each expert on its owner rank, every pair kept;
+//! * **replication** — EPLB-style greedy replicas within the budget
+//!   (`quota::plan_replicas`), every pair kept, pairs spread over instances
+//!   by `redistribute`'s exact solver;
+//! * **lrmoe** — the controller's replicas and quotas (`quota::plan`), kept
+//!   pairs redistributed within the controller's per-rank caps.
+//!
+//! Memory per rank = placement (owned experts' weights + gradients) +
+//! replicas + token buffers (pairs processed × row bytes). Modelled backward
+//! time = slowest rank's compute + the all-to-all at link bandwidth (bytes
+//! into or out of the busiest rank). Straggler ratio = max / mean pairs per
+//! rank.
+
+use std::io::BufRead;
+use std::path::Path;
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use quota::{CostModel, Placement, Policy, RankBudget};
+
+/// Errors of the replay, naming the file and line where one is at fault.
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    /// A file cannot be read.
+    #[error("cannot read {path}: {error}")]
+    Read {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        error: std::io::Error,
+    },
+    /// A line or document is malformed.
+    #[error("{path}:{line}: {message}")]
+    Parse {
+        /// The path.
+        path: String,
+        /// 1-based line (1 for whole-document formats).
+        line: usize,
+        /// What is wrong.
+        message: String,
+    },
+    /// The trace or the configuration is inconsistent.
+    #[error("{0}")]
+    Invalid(String),
+    /// The controller rejected a cell.
+    #[error("step {step}, layer {layer}: {error}")]
+    Quota {
+        /// Step.
+        step: usize,
+        /// Layer.
+        layer: usize,
+        /// The controller's error.
+        error: quota::QuotaError,
+    },
+    /// The redistribution rejected a cell.
+    #[error("step {step}, layer {layer}: {error}")]
+    Redistribute {
+        /// Step.
+        step: usize,
+        /// Layer.
+        layer: usize,
+        /// The solver's error.
+        error: redistribute::RedistributeError,
+    },
+}
+
+/// Routed pairs `[step][layer][source rank][expert]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Trace {
+    /// Experts per layer.
+    pub experts: usize,
+    /// Ranks the pairs come from.
+    pub ranks: usize,
+    /// The counts.
+    pub steps: Vec<Vec<Vec<Vec<u64>>>>,
+}
+
+impl Trace {
+    /// Layers per step (0 for an empty trace).
+    pub fn layers(&self) -> usize {
+        self.steps.first().map_or(0, Vec::len)
+    }
+}
+
+/// Spreads global per-expert counts evenly over `ranks` sources (the
+/// formats that carry no per-rank split).
+fn spread(global: &[u64], ranks: usize) -> Vec<Vec<u64>> {
+    (0..ranks)
+        .map(|r| global.iter().map(|&n| n / ranks as u64 + u64::from((r as u64) < n % ranks as u64)).collect())
+        .collect()
+}
+
+fn read(path: &Path) -> Result<String, ReplayError> {
+    std::fs::read_to_string(path).map_err(|error| ReplayError::Read { path: path.display().to_string(), error })
+}
+
+fn parse_err(path: &Path, line: usize, message: impl Into<String>) -> ReplayError {
+    ReplayError::Parse { path: path.display().to_string(), line, message: message.into() }
+}
+
+/// deepseek-ai/EPLB load matrix `[layers][experts]` (a bare array, or an
+/// object with `weight`): one step, loads spread over `ranks`.
+pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Doc {
+        Bare(Vec<Vec<f64>>),
+        Keyed { weight: Vec<Vec<f64>> },
+    }
+    let text = read(path)?;
+    let doc: Doc = serde_json::from_str(&text).map_err(|e| parse_err(path, e.line(), e.to_string()))?;
+    let m = match doc {
+        Doc::Bare(m) | Doc::Keyed { weight: m } => m,
+    };
+    let experts = m.first().map_or(0, Vec::len);
+    let mut layers = Vec::with_capacity(m.len());
+    for (l, row) in m.iter().enumerate() {
+        if row.len() != experts {
+            return Err(parse_err(path, 1, format!("layer {l} has {} experts, layer 0 has {experts}", row.len())));
+        }
+        if let Some(bad) = row.iter().find(|v| !v.is_finite() || **v < 0.0) {
+            return Err(parse_err(path, 1, format!("layer {l}: load {bad} is not a finite non-negative number")));
+        }
+        let global: Vec<u64> = row.iter().map(|&v| v.round() as u64).collect();
+        layers.push(spread(&global, ranks));
+    }
+    Ok(Trace { experts, ranks, steps: vec![layers] })
+}
+
+/// Megatron-Core router traces: JSON lines `{"step", "layer", "rank",
+/// "top_indices": [[expert; k]; tokens]}`.
+pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> {
+    #[derive(Deserialize)]
+    struct Record {
+        step: usize,
+        layer: usize,
+        rank: usize,
+        top_indices: Vec<Vec<i64>>,
+    }
+    let file = std::fs::File::open(path).map_err(|error| ReplayError::Read { path: path.display().to_string(), error })?;
+    let mut cells: std::collections::BTreeMap<(usize, usize, usize), Vec<u64>> = Default::default();
+    for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|error| ReplayError::Read { path: path.display().to_string(), error })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: Record = serde_json::from_str(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+        let counts = cells.entry((r.step, r.layer, r.rank)).or_insert_with(|| vec![0; experts]);
+        for tok in &r.top_indices {
+            for &e in tok {
+                if e < 0 || e as usize >= experts {
+                    return Err(parse_err(path, i + 1, format!("expert {e} out of range (experts = {experts})")));
+                }
+                counts[e as usize] += 1;
+            }
+        }
+    }
+    let steps = cells.keys().map(|k| k.0).max().map_or(0, |s| s + 1);
+    let layers = cells.keys().map(|k| k.1).max().map_or(0, |l| l + 1);
+    let ranks = cells.keys().map(|k| k.2).max().map_or(0, |r| r + 1);
+    let mut out = vec![vec![vec![vec![0u64; experts]; ranks]; layers]; steps];
+    let mut seen = vec![vec![false; layers]; steps];
+    for ((s, l, r), c) in cells {
+        out[s][l][r] = c;
+        seen[s][l] = true;
+    }
+    for (s, row) in seen.iter().enumerate() {
+        let n = row.iter().filter(|&&x| x).count();
+        if n != layers {
+            return Err(ReplayError::Invalid(format!("{}: step {s} has {n} layers, the trace has {layers}", path.display())));
+        }
+    }
+    Ok(Trace { experts, ranks, steps: out })
+}
+
+/// `lrmoe train`'s `metrics.jsonl` (`layers[].tokens_per_expert`), spread over `ranks`.
+pub fn load_lrmoe_metrics(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
+    #[derive(Deserialize)]
+    struct Layer {
+        tokens_per_expert: Vec<u64>,
+    }
+    #[derive(Deserialize)]
+    struct Step {
+        layers: Vec<Layer>,
+    }
+    let text = read(path)?;
+    let mut steps = Vec::new();
+    let mut experts = None;
+    for (i, line) in text.lines().enumerate() {
+        if line.trim().is_empty() {
+            continue;
+        }
+        let s: Step = serde_json::from_str(line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+        if let Some(first) = steps.first().map(Vec::len) {
+            if s.layers.len() != first {
+                return Err(parse_err(path, i + 1, format!("{} layers, earlier steps have {first}", s.layers.len())));
+            }
+        }
+        let mut layers = Vec::new();
+        for l in &s.layers {
+            let e = *experts.get_or_insert(l.tokens_per_expert.len());
+            if l.tokens_per_expert.len() != e {
+                return Err(parse_err(path, i + 1, format!("{} experts, earlier layers have {e}", l.tokens_per_expert.len())));
+            }
+            layers.push(spread(&l.tokens_per_expert, ranks));
+        }
+        steps.push(layers);
+    }
+    Ok(Trace { experts: experts.unwrap_or(0), ranks, steps })
+}
+
+/// Named synthetic routing workloads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Workload {
+    /// Uniform expert popularity.
+    Balanced,
+    /// Zipf popularity over a fixed random expert order.
+    HotExperts,
+    /// Rank 0 routes twice as many tokens as the others, Zipf experts.
+    HotRank,
+    /// Zipf popularity whose hottest experts shift every 10 steps.
+    Rotating,
+    /// Balanced, with every 8th step a burst onto 4 experts.
+    Bursts,
+}
+
+/// Synthetic generator settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Synthetic {
+    /// Workload.
+    pub workload: Workload,
+    /// Steps.
+    pub steps: usize,
+    /// Layers.
+    pub layers: usize,
+    /// Experts per layer.
+    pub experts: usize,
+    /// Ranks.
+    pub ranks: usize,
+    /// Tokens per rank per step.
+    pub tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Zipf exponent of the hot workloads.
+    pub zipf: f64,
+    /// Seed.
+    pub seed: u64,
+}
+
+/// Generates a trace: each rank's `tokens · top_k` pairs are spread over
+/// the experts by the workload's popularity (expected counts, rounded so
+/// every rank's total is exact).
+pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
+    if cfg.experts == 0 || cfg.ranks == 0 || cfg.layers == 0 || cfg.top_k == 0 || cfg.top_k > cfg.experts {
+        return Err(ReplayError::Invalid(
+            "synthetic: experts, ranks, layers and top_k must be positive, top_k ≤ experts".into(),
+        ));
+    }
+    let e_n = cfg.experts;
+    let mut rng = crate::data::SplitMix(cfg.seed ^ 0x5EED);
+    let mut order: Vec<usize> = (0..e_n).collect();
+    for i in (1..e_n).rev() {
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
+    }
+    let zipf: Vec<f64> = (0..e_n).map(|r| 1.0 / ((r + 1) as f64).powf(cfg.zipf)).collect();
+    let steps = (0..cfg.steps)
+        .map(|step| {
+            (0..cfg.layers)
+                .map(|layer| {
+                    let mut w = vec![1.0f64; e_n];
+                    match cfg.workload {
+                        Workload::Balanced => {}
+                        Workload::HotExperts | Workload::HotRank => {
+                            for (rank, &e) in order.iter().enumerate() {
+                                w[(e + layer) % e_n] = zipf[rank];
+                            }
+                        }
+                        Workload::Rotating => {
+                            for (rank, &e) in order.iter().enumerate() {
+                                w[(e + layer + step / 10) % e_n] = zipf[rank];
+                            }
+                        }
+                        Workload::Bursts => {
+                            if step % 8 == 7 {
+                                for j in 0..4 {
+                                    w[order[(j + layer) % e_n]] = e_n as f64;
+                                }
+                            }
+                        }
+                    }
+                    let total: f64 = w.iter().sum();
+                    (0..cfg.ranks)
+                        .map(|r| {
+                            let scale = if cfg.workload == Workload::HotRank && r == 0 { 2 } else { 1 };
+                            let pairs = (cfg.tokens * cfg.top_k * scale) as u64;
+                            largest_remainder(&w, total, pairs)
+                        })
+                        .collect()
+                })
+                .collect()
+        })
+        .collect();
+    Ok(Trace { experts: e_n, ranks: cfg.ranks, steps })
+}
+
+/// `pairs` split in proportion to `w` with exact integer total.
+fn largest_remainder(w: &[f64], total: f64, pairs: u64) -> Vec<u64> {
+    let exact: Vec<f64> = w.iter().map(|x| x / total * pairs as f64).collect();
+    let mut out: Vec<u64> = exact.iter().map(|x| x.floor() as u64).collect();
+    let mut left = pairs - out.iter().sum::<u64>();
+    let mut rem: Vec<(usize, f64)> = exact.iter().enumerate().map(|(i, x)| (i, x - x.floor())).collect();
+    rem.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    for (i, _) in rem {
+        if left == 0 {
+            break;
+        }
+        out[i] += 1;
+        left -= 1;
+    }
+    out
+}
+
+/// Hardware and budget of the replay.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct ReplayConfig {
+    /// Model width.
+    pub hidden: usize,
+    /// Expert FFN width.
+    pub ffn: usize,
+    /// Bytes per element of activations, weights and gradients.
+    pub element_bytes: u64,
+    /// Per-rank memory budget for one layer call (experts, replicas, buffers).
+    pub memory_budget_bytes: u64,
+    /// Link bandwidth per rank and direction, bytes/s.
+    pub link_bytes_per_s: f64,
+    /// Compute rate per rank, FLOP/s.
+    pub flops_per_s: f64,
+    /// Replicas each rank may host (replication and LRMoE).
+    pub replica_slots_per_rank: usize,
+    /// Share of post-placement memory replicas may use.
+    pub replica_memory_fraction: f64,
+    /// LRMoE quota policy.
+    pub policy: Policy,
+}
+
+impl ReplayConfig {
+    fn cost(&self) -> CostModel {
+        let (h, f, b) = (self.hidden as u64, self.ffn as u64, self.element_bytes);
+        CostModel {
+            act_row_bytes: h * b,
+            grad_row_bytes: h * b,
+            expert_weight_bytes: 3 * h * f * b,
+            expert_grad_bytes: 3 * h * f * b,
+            flops_per_pair: 16.0 * (h * f) as f64,
+            link_bytes_per_s: self.link_bytes_per_s,
+            flops_per_s: self.flops_per_s,
+        }
+    }
+}
+
+/// The three strategies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Strategy {
+    /// Fixed ownership.
+    Fixed,
+    /// Replication.
+    Replication,
+    /// LRMoE.
+    Lrmoe,
+}
+
+/// One strategy at one step: peaks over ranks and layers.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct StepFigures {
+    /// Step.
+    pub step: usize,
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Placement bytes of the rank and layer with the largest total.
+    pub placement_bytes: u64,
+    /// Replica bytes of that rank and layer.
+    pub replica_bytes: u64,
+    /// Token-buffer bytes of that rank and layer.
+    pub buffer_bytes: u64,
+    /// Their sum: the peak memory of one layer call on one rank.
+    pub total_bytes: u64,
+    /// Whether every rank and layer stayed within the budget.
+    pub fits: bool,
+    /// Modelled backward time summed over layers, seconds.
+    pub backward_s: f64,
+    /// Largest max / mean pairs per rank over layers.
+    pub straggler: f64,
+    /// Kept share of routed pairs.
+    pub kept_fraction: f64,
+}
+
+fn figures(
+    step: usize,
+    strategy: Strategy,
+    cfg: &ReplayConfig,
+    n_ranks: usize,
+    per_layer: &[(Placement, Vec<redistribute::Route>)],
+    routed: u64,
+) -> StepFigures {
+    let cost = cfg.cost();
+    let row = cost.row_bytes();
+    let inst = cost.instance_bytes();
+    let mut best = (0u64, 0u64, 0u64);
+    let mut fits = true;
+    let (mut time, mut straggler, mut kept) = (0.0f64, 0.0f64, 0u64);
+    for (placement, routes) in per_layer {
+        let ranks = placement.instances_per_rank(n_ranks);
+        let mut pairs = vec![0u64; n_ranks];
+        let (mut inb, mut outb) = (vec![0u64; n_ranks], vec![0u64; n_ranks]);
+        for r in routes {
+            pairs[r.rank] += r.pairs;
+            kept += r.pairs;
+            if r.rank != r.source {
+                inb[r.rank] += r.pairs * row;
+                outb[r.source] += r.pairs * row;
+            }
+        }
+        for r in 0..n_ranks {
+            let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
+            let (p, rp, b) = (owned * inst, (ranks[r] - owned) * inst, pairs[r] * row);
+            if p + rp + b > cfg.memory_budget_bytes {
+                fits = false;
+            }
+            if p + rp + b > best.0 + best.1 + best.2 {
+                best = (p, rp, b);
+            }
+        }
+        let compute = pairs.iter().copied().max().unwrap_or(0) as f64 * cost.flops_per_pair / cost.flops_per_s;
+        let net = inb.iter().chain(&outb).copied().max().unwrap_or(0) as f64 / cost.link_bytes_per_s;
+        time += compute + net;
+        let mean = pairs.iter().sum::<u64>() as f64 / n_ranks.max(1) as f64;
+        if mean > 0.0 {
+            straggler = straggler.max(pairs.iter().copied().max().unwrap_or(0) as f64 / mean);
+        }
+    }
+    StepFigures {
+        step,
+        strategy,
+        placement_bytes: best.0,
+        replica_bytes: best.1,
+        buffer_bytes: best.2,
+        total_bytes: best.0 + best.1 + best.2,
+        fits,
+        backward_s: time,
+        straggler,
+        kept_fraction: if routed > 0 { kept as f64 / routed as f64 } else { 1.0 },
+    }
+}
+
+fn owners(experts: usize, ranks: usize) -> Placement {
+    Placement { owner: (0..experts).map(|e| e * ranks / experts).collect(), replicas: vec![] }
+}
+
+fn solve(problem: &redistribute::Problem, step: usize, layer: usize) -> Result<Vec<redistribute::Route>, ReplayError> {
+    redistribute::solve(problem, &redistribute::Config::default())
+        .map(|a| a.routes)
+        .map_err(|error| ReplayError::Redistribute { step, layer, error })
+}
+
+/// Replays one step with every strategy.
+fn replay_step(trace: &Trace, cfg: &ReplayConfig, step: usize) -> Result<[StepFigures; 3], ReplayError> {
+    let ranks = trace.ranks;
+    let cost = cfg.cost();
+    let budgets = vec![RankBudget { memory_bytes: cfg.memory_budget_bytes, network_bytes: u64::MAX }; ranks];
+    let base = owners(trace.experts, ranks);
+    let mut fixed = Vec::new();
+    let mut repl = Vec::new();
+    let mut lrm = Vec::new();
+    let mut routed = 0u64;
+    for (layer, counts) in trace.steps[step].iter().enumerate() {
+        routed += counts.iter().flatten().sum::<u64>();
+        let problem = |kept: &[Vec<u64>], p: &Placement, caps: Option<Vec<u64>>| redistribute::Problem {
+            n_ranks: ranks,
+            kept: kept.to_vec(),
+            instances: p.all_instances(),
+            base_load: vec![0; ranks],
+            rank_capacity: caps,
+        };
+        // Fixed ownership has one instance per expert: its routes need no solver.
+        let owned: Vec<redistribute::Route> = counts
+            .iter()
+            .enumerate()
+            .flat_map(|(source, row)| {
+                let base = &base;
+                row.iter().enumerate().filter(|(_, &n)| n > 0).map(move |(expert, &pairs)| redistribute::Route {
+                    source,
+                    expert,
+                    rank: base.owner[expert],
+                    pairs,
+                })
+            })
+            .collect();
+        fixed.push((base.clone(), owned));
+        let inputs = quota::Inputs { counts, placement: &base, cost: &cost, budgets: &budgets };
+        let qcfg = quota::Config {
+            policy: cfg.policy,
+            replica_slots_per_rank: cfg.replica_slots_per_rank,
+            replica_memory_fraction: cfg.replica_memory_fraction,
+        };
+        let qerr = |error| ReplayError::Quota { step, layer, error };
+        let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
+        repl.push((with.clone(), solve(&problem(counts, &with, None), step, layer)?));
+        // The controller's replicas are the replication strategy's: reuse them.
+        let with_inputs = quota::Inputs { placement: &with, ..inputs };
+        let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
+        let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
+        let kept = plan.quotas.per_source().to_vec();
+        let routes = solve(&problem(&kept, &plan.placement, Some(caps)), step, layer)?;
+        lrm.push((plan.placement, routes));
+    }
+    Ok([
+        figures(step, Strategy::Fixed, cfg, ranks, &fixed, routed),
+        figures(step, Strategy::Replication, cfg, ranks, &repl, routed),
+        figures(step, Strategy::Lrmoe, cfg, ranks, &lrm, routed),
+    ])
+}
+
+/// Per-strategy summary over all steps.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Summary {
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Peak memory split (of the peak step).
+    pub placement_bytes: u64,
+    /// Replica bytes at the peak.
+    pub replica_bytes: u64,
+    /// Token-buffer bytes at the peak.
+    pub buffer_bytes: u64,
+    /// Peak total bytes of one layer call on one rank.
+    pub total_bytes: u64,
+    /// Whether every step fit the budget.
+    pub fits: bool,
+    /// Mean modelled backward time per step, seconds.
+    pub mean_backward_s: f64,
+    /// Largest straggler ratio.
+    pub max_straggler: f64,
+    /// Mean kept fraction.
+    pub mean_kept_fraction: f64,
+}
+
+/// The whole replay.
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    /// Per step and strategy.
+    pub steps: Vec<StepFigures>,
+    /// Per strategy.
+    pub summary: Vec<Summary>,
+    /// `1 − lrmoe / fixed` peak total memory.
+    pub lrmoe_memory_saving: f64,
+}
+
+/// Replays every step (in parallel) and summarises.
+pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> {
+    if trace.ranks == 0 || trace.experts == 0 || trace.steps.is_empty() || trace.layers() == 0 {
+        return Err(ReplayError::Invalid("the trace has no steps, layers, experts or ranks".into()));
+    }
+    for (s, st) in trace.steps.iter().enumerate() {
+        if st.len() != trace.layers() {
+            return Err(ReplayError::Invalid(format!("step {s} has {} layers, step 0 has {}", st.len(), trace.layers())));
+        }
+        for (l, c) in st.iter().enumerate() {
+            if c.len() != trace.ranks || c.iter().any(|r| r.len() != trace.experts) {
+                return Err(ReplayError::Invalid(format!("step {s}, layer {l}: counts are not {} ranks × {} experts", trace.ranks, trace.experts)));
+            }
+        }
+    }
+    let per_step: Vec<[StepFigures; 3]> =
+        (0..trace.steps.len()).into_par_iter().map(|s| replay_step(trace, cfg, s)).collect::<Result<_, _>>()?;
+    let steps: Vec<StepFigures> = per_step.iter().flatten().copied().collect();
+    let summary: Vec<Summary> = [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe]
+        .iter()
+        .map(|&strategy| {
+            let mine: Vec<&StepFigures> = steps.iter().filter(|f| f.strategy == strategy).collect();
+            let peak = **mine.iter().max_by_key(|f| f.total_bytes).expect("invariant: the trace has steps");
+            let n = mine.len() as f64;
+            Summary {
+                strategy,
+                placement_bytes: peak.placement_bytes,
+                replica_bytes: peak.replica_bytes,
+                buffer_bytes: peak.buffer_bytes,
+                total_bytes: peak.total_bytes,
+                fits: mine.iter().all(|f| f.fits),
+                mean_backward_s: mine.iter().map(|f| f.backward_s).sum::<f64>() / n,
+                max_straggler: mine.iter().map(|f| f.straggler).fold(0.0, f64::max),
+                mean_kept_fraction: mine.iter().map(|f| f.kept_fraction).sum::<f64>() / n,
+            }
+        })
+        .collect();
+    let saving = 1.0 - summary[2].total_bytes as f64 / summary[0].total_bytes.max(1) as f64;
+    Ok(Report { steps, summary, lrmoe_memory_saving: saving })
+}
+
+/// The human summary (Markdown).
+pub fn table(r: &Report) -> String {
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mut t = String::from(
+        "| strategy | placement MiB | replicas MiB | token buffers MiB | total MiB | fits budget | mean backward ms | max straggler | mean kept fraction |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for s in &r.summary {
+        t += &format!(
+            "| {:?} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.3} | {:.2} | {:.3} |\n",
+            s.strategy,
+            mib(s.placement_bytes),
+            mib(s.replica_bytes),
+            mib(s.buffer_bytes),
+            mib(s.total_bytes),
+            if s.fits { "yes" } else { "no" },
+            s.mean_backward_s * 1e3,
+            s.max_straggler,
+            s.mean_kept_fraction
+        );
+    }
+    t += &format!("\nLRMoE peak memory vs fixed ownership: {:.1}% less.\n", 100.0 * r.lrmoe_memory_saving);
+    t
+}
+
+/// Writes `replay.json`, `replay.csv`, `memory.svg`, `time.svg` into `dir`
+/// (atomically) and returns their paths.
+pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
+    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Read { path: dir.display().to_string(), error })?;
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |error| ReplayError::Read { path: p, error }
+    };
+    let mut csv = String::from("step,strategy,placement_bytes,replica_bytes,buffer_bytes,total_bytes,fits,backward_s,straggler,kept_fraction\n");
+    for f in &r.steps {
+        csv += &format!(
+            "{},{:?},{},{},{},{},{},{},{},{}\n",
+            f.step, f.strategy, f.placement_bytes, f.replica_bytes, f.buffer_bytes, f.total_bytes, f.fits, f.backward_s, f.straggler, f.kept_fraction
+        );
+    }
+    let series = |key: fn(&StepFigures) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
+        [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe]
+            .iter()
+            .map(|&s| {
+                (format!("{s:?}"), r.steps.iter().filter(|f| f.strategy == s).map(|f| (f.step as f64, key(f))).collect())
+            })
+            .collect()
+    };
+    let plot = |title: &str, y: &str, data: Vec<(String, Vec<(f64, f64)>)>, reference: Option<(f64, &str)>| {
+        let s: Vec<crate::svgplot::Series<'_>> =
+            data.iter().map(|(n, p)| crate::svgplot::Series { name: n, points: p.clone() }).collect();
+        crate::svgplot::lines(title, "step", y, &s, reference)
+    };
+    let mem = plot(
+        "peak memory of one layer call (placement + replicas + token buffers)",
+        "MiB",
+        series(|f| f.total_bytes as f64 / (1 << 20) as f64),
+        Some((budget_bytes as f64 / (1 << 20) as f64, "budget")),
+    );
+    let time = plot("modelled backward time", "ms", series(|f| f.backward_s * 1e3), None);
+    let files = [
+        ("replay.json", serde_json::to_string_pretty(r).unwrap_or_default()),
+        ("replay.csv", csv),
+        ("memory.svg", mem),
+        ("time.svg", time),
+    ];
+    let mut out = Vec::new();
+    for (name, body) in files {
+        let p = dir.join(name);
+        crate::fsutil::write_atomic(&p, body.as_bytes()).map_err(io(&p))?;
+        out.push(p.display().to_string());
+    }
+    Ok(out)
+}
