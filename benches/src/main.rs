@@ -34,6 +34,7 @@ enum Table {
     Pack,
     Redistribute,
     Layer,
+    Replay,
 }
 
 /// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
@@ -303,6 +304,9 @@ fn main() {
     if matches!(args.table, Table::All | Table::Layer) {
         layer_table(budget);
     }
+    if matches!(args.table, Table::All | Table::Replay) {
+        replay_table();
+    }
 }
 
 /// sgemm of the `gemm` crate through `kernels::cpu::matmul`, GFLOP/s.
@@ -392,6 +396,52 @@ fn layer_table(budget: Duration) {
                 bg / peer
             );
         }
+    }
+    println!();
+}
+
+fn replay_table() {
+    use lrmoe::replay::{replay, synthetic, ReplayConfig, Synthetic, Workload};
+    println!("## Replay latency (synthetic hot experts, Zipf 1.2; 16384 tokens × top-8 per rank; hidden 2048, ffn 768, bf16)\n");
+    println!("| steps | layers | experts | ranks | cells | budget MiB | generate s | replay s (3 strategies) | LRMoE kept | LRMoE memory saving | target |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let (steps, layers, experts, ranks) = (1000usize, 48usize, 128usize, 8usize);
+    let t = Instant::now();
+    let trace = synthetic(&Synthetic {
+        workload: Workload::HotExperts,
+        steps,
+        layers,
+        experts,
+        ranks,
+        tokens: 16384,
+        top_k: 8,
+        zipf: 1.2,
+        seed: 0,
+    })
+    .expect("valid synthetic config");
+    let gen = t.elapsed().as_secs_f64();
+    for budget_mib in [1400u64, 1000] {
+        let cfg = ReplayConfig {
+            hidden: 2048,
+            ffn: 768,
+            element_bytes: 2,
+            memory_budget_bytes: budget_mib << 20,
+            link_bytes_per_s: 4.5e11,
+            flops_per_s: 8e14,
+            replica_slots_per_rank: 2,
+            replica_memory_fraction: 0.5,
+            policy: quota::Policy::Maxmin,
+        };
+        let t = Instant::now();
+        let r = replay(&trace, &cfg).expect("replay runs");
+        let secs = t.elapsed().as_secs_f64();
+        black_box(&r);
+        println!(
+            "| {steps} | {layers} | {experts} | {ranks} | {} | {budget_mib} | {gen:.2} | {secs:.2} | {:.3} | {:.1}% | < 10 s |",
+            steps * layers,
+            r.summary[2].mean_kept_fraction,
+            100.0 * r.lrmoe_memory_saving
+        );
     }
     println!();
 }

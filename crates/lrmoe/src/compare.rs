@@ -116,7 +116,10 @@ fn plot(target: f64, runs: &[TrainSummary]) -> String {
     let series: Vec<crate::svgplot::Series<'_>> = runs
         .iter()
         .zip(&names)
-        .map(|(r, name)| crate::svgplot::Series { name, points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect() })
+        .map(|(r, name)| crate::svgplot::Series {
+            name,
+            points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect(),
+        })
         .collect();
     let label = format!("target {target:.3}");
     crate::svgplot::lines(

@@ -98,16 +98,28 @@ impl Trace {
 /// formats that carry no per-rank split).
 fn spread(global: &[u64], ranks: usize) -> Vec<Vec<u64>> {
     (0..ranks)
-        .map(|r| global.iter().map(|&n| n / ranks as u64 + u64::from((r as u64) < n % ranks as u64)).collect())
+        .map(|r| {
+            global
+                .iter()
+                .map(|&n| n / ranks as u64 + u64::from((r as u64) < n % ranks as u64))
+                .collect()
+        })
         .collect()
 }
 
 fn read(path: &Path) -> Result<String, ReplayError> {
-    std::fs::read_to_string(path).map_err(|error| ReplayError::Read { path: path.display().to_string(), error })
+    std::fs::read_to_string(path).map_err(|error| ReplayError::Read {
+        path: path.display().to_string(),
+        error,
+    })
 }
 
 fn parse_err(path: &Path, line: usize, message: impl Into<String>) -> ReplayError {
-    ReplayError::Parse { path: path.display().to_string(), line, message: message.into() }
+    ReplayError::Parse {
+        path: path.display().to_string(),
+        line,
+        message: message.into(),
+    }
 }
 
 /// deepseek-ai/EPLB load matrix `[layers][experts]` (a bare array, or an
@@ -120,7 +132,8 @@ pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
         Keyed { weight: Vec<Vec<f64>> },
     }
     let text = read(path)?;
-    let doc: Doc = serde_json::from_str(&text).map_err(|e| parse_err(path, e.line(), e.to_string()))?;
+    let doc: Doc =
+        serde_json::from_str(&text).map_err(|e| parse_err(path, e.line(), e.to_string()))?;
     let m = match doc {
         Doc::Bare(m) | Doc::Keyed { weight: m } => m,
     };
@@ -128,15 +141,27 @@ pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
     let mut layers = Vec::with_capacity(m.len());
     for (l, row) in m.iter().enumerate() {
         if row.len() != experts {
-            return Err(parse_err(path, 1, format!("layer {l} has {} experts, layer 0 has {experts}", row.len())));
+            return Err(parse_err(
+                path,
+                1,
+                format!("layer {l} has {} experts, layer 0 has {experts}", row.len()),
+            ));
         }
         if let Some(bad) = row.iter().find(|v| !v.is_finite() || **v < 0.0) {
-            return Err(parse_err(path, 1, format!("layer {l}: load {bad} is not a finite non-negative number")));
+            return Err(parse_err(
+                path,
+                1,
+                format!("layer {l}: load {bad} is not a finite non-negative number"),
+            ));
         }
         let global: Vec<u64> = row.iter().map(|&v| v.round() as u64).collect();
         layers.push(spread(&global, ranks));
     }
-    Ok(Trace { experts, ranks, steps: vec![layers] })
+    Ok(Trace {
+        experts,
+        ranks,
+        steps: vec![layers],
+    })
 }
 
 /// Megatron-Core router traces: JSON lines `{"step", "layer", "rank",
@@ -149,19 +174,32 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
         rank: usize,
         top_indices: Vec<Vec<i64>>,
     }
-    let file = std::fs::File::open(path).map_err(|error| ReplayError::Read { path: path.display().to_string(), error })?;
+    let file = std::fs::File::open(path).map_err(|error| ReplayError::Read {
+        path: path.display().to_string(),
+        error,
+    })?;
     let mut cells: std::collections::BTreeMap<(usize, usize, usize), Vec<u64>> = Default::default();
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
-        let line = line.map_err(|error| ReplayError::Read { path: path.display().to_string(), error })?;
+        let line = line.map_err(|error| ReplayError::Read {
+            path: path.display().to_string(),
+            error,
+        })?;
         if line.trim().is_empty() {
             continue;
         }
-        let r: Record = serde_json::from_str(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
-        let counts = cells.entry((r.step, r.layer, r.rank)).or_insert_with(|| vec![0; experts]);
+        let r: Record =
+            serde_json::from_str(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+        let counts = cells
+            .entry((r.step, r.layer, r.rank))
+            .or_insert_with(|| vec![0; experts]);
         for tok in &r.top_indices {
             for &e in tok {
                 if e < 0 || e as usize >= experts {
-                    return Err(parse_err(path, i + 1, format!("expert {e} out of range (experts = {experts})")));
+                    return Err(parse_err(
+                        path,
+                        i + 1,
+                        format!("expert {e} out of range (experts = {experts})"),
+                    ));
                 }
                 counts[e as usize] += 1;
             }
@@ -179,10 +217,17 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
     for (s, row) in seen.iter().enumerate() {
         let n = row.iter().filter(|&&x| x).count();
         if n != layers {
-            return Err(ReplayError::Invalid(format!("{}: step {s} has {n} layers, the trace has {layers}", path.display())));
+            return Err(ReplayError::Invalid(format!(
+                "{}: step {s} has {n} layers, the trace has {layers}",
+                path.display()
+            )));
         }
     }
-    Ok(Trace { experts, ranks, steps: out })
+    Ok(Trace {
+        experts,
+        ranks,
+        steps: out,
+    })
 }
 
 /// `lrmoe train`'s `metrics.jsonl` (`layers[].tokens_per_expert`), spread over `ranks`.
@@ -202,23 +247,39 @@ pub fn load_lrmoe_metrics(path: &Path, ranks: usize) -> Result<Trace, ReplayErro
         if line.trim().is_empty() {
             continue;
         }
-        let s: Step = serde_json::from_str(line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+        let s: Step =
+            serde_json::from_str(line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
         if let Some(first) = steps.first().map(Vec::len) {
             if s.layers.len() != first {
-                return Err(parse_err(path, i + 1, format!("{} layers, earlier steps have {first}", s.layers.len())));
+                return Err(parse_err(
+                    path,
+                    i + 1,
+                    format!("{} layers, earlier steps have {first}", s.layers.len()),
+                ));
             }
         }
         let mut layers = Vec::new();
         for l in &s.layers {
             let e = *experts.get_or_insert(l.tokens_per_expert.len());
             if l.tokens_per_expert.len() != e {
-                return Err(parse_err(path, i + 1, format!("{} experts, earlier layers have {e}", l.tokens_per_expert.len())));
+                return Err(parse_err(
+                    path,
+                    i + 1,
+                    format!(
+                        "{} experts, earlier layers have {e}",
+                        l.tokens_per_expert.len()
+                    ),
+                ));
             }
             layers.push(spread(&l.tokens_per_expert, ranks));
         }
         steps.push(layers);
     }
-    Ok(Trace { experts: experts.unwrap_or(0), ranks, steps })
+    Ok(Trace {
+        experts: experts.unwrap_or(0),
+        ranks,
+        steps,
+    })
 }
 
 /// Named synthetic routing workloads.
@@ -264,7 +325,12 @@ pub struct Synthetic {
 /// the experts by the workload's popularity (expected counts, rounded so
 /// every rank's total is exact).
 pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
-    if cfg.experts == 0 || cfg.ranks == 0 || cfg.layers == 0 || cfg.top_k == 0 || cfg.top_k > cfg.experts {
+    if cfg.experts == 0
+        || cfg.ranks == 0
+        || cfg.layers == 0
+        || cfg.top_k == 0
+        || cfg.top_k > cfg.experts
+    {
         return Err(ReplayError::Invalid(
             "synthetic: experts, ranks, layers and top_k must be positive, top_k ≤ experts".into(),
         ));
@@ -275,7 +341,9 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
     for i in (1..e_n).rev() {
         order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
-    let zipf: Vec<f64> = (0..e_n).map(|r| 1.0 / ((r + 1) as f64).powf(cfg.zipf)).collect();
+    let zipf: Vec<f64> = (0..e_n)
+        .map(|r| 1.0 / ((r + 1) as f64).powf(cfg.zipf))
+        .collect();
     let steps = (0..cfg.steps)
         .map(|step| {
             (0..cfg.layers)
@@ -304,7 +372,11 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
                     let total: f64 = w.iter().sum();
                     (0..cfg.ranks)
                         .map(|r| {
-                            let scale = if cfg.workload == Workload::HotRank && r == 0 { 2 } else { 1 };
+                            let scale = if cfg.workload == Workload::HotRank && r == 0 {
+                                2
+                            } else {
+                                1
+                            };
                             let pairs = (cfg.tokens * cfg.top_k * scale) as u64;
                             largest_remainder(&w, total, pairs)
                         })
@@ -313,7 +385,11 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
                 .collect()
         })
         .collect();
-    Ok(Trace { experts: e_n, ranks: cfg.ranks, steps })
+    Ok(Trace {
+        experts: e_n,
+        ranks: cfg.ranks,
+        steps,
+    })
 }
 
 /// `pairs` split in proportion to `w` with exact integer total.
@@ -321,7 +397,11 @@ fn largest_remainder(w: &[f64], total: f64, pairs: u64) -> Vec<u64> {
     let exact: Vec<f64> = w.iter().map(|x| x / total * pairs as f64).collect();
     let mut out: Vec<u64> = exact.iter().map(|x| x.floor() as u64).collect();
     let mut left = pairs - out.iter().sum::<u64>();
-    let mut rem: Vec<(usize, f64)> = exact.iter().enumerate().map(|(i, x)| (i, x - x.floor())).collect();
+    let mut rem: Vec<(usize, f64)> = exact
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (i, x - x.floor()))
+        .collect();
     rem.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     for (i, _) in rem {
         if left == 0 {
@@ -444,8 +524,10 @@ fn figures(
                 best = (p, rp, b);
             }
         }
-        let compute = pairs.iter().copied().max().unwrap_or(0) as f64 * cost.flops_per_pair / cost.flops_per_s;
-        let net = inb.iter().chain(&outb).copied().max().unwrap_or(0) as f64 / cost.link_bytes_per_s;
+        let compute = pairs.iter().copied().max().unwrap_or(0) as f64 * cost.flops_per_pair
+            / cost.flops_per_s;
+        let net =
+            inb.iter().chain(&outb).copied().max().unwrap_or(0) as f64 / cost.link_bytes_per_s;
         time += compute + net;
         let mean = pairs.iter().sum::<u64>() as f64 / n_ranks.max(1) as f64;
         if mean > 0.0 {
@@ -462,25 +544,46 @@ fn figures(
         fits,
         backward_s: time,
         straggler,
-        kept_fraction: if routed > 0 { kept as f64 / routed as f64 } else { 1.0 },
+        kept_fraction: if routed > 0 {
+            kept as f64 / routed as f64
+        } else {
+            1.0
+        },
     }
 }
 
 fn owners(experts: usize, ranks: usize) -> Placement {
-    Placement { owner: (0..experts).map(|e| e * ranks / experts).collect(), replicas: vec![] }
+    Placement {
+        owner: (0..experts).map(|e| e * ranks / experts).collect(),
+        replicas: vec![],
+    }
 }
 
-fn solve(problem: &redistribute::Problem, step: usize, layer: usize) -> Result<Vec<redistribute::Route>, ReplayError> {
+fn solve(
+    problem: &redistribute::Problem,
+    step: usize,
+    layer: usize,
+) -> Result<Vec<redistribute::Route>, ReplayError> {
     redistribute::solve(problem, &redistribute::Config::default())
         .map(|a| a.routes)
         .map_err(|error| ReplayError::Redistribute { step, layer, error })
 }
 
 /// Replays one step with every strategy.
-fn replay_step(trace: &Trace, cfg: &ReplayConfig, step: usize) -> Result<[StepFigures; 3], ReplayError> {
+fn replay_step(
+    trace: &Trace,
+    cfg: &ReplayConfig,
+    step: usize,
+) -> Result<[StepFigures; 3], ReplayError> {
     let ranks = trace.ranks;
     let cost = cfg.cost();
-    let budgets = vec![RankBudget { memory_bytes: cfg.memory_budget_bytes, network_bytes: u64::MAX }; ranks];
+    let budgets = vec![
+        RankBudget {
+            memory_bytes: cfg.memory_budget_bytes,
+            network_bytes: u64::MAX
+        };
+        ranks
+    ];
     let base = owners(trace.experts, ranks);
     let mut fixed = Vec::new();
     let mut repl = Vec::new();
@@ -488,29 +591,38 @@ fn replay_step(trace: &Trace, cfg: &ReplayConfig, step: usize) -> Result<[StepFi
     let mut routed = 0u64;
     for (layer, counts) in trace.steps[step].iter().enumerate() {
         routed += counts.iter().flatten().sum::<u64>();
-        let problem = |kept: &[Vec<u64>], p: &Placement, caps: Option<Vec<u64>>| redistribute::Problem {
-            n_ranks: ranks,
-            kept: kept.to_vec(),
-            instances: p.all_instances(),
-            base_load: vec![0; ranks],
-            rank_capacity: caps,
-        };
+        let problem =
+            |kept: &[Vec<u64>], p: &Placement, caps: Option<Vec<u64>>| redistribute::Problem {
+                n_ranks: ranks,
+                kept: kept.to_vec(),
+                instances: p.all_instances(),
+                base_load: vec![0; ranks],
+                rank_capacity: caps,
+            };
         // Fixed ownership has one instance per expert: its routes need no solver.
         let owned: Vec<redistribute::Route> = counts
             .iter()
             .enumerate()
             .flat_map(|(source, row)| {
                 let base = &base;
-                row.iter().enumerate().filter(|(_, &n)| n > 0).map(move |(expert, &pairs)| redistribute::Route {
-                    source,
-                    expert,
-                    rank: base.owner[expert],
-                    pairs,
-                })
+                row.iter()
+                    .enumerate()
+                    .filter(|(_, &n)| n > 0)
+                    .map(move |(expert, &pairs)| redistribute::Route {
+                        source,
+                        expert,
+                        rank: base.owner[expert],
+                        pairs,
+                    })
             })
             .collect();
         fixed.push((base.clone(), owned));
-        let inputs = quota::Inputs { counts, placement: &base, cost: &cost, budgets: &budgets };
+        let inputs = quota::Inputs {
+            counts,
+            placement: &base,
+            cost: &cost,
+            budgets: &budgets,
+        };
         let qcfg = quota::Config {
             policy: cfg.policy,
             replica_slots_per_rank: cfg.replica_slots_per_rank,
@@ -518,9 +630,15 @@ fn replay_step(trace: &Trace, cfg: &ReplayConfig, step: usize) -> Result<[StepFi
         };
         let qerr = |error| ReplayError::Quota { step, layer, error };
         let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
-        repl.push((with.clone(), solve(&problem(counts, &with, None), step, layer)?));
+        repl.push((
+            with.clone(),
+            solve(&problem(counts, &with, None), step, layer)?,
+        ));
         // The controller's replicas are the replication strategy's: reuse them.
-        let with_inputs = quota::Inputs { placement: &with, ..inputs };
+        let with_inputs = quota::Inputs {
+            placement: &with,
+            ..inputs
+        };
         let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
         let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
         let kept = plan.quotas.per_source().to_vec();
@@ -571,26 +689,40 @@ pub struct Report {
 /// Replays every step (in parallel) and summarises.
 pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> {
     if trace.ranks == 0 || trace.experts == 0 || trace.steps.is_empty() || trace.layers() == 0 {
-        return Err(ReplayError::Invalid("the trace has no steps, layers, experts or ranks".into()));
+        return Err(ReplayError::Invalid(
+            "the trace has no steps, layers, experts or ranks".into(),
+        ));
     }
     for (s, st) in trace.steps.iter().enumerate() {
         if st.len() != trace.layers() {
-            return Err(ReplayError::Invalid(format!("step {s} has {} layers, step 0 has {}", st.len(), trace.layers())));
+            return Err(ReplayError::Invalid(format!(
+                "step {s} has {} layers, step 0 has {}",
+                st.len(),
+                trace.layers()
+            )));
         }
         for (l, c) in st.iter().enumerate() {
             if c.len() != trace.ranks || c.iter().any(|r| r.len() != trace.experts) {
-                return Err(ReplayError::Invalid(format!("step {s}, layer {l}: counts are not {} ranks × {} experts", trace.ranks, trace.experts)));
+                return Err(ReplayError::Invalid(format!(
+                    "step {s}, layer {l}: counts are not {} ranks × {} experts",
+                    trace.ranks, trace.experts
+                )));
             }
         }
     }
-    let per_step: Vec<[StepFigures; 3]> =
-        (0..trace.steps.len()).into_par_iter().map(|s| replay_step(trace, cfg, s)).collect::<Result<_, _>>()?;
+    let per_step: Vec<[StepFigures; 3]> = (0..trace.steps.len())
+        .into_par_iter()
+        .map(|s| replay_step(trace, cfg, s))
+        .collect::<Result<_, _>>()?;
     let steps: Vec<StepFigures> = per_step.iter().flatten().copied().collect();
     let summary: Vec<Summary> = [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe]
         .iter()
         .map(|&strategy| {
             let mine: Vec<&StepFigures> = steps.iter().filter(|f| f.strategy == strategy).collect();
-            let peak = **mine.iter().max_by_key(|f| f.total_bytes).expect("invariant: the trace has steps");
+            let peak = **mine
+                .iter()
+                .max_by_key(|f| f.total_bytes)
+                .expect("invariant: the trace has steps");
             let n = mine.len() as f64;
             Summary {
                 strategy,
@@ -606,7 +738,11 @@ pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> 
         })
         .collect();
     let saving = 1.0 - summary[2].total_bytes as f64 / summary[0].total_bytes.max(1) as f64;
-    Ok(Report { steps, summary, lrmoe_memory_saving: saving })
+    Ok(Report {
+        steps,
+        summary,
+        lrmoe_memory_saving: saving,
+    })
 }
 
 /// The human summary (Markdown).
@@ -629,14 +765,20 @@ pub fn table(r: &Report) -> String {
             s.mean_kept_fraction
         );
     }
-    t += &format!("\nLRMoE peak memory vs fixed ownership: {:.1}% less.\n", 100.0 * r.lrmoe_memory_saving);
+    t += &format!(
+        "\nLRMoE peak memory vs fixed ownership: {:.1}% less.\n",
+        100.0 * r.lrmoe_memory_saving
+    );
     t
 }
 
 /// Writes `replay.json`, `replay.csv`, `memory.svg`, `time.svg` into `dir`
 /// (atomically) and returns their paths.
 pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
-    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Read { path: dir.display().to_string(), error })?;
+    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Read {
+        path: dir.display().to_string(),
+        error,
+    })?;
     let io = |p: &Path| {
         let p = p.display().to_string();
         move |error| ReplayError::Read { path: p, error }
@@ -645,20 +787,44 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
     for f in &r.steps {
         csv += &format!(
             "{},{:?},{},{},{},{},{},{},{},{}\n",
-            f.step, f.strategy, f.placement_bytes, f.replica_bytes, f.buffer_bytes, f.total_bytes, f.fits, f.backward_s, f.straggler, f.kept_fraction
+            f.step,
+            f.strategy,
+            f.placement_bytes,
+            f.replica_bytes,
+            f.buffer_bytes,
+            f.total_bytes,
+            f.fits,
+            f.backward_s,
+            f.straggler,
+            f.kept_fraction
         );
     }
     let series = |key: fn(&StepFigures) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
         [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe]
             .iter()
             .map(|&s| {
-                (format!("{s:?}"), r.steps.iter().filter(|f| f.strategy == s).map(|f| (f.step as f64, key(f))).collect())
+                (
+                    format!("{s:?}"),
+                    r.steps
+                        .iter()
+                        .filter(|f| f.strategy == s)
+                        .map(|f| (f.step as f64, key(f)))
+                        .collect(),
+                )
             })
             .collect()
     };
-    let plot = |title: &str, y: &str, data: Vec<(String, Vec<(f64, f64)>)>, reference: Option<(f64, &str)>| {
-        let s: Vec<crate::svgplot::Series<'_>> =
-            data.iter().map(|(n, p)| crate::svgplot::Series { name: n, points: p.clone() }).collect();
+    let plot = |title: &str,
+                y: &str,
+                data: Vec<(String, Vec<(f64, f64)>)>,
+                reference: Option<(f64, &str)>| {
+        let s: Vec<crate::svgplot::Series<'_>> = data
+            .iter()
+            .map(|(n, p)| crate::svgplot::Series {
+                name: n,
+                points: p.clone(),
+            })
+            .collect();
         crate::svgplot::lines(title, "step", y, &s, reference)
     };
     let mem = plot(
@@ -667,9 +833,17 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
         series(|f| f.total_bytes as f64 / (1 << 20) as f64),
         Some((budget_bytes as f64 / (1 << 20) as f64, "budget")),
     );
-    let time = plot("modelled backward time", "ms", series(|f| f.backward_s * 1e3), None);
+    let time = plot(
+        "modelled backward time",
+        "ms",
+        series(|f| f.backward_s * 1e3),
+        None,
+    );
     let files = [
-        ("replay.json", serde_json::to_string_pretty(r).unwrap_or_default()),
+        (
+            "replay.json",
+            serde_json::to_string_pretty(r).unwrap_or_default(),
+        ),
         ("replay.csv", csv),
         ("memory.svg", mem),
         ("time.svg", time),
@@ -681,4 +855,171 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
         out.push(p.display().to_string());
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(budget_mib: u64) -> ReplayConfig {
+        ReplayConfig {
+            hidden: 256,
+            ffn: 128,
+            element_bytes: 2,
+            memory_budget_bytes: budget_mib << 20,
+            link_bytes_per_s: 4.5e11,
+            flops_per_s: 8e14,
+            replica_slots_per_rank: 2,
+            replica_memory_fraction: 0.5,
+            policy: Policy::Maxmin,
+        }
+    }
+
+    fn hot(steps: usize) -> Trace {
+        synthetic(&Synthetic {
+            workload: Workload::HotExperts,
+            steps,
+            layers: 3,
+            experts: 32,
+            ranks: 4,
+            tokens: 4096,
+            top_k: 4,
+            zipf: 1.2,
+            seed: 1,
+        })
+        .unwrap()
+    }
+
+    fn tmp(name: &str, body: &str) -> std::path::PathBuf {
+        let p = std::env::temp_dir().join(format!("lrmoe-replay-{}-{name}", std::process::id()));
+        std::fs::write(&p, body).unwrap();
+        p
+    }
+
+    #[test]
+    fn synthetic_workloads_are_seeded_and_conserve_pairs() {
+        for w in [
+            Workload::Balanced,
+            Workload::HotExperts,
+            Workload::HotRank,
+            Workload::Rotating,
+            Workload::Bursts,
+        ] {
+            let s = Synthetic {
+                workload: w,
+                steps: 12,
+                layers: 2,
+                experts: 16,
+                ranks: 3,
+                tokens: 100,
+                top_k: 2,
+                zipf: 1.0,
+                seed: 9,
+            };
+            let a = synthetic(&s).unwrap();
+            assert_eq!(a, synthetic(&s).unwrap(), "{w:?} is not deterministic");
+            for (r, row) in a.steps[11][1].iter().enumerate() {
+                let want = if w == Workload::HotRank && r == 0 {
+                    400
+                } else {
+                    200
+                };
+                assert_eq!(row.iter().sum::<u64>(), want, "{w:?} rank {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn strategies_keep_their_promises() {
+        let trace = hot(5);
+        let r = replay(&trace, &cfg(8)).unwrap();
+        let s = |st: Strategy| *r.summary.iter().find(|x| x.strategy == st).unwrap();
+        assert_eq!(s(Strategy::Fixed).mean_kept_fraction, 1.0);
+        assert_eq!(s(Strategy::Replication).mean_kept_fraction, 1.0);
+        assert_eq!(s(Strategy::Fixed).replica_bytes, 0);
+        let l = s(Strategy::Lrmoe);
+        assert!(
+            l.fits && l.total_bytes <= 8 << 20,
+            "LRMoE must stay within its budget"
+        );
+        assert!(l.mean_kept_fraction < 1.0 && l.mean_kept_fraction > 0.0);
+        assert!(s(Strategy::Replication).max_straggler <= s(Strategy::Fixed).max_straggler);
+        assert_eq!(r.steps.len(), 15);
+    }
+
+    #[test]
+    fn hot_experts_where_fixed_ownership_does_not_fit_save_at_least_57_8_percent() {
+        let trace = hot(4);
+        let fixed_peak = replay(&trace, &cfg(1 << 20)).unwrap().summary[0].total_bytes;
+        // A budget at 40% of what fixed ownership needs.
+        let budget_mib = (fixed_peak * 4 / 10) >> 20;
+        let r = replay(&trace, &cfg(budget_mib)).unwrap();
+        assert!(!r.summary[0].fits);
+        assert!(r.summary[2].fits);
+        assert!(
+            r.lrmoe_memory_saving >= 0.578,
+            "saving {}",
+            r.lrmoe_memory_saving
+        );
+    }
+
+    #[test]
+    fn megatron_traces_count_pairs_and_name_bad_lines() {
+        let good = tmp(
+            "mg.jsonl",
+            r#"{"step": 0, "layer": 0, "rank": 0, "top_indices": [[0, 1], [1, 2]]}
+{"step": 0, "layer": 0, "rank": 1, "top_indices": [[3, 1]]}
+{"step": 0, "layer": 1, "rank": 0, "top_indices": [[2, 3]]}
+{"step": 0, "layer": 1, "rank": 1, "top_indices": []}
+"#,
+        );
+        let t = load_megatron(&good, 4).unwrap();
+        assert_eq!(t.steps[0][0], vec![vec![1, 2, 1, 0], vec![0, 1, 0, 1]]);
+        let bad = tmp("mg-bad.jsonl", "{\"step\": 0, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0, 1]]}\n{\"step\": 0, \"layer\"");
+        let e = load_megatron(&bad, 4).unwrap_err().to_string();
+        assert!(e.contains("mg-bad.jsonl:2:"), "{e}");
+        let unknown = tmp(
+            "mg-unk.jsonl",
+            "{\"step\": 0, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0, 9]]}\n",
+        );
+        let e = load_megatron(&unknown, 4).unwrap_err().to_string();
+        assert!(
+            e.contains(":1:") && e.contains("expert 9 out of range"),
+            "{e}"
+        );
+        let ragged = tmp(
+            "mg-rag.jsonl",
+            "{\"step\": 0, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0]]}\n{\"step\": 0, \"layer\": 1, \"rank\": 0, \"top_indices\": [[0]]}\n{\"step\": 1, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0]]}\n",
+        );
+        let e = load_megatron(&ragged, 4).unwrap_err().to_string();
+        assert!(e.contains("step 1 has 1 layers"), "{e}");
+        for p in [good, bad, unknown, ragged] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+
+    #[test]
+    fn eplb_and_lrmoe_metrics_load_and_reject_bad_shapes() {
+        let p = tmp("eplb.json", r#"{"weight": [[10, 0, 5, 1], [3, 3, 3, 3]]}"#);
+        let t = load_eplb(&p, 2).unwrap();
+        assert_eq!(t.layers(), 2);
+        assert_eq!(t.steps[0][0], vec![vec![5, 0, 3, 1], vec![5, 0, 2, 0]]);
+        let bad = tmp("eplb-bad.json", "[[1, 2], [3]]");
+        assert!(load_eplb(&bad, 2)
+            .unwrap_err()
+            .to_string()
+            .contains("layer 1 has 1 experts"));
+        let m = tmp(
+            "metrics.jsonl",
+            "{\"layers\": [{\"tokens_per_expert\": [4, 4]}, {\"tokens_per_expert\": [2, 6]}]}\n{\"layers\": [{\"tokens_per_expert\": [4, 4]}]}\n",
+        );
+        let e = load_lrmoe_metrics(&m, 2).unwrap_err().to_string();
+        assert!(
+            e.contains("metrics.jsonl:2:") && e.contains("1 layers"),
+            "{e}"
+        );
+        for p in [p, bad, m] {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }

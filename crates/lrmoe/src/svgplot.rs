@@ -12,7 +12,13 @@ pub struct Series<'a> {
 
 /// A line chart with axes, ticks, a legend and an optional dashed
 /// horizontal reference line `(y, label)`.
-pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], reference: Option<(f64, &str)>) -> String {
+pub fn lines(
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series<'_>],
+    reference: Option<(f64, &str)>,
+) -> String {
     let (w, h, m) = (720.0, 440.0, 60.0);
     let all = series.iter().flat_map(|s| s.points.iter());
     let x_max = all.clone().map(|p| p.0).fold(1e-9, f64::max);
@@ -35,15 +41,42 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], r
         "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{}\" y=\"20\" text-anchor=\"middle\" font-size=\"14\">{title}</text>\n",
         w / 2.0
     );
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>", h - m, w - m, h - m);
-    let _ = writeln!(s, "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>", h - m);
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{}\" x2=\"{}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m,
+        w - m,
+        h - m
+    );
+    let _ = writeln!(
+        s,
+        "<line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{}\" stroke=\"black\"/>",
+        h - m
+    );
     for i in 0..=4 {
         let tx = x_min + (x_max - x_min) * i as f64 / 4.0;
         let ty = y_min + (y_max - y_min) * i as f64 / 4.0;
-        let _ = writeln!(s, "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>", x(tx), h - m + 18.0, fmt_tick(tx));
-        let _ = writeln!(s, "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>", m - 6.0, y(ty) + 4.0, fmt_tick(ty));
+        let _ = writeln!(
+            s,
+            "<text x=\"{:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            x(tx),
+            h - m + 18.0,
+            fmt_tick(tx)
+        );
+        let _ = writeln!(
+            s,
+            "<text x=\"{}\" y=\"{:.1}\" text-anchor=\"end\">{}</text>",
+            m - 6.0,
+            y(ty) + 4.0,
+            fmt_tick(ty)
+        );
     }
-    let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{x_label}</text>", w / 2.0, h - 15.0);
+    let _ = writeln!(
+        s,
+        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{x_label}</text>",
+        w / 2.0,
+        h - 15.0
+    );
     let _ = writeln!(
         s,
         "<text x=\"15\" y=\"{0}\" transform=\"rotate(-90 15 {0})\" text-anchor=\"middle\">{y_label}</text>",
@@ -60,9 +93,23 @@ pub fn lines(title: &str, x_label: &str, y_label: &str, series: &[Series<'_>], r
     }
     for (i, se) in series.iter().enumerate() {
         let c = colors[i % colors.len()];
-        let pts: Vec<String> = se.points.iter().map(|p| format!("{:.1},{:.1}", x(p.0), y(p.1))).collect();
-        let _ = writeln!(s, "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>", pts.join(" "));
-        let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>", w - m - 120.0, m + 16.0 * (i as f64 + 1.0), se.name);
+        let pts: Vec<String> = se
+            .points
+            .iter()
+            .map(|p| format!("{:.1},{:.1}", x(p.0), y(p.1)))
+            .collect();
+        let _ = writeln!(
+            s,
+            "<polyline fill=\"none\" stroke=\"{c}\" stroke-width=\"2\" points=\"{}\"/>",
+            pts.join(" ")
+        );
+        let _ = writeln!(
+            s,
+            "<text x=\"{}\" y=\"{}\" fill=\"{c}\">{}</text>",
+            w - m - 120.0,
+            m + 16.0 * (i as f64 + 1.0),
+            se.name
+        );
     }
     s.push_str("</svg>\n");
     s

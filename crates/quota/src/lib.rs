@@ -450,6 +450,22 @@ fn capacities(
     Ok((caps, send))
 }
 
+/// Source index of a per-expert cell (unlimited send capacities).
+const AGGREGATED: usize = usize::MAX;
+
+/// `(routed, uniform floor)` of a cell at ratio `num / DEN`: one (source,
+/// expert) cell, or the sum over sources of an aggregated expert cell.
+fn cell_counts(inputs: &Inputs<'_>, s: usize, e: usize, num: u64) -> (u64, u64) {
+    if s == AGGREGATED {
+        inputs.counts.iter().fold((0, 0), |(n, k), row| {
+            (n + row[e], k + floor_ratio(row[e], num))
+        })
+    } else {
+        let n = inputs.counts[s][e];
+        (n, floor_ratio(n, num))
+    }
+}
+
 /// The quota flow network (see the crate doc).
 struct Network {
     graph: FlowGraph,
@@ -471,13 +487,25 @@ fn build_network(
     let mut graph = FlowGraph::new(sink + 1);
     let routed = inputs.routed_per_expert();
     let mut cells = Vec::new();
-    for (s, row) in inputs.counts.iter().enumerate() {
-        graph.add_edge(0, 1 + s, send[s]);
-        for (e, &n) in row.iter().enumerate() {
+    if send.iter().all(|&c| c == u64::MAX) {
+        // Sources do not constrain anything: one cell per expert (source
+        // `AGGREGATED`) keeps the network E + R nodes instead of S · E cells.
+        for (e, &n) in routed.iter().enumerate() {
             if n > 0 {
-                let mandatory = graph.add_edge(1 + s, expert_node(e), 0);
-                let extra = graph.add_edge(1 + s, expert_node(e), 0);
-                cells.push((s, e, mandatory, extra));
+                let mandatory = graph.add_edge(0, expert_node(e), 0);
+                let extra = graph.add_edge(0, expert_node(e), 0);
+                cells.push((AGGREGATED, e, mandatory, extra));
+            }
+        }
+    } else {
+        for (s, row) in inputs.counts.iter().enumerate() {
+            graph.add_edge(0, 1 + s, send[s]);
+            for (e, &n) in row.iter().enumerate() {
+                if n > 0 {
+                    let mandatory = graph.add_edge(1 + s, expert_node(e), 0);
+                    let extra = graph.add_edge(1 + s, expert_node(e), 0);
+                    cells.push((s, e, mandatory, extra));
+                }
             }
         }
     }
@@ -503,12 +531,24 @@ fn uniform_feasible(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> bool {
     net.graph.clear_flow();
     let mut want = 0u64;
     for &(s, e, mandatory, extra) in &net.cells {
-        let k = floor_ratio(inputs.counts[s][e], num);
+        let k = cell_counts(inputs, s, e, num).1;
         want += k;
         net.graph.set_capacity(extra, 0);
         net.graph.set_capacity(mandatory, k);
     }
     net.graph.max_flow(0, net.sink) == want
+}
+
+/// Raises every cell's mandatory capacity to `⌊num/DEN · n[s][e]⌋` on top of
+/// the current flow (capacities only grow); returns the pairs wanted.
+fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
+    let mut want = 0u64;
+    for &(s, e, mandatory, _) in &net.cells {
+        let k = cell_counts(inputs, s, e, num).1;
+        want += k;
+        net.graph.set_capacity(mandatory, k);
+    }
+    want
 }
 
 /// Quotas and the per-rank model for a fixed placement (no replicas added).
@@ -521,13 +561,22 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     let num = if uniform_feasible(&mut net, inputs, RATIO_DEN) {
         RATIO_DEN
     } else {
-        let (mut lo, mut hi) = (0u64, RATIO_DEN - 1);
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if uniform_feasible(&mut net, inputs, mid) {
+        // Bisect [0, DEN): 0 is feasible, DEN is not. Raising the ratio only
+        // raises capacities, so a feasible state's flow stays valid and is
+        // augmented rather than recomputed.
+        uniform_feasible(&mut net, inputs, 0);
+        let mut saved = (net.graph.snapshot(), 0u64);
+        let (mut lo, mut hi) = (0u64, RATIO_DEN);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            net.graph.restore(&saved.0);
+            let want = raise_uniform(&mut net, inputs, mid);
+            let value = saved.1 + net.graph.max_flow(0, net.sink);
+            if value == want {
                 lo = mid;
+                saved = (net.graph.snapshot(), value);
             } else {
-                hi = mid - 1;
+                hi = mid;
             }
         }
         lo
@@ -539,15 +588,27 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     if policy == Policy::Maxmin {
         for &(s, e, mandatory, extra) in &net.cells {
             net.graph.freeze(mandatory);
-            let k = floor_ratio(inputs.counts[s][e], num);
-            net.graph.set_capacity(extra, inputs.counts[s][e] - k);
+            let (n, k) = cell_counts(inputs, s, e, num);
+            net.graph.set_capacity(extra, n - k);
         }
         net.graph.max_flow(0, net.sink);
     }
 
     let mut per_source = vec![vec![0u64; inputs.n_experts()]; inputs.n_ranks()];
     for &(s, e, mandatory, extra) in &net.cells {
-        per_source[s][e] = net.graph.flow(mandatory) + net.graph.flow(extra);
+        if s != AGGREGATED {
+            per_source[s][e] = net.graph.flow(mandatory) + net.graph.flow(extra);
+            continue;
+        }
+        // Each source keeps its floor; the expert's extra pairs go to the
+        // sources in rank order, up to what each routed.
+        let mut extra_left = net.graph.flow(extra);
+        for (src, row) in inputs.counts.iter().enumerate() {
+            let floor = floor_ratio(row[e], num);
+            let more = extra_left.min(row[e] - floor);
+            per_source[src][e] = floor + more;
+            extra_left -= more;
+        }
     }
     let quotas = Quotas { per_source };
     let routed: u64 = inputs.routed_per_expert().iter().sum();

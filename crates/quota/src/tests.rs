@@ -154,6 +154,16 @@ proptest! {
     }
 
     #[test]
+    fn memory_only_budgets_take_the_per_expert_network_and_keep_every_promise(c in case_strategy()) {
+        let mut c = c;
+        c.budgets.iter_mut().for_each(|b| b.network_bytes = u64::MAX);
+        let u = check(&c, Policy::Uniform);
+        let m = check(&c, Policy::Maxmin);
+        prop_assert!(m.quotas.total() >= u.quotas.total());
+        prop_assert_eq!(u.retention_floor, m.retention_floor);
+    }
+
+    #[test]
     fn maxmin_keeps_at_least_uniform(c in case_strategy()) {
         let u = check(&c, Policy::Uniform);
         let m = check(&c, Policy::Maxmin);
