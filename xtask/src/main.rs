@@ -150,7 +150,7 @@ fn ci() -> Result<()> {
         "--workspace",
         "--all-targets",
         "--features",
-        "kernels/cuda,lrmoe-benches/cuda,layer/cuda",
+        "kernels/cuda,lrmoe-benches/cuda,layer/cuda,lrmoe/cuda",
         "--",
         "-D",
         "warnings",

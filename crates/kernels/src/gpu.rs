@@ -84,6 +84,10 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    pub fn measure_allocations(&self, _sizes: &[u64]) -> Result<u64, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     #[allow(clippy::type_complexity)]
     pub fn swiglu_backward_bf16(
         &self,
@@ -951,6 +955,24 @@ mod imp {
                 },
                 flops / (ms * 1e-3) / 1e12,
             ))
+        }
+
+        /// Allocates one device buffer per size (plain `cuMemAlloc`), touches
+        /// every byte, and returns the device memory in use while all are
+        /// held, minus what was in use before (`cuMemGetInfo`). Frees them.
+        pub fn measure_allocations(&self, sizes: &[u64]) -> Result<u64, KernelError> {
+            self.stream.synchronize().map_err(cuda)?;
+            let (free0, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+            let mut held = Vec::with_capacity(sizes.len());
+            for &b in sizes {
+                if b > 0 {
+                    held.push(self.stream.alloc_zeros::<u8>(b as usize).map_err(cuda)?);
+                }
+            }
+            self.stream.synchronize().map_err(cuda)?;
+            let (free1, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+            drop(held);
+            Ok(free0.saturating_sub(free1) as u64)
         }
 
         /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.

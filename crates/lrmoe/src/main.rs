@@ -165,6 +165,10 @@ struct ReplayArgs {
     /// Output folder for replay.json, replay.csv, memory.svg, time.svg.
     #[arg(long, default_value = "runs/replay")]
     out: PathBuf,
+    /// `cuda`: also allocate each strategy's modelled peak on GPU 0 and
+    /// report the measured memory beside the model (needs `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
@@ -209,6 +213,23 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;
     print!("{}", rp::table(&report));
+    match a.device.as_str() {
+        "cpu" => {}
+        "cuda" => {
+            let gpu = lrmoe::kernels::gpu::Gpu::open(0)?;
+            println!("\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|");
+            for c in rp::check_on_device(&gpu, &report)? {
+                println!(
+                    "| {:?} | {:.1} | {:.1} | {:.4} |",
+                    c.strategy,
+                    c.modelled_bytes as f64 / (1 << 20) as f64,
+                    c.measured_bytes as f64 / (1 << 20) as f64,
+                    c.ratio
+                );
+            }
+        }
+        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
+    }
     println!("wrote {}", files.join(", "));
     Ok(())
 }

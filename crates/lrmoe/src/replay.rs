@@ -1023,3 +1023,36 @@ mod tests {
         }
     }
 }
+
+/// Modelled and measured device memory of one strategy's peak layer call.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct DeviceCheck {
+    /// Strategy.
+    pub strategy: Strategy,
+    /// Modelled bytes (placement + replicas + token buffers).
+    pub modelled_bytes: u64,
+    /// Bytes the GPU reported in use while they were allocated.
+    pub measured_bytes: u64,
+    /// `measured / modelled`.
+    pub ratio: f64,
+}
+
+/// Allocates each strategy's peak split on the GPU and measures it.
+pub fn check_on_device(
+    gpu: &kernels::gpu::Gpu,
+    r: &Report,
+) -> Result<Vec<DeviceCheck>, kernels::KernelError> {
+    r.summary
+        .iter()
+        .map(|s| {
+            let measured =
+                gpu.measure_allocations(&[s.placement_bytes, s.replica_bytes, s.buffer_bytes])?;
+            Ok(DeviceCheck {
+                strategy: s.strategy,
+                modelled_bytes: s.total_bytes,
+                measured_bytes: measured,
+                ratio: measured as f64 / s.total_bytes.max(1) as f64,
+            })
+        })
+        .collect()
+}
