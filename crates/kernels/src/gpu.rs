@@ -292,6 +292,13 @@ mod imp {
     impl Gpu {
         /// Opens device `ordinal` and loads the kernels.
         pub fn open(ordinal: usize) -> Result<Self, KernelError> {
+            // cudarc panics when it cannot load libcuda; say so as an error.
+            // SAFETY: a presence probe of the driver library (dlopen only).
+            if !unsafe { cudarc::driver::sys::is_culib_present() } {
+                return Err(KernelError::Cuda(
+                    "the CUDA driver library (libcuda.so) was not found: is this a GPU machine with a driver?".into(),
+                ));
+            }
             let ctx = CudaContext::new(ordinal).map_err(cuda)?;
             let stream = ctx.default_stream();
             let module = ctx
