@@ -41,14 +41,19 @@
 //! SOURCE →(send cap_s)→ s →(k[s][e])→ e →(∞)→ r ∈ instances(e) →(cap_r)→ SINK
 //! ```
 //!
-//! carries `Σ k[s][e]` — checked with `redistribute::flow`'s max-flow.
+//! carries `Σ k[s][e]` — checked with `redistribute::flow`'s max-flow. When
+//! every send capacity is unlimited (memory-only budgets) sources constrain
+//! nothing, and the network has one cell per expert instead (`SOURCE →(q_e)→
+//! e`); the expert's floors are kept per source and any extra max-min pairs
+//! go to the sources in rank order, up to what each routed.
 //!
 //! ## Policies ([`Policy`])
 //!
 //! * **Uniform:** one retention ratio `ρ ∈ [0, 1]` for every cell,
-//!   `k[s][e] = ⌊ρ·n[s][e]⌋`, with `ρ` the largest feasible value (binary
-//!   search over `ρ = j / 2²⁰`; `ρ = 1` is tried first so unlimited budgets
-//!   keep every pair). Feasibility is monotone in `ρ` and in the budgets, so a
+//!   `k[s][e] = ⌊ρ·n[s][e]⌋`, with `ρ` the largest feasible value (bisection
+//!   over `ρ = j / 2²⁰`, augmenting the last feasible flow instead of
+//!   recomputing it; `ρ = 1` is tried first so unlimited budgets keep every
+//!   pair). Feasibility is monotone in `ρ` and in the budgets, so a
 //!   larger budget never lowers a quota.
 //! * **Max-min fair:** first the uniform `ρ*` (this maximises the smallest
 //!   retention ratio up to the floor), then, keeping every `k[s][e] ≥
