@@ -433,7 +433,9 @@ fn capacities(
     placement: &Placement,
 ) -> Result<(Vec<u64>, Vec<u64>), QuotaError> {
     let row = inputs.cost.row_bytes();
-    let per = |bytes: u64| bytes.checked_div(row).unwrap_or(u64::MAX);
+    // An unlimited budget stays unlimited (not MAX / row), so callers can
+    // recognise it.
+    let per = |bytes: u64| if bytes == u64::MAX { u64::MAX } else { bytes.checked_div(row).unwrap_or(u64::MAX) };
     let stat = static_bytes(inputs, placement);
     let mut caps = Vec::with_capacity(inputs.n_ranks());
     for (rank, b) in inputs.budgets.iter().enumerate() {
@@ -556,6 +558,95 @@ fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
     want
 }
 
+/// The largest feasible uniform ratio numerator by max-flow: `DEN` if every
+/// pair fits, else a bisection of `[0, DEN)` that augments the last feasible
+/// flow (raising the ratio only raises capacities).
+fn flow_search(net: &mut Network, inputs: &Inputs<'_>) -> u64 {
+    if uniform_feasible(net, inputs, RATIO_DEN) {
+        return RATIO_DEN;
+    }
+    uniform_feasible(net, inputs, 0);
+    let mut saved = (net.graph.snapshot(), 0u64);
+    let (mut lo, mut hi) = (0u64, RATIO_DEN);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        net.graph.restore(&saved.0);
+        let want = raise_uniform(net, inputs, mid);
+        let value = saved.1 + net.graph.max_flow(0, net.sink);
+        if value == want {
+            lo = mid;
+            saved = (net.graph.snapshot(), value);
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
+
+/// Feasibility by Gale's theorem when sources are unconstrained and ranks are
+/// few: expert supplies `q_e` fit the rank capacities iff for every rank set
+/// `M`, the experts whose instances all lie in `M` need at most `cap(M)`.
+/// All `2^R` sums come from one subset-sum (zeta) transform, so a check costs
+/// `O(R · 2^R + S · E)` instead of a max-flow.
+struct HallCheck {
+    /// Instance mask of each expert.
+    masks: Vec<usize>,
+    /// `cap(M)` for every rank set.
+    cap: Vec<u64>,
+}
+
+/// Rank counts up to which [`HallCheck`] replaces the max-flow search.
+const HALL_MAX_RANKS: usize = 12;
+
+impl HallCheck {
+    fn new(inputs: &Inputs<'_>, placement: &Placement, caps: &[u64], send: &[u64]) -> Option<Self> {
+        let r = inputs.n_ranks();
+        if r == 0 || r > HALL_MAX_RANKS || send.iter().any(|&c| c != u64::MAX) {
+            return None;
+        }
+        let masks = (0..inputs.n_experts())
+            .map(|e| placement.instances(e).iter().fold(0usize, |m, &rank| m | (1 << rank)))
+            .collect();
+        let cap = (0..1usize << r)
+            .map(|m| (0..r).filter(|&i| m & (1 << i) != 0).fold(0u64, |a, i| a.saturating_add(caps[i])))
+            .collect();
+        Some(Self { masks, cap })
+    }
+
+    fn feasible(&self, inputs: &Inputs<'_>, num: u64) -> bool {
+        let mut need = vec![0u64; self.cap.len()];
+        for (e, &m) in self.masks.iter().enumerate() {
+            need[m] += inputs.counts.iter().map(|row| floor_ratio(row[e], num)).sum::<u64>();
+        }
+        // need[M] ← Σ over subsets of M (zeta transform).
+        let bits = self.cap.len().trailing_zeros() as usize;
+        for i in 0..bits {
+            for m in 0..need.len() {
+                if m & (1 << i) != 0 {
+                    need[m] += need[m ^ (1 << i)];
+                }
+            }
+        }
+        need.iter().zip(&self.cap).all(|(n, c)| n <= c)
+    }
+
+    fn largest_feasible(&self, inputs: &Inputs<'_>) -> u64 {
+        if self.feasible(inputs, RATIO_DEN) {
+            return RATIO_DEN;
+        }
+        let (mut lo, mut hi) = (0u64, RATIO_DEN);
+        while hi - lo > 1 {
+            let mid = lo + (hi - lo) / 2;
+            if self.feasible(inputs, mid) {
+                lo = mid;
+            } else {
+                hi = mid;
+            }
+        }
+        lo
+    }
+}
+
 /// Quotas and the per-rank model for a fixed placement (no replicas added).
 pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     inputs.validate()?;
@@ -563,28 +654,10 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     let (caps, send) = capacities(inputs, &placement)?;
     let mut net = build_network(inputs, &placement, &caps, &send);
 
-    let num = if uniform_feasible(&mut net, inputs, RATIO_DEN) {
-        RATIO_DEN
-    } else {
-        // Bisect [0, DEN): 0 is feasible, DEN is not. Raising the ratio only
-        // raises capacities, so a feasible state's flow stays valid and is
-        // augmented rather than recomputed.
-        uniform_feasible(&mut net, inputs, 0);
-        let mut saved = (net.graph.snapshot(), 0u64);
-        let (mut lo, mut hi) = (0u64, RATIO_DEN);
-        while hi - lo > 1 {
-            let mid = lo + (hi - lo) / 2;
-            net.graph.restore(&saved.0);
-            let want = raise_uniform(&mut net, inputs, mid);
-            let value = saved.1 + net.graph.max_flow(0, net.sink);
-            if value == want {
-                lo = mid;
-                saved = (net.graph.snapshot(), value);
-            } else {
-                hi = mid;
-            }
-        }
-        lo
+    let hall = HallCheck::new(inputs, &placement, &caps, &send);
+    let num = match &hall {
+        Some(h) => h.largest_feasible(inputs),
+        None => flow_search(&mut net, inputs),
     };
     // Leave the network holding the feasible uniform flow at `num`.
     let ok = uniform_feasible(&mut net, inputs, num);

@@ -164,6 +164,18 @@ proptest! {
     }
 
     #[test]
+    fn gale_check_finds_the_same_ratio_as_the_max_flow_search(c in case_strategy()) {
+        let mut c = c;
+        c.budgets.iter_mut().for_each(|b| b.network_bytes = u64::MAX);
+        let cost = cost();
+        let inputs = inputs(&c, &cost);
+        let (caps, send) = capacities(&inputs, &c.placement).unwrap();
+        let hall = HallCheck::new(&inputs, &c.placement, &caps, &send).expect("few ranks, unlimited sends");
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        prop_assert_eq!(hall.largest_feasible(&inputs), flow_search(&mut net, &inputs));
+    }
+
+    #[test]
     fn maxmin_keeps_at_least_uniform(c in case_strategy()) {
         let u = check(&c, Policy::Uniform);
         let m = check(&c, Policy::Maxmin);
