@@ -435,7 +435,13 @@ fn capacities(
     let row = inputs.cost.row_bytes();
     // An unlimited budget stays unlimited (not MAX / row), so callers can
     // recognise it.
-    let per = |bytes: u64| if bytes == u64::MAX { u64::MAX } else { bytes.checked_div(row).unwrap_or(u64::MAX) };
+    let per = |bytes: u64| {
+        if bytes == u64::MAX {
+            u64::MAX
+        } else {
+            bytes.checked_div(row).unwrap_or(u64::MAX)
+        }
+    };
     let stat = static_bytes(inputs, placement);
     let mut caps = Vec::with_capacity(inputs.n_ranks());
     for (rank, b) in inputs.budgets.iter().enumerate() {
@@ -605,10 +611,19 @@ impl HallCheck {
             return None;
         }
         let masks = (0..inputs.n_experts())
-            .map(|e| placement.instances(e).iter().fold(0usize, |m, &rank| m | (1 << rank)))
+            .map(|e| {
+                placement
+                    .instances(e)
+                    .iter()
+                    .fold(0usize, |m, &rank| m | (1 << rank))
+            })
             .collect();
         let cap = (0..1usize << r)
-            .map(|m| (0..r).filter(|&i| m & (1 << i) != 0).fold(0u64, |a, i| a.saturating_add(caps[i])))
+            .map(|m| {
+                (0..r)
+                    .filter(|&i| m & (1 << i) != 0)
+                    .fold(0u64, |a, i| a.saturating_add(caps[i]))
+            })
             .collect();
         Some(Self { masks, cap })
     }
@@ -616,7 +631,11 @@ impl HallCheck {
     fn feasible(&self, inputs: &Inputs<'_>, num: u64) -> bool {
         let mut need = vec![0u64; self.cap.len()];
         for (e, &m) in self.masks.iter().enumerate() {
-            need[m] += inputs.counts.iter().map(|row| floor_ratio(row[e], num)).sum::<u64>();
+            need[m] += inputs
+                .counts
+                .iter()
+                .map(|row| floor_ratio(row[e], num))
+                .sum::<u64>();
         }
         // need[M] ← Σ over subsets of M (zeta transform).
         let bits = self.cap.len().trailing_zeros() as usize;
