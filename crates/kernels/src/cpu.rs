@@ -438,6 +438,31 @@ pub fn router_topk_reference(
     Ok((probs, idx, gates))
 }
 
+/// Checks a combine's shapes (`gates` and `row` hold `t · k` entries, `o`
+/// whole rows of `h`, every row index in range or [`DROPPED`]) and returns
+/// `t`.
+pub(crate) fn check_combine(
+    o: &[u16],
+    h: usize,
+    row: &[u32],
+    gates: &[f32],
+    k: usize,
+) -> Result<usize, KernelError> {
+    check("gates", row.len(), gates.len())?;
+    let t = row.len().checked_div(k).unwrap_or(0);
+    check("row", t * k, row.len())?;
+    let rows = o.len().checked_div(h).unwrap_or(0);
+    check("o", rows * h, o.len())?;
+    if let Some(&bad) = row.iter().find(|&&r| r != DROPPED && r as usize >= rows) {
+        return Err(KernelError::Shape {
+            what: "row (out of range)",
+            expected: rows,
+            got: bad as usize,
+        });
+    }
+    Ok(t)
+}
+
 /// CPU twin of `combine_bf16`: `y[t] = Σ_j gates[t, j] · o[row[t, j]]`.
 pub fn combine_bf16_reference(
     o: &[u16],
@@ -446,27 +471,16 @@ pub fn combine_bf16_reference(
     gates: &[f32],
     k: usize,
 ) -> Result<Vec<u16>, KernelError> {
-    check("gates", row.len(), gates.len())?;
-    let t = row.len().checked_div(k).unwrap_or(0);
-    check("row", t * k, row.len())?;
-    let rows = o.len().checked_div(h).unwrap_or(0);
+    let t = check_combine(o, h, row, gates, k)?;
     let mut y = Vec::with_capacity(t * h);
     for r in 0..t {
         for c in 0..h {
             let mut acc = 0f32;
             for j in 0..k {
                 let src = row[r * k + j];
-                if src == DROPPED {
-                    continue;
+                if src != DROPPED {
+                    acc = gates[r * k + j].mul_add(bf16_bits_to_f32(o[src as usize * h + c]), acc);
                 }
-                if src as usize >= rows {
-                    return Err(KernelError::Shape {
-                        what: "row (out of range)",
-                        expected: rows,
-                        got: src as usize,
-                    });
-                }
-                acc = gates[r * k + j].mul_add(bf16_bits_to_f32(o[src as usize * h + c]), acc);
             }
             y.push(f32_to_bf16_bits(acc));
         }

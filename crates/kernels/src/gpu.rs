@@ -723,18 +723,7 @@ mod imp {
             gates: &[f32],
             k: usize,
         ) -> Result<Vec<u16>, KernelError> {
-            check("gates", row.len(), gates.len())?;
-            let t = row.len().checked_div(k).unwrap_or(0);
-            check("row", t * k, row.len())?;
-            let rows = o.len().checked_div(h).unwrap_or(0);
-            check("o", rows * h, o.len())?;
-            if let Some(&bad) = row.iter().find(|&&r| r != u32::MAX && r as usize >= rows) {
-                return Err(KernelError::Shape {
-                    what: "row (out of range)",
-                    expected: rows,
-                    got: bad as usize,
-                });
-            }
+            let t = crate::cpu::check_combine(o, h, row, gates, k)?;
             let (od, rd, gd) = (self.upload(o)?, self.upload(row)?, self.upload(gates)?);
             let mut y = self.poisoned::<u16>(t * h)?;
             if t > 0 && h > 0 {
