@@ -35,6 +35,7 @@
 #![deny(missing_docs)]
 
 pub mod artifacts;
+pub mod comm;
 pub mod cpu;
 pub mod gpu;
 
@@ -44,9 +45,24 @@ pub enum KernelError {
     /// The crate was built without the `cuda` feature.
     #[error("lrmoe was built without CUDA support (rebuild with --features cuda)")]
     NotCompiledWithCuda,
+    /// The crate was built without the `nccl` feature.
+    #[error("lrmoe was built without NCCL support (rebuild with --features nccl)")]
+    NotCompiledWithNccl,
     /// A CUDA driver call or launch failed.
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// An NCCL call failed, or NCCL is missing.
+    #[error("{0}")]
+    Comm(String),
+    /// Peers did not complete a collective within the timeout; the
+    /// communicator was aborted.
+    #[error("rank {rank}: peers did not complete the collective within {timeout_ms} ms (a peer died or hangs); the communicator was aborted")]
+    CommTimeout {
+        /// The waiting rank.
+        rank: usize,
+        /// The configured timeout.
+        timeout_ms: u64,
+    },
     /// A buffer's length does not match the declared shape.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {

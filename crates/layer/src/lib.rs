@@ -53,13 +53,17 @@
 //! ## Not here
 //!
 //! No optimizer, no model around the layer (the top crate has them), no
-//! GPU code (`kernels`), no I/O.
+//! GPU code (`kernels`), no file I/O. [`dist`] has the one network piece:
+//! the TCP rendezvous that hands out the NCCL id, and [`NcclTransport`]
+//! (one process per GPU; NCCL itself lives in `kernels::comm`).
 
 #![deny(missing_docs)]
 
+pub mod dist;
 mod moe;
 pub mod transport;
 
+pub use dist::{DistEnv, DistError, NcclTransport};
 pub use moe::{
     backward, forward, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams,
     Retention, Saved, StageTimes,

@@ -184,6 +184,13 @@ pub struct CallConfig {
     /// `⌈factor · pairs / n_experts⌉` pairs, first come first served; the
     /// rest skip the expert in forward *and* backward. `None`: dropless.
     pub capacity_factor: Option<f64>,
+    /// A forced hot-expert workload (benchmarks): `hot_bias` is added to
+    /// the router logits of experts `0..hot_experts` before the softmax. It
+    /// is a constant, so every gradient formula holds unchanged; 0 and 0.0
+    /// route as the weights say.
+    pub hot_experts: usize,
+    /// The logit bias of the hot experts.
+    pub hot_bias: f64,
 }
 
 impl Default for CallConfig {
@@ -194,6 +201,8 @@ impl Default for CallConfig {
             replica_memory_fraction: 0.25,
             solver: redistribute::Solver::Exact,
             capacity_factor: None,
+            hot_experts: 0,
+            hot_bias: 0.0,
         }
     }
 }
@@ -499,6 +508,18 @@ pub fn forward<T: Real, X: Transport>(
         (n_tok, hd, e_n),
         false,
     )?;
+    if bwd.hot_experts > e_n || !bwd.hot_bias.is_finite() {
+        return Err(LayerError::Config(format!(
+            "hot_experts = {} (of {e_n}) with bias {}",
+            bwd.hot_experts, bwd.hot_bias
+        )));
+    }
+    if bwd.hot_experts > 0 && bwd.hot_bias != 0.0 {
+        let b = T::from_f64(bwd.hot_bias).unwrap_or_else(T::zero);
+        for row in probs.chunks_exact_mut(e_n) {
+            row[..bwd.hot_experts].iter_mut().for_each(|v| *v += b);
+        }
+    }
     softmax_rows(&mut probs, e_n);
     let mut expert_of_pair = vec![0u32; n_tok * k];
     let mut gate = vec![T::zero(); n_tok * k];

@@ -538,3 +538,53 @@ fn capacity_dropping_skips_the_expert_in_forward_and_backward() {
         Err(LayerError::Config(_))
     ));
 }
+
+#[test]
+fn a_hot_expert_bias_skews_routing_and_keeps_gradients_exact() {
+    let cfg = cfg(true);
+    let (params, x, dy) = setup(&cfg, 40, 21);
+    let hot = CallConfig {
+        hot_experts: 1,
+        hot_bias: 3.0,
+        ..CallConfig::default()
+    };
+    let res: Vec<Result<_, LayerError>> = run_local(1, TIMEOUT, |t| {
+        let place = placement(cfg.n_experts, 1);
+        let (_, plain) = forward(t, &cfg, &CallConfig::default(), &params, &place, &x)?;
+        let (_, skewed) = forward(t, &cfg, &hot, &params, &place, &x)?;
+        Ok((plain.plan.routed[0].clone(), skewed.plan.routed[0].clone()))
+    });
+    let (plain, skewed) = res.into_iter().next().unwrap().unwrap();
+    assert_eq!(
+        skewed[0], 40,
+        "every token picks the hot expert: {skewed:?}"
+    );
+    assert!(skewed[0] > plain[0]);
+    // Finite differences through the biased router (f64).
+    let r = run(&cfg, &hot, &params, &x, &dy, 2).unwrap();
+    let loss = |p: &MoeParams<f64>, x: &[f64]| -> f64 {
+        let y = run(&cfg, &hot, p, x, &dy, 1).unwrap().y;
+        y.iter().zip(&dy).map(|(a, b)| a * b).sum()
+    };
+    let eps = 1e-6;
+    for i in [0, 7, 23] {
+        let (mut p1, mut p2) = (params.clone(), params.clone());
+        p1.router[i] += eps;
+        p2.router[i] -= eps;
+        let numeric = (loss(&p1, &x) - loss(&p2, &x)) / (2.0 * eps);
+        assert!((r.grads.router[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()));
+    }
+    for i in [0, 5, 17] {
+        let (mut x1, mut x2) = (x.clone(), x.clone());
+        x1[i] += eps;
+        x2[i] -= eps;
+        let numeric = (loss(&params, &x1) - loss(&params, &x2)) / (2.0 * eps);
+        assert!((r.dx[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()));
+    }
+    let bad = CallConfig {
+        hot_experts: 9,
+        hot_bias: 1.0,
+        ..CallConfig::default()
+    };
+    assert!(run(&cfg, &bad, &params, &x, &dy, 1).is_err());
+}

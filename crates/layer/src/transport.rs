@@ -335,46 +335,98 @@ where
     })
 }
 
+/// The suite every [`Transport`] must pass: the in-process one runs it in
+/// CI, the NCCL one on GPUs (`layer/tests/nccl.rs`). Every rank calls it;
+/// it returns what went wrong instead of panicking, so a failure on one rank
+/// cannot leave its peers waiting.
+pub fn conformance<X: Transport + ?Sized>(t: &X) -> Result<(), String> {
+    let (r, n) = (t.rank(), t.world_size());
+    let fail = |what: String| Err(format!("rank {r}: {what}"));
+    // Rank r sends (r + 1) · d copies of the value 100·r + d to rank d.
+    let mut send = vec![];
+    let mut counts = vec![];
+    for d in 0..n {
+        let c = (r + 1) * d;
+        send.extend(std::iter::repeat_n((100 * r + d) as u32, c));
+        counts.push(c);
+    }
+    let before = t.bytes_sent();
+    let (recv, rc) = all_to_all(t, &send, &counts).map_err(|e| e.to_string())?;
+    let off_rank: usize = (0..n).filter(|&d| d != r).map(|d| counts[d] * 4).sum();
+    if t.bytes_sent() - before != off_rank as u64 {
+        return fail(format!(
+            "bytes_sent grew by {}, expected {off_rank}",
+            t.bytes_sent() - before
+        ));
+    }
+    let mut at = 0;
+    for (s, &c) in rc.iter().enumerate() {
+        if c != (s + 1) * r {
+            return fail(format!(
+                "received {c} elements from {s}, expected {}",
+                (s + 1) * r
+            ));
+        }
+        if !recv[at..at + c].iter().all(|&v| v == (100 * s + r) as u32) {
+            return fail(format!("wrong values from rank {s}"));
+        }
+        at += c;
+    }
+    // Large messages (1 MiB per peer) arrive intact.
+    const BIG: usize = 1 << 18;
+    let big: Vec<u32> = (0..n * (BIG))
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761) ^ r as u32)
+        .collect();
+    let (got, bc) = all_to_all(t, &big, &vec![BIG; n]).map_err(|e| e.to_string())?;
+    for s in 0..n {
+        let part = &got[s * (BIG)..(s + 1) * (BIG)];
+        let ok = bc[s] == BIG
+            && part.iter().enumerate().all(|(j, &v)| {
+                v == ((r * (BIG) + j) as u32).wrapping_mul(2_654_435_761) ^ s as u32
+            });
+        if !ok {
+            return fail(format!("large message from rank {s} corrupted"));
+        }
+    }
+    let g = all_gather(t, &[r as u64, 7]).map_err(|e| e.to_string())?;
+    if g != (0..n).map(|s| vec![s as u64, 7]).collect::<Vec<_>>() {
+        return fail(format!("all-gather gave {g:?}"));
+    }
+    // Ragged all-gather: rank s contributes s bytes.
+    let g = all_gather(t, &vec![r as u8; r]).map_err(|e| e.to_string())?;
+    if g != (0..n).map(|s| vec![s as u8; s]).collect::<Vec<_>>() {
+        return fail("ragged all-gather".into());
+    }
+    let mut buf = vec![r as f64, 1.0];
+    all_reduce_sum(t, &mut buf).map_err(|e| e.to_string())?;
+    if buf != vec![(n * (n - 1) / 2) as f64, n as f64] {
+        return fail(format!("all-reduce gave {buf:?}"));
+    }
+    // Zero-size messages are ordinary.
+    let (recv, rc) = all_to_all::<f32, _>(t, &[], &vec![0; n]).map_err(|e| e.to_string())?;
+    if !recv.is_empty() || rc.iter().any(|&c| c != 0) {
+        return fail("empty all-to-all returned data".into());
+    }
+    // Wrong counts are an error on the caller's side, not a hang.
+    if all_to_all(t, &[1u8, 2], &vec![0; n]).is_ok() {
+        return fail("inconsistent counts were accepted".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    /// The suite every transport must pass (the NCCL one will run it too).
-    pub(crate) fn transport_suite<X: Transport>(t: &X) -> Result<(), TransportError> {
-        let (r, n) = (t.rank(), t.world_size());
-        // Rank r sends (r + 1) · d copies of the value 100·r + d to rank d.
-        let mut send = vec![];
-        let mut counts = vec![];
-        for d in 0..n {
-            let c = (r + 1) * d;
-            send.extend(std::iter::repeat_n((100 * r + d) as u32, c));
-            counts.push(c);
-        }
-        let before = t.bytes_sent();
-        let (recv, rc) = all_to_all(t, &send, &counts)?;
-        let off_rank: usize = (0..n).filter(|&d| d != r).map(|d| counts[d] * 4).sum();
-        assert_eq!(t.bytes_sent() - before, off_rank as u64);
-        let mut at = 0;
-        for (s, &c) in rc.iter().enumerate() {
-            assert_eq!(c, (s + 1) * r);
-            assert!(recv[at..at + c].iter().all(|&v| v == (100 * s + r) as u32));
-            at += c;
-        }
-        let g = all_gather(t, &[r as u64, 7])?;
-        assert_eq!(g, (0..n).map(|s| vec![s as u64, 7]).collect::<Vec<_>>());
-        let mut buf = vec![r as f64, 1.0];
-        all_reduce_sum(t, &mut buf)?;
-        assert_eq!(buf, vec![(n * (n - 1) / 2) as f64, n as f64]);
-        // Zero-size messages are ordinary.
-        let (recv, rc) = all_to_all::<f32, _>(t, &[], &vec![0; n])?;
-        assert!(recv.is_empty() && rc.iter().all(|&c| c == 0));
-        Ok(())
-    }
-
     #[test]
     fn local_transport_passes_the_suite() {
         for n in [1, 2, 3, 8] {
-            let res = run_local(n, Duration::from_secs(10), transport_suite);
+            let res = run_local(n, Duration::from_secs(10), |t| {
+                conformance(t).map_err(|m| TransportError::BadCounts {
+                    rank: t.rank(),
+                    message: m,
+                })
+            });
             assert!(res.iter().all(Result::is_ok), "n = {n}");
         }
     }

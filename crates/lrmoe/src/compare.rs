@@ -1,5 +1,5 @@
-//! `lrmoe train --compare`: full backward, LRMoE and capacity-factor token
-//! dropping trained to the same target validation loss; a table and an SVG
+//! `lrmoe train --compare`: full backward, replication only, LRMoE and
+//! capacity-factor token dropping trained to the same target validation loss; a table and an SVG
 //! plot of validation loss against wall time.
 
 use std::fmt::Write as _;
@@ -24,15 +24,22 @@ struct CompareJson<'a> {
     runs: &'a [TrainSummary],
 }
 
-const MODES: [Mode; 3] = [Mode::Full, Mode::Lrmoe, Mode::Capacity];
+/// The modes a comparison trains unless told otherwise.
+pub const MODES: [Mode; 4] = [Mode::Full, Mode::Replicate, Mode::Lrmoe, Mode::Capacity];
 
-/// Trains each mode into `out_dir/<mode>` and writes `compare.{md,json,svg}`.
-pub fn run(cfg: &TrainConfig, opts: &RunOptions) -> Result<Report, TrainError> {
+/// Trains each of `modes` into `out_dir/<mode>` and writes
+/// `compare.{md,json,svg}`.
+pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Report, TrainError> {
+    if modes.is_empty() {
+        return Err(TrainError::Config(
+            "--compare needs at least one mode".into(),
+        ));
+    }
     let target = cfg.run.target_val_loss.ok_or_else(|| {
         TrainError::Config("--compare needs a target validation loss (--target-val-loss)".into())
     })?;
     let mut runs = Vec::new();
-    for mode in MODES {
+    for &mode in modes {
         let mut c = cfg.clone();
         c.moe.mode = mode;
         c.run.out_dir = cfg.run.out_dir.join(format!("{mode:?}").to_lowercase());
@@ -41,6 +48,12 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions) -> Result<Report, TrainError> {
     }
     let table = table(target, &runs);
     let dir = &cfg.run.out_dir;
+    if !opts.writes() {
+        return Ok(Report {
+            table,
+            files: vec![],
+        });
+    }
     let io = |p: &std::path::Path| {
         let p = p.to_path_buf();
         move |error| TrainError::Io {

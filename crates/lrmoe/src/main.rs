@@ -40,8 +40,14 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2 cores).
+    /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2
+    /// cores). Under `lrmoe launch` each process is one rank and the ranks
+    /// talk over NCCL (needs `--features nccl`).
     Train(TrainArgs),
+    /// Start this node's ranks, one process per GPU, with RANK, WORLD_SIZE,
+    /// LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; e.g.
+    /// `lrmoe launch --nproc 2 -- train --ranks 2`.
+    Launch(LaunchArgs),
     /// Replay routing traces: memory and backward time of fixed ownership,
     /// replication and LRMoE under one per-rank budget.
     Replay(ReplayArgs),
@@ -104,9 +110,44 @@ struct TrainArgs {
     /// validation loss and write a comparison table and plot.
     #[arg(long)]
     compare: bool,
+    /// Modes the comparison trains (comma-separated; default all four).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    modes: Option<Vec<lrmoe::train::Mode>>,
     /// No progress bar.
     #[arg(long)]
     no_progress: bool,
+    /// Launched ranks: seconds a collective (or the rendezvous) may wait for
+    /// its peers before every rank stops with an error.
+    #[arg(long, default_value_t = 300.0)]
+    timeout_s: f64,
+}
+
+#[derive(clap::Args)]
+struct LaunchArgs {
+    /// Processes (GPUs) on this node.
+    #[arg(long)]
+    nproc: usize,
+    /// Nodes in the job.
+    #[arg(long, default_value_t = 1)]
+    nnodes: usize,
+    /// This node's index.
+    #[arg(long, default_value_t = 0)]
+    node_rank: usize,
+    /// Rank 0's host.
+    #[arg(long, default_value = "127.0.0.1")]
+    master_addr: String,
+    /// Rank 0's rendezvous port (default: a free port; required with several nodes).
+    #[arg(long)]
+    master_port: Option<u16>,
+    /// Run this program instead of lrmoe (e.g. a test binary).
+    #[arg(long)]
+    exec: Option<PathBuf>,
+    /// Seconds the other ranks get to stop on their own after one fails.
+    #[arg(long, default_value_t = 10.0)]
+    grace_s: f64,
+    /// Arguments of each rank (after `--`).
+    #[arg(last = true)]
+    args: Vec<String>,
 }
 
 #[derive(clap::Args)]
@@ -272,18 +313,58 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
 }
 
 fn train(a: &TrainArgs) -> anyhow::Result<()> {
-    let cfg = train_config(a)?;
+    let mut cfg = train_config(a)?;
+    let transport = match lrmoe::layer::DistEnv::from_env()? {
+        None => None,
+        Some(env) => {
+            if !(a.timeout_s.is_finite() && a.timeout_s > 0.0) {
+                anyhow::bail!("--timeout-s must be positive");
+            }
+            if a.ranks.is_some_and(|r| r != env.world) {
+                anyhow::bail!(
+                    "--ranks {} disagrees with WORLD_SIZE = {}",
+                    a.ranks.unwrap_or(0),
+                    env.world
+                );
+            }
+            cfg.moe.ranks = env.world;
+            let t =
+                lrmoe::layer::NcclTransport::connect(&env, Duration::from_secs_f64(a.timeout_s))?;
+            tracing::info!(
+                rank = env.rank,
+                world = env.world,
+                gpu = env.local_rank,
+                "NCCL ready"
+            );
+            Some(std::sync::Arc::new(t))
+        }
+    };
+    let rank0 = transport.as_ref().is_none_or(|t| {
+        use lrmoe::layer::Transport;
+        t.rank() == 0
+    });
     let opts = lrmoe::train::RunOptions {
         resume: a.resume,
         progress: !a.no_progress,
+        transport,
     };
     if a.compare {
-        let report = lrmoe::compare::run(&cfg, &opts)?;
+        let modes = a
+            .modes
+            .clone()
+            .unwrap_or_else(|| lrmoe::compare::MODES.to_vec());
+        let report = lrmoe::compare::run(&cfg, &opts, &modes)?;
+        if !rank0 {
+            return Ok(());
+        }
         println!("{}", report.table);
         println!("wrote {}", report.files.join(", "));
         return Ok(());
     }
     let s = lrmoe::train::train(&cfg, &opts)?;
+    if !rank0 {
+        return Ok(());
+    }
     println!(
         "steps {} | validation loss {:.4} nats/token | unigram baseline {:.4} | mean kept fraction {:.3} | {}",
         s.steps,
@@ -311,6 +392,25 @@ enum PolicyArg {
 fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train(&a),
+        Command::Launch(a) => {
+            if !(a.grace_s.is_finite() && a.grace_s >= 0.0) {
+                anyhow::bail!("--grace-s must be a non-negative number");
+            }
+            if a.exec.is_none() && a.args.is_empty() {
+                anyhow::bail!("nothing to launch: give the rank's arguments after `--`, e.g. `lrmoe launch --nproc 2 -- train`");
+            }
+            lrmoe::launch::launch(&lrmoe::launch::LaunchOptions {
+                nproc: a.nproc,
+                nnodes: a.nnodes,
+                node_rank: a.node_rank,
+                master_addr: a.master_addr,
+                master_port: a.master_port,
+                program: a.exec,
+                args: a.args,
+                grace: Duration::from_secs_f64(a.grace_s),
+            })?;
+            Ok(())
+        }
         Command::Replay(a) => replay(&a),
         Command::LayerGrad {
             weights,

@@ -72,6 +72,9 @@ pub enum Mode {
     Lrmoe,
     /// Capacity-factor token dropping in forward and backward (baseline).
     Capacity,
+    /// Replication only: the controller's replicas, every pair kept (the
+    /// SYMI/EPLB-style baseline LRMoE is measured against).
+    Replicate,
 }
 
 /// Model shape (the vocabulary comes from the corpus).
@@ -150,6 +153,11 @@ pub struct MoeSection {
     pub policy: Policy,
     /// Capacity factor (capacity mode).
     pub capacity_factor: f64,
+    /// Forced imbalance (every mode): experts `0..hot_experts` get
+    /// `hot_bias` added to their router logits.
+    pub hot_experts: usize,
+    /// Router logit bias of the hot experts.
+    pub hot_bias: f64,
 }
 
 impl Default for MoeSection {
@@ -161,6 +169,8 @@ impl Default for MoeSection {
             buffer_fraction: 0.6,
             policy: Policy::Maxmin,
             capacity_factor: 1.0,
+            hot_experts: 0,
+            hot_bias: 0.0,
         }
     }
 }
@@ -254,6 +264,12 @@ impl TrainConfig {
         if self.run.eval_every == 0 || self.run.eval_batches == 0 {
             return bad("run.eval_every and run.eval_batches must be positive".into());
         }
+        if self.moe.hot_experts > self.model.n_experts || !self.moe.hot_bias.is_finite() {
+            return bad(format!(
+                "moe.hot_experts = {} must be at most model.n_experts = {} and moe.hot_bias finite",
+                self.moe.hot_experts, self.model.n_experts
+            ));
+        }
         if self.moe.buffer_fraction.is_nan() || self.moe.buffer_fraction <= 0.0 {
             return bad("moe.buffer_fraction must be positive".into());
         }
@@ -320,6 +336,18 @@ pub struct RunOptions {
     pub resume: bool,
     /// Draw a progress bar.
     pub progress: bool,
+    /// This process is one rank of a launched group (`lrmoe launch`): the
+    /// MoE layers and the data-parallel all-reduce run over NCCL, and only
+    /// rank 0 writes metrics and checkpoints. `None`: `moe.ranks`
+    /// in-process ranks.
+    pub transport: Option<std::sync::Arc<layer::NcclTransport>>,
+}
+
+impl RunOptions {
+    /// Whether this process writes the run's files (rank 0).
+    pub fn writes(&self) -> bool {
+        self.transport.as_ref().is_none_or(|t| t.rank() == 0)
+    }
 }
 
 /// Byte and memory model the controller plans with (f32 rows).
@@ -343,11 +371,21 @@ fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<
 }
 
 fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> CallConfig {
+    let base = CallConfig {
+        hot_experts: cfg.moe.hot_experts,
+        hot_bias: cfg.moe.hot_bias,
+        ..CallConfig::default()
+    };
     match cfg.moe.mode {
-        Mode::Full => CallConfig::default(),
+        Mode::Full => base,
         Mode::Capacity => CallConfig {
             capacity_factor: Some(cfg.moe.capacity_factor),
-            ..CallConfig::default()
+            ..base
+        },
+        Mode::Replicate => CallConfig {
+            replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
+            replica_memory_fraction: 1.0,
+            ..base
         },
         Mode::Lrmoe => CallConfig {
             retention: Retention::Budgeted {
@@ -356,7 +394,7 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
             },
             replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
-            ..CallConfig::default()
+            ..base
         },
     }
 }
@@ -577,7 +615,8 @@ fn mean_over_ranks<X: Transport>(comm: &X, x: f64) -> Result<f64, TrainError> {
     Ok(all.iter().map(|v| v[0]).sum::<f64>() / all.len() as f64)
 }
 
-/// Trains with `cfg`; returns rank 0's summary.
+/// Trains with `cfg`; returns rank 0's summary (every launched rank gets
+/// the same figures).
 pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
     cfg.validate()?;
     // Shapes first: a bad config should not wait for the corpus.
@@ -616,16 +655,28 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         unigram_val_loss = unigram,
         "training"
     );
-    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
-    let metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(opts.resume)
-        .write(true)
-        .truncate(!opts.resume)
-        .open(&metrics_path)
-        .map_err(io_err(&metrics_path))?;
-    let metrics = std::sync::Mutex::new(metrics);
     let ranks = cfg.moe.ranks;
+    if let Some(t) = &opts.transport {
+        if t.world_size() != ranks {
+            return Err(TrainError::Config(format!(
+                "moe.ranks = {ranks} but the launched group has {} ranks",
+                t.world_size()
+            )));
+        }
+    }
+    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
+    let metrics = if opts.writes() {
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(opts.resume)
+            .write(true)
+            .truncate(!opts.resume)
+            .open(&metrics_path)
+            .map_err(io_err(&metrics_path))?;
+        Some(std::sync::Mutex::new(f))
+    } else {
+        None
+    };
     let placement = Placement {
         owner: (0..mcfg.n_experts)
             .map(|e| e * ranks / mcfg.n_experts)
@@ -637,7 +688,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         placement: &placement,
         backward: &call,
     };
-    let bar = (opts.progress).then(|| {
+    let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
         b.set_style(
             indicatif::ProgressStyle::with_template(
@@ -649,19 +700,32 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         b
     });
 
-    let results = layer::run_local(ranks, Duration::from_secs(600), |comm| {
-        rank_loop(
-            comm,
+    let results = match &opts.transport {
+        Some(t) => vec![rank_loop(
+            t.as_ref(),
             cfg,
             &mcfg,
             &corpus,
             &run,
             &initial,
-            &metrics,
+            metrics.as_ref(),
             bar.as_ref(),
             &ckpt,
-        )
-    });
+        )],
+        None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
+            rank_loop(
+                comm,
+                cfg,
+                &mcfg,
+                &corpus,
+                &run,
+                &initial,
+                metrics.as_ref(),
+                bar.as_ref(),
+                &ckpt,
+            )
+        }),
+    };
     if let Some(b) = &bar {
         b.finish_and_clear();
     }
@@ -683,7 +747,7 @@ fn rank_loop<X: Transport>(
     corpus: &Corpus,
     run: &MoeRun<'_>,
     initial: &State,
-    metrics: &std::sync::Mutex<File>,
+    metrics: Option<&std::sync::Mutex<File>>,
     bar: Option<&indicatif::ProgressBar>,
     ckpt: &Path,
 ) -> Result<Option<TrainSummary>, TrainError> {
@@ -786,7 +850,7 @@ fn rank_loop<X: Transport>(
         } else {
             None
         };
-        if me == 0 {
+        if let (0, Some(metrics)) = (me, metrics) {
             let m = StepMetrics {
                 step: s.step,
                 loss,
@@ -829,10 +893,9 @@ fn rank_loop<X: Transport>(
             v
         }
     };
-    if me != 0 {
-        return Ok(None);
+    if me == 0 && metrics.is_some() {
+        save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
     }
-    save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
     Ok(Some(TrainSummary {
         mode: cfg.moe.mode,
         steps: s.step,

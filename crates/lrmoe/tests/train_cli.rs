@@ -217,3 +217,66 @@ fn bad_inputs_are_one_line_errors_and_keep_the_good_checkpoint() {
     one_line_error(&stderr, "checkpoint");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn replication_only_and_a_hot_expert_workload_train() {
+    let dir = tmp("replicate");
+    let cfg = tiny_config(&dir, "");
+    let text = std::fs::read_to_string(&cfg).unwrap().replace(
+        "ranks = 2\n",
+        "ranks = 2\nhot_experts = 1\nhot_bias = 2.0\n",
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let (ok, out, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--mode",
+        "replicate",
+        "--no-progress",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("mean kept fraction 1.000"), "{out}");
+    // Bad hot-expert settings are one-line errors.
+    let bad = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("hot_experts = 1", "hot_experts = 9");
+    std::fs::write(&cfg, bad).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(!ok);
+    one_line_error(&err, "hot_experts");
+}
+
+#[test]
+fn launched_ranks_without_nccl_fail_fast_and_name_the_rank() {
+    if lrmoe::kernels::comm::COMPILED {
+        return; // this build has NCCL: the GPU machine runs the real thing
+    }
+    let dir = tmp("launch");
+    let cfg = tiny_config(&dir, "");
+    let start = std::time::Instant::now();
+    let (ok, _, err) = lrmoe(&[
+        "launch",
+        "--nproc",
+        "2",
+        "--grace-s",
+        "5",
+        "--",
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    assert!(!ok);
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    assert!(err.contains("without NCCL support"), "{err}");
+    let last = err.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.starts_with("lrmoe: launch: rank") && last.contains("status 2"),
+        "{err}"
+    );
+    // Nothing to launch, or a mismatched --ranks, are one-line errors.
+    let (ok, _, err) = lrmoe(&["launch", "--nproc", "2"]);
+    assert!(!ok);
+    one_line_error(&err, "nothing to launch");
+}

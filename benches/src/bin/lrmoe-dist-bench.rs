@@ -1,0 +1,117 @@
+//! `lrmoe-dist-bench`: the NCCL transport between GPUs, one process each.
+//!
+//! ```text
+//! lrmoe launch --nproc 2 --exec lrmoe-dist-bench -- [dist-anchors.json]
+//! ```
+//!
+//! where the optional file holds the JSON object printed on the `DIST` line
+//! of `torchrun --nproc_per_node=2 torch_anchors.py`, run in the same call.
+//! Rank 0 prints two tables:
+//!
+//! 1. all-to-all with equal splits (the `all_to_all_single` peer): median
+//!    ms, algorithm bandwidth (buffer bytes / time), ratio to PyTorch;
+//! 2. the LRMoE backward all-to-all on the Qwen3-30B-A3B expert shape
+//!    (16384 tokens × top-8 per rank, hidden 2048, 128 experts, Zipf(0.8)
+//!    expert skew as in the anchors, experts owned in contiguous blocks):
+//!    kept rows `[x | g·δ]` (2 × 2048 bf16) out to the experts' owners and
+//!    `dX` rows (2048 bf16) back, at retention 1.0, 0.5 and 0.25.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use layer::{DistEnv, NcclTransport, Transport};
+
+const EXPERTS: usize = 128;
+const HIDDEN: usize = 2048;
+const PAIRS_PER_RANK: usize = 16384 * 8;
+
+fn zipf_counts(rows: usize) -> Vec<u64> {
+    let w: Vec<f64> = (1..=EXPERTS).map(|i| (i as f64).powf(-0.8)).collect();
+    let s: f64 = w.iter().sum();
+    let mut c: Vec<u64> = w.iter().map(|x| (x / s * rows as f64) as u64).collect();
+    let short = rows as u64 - c.iter().sum::<u64>();
+    c[0] += short;
+    c
+}
+
+fn main() -> anyhow::Result<()> {
+    let anchors: serde_json::Value = match std::env::args().nth(1) {
+        Some(p) => serde_json::from_str(&std::fs::read_to_string(&p)?)?,
+        None => serde_json::Value::Null,
+    };
+    let env = DistEnv::from_env()?.context("run under `lrmoe launch` (WORLD_SIZE is not set)")?;
+    let t = NcclTransport::connect(&env, Duration::from_secs(120))?;
+    let comm = t.comm();
+    let (me, world) = (t.rank(), t.world_size());
+    let say = |s: String| {
+        if me == 0 {
+            println!("{s}");
+        }
+    };
+    say(format!(
+        "NCCL {} all-to-all, {world} ranks, one H200 each (rank 0's medians)\n",
+        kernels::comm::version()?
+    ));
+    say(
+        "| buffer per rank | median ms | algbw GB/s | busbw GB/s | torch algbw GB/s | / torch |"
+            .into(),
+    );
+    say("|---|---|---|---|---|---|".into());
+    for mb in [16usize, 128, 1024] {
+        let bytes = mb << 20;
+        let ms = comm.bench_all_to_all(bytes)?;
+        let alg = bytes as f64 / (ms * 1e-3) / 1e9;
+        let bus = alg * (world - 1) as f64 / world as f64;
+        let peer = anchors
+            .get(format!("a2a_{mb}MB_algbw_GBps"))
+            .and_then(serde_json::Value::as_f64);
+        say(format!(
+            "| {mb} MiB | {ms:.3} | {alg:.1} | {bus:.1} | {} | {} |",
+            peer.map_or("-".into(), |p| format!("{p:.1}")),
+            peer.map_or("-".into(), |p| format!("{:.3}", alg / p)),
+        ));
+    }
+
+    say(format!(
+        "\nLRMoE backward all-to-all, Qwen3-30B-A3B experts ({EXPERTS} experts, hidden {HIDDEN}, {PAIRS_PER_RANK} pairs per rank, Zipf(0.8) skew, experts owned in blocks of {})\n",
+        EXPERTS / world
+    ));
+    say("| retention | kept pairs (all ranks) | rows out MiB (rank 0) | out ms | dX back ms | backward all-to-all ms | / r = 1 |".into());
+    say("|---|---|---|---|---|---|---|".into());
+    let routed = zipf_counts(PAIRS_PER_RANK);
+    let owner = |e: usize| e * world / EXPERTS;
+    let mut base = None;
+    for r in [1.0f64, 0.5, 0.25] {
+        let kept: Vec<u64> = routed
+            .iter()
+            .map(|&n| (n as f64 * r).round() as u64)
+            .collect();
+        // Every source has the same routed counts here, so pairs from s to
+        // d are the kept pairs of d's experts, for every s.
+        let to: Vec<u64> = (0..world)
+            .map(|d| {
+                (0..EXPERTS)
+                    .filter(|&e| owner(e) == d)
+                    .map(|e| kept[e])
+                    .sum()
+            })
+            .collect();
+        let row_out = 2 * HIDDEN * 2;
+        let row_back = HIDDEN * 2;
+        let send_out: Vec<usize> = to.iter().map(|&p| p as usize * row_out).collect();
+        let recv_out: Vec<usize> = (0..world).map(|_| to[me] as usize * row_out).collect();
+        let out_ms = comm.bench_all_to_all_counts(&send_out, &recv_out)?;
+        let send_back: Vec<usize> = (0..world).map(|_| to[me] as usize * row_back).collect();
+        let recv_back: Vec<usize> = to.iter().map(|&p| p as usize * row_back).collect();
+        let back_ms = comm.bench_all_to_all_counts(&send_back, &recv_back)?;
+        let total = out_ms + back_ms;
+        let b = *base.get_or_insert(total);
+        say(format!(
+            "| {r} | {} | {:.1} | {out_ms:.3} | {back_ms:.3} | {total:.3} | {:.3} |",
+            kept.iter().sum::<u64>() * world as u64,
+            send_out.iter().sum::<usize>() as f64 / (1 << 20) as f64,
+            total / b
+        ));
+    }
+    Ok(())
+}

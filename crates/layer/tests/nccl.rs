@@ -1,0 +1,162 @@
+//! The NCCL transport on real GPUs, one process per GPU. Run under the
+//! launcher on a machine with ≥ 2 GPUs (feature `nccl`):
+//!
+//! ```text
+//! LRMOE_NCCL_TESTS=1 lrmoe launch --nproc 2 --exec <this test binary> -- --test-threads=1
+//! ```
+//!
+//! Every rank: (1) the transport conformance suite the in-process transport
+//! passes in CI; (2) the layer's forward + backward at EP = world over NCCL
+//! with replicas, against the same EP run in-process (bit-identical) and,
+//! at full retention, against EP = 1 (f64, relative error ≤ 1e-10);
+//! (3) a peer that leaves: rank 1 exits, rank 0's next collective must fail
+//! within the timeout instead of hanging.
+
+#![cfg(feature = "nccl")]
+#![allow(clippy::unwrap_used)] // test set-up panics by design
+
+use std::time::{Duration, Instant};
+
+use layer::transport::{all_gather, conformance};
+use layer::{
+    backward, forward, run_local, CallConfig, DistEnv, LayerError, MoeConfig, MoeParams,
+    NcclTransport, Retention, Transport,
+};
+use quota::Placement;
+
+fn data(n: usize, seed: u64) -> Vec<f64> {
+    let mut s = seed.wrapping_mul(0x2545_F491_4F6C_DD1D) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s % 20001) as f64 / 10000.0 - 1.0
+        })
+        .collect()
+}
+
+type Out = (Vec<f64>, Vec<f64>, MoeParams<f64>, u64);
+
+fn one_rank<X: Transport>(
+    t: &X,
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    params: &MoeParams<f64>,
+    x: &[f64],
+    dy: &[f64],
+) -> Result<Out, LayerError> {
+    let (r, n) = (t.rank(), t.world_size());
+    let hd = cfg.hidden;
+    let n_tok = x.len() / hd;
+    let place = Placement {
+        owner: (0..cfg.n_experts).map(|e| e * n / cfg.n_experts).collect(),
+        replicas: vec![],
+    };
+    let (lo, hi) = (r * n_tok / n, (r + 1) * n_tok / n);
+    let (y, saved) = forward(t, cfg, call, params, &place, &x[lo * hd..hi * hd])?;
+    let (dx, grads, stats) = backward(t, cfg, call, params, &saved, &dy[lo * hd..hi * hd])?;
+    Ok((y, dx, grads, stats.bytes_sent))
+}
+
+fn flat(p: &MoeParams<f64>) -> Vec<f64> {
+    let mut v = p.router.clone();
+    for e in &p.experts {
+        v.extend(&e.gate);
+        v.extend(&e.up);
+        v.extend(&e.down);
+    }
+    v
+}
+
+fn rel(a: &[f64], b: &[f64]) -> f64 {
+    let n: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+    let d: f64 = b.iter().map(|y| y * y).sum();
+    (n / d.max(1e-300)).sqrt()
+}
+
+#[test]
+fn nccl_transport_suite_gradients_and_a_dead_peer() {
+    if std::env::var("LRMOE_NCCL_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipping: set LRMOE_NCCL_TESTS=1 and run under `lrmoe launch`");
+        return;
+    }
+    let env = DistEnv::from_env()
+        .unwrap()
+        .expect("run under `lrmoe launch` (WORLD_SIZE is not set)");
+    let t = NcclTransport::connect(&env, Duration::from_secs(60)).unwrap();
+    let (me, world) = (t.rank(), t.world_size());
+
+    conformance(&t).unwrap();
+    eprintln!("rank {me}: conformance suite passed over NCCL");
+
+    let cfg = MoeConfig {
+        hidden: 16,
+        ffn: 12,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: true,
+    };
+    let params = MoeParams::<f64>::init(&cfg, 11);
+    let n_tok = 96 * world;
+    let x = data(n_tok * cfg.hidden, 5);
+    let dy = data(n_tok * cfg.hidden, 6);
+    for (retention, slots) in [
+        (Retention::Full, 1),
+        (Retention::Ratio(0.5), 1),
+        (Retention::Ratio(0.25), 0),
+    ] {
+        let call = CallConfig {
+            retention: retention.clone(),
+            replica_slots_per_rank: slots,
+            ..CallConfig::default()
+        };
+        let (y, dx, g, sent) = one_rank(&t, &cfg, &call, &params, &x, &dy).unwrap();
+        // The same EP run in-process: identical bits, identical bytes.
+        let local = run_local(world, Duration::from_secs(60), |lt| {
+            one_rank(lt, &cfg, &call, &params, &x, &dy)
+        });
+        let (ly, ldx, lg, lsent) = local.into_iter().nth(me).unwrap().unwrap();
+        assert_eq!(
+            y, ly,
+            "{retention:?}: forward differs from the in-process run"
+        );
+        assert_eq!(dx, ldx, "{retention:?}: dx differs from the in-process run");
+        assert_eq!(
+            g, lg,
+            "{retention:?}: gradients differ from the in-process run"
+        );
+        assert_eq!(sent, lsent, "{retention:?}: bytes sent differ");
+        // Full retention: every rank's slice and the summed gradients equal
+        // EP = 1 on all tokens.
+        if retention == Retention::Full {
+            let ys = all_gather(&t, &y).unwrap().concat();
+            let dxs = all_gather(&t, &dx).unwrap().concat();
+            let one = run_local(1, Duration::from_secs(60), |lt| {
+                one_rank(lt, &cfg, &call, &params, &x, &dy)
+            });
+            let (y1, dx1, g1, _) = one.into_iter().next().unwrap().unwrap();
+            assert!(rel(&ys, &y1) <= 1e-10, "y: {}", rel(&ys, &y1));
+            assert!(rel(&dxs, &dx1) <= 1e-10, "dx: {}", rel(&dxs, &dx1));
+            assert!(rel(&flat(&g), &flat(&g1)) <= 1e-10, "grads");
+        }
+        eprintln!("rank {me}: {retention:?}: NCCL EP={world} equals in-process (sent {sent} B)");
+    }
+
+    // A peer that leaves: rank 1 returns (its process exits), rank 0 must
+    // get an error within the timeout.
+    let short = NcclTransport::connect(&env, Duration::from_secs(5)).unwrap();
+    all_gather(&short, &[1u8]).unwrap();
+    if me != 0 {
+        return;
+    }
+    let start = Instant::now();
+    let r = all_gather(&short, &vec![0u8; 1 << 20]);
+    let waited = start.elapsed();
+    assert!(r.is_err(), "a collective with a departed peer succeeded");
+    assert!(waited < Duration::from_secs(20), "took {waited:?}");
+    eprintln!(
+        "rank 0: departed peer detected in {waited:?}: {}",
+        r.unwrap_err()
+    );
+}
