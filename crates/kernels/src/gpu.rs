@@ -7,7 +7,6 @@
 //! and bf16) so unwritten elements cannot pass a test, launch, and copy out;
 //! the `bench_*` methods keep data on the device and time with CUDA events.
 
-#[cfg(not(feature = "cuda"))]
 use crate::KernelError;
 
 /// Medians of a device benchmark, milliseconds, with the bytes each moved.
@@ -121,6 +120,28 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_forward_host(
+        &self,
+        _s: &MoeShape,
+        _router: &[u16],
+        _gate: &[u16],
+        _up: &[u16],
+        _down: &[u16],
+        _x: &[u16],
+    ) -> Result<MoeHostForward, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn moe_backward_host(
+        &self,
+        _fwd: &MoeHostForward,
+        _dy: &[u16],
+        _quotas: &[u32],
+    ) -> Result<MoeHostGrads, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn combine_bf16(
         &self,
         _o: &[u16],
@@ -134,7 +155,98 @@ impl Gpu {
 }
 
 #[cfg(feature = "cuda")]
-pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeShape, MoeWeights};
+pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeWeights};
+
+/// Shape of the layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeShape {
+    /// Tokens.
+    pub tokens: usize,
+    /// Width (multiple of 8).
+    pub hidden: usize,
+    /// Expert FFN width (multiple of 8).
+    pub ffn: usize,
+    /// Experts (multiple of 8, at most 1024).
+    pub experts: usize,
+    /// Experts per token (at most 32).
+    pub top_k: usize,
+    /// Renormalise the top-k weights.
+    pub renormalize: bool,
+}
+
+impl MoeShape {
+    /// Rejects shapes the kernels cannot run (see the field docs).
+    pub fn check(&self) -> Result<(), KernelError> {
+        let bad = |what: &'static str, got: usize| {
+            Err(KernelError::Shape {
+                what,
+                expected: 8,
+                got,
+            })
+        };
+        if self.hidden % 8 != 0 || self.hidden == 0 {
+            return bad("hidden (positive multiple of 8)", self.hidden);
+        }
+        if self.ffn % 8 != 0 || self.ffn == 0 {
+            return bad("ffn (positive multiple of 8)", self.ffn);
+        }
+        if self.experts % 8 != 0 || self.experts == 0 || self.experts > 1024 {
+            return bad("experts (multiple of 8, at most 1024)", self.experts);
+        }
+        if self.top_k == 0 || self.top_k > 32 || self.top_k > self.experts {
+            return bad("top_k (1..=32 and at most experts)", self.top_k);
+        }
+        Ok(())
+    }
+    /// Routed pairs, `tokens · top_k`.
+    pub fn pairs(&self) -> usize {
+        self.tokens * self.top_k
+    }
+}
+
+/// A forward on the GPU driven from the host: output and routed counts
+/// copied back, device state kept for the backward.
+pub struct MoeHostForward {
+    /// Output `T × H` (bf16 bits).
+    pub y: Vec<u16>,
+    /// Routed pairs per expert (what the controller plans quotas from).
+    pub counts: Vec<u32>,
+    /// The layer's shape.
+    pub shape: MoeShape,
+    #[cfg(feature = "cuda")]
+    state: Option<Box<(imp::moe::MoeWeights, imp::moe::MoeSaved)>>,
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    state: Option<()>,
+}
+
+impl std::fmt::Debug for MoeHostForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MoeHostForward")
+            .field("shape", &self.shape)
+            .field("counts", &self.counts)
+            .finish()
+    }
+}
+
+/// Gradients of one LRMoE backward on the GPU, copied back (bf16 bits).
+#[derive(Debug, Clone)]
+pub struct MoeHostGrads {
+    /// Input gradient `T × H`.
+    pub dx: Vec<u16>,
+    /// Router gradient `H × E`.
+    pub router: Vec<u16>,
+    /// Gate gradients `E × H × F`.
+    pub gate: Vec<u16>,
+    /// Up gradients `E × H × F`.
+    pub up: Vec<u16>,
+    /// Down gradients `E × F × H`.
+    pub down: Vec<u16>,
+    /// Kept pairs.
+    pub kept_pairs: usize,
+    /// Device memory the backward held at its peak, bytes.
+    pub peak_bytes: u64,
+}
 
 #[cfg(feature = "cuda")]
 mod imp {

@@ -65,8 +65,8 @@ pub mod transport;
 
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use moe::{
-    backward, forward, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams,
-    Retention, Saved, StageTimes,
+    backward, forward, plan_call, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig,
+    MoeParams, Retention, Saved, StageTimes,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

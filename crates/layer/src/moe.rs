@@ -301,8 +301,11 @@ fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
     }
 }
 
-/// The controller's plan from the all-gathered routed counts.
-fn plan_call<T>(
+/// The controller's plan for one call from the all-gathered routed counts
+/// `routed[s][e]`: this call's replicas and backward quotas (what
+/// [`forward`] stores in [`Saved::plan`]). `T` sets the element size of the
+/// cost model. Also used by the GPU layer, whose forward returns the counts.
+pub fn plan_call<T>(
     cfg: &MoeConfig,
     bwd: &CallConfig,
     routed: Vec<Vec<u64>>,

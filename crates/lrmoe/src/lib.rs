@@ -26,6 +26,7 @@ pub use redistribute;
 pub mod compare;
 pub mod data;
 pub mod fsutil;
+pub mod gpu_moe;
 pub mod launch;
 pub mod layer_grad;
 pub mod model;

@@ -120,6 +120,10 @@ struct TrainArgs {
     /// its peers before every rank stops with an error.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
+    /// `cuda`: run the MoE layers on GPU 0 (bf16, one rank; the dense parts
+    /// stay on the CPU; needs `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 #[derive(clap::Args)]
@@ -343,10 +347,21 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
         use lrmoe::layer::Transport;
         t.rank() == 0
     });
+    let gpu = match a.device.as_str() {
+        "cpu" => None,
+        "cuda" => {
+            if a.ranks.is_none() && transport.is_none() {
+                cfg.moe.ranks = 1;
+            }
+            Some(std::sync::Arc::new(lrmoe::kernels::gpu::Gpu::open(0)?))
+        }
+        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
+    };
     let opts = lrmoe::train::RunOptions {
         resume: a.resume,
         progress: !a.no_progress,
         transport,
+        gpu,
     };
     if a.compare {
         let modes = a

@@ -10,7 +10,7 @@
 
 use kernels::cpu::{matmul, Op, Real};
 use layer::transport::all_reduce_sum;
-use layer::{BackwardStats, CallConfig, MoeConfig, MoeParams, Saved, Transport};
+use layer::{BackwardStats, CallConfig, CallPlan, MoeConfig, MoeParams, Saved, Transport};
 use quota::Placement;
 use serde::{Deserialize, Serialize};
 
@@ -301,7 +301,22 @@ struct BlockCache<T> {
     attn: Vec<T>,
     x_mid: Vec<T>,
     inv2: Vec<T>,
-    moe: Saved<T>,
+    moe: MoeState<T>,
+}
+
+/// The MoE layer's saved state: the CPU layer's, or the GPU layer's.
+enum MoeState<T> {
+    Cpu(Saved<T>),
+    Gpu(crate::gpu_moe::GpuSaved),
+}
+
+impl<T> MoeState<T> {
+    fn plan(&self) -> &CallPlan {
+        match self {
+            Self::Cpu(s) => &s.plan,
+            Self::Gpu(g) => &g.plan,
+        }
+    }
 }
 
 /// Activations of one forward, for [`backward`].
@@ -318,9 +333,10 @@ pub struct Cache<T> {
 }
 
 impl<T> Cache<T> {
-    /// The MoE layer's saved state of each block (plans, routing).
-    pub fn moe_saved(&self) -> impl Iterator<Item = &Saved<T>> {
-        self.blocks.iter().map(|b| &b.moe)
+    /// The controller's plan of each block's MoE call (routing, quotas,
+    /// replicas).
+    pub fn moe_plans(&self) -> impl Iterator<Item = &CallPlan> {
+        self.blocks.iter().map(|b| b.moe.plan())
     }
 }
 
@@ -331,6 +347,8 @@ pub struct MoeRun<'a> {
     pub placement: &'a Placement,
     /// Backward planning.
     pub backward: &'a CallConfig,
+    /// Run the MoE layers on this GPU (EP = 1) instead of the CPU layer.
+    pub gpu: Option<&'a kernels::gpu::Gpu>,
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -463,7 +481,22 @@ pub fn forward<T: Real, X: Transport>(
         let mut m = vec![T::zero(); n * d];
         let inv2 = rmsnorm(&x, &b.norm2, &mut m);
         let clock = std::time::Instant::now();
-        let (y, moe) = layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
+        let (y, moe) = match run.gpu {
+            None => {
+                let (y, s) =
+                    layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
+                (y, MoeState::Cpu(s))
+            }
+            Some(gpu) => {
+                if comm.world_size() != 1 {
+                    return Err(ModelError::Config(
+                        "the GPU MoE layer runs on one rank (EP = 1)".into(),
+                    ));
+                }
+                let (y, s) = crate::gpu_moe::forward(gpu, &cfg.moe(), run.backward, &b.moe, &m)?;
+                (y, MoeState::Gpu(s))
+            }
+        };
         moe_seconds += clock.elapsed().as_secs_f64();
         for (xv, yv) in x.iter_mut().zip(&y) {
             *xv += *yv;
@@ -596,8 +629,17 @@ pub fn backward<T: Real, X: Transport>(
         let gb = &mut g.blocks[li];
         // MoE branch: x = x_mid + moe(norm2(x_mid)).
         let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) =
-            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
+        let (dm, moe_grads, st) = match (&c.moe, run.gpu) {
+            (MoeState::Cpu(s), _) => {
+                layer::backward(comm, &cfg.moe(), run.backward, &b.moe, s, &dx)?
+            }
+            (MoeState::Gpu(s), Some(gpu)) => crate::gpu_moe::backward(gpu, &cfg.moe(), s, &dx)?,
+            (MoeState::Gpu(_), None) => {
+                return Err(ModelError::Config(
+                    "a GPU forward needs the GPU for its backward".into(),
+                ))
+            }
+        };
         moe_seconds += clock.elapsed().as_secs_f64();
         gb.moe = moe_grads;
         stats.push(st);
@@ -741,6 +783,7 @@ mod tests {
         let run = MoeRun {
             placement: &placement,
             backward: &bwd,
+            gpu: None,
         };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
@@ -824,6 +867,7 @@ mod tests {
         let run = MoeRun {
             placement: &placement,
             backward: &bwd,
+            gpu: None,
         };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())

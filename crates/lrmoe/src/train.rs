@@ -341,6 +341,8 @@ pub struct RunOptions {
     /// rank 0 writes metrics and checkpoints. `None`: `moe.ranks`
     /// in-process ranks.
     pub transport: Option<std::sync::Arc<layer::NcclTransport>>,
+    /// Run the MoE layers on this GPU (`--device cuda`; one rank, EP = 1).
+    pub gpu: Option<std::sync::Arc<kernels::gpu::Gpu>>,
 }
 
 impl RunOptions {
@@ -573,14 +575,13 @@ struct StepMetrics {
     layers: Vec<LayerMetrics>,
 }
 
-fn layer_metrics<T>(
+fn layer_metrics(
     li: usize,
-    saved: &layer::Saved<T>,
+    plan: &layer::CallPlan,
     stats: &layer::BackwardStats,
     kept_all: u64,
     routed_all: u64,
 ) -> LayerMetrics {
-    let plan = &saved.plan;
     let n_e = plan.placement.owner.len();
     let per_expert: Vec<u64> = (0..n_e)
         .map(|e| plan.routed.iter().map(|r| r[e]).sum())
@@ -684,9 +685,18 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         replicas: vec![],
     };
     let call = call_config(cfg, &mcfg, &placement);
+    if opts.gpu.is_some() {
+        if ranks != 1 || opts.transport.is_some() {
+            return Err(TrainError::Config(format!(
+                "--device cuda runs the MoE layers on one GPU: set moe.ranks = 1 (got {ranks}), and do not launch several ranks"
+            )));
+        }
+        crate::gpu_moe::check(&mcfg.moe(), &call)?;
+    }
     let run = MoeRun {
         placement: &placement,
         backward: &call,
+        gpu: opts.gpu.as_deref(),
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
@@ -810,13 +820,13 @@ fn rank_loop<X: Transport>(
             .collect();
         let totals = all_gather(comm, &kept)?;
         let layers: Vec<LayerMetrics> = cache
-            .moe_saved()
+            .moe_plans()
             .zip(&g.moe_stats)
             .enumerate()
-            .map(|(li, (saved, st))| {
+            .map(|(li, (plan, st))| {
                 let k: u64 = totals.iter().map(|t| t[2 * li]).sum();
                 let n: u64 = totals.iter().map(|t| t[2 * li + 1]).sum();
-                layer_metrics(li, saved, st, k, n)
+                layer_metrics(li, plan, st, k, n)
             })
             .collect();
         for l in &layers {

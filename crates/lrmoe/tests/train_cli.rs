@@ -280,3 +280,30 @@ fn launched_ranks_without_nccl_fail_fast_and_name_the_rank() {
     assert!(!ok);
     one_line_error(&err, "nothing to launch");
 }
+
+#[test]
+fn device_cuda_without_the_feature_is_a_one_line_error() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let dir = tmp("cuda");
+    let cfg = tiny_config(&dir, "");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--device",
+        "cuda",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "without CUDA support");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--device",
+        "tpu",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "expected cpu or cuda");
+}

@@ -18,50 +18,7 @@ use crate::KernelError;
 
 const DROPPED: u32 = u32::MAX;
 
-/// Shape of the layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MoeShape {
-    /// Tokens.
-    pub tokens: usize,
-    /// Width (multiple of 8).
-    pub hidden: usize,
-    /// Expert FFN width (multiple of 8).
-    pub ffn: usize,
-    /// Experts (multiple of 8, at most 1024).
-    pub experts: usize,
-    /// Experts per token (at most 32).
-    pub top_k: usize,
-    /// Renormalise the top-k weights.
-    pub renormalize: bool,
-}
-
-impl MoeShape {
-    fn check(&self) -> Result<(), KernelError> {
-        let bad = |what: &'static str, got: usize| {
-            Err(KernelError::Shape {
-                what,
-                expected: 8,
-                got,
-            })
-        };
-        if self.hidden % 8 != 0 || self.hidden == 0 {
-            return bad("hidden (positive multiple of 8)", self.hidden);
-        }
-        if self.ffn % 8 != 0 || self.ffn == 0 {
-            return bad("ffn (positive multiple of 8)", self.ffn);
-        }
-        if self.experts % 8 != 0 || self.experts == 0 || self.experts > 1024 {
-            return bad("experts (multiple of 8, at most 1024)", self.experts);
-        }
-        if self.top_k == 0 || self.top_k > 32 || self.top_k > self.experts {
-            return bad("top_k (1..=32 and at most experts)", self.top_k);
-        }
-        Ok(())
-    }
-    fn pairs(&self) -> usize {
-        self.tokens * self.top_k
-    }
-}
+use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape};
 
 /// Layer weights on the device, bf16: router `H × E`, gate and up
 /// `E × H × F`, down `E × F × H` (row-major, `x · W`).
@@ -480,6 +437,25 @@ impl Gpu {
                 got: 2,
             });
         }
+        let quotas: Vec<u32> = sv
+            .counts
+            .iter()
+            .map(|&n| ((n as f64) * retention).round() as u32)
+            .collect();
+        self.moe_backward_quotas(s, w, sv, dy, &quotas)
+    }
+
+    /// The LRMoE backward with the controller's per-expert quotas (pairs
+    /// kept per expert; more than routed keeps all).
+    pub fn moe_backward_quotas(
+        &self,
+        s: &MoeShape,
+        w: &MoeWeights,
+        sv: &MoeSaved,
+        dy: &CudaSlice<u16>,
+        quotas: &[u32],
+    ) -> Result<MoeBackward, KernelError> {
+        super::check("quotas", s.experts, quotas.len())?;
         let before = used_bytes()?;
         let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
@@ -547,11 +523,6 @@ impl Gpu {
             unsafe { l.launch(self.elementwise_config(p)) }.map_err(cuda)?;
         }
         // Quotas and selection.
-        let quotas: Vec<u32> = sv
-            .counts
-            .iter()
-            .map(|&n| ((n as f64) * retention).round() as u32)
-            .collect();
         let kept_counts: Vec<u32> = quotas
             .iter()
             .zip(&sv.counts)
@@ -559,7 +530,7 @@ impl Gpu {
             .collect();
         let kbase = exclusive_scan(&kept_counts);
         let kept_total = kbase[e] as usize;
-        let (qd, mut kept) = (self.upload(&quotas)?, self.zeros::<u8>(p)?);
+        let (qd, mut kept) = (self.upload(quotas)?, self.zeros::<u8>(p)?);
         // The selection kernel only ever sets the flag: it must start at 0.
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
         self.launch_select(&scores, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
@@ -740,6 +711,57 @@ impl Gpu {
             up: self.download(&b.up, e * h * f)?,
             down: self.download(&b.down, e * f * h)?,
             kept_pairs: b.kept_pairs,
+        })
+    }
+
+    /// Forward from host data (bf16 bits): the output and the routed counts
+    /// come back; the device state stays in the result for
+    /// [`moe_backward_host`](Self::moe_backward_host).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_forward_host(
+        &self,
+        s: &MoeShape,
+        router: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+        x: &[u16],
+    ) -> Result<MoeHostForward, KernelError> {
+        super::check("x", s.tokens * s.hidden, x.len())?;
+        let w = self.moe_weights(s, router, gate, up, down)?;
+        let sv = self.moe_forward(s, &w, &self.upload(x)?)?;
+        Ok(MoeHostForward {
+            y: self.download(&sv.y, s.tokens * s.hidden)?,
+            counts: sv.counts.clone(),
+            shape: *s,
+            state: Some(Box::new((w, sv))),
+        })
+    }
+
+    /// The LRMoE backward of a [`moe_forward_host`](Self::moe_forward_host)
+    /// with per-expert quotas; the gradients come back as bf16 bits.
+    pub fn moe_backward_host(
+        &self,
+        fwd: &MoeHostForward,
+        dy: &[u16],
+        quotas: &[u32],
+    ) -> Result<MoeHostGrads, KernelError> {
+        let s = &fwd.shape;
+        super::check("dy", s.tokens * s.hidden, dy.len())?;
+        let (w, sv) = fwd
+            .state
+            .as_deref()
+            .ok_or_else(|| KernelError::Cuda("the forward state is gone".into()))?;
+        let b = self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas)?;
+        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
+        Ok(MoeHostGrads {
+            dx: self.download(&b.dx, t * h)?,
+            router: self.download(&b.router, h * e)?,
+            gate: self.download(&b.gate, e * h * f)?,
+            up: self.download(&b.up, e * h * f)?,
+            down: self.download(&b.down, e * f * h)?,
+            kept_pairs: b.kept_pairs,
+            peak_bytes: b.peak_bytes,
         })
     }
 

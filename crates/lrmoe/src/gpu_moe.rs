@@ -1,0 +1,149 @@
+//! The model's MoE layers on one GPU (`lrmoe train --device cuda`).
+//!
+//! Each MoE layer call uploads the layer's weights and input as bf16 (the
+//! model keeps f32 master weights and AdamW state on the host), runs the
+//! CUDA layer (`kernels::gpu::Gpu::moe_forward_host`: router, top-k,
+//! grouped SwiGLU experts, combine — every pair computed), and brings the
+//! output back. The controller plans the call from the routed counts the
+//! forward returns (`layer::plan_call`, the CPU layer's own planner, with
+//! one rank), and the backward runs the GPU's LRMoE backward with those
+//! per-expert quotas (scores, top-q selection, compaction, grouped GEMMs on
+//! kept rows), returning bf16 gradients that become f32 again here.
+//!
+//! Not here: the dense transformer parts (attention, norms, embeddings, LM
+//! head) stay on the CPU; expert parallelism across GPUs (one GPU, EP = 1);
+//! the capacity-factor baseline and the forced hot-expert bias (the GPU
+//! router has neither — both are refused with an error).
+
+use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits, Real};
+use kernels::gpu::{Gpu, MoeHostForward, MoeShape};
+use layer::{BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams};
+use quota::Placement;
+
+use crate::model::ModelError;
+
+fn bits<T: Real>(v: &[T]) -> Vec<u16> {
+    v.iter()
+        .map(|x| f32_to_bf16_bits(x.to_f64().unwrap_or(f64::NAN) as f32))
+        .collect()
+}
+
+fn real<T: Real>(v: &[u16]) -> Vec<T> {
+    v.iter()
+        .map(|&b| T::of(f64::from(bf16_bits_to_f32(b))))
+        .collect()
+}
+
+fn shape(cfg: &MoeConfig, tokens: usize) -> MoeShape {
+    MoeShape {
+        tokens,
+        hidden: cfg.hidden,
+        ffn: cfg.ffn,
+        experts: cfg.n_experts,
+        top_k: cfg.top_k,
+        renormalize: cfg.renormalize,
+    }
+}
+
+/// Refuses what the GPU layer cannot run, before any work.
+pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
+    if call.capacity_factor.is_some() {
+        return Err(ModelError::Config(
+            "the capacity-factor baseline has no GPU path (train it with --device cpu)".into(),
+        ));
+    }
+    if call.hot_experts > 0 && call.hot_bias != 0.0 {
+        return Err(ModelError::Config(
+            "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
+        ));
+    }
+    shape(cfg, 0).check()?;
+    Ok(())
+}
+
+/// What the GPU forward keeps for the backward.
+#[derive(Debug)]
+pub struct GpuSaved {
+    fwd: MoeHostForward,
+    /// The controller's plan for this call (one rank).
+    pub plan: CallPlan,
+}
+
+/// Forward of one MoE layer on the GPU; `x` is `tokens × hidden`.
+pub fn forward<T: Real>(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    p: &MoeParams<T>,
+    x: &[T],
+) -> Result<(Vec<T>, GpuSaved), ModelError> {
+    check(cfg, call)?;
+    let s = shape(cfg, x.len() / cfg.hidden);
+    let cat = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
+        p.experts.iter().flat_map(|e| bits(sel(e))).collect()
+    };
+    let fwd = gpu.moe_forward_host(
+        &s,
+        &bits(&p.router),
+        &cat(|e| &e.gate),
+        &cat(|e| &e.up),
+        &cat(|e| &e.down),
+        &bits(x),
+    )?;
+    let routed = vec![fwd.counts.iter().map(|&c| u64::from(c)).collect()];
+    let placement = Placement {
+        owner: vec![0; cfg.n_experts],
+        replicas: vec![],
+    };
+    let plan = layer::plan_call::<f32>(cfg, call, routed, &placement)?;
+    let y = real(&fwd.y);
+    if y.iter().any(|v: &T| !v.is_finite()) {
+        return Err(ModelError::NonFinite("GPU MoE output"));
+    }
+    Ok((y, GpuSaved { fwd, plan }))
+}
+
+/// LRMoE backward of one MoE layer on the GPU with the plan's quotas.
+pub fn backward<T: Real>(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    saved: &GpuSaved,
+    dy: &[T],
+) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
+    let quotas: Vec<u32> = saved.plan.kept[0]
+        .iter()
+        .map(|&k| u32::try_from(k).unwrap_or(u32::MAX))
+        .collect();
+    let clock = std::time::Instant::now();
+    let g = gpu.moe_backward_host(&saved.fwd, &bits(dy), &quotas)?;
+    let (h, f) = (cfg.hidden, cfg.ffn);
+    let grads = MoeParams {
+        router: real(&g.router),
+        experts: (0..cfg.n_experts)
+            .map(|e| ExpertWeights {
+                gate: real(&g.gate[e * h * f..(e + 1) * h * f]),
+                up: real(&g.up[e * h * f..(e + 1) * h * f]),
+                down: real(&g.down[e * f * h..(e + 1) * f * h]),
+            })
+            .collect(),
+    };
+    let routed: usize = saved.fwd.counts.iter().map(|&c| c as usize).sum();
+    let stats = BackwardStats {
+        routed_pairs: routed,
+        kept_pairs: g.kept_pairs,
+        kept: vec![],
+        scores: vec![],
+        pairs_per_rank: vec![g.kept_pairs as u64],
+        buffer_bytes: g.peak_bytes,
+        bytes_sent: 0,
+        times: layer::StageTimes {
+            gemm: clock.elapsed().as_secs_f64(),
+            ..layer::StageTimes::default()
+        },
+    };
+    let dx = real(&g.dx);
+    if dx.iter().any(|v: &T| !v.is_finite()) {
+        return Err(ModelError::NonFinite("GPU MoE input gradient"));
+    }
+    Ok((dx, grads, stats))
+}
