@@ -20,8 +20,13 @@
 //!   [`cpu`] and a device test. `gpu::MoeShape` / `Gpu::moe_forward` /
 //!   `Gpu::moe_backward` compose them into the MoE layer with the LRMoE
 //!   backward on one GPU (EP = 1), tested against the `layer` crate's CPU
-//!   layer. **Not built yet (issue #4):** training on the GPU
-//!   (`lrmoe train --device cuda`) and expert parallelism across GPUs (#5).
+//!   layer; `Gpu::moe_forward_host` / `moe_backward_host` drive it from
+//!   host slices (how `lrmoe train --device cuda` trains with it).
+//!   **Not built yet:** an expert-parallel GPU layer (the layer here is
+//!   EP = 1; multi-GPU runs move the CPU layer's rows over NCCL).
+//! * [`comm`] — NCCL collectives between processes, one GPU each (feature
+//!   `nccl`): variable all-to-all, all-gather, all-reduce, every wait with a
+//!   deadline.
 //!
 //! ## Invariants
 //!

@@ -1,12 +1,21 @@
 //! # lrmoe — the top crate
 //!
 //! Re-exports the pipeline crates under one name and holds what composes
-//! them for a user: the `lrmoe` binary and its commands. Today that is
-//! [`plan`] — read a planning problem (routed counts with budgets, or kept
-//! counts), run the controller (`quota`) when asked, then the redistribution
-//! (`redistribute`), and return one JSON-serialisable [`plan::PlanReport`].
+//! them for a user: the `lrmoe` binary and its commands —
 //!
-//! The JSON schemas are documented in `docs/formats.md`, with examples under
+//! * [`plan`]: a planning problem → controller → redistribution → one
+//!   JSON-serialisable [`plan::PlanReport`];
+//! * [`model`], [`optim`], [`data`], [`train`], [`compare`]: the MoE
+//!   transformer LM (CPU dense parts; MoE layers on the CPU layer over a
+//!   transport, or on one GPU through [`gpu_moe`]), AdamW, the corpus, the
+//!   training loop (in-process ranks, or one NCCL rank per launched
+//!   process) and the time-to-target comparison;
+//! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
+//! * [`replay`], [`layer_grad`]: trace replay and one layer's gradients;
+//! * [`tensorfile`], [`svgplot`], [`fsutil`]: safetensors, plots, atomic
+//!   writes.
+//!
+//! File formats are documented in `docs/formats.md`, with examples under
 //! `examples/`.
 //!
 //! ## Not here
