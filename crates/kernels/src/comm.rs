@@ -308,6 +308,44 @@ mod imp {
         )
     }
 
+    type P2p = unsafe fn(
+        *const std::ffi::c_void,
+        usize,
+        sys::ncclDataType_t,
+        i32,
+        sys::ncclComm_t,
+        sys::cudaStream_t,
+    ) -> sys::ncclResult_t;
+
+    /// One `ncclSend` or `ncclRecv` of `count` bytes at device address
+    /// `ptr`; zero bytes enqueue nothing.
+    ///
+    /// # Safety
+    /// `ptr .. ptr + count` lies in a live device buffer; `comm` is live.
+    unsafe fn p2p(
+        op: P2p,
+        ptr: u64,
+        count: usize,
+        peer: usize,
+        comm: sys::ncclComm_t,
+        stream: sys::cudaStream_t,
+    ) -> sys::ncclResult_t {
+        if count == 0 {
+            return sys::ncclResult_t::ncclSuccess;
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            op(
+                ptr as *const std::ffi::c_void,
+                count,
+                sys::ncclDataType_t::ncclUint8,
+                peer as i32,
+                comm,
+                stream,
+            )
+        }
+    }
+
     struct SendComm(sys::ncclComm_t);
     // SAFETY: handed from the set-up thread to its owner exactly once.
     unsafe impl Send for SendComm {}
@@ -615,37 +653,23 @@ mod imp {
                     // Self included: NCCL copies it inside the same kernel,
                     // overlapped with the remote transfers.
                     let (sc, rc) = (send_counts[peer], recv_counts[peer]);
-                    if sc > 0 {
-                        // SAFETY: in-bounds range of a live device buffer.
-                        let r = unsafe {
-                            sys::ncclSend(
-                                (sp + so as u64) as *const std::ffi::c_void,
-                                sc,
-                                sys::ncclDataType_t::ncclUint8,
-                                peer as i32,
-                                comm,
-                                st,
-                            )
-                        };
-                        if !ok(r) {
-                            return r;
-                        }
+                    // SAFETY: in-bounds ranges of live device buffers.
+                    let r = unsafe { p2p(sys::ncclSend, sp + so as u64, sc, peer, comm, st) };
+                    if !ok(r) {
+                        return r;
                     }
-                    if rc > 0 {
-                        // SAFETY: as above.
-                        let r = unsafe {
-                            sys::ncclRecv(
-                                (rp + ro as u64) as *mut std::ffi::c_void,
-                                rc,
-                                sys::ncclDataType_t::ncclUint8,
-                                peer as i32,
-                                comm,
-                                st,
-                            )
-                        };
-                        if !ok(r) {
-                            return r;
-                        }
+                    let r = unsafe {
+                        p2p(
+                            |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),
+                            rp + ro as u64,
+                            rc,
+                            peer,
+                            comm,
+                            st,
+                        )
+                    };
+                    if !ok(r) {
+                        return r;
                     }
                     so += sc;
                     ro += rc;

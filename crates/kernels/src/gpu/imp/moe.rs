@@ -66,6 +66,21 @@ pub struct MoeBackward {
     pub peak_bytes: u64,
 }
 
+/// Quotas `round(r · n_e)` of a uniform retention `r ∈ [0, 1]`.
+fn quotas_for(counts: &[u32], retention: f64) -> Result<Vec<u32>, KernelError> {
+    if !(0.0..=1.0).contains(&retention) {
+        return Err(KernelError::Shape {
+            what: "retention (in [0, 1])",
+            expected: 1,
+            got: 2,
+        });
+    }
+    Ok(counts
+        .iter()
+        .map(|&n| ((n as f64) * retention).round() as u32)
+        .collect())
+}
+
 fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
     let mut v = Vec::with_capacity(counts.len() + 1);
     let mut s = 0u32;
@@ -430,18 +445,7 @@ impl Gpu {
         dy: &CudaSlice<u16>,
         retention: f64,
     ) -> Result<MoeBackward, KernelError> {
-        if !(0.0..=1.0).contains(&retention) {
-            return Err(KernelError::Shape {
-                what: "retention (in [0, 1])",
-                expected: 1,
-                got: 2,
-            });
-        }
-        let quotas: Vec<u32> = sv
-            .counts
-            .iter()
-            .map(|&n| ((n as f64) * retention).round() as u32)
-            .collect();
+        let quotas = quotas_for(&sv.counts, retention)?;
         self.moe_backward_quotas(s, w, sv, dy, &quotas)
     }
 
@@ -696,21 +700,18 @@ impl Gpu {
         dy: &[u16],
         retention: f64,
     ) -> Result<MoeHostResult, KernelError> {
-        super::check("x", s.tokens * s.hidden, x.len())?;
         super::check("dy", s.tokens * s.hidden, dy.len())?;
-        let w = self.moe_weights(s, router, gate, up, down)?;
-        let (xd, dyd) = (self.upload(x)?, self.upload(dy)?);
-        let sv = self.moe_forward(s, &w, &xd)?;
-        let b = self.moe_backward(s, &w, &sv, &dyd, retention)?;
-        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
+        let fwd = self.moe_forward_host(s, router, gate, up, down, x)?;
+        let quotas = quotas_for(&fwd.counts, retention)?;
+        let g = self.moe_backward_host(&fwd, dy, &quotas)?;
         Ok(MoeHostResult {
-            y: self.download(&sv.y, t * h)?,
-            dx: self.download(&b.dx, t * h)?,
-            router: self.download(&b.router, h * e)?,
-            gate: self.download(&b.gate, e * h * f)?,
-            up: self.download(&b.up, e * h * f)?,
-            down: self.download(&b.down, e * f * h)?,
-            kept_pairs: b.kept_pairs,
+            y: fwd.y,
+            dx: g.dx,
+            router: g.router,
+            gate: g.gate,
+            up: g.up,
+            down: g.down,
+            kept_pairs: g.kept_pairs,
         })
     }
 
