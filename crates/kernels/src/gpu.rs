@@ -244,8 +244,9 @@ pub struct MoeHostGrads {
     pub down: Vec<u16>,
     /// Kept pairs.
     pub kept_pairs: usize,
-    /// Device memory the backward held at its peak, bytes.
-    pub peak_bytes: u64,
+    /// Bytes of the backward's kept-row buffers: kept pairs × the `[x | g·δ]`
+    /// row (`2 · hidden` bf16), the compacted rows it gathers and exchanges.
+    pub kept_row_bytes: u64,
 }
 
 #[cfg(feature = "cuda")]

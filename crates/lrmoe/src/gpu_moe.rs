@@ -134,7 +134,7 @@ pub fn backward<T: Real>(
         kept: vec![],
         scores: vec![],
         pairs_per_rank: vec![g.kept_pairs as u64],
-        buffer_bytes: g.peak_bytes,
+        buffer_bytes: g.kept_row_bytes,
         bytes_sent: 0,
         times: layer::StageTimes {
             gemm: clock.elapsed().as_secs_f64(),

@@ -446,11 +446,14 @@ impl Gpu {
         retention: f64,
     ) -> Result<MoeBackward, KernelError> {
         let quotas = quotas_for(&sv.counts, retention)?;
-        self.moe_backward_quotas(s, w, sv, dy, &quotas)
+        self.moe_backward_quotas(s, w, sv, dy, &quotas, true)
     }
 
     /// The LRMoE backward with the controller's per-expert quotas (pairs
-    /// kept per expert; more than routed keeps all).
+    /// kept per expert; more than routed keeps all). With `measure_memory`
+    /// the device memory in use is read (`cuMemGetInfo`) before and after,
+    /// for [`MoeBackward::peak_bytes`]; without, that field is 0 and the
+    /// call skips two driver queries the GPU waits on.
     pub fn moe_backward_quotas(
         &self,
         s: &MoeShape,
@@ -458,9 +461,10 @@ impl Gpu {
         sv: &MoeSaved,
         dy: &CudaSlice<u16>,
         quotas: &[u32],
+        measure_memory: bool,
     ) -> Result<MoeBackward, KernelError> {
         super::check("quotas", s.experts, quotas.len())?;
-        let before = used_bytes()?;
+        let before = if measure_memory { used_bytes()? } else { 0 };
         let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
@@ -635,8 +639,12 @@ impl Gpu {
         let row_k = self.gather32(&dstk, &sv.dst, p)?;
         let dx_experts = self.combine_dev(&dxk, &row_k, None, s)?;
         let dx = self.add(&dx_router, &dx_experts, t * h)?;
-        self.stream.synchronize().map_err(cuda)?;
-        let peak_bytes = used_bytes()?.saturating_sub(before);
+        let peak_bytes = if measure_memory {
+            self.stream.synchronize().map_err(cuda)?;
+            used_bytes()?.saturating_sub(before)
+        } else {
+            0
+        };
         if self.download(&err, 1)?[0] != 0 {
             return Err(KernelError::Cuda(
                 "moe_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
@@ -753,7 +761,7 @@ impl Gpu {
             .state
             .as_deref()
             .ok_or_else(|| KernelError::Cuda("the forward state is gone".into()))?;
-        let b = self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas)?;
+        let b = self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas, false)?;
         let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
         Ok(MoeHostGrads {
             dx: self.download(&b.dx, t * h)?,
@@ -762,7 +770,7 @@ impl Gpu {
             up: self.download(&b.up, e * h * f)?,
             down: self.download(&b.down, e * f * h)?,
             kept_pairs: b.kept_pairs,
-            peak_bytes: b.peak_bytes,
+            kept_row_bytes: (b.kept_pairs * 2 * s.hidden * 2) as u64,
         })
     }
 
@@ -793,8 +801,13 @@ impl Gpu {
         let sv = self.moe_forward(s, &w, &x)?;
         let mut rows = Vec::new();
         for &r in retentions {
+            // One call reads the memory; the timed calls skip that probe.
             let last = self.moe_backward(s, &w, &sv, &dy, r)?;
-            let ms = self.time(10, || self.moe_backward(s, &w, &sv, &dy, r).map(|_| ()))?;
+            let quotas = quotas_for(&sv.counts, r)?;
+            let ms = self.time(10, || {
+                self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, false)
+                    .map(|_| ())
+            })?;
             rows.push(MoeBenchRow {
                 retention: r,
                 backward_ms: ms,
