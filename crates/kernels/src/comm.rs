@@ -19,7 +19,7 @@
 //!   send/receive pair too, so NCCL overlaps it with the remote transfers),
 //!   sum all-reduce of `f32`, all-gather of bytes;
 //! * host convenience used by the `layer` transport: the same collectives on
-//!   host byte slices (staged through device buffers), where receive sizes are
+//!   host slices (staged through device buffers), where receive sizes are
 //!   learned with an all-gather of the send counts first;
 //! * `bench_all_to_all`: the bandwidth peer of `torch.distributed`'s
 //!   `all_to_all_single` (equal splits, CUDA events, median of 20 after 3
@@ -89,6 +89,10 @@ impl NcclComm {
     }
     /// See the NCCL build.
     pub fn all_gather_host(&self, _local: &[u8]) -> Result<Vec<Vec<u8>>, KernelError> {
+        Err(KernelError::NotCompiledWithNccl)
+    }
+    /// See the NCCL build.
+    pub fn all_reduce_sum_f32_host(&self, _buf: &mut [f32]) -> Result<(), KernelError> {
         Err(KernelError::NotCompiledWithNccl)
     }
     /// See the NCCL build.
@@ -775,6 +779,19 @@ mod imp {
                 .map_err(cuda)?;
             self.all_gather(&send, &mut recv)?;
             self.download(&recv, local.len() * self.world)
+        }
+
+        /// Host sum all-reduce of `f32` through NCCL's all-reduce (every
+        /// rank gets the same bits).
+        pub fn all_reduce_sum_f32_host(&self, buf: &mut [f32]) -> Result<(), KernelError> {
+            if buf.is_empty() {
+                return Ok(());
+            }
+            let mut dev = self.stream.clone_htod(buf).map_err(cuda)?;
+            self.all_reduce_sum_f32(&mut dev)?;
+            self.synchronize()?;
+            self.stream.memcpy_dtoh(&dev, buf).map_err(cuda)?;
+            self.stream.synchronize().map_err(cuda)
         }
 
         /// Host variable all-to-all: the receive counts are learned with an

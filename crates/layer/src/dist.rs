@@ -372,6 +372,12 @@ impl Transport for NcclTransport {
     fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
     }
+
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), TransportError> {
+        self.comm
+            .all_reduce_sum_f32_host(buf)
+            .map_err(|e| self.map(e))
+    }
 }
 
 #[cfg(test)]

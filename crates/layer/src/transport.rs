@@ -57,6 +57,11 @@ pub trait Transport: Sync {
     fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, TransportError>;
     /// Bytes this rank has sent to *other* ranks so far.
     fn bytes_sent(&self) -> u64;
+    /// Element-wise sum of `buf` over all ranks, the same bits on every
+    /// rank. The default all-gathers and sums in rank order.
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), TransportError> {
+        sum_by_gather(self, buf)
+    }
 }
 
 /// Typed variable all-to-all: `counts` are in elements.
@@ -91,8 +96,10 @@ pub fn all_gather<T: bytemuck::Pod, X: Transport + ?Sized>(
         .collect())
 }
 
-/// Sums `buf` element-wise over all ranks, in rank order (so every rank gets
-/// bit-identical results).
+/// Sums `buf` element-wise over all ranks; every rank gets bit-identical
+/// results. `f32` goes through [`Transport::all_reduce_sum_f32`] (NCCL's
+/// all-reduce on the NCCL transport); other types are all-gathered and
+/// summed in rank order.
 pub fn all_reduce_sum<T: Real, X: Transport + ?Sized>(
     comm: &X,
     buf: &mut [T],
@@ -100,6 +107,17 @@ pub fn all_reduce_sum<T: Real, X: Transport + ?Sized>(
     if comm.world_size() == 1 {
         return Ok(());
     }
+    if std::any::TypeId::of::<T>() == std::any::TypeId::of::<f32>() {
+        return comm.all_reduce_sum_f32(bytemuck::cast_slice_mut(buf));
+    }
+    sum_by_gather(comm, buf)
+}
+
+/// The portable all-reduce: all-gather, then a sum in rank order.
+pub fn sum_by_gather<T: Real, X: Transport + ?Sized>(
+    comm: &X,
+    buf: &mut [T],
+) -> Result<(), TransportError> {
     let all = all_gather(comm, buf)?;
     buf.fill(T::zero());
     for part in &all {
@@ -401,6 +419,18 @@ pub fn conformance<X: Transport + ?Sized>(t: &X) -> Result<(), String> {
     all_reduce_sum(t, &mut buf).map_err(|e| e.to_string())?;
     if buf != vec![(n * (n - 1) / 2) as f64, n as f64] {
         return fail(format!("all-reduce gave {buf:?}"));
+    }
+    // f32 (the transport's own all-reduce), 1 Mi elements of small integers
+    // so any summation order gives the same exact answer.
+    let mut buf: Vec<f32> = (0..1 << 20).map(|i| ((i % 7) * (r + 1)) as f32).collect();
+    all_reduce_sum(t, &mut buf).map_err(|e| e.to_string())?;
+    let total = (n * (n + 1) / 2) as f32;
+    if buf
+        .iter()
+        .enumerate()
+        .any(|(i, &v)| v != (i % 7) as f32 * total)
+    {
+        return fail("f32 all-reduce".into());
     }
     // Zero-size messages are ordinary.
     let (recv, rc) = all_to_all::<f32, _>(t, &[], &vec![0; n]).map_err(|e| e.to_string())?;
