@@ -15,13 +15,18 @@
 //! 2. The controller (`quota`) fixes this call's replicas and backward
 //!    quotas `k[s][e]` from the counts ([`Retention`]); they hold for the
 //!    whole call and are stored in [`Saved`].
-//! 3. Every routed pair is dispatched (pairs spread over instances by
+//! 3. The replica plan is executed: each owner sends the weights of every
+//!    replicated expert to the replica's rank, which computes with that copy
+//!    (in this call's forward and backward) — a rank never reads its own
+//!    copy of an expert it neither owns nor received.
+//! 4. Every routed pair is dispatched (pairs spread over instances by
 //!    `redistribute`'s exact solver), computed, and its output row `o` and
 //!    the squared norm `‖h‖²` of the down projection's input returned to the
 //!    source, which combines `y`.
 //!
 //! The source keeps `x`, the router state, `o` and `‖h‖²` per pair. Expert
-//! instances keep nothing: the backward recomputes `a = x·W_gate`,
+//! instances keep only the replica weights they received: the backward
+//! recomputes `a = x·W_gate`,
 //! `b = x·W_up`, `h = silu(a)⊙b` for the kept pairs only.
 //!
 //! ## Backward ([`backward`]) — in the LRMoE order
@@ -38,6 +43,10 @@
 //!    per-expert blocks (`pack`), exchange only those, regroup per expert,
 //!    run the expert GEMMs (recompute, `dW_down`, `dW_gate`, `dW_up`, `dX`)
 //!    on the compacted rows, return `dX` rows and scatter-add them.
+//! 6. Gradients: each replica's expert gradients go to the expert's owner and
+//!    are summed there; the owners' sums are then all-gathered (the model
+//!    around the layer keeps every expert on every rank) and the router's
+//!    gradient is all-reduced (data parallel).
 //!
 //! **What a dropped pair loses:** its contribution to its expert's three
 //! weight gradients, and its input gradient through that expert (`dX` of the

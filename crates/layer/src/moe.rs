@@ -6,7 +6,7 @@ use kernels::cpu::{matmul, swiglu, swiglu_backward, Op, Real};
 use quota::{CostModel, Placement, Policy, RankBudget};
 use serde::Serialize;
 
-use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport};
+use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport, TransportError};
 use crate::LayerError;
 
 /// Shape of the layer.
@@ -230,6 +230,9 @@ pub struct Saved<T> {
     gate: Vec<T>,
     out: Vec<T>,
     h_sq: Vec<T>,
+    /// Weights of the experts this rank hosts a replica of in this call,
+    /// received from their owners (`None` elsewhere).
+    replicas: Vec<Option<ExpertWeights<T>>>,
     /// The call's plan.
     pub plan: CallPlan,
 }
@@ -468,6 +471,140 @@ fn top_k<T: Real>(row: &[T], k: usize, out: &mut [u32]) {
     out.copy_from_slice(&idx[..k]);
 }
 
+/// The `(expert, replica rank)` pairs of a placement, in expert order.
+fn replica_pairs(placement: &Placement) -> Vec<(usize, usize)> {
+    let mut v: Vec<(usize, usize)> = placement
+        .replicas
+        .iter()
+        .enumerate()
+        .flat_map(|(e, rs)| rs.iter().map(move |&r| (e, r)))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+fn flat<T: Real>(w: &ExpertWeights<T>) -> impl Iterator<Item = T> + '_ {
+    w.gate.iter().chain(&w.up).chain(&w.down).copied()
+}
+
+fn unflat<T: Real>(cfg: &MoeConfig, v: &[T]) -> ExpertWeights<T> {
+    let hf = cfg.hidden * cfg.ffn;
+    ExpertWeights {
+        gate: v[..hf].to_vec(),
+        up: v[hf..2 * hf].to_vec(),
+        down: v[2 * hf..3 * hf].to_vec(),
+    }
+}
+
+/// Executes the call's replica plan: every owner sends the weights of each
+/// replicated expert to the replica's rank. Returns, per expert, the copy
+/// this rank received (the instance computes with it in forward and
+/// backward), `None` where this rank hosts no replica.
+fn copy_replicas<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &MoeConfig,
+    placement: &Placement,
+    params: &MoeParams<T>,
+) -> Result<Vec<Option<ExpertWeights<T>>>, LayerError> {
+    let (me, n) = (comm.rank(), comm.world_size());
+    let pairs = replica_pairs(placement);
+    let mut out = vec![None; cfg.n_experts];
+    if pairs.is_empty() {
+        return Ok(out);
+    }
+    let size = 3 * cfg.hidden * cfg.ffn;
+    let mut send = Vec::new();
+    let mut counts = vec![0usize; n];
+    for (d, count) in counts.iter_mut().enumerate() {
+        for &(e, r) in &pairs {
+            if r == d && placement.owner[e] == me {
+                send.extend(flat(&params.experts[e]));
+                *count += size;
+            }
+        }
+    }
+    let (recv, _) = all_to_all(comm, &send, &counts)?;
+    let mut at = 0;
+    for s in 0..n {
+        for &(e, r) in &pairs {
+            if r == me && placement.owner[e] == s {
+                out[e] = Some(unflat(cfg, &recv[at..at + size]));
+                at += size;
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Sums the expert gradients into their owners — each replica's gradient
+/// goes to its expert's owner — then hands every rank the owners' sums (the
+/// model keeps every expert on every rank), and all-reduces the router's.
+fn reduce_gradients<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &MoeConfig,
+    placement: &Placement,
+    grads: &mut MoeParams<T>,
+) -> Result<(), LayerError> {
+    let (me, n) = (comm.rank(), comm.world_size());
+    all_reduce_sum(comm, &mut grads.router)?;
+    if n == 1 {
+        return Ok(());
+    }
+    let size = 3 * cfg.hidden * cfg.ffn;
+    let pairs = replica_pairs(placement);
+    // Replica gradients to the owners.
+    let mut send = Vec::new();
+    let mut counts = vec![0usize; n];
+    for (d, count) in counts.iter_mut().enumerate() {
+        for &(e, r) in &pairs {
+            if r == me && placement.owner[e] == d {
+                send.extend(flat(&grads.experts[e]));
+                *count += size;
+            }
+        }
+    }
+    let (recv, _) = all_to_all(comm, &send, &counts)?;
+    let mut at = 0;
+    for s in 0..n {
+        for &(e, r) in &pairs {
+            if r == s && placement.owner[e] == me {
+                let add = &recv[at..at + size];
+                let g = &mut grads.experts[e];
+                let hf = cfg.hidden * cfg.ffn;
+                for (dst, src) in [
+                    (&mut g.gate, &add[..hf]),
+                    (&mut g.up, &add[hf..2 * hf]),
+                    (&mut g.down, &add[2 * hf..]),
+                ] {
+                    dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
+                }
+                at += size;
+            }
+        }
+    }
+    // The owners' sums to every rank.
+    let owned = |s: usize| (0..cfg.n_experts).filter(move |&e| placement.owner[e] == s);
+    let mine: Vec<T> = owned(me).flat_map(|e| flat(&grads.experts[e])).collect();
+    let all = all_gather(comm, &mine)?;
+    for (s, part) in all.iter().enumerate() {
+        let experts: Vec<usize> = owned(s).collect();
+        if part.len() != experts.len() * size {
+            return Err(LayerError::Transport(TransportError::BadCounts {
+                rank: me,
+                message: format!(
+                    "rank {s} sent {} gradient values for {} owned experts",
+                    part.len(),
+                    experts.len()
+                ),
+            }));
+        }
+        for (i, &e) in experts.iter().enumerate() {
+            grads.experts[e] = unflat(cfg, &part[i * size..(i + 1) * size]);
+        }
+    }
+    Ok(())
+}
+
 /// Runs the layer forward on this rank's tokens `x` (`n_tokens × hidden`).
 /// `placement` gives the experts' owners (and standing replicas).
 pub fn forward<T: Real, X: Transport>(
@@ -547,6 +684,8 @@ pub fn forward<T: Real, X: Transport>(
     }
     let routed = all_gather(comm, &local)?;
     let plan = plan_call::<T>(cfg, bwd, routed, placement)?;
+    let replicas = copy_replicas(comm, cfg, &plan.placement, params)?;
+    let weights = |e: usize| replicas[e].as_ref().unwrap_or(&params.experts[e]);
 
     // Dispatch every pair, spread over instances.
     let problem = redistribute::Problem {
@@ -576,13 +715,13 @@ pub fn forward<T: Real, X: Transport>(
             continue;
         }
         let xe = &grouped[start * hd..(start + rows) * hd];
-        let (_, _, hmat) = expert_hidden(cfg, &params.experts[e], xe)?;
+        let (_, _, hmat) = expert_hidden(cfg, weights(e), xe)?;
         let mut o = vec![T::zero(); rows * hd];
         matmul(
             &mut o,
             &hmat,
             Op::N,
-            &params.experts[e].down,
+            &weights(e).down,
             Op::N,
             (rows, cfg.ffn, hd),
             false,
@@ -629,6 +768,7 @@ pub fn forward<T: Real, X: Transport>(
             gate,
             out,
             h_sq,
+            replicas,
             plan,
         },
     ))
@@ -855,7 +995,7 @@ pub fn backward<T: Real, X: Transport>(
             continue;
         }
         largest = largest.max(rows);
-        let w = &params.experts[e];
+        let w = saved.replicas[e].as_ref().unwrap_or(&params.experts[e]);
         let g = &mut grads.experts[e];
         let xe = &xs[start * hd..(start + rows) * hd];
         let doe = &dos[start * hd..(start + rows) * hd];
@@ -898,11 +1038,10 @@ pub fn backward<T: Real, X: Transport>(
     }
     times.pack += clock.elapsed().as_secs_f64();
 
-    // Replica and data-parallel gradients summed into every rank.
+    // Replica gradients summed into their owners, the owners' sums to every
+    // rank; the router's all-reduced (data parallel).
     let clock = Instant::now();
-    for (_, t) in grads.tensors_mut() {
-        all_reduce_sum(comm, t)?;
-    }
+    reduce_gradients(comm, cfg, &saved.plan.placement, &mut grads)?;
     times.reduce = clock.elapsed().as_secs_f64();
 
     let n_sent = send_plan.packed_rows() as u64;

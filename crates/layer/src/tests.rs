@@ -588,3 +588,75 @@ fn a_hot_expert_bias_skews_routing_and_keeps_gradients_exact() {
     };
     assert!(run(&cfg, &bad, &params, &x, &dy, 1).is_err());
 }
+
+#[test]
+fn replicas_compute_with_the_owners_weights_copied_to_them() {
+    // Each rank's copies of the experts it does not own are garbage: a
+    // correct layer never reads them — replicas get the owner's weights over
+    // the transport, and gradients come back from the owners.
+    let cfg = MoeConfig {
+        hidden: 6,
+        ffn: 5,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: true,
+    };
+    let (params, x, dy) = setup(&cfg, 48, 17);
+    let all = vec![true; 48 * cfg.top_k];
+    let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
+    for retention in [Retention::Full, Retention::Ratio(0.5)] {
+        let n_ranks = 2;
+        let bwd = CallConfig {
+            retention: retention.clone(),
+            replica_slots_per_rank: 1,
+            ..CallConfig::default()
+        };
+        let place = placement(cfg.n_experts, n_ranks);
+        let hd = cfg.hidden;
+        let res: Vec<Result<_, LayerError>> = run_local(n_ranks, TIMEOUT, |t| {
+            let r = t.rank();
+            let mut mine = params.clone();
+            for (e, ex) in mine.experts.iter_mut().enumerate() {
+                if place.owner[e] != r {
+                    for v in ex.gate.iter_mut().chain(&mut ex.up).chain(&mut ex.down) {
+                        *v = 1e3;
+                    }
+                }
+            }
+            let (lo, hi) = (r * 24, (r + 1) * 24);
+            let (y, saved) = forward(t, &cfg, &bwd, &mine, &place, &x[lo * hd..hi * hd])?;
+            let replicas = saved
+                .plan
+                .placement
+                .replicas
+                .iter()
+                .map(Vec::len)
+                .sum::<usize>();
+            let (dx, grads, stats) = backward(t, &cfg, &bwd, &mine, &saved, &dy[lo * hd..hi * hd])?;
+            Ok((y, dx, grads, stats.kept, replicas))
+        });
+        let mut y = vec![];
+        let mut dx = vec![];
+        let mut kept = vec![];
+        let mut grads = vec![];
+        for r in res {
+            let (yr, dxr, g, k, replicas) = r.unwrap();
+            assert!(replicas > 0, "the controller placed no replica");
+            y.extend(yr);
+            dx.extend(dxr);
+            kept.extend(k);
+            grads.push(g);
+        }
+        assert_eq!(grads[0], grads[1], "ranks disagree on the gradients");
+        if retention == Retention::Full {
+            assert_close("y", &y, &y_ref, 1e-12);
+            assert_close("dx", &dx, &dx_ref, 1e-12);
+            assert_grads_close(&grads[0], &g_ref, 1e-12);
+        } else {
+            let (_, dx_k, g_k) = reference(&cfg, &params, &x, &dy, &kept);
+            assert_close("y", &y, &y_ref, 1e-12);
+            assert_close("dx", &dx, &dx_k, 1e-12);
+            assert_grads_close(&grads[0], &g_k, 1e-12);
+        }
+    }
+}
