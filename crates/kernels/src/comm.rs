@@ -437,11 +437,16 @@ mod imp {
             });
             let comm = match rx.recv_timeout(timeout) {
                 Ok(r) => r?.0,
-                Err(_) => {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     return Err(KernelError::CommTimeout {
                         rank,
                         timeout_ms: timeout.as_millis() as u64,
                     })
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(KernelError::Comm(format!(
+                        "rank {rank}: the NCCL set-up thread ended without a result"
+                    )))
                 }
             };
             let watch = Arc::new(Watch {
