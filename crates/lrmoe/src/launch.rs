@@ -232,6 +232,40 @@ mod tests {
     }
 
     #[test]
+    fn two_nodes_number_their_ranks_globally() {
+        // Two launchers on one machine stand for two nodes of 2 GPUs each.
+        let dir = std::env::temp_dir().join(format!("lrmoe-nodes-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = format!(
+            "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $MASTER_ADDR $MASTER_PORT > {}/r$RANK",
+            dir.display()
+        );
+        std::thread::scope(|s| {
+            for node in 0..2 {
+                let script = script.clone();
+                s.spawn(move || {
+                    let o = LaunchOptions {
+                        nnodes: 2,
+                        node_rank: node,
+                        master_addr: "node0.example".into(),
+                        master_port: Some(29_555),
+                        ..sh(&script, 2)
+                    };
+                    launch(&o).unwrap();
+                });
+            }
+        });
+        for rank in 0..4 {
+            let line = std::fs::read_to_string(dir.join(format!("r{rank}"))).unwrap();
+            assert_eq!(
+                line.trim(),
+                format!("{rank} 4 {} 2 node0.example 29555", rank % 2)
+            );
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn a_failing_rank_stops_the_others_and_is_named() {
         let start = Instant::now();
         // Rank 1 fails at once; rank 0 would sleep for a minute.
