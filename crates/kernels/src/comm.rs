@@ -5,7 +5,7 @@
 //! crate's rendezvous does that over TCP). Every wait has a deadline: set-up
 //! runs on a helper thread the caller stops waiting for; a watchdog thread
 //! aborts the communicator when a host call into NCCL overruns; and
-//! [`NcclComm::synchronize`] polls the stream and NCCL's asynchronous error
+//! `NcclComm::synchronize` polls the stream and NCCL's asynchronous error
 //! state. A peer that died or never arrives therefore ends the wait with
 //! [`KernelError::CommTimeout`] (or the error NCCL reported) after the
 //! configured timeout, and the communicator is aborted — never a hang. (The

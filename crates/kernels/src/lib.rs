@@ -24,6 +24,10 @@
 //!   host slices (how `lrmoe train --device cuda` trains with it).
 //!   **Not built yet:** an expert-parallel GPU layer (the layer here is
 //!   EP = 1; multi-GPU runs move the CPU layer's rows over NCCL).
+//! * [`grouped`] — the experts' math as bf16 grouped operations on host
+//!   slices (grouped GEMM, SwiGLU and its backward), implemented by the GPU
+//!   and by the CPU twins, so the `layer` crate's composition of them is
+//!   tested in CI through the twins.
 //! * [`comm`] — NCCL collectives between processes, one GPU each (feature
 //!   `nccl`): variable all-to-all, all-gather, all-reduce, every wait with a
 //!   deadline.
@@ -43,6 +47,7 @@ pub mod artifacts;
 pub mod comm;
 pub mod cpu;
 pub mod gpu;
+pub mod grouped;
 
 /// Errors of the kernel layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

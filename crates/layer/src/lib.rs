@@ -62,17 +62,22 @@
 //! ## Not here
 //!
 //! No optimizer, no model around the layer (the top crate has them), no
-//! GPU code (`kernels`), no file I/O. [`dist`] has the one network piece:
+//! GPU code (`kernels`; the layer's expert GEMMs can run as bf16 grouped
+//! operations through [`ExpertBackend::Bf16`] — the CUDA kernels of this
+//! rank's GPU or their CPU twins — while routing, planning, scoring,
+//! selection, packing and the exchanges stay here), no file I/O. [`dist`] has the one network piece:
 //! the TCP rendezvous that hands out the NCCL id, and [`NcclTransport`]
 //! (one process per GPU; NCCL itself lives in `kernels::comm`).
 
 #![deny(missing_docs)]
 
 pub mod dist;
+mod experts;
 mod moe;
 pub mod transport;
 
 pub use dist::{DistEnv, DistError, NcclTransport};
+pub use experts::ExpertBackend;
 pub use moe::{
     backward, forward, plan_call, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig,
     MoeParams, Retention, Saved, StageTimes,

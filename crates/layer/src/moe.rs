@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use kernels::cpu::{matmul, swiglu, swiglu_backward, Op, Real};
+use kernels::cpu::{matmul, swiglu, Op, Real};
 use quota::{CostModel, Placement, Policy, RankBudget};
 use serde::Serialize;
 
@@ -191,6 +191,8 @@ pub struct CallConfig {
     pub hot_experts: usize,
     /// The logit bias of the hot experts.
     pub hot_bias: f64,
+    /// Where this rank's expert GEMMs run (forward and backward).
+    pub experts: crate::experts::ExpertBackend,
 }
 
 impl Default for CallConfig {
@@ -203,6 +205,7 @@ impl Default for CallConfig {
             capacity_factor: None,
             hot_experts: 0,
             hot_bias: 0.0,
+            experts: crate::experts::ExpertBackend::Cpu,
         }
     }
 }
@@ -708,33 +711,21 @@ pub fn forward<T: Real, X: Transport>(
     let w = hd + 1;
     let mut grouped = vec![T::zero(); recv_plan.order.len() * hd];
     pack::gather_rows(&recv, hd, &recv_plan.order, &mut grouped)?;
+    let (o, h_sq) = crate::experts::forward(
+        &bwd.experts,
+        cfg,
+        &weights,
+        &recv_plan.group_sizes,
+        &grouped,
+    )?;
     let mut result = vec![T::zero(); recv_plan.order.len() * w];
-    let mut start = 0;
-    for (e, &rows) in recv_plan.group_sizes.iter().enumerate() {
-        if rows == 0 {
-            continue;
-        }
-        let xe = &grouped[start * hd..(start + rows) * hd];
-        let (_, _, hmat) = expert_hidden(cfg, weights(e), xe)?;
-        let mut o = vec![T::zero(); rows * hd];
-        matmul(
-            &mut o,
-            &hmat,
-            Op::N,
-            &weights(e).down,
-            Op::N,
-            (rows, cfg.ffn, hd),
-            false,
-        )?;
-        for r in 0..rows {
-            let dst = &mut result[(start + r) * w..(start + r + 1) * w];
-            dst[..hd].copy_from_slice(&o[r * hd..(r + 1) * hd]);
-            dst[hd] = hmat[r * cfg.ffn..(r + 1) * cfg.ffn]
-                .iter()
-                .map(|&v| v * v)
-                .sum();
-        }
-        start += rows;
+    for ((dst, or), &hs) in result
+        .chunks_exact_mut(w)
+        .zip(o.chunks_exact(hd))
+        .zip(&h_sq)
+    {
+        dst[..hd].copy_from_slice(or);
+        dst[hd] = hs;
     }
     let back_order = pack::invert(&recv_plan.order, recv_plan.order.len())?;
     let mut reply = vec![T::zero(); result.len()];
@@ -804,7 +795,7 @@ fn capacity_mask(
 /// `b = x·W_up`, `h = silu(a) ⊙ b`. The forward and the backward's
 /// recomputation share it.
 #[allow(clippy::type_complexity)]
-fn expert_hidden<T: Real>(
+pub(crate) fn expert_hidden<T: Real>(
     cfg: &MoeConfig,
     w: &ExpertWeights<T>,
     x: &[T],
@@ -987,32 +978,17 @@ pub fn backward<T: Real, X: Transport>(
 
     // Expert GEMMs on the compacted rows only.
     let clock = Instant::now();
-    let mut dx_grouped = vec![T::zero(); n_recv * hd];
-    let mut largest = 0usize;
-    let mut start = 0;
-    for (e, &rows) in recv_plan.group_sizes.iter().enumerate() {
-        if rows == 0 {
-            continue;
-        }
-        largest = largest.max(rows);
-        let w = saved.replicas[e].as_ref().unwrap_or(&params.experts[e]);
-        let g = &mut grads.experts[e];
-        let xe = &xs[start * hd..(start + rows) * hd];
-        let doe = &dos[start * hd..(start + rows) * hd];
-        let (a, b, h) = expert_hidden(cfg, w, xe)?;
-        matmul(&mut g.down, &h, Op::T, doe, Op::N, (f, rows, hd), true)?;
-        let mut dh = vec![T::zero(); rows * f];
-        matmul(&mut dh, doe, Op::N, &w.down, Op::T, (rows, hd, f), false)?;
-        let mut da = vec![T::zero(); rows * f];
-        let mut db = vec![T::zero(); rows * f];
-        swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
-        matmul(&mut g.gate, xe, Op::T, &da, Op::N, (hd, rows, f), true)?;
-        matmul(&mut g.up, xe, Op::T, &db, Op::N, (hd, rows, f), true)?;
-        let dxe = &mut dx_grouped[start * hd..(start + rows) * hd];
-        matmul(dxe, &da, Op::N, &w.gate, Op::T, (rows, f, hd), false)?;
-        matmul(dxe, &db, Op::N, &w.up, Op::T, (rows, f, hd), true)?;
-        start += rows;
-    }
+    let largest = recv_plan.group_sizes.iter().copied().max().unwrap_or(0);
+    let weights = |e: usize| saved.replicas[e].as_ref().unwrap_or(&params.experts[e]);
+    let dx_grouped = crate::experts::backward(
+        &bwd.experts,
+        cfg,
+        &weights,
+        &recv_plan.group_sizes,
+        &xs,
+        &dos,
+        &mut grads,
+    )?;
     times.gemm = clock.elapsed().as_secs_f64();
 
     // Return dX rows to their sources and scatter-add.

@@ -660,3 +660,63 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
         }
     }
 }
+
+fn rel_err(got: &[f64], want: &[f64]) -> f64 {
+    let n: f64 = got.iter().zip(want).map(|(g, w)| (g - w).powi(2)).sum();
+    let d: f64 = want.iter().map(|w| w * w).sum();
+    (n / d.max(1e-300)).sqrt()
+}
+
+#[test]
+fn bf16_grouped_experts_match_the_reference_within_bf16_tolerance() {
+    // The bf16 expert backend composed of the CUDA kernels' CPU twins (the
+    // GPU backend runs the same composition on the device's kernels).
+    use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits};
+    let cfg = MoeConfig {
+        hidden: 16,
+        ffn: 8,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: true,
+    };
+    let (mut params, mut x, dy) = setup(&cfg, 64, 3);
+    let round = |v: &mut Vec<f64>| {
+        for a in v.iter_mut() {
+            *a = f64::from(bf16_bits_to_f32(f32_to_bf16_bits(*a as f32)));
+        }
+    };
+    for (_, t) in params.tensors_mut() {
+        round(t);
+    }
+    round(&mut x);
+    let twins = ExpertBackend::Bf16(std::sync::Arc::new(kernels::grouped::CpuTwins));
+    for (retention, n_ranks) in [
+        (Retention::Full, 1),
+        (Retention::Full, 2),
+        (Retention::Ratio(0.5), 2),
+        (Retention::Full, 4),
+    ] {
+        let call = CallConfig {
+            retention: retention.clone(),
+            replica_slots_per_rank: 1,
+            experts: twins.clone(),
+            ..CallConfig::default()
+        };
+        let r = run(&cfg, &call, &params, &x, &dy, n_ranks).unwrap();
+        let (y, dx, g) = reference(&cfg, &params, &x, &dy, &r.kept);
+        let what = format!("{retention:?} on {n_ranks} ranks");
+        assert!(rel_err(&r.y, &y) <= 1e-2, "{what}: y {}", rel_err(&r.y, &y));
+        assert!(
+            rel_err(&r.dx, &dx) <= 2e-2,
+            "{what}: dx {}",
+            rel_err(&r.dx, &dx)
+        );
+        for ((name, got), (_, want)) in r.grads.tensors().into_iter().zip(g.tensors()) {
+            let e = rel_err(got, want);
+            assert!(e <= 2e-2, "{what}: {name} {e}");
+        }
+        if retention == Retention::Full {
+            assert!(r.kept.iter().all(|&k| k));
+        }
+    }
+}

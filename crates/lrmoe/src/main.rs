@@ -120,8 +120,10 @@ struct TrainArgs {
     /// its peers before every rank stops with an error.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
-    /// `cuda`: run the MoE layers on GPU 0 (bf16, one rank; the dense parts
-    /// stay on the CPU; needs `--features cuda`).
+    /// `cuda`: the MoE layers on the GPU (bf16; the dense parts stay on the
+    /// CPU; needs `--features cuda`): one rank runs the fused CUDA layer on
+    /// GPU 0; several ranks (`--ranks N`, or launched ranks on GPU
+    /// LOCAL_RANK) run their expert GEMMs as grouped kernels.
     #[arg(long, default_value = "cpu")]
     device: String,
 }
@@ -318,7 +320,8 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
 
 fn train(a: &TrainArgs) -> anyhow::Result<()> {
     let mut cfg = train_config(a)?;
-    let transport = match lrmoe::layer::DistEnv::from_env()? {
+    let dist = lrmoe::layer::DistEnv::from_env()?;
+    let transport = match dist.clone() {
         None => None,
         Some(env) => {
             if !(a.timeout_s.is_finite() && a.timeout_s > 0.0) {
@@ -353,7 +356,10 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
             if a.ranks.is_none() && transport.is_none() {
                 cfg.moe.ranks = 1;
             }
-            Some(std::sync::Arc::new(lrmoe::kernels::gpu::Gpu::open(0)?))
+            let ordinal = dist.as_ref().map_or(0, |d| d.local_rank);
+            Some(std::sync::Arc::new(lrmoe::kernels::gpu::Gpu::open(
+                ordinal,
+            )?))
         }
         other => anyhow::bail!("--device {other}: expected cpu or cuda"),
     };

@@ -341,7 +341,10 @@ pub struct RunOptions {
     /// rank 0 writes metrics and checkpoints. `None`: `moe.ranks`
     /// in-process ranks.
     pub transport: Option<std::sync::Arc<layer::NcclTransport>>,
-    /// Run the MoE layers on this GPU (`--device cuda`; one rank, EP = 1).
+    /// This rank's GPU (`--device cuda`): with one in-process rank the
+    /// fused CUDA layer runs the MoE layers; with several ranks (threads or
+    /// launched processes) the layer's expert GEMMs run on it as bf16
+    /// grouped kernels.
     pub gpu: Option<std::sync::Arc<kernels::gpu::Gpu>>,
 }
 
@@ -685,18 +688,24 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         replicas: vec![],
     };
     let call = call_config(cfg, &mcfg, &placement);
-    if opts.gpu.is_some() {
-        if ranks != 1 || opts.transport.is_some() {
-            return Err(TrainError::Config(format!(
-                "--device cuda runs the MoE layers on one GPU: set moe.ranks = 1 (got {ranks}), and do not launch several ranks"
-            )));
-        }
+    // On a GPU: one rank runs the fused CUDA layer; several ranks (threads
+    // sharing GPU 0, or launched processes with a GPU each) run the layer's
+    // expert GEMMs as bf16 grouped kernels on their GPU.
+    let fused = opts.gpu.is_some() && ranks == 1 && opts.transport.is_none();
+    let call = match &opts.gpu {
+        Some(gpu) if !fused => CallConfig {
+            experts: layer::ExpertBackend::Bf16(gpu.clone()),
+            ..call
+        },
+        _ => call,
+    };
+    if fused {
         crate::gpu_moe::check(&mcfg.moe(), &call)?;
     }
     let run = MoeRun {
         placement: &placement,
         backward: &call,
-        gpu: opts.gpu.as_deref(),
+        gpu: if fused { opts.gpu.as_deref() } else { None },
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);

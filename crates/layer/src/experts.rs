@@ -1,0 +1,249 @@
+//! The experts' math on rows grouped by expert, for the forward and the
+//! LRMoE backward: on the CPU in the layer's own precision (the `gemm`
+//! crate), or as bf16 grouped operations ([`kernels::grouped::GroupedOps`]:
+//! the CUDA kernels on this rank's GPU, or their CPU twins).
+//!
+//! Everything else in the layer — routing, the controller, scoring,
+//! selection, redistribution, packing and the exchanges — is the same for
+//! both; only the GEMMs and SwiGLU of the rows this rank computes move.
+
+use std::sync::Arc;
+
+use kernels::cpu::{
+    bf16_bits_to_f32, f32_to_bf16_bits, matmul, swiglu_backward, GemmVariant, Op, Real,
+};
+use kernels::grouped::GroupedOps;
+
+use crate::moe::{expert_hidden, ExpertWeights, MoeConfig, MoeParams};
+use crate::LayerError;
+
+/// Where the experts' GEMMs run.
+#[derive(Clone, Default)]
+pub enum ExpertBackend {
+    /// On the CPU, in the layer's element type.
+    #[default]
+    Cpu,
+    /// bf16 grouped operations (bf16 rows and weights, f32 accumulation).
+    Bf16(Arc<dyn GroupedOps>),
+}
+
+impl std::fmt::Debug for ExpertBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cpu => write!(f, "Cpu"),
+            Self::Bf16(ops) => write!(f, "Bf16({})", ops.name()),
+        }
+    }
+}
+
+impl PartialEq for ExpertBackend {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Cpu, Self::Cpu) => true,
+            (Self::Bf16(a), Self::Bf16(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+fn bits<T: Real>(v: &[T]) -> Vec<u16> {
+    v.iter()
+        .map(|x| f32_to_bf16_bits(x.to_f64().unwrap_or(f64::NAN) as f32))
+        .collect()
+}
+
+fn real<T: Real>(v: &[u16]) -> Vec<T> {
+    v.iter()
+        .map(|&b| T::of(f64::from(bf16_bits_to_f32(b))))
+        .collect()
+}
+
+fn offsets(sizes: &[usize]) -> Result<Vec<i32>, LayerError> {
+    let mut o = Vec::with_capacity(sizes.len() + 1);
+    let mut at = 0usize;
+    o.push(0);
+    for &s in sizes {
+        at += s;
+        o.push(i32::try_from(at).map_err(|_| {
+            LayerError::Config(format!("{at} grouped rows exceed the grouped GEMM's range"))
+        })?);
+    }
+    Ok(o)
+}
+
+/// Every expert's weight matrix `sel` back to back, as bf16 bits.
+fn stacked<'a, T: Real + 'a>(
+    n: usize,
+    weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
+    sel: fn(&ExpertWeights<T>) -> &Vec<T>,
+) -> Vec<u16> {
+    (0..n).flat_map(|e| bits(sel(weights(e)))).collect()
+}
+
+/// Forward of the experts on `xs` (rows grouped by expert, `sizes[e]` rows
+/// for expert `e`): the output rows `o` and `‖h‖²` of each row, where `h`
+/// is the down projection's input.
+pub(crate) fn forward<'a, T: Real + 'a>(
+    backend: &ExpertBackend,
+    cfg: &MoeConfig,
+    weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
+    sizes: &[usize],
+    xs: &[T],
+) -> Result<(Vec<T>, Vec<T>), LayerError> {
+    let (hd, f) = (cfg.hidden, cfg.ffn);
+    let n = xs.len() / hd;
+    match backend {
+        ExpertBackend::Cpu => {
+            let mut o = vec![T::zero(); n * hd];
+            let mut h_sq = vec![T::zero(); n];
+            let mut start = 0;
+            for (e, &rows) in sizes.iter().enumerate() {
+                if rows == 0 {
+                    continue;
+                }
+                let w = weights(e);
+                let (_, _, hmat) = expert_hidden(cfg, w, &xs[start * hd..(start + rows) * hd])?;
+                let oe = &mut o[start * hd..(start + rows) * hd];
+                matmul(oe, &hmat, Op::N, &w.down, Op::N, (rows, f, hd), false)?;
+                for (r, hr) in hmat.chunks_exact(f).enumerate() {
+                    h_sq[start + r] = hr.iter().map(|&v| v * v).sum();
+                }
+                start += rows;
+            }
+            Ok((o, h_sq))
+        }
+        ExpertBackend::Bf16(ops) => {
+            let off = offsets(sizes)?;
+            let x = bits(xs);
+            let e_n = sizes.len();
+            let (a, b) = (
+                ops.grouped_gemm(
+                    GemmVariant::Forward,
+                    &off,
+                    &x,
+                    &stacked(e_n, weights, |w| &w.gate),
+                    hd,
+                    f,
+                )?,
+                ops.grouped_gemm(
+                    GemmVariant::Forward,
+                    &off,
+                    &x,
+                    &stacked(e_n, weights, |w| &w.up),
+                    hd,
+                    f,
+                )?,
+            );
+            let h = ops.swiglu(&a, &b)?;
+            let o = ops.grouped_gemm(
+                GemmVariant::Forward,
+                &off,
+                &h,
+                &stacked(e_n, weights, |w| &w.down),
+                f,
+                hd,
+            )?;
+            let h_sq = h
+                .chunks_exact(f.max(1))
+                .map(|r| {
+                    T::of(
+                        r.iter()
+                            .map(|&v| f64::from(bf16_bits_to_f32(v)).powi(2))
+                            .sum(),
+                    )
+                })
+                .collect();
+            Ok((real(&o), h_sq))
+        }
+    }
+}
+
+/// Backward of the experts on kept rows grouped by expert: adds each
+/// expert's weight gradients into `grads` and returns `dX` of every row.
+/// `dos` holds the rows' `g · δ`.
+pub(crate) fn backward<'a, T: Real + 'a>(
+    backend: &ExpertBackend,
+    cfg: &MoeConfig,
+    weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
+    sizes: &[usize],
+    xs: &[T],
+    dos: &[T],
+    grads: &mut MoeParams<T>,
+) -> Result<Vec<T>, LayerError> {
+    let (hd, f) = (cfg.hidden, cfg.ffn);
+    let n = xs.len() / hd;
+    match backend {
+        ExpertBackend::Cpu => {
+            let mut dx = vec![T::zero(); n * hd];
+            let mut start = 0;
+            for (e, &rows) in sizes.iter().enumerate() {
+                if rows == 0 {
+                    continue;
+                }
+                let w = weights(e);
+                let g = &mut grads.experts[e];
+                let xe = &xs[start * hd..(start + rows) * hd];
+                let doe = &dos[start * hd..(start + rows) * hd];
+                let (a, b, h) = expert_hidden(cfg, w, xe)?;
+                matmul(&mut g.down, &h, Op::T, doe, Op::N, (f, rows, hd), true)?;
+                let mut dh = vec![T::zero(); rows * f];
+                matmul(&mut dh, doe, Op::N, &w.down, Op::T, (rows, hd, f), false)?;
+                let mut da = vec![T::zero(); rows * f];
+                let mut db = vec![T::zero(); rows * f];
+                swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
+                matmul(&mut g.gate, xe, Op::T, &da, Op::N, (hd, rows, f), true)?;
+                matmul(&mut g.up, xe, Op::T, &db, Op::N, (hd, rows, f), true)?;
+                let dxe = &mut dx[start * hd..(start + rows) * hd];
+                matmul(dxe, &da, Op::N, &w.gate, Op::T, (rows, f, hd), false)?;
+                matmul(dxe, &db, Op::N, &w.up, Op::T, (rows, f, hd), true)?;
+                start += rows;
+            }
+            Ok(dx)
+        }
+        ExpertBackend::Bf16(ops) => {
+            let off = offsets(sizes)?;
+            let e_n = sizes.len();
+            let (x, d) = (bits(xs), bits(dos));
+            let (wg, wu, wd) = (
+                stacked(e_n, weights, |w| &w.gate),
+                stacked(e_n, weights, |w| &w.up),
+                stacked(e_n, weights, |w| &w.down),
+            );
+            // Recompute a, b, h for the kept rows only.
+            let a = ops.grouped_gemm(GemmVariant::Forward, &off, &x, &wg, hd, f)?;
+            let b = ops.grouped_gemm(GemmVariant::Forward, &off, &x, &wu, hd, f)?;
+            let h = ops.swiglu(&a, &b)?;
+            // dW_down[e] = h_eᵀ · (g·δ)_e;  dh = (g·δ) · W_downᵀ.
+            let g_down = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &h, &d, f, hd)?;
+            let dh = ops.grouped_gemm(GemmVariant::DataGrad, &off, &d, &wd, f, hd)?;
+            let (da, db) = ops.swiglu_backward(&a, &b, &dh)?;
+            let g_gate = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &x, &da, hd, f)?;
+            let g_up = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &x, &db, hd, f)?;
+            let dx1 = ops.grouped_gemm(GemmVariant::DataGrad, &off, &da, &wg, hd, f)?;
+            let dx2 = ops.grouped_gemm(GemmVariant::DataGrad, &off, &db, &wu, hd, f)?;
+            let hf = hd * f;
+            for (e, &rows) in sizes.iter().enumerate() {
+                if rows == 0 {
+                    continue;
+                }
+                let g = &mut grads.experts[e];
+                for (dst, src) in [
+                    (&mut g.gate, &g_gate[e * hf..(e + 1) * hf]),
+                    (&mut g.up, &g_up[e * hf..(e + 1) * hf]),
+                    (&mut g.down, &g_down[e * hf..(e + 1) * hf]),
+                ] {
+                    for (t, &s) in dst.iter_mut().zip(src) {
+                        *t += T::of(f64::from(bf16_bits_to_f32(s)));
+                    }
+                }
+            }
+            Ok(dx1
+                .iter()
+                .zip(&dx2)
+                .map(|(&p, &q)| {
+                    T::of(f64::from(bf16_bits_to_f32(p)) + f64::from(bf16_bits_to_f32(q)))
+                })
+                .collect())
+        }
+    }
+}
