@@ -112,6 +112,7 @@ pub(crate) fn forward<'a, T: Real + 'a>(
             }
             Ok((o, h_sq))
         }
+        ExpertBackend::Bf16(_) if n == 0 => Ok((Vec::new(), Vec::new())),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
             let x = bits(xs);
@@ -200,6 +201,8 @@ pub(crate) fn backward<'a, T: Real + 'a>(
             }
             Ok(dx)
         }
+        // No rows here: no kernel call, nothing to add.
+        ExpertBackend::Bf16(_) if n == 0 => Ok(Vec::new()),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
             let e_n = sizes.len();
