@@ -360,6 +360,20 @@ pub fn f32_to_bf16_bits(x: f32) -> u16 {
     (u.wrapping_add(round) >> 16) as u16
 }
 
+/// `v` rounded to bf16 bits (round to nearest even, through `f32`).
+pub fn to_bf16<T: Real>(v: &[T]) -> Vec<u16> {
+    v.iter()
+        .map(|x| f32_to_bf16_bits(x.to_f64().unwrap_or(f64::NAN) as f32))
+        .collect()
+}
+
+/// bf16 bits widened to `T`.
+pub fn from_bf16<T: Real>(v: &[u16]) -> Vec<T> {
+    v.iter()
+        .map(|&b| T::of(f64::from(bf16_bits_to_f32(b))))
+        .collect()
+}
+
 /// CPU twin of `swiglu_fwd_bf16`.
 pub fn swiglu_bf16_reference(a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError> {
     check("b", a.len(), b.len())?;

@@ -10,7 +10,7 @@
 use std::sync::Arc;
 
 use kernels::cpu::{
-    bf16_bits_to_f32, f32_to_bf16_bits, matmul, swiglu_backward, GemmVariant, Op, Real,
+    bf16_bits_to_f32, from_bf16, matmul, swiglu_backward, to_bf16, GemmVariant, Op, Real,
 };
 use kernels::grouped::GroupedOps;
 
@@ -46,18 +46,6 @@ impl PartialEq for ExpertBackend {
     }
 }
 
-fn bits<T: Real>(v: &[T]) -> Vec<u16> {
-    v.iter()
-        .map(|x| f32_to_bf16_bits(x.to_f64().unwrap_or(f64::NAN) as f32))
-        .collect()
-}
-
-fn real<T: Real>(v: &[u16]) -> Vec<T> {
-    v.iter()
-        .map(|&b| T::of(f64::from(bf16_bits_to_f32(b))))
-        .collect()
-}
-
 fn offsets(sizes: &[usize]) -> Result<Vec<i32>, LayerError> {
     let mut o = Vec::with_capacity(sizes.len() + 1);
     let mut at = 0usize;
@@ -77,7 +65,7 @@ fn stacked<'a, T: Real + 'a>(
     weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
     sel: fn(&ExpertWeights<T>) -> &Vec<T>,
 ) -> Vec<u16> {
-    (0..n).flat_map(|e| bits(sel(weights(e)))).collect()
+    (0..n).flat_map(|e| to_bf16(sel(weights(e)))).collect()
 }
 
 /// Forward of the experts on `xs` (rows grouped by expert, `sizes[e]` rows
@@ -115,7 +103,7 @@ pub(crate) fn forward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(_) if n == 0 => Ok((Vec::new(), Vec::new())),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
-            let x = bits(xs);
+            let x = to_bf16(xs);
             let e_n = sizes.len();
             let (a, b) = (
                 ops.grouped_gemm(
@@ -154,7 +142,7 @@ pub(crate) fn forward<'a, T: Real + 'a>(
                     )
                 })
                 .collect();
-            Ok((real(&o), h_sq))
+            Ok((from_bf16(&o), h_sq))
         }
     }
 }
@@ -206,7 +194,7 @@ pub(crate) fn backward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
             let e_n = sizes.len();
-            let (x, d) = (bits(xs), bits(dos));
+            let (x, d) = (to_bf16(xs), to_bf16(dos));
             let (wg, wu, wd) = (
                 stacked(e_n, weights, |w| &w.gate),
                 stacked(e_n, weights, |w| &w.up),

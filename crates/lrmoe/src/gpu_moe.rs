@@ -15,24 +15,12 @@
 //! the capacity-factor baseline and the forced hot-expert bias (the GPU
 //! router has neither — both are refused with an error).
 
-use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits, Real};
+use kernels::cpu::{from_bf16, to_bf16, Real};
 use kernels::gpu::{Gpu, MoeHostForward, MoeShape};
 use layer::{BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams};
 use quota::Placement;
 
 use crate::model::ModelError;
-
-fn bits<T: Real>(v: &[T]) -> Vec<u16> {
-    v.iter()
-        .map(|x| f32_to_bf16_bits(x.to_f64().unwrap_or(f64::NAN) as f32))
-        .collect()
-}
-
-fn real<T: Real>(v: &[u16]) -> Vec<T> {
-    v.iter()
-        .map(|&b| T::of(f64::from(bf16_bits_to_f32(b))))
-        .collect()
-}
 
 fn shape(cfg: &MoeConfig, tokens: usize) -> MoeShape {
     MoeShape {
@@ -80,15 +68,15 @@ pub fn forward<T: Real>(
     check(cfg, call)?;
     let s = shape(cfg, x.len() / cfg.hidden);
     let cat = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
-        p.experts.iter().flat_map(|e| bits(sel(e))).collect()
+        p.experts.iter().flat_map(|e| to_bf16(sel(e))).collect()
     };
     let fwd = gpu.moe_forward_host(
         &s,
-        &bits(&p.router),
+        &to_bf16(&p.router),
         &cat(|e| &e.gate),
         &cat(|e| &e.up),
         &cat(|e| &e.down),
-        &bits(x),
+        &to_bf16(x),
     )?;
     let routed = vec![fwd.counts.iter().map(|&c| u64::from(c)).collect()];
     let placement = Placement {
@@ -96,7 +84,7 @@ pub fn forward<T: Real>(
         replicas: vec![],
     };
     let plan = layer::plan_call::<f32>(cfg, call, routed, &placement)?;
-    let y = real(&fwd.y);
+    let y = from_bf16(&fwd.y);
     if y.iter().any(|v: &T| !v.is_finite()) {
         return Err(ModelError::NonFinite("GPU MoE output"));
     }
@@ -115,15 +103,15 @@ pub fn backward<T: Real>(
         .map(|&k| u32::try_from(k).unwrap_or(u32::MAX))
         .collect();
     let clock = std::time::Instant::now();
-    let g = gpu.moe_backward_host(&saved.fwd, &bits(dy), &quotas)?;
+    let g = gpu.moe_backward_host(&saved.fwd, &to_bf16(dy), &quotas)?;
     let (h, f) = (cfg.hidden, cfg.ffn);
     let grads = MoeParams {
-        router: real(&g.router),
+        router: from_bf16(&g.router),
         experts: (0..cfg.n_experts)
             .map(|e| ExpertWeights {
-                gate: real(&g.gate[e * h * f..(e + 1) * h * f]),
-                up: real(&g.up[e * h * f..(e + 1) * h * f]),
-                down: real(&g.down[e * f * h..(e + 1) * f * h]),
+                gate: from_bf16(&g.gate[e * h * f..(e + 1) * h * f]),
+                up: from_bf16(&g.up[e * h * f..(e + 1) * h * f]),
+                down: from_bf16(&g.down[e * f * h..(e + 1) * f * h]),
             })
             .collect(),
     };
@@ -141,7 +129,7 @@ pub fn backward<T: Real>(
             ..layer::StageTimes::default()
         },
     };
-    let dx = real(&g.dx);
+    let dx = from_bf16(&g.dx);
     if dx.iter().any(|v: &T| !v.is_finite()) {
         return Err(ModelError::NonFinite("GPU MoE input gradient"));
     }
