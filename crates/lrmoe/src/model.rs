@@ -775,14 +775,26 @@ mod tests {
         seq: usize,
         ranks: usize,
     ) -> (f64, Model<f64>) {
+        let call = CallConfig::default();
+        loss_and_grads_with(cfg, model, tokens, targets, seq, ranks, &call)
+    }
+
+    fn loss_and_grads_with(
+        cfg: &ModelConfig,
+        model: &Model<f64>,
+        tokens: &[u32],
+        targets: &[u32],
+        seq: usize,
+        ranks: usize,
+        bwd: &CallConfig,
+    ) -> (f64, Model<f64>) {
         let placement = Placement {
             owner: (0..cfg.n_experts).map(|e| e % ranks).collect(),
             replicas: vec![],
         };
-        let bwd = CallConfig::default();
         let run = MoeRun {
             placement: &placement,
-            backward: &bwd,
+            backward: bwd,
             gpu: None,
         };
         let per = tokens.len() / ranks;
@@ -852,6 +864,38 @@ mod tests {
             for (x, y) in a.iter().zip(b) {
                 assert!((x - y).abs() <= 1e-12 * (1.0 + x.abs()), "{name}");
             }
+        }
+    }
+
+    #[test]
+    fn bf16_grouped_experts_train_like_the_cpu_experts() {
+        // The expert backend `--device cuda` uses with several ranks, here
+        // through the kernels' CPU twins: same loss and gradients within
+        // bf16 tolerance, replicas included.
+        let cfg = ModelConfig {
+            d_model: 16,
+            ffn: 8,
+            ..tiny()
+        };
+        let model = Model::<f64>::init(&cfg, 9);
+        let tokens: Vec<u32> = (0..48).map(|i| (i * 3 % 7) as u32).collect();
+        let targets: Vec<u32> = (0..48).map(|i| (i * 2 % 7) as u32).collect();
+        let cpu = CallConfig {
+            replica_slots_per_rank: 1,
+            ..CallConfig::default()
+        };
+        let twins = CallConfig {
+            experts: layer::ExpertBackend::Bf16(std::sync::Arc::new(kernels::grouped::CpuTwins)),
+            ..cpu.clone()
+        };
+        let (l1, g1) = loss_and_grads_with(&cfg, &model, &tokens, &targets, 6, 2, &cpu);
+        let (l2, g2) = loss_and_grads_with(&cfg, &model, &tokens, &targets, 6, 2, &twins);
+        assert!((l1 - l2).abs() <= 1e-2 * l1.abs(), "loss {l1} vs {l2}");
+        for ((name, a), (_, b)) in g1.tensors().into_iter().zip(g2.tensors()) {
+            let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y).powi(2)).sum();
+            let den: f64 = a.iter().map(|x| x * x).sum();
+            let rel = (num / den.max(1e-300)).sqrt();
+            assert!(rel <= 5e-2, "{name}: relative error {rel}");
         }
     }
 
