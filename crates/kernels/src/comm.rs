@@ -518,34 +518,21 @@ mod imp {
             }
         }
 
-        /// Checks NCCL's asynchronous error state (and waits, with the
-        /// deadline, while it says `ncclInProgress`).
-        fn settle(&self) -> Result<(), KernelError> {
+        /// Fails (and aborts) if NCCL reports an asynchronous error. The
+        /// communicator is blocking, so there is nothing to wait for here;
+        /// waits on the stream are [`synchronize`](Self::synchronize)'s.
+        fn check_async(&self) -> Result<(), KernelError> {
             let comm = self.live()?;
-            let deadline = Instant::now() + self.timeout;
-            let mut spins = 0u32;
-            loop {
-                let mut state = sys::ncclResult_t::ncclSuccess;
-                // SAFETY: valid communicator and out-pointer.
-                let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
-                if r != sys::ncclResult_t::ncclSuccess {
-                    return Err(self.fail(KernelError::Comm(describe(r, comm))));
-                }
-                match state {
-                    sys::ncclResult_t::ncclSuccess => return Ok(()),
-                    sys::ncclResult_t::ncclInProgress => {}
-                    e => return Err(self.fail(KernelError::Comm(describe(e, comm)))),
-                }
-                if Instant::now() >= deadline {
-                    return Err(self.fail(self.timed_out()));
-                }
-                // Spin first (enqueues settle in microseconds), then back off.
-                spins += 1;
-                if spins > 2000 {
-                    std::thread::sleep(Duration::from_micros(20));
-                } else {
-                    std::hint::spin_loop();
-                }
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: valid communicator and out-pointer.
+            let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Err(self.fail(KernelError::Comm(describe(r, comm))));
+            }
+            if ok(state) {
+                Ok(())
+            } else {
+                Err(self.fail(KernelError::Comm(describe(state, comm))))
             }
         }
 
@@ -560,7 +547,7 @@ mod imp {
         /// communicator's error state and the deadline. On an error or the
         /// deadline the communicator is aborted.
         pub fn synchronize(&self) -> Result<(), KernelError> {
-            self.settle()?;
+            self.check_async()?;
             let comm = self.live()?;
             let ev = self.ctx.new_event(None).map_err(cuda)?;
             ev.record(&self.stream).map_err(cuda)?;
@@ -620,7 +607,7 @@ mod imp {
                     return Err(self.fail(KernelError::Comm(describe(r, comm))));
                 }
             }
-            self.settle()
+            self.check_async()
         }
 
         /// Enqueues a variable all-to-all of bytes on device buffers:
