@@ -150,3 +150,112 @@ fn gpu_layer_matches_the_cpu_layer() {
         );
     }
 }
+
+fn rel32(got: &[f32], want: &[f32]) -> f64 {
+    let (mut n, mut d) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        assert!(g.is_finite(), "non-finite output");
+        n += (f64::from(g) - f64::from(w)).powi(2);
+        d += f64::from(w).powi(2);
+    }
+    (n / d.max(1e-300)).sqrt()
+}
+
+/// The layer's bf16 expert backend on this GPU (`ExpertBackend::Bf16(Gpu)`,
+/// what `lrmoe train --device cuda` uses with several ranks) against the same
+/// backend on the kernels' CPU twins: expert parallelism over in-process
+/// ranks with replicas, complete forward, full and halved backward.
+#[test]
+fn gpu_expert_backend_matches_the_cpu_twins() {
+    if std::env::var("LRMOE_GPU_TESTS").as_deref() != Ok("1") {
+        eprintln!("skipping: set LRMOE_GPU_TESTS=1 on a GPU machine");
+        return;
+    }
+    use layer::{ExpertBackend, Retention, Transport};
+    use std::sync::Arc;
+    let gpu = ExpertBackend::Bf16(Arc::new(Gpu::open(0).unwrap()));
+    let twins = ExpertBackend::Bf16(Arc::new(kernels::grouped::CpuTwins));
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1;
+    let mut rng = Rng(seed);
+    let cfg = MoeConfig {
+        hidden: 64,
+        ffn: 96,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: true,
+    };
+    let t = 384;
+    let mut p = MoeParams::<f32>::init(&cfg, rng.next());
+    p.router = rng.ternary(cfg.hidden * cfg.n_experts, 0.125);
+    let x = rng.ternary(t * cfg.hidden, 0.25);
+    let dy: Vec<f32> = (0..t * cfg.hidden)
+        .map(|_| (rng.next() % 2001) as f32 / 1000.0 - 1.0)
+        .collect();
+    for (retention, ranks) in [
+        (Retention::Full, 1usize),
+        (Retention::Full, 2),
+        (Retention::Ratio(0.5), 2),
+    ] {
+        let go = |experts: &ExpertBackend| {
+            let call = CallConfig {
+                retention: retention.clone(),
+                replica_slots_per_rank: 1,
+                experts: experts.clone(),
+                ..CallConfig::default()
+            };
+            let place = Placement {
+                owner: (0..cfg.n_experts)
+                    .map(|e| e * ranks / cfg.n_experts)
+                    .collect(),
+                replicas: vec![],
+            };
+            let res = run_local(ranks, Duration::from_secs(120), |tr| {
+                let r = tr.rank();
+                let (lo, hi) = (r * t / ranks, (r + 1) * t / ranks);
+                let hd = cfg.hidden;
+                let (y, saved) = layer::forward(tr, &cfg, &call, &p, &place, &x[lo * hd..hi * hd])?;
+                let (dx, g, s) =
+                    layer::backward(tr, &cfg, &call, &p, &saved, &dy[lo * hd..hi * hd])?;
+                Ok::<_, layer::LayerError>((y, dx, g, s.kept_pairs))
+            });
+            let (mut y, mut dx, mut kept) = (vec![], vec![], 0);
+            let mut grads = None;
+            for r in res {
+                let (yr, dxr, g, k) = r.unwrap();
+                y.extend(yr);
+                dx.extend(dxr);
+                kept += k;
+                grads = Some(g);
+            }
+            (y, dx, grads.unwrap(), kept)
+        };
+        let (gy, gdx, gg, gk) = go(&gpu);
+        let (cy, cdx, cg, ck) = go(&twins);
+        let what = format!("{retention:?} on {ranks} ranks");
+        // Both sides round every GEMM output to bf16; only the summation
+        // order differs, so 1e-2 relative (rms) is loose by about 10×.
+        assert!(rel32(&gy, &cy) <= 1e-2, "{what}: y {}", rel32(&gy, &cy));
+        if retention == Retention::Full {
+            assert_eq!(gk, t * cfg.top_k, "{what}: full retention dropped pairs");
+            assert!(
+                rel32(&gdx, &cdx) <= 1e-2,
+                "{what}: dx {}",
+                rel32(&gdx, &cdx)
+            );
+            for ((name, a), (_, b)) in gg.tensors().into_iter().zip(cg.tensors()) {
+                let e = rel32(a, b);
+                assert!(e <= 1e-2, "{what}: {name} {e}");
+            }
+        } else {
+            // Scores come from each backend's own ‖h‖²: the kept sets may
+            // differ at ties, their sizes (the quotas) may not.
+            assert_eq!(gk, ck, "{what}: kept pairs differ");
+            assert!(gk < t * cfg.top_k, "{what}: nothing was dropped");
+        }
+        eprintln!("{what}: GPU expert backend matches the twins (kept {gk})");
+    }
+}

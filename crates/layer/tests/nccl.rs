@@ -9,7 +9,8 @@
 //! passes in CI; (2) the layer's forward + backward at EP = world over NCCL
 //! with replicas, against the same EP run in-process (bit-identical) and,
 //! at full retention, against EP = 1 (f64, relative error ≤ 1e-10);
-//! (3) a peer that leaves: rank 1 exits, rank 0's next collective must fail
+//! (3) the experts' GEMMs on each rank's GPU against the CPU twins;
+//! (4) a peer that leaves: rank 1 exits, rank 0's next collective must fail
 //! within the timeout instead of hanging.
 
 #![cfg(feature = "nccl")]
@@ -142,6 +143,39 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         }
         eprintln!("rank {me}: {retention:?}: NCCL EP={world} equals in-process (sent {sent} B)");
     }
+
+    // The experts' GEMMs on this rank's GPU (the bf16 grouped kernels, as
+    // `lrmoe train --device cuda` runs launched ranks) against the same EP
+    // in-process on the kernels' CPU twins: equal within bf16 summation-order
+    // noise (1e-2 relative; both round every GEMM output to bf16).
+    let gpu = kernels::gpu::Gpu::open(env.local_rank).unwrap();
+    let on = |experts: layer::ExpertBackend| CallConfig {
+        replica_slots_per_rank: 1,
+        experts,
+        ..CallConfig::default()
+    };
+    let gcall = on(layer::ExpertBackend::Bf16(std::sync::Arc::new(gpu)));
+    let tcall = on(layer::ExpertBackend::Bf16(std::sync::Arc::new(
+        kernels::grouped::CpuTwins,
+    )));
+    let (y, dx, g, _) = one_rank(&t, &cfg, &gcall, &params, &x, &dy).unwrap();
+    let local = run_local(world, Duration::from_secs(60), |lt| {
+        one_rank(lt, &cfg, &tcall, &params, &x, &dy)
+    });
+    let (ly, ldx, lg, _) = local.into_iter().nth(me).unwrap().unwrap();
+    assert!(rel(&y, &ly) <= 1e-2, "GPU experts y: {}", rel(&y, &ly));
+    assert!(rel(&dx, &ldx) <= 1e-2, "GPU experts dx: {}", rel(&dx, &ldx));
+    assert!(
+        rel(&flat(&g), &flat(&lg)) <= 1e-2,
+        "GPU experts grads: {}",
+        rel(&flat(&g), &flat(&lg))
+    );
+    eprintln!(
+        "rank {me}: GPU experts over NCCL match the twins (y {:.1e}, dx {:.1e}, grads {:.1e})",
+        rel(&y, &ly),
+        rel(&dx, &ldx),
+        rel(&flat(&g), &flat(&lg))
+    );
 
     // A peer that leaves: rank 1 returns (its process exits), rank 0 must
     // get an error within the timeout.
