@@ -158,9 +158,12 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
     let tcall = on(layer::ExpertBackend::Bf16(std::sync::Arc::new(
         kernels::grouped::CpuTwins,
     )));
-    let (y, dx, g, _) = one_rank(&t, &cfg, &gcall, &params, &x, &dy).unwrap();
+    // The TMA-fed kernels need h and f in multiples of 8.
+    let gcfg = MoeConfig { ffn: 16, ..cfg };
+    let gparams = MoeParams::<f64>::init(&gcfg, 12);
+    let (y, dx, g, _) = one_rank(&t, &gcfg, &gcall, &gparams, &x, &dy).unwrap();
     let local = run_local(world, Duration::from_secs(60), |lt| {
-        one_rank(lt, &cfg, &tcall, &params, &x, &dy)
+        one_rank(lt, &gcfg, &tcall, &gparams, &x, &dy)
     });
     let (ly, ldx, lg, _) = local.into_iter().nth(me).unwrap().unwrap();
     assert!(rel(&y, &ly) <= 1e-2, "GPU experts y: {}", rel(&y, &ly));
