@@ -325,3 +325,100 @@ fn grouped_gemm_matches_the_cpu_twin() {
         }
     }
 }
+
+#[test]
+fn device_resident_expert_chain_matches_its_composition() {
+    // `Gpu`'s experts_forward / experts_backward run one device-resident
+    // chain; the same chain composed of host-level operations must give the
+    // same bits on the GPU (same kernels, same order) and stay within bf16
+    // tolerance of the composition on the CPU twins. Empty experts included.
+    use kernels::grouped::{
+        compose_backward, compose_forward, CpuTwins, GroupedOps, StackedExperts,
+    };
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    let small = |v: Vec<u16>| -> Vec<u16> {
+        // Weights of size ~0.06 keep activations in SwiGLU's curved range.
+        v.into_iter()
+            .map(|b| kernels::cpu::f32_to_bf16_bits(bf16_bits_to_f32(b) / 32.0))
+            .collect()
+    };
+    for &(e, h, f, max_rows) in &[(4usize, 64usize, 128usize, 200u64), (8, 128, 64, 90)] {
+        let mut offsets = vec![0i32];
+        for _ in 0..e {
+            let c = if rng.next() % 4 == 0 {
+                0
+            } else {
+                (rng.next() % max_rows) as i32
+            };
+            offsets.push(offsets.last().unwrap() + c);
+        }
+        let rows = *offsets.last().unwrap() as usize;
+        let (x, d) = (rng.bf16(rows * h), rng.bf16(rows * h));
+        let (gate, up, down) = (
+            small(rng.bf16(e * h * f)),
+            small(rng.bf16(e * h * f)),
+            small(rng.bf16(e * h * f)),
+        );
+        let w = StackedExperts {
+            hidden: h,
+            ffn: f,
+            gate: &gate,
+            up: &up,
+            down: &down,
+        };
+        let (o, h_sq) = g.experts_forward(&offsets, &x, &w).unwrap();
+        let (o_p, h_sq_p) = compose_forward(&g, &offsets, &x, &w).unwrap();
+        let (o_t, h_sq_t) = compose_forward(&CpuTwins, &offsets, &x, &w).unwrap();
+        assert_eq!(o, o_p, "forward: chain differs from the composed kernels");
+        let rel_f = |a: &[f32], b: &[f32]| {
+            let n: f64 = a.iter().zip(b).map(|(p, q)| f64::from(p - q).powi(2)).sum();
+            let dd: f64 = b.iter().map(|q| f64::from(*q).powi(2)).sum();
+            (n / dd.max(1e-300)).sqrt()
+        };
+        assert!(
+            rel_f(&h_sq, &h_sq_p) <= 1e-5,
+            "h_sq vs composed: {}",
+            rel_f(&h_sq, &h_sq_p)
+        );
+        assert!(
+            rel_bf16(&o, &o_t) <= 1e-2,
+            "o vs twins: {}",
+            rel_bf16(&o, &o_t)
+        );
+        assert!(
+            rel_f(&h_sq, &h_sq_t) <= 1e-2,
+            "h_sq vs twins: {}",
+            rel_f(&h_sq, &h_sq_t)
+        );
+
+        let got = g.experts_backward(&offsets, &x, &d, &w).unwrap();
+        let comp = compose_backward(&g, &offsets, &x, &d, &w).unwrap();
+        let twin = compose_backward(&CpuTwins, &offsets, &x, &d, &w).unwrap();
+        assert_eq!(
+            got, comp,
+            "backward: chain differs from the composed kernels"
+        );
+        for (name, a, b) in [
+            ("dx", &got.dx, &twin.dx),
+            ("gate", &got.gate, &twin.gate),
+            ("up", &got.up, &twin.up),
+            ("down", &got.down, &twin.down),
+        ] {
+            let r = rel_bf16(a, b);
+            assert!(r <= 1e-2, "{name} vs twins ({e}, {h}, {f}): {r}");
+        }
+    }
+    // Shapes are checked before any launch.
+    let w = StackedExperts {
+        hidden: 64,
+        ffn: 64,
+        gate: &[0; 10],
+        up: &[0; 10],
+        down: &[0; 10],
+    };
+    assert!(matches!(
+        g.experts_forward(&[0, 4], &[0; 256], &w),
+        Err(KernelError::Shape { .. })
+    ));
+}

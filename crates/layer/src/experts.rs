@@ -9,10 +9,8 @@
 
 use std::sync::Arc;
 
-use kernels::cpu::{
-    bf16_bits_to_f32, from_bf16, matmul, swiglu_backward, to_bf16, GemmVariant, Op, Real,
-};
-use kernels::grouped::GroupedOps;
+use kernels::cpu::{bf16_bits_to_f32, from_bf16, matmul, swiglu_backward, to_bf16, Op, Real};
+use kernels::grouped::{GroupedOps, StackedExperts};
 
 use crate::moe::{expert_hidden, ExpertWeights, MoeConfig, MoeParams};
 use crate::LayerError;
@@ -59,13 +57,15 @@ fn offsets(sizes: &[usize]) -> Result<Vec<i32>, LayerError> {
     Ok(o)
 }
 
-/// Every expert's weight matrix `sel` back to back, as bf16 bits.
-fn stacked<'a, T: Real + 'a>(
+/// Every expert's gate, up and down matrices back to back, as bf16 bits.
+fn stacked_all<'a, T: Real + 'a>(
     n: usize,
     weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
-    sel: fn(&ExpertWeights<T>) -> &Vec<T>,
-) -> Vec<u16> {
-    (0..n).flat_map(|e| to_bf16(sel(weights(e)))).collect()
+) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
+    let stack = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
+        (0..n).flat_map(|e| to_bf16(sel(weights(e)))).collect()
+    };
+    (stack(|w| &w.gate), stack(|w| &w.up), stack(|w| &w.down))
 }
 
 /// Forward of the experts on `xs` (rows grouped by expert, `sizes[e]` rows
@@ -103,46 +103,19 @@ pub(crate) fn forward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(_) if n == 0 => Ok((Vec::new(), Vec::new())),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
-            let x = to_bf16(xs);
-            let e_n = sizes.len();
-            let (a, b) = (
-                ops.grouped_gemm(
-                    GemmVariant::Forward,
-                    &off,
-                    &x,
-                    &stacked(e_n, weights, |w| &w.gate),
-                    hd,
-                    f,
-                )?,
-                ops.grouped_gemm(
-                    GemmVariant::Forward,
-                    &off,
-                    &x,
-                    &stacked(e_n, weights, |w| &w.up),
-                    hd,
-                    f,
-                )?,
-            );
-            let h = ops.swiglu(&a, &b)?;
-            let o = ops.grouped_gemm(
-                GemmVariant::Forward,
-                &off,
-                &h,
-                &stacked(e_n, weights, |w| &w.down),
-                f,
-                hd,
-            )?;
-            let h_sq = h
-                .chunks_exact(f.max(1))
-                .map(|r| {
-                    T::of(
-                        r.iter()
-                            .map(|&v| f64::from(bf16_bits_to_f32(v)).powi(2))
-                            .sum(),
-                    )
-                })
-                .collect();
-            Ok((from_bf16(&o), h_sq))
+            let (wg, wu, wd) = stacked_all(sizes.len(), weights);
+            let w = StackedExperts {
+                hidden: hd,
+                ffn: f,
+                gate: &wg,
+                up: &wu,
+                down: &wd,
+            };
+            let (o, h_sq) = ops.experts_forward(&off, &to_bf16(xs), &w)?;
+            Ok((
+                from_bf16(&o),
+                h_sq.into_iter().map(|v| T::of(f64::from(v))).collect(),
+            ))
         }
     }
 }
@@ -193,25 +166,15 @@ pub(crate) fn backward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(_) if n == 0 => Ok(Vec::new()),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
-            let e_n = sizes.len();
-            let (x, d) = (to_bf16(xs), to_bf16(dos));
-            let (wg, wu, wd) = (
-                stacked(e_n, weights, |w| &w.gate),
-                stacked(e_n, weights, |w| &w.up),
-                stacked(e_n, weights, |w| &w.down),
-            );
-            // Recompute a, b, h for the kept rows only.
-            let a = ops.grouped_gemm(GemmVariant::Forward, &off, &x, &wg, hd, f)?;
-            let b = ops.grouped_gemm(GemmVariant::Forward, &off, &x, &wu, hd, f)?;
-            let h = ops.swiglu(&a, &b)?;
-            // dW_down[e] = h_eᵀ · (g·δ)_e;  dh = (g·δ) · W_downᵀ.
-            let g_down = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &h, &d, f, hd)?;
-            let dh = ops.grouped_gemm(GemmVariant::DataGrad, &off, &d, &wd, f, hd)?;
-            let (da, db) = ops.swiglu_backward(&a, &b, &dh)?;
-            let g_gate = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &x, &da, hd, f)?;
-            let g_up = ops.grouped_gemm(GemmVariant::WeightGrad, &off, &x, &db, hd, f)?;
-            let dx1 = ops.grouped_gemm(GemmVariant::DataGrad, &off, &da, &wg, hd, f)?;
-            let dx2 = ops.grouped_gemm(GemmVariant::DataGrad, &off, &db, &wu, hd, f)?;
+            let (wg, wu, wd) = stacked_all(sizes.len(), weights);
+            let w = StackedExperts {
+                hidden: hd,
+                ffn: f,
+                gate: &wg,
+                up: &wu,
+                down: &wd,
+            };
+            let r = ops.experts_backward(&off, &to_bf16(xs), &to_bf16(dos), &w)?;
             let hf = hd * f;
             for (e, &rows) in sizes.iter().enumerate() {
                 if rows == 0 {
@@ -219,22 +182,16 @@ pub(crate) fn backward<'a, T: Real + 'a>(
                 }
                 let g = &mut grads.experts[e];
                 for (dst, src) in [
-                    (&mut g.gate, &g_gate[e * hf..(e + 1) * hf]),
-                    (&mut g.up, &g_up[e * hf..(e + 1) * hf]),
-                    (&mut g.down, &g_down[e * hf..(e + 1) * hf]),
+                    (&mut g.gate, &r.gate[e * hf..(e + 1) * hf]),
+                    (&mut g.up, &r.up[e * hf..(e + 1) * hf]),
+                    (&mut g.down, &r.down[e * hf..(e + 1) * hf]),
                 ] {
                     for (t, &s) in dst.iter_mut().zip(src) {
                         *t += T::of(f64::from(bf16_bits_to_f32(s)));
                     }
                 }
             }
-            Ok(dx1
-                .iter()
-                .zip(&dx2)
-                .map(|(&p, &q)| {
-                    T::of(f64::from(bf16_bits_to_f32(p)) + f64::from(bf16_bits_to_f32(q)))
-                })
-                .collect())
+            Ok(from_bf16(&r.dx))
         }
     }
 }

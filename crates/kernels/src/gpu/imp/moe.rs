@@ -818,3 +818,107 @@ impl Gpu {
         Ok((fwd, rows))
     }
 }
+
+/// The experts' math on rows already grouped by expert, as one
+/// device-resident chain per call (the fast form of
+/// [`crate::grouped::GroupedOps::experts_forward`] / `experts_backward`,
+/// whose composed CPU twins are [`crate::grouped::compose_forward`] /
+/// [`crate::grouped::compose_backward`]): inputs are uploaded once, the
+/// intermediates (`a`, `b`, `h`, `dh`, `da`, `db`) never leave the device,
+/// results are downloaded once.
+impl Gpu {
+    fn experts_check(
+        offsets: &[i32],
+        x: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<(usize, usize), KernelError> {
+        let (na, nb, _) = Self::gemm_shapes(GemmVariant::Forward, offsets, h, f)?;
+        super::check("x", na, x.len())?;
+        super::check("gate", nb, gate.len())?;
+        super::check("up", nb, up.len())?;
+        super::check("down", nb, down.len())?;
+        let groups = offsets.len().saturating_sub(1);
+        let rows = offsets.last().copied().unwrap_or(0).max(0) as usize;
+        Ok((groups, rows))
+    }
+
+    /// `o = (silu(x·W_gate) ⊙ x·W_up) · W_down` and `‖h‖²` (f32) of every
+    /// row of `x` (rows grouped by `offsets`, `H` wide); weights stacked
+    /// `E × H × F` (gate, up) and `E × F × H` (down), bf16 bits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn experts_forward_bf16(
+        &self,
+        offsets: &[i32],
+        x: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<(Vec<u16>, Vec<f32>), KernelError> {
+        let (e, rows) = Self::experts_check(offsets, x, gate, up, down, h, f)?;
+        if rows == 0 {
+            return Ok((Vec::new(), Vec::new()));
+        }
+        let (od, xd) = (self.upload(offsets)?, self.upload(x)?);
+        let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
+        let a = self.gemm(GemmVariant::Forward, &od, e, &xd, &wg, rows * f, h, f)?;
+        let b = self.gemm(GemmVariant::Forward, &od, e, &xd, &wu, rows * f, h, f)?;
+        let hh = self.swiglu_dev(&a, &b, rows * f)?;
+        let o = self.gemm(GemmVariant::Forward, &od, e, &hh, &wd, rows * h, f, h)?;
+        let h_sq = self.row_sq(&hh, rows, f)?;
+        Ok((self.download(&o, rows * h)?, self.download(&h_sq, rows)?))
+    }
+
+    /// Backward of [`Gpu::experts_forward_bf16`] on kept rows: `d` is each
+    /// row's output gradient (`rows × H`); returns `(dX, dW_gate, dW_up,
+    /// dW_down)` (zero gradients for experts with no rows).
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub fn experts_backward_bf16(
+        &self,
+        offsets: &[i32],
+        x: &[u16],
+        d: &[u16],
+        gate: &[u16],
+        up: &[u16],
+        down: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<(Vec<u16>, Vec<u16>, Vec<u16>, Vec<u16>), KernelError> {
+        let (e, rows) = Self::experts_check(offsets, x, gate, up, down, h, f)?;
+        super::check("d", rows * h, d.len())?;
+        let ew = e * h * f;
+        if rows == 0 {
+            return Ok((Vec::new(), vec![0; ew], vec![0; ew], vec![0; ew]));
+        }
+        let (od, xd, dd) = (self.upload(offsets)?, self.upload(x)?, self.upload(d)?);
+        let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
+        let a = self.gemm(GemmVariant::Forward, &od, e, &xd, &wg, rows * f, h, f)?;
+        let b = self.gemm(GemmVariant::Forward, &od, e, &xd, &wu, rows * f, h, f)?;
+        let hh = self.swiglu_dev(&a, &b, rows * f)?;
+        let g_down = self.gemm(GemmVariant::WeightGrad, &od, e, &hh, &dd, ew, f, h)?;
+        let dh = self.gemm(GemmVariant::DataGrad, &od, e, &dd, &wd, rows * f, f, h)?;
+        let mut da = self.zeros::<u16>(rows * f)?;
+        let mut db = self.zeros::<u16>(rows * f)?;
+        let n = (rows * f) as i64;
+        let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+        l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
+        // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
+        unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+        let g_gate = self.gemm(GemmVariant::WeightGrad, &od, e, &xd, &da, ew, h, f)?;
+        let g_up = self.gemm(GemmVariant::WeightGrad, &od, e, &xd, &db, ew, h, f)?;
+        let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, &wg, rows * h, h, f)?;
+        let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, &wu, rows * h, h, f)?;
+        let dx = self.add(&dx1, &dx2, rows * h)?;
+        Ok((
+            self.download(&dx, rows * h)?,
+            self.download(&g_gate, ew)?,
+            self.download(&g_up, ew)?,
+            self.download(&g_down, ew)?,
+        ))
+    }
+}
