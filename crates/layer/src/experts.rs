@@ -57,15 +57,25 @@ fn offsets(sizes: &[usize]) -> Result<Vec<i32>, LayerError> {
     Ok(o)
 }
 
-/// Every expert's gate, up and down matrices back to back, as bf16 bits.
-fn stacked_all<'a, T: Real + 'a>(
+/// Every expert's gate, up and down matrices back to back, as bf16 bits,
+/// lent to `run`.
+fn with_stacked<'a, T: Real + 'a, R>(
+    cfg: &MoeConfig,
     n: usize,
     weights: &dyn Fn(usize) -> &'a ExpertWeights<T>,
-) -> (Vec<u16>, Vec<u16>, Vec<u16>) {
+    run: impl FnOnce(&StackedExperts<'_>) -> R,
+) -> R {
     let stack = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
         (0..n).flat_map(|e| to_bf16(sel(weights(e)))).collect()
     };
-    (stack(|w| &w.gate), stack(|w| &w.up), stack(|w| &w.down))
+    let (gate, up, down) = (stack(|w| &w.gate), stack(|w| &w.up), stack(|w| &w.down));
+    run(&StackedExperts {
+        hidden: cfg.hidden,
+        ffn: cfg.ffn,
+        gate: &gate,
+        up: &up,
+        down: &down,
+    })
 }
 
 /// Forward of the experts on `xs` (rows grouped by expert, `sizes[e]` rows
@@ -103,15 +113,10 @@ pub(crate) fn forward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(_) if n == 0 => Ok((Vec::new(), Vec::new())),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
-            let (wg, wu, wd) = stacked_all(sizes.len(), weights);
-            let w = StackedExperts {
-                hidden: hd,
-                ffn: f,
-                gate: &wg,
-                up: &wu,
-                down: &wd,
-            };
-            let (o, h_sq) = ops.experts_forward(&off, &to_bf16(xs), &w)?;
+            let x = to_bf16(xs);
+            let (o, h_sq) = with_stacked(cfg, sizes.len(), weights, |w| {
+                ops.experts_forward(&off, &x, w)
+            })?;
             Ok((
                 from_bf16(&o),
                 h_sq.into_iter().map(|v| T::of(f64::from(v))).collect(),
@@ -166,15 +171,10 @@ pub(crate) fn backward<'a, T: Real + 'a>(
         ExpertBackend::Bf16(_) if n == 0 => Ok(Vec::new()),
         ExpertBackend::Bf16(ops) => {
             let off = offsets(sizes)?;
-            let (wg, wu, wd) = stacked_all(sizes.len(), weights);
-            let w = StackedExperts {
-                hidden: hd,
-                ffn: f,
-                gate: &wg,
-                up: &wu,
-                down: &wd,
-            };
-            let r = ops.experts_backward(&off, &to_bf16(xs), &to_bf16(dos), &w)?;
+            let (x, d) = (to_bf16(xs), to_bf16(dos));
+            let r = with_stacked(cfg, sizes.len(), weights, |w| {
+                ops.experts_backward(&off, &x, &d, w)
+            })?;
             let hf = hd * f;
             for (e, &rows) in sizes.iter().enumerate() {
                 if rows == 0 {

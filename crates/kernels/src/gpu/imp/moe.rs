@@ -827,6 +827,25 @@ impl Gpu {
 /// intermediates (`a`, `b`, `h`, `dh`, `da`, `db`) never leave the device,
 /// results are downloaded once.
 impl Gpu {
+    /// `a = x·W_gate`, `b = x·W_up` and `h = silu(a) ⊙ b` of `rows` grouped rows.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn experts_hidden(
+        &self,
+        od: &CudaSlice<i32>,
+        e: usize,
+        rows: usize,
+        xd: &CudaSlice<u16>,
+        wg: &CudaSlice<u16>,
+        wu: &CudaSlice<u16>,
+        h: usize,
+        f: usize,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let a = self.gemm(GemmVariant::Forward, od, e, xd, wg, rows * f, h, f)?;
+        let b = self.gemm(GemmVariant::Forward, od, e, xd, wu, rows * f, h, f)?;
+        let hh = self.swiglu_dev(&a, &b, rows * f)?;
+        Ok((a, b, hh))
+    }
+
     fn experts_check(
         offsets: &[i32],
         x: &[u16],
@@ -866,9 +885,7 @@ impl Gpu {
         }
         let (od, xd) = (self.upload(offsets)?, self.upload(x)?);
         let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
-        let a = self.gemm(GemmVariant::Forward, &od, e, &xd, &wg, rows * f, h, f)?;
-        let b = self.gemm(GemmVariant::Forward, &od, e, &xd, &wu, rows * f, h, f)?;
-        let hh = self.swiglu_dev(&a, &b, rows * f)?;
+        let (_, _, hh) = self.experts_hidden(&od, e, rows, &xd, &wg, &wu, h, f)?;
         let o = self.gemm(GemmVariant::Forward, &od, e, &hh, &wd, rows * h, f, h)?;
         let h_sq = self.row_sq(&hh, rows, f)?;
         Ok((self.download(&o, rows * h)?, self.download(&h_sq, rows)?))
@@ -897,9 +914,7 @@ impl Gpu {
         }
         let (od, xd, dd) = (self.upload(offsets)?, self.upload(x)?, self.upload(d)?);
         let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
-        let a = self.gemm(GemmVariant::Forward, &od, e, &xd, &wg, rows * f, h, f)?;
-        let b = self.gemm(GemmVariant::Forward, &od, e, &xd, &wu, rows * f, h, f)?;
-        let hh = self.swiglu_dev(&a, &b, rows * f)?;
+        let (a, b, hh) = self.experts_hidden(&od, e, rows, &xd, &wg, &wu, h, f)?;
         let g_down = self.gemm(GemmVariant::WeightGrad, &od, e, &hh, &dd, ew, f, h)?;
         let dh = self.gemm(GemmVariant::DataGrad, &od, e, &dd, &wd, rows * f, f, h)?;
         let mut da = self.zeros::<u16>(rows * f)?;
