@@ -14,7 +14,13 @@
 //!    (16384 tokens × top-8 per rank, hidden 2048, 128 experts, Zipf(0.8)
 //!    expert skew as in the anchors, experts owned in contiguous blocks):
 //!    kept rows `[x | g·δ]` (2 × 2048 bf16) out to the experts' owners and
-//!    `dX` rows (2048 bf16) back, at retention 1.0, 0.5 and 0.25.
+//!    `dX` rows (2048 bf16) back, at retention 1.0, 0.5 and 0.25;
+//! 3. the device-resident expert-parallel MoE layer (`Gpu::ep_forward` /
+//!    `ep_backward`) on the Qwen3-30B-A3B shape (16384 tokens per rank,
+//!    top-8, 128 experts owned in blocks, hidden 2048, ffn 768), forward and
+//!    LRMoE backward wall time at retention 1.0 / 0.5 / 0.25, beside the
+//!    single-GPU layer (`Gpu::bench_moe`) on the same tokens per GPU, timed
+//!    on each rank's GPU in the same run.
 
 use std::time::Duration;
 
@@ -111,6 +117,40 @@ fn main() -> anyhow::Result<()> {
             kept.iter().sum::<u64>() * world as u64,
             send_out.iter().sum::<usize>() as f64 / (1 << 20) as f64,
             total / b
+        ));
+    }
+
+    let shape = kernels::gpu::MoeShape {
+        tokens: 16384,
+        hidden: HIDDEN,
+        ffn: 768,
+        experts: EXPERTS,
+        top_k: 8,
+        renormalize: true,
+    };
+    let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
+    let rs = [1.0, 0.5, 0.25];
+    let (ep_fwd, ep_rows) = gpu.bench_ep(comm, &shape, &rs, 10)?;
+    let (one_fwd, one_rows) = gpu.bench_moe(&shape, &rs)?;
+    let bwd_kept: Vec<u64> = ep_rows.iter().map(|r| r.kept_pairs as u64).collect();
+    let kept_all = layer::transport::all_gather(&t, &bwd_kept)?;
+    say(format!(
+        "\nExpert-parallel MoE layer on the GPUs (Qwen3-30B-A3B shape, {} tokens per rank, top-8, {EXPERTS} experts in blocks of {}, hidden {HIDDEN}, ffn 768); single GPU = the same layer with EP = 1 on the same tokens per GPU; rank 0's wall-clock medians of 10\n",
+        shape.tokens,
+        EXPERTS / world
+    ));
+    say("| retention | kept pairs (all ranks) | EP bytes out (rank 0) MiB | EP fwd ms | EP bwd ms | EP bwd / r = 1 | single-GPU fwd ms | single-GPU bwd ms | EP fwd+bwd / single-GPU |".into());
+    say("|---|---|---|---|---|---|---|---|---|".into());
+    for (i, (ep, one)) in ep_rows.iter().zip(&one_rows).enumerate() {
+        let kept: u64 = kept_all.iter().map(|k| k[i]).sum();
+        say(format!(
+            "| {} | {kept} | {:.1} | {ep_fwd:.2} | {:.2} | {:.3} | {one_fwd:.2} | {:.2} | {:.3} |",
+            ep.retention,
+            ep.bytes_sent as f64 / (1 << 20) as f64,
+            ep.backward_ms,
+            ep.backward_ms / ep_rows[0].backward_ms,
+            one.backward_ms,
+            (ep_fwd + ep.backward_ms) / (one_fwd + one.backward_ms),
         ));
     }
     Ok(())

@@ -610,18 +610,21 @@ mod imp {
             self.check_async()
         }
 
-        /// Enqueues a variable all-to-all of bytes on device buffers:
-        /// `send_counts[d]` bytes to rank `d`, back to back in `send`;
-        /// `recv_counts[s]` bytes from rank `s`, back to back in `recv`.
-        /// Both sides must agree on every count. Call
-        /// [`synchronize`](Self::synchronize) before reading `recv` on the host.
-        pub fn all_to_all_v(
+        /// Enqueues a variable all-to-all on device buffers of any element
+        /// type: `send_counts[d]` elements to rank `d`, back to back in
+        /// `send`; `recv_counts[s]` elements from rank `s`, back to back in
+        /// `recv`. Both sides must agree on every count. Call
+        /// [`synchronize`](Self::synchronize) before reading `recv` on the
+        /// host; kernels on other streams of the context are ordered by
+        /// cudarc's per-buffer events.
+        pub fn all_to_all_v<T: cudarc::driver::DeviceRepr>(
             &self,
-            send: &CudaSlice<u8>,
+            send: &CudaSlice<T>,
             send_counts: &[usize],
-            recv: &mut CudaSlice<u8>,
+            recv: &mut CudaSlice<T>,
             recv_counts: &[usize],
         ) -> Result<(), KernelError> {
+            let size = std::mem::size_of::<T>();
             let sent: usize = send_counts.iter().sum();
             let got: usize = recv_counts.iter().sum();
             check_counts("all-to-all send counts", send_counts, self.world, sent)?;
@@ -648,7 +651,7 @@ mod imp {
                 for peer in 0..self.world {
                     // Self included: NCCL copies it inside the same kernel,
                     // overlapped with the remote transfers.
-                    let (sc, rc) = (send_counts[peer], recv_counts[peer]);
+                    let (sc, rc) = (send_counts[peer] * size, recv_counts[peer] * size);
                     // SAFETY: in-bounds ranges of live device buffers.
                     let r = unsafe { p2p(sys::ncclSend, sp + so as u64, sc, peer, comm, st) };
                     if !ok(r) {

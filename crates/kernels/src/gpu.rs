@@ -154,6 +154,8 @@ impl Gpu {
     }
 }
 
+#[cfg(feature = "nccl")]
+pub use imp::moe::ep::{EpBackward, EpBenchRow, EpHostResult, EpSaved, EpWeights};
 #[cfg(feature = "cuda")]
 pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeWeights};
 

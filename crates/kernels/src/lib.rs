@@ -46,6 +46,7 @@
 pub mod artifacts;
 pub mod comm;
 pub mod cpu;
+pub mod ep_plan;
 pub mod gpu;
 pub mod grouped;
 

@@ -10,7 +10,8 @@
 //! with replicas, against the same EP run in-process (bit-identical) and,
 //! at full retention, against EP = 1 (f64, relative error ≤ 1e-10);
 //! (3) the experts' GEMMs on each rank's GPU against the CPU twins;
-//! (4) a peer that leaves: rank 1 exits, rank 0's next collective must fail
+//! (4) the device-resident EP layer against the single-GPU layer;
+//! (5) a peer that leaves: rank 1 exits, rank 0's next collective must fail
 //! within the timeout instead of hanging.
 
 #![cfg(feature = "nccl")]
@@ -179,6 +180,103 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         rel(&dx, &ldx),
         rel(&flat(&g), &flat(&lg))
     );
+
+    // The device-resident EP layer (`Gpu::ep_*`: rows, all-to-alls and
+    // grouped GEMMs on the GPUs, NCCL between them) against the single-GPU
+    // layer (`Gpu::moe_host`, device-tested against the CPU layer) on all
+    // ranks' tokens concatenated, on this rank's GPU: each rank's outputs,
+    // input gradients and experts' gradients, the summed router gradient
+    // and the kept pairs, at retention 1.0, 0.5 and 0.25.
+    {
+        use kernels::cpu::bf16_bits_to_f32;
+        use kernels::gpu::{Gpu, MoeShape};
+        let gpu = Gpu::open(env.local_rank).unwrap();
+        let tokens = 256;
+        let one = MoeShape {
+            tokens,
+            hidden: 64,
+            ffn: 128,
+            experts: 8,
+            top_k: 2,
+            renormalize: true,
+        };
+        let all = MoeShape {
+            tokens: tokens * world,
+            ..one
+        };
+        let bits = |n: usize, seed: u64, scale: f64| -> Vec<u16> {
+            data(n, seed)
+                .into_iter()
+                .map(|v| kernels::cpu::f32_to_bf16_bits((v * scale) as f32))
+                .collect()
+        };
+        let (h, f, e) = (one.hidden, one.ffn, one.experts);
+        let el = e / world;
+        let router = bits(h * e, 21, 0.5);
+        let (gate, up, down) = (
+            bits(e * h * f, 22, 0.125),
+            bits(e * h * f, 23, 0.125),
+            bits(e * f * h, 24, 0.09),
+        );
+        let (x, dy) = (bits(all.tokens * h, 25, 1.0), bits(all.tokens * h, 26, 1.0));
+        let f32s =
+            |v: &[u16]| -> Vec<f64> { v.iter().map(|&b| f64::from(bf16_bits_to_f32(b))).collect() };
+        let blk = |w: &[u16]| w[me * el * h * f..(me + 1) * el * h * f].to_vec();
+        let tok = |v: &[u16]| v[me * tokens * h..(me + 1) * tokens * h].to_vec();
+        for retention in [1.0, 0.5, 0.25] {
+            let want = gpu
+                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, retention)
+                .unwrap();
+            let got = gpu
+                .ep_host(
+                    t.comm(),
+                    &one,
+                    &router,
+                    (&blk(&gate), &blk(&up), &blk(&down)),
+                    &tok(&x),
+                    &tok(&dy),
+                    retention,
+                )
+                .unwrap();
+            let checks = [
+                ("y", rel(&f32s(&got.y), &f32s(&tok(&want.y)))),
+                ("dx", rel(&f32s(&got.dx), &f32s(&tok(&want.dx)))),
+                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&want.gate)))),
+                ("up", rel(&f32s(&got.up), &f32s(&blk(&want.up)))),
+                ("down", rel(&f32s(&got.down), &f32s(&blk(&want.down)))),
+                (
+                    "router",
+                    rel(
+                        &got.router.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+                        &f32s(&want.router),
+                    ),
+                ),
+            ];
+            for (name, err) in checks {
+                // Same kernels on the same rows; only the router's sum over
+                // ranks (f32 of bf16 parts vs one bf16 GEMM) is rounded
+                // differently.
+                assert!(
+                    err <= 1e-2,
+                    "EP layer, r = {retention}: {name} relative error {err}"
+                );
+            }
+            let kept: Vec<u64> = all_gather(&t, &[got.kept_pairs as u64]).unwrap().concat();
+            assert_eq!(
+                kept.iter().sum::<u64>() as usize,
+                want.kept_pairs,
+                "r = {retention}: kept pairs"
+            );
+            eprintln!(
+                "rank {me}: device EP layer, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}",
+                checks.map(|(n, e)| format!("{n} {e:.1e}")),
+                got.kept_pairs,
+                want.kept_pairs,
+                got.bytes_sent.0,
+                got.bytes_sent.1
+            );
+        }
+    }
 
     // A peer that leaves: rank 1 returns (its process exits), rank 0 must
     // get an error within the timeout.

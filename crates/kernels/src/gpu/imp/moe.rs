@@ -20,6 +20,10 @@ const DROPPED: u32 = u32::MAX;
 
 use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape};
 
+#[cfg(feature = "nccl")]
+#[path = "ep.rs"]
+pub mod ep;
+
 /// Layer weights on the device, bf16: router `H × E`, gate and up
 /// `E × H × F`, down `E × F × H` (row-major, `x · W`).
 pub struct MoeWeights {
@@ -339,20 +343,22 @@ impl Gpu {
         Ok(y)
     }
 
-    /// Forward of the layer on `x` (`T × H` bf16 on the device): complete,
-    /// every routed pair computed.
-    pub fn moe_forward(
+    /// Routing of `x` (`T × H`): logits `x · W_r` (a one-group GEMM),
+    /// softmax, top-k; returns `(probs T × E, expert of each pair, gate of
+    /// each pair, routed pairs per expert)`. The counts' download is the
+    /// forward's one host synchronisation.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn route(
         &self,
         s: &MoeShape,
-        w: &MoeWeights,
+        router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
-    ) -> Result<MoeSaved, KernelError> {
-        s.check()?;
-        let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
+    ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, CudaSlice<f32>, Vec<u32>), KernelError> {
+        let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
         let p = s.pairs();
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router: logits = x · W_r (a one-group GEMM), softmax, top-k.
-        let logits = self.gemm(GemmVariant::Forward, &one, 1, x, &w.router, t * e, h, e)?;
+        let logits = self.gemm(GemmVariant::Forward, &one, 1, x, router, t * e, h, e)?;
         let mut lf = self.zeros::<f32>(t * e)?;
         {
             let n = (t * e) as i64;
@@ -400,6 +406,21 @@ impl Gpu {
             .map_err(cuda)?;
         }
         let counts = self.download(&counts_d, e)?;
+        Ok((probs, idx, gates, counts))
+    }
+
+    /// Forward of the layer on `x` (`T × H` bf16 on the device): complete,
+    /// every routed pair computed.
+    pub fn moe_forward(
+        &self,
+        s: &MoeShape,
+        w: &MoeWeights,
+        x: &CudaSlice<u16>,
+    ) -> Result<MoeSaved, KernelError> {
+        s.check()?;
+        let (h, f, e, k) = (s.hidden, s.ffn, s.experts, s.top_k);
+        let p = s.pairs();
+        let (probs, idx, gates, counts) = self.route(s, &w.router, x)?;
         let base = exclusive_scan(&counts);
         let offsets = self.upload(&base.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
         let offsets_u = self.upload(&base)?;
@@ -411,9 +432,7 @@ impl Gpu {
         let (dst, src) = self.group(&idx, None, None, &base[..e], p, p, e)?;
         // Experts on the grouped rows.
         let xs = self.gather_scaled(x, &src, k, None, p, h)?;
-        let a = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.gate, p * f, h, f)?;
-        let b = self.gemm(GemmVariant::Forward, &offsets, e, &xs, &w.up, p * f, h, f)?;
-        let hh = self.swiglu_dev(&a, &b, p * f)?;
+        let (_, _, hh) = self.experts_hidden(&offsets, e, p, &xs, &w.gate, &w.up, h, f)?;
         let o = self.gemm(GemmVariant::Forward, &offsets, e, &hh, &w.down, p * h, f, h)?;
         let y = self.combine_dev(&o, &dst, Some(&gates), s)?;
         let h_sq = self.row_sq(&hh, p, f)?;
@@ -432,6 +451,59 @@ impl Gpu {
             h_sq,
             o,
         })
+    }
+
+    /// The complete router gradient from every pair's forward output `o`
+    /// (rows in grouped order, `dst`: pair → row): returns `(dW_r H × E,
+    /// dX_router T × H)`.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub(super) fn router_backward(
+        &self,
+        s: &MoeShape,
+        router: &CudaSlice<u16>,
+        x: &CudaSlice<u16>,
+        dy: &CudaSlice<u16>,
+        o: &CudaSlice<u16>,
+        dst: &CudaSlice<u32>,
+        (probs, idx, gates): (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<f32>),
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
+        let one = self.upload(&[0i32, dim("tokens", t)?])?;
+        // Router gradient from every pair's forward output.
+        let mut dlogits = self.zeros::<u16>(t * e)?;
+        {
+            let (t_i, h_i, e_i, k_i, r_i) = (
+                dim("tokens", t)?,
+                dim("hidden", h)?,
+                dim("experts", e)?,
+                dim("top_k", k)?,
+                i32::from(s.renormalize),
+            );
+            let mut l = self.stream.launch_builder(&self.f_router_bwd);
+            l.arg(dy)
+                .arg(o)
+                .arg(dst)
+                .arg(probs)
+                .arg(idx)
+                .arg(gates)
+                .arg(&mut dlogits);
+            l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&r_i);
+            // SAFETY: (u16*, u16*, u32*, f32*, u32*, f32*, u16*, int×5)
+            // matches; dst maps every pair to a row of o; k ≤ 32 (checked).
+            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+        }
+        let g_router = self.gemm(GemmVariant::WeightGrad, &one, 1, x, &dlogits, h * e, h, e)?;
+        let dx_router = self.gemm(
+            GemmVariant::DataGrad,
+            &one,
+            1,
+            &dlogits,
+            router,
+            t * h,
+            h,
+            e,
+        )?;
+        Ok((g_router, dx_router))
     }
 
     /// The LRMoE backward for `dy` (`T × H`): each expert keeps
@@ -467,69 +539,20 @@ impl Gpu {
         let before = if measure_memory { used_bytes()? } else { 0 };
         let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
-        let one = self.upload(&[0i32, dim("tokens", t)?])?;
-        // Router gradient from every pair's forward output.
-        let mut dlogits = self.zeros::<u16>(t * e)?;
-        {
-            let (t_i, h_i, e_i, k_i, r_i) = (
-                dim("tokens", t)?,
-                dim("hidden", h)?,
-                dim("experts", e)?,
-                dim("top_k", k)?,
-                i32::from(s.renormalize),
-            );
-            let mut l = self.stream.launch_builder(&self.f_router_bwd);
-            l.arg(dy)
-                .arg(&sv.o)
-                .arg(&sv.dst)
-                .arg(&sv.probs)
-                .arg(&sv.idx)
-                .arg(&sv.gates)
-                .arg(&mut dlogits);
-            l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&r_i);
-            // SAFETY: (u16*, u16*, u32*, f32*, u32*, f32*, u16*, int×5)
-            // matches; dst maps every pair to a row of o; k ≤ 32 (checked).
-            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
-        }
-        let g_router = self.gemm(
-            GemmVariant::WeightGrad,
-            &one,
-            1,
-            &sv.x,
-            &dlogits,
-            h * e,
-            h,
-            e,
-        )?;
-        let dx_router = self.gemm(
-            GemmVariant::DataGrad,
-            &one,
-            1,
-            &dlogits,
+        let (g_router, dx_router) = self.router_backward(
+            s,
             &w.router,
-            t * h,
-            h,
-            e,
+            &sv.x,
+            dy,
+            &sv.o,
+            &sv.dst,
+            (&sv.probs, &sv.idx, &sv.gates),
         )?;
         // LRM scores in grouped order: g² · ‖δ‖² · ‖h‖².
         // From norms: ‖δ‖² per token, ‖h‖² per grouped row (saved by the
         // forward), so no δ row is gathered and no h row re-read.
         let dy_sq = self.row_sq(dy, t, h)?;
-        let mut scores = self.zeros::<f32>(p)?;
-        if p > 0 {
-            let (n_i, k_i) = (dim("pairs", p)?, dim("top_k", k)?);
-            let mut l = self.stream.launch_builder(&self.f_scores_norms);
-            l.arg(&sv.gates)
-                .arg(&dy_sq)
-                .arg(&sv.h_sq)
-                .arg(&sv.src)
-                .arg(&mut scores)
-                .arg(&n_i)
-                .arg(&k_i);
-            // SAFETY: (f32*, f32*, f32*, u32*, f32*, int, int); src maps
-            // each of the p grouped rows to its pair (< p), pair / k < t.
-            unsafe { l.launch(self.elementwise_config(p)) }.map_err(cuda)?;
-        }
+        let scores = self.scores_from_norms(&sv.gates, &dy_sq, &sv.h_sq, &sv.src, p, k)?;
         // Quotas and selection.
         let kept_counts: Vec<u32> = quotas
             .iter()
@@ -557,84 +580,16 @@ impl Gpu {
         let pair_of_kept = self.gather32(&sv.src, &srck, kept_total)?;
         let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), kept_total, h)?;
         // Grouped GEMMs on the kept rows only.
-        let ak = self.gemm(
-            GemmVariant::Forward,
+        let (dxk, g_gate, g_up, g_down) = self.experts_backward_dev(
             &koff,
             e,
+            kept_total,
             &xk,
-            &w.gate,
-            kept_total * f,
-            h,
-            f,
-        )?;
-        let bk = self.gemm(
-            GemmVariant::Forward,
-            &koff,
-            e,
-            &xk,
-            &w.up,
-            kept_total * f,
-            h,
-            f,
-        )?;
-        let hk = self.swiglu_dev(&ak, &bk, kept_total * f)?;
-        let g_down = self.gemm(
-            GemmVariant::WeightGrad,
-            &koff,
-            e,
-            &hk,
             &dok,
-            e * f * h,
-            f,
-            h,
-        )?;
-        let dh = self.gemm(
-            GemmVariant::DataGrad,
-            &koff,
-            e,
-            &dok,
-            &w.down,
-            kept_total * f,
-            f,
-            h,
-        )?;
-        let mut da = self.zeros::<u16>(kept_total * f)?;
-        let mut db = self.zeros::<u16>(kept_total * f)?;
-        if kept_total > 0 {
-            let n = (kept_total * f) as i64;
-            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
-            l.arg(&ak)
-                .arg(&bk)
-                .arg(&dh)
-                .arg(&mut da)
-                .arg(&mut db)
-                .arg(&n);
-            // SAFETY: as in `swiglu_backward_bf16`; all hold kept·F.
-            unsafe { l.launch(self.elementwise_config(kept_total * f)) }.map_err(cuda)?;
-        }
-        let g_gate = self.gemm(GemmVariant::WeightGrad, &koff, e, &xk, &da, e * h * f, h, f)?;
-        let g_up = self.gemm(GemmVariant::WeightGrad, &koff, e, &xk, &db, e * h * f, h, f)?;
-        let dx1 = self.gemm(
-            GemmVariant::DataGrad,
-            &koff,
-            e,
-            &da,
-            &w.gate,
-            kept_total * h,
+            (&w.gate, &w.up, &w.down),
             h,
             f,
         )?;
-        let dx2 = self.gemm(
-            GemmVariant::DataGrad,
-            &koff,
-            e,
-            &db,
-            &w.up,
-            kept_total * h,
-            h,
-            f,
-        )?;
-        let dxk = self.add(&dx1, &dx2, kept_total * h)?;
         // Scatter-add back to tokens (dropped pairs contribute nothing).
         let row_k = self.gather32(&dstk, &sv.dst, p)?;
         let dx_experts = self.combine_dev(&dxk, &row_k, None, s)?;
@@ -846,6 +801,82 @@ impl Gpu {
         Ok((a, b, hh))
     }
 
+    /// The experts' backward on `rows` kept rows grouped by `od` (device):
+    /// recomputes `a`, `b`, `h`, then `dW_down = hᵀ·d`, `dh = d·W_downᵀ`,
+    /// the SwiGLU backward, `dW_gate`, `dW_up` and `dX = da·W_gateᵀ +
+    /// db·W_upᵀ`; returns `(dX, dW_gate, dW_up, dW_down)`.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    pub(super) fn experts_backward_dev(
+        &self,
+        od: &CudaSlice<i32>,
+        e: usize,
+        rows: usize,
+        xd: &CudaSlice<u16>,
+        dd: &CudaSlice<u16>,
+        (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        h: usize,
+        f: usize,
+    ) -> Result<
+        (
+            CudaSlice<u16>,
+            CudaSlice<u16>,
+            CudaSlice<u16>,
+            CudaSlice<u16>,
+        ),
+        KernelError,
+    > {
+        let ew = e * h * f;
+        let (a, b, hh) = self.experts_hidden(od, e, rows, xd, wg, wu, h, f)?;
+        let g_down = self.gemm(GemmVariant::WeightGrad, od, e, &hh, dd, ew, f, h)?;
+        let dh = self.gemm(GemmVariant::DataGrad, od, e, dd, wd, rows * f, f, h)?;
+        let mut da = self.zeros::<u16>(rows * f)?;
+        let mut db = self.zeros::<u16>(rows * f)?;
+        if rows > 0 {
+            let n = (rows * f) as i64;
+            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+            l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
+            // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
+            unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+        }
+        let g_gate = self.gemm(GemmVariant::WeightGrad, od, e, xd, &da, ew, h, f)?;
+        let g_up = self.gemm(GemmVariant::WeightGrad, od, e, xd, &db, ew, h, f)?;
+        let dx1 = self.gemm(GemmVariant::DataGrad, od, e, &da, wg, rows * h, h, f)?;
+        let dx2 = self.gemm(GemmVariant::DataGrad, od, e, &db, wu, rows * h, h, f)?;
+        let dx = self.add(&dx1, &dx2, rows * h)?;
+        Ok((dx, g_gate, g_up, g_down))
+    }
+
+    /// LRM scores from norms: `score[j] = g[p]² · dy_sq[p / k] · h_sq[j]`
+    /// with `p = src[j]`, for `n` rows.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn scores_from_norms(
+        &self,
+        gates: &CudaSlice<f32>,
+        dy_sq: &CudaSlice<f32>,
+        h_sq: &CudaSlice<f32>,
+        src: &CudaSlice<u32>,
+        n: usize,
+        k: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        let mut scores = self.zeros::<f32>(n)?;
+        if n > 0 {
+            let (n_i, k_i) = (dim("pairs", n)?, dim("top_k", k)?);
+            let mut l = self.stream.launch_builder(&self.f_scores_norms);
+            l.arg(gates)
+                .arg(dy_sq)
+                .arg(h_sq)
+                .arg(src)
+                .arg(&mut scores)
+                .arg(&n_i)
+                .arg(&k_i);
+            // SAFETY: (f32*, f32*, f32*, u32*, f32*, int, int); the callers'
+            // src maps each of the n rows to an entry of gates, and
+            // src / k to an entry of dy_sq; h_sq holds n.
+            unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        }
+        Ok(scores)
+    }
+
     fn experts_check(
         offsets: &[i32],
         x: &[u16],
@@ -914,21 +945,8 @@ impl Gpu {
         }
         let (od, xd, dd) = (self.upload(offsets)?, self.upload(x)?, self.upload(d)?);
         let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
-        let (a, b, hh) = self.experts_hidden(&od, e, rows, &xd, &wg, &wu, h, f)?;
-        let g_down = self.gemm(GemmVariant::WeightGrad, &od, e, &hh, &dd, ew, f, h)?;
-        let dh = self.gemm(GemmVariant::DataGrad, &od, e, &dd, &wd, rows * f, f, h)?;
-        let mut da = self.zeros::<u16>(rows * f)?;
-        let mut db = self.zeros::<u16>(rows * f)?;
-        let n = (rows * f) as i64;
-        let mut l = self.stream.launch_builder(&self.swiglu_bwd);
-        l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
-        // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
-        unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
-        let g_gate = self.gemm(GemmVariant::WeightGrad, &od, e, &xd, &da, ew, h, f)?;
-        let g_up = self.gemm(GemmVariant::WeightGrad, &od, e, &xd, &db, ew, h, f)?;
-        let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, &wg, rows * h, h, f)?;
-        let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, &wu, rows * h, h, f)?;
-        let dx = self.add(&dx1, &dx2, rows * h)?;
+        let (dx, g_gate, g_up, g_down) =
+            self.experts_backward_dev(&od, e, rows, &xd, &dd, (&wg, &wu, &wd), h, f)?;
         Ok((
             self.download(&dx, rows * h)?,
             self.download(&g_gate, ew)?,

@@ -1,0 +1,448 @@
+//! The MoE layer with expert parallelism on device buffers: W ranks, one
+//! GPU each, NCCL between them (features `cuda` + `nccl`). Experts are owned
+//! in contiguous blocks (see [`crate::ep_plan`] for the index plans).
+//!
+//! Forward (complete): route locally, group pairs by expert (= by owner),
+//! all-gather the routed counts, all-to-all the rows to their owners,
+//! regroup expert-major, grouped GEMMs, send the outputs back, combine.
+//!
+//! LRMoE backward: the router gradient is complete and local (each source
+//! kept its pairs' outputs), then summed over ranks. Each source sends one
+//! f32 per pair (`g²·‖δ‖²`); each owner forms the LRM scores with its saved
+//! `‖h‖²`, keeps `round(r · n_e)` pairs per expert by top-q selection over
+//! every source's pairs, and returns the mask. Sources pack only the kept
+//! `g·δ` rows (no padding) into the all-to-all; owners run the grouped GEMMs
+//! on the kept rows and return their `dX` rows, which the sources
+//! scatter-add. Bytes on the wire and GEMM rows shrink with `r`.
+//!
+//! Host synchronisations: the routed counts (forward), the kept mask at the
+//! owner and at the source (backward); device work on the compute stream and
+//! the communicator's stream is ordered by synchronising the stream that
+//! wrote a buffer before the other reads it.
+
+use cudarc::driver::CudaSlice;
+
+use super::super::cuda;
+use super::{exclusive_scan, quotas_for, DROPPED};
+use crate::comm::NcclComm;
+use crate::cpu::GemmVariant;
+use crate::ep_plan::{
+    experts_per_rank, owner_kept, recv_layout, send_rows, source_kept, RecvLayout, NONE,
+};
+use crate::gpu::{Gpu, MoeShape};
+use crate::KernelError;
+
+/// One rank's weights on its device, bf16: the router `H × E` (every rank
+/// holds it) and the rank's own experts, `E_l × H × F` (gate, up) and
+/// `E_l × F × H` (down).
+pub struct EpWeights {
+    router: CudaSlice<u16>,
+    gate: CudaSlice<u16>,
+    up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+}
+
+/// Forward state kept for the backward.
+pub struct EpSaved {
+    s: MoeShape,
+    per_rank: usize,
+    // Source side: this rank's tokens.
+    x: CudaSlice<u16>,
+    probs: CudaSlice<f32>,
+    idx: CudaSlice<u32>,
+    gates: CudaSlice<f32>,
+    dst: CudaSlice<u32>,
+    src: CudaSlice<u32>,
+    send: Vec<usize>,
+    o: CudaSlice<u16>,
+    // Owner side: the rows of this rank's experts, expert-major.
+    layout: RecvLayout,
+    counts_mine: Vec<u32>,
+    xr: CudaSlice<u16>,
+    h_sq: CudaSlice<f32>,
+    /// Layer output for this rank's tokens, `T × H`.
+    pub y: CudaSlice<u16>,
+    /// Bytes this rank sent to other ranks in the forward's all-to-alls.
+    pub bytes_sent: usize,
+}
+
+/// Gradients and figures of one backward on one rank.
+pub struct EpBackward {
+    /// Input gradient of this rank's tokens, `T × H`.
+    pub dx: CudaSlice<u16>,
+    /// Router gradient summed over ranks, `H × E`, f32.
+    pub router: CudaSlice<f32>,
+    /// This rank's experts' gradients: gate, up `E_l × H × F`, down `E_l × F × H`.
+    pub gate: CudaSlice<u16>,
+    /// See `gate`.
+    pub up: CudaSlice<u16>,
+    /// See `gate`.
+    pub down: CudaSlice<u16>,
+    /// Pairs this rank's experts kept (over all sources).
+    pub kept_pairs: usize,
+    /// Bytes this rank sent to other ranks in the backward's all-to-alls
+    /// (scores' inputs, masks, kept rows, dX rows; not the router's all-reduce).
+    pub bytes_sent: usize,
+}
+
+fn world_of(comm: &NcclComm, s: &MoeShape) -> Result<(usize, usize, usize), KernelError> {
+    s.check()?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    Ok((rank, world, experts_per_rank(s.experts, world)?))
+}
+
+impl Gpu {
+    /// Uploads one rank's weights (bf16 bits): the full router and the
+    /// rank's block of experts.
+    pub fn ep_weights(
+        &self,
+        comm: &NcclComm,
+        s: &MoeShape,
+        router: &[u16],
+        (gate, up, down): (&[u16], &[u16], &[u16]),
+    ) -> Result<EpWeights, KernelError> {
+        let (_, _, el) = world_of(comm, s)?;
+        let (h, f, e) = (s.hidden, s.ffn, s.experts);
+        super::super::check("router", h * e, router.len())?;
+        super::super::check("gate (this rank's experts)", el * h * f, gate.len())?;
+        super::super::check("up (this rank's experts)", el * h * f, up.len())?;
+        super::super::check("down (this rank's experts)", el * f * h, down.len())?;
+        Ok(EpWeights {
+            router: self.upload(router)?,
+            gate: self.upload(gate)?,
+            up: self.upload(up)?,
+            down: self.upload(down)?,
+        })
+    }
+
+    fn sync(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(cuda)
+    }
+
+    /// An all-to-all between the compute stream's buffers: the compute
+    /// stream is drained first, the communicator's after.
+    fn exchange<T: cudarc::driver::DeviceRepr>(
+        &self,
+        comm: &NcclComm,
+        send: &CudaSlice<T>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<CudaSlice<T>, KernelError> {
+        let total: usize = recv_counts.iter().sum();
+        let mut recv = self.zeros::<T>(total)?;
+        self.sync()?;
+        comm.all_to_all_v(send, send_counts, &mut recv, recv_counts)?;
+        comm.synchronize()?;
+        Ok(recv)
+    }
+
+    /// The forward on this rank's tokens `x` (`T × H`, bf16 on the device);
+    /// every rank calls it with the same shape (`tokens` per rank).
+    pub fn ep_forward(
+        &self,
+        comm: &NcclComm,
+        s: &MoeShape,
+        w: &EpWeights,
+        x: &CudaSlice<u16>,
+    ) -> Result<EpSaved, KernelError> {
+        let (rank, _, el) = world_of(comm, s)?;
+        let (h, f, e, k) = (s.hidden, s.ffn, s.experts, s.top_k);
+        let p = s.pairs();
+        super::super::check("x", s.tokens * h, x.len())?;
+        let (probs, idx, gates, counts) = self.route(s, &w.router, x)?;
+        let base = exclusive_scan(&counts);
+        let (dst, src) = self.group(&idx, None, None, &base[..e], p, p, e)?;
+        let xs = self.gather_scaled(x, &src, k, None, p, h)?;
+        // Everyone's counts: what each owner receives, and from whom.
+        let bytes: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
+        let counts_all: Vec<Vec<u32>> = comm
+            .all_gather_host(&bytes)?
+            .into_iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect();
+        let send = send_rows(&counts, el);
+        let layout = recv_layout(&counts_all, rank, el)?;
+        let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
+        let xr_src = self.exchange(comm, &xs, &elems(&send), &elems(&layout.from))?;
+        let n_r = layout.perm.len();
+        let perm = self.upload(&layout.perm)?;
+        let xr = self.gather_scaled(&xr_src, &perm, 1, None, n_r, h)?;
+        let offsets: Vec<i32> = layout.offsets.iter().map(|&v| v as i32).collect();
+        let od = self.upload(&offsets)?;
+        let (_, _, hh) = self.experts_hidden(&od, el, n_r, &xr, &w.gate, &w.up, h, f)?;
+        let or = self.gemm(GemmVariant::Forward, &od, el, &hh, &w.down, n_r * h, f, h)?;
+        let h_sq = self.row_sq(&hh, n_r, f)?;
+        let inv = self.upload(&layout.inv)?;
+        let or_src = self.gather_scaled(&or, &inv, 1, None, n_r, h)?;
+        let o = self.exchange(comm, &or_src, &elems(&layout.from), &elems(&send))?;
+        let y = self.combine_dev(&o, &dst, Some(&gates), s)?;
+        let sent_rows = send.iter().sum::<usize>() - send[rank] + n_r - layout.from[rank];
+        Ok(EpSaved {
+            s: *s,
+            per_rank: el,
+            x: x.clone(),
+            probs,
+            idx,
+            gates,
+            dst,
+            src,
+            send,
+            o,
+            counts_mine: layout.per_expert.clone(),
+            layout,
+            xr,
+            h_sq,
+            y,
+            bytes_sent: sent_rows * h * 2,
+        })
+    }
+
+    /// The LRMoE backward for `dy` (this rank's tokens, `T × H`): each expert
+    /// keeps `round(retention · n_e)` of its pairs over all sources by LRM
+    /// score; only kept rows travel and are multiplied.
+    pub fn ep_backward(
+        &self,
+        comm: &NcclComm,
+        w: &EpWeights,
+        sv: &EpSaved,
+        dy: &CudaSlice<u16>,
+        retention: f64,
+    ) -> Result<EpBackward, KernelError> {
+        let s = &sv.s;
+        let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
+        let (rank, el) = (comm.rank(), sv.per_rank);
+        let p = s.pairs();
+        super::super::check("dy", t * h, dy.len())?;
+        let quotas = quotas_for(&sv.counts_mine, retention)?;
+        // Router: complete and local, then summed over ranks (f32).
+        let (g_router, dx_router) = self.router_backward(
+            s,
+            &w.router,
+            &sv.x,
+            dy,
+            &sv.o,
+            &sv.dst,
+            (&sv.probs, &sv.idx, &sv.gates),
+        )?;
+        let mut router = self.zeros::<f32>(h * e)?;
+        {
+            let n = (h * e) as i64;
+            let mut l = self.stream.launch_builder(&self.f_to_f32);
+            use cudarc::driver::PushKernelArg;
+            l.arg(&g_router).arg(&mut router).arg(&n);
+            // SAFETY: (u16*, f32*, long long); both hold H·E.
+            unsafe { l.launch(self.elementwise_config(h * e)) }.map_err(cuda)?;
+        }
+        // g²·‖δ‖² of each pair, in send order, to the owners.
+        let dy_sq = self.row_sq(dy, t, h)?;
+        let ones = self.upload(&vec![1f32; p.max(sv.layout.perm.len())])?;
+        let dsq = self.scores_from_norms(&sv.gates, &dy_sq, &ones, &sv.src, p, k)?;
+        self.sync()?;
+        comm.all_reduce_sum_f32(&mut router)?;
+        let dsq_src = self.exchange(comm, &dsq, &sv.send, &sv.layout.from)?;
+        // Owner: scores expert-major, top-q per expert.
+        let n_r = sv.layout.perm.len();
+        let perm = self.upload(&sv.layout.perm)?;
+        let dsq_r = self.gather32(&dsq_src, &perm, n_r)?;
+        let ids: Vec<u32> = (0..n_r as u32).collect();
+        let ids = self.upload(&ids)?;
+        let scores = self.scores_from_norms(&ones, &dsq_r, &sv.h_sq, &ids, n_r, 1)?;
+        let (qd, offs) = (self.upload(&quotas)?, self.upload(&sv.layout.offsets)?);
+        let mut kept = self.zeros::<u8>(n_r)?;
+        let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
+        self.launch_select(&scores, &ids, &offs, &qd, &mut kept, &mut err, el)?;
+        if self.download(&err, 1)?[0] != 0 {
+            return Err(KernelError::Cuda(
+                "ep_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
+            ));
+        }
+        let plan = owner_kept(&sv.layout, &self.download(&kept, n_r)?)?;
+        let kept_pairs = plan.x_rows.len();
+        // The mask back to the sources, which pack their kept g·δ rows.
+        let mask_d = self.upload(&plan.mask_src)?;
+        let mask = self.exchange(comm, &mask_d, &sv.layout.from, &sv.send)?;
+        let mine = source_kept(&self.download(&mask, p)?, &sv.send)?;
+        let n_k = mine.rows.len();
+        let rows_d = self.upload(&mine.rows)?;
+        let pair_of_kept = self.gather32(&sv.src, &rows_d, n_k)?;
+        let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), n_k, h)?;
+        let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
+        let d_recv = self.exchange(comm, &dok, &elems(&mine.to), &elems(&plan.from))?;
+        // Owner: grouped GEMMs on the kept rows, expert-major.
+        let xi = self.upload(&plan.x_rows)?;
+        let di = self.upload(&plan.d_rows)?;
+        let xk = self.gather_scaled(&sv.xr, &xi, 1, None, kept_pairs, h)?;
+        let dk = self.gather_scaled(&d_recv, &di, 1, None, kept_pairs, h)?;
+        let od = self.upload(&plan.offsets)?;
+        let (dxk, gate, up, down) = self.experts_backward_dev(
+            &od,
+            el,
+            kept_pairs,
+            &xk,
+            &dk,
+            (&w.gate, &w.up, &w.down),
+            h,
+            f,
+        )?;
+        let back = self.upload(&plan.back)?;
+        let dx_src = self.gather_scaled(&dxk, &back, 1, None, kept_pairs, h)?;
+        let dx_rows = self.exchange(comm, &dx_src, &elems(&plan.from), &elems(&mine.to))?;
+        // Source: scatter-add the kept pairs' dX into the tokens.
+        let place = self.upload(&mine.place)?;
+        let row_k = self.gather32(&place, &sv.dst, p)?;
+        debug_assert_eq!(NONE, DROPPED, "invariant: one marker for dropped rows");
+        let dx_experts = self.combine_dev(&dx_rows, &row_k, None, s)?;
+        let dx = self.add(&dx_router, &dx_experts, t * h)?;
+        // Scores' inputs (4 B a pair) out, masks (1 B a pair) back, kept
+        // g·δ rows out and their dX rows back.
+        let scalars = (p - sv.send[rank]) * 4 + (n_r - sv.layout.from[rank]);
+        let rows = (n_k - mine.to[rank]) + (kept_pairs - plan.from[rank]);
+        self.sync()?;
+        Ok(EpBackward {
+            dx,
+            router,
+            gate,
+            up,
+            down,
+            kept_pairs,
+            bytes_sent: scalars + rows * h * 2,
+        })
+    }
+}
+
+/// Host copies of one EP forward + backward on one rank.
+#[derive(Debug, Clone)]
+pub struct EpHostResult {
+    /// Output of this rank's tokens (bf16 bits).
+    pub y: Vec<u16>,
+    /// Input gradient of this rank's tokens.
+    pub dx: Vec<u16>,
+    /// Router gradient summed over ranks (f32).
+    pub router: Vec<f32>,
+    /// This rank's experts' gradients (bf16 bits).
+    pub gate: Vec<u16>,
+    /// See `gate`.
+    pub up: Vec<u16>,
+    /// See `gate`.
+    pub down: Vec<u16>,
+    /// Pairs this rank's experts kept.
+    pub kept_pairs: usize,
+    /// Bytes sent to other ranks: forward, backward.
+    pub bytes_sent: (usize, usize),
+}
+
+/// One row of the EP layer benchmark (this rank's view).
+#[derive(Debug, Clone, Copy)]
+pub struct EpBenchRow {
+    /// Retention.
+    pub retention: f64,
+    /// Median backward wall time, ms (host round trips included).
+    pub backward_ms: f64,
+    /// Pairs this rank's experts kept.
+    pub kept_pairs: usize,
+    /// Bytes this rank sent in the backward's all-to-alls.
+    pub bytes_sent: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+impl Gpu {
+    /// Forward and LRMoE backward from host data (bf16 bits), copied back:
+    /// `x`, `dy` this rank's tokens, `experts` this rank's block.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ep_host(
+        &self,
+        comm: &NcclComm,
+        s: &MoeShape,
+        router: &[u16],
+        experts: (&[u16], &[u16], &[u16]),
+        x: &[u16],
+        dy: &[u16],
+        retention: f64,
+    ) -> Result<EpHostResult, KernelError> {
+        let w = self.ep_weights(comm, s, router, experts)?;
+        super::super::check("x", s.tokens * s.hidden, x.len())?;
+        super::super::check("dy", s.tokens * s.hidden, dy.len())?;
+        let (xd, dyd) = (self.upload(x)?, self.upload(dy)?);
+        let sv = self.ep_forward(comm, s, &w, &xd)?;
+        let g = self.ep_backward(comm, &w, &sv, &dyd, retention)?;
+        let (t, h, e) = (s.tokens, s.hidden, s.experts);
+        let ew = sv.per_rank * h * s.ffn;
+        Ok(EpHostResult {
+            y: self.download(&sv.y, t * h)?,
+            dx: self.download(&g.dx, t * h)?,
+            router: self.download(&g.router, h * e)?,
+            gate: self.download(&g.gate, ew)?,
+            up: self.download(&g.up, ew)?,
+            down: self.download(&g.down, ew)?,
+            kept_pairs: g.kept_pairs,
+            bytes_sent: (sv.bytes_sent, g.bytes_sent),
+        })
+    }
+
+    /// Times the EP layer on random data (`iters` calls after 2 warm-ups,
+    /// median wall time, every rank in step): returns the forward's median
+    /// ms and one row per retention.
+    pub fn bench_ep(
+        &self,
+        comm: &NcclComm,
+        s: &MoeShape,
+        retentions: &[f64],
+        iters: usize,
+    ) -> Result<(f64, Vec<EpBenchRow>), KernelError> {
+        let (_, _, el) = world_of(comm, s)?;
+        let (t, h, f, e, r) = (s.tokens, s.hidden, s.ffn, s.experts, comm.rank() as u64);
+        let scale = |v: Vec<u16>, fan_in: usize| -> Vec<u16> {
+            let k = 1.0 / (fan_in as f32).sqrt();
+            v.into_iter()
+                .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
+                .collect()
+        };
+        let w = self.ep_weights(
+            comm,
+            s,
+            &scale(super::super::random_bf16(h * e, 31), h),
+            (
+                &scale(super::super::random_bf16(el * h * f, 32 + 8 * r), h),
+                &scale(super::super::random_bf16(el * h * f, 33 + 8 * r), h),
+                &scale(super::super::random_bf16(el * f * h, 34 + 8 * r), f),
+            ),
+        )?;
+        let x = self.upload(&super::super::random_bf16(t * h, 35 + 8 * r))?;
+        let dy = self.upload(&super::super::random_bf16(t * h, 36 + 8 * r))?;
+        let timed = |f: &mut dyn FnMut() -> Result<(), KernelError>| -> Result<f64, KernelError> {
+            let mut v = Vec::with_capacity(iters);
+            for i in 0..iters + 2 {
+                self.sync()?;
+                let start = std::time::Instant::now();
+                f()?;
+                self.sync()?;
+                if i >= 2 {
+                    v.push(start.elapsed().as_secs_f64() * 1e3);
+                }
+            }
+            Ok(median(v))
+        };
+        let fwd = timed(&mut || self.ep_forward(comm, s, &w, &x).map(|_| ()))?;
+        let sv = self.ep_forward(comm, s, &w, &x)?;
+        let mut rows = Vec::new();
+        for &ret in retentions {
+            let last = self.ep_backward(comm, &w, &sv, &dy, ret)?;
+            let ms = timed(&mut || self.ep_backward(comm, &w, &sv, &dy, ret).map(|_| ()))?;
+            rows.push(EpBenchRow {
+                retention: ret,
+                backward_ms: ms,
+                kept_pairs: last.kept_pairs,
+                bytes_sent: last.bytes_sent,
+            });
+        }
+        Ok((fwd, rows))
+    }
+}
