@@ -401,6 +401,36 @@ mod imp {
         }
     }
 
+    /// Keeps freed memory in the device's stream-ordered pool across
+    /// synchronisations (the default release threshold, 0, hands it back to
+    /// the driver at every synchronisation, and the next allocation maps it
+    /// again).
+    fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), KernelError> {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let mut keep: u64 = u64::MAX;
+        // SAFETY: driver calls on the context's own device with valid
+        // out-pointers; the attribute takes a u64.
+        let r = unsafe {
+            ctx.bind_to_thread().map_err(cuda)?;
+            let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+            if r != sys::CUresult::CUDA_SUCCESS {
+                r
+            } else {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut keep as *mut u64).cast(),
+                )
+            }
+        };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok(())
+        } else {
+            Err(KernelError::Cuda(format!("memory pool set-up failed: {r:?}")))
+        }
+    }
+
     /// Warps per block of the row kernels.
     const THREADS: u32 = 256;
 
@@ -419,6 +449,9 @@ mod imp {
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
                 .map_err(cuda)?;
+            if std::env::var("LRMOE_POOL_KEEP").as_deref() == Ok("1") {
+                keep_pool_memory(&ctx)?;
+            }
             let n_sms = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cuda)? as u32;

@@ -85,6 +85,43 @@ pub struct EpBackward {
     pub bytes_sent: usize,
 }
 
+/// Per-phase wall times of one call, printed when `LRMOE_EP_PROFILE=1`
+/// (each lap synchronises the compute stream, so profiling slows the call).
+struct Laps {
+    on: bool,
+    at: std::time::Instant,
+    laps: Vec<(&'static str, f64)>,
+}
+
+impl Laps {
+    fn new() -> Self {
+        Self {
+            on: std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"),
+            at: std::time::Instant::now(),
+            laps: Vec::new(),
+        }
+    }
+    fn lap(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), KernelError> {
+        if self.on {
+            gpu.sync()?;
+            let now = std::time::Instant::now();
+            self.laps.push((name, (now - self.at).as_secs_f64() * 1e3));
+            self.at = now;
+        }
+        Ok(())
+    }
+    fn print(&self, what: &str, rank: usize) {
+        if self.on {
+            let parts: Vec<String> = self
+                .laps
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.2}"))
+                .collect();
+            eprintln!("rank {rank} {what} ms: {}", parts.join(", "));
+        }
+    }
+}
+
 fn world_of(comm: &NcclComm, s: &MoeShape) -> Result<(usize, usize, usize), KernelError> {
     s.check()?;
     let (rank, world) = (comm.rank(), comm.world_size());
@@ -149,10 +186,13 @@ impl Gpu {
         let (h, f, e, k) = (s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
         super::super::check("x", s.tokens * h, x.len())?;
+        let mut laps = Laps::new();
         let (probs, idx, gates, counts) = self.route(s, &w.router, x)?;
+        laps.lap(self, "route")?;
         let base = exclusive_scan(&counts);
         let (dst, src) = self.group(&idx, None, None, &base[..e], p, p, e)?;
         let xs = self.gather_scaled(x, &src, k, None, p, h)?;
+        laps.lap(self, "group+gather")?;
         // Everyone's counts: what each owner receives, and from whom.
         let bytes: Vec<u8> = counts.iter().flat_map(|c| c.to_le_bytes()).collect();
         let counts_all: Vec<Vec<u32>> = comm
@@ -166,8 +206,10 @@ impl Gpu {
             .collect();
         let send = send_rows(&counts, el);
         let layout = recv_layout(&counts_all, rank, el)?;
+        laps.lap(self, "counts+layout")?;
         let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
         let xr_src = self.exchange(comm, &xs, &elems(&send), &elems(&layout.from))?;
+        laps.lap(self, "a2a x")?;
         let n_r = layout.perm.len();
         let perm = self.upload(&layout.perm)?;
         let xr = self.gather_scaled(&xr_src, &perm, 1, None, n_r, h)?;
@@ -176,10 +218,15 @@ impl Gpu {
         let (_, _, hh) = self.experts_hidden(&od, el, n_r, &xr, &w.gate, &w.up, h, f)?;
         let or = self.gemm(GemmVariant::Forward, &od, el, &hh, &w.down, n_r * h, f, h)?;
         let h_sq = self.row_sq(&hh, n_r, f)?;
+        laps.lap(self, "regroup+experts")?;
         let inv = self.upload(&layout.inv)?;
         let or_src = self.gather_scaled(&or, &inv, 1, None, n_r, h)?;
+        laps.lap(self, "ungroup")?;
         let o = self.exchange(comm, &or_src, &elems(&layout.from), &elems(&send))?;
+        laps.lap(self, "a2a o")?;
         let y = self.combine_dev(&o, &dst, Some(&gates), s)?;
+        laps.lap(self, "combine")?;
+        laps.print("forward", rank);
         let sent_rows = send.iter().sum::<usize>() - send[rank] + n_r - layout.from[rank];
         Ok(EpSaved {
             s: *s,
@@ -218,6 +265,7 @@ impl Gpu {
         let p = s.pairs();
         super::super::check("dy", t * h, dy.len())?;
         let quotas = quotas_for(&sv.counts_mine, retention)?;
+        let mut laps = Laps::new();
         // Router: complete and local, then summed over ranks (f32).
         let (g_router, dx_router) = self.router_backward(
             s,
@@ -237,6 +285,7 @@ impl Gpu {
             // SAFETY: (u16*, f32*, long long); both hold H·E.
             unsafe { l.launch(self.elementwise_config(h * e)) }.map_err(cuda)?;
         }
+        laps.lap(self, "router")?;
         // g²·‖δ‖² of each pair, in send order, to the owners.
         let dy_sq = self.row_sq(dy, t, h)?;
         let ones = self.upload(&vec![1f32; p.max(sv.layout.perm.len())])?;
@@ -244,6 +293,7 @@ impl Gpu {
         self.sync()?;
         comm.all_reduce_sum_f32(&mut router)?;
         let dsq_src = self.exchange(comm, &dsq, &sv.send, &sv.layout.from)?;
+        laps.lap(self, "norms+a2a")?;
         // Owner: scores expert-major, top-q per expert.
         let n_r = sv.layout.perm.len();
         let perm = self.upload(&sv.layout.perm)?;
@@ -260,18 +310,24 @@ impl Gpu {
                 "ep_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
             ));
         }
+        laps.lap(self, "scores+select")?;
         let plan = owner_kept(&sv.layout, &self.download(&kept, n_r)?)?;
+        laps.lap(self, "owner plan")?;
         let kept_pairs = plan.x_rows.len();
         // The mask back to the sources, which pack their kept g·δ rows.
         let mask_d = self.upload(&plan.mask_src)?;
         let mask = self.exchange(comm, &mask_d, &sv.layout.from, &sv.send)?;
+        laps.lap(self, "a2a mask")?;
         let mine = source_kept(&self.download(&mask, p)?, &sv.send)?;
+        laps.lap(self, "source plan")?;
         let n_k = mine.rows.len();
         let rows_d = self.upload(&mine.rows)?;
         let pair_of_kept = self.gather32(&sv.src, &rows_d, n_k)?;
         let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), n_k, h)?;
         let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
+        laps.lap(self, "pack")?;
         let d_recv = self.exchange(comm, &dok, &elems(&mine.to), &elems(&plan.from))?;
+        laps.lap(self, "a2a kept rows")?;
         // Owner: grouped GEMMs on the kept rows, expert-major.
         let xi = self.upload(&plan.x_rows)?;
         let di = self.upload(&plan.d_rows)?;
@@ -288,9 +344,11 @@ impl Gpu {
             h,
             f,
         )?;
+        laps.lap(self, "experts bwd")?;
         let back = self.upload(&plan.back)?;
         let dx_src = self.gather_scaled(&dxk, &back, 1, None, kept_pairs, h)?;
         let dx_rows = self.exchange(comm, &dx_src, &elems(&plan.from), &elems(&mine.to))?;
+        laps.lap(self, "a2a dX")?;
         // Source: scatter-add the kept pairs' dX into the tokens.
         let place = self.upload(&mine.place)?;
         let row_k = self.gather32(&place, &sv.dst, p)?;
@@ -302,6 +360,8 @@ impl Gpu {
         let scalars = (p - sv.send[rank]) * 4 + (n_r - sv.layout.from[rank]);
         let rows = (n_k - mine.to[rank]) + (kept_pairs - plan.from[rank]);
         self.sync()?;
+        laps.lap(self, "scatter")?;
+        laps.print("backward", rank);
         Ok(EpBackward {
             dx,
             router,
