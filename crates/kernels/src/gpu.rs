@@ -401,33 +401,43 @@ mod imp {
         }
     }
 
-    /// Keeps freed memory in the device's stream-ordered pool across
-    /// synchronisations (the default release threshold, 0, hands it back to
-    /// the driver at every synchronisation, and the next allocation maps it
-    /// again).
-    fn keep_pool_memory(ctx: &Arc<CudaContext>) -> Result<(), KernelError> {
+    /// What [`pool_set`] does to the device's stream-ordered memory pool.
+    enum PoolOp {
+        /// Keep freed memory across synchronisations (the default release
+        /// threshold, 0, hands it back to the driver at every
+        /// synchronisation and the next allocation maps it again: measured
+        /// 2–4× slower layer calls on the H200).
+        KeepFreed,
+        /// Hand every freed byte back now (before reading memory in use).
+        Trim,
+    }
+
+    fn pool_set(ctx: &Arc<CudaContext>, op: PoolOp) -> Result<(), KernelError> {
         use cudarc::driver::sys;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         let mut keep: u64 = u64::MAX;
+        ctx.bind_to_thread().map_err(cuda)?;
         // SAFETY: driver calls on the context's own device with valid
-        // out-pointers; the attribute takes a u64.
+        // out-pointers; the release threshold attribute takes a u64.
         let r = unsafe {
-            ctx.bind_to_thread().map_err(cuda)?;
             let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
             if r != sys::CUresult::CUDA_SUCCESS {
                 r
             } else {
-                sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                    (&mut keep as *mut u64).cast(),
-                )
+                match op {
+                    PoolOp::KeepFreed => sys::cuMemPoolSetAttribute(
+                        pool,
+                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                        (&mut keep as *mut u64).cast(),
+                    ),
+                    PoolOp::Trim => sys::cuMemPoolTrimTo(pool, 0),
+                }
             }
         };
         if r == sys::CUresult::CUDA_SUCCESS {
             Ok(())
         } else {
-            Err(KernelError::Cuda(format!("memory pool set-up failed: {r:?}")))
+            Err(KernelError::Cuda(format!("memory pool call failed: {r:?}")))
         }
     }
 
@@ -449,9 +459,7 @@ mod imp {
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
                 .map_err(cuda)?;
-            if std::env::var("LRMOE_POOL_KEEP").as_deref() == Ok("1") {
-                keep_pool_memory(&ctx)?;
-            }
+            pool_set(&ctx, PoolOp::KeepFreed)?;
             let n_sms = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cuda)? as u32;
@@ -1105,7 +1113,7 @@ mod imp {
         /// every byte, and returns the device memory in use while all are
         /// held, minus what was in use before (`cuMemGetInfo`). Frees them.
         pub fn measure_allocations(&self, sizes: &[u64]) -> Result<u64, KernelError> {
-            self.stream.synchronize().map_err(cuda)?;
+            self.trim_pool()?;
             let (free0, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
             let mut held = Vec::with_capacity(sizes.len());
             for &b in sizes {
@@ -1117,6 +1125,13 @@ mod imp {
             let (free1, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
             drop(held);
             Ok(free0.saturating_sub(free1) as u64)
+        }
+
+        /// Waits for the stream, then hands the pool's freed memory back to
+        /// the driver, so `cuMemGetInfo` counts live buffers only.
+        pub(crate) fn trim_pool(&self) -> Result<(), KernelError> {
+            self.stream.synchronize().map_err(cuda)?;
+            pool_set(&self.ctx, PoolOp::Trim)
         }
 
         /// Median time of `f` over `reps` runs after 3 warm-ups, by CUDA events.

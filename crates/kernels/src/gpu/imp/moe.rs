@@ -536,7 +536,12 @@ impl Gpu {
         measure_memory: bool,
     ) -> Result<MoeBackward, KernelError> {
         super::check("quotas", s.experts, quotas.len())?;
-        let before = if measure_memory { used_bytes()? } else { 0 };
+        let before = if measure_memory {
+            self.trim_pool()?;
+            used_bytes()?
+        } else {
+            0
+        };
         let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
         let (g_router, dx_router) = self.router_backward(
