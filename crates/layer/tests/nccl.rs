@@ -267,14 +267,16 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 want.kept_pairs,
                 "r = {retention}: kept pairs"
             );
-            eprintln!(
-                "rank {me}: device EP layer, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}",
+            // One write per line: the ranks share the launcher's stderr.
+            let line = format!(
+                "rank {me}: device EP layer, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
                 checks.map(|(n, e)| format!("{n} {e:.1e}")),
                 got.kept_pairs,
                 want.kept_pairs,
                 got.bytes_sent.0,
                 got.bytes_sent.1
             );
+            std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
         }
     }
 
