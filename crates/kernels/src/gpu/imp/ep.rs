@@ -23,7 +23,7 @@
 use cudarc::driver::CudaSlice;
 
 use super::super::cuda;
-use super::{exclusive_scan, quotas_for, DROPPED};
+use super::{exclusive_scan, fan_in_scaled, quotas_for, DROPPED};
 use crate::comm::NcclComm;
 use crate::cpu::GemmVariant;
 use crate::ep_plan::{
@@ -459,12 +459,7 @@ impl Gpu {
     ) -> Result<(f64, Vec<EpBenchRow>), KernelError> {
         let (_, _, el) = world_of(comm, s)?;
         let (t, h, f, e, r) = (s.tokens, s.hidden, s.ffn, s.experts, comm.rank() as u64);
-        let scale = |v: Vec<u16>, fan_in: usize| -> Vec<u16> {
-            let k = 1.0 / (fan_in as f32).sqrt();
-            v.into_iter()
-                .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
-                .collect()
-        };
+        let scale = fan_in_scaled;
         let w = self.ep_weights(
             comm,
             s,

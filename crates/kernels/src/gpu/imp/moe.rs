@@ -96,6 +96,14 @@ fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
     v
 }
 
+/// bf16 bits times `1/√fan_in` (benchmark weights of a sensible size).
+fn fan_in_scaled(v: Vec<u16>, fan_in: usize) -> Vec<u16> {
+    let k = 1.0 / (fan_in as f32).sqrt();
+    v.into_iter()
+        .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
+        .collect()
+}
+
 fn used_bytes() -> Result<u64, KernelError> {
     let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
     Ok((total - free) as u64)
@@ -742,12 +750,7 @@ impl Gpu {
         retentions: &[f64],
     ) -> Result<(f64, Vec<MoeBenchRow>), KernelError> {
         let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
-        let scale = |v: Vec<u16>, fan_in: usize| -> Vec<u16> {
-            let k = 1.0 / (fan_in as f32).sqrt();
-            v.into_iter()
-                .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
-                .collect()
-        };
+        let scale = fan_in_scaled;
         let w = self.moe_weights(
             s,
             &scale(random_bf16(h * e, 31), h),
