@@ -22,15 +22,21 @@
 //!   backward on one GPU (EP = 1), tested against the `layer` crate's CPU
 //!   layer; `Gpu::moe_forward_host` / `moe_backward_host` drive it from
 //!   host slices (how `lrmoe train --device cuda` trains with it).
-//!   **Not built yet:** an expert-parallel GPU layer (the layer here is
-//!   EP = 1; multi-GPU runs move the CPU layer's rows over NCCL).
+//!   `Gpu::ep_forward` / `Gpu::ep_backward` (features `cuda` + `nccl`) run
+//!   the same layer expert-parallel on device buffers over a
+//!   [`comm::NcclComm`] (experts in contiguous blocks, only kept rows
+//!   exchanged and multiplied), tested on two GPUs against the EP = 1
+//!   layer; `lrmoe train` does not use it yet.
+//! * [`ep_plan`] — the EP layer's host index plans (receive layouts, kept
+//!   rows at owners and sources): pure functions, tested in CI.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
-//!   slices (grouped GEMM, SwiGLU and its backward), implemented by the GPU
-//!   and by the CPU twins, so the `layer` crate's composition of them is
-//!   tested in CI through the twins.
+//!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
+//!   forward and backward composed of them), implemented by the CPU twins
+//!   and by the GPU (the composites as one device-resident chain), so the
+//!   `layer` crate's use of them is tested in CI through the twins.
 //! * [`comm`] — NCCL collectives between processes, one GPU each (feature
-//!   `nccl`): variable all-to-all, all-gather, all-reduce, every wait with a
-//!   deadline.
+//!   `nccl`): variable all-to-all of any element type, all-gather,
+//!   all-reduce, every wait with a deadline.
 //!
 //! ## Invariants
 //!
