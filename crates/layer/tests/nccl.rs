@@ -218,20 +218,36 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             bits(e * h * f, 23, 0.125),
             bits(e * f * h, 24, 0.09),
         );
-        let (x, dy) = (bits(all.tokens * h, 25, 1.0), bits(all.tokens * h, 26, 1.0));
+        let (mut x, dy) = (bits(all.tokens * h, 25, 1.0), bits(all.tokens * h, 26, 1.0));
+        // A hot router: feature 0 is 1 on every token and pulls every pair
+        // to rank 0's experts, so the other ranks' experts receive nothing.
+        let mut hot = router.clone();
+        for (e_i, w) in hot[..e].iter_mut().enumerate() {
+            *w = kernels::cpu::f32_to_bf16_bits(if e_i < el { 8.0 } else { -8.0 });
+        }
+        for row in x.chunks_exact_mut(h) {
+            row[0] = kernels::cpu::f32_to_bf16_bits(1.0);
+        }
         let f32s =
             |v: &[u16]| -> Vec<f64> { v.iter().map(|&b| f64::from(bf16_bits_to_f32(b))).collect() };
         let blk = |w: &[u16]| w[me * el * h * f..(me + 1) * el * h * f].to_vec();
         let tok = |v: &[u16]| v[me * tokens * h..(me + 1) * tokens * h].to_vec();
-        for retention in [1.0, 0.5, 0.25] {
+        for (retention, router, which) in [
+            (1.0, &router, "random"),
+            (0.5, &router, "random"),
+            (0.25, &router, "random"),
+            (0.0, &router, "random"),
+            (1.0, &hot, "hot"),
+            (0.5, &hot, "hot"),
+        ] {
             let want = gpu
-                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, retention)
+                .moe_host(&all, router, &gate, &up, &down, &x, &dy, retention)
                 .unwrap();
             let got = gpu
                 .ep_host(
                     t.comm(),
                     &one,
-                    &router,
+                    router,
                     (&blk(&gate), &blk(&up), &blk(&down)),
                     &tok(&x),
                     &tok(&dy),
@@ -258,18 +274,34 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 // differently.
                 assert!(
                     err <= 1e-2,
-                    "EP layer, r = {retention}: {name} relative error {err}"
+                    "EP layer, {which} router, r = {retention}: {name} relative error {err}"
+                );
+            }
+            if retention == 0.0 {
+                // No pair kept: no expert gradient, on either side.
+                assert_eq!(want.kept_pairs, 0);
+                assert!(want.gate.iter().chain(&got.gate).all(|&b| b & 0x7fff == 0));
+            }
+            if which == "hot" && me != 0 {
+                // The case this router exists for: nothing reaches these experts.
+                assert_eq!(
+                    got.kept_pairs, 0,
+                    "hot router: rank {me}'s experts kept pairs"
+                );
+                assert!(
+                    got.gate.iter().chain(&got.down).all(|&b| b & 0x7fff == 0),
+                    "hot router: rank {me}'s experts have gradients"
                 );
             }
             let kept: Vec<u64> = all_gather(&t, &[got.kept_pairs as u64]).unwrap().concat();
             assert_eq!(
                 kept.iter().sum::<u64>() as usize,
                 want.kept_pairs,
-                "r = {retention}: kept pairs"
+                "{which} router, r = {retention}: kept pairs"
             );
             // One write per line: the ranks share the launcher's stderr.
             let line = format!(
-                "rank {me}: device EP layer, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
+                "rank {me}: device EP layer, {which} router, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
                 checks.map(|(n, e)| format!("{n} {e:.1e}")),
                 got.kept_pairs,
                 want.kept_pairs,

@@ -145,6 +145,10 @@ impl Gpu {
         h: usize,
         f: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
+        if out_len == 0 {
+            // No rows (forward and data gradient): nothing to compute.
+            return self.zeros::<u16>(0);
+        }
         let mut d = self.zeros::<u16>(out_len)?;
         let mut ws = self.gemm_workspace(variant, groups)?;
         self.launch_gemm(variant, groups, offsets, a, b, &mut d, h, f, &mut ws)?;
@@ -834,6 +838,11 @@ impl Gpu {
         KernelError,
     > {
         let ew = e * h * f;
+        if rows == 0 {
+            // No kept rows: no dX rows, zero weight gradients, no launch.
+            let z = || self.stream.alloc_zeros::<u16>(ew.max(1)).map_err(cuda);
+            return Ok((self.zeros::<u16>(0)?, z()?, z()?, z()?));
+        }
         let (a, b, hh) = self.experts_hidden(od, e, rows, xd, wg, wu, h, f)?;
         let g_down = self.gemm(GemmVariant::WeightGrad, od, e, &hh, dd, ew, f, h)?;
         let dh = self.gemm(GemmVariant::DataGrad, od, e, dd, wd, rows * f, f, h)?;
