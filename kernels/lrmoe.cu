@@ -427,6 +427,26 @@ extern "C" __global__ void expert_counts(const uint32_t* __restrict__ expert, ui
     if (threadIdx.x == 0) counts[blockIdx.x] = acc;
 }
 
+// Kept rows per key: counts[b] = #{p : key[p] == b && keep[p] != 0}. One
+// block per key (the keys here are ranks: few).
+extern "C" __global__ void kept_counts(const uint32_t* __restrict__ key, const uint8_t* __restrict__ keep,
+                                       uint32_t* __restrict__ counts, int n) {
+    __shared__ uint32_t acc;
+    if (threadIdx.x == 0) acc = 0;
+    __syncthreads();
+    uint32_t c = 0;
+    for (int p = threadIdx.x; p < n; p += blockDim.x) c += key[p] == blockIdx.x && keep[p] != 0;
+    atomicAdd(&acc, c);
+    __syncthreads();
+    if (threadIdx.x == 0) counts[blockIdx.x] = acc;
+}
+
+// Byte gather: out[j] = src[idx[j]].
+extern "C" __global__ void gather_u8(const uint8_t* __restrict__ src, const uint32_t* __restrict__ idx,
+                                     uint8_t* __restrict__ out, int n) {
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < n; j += gridDim.x * blockDim.x) out[j] = src[idx[j]];
+}
+
 // Gather with a per-pair scale: out[j] = scale[pair[j]] * src[pair[j] / div]
 // (bf16; scale may be null for 1.0).
 //   src:  device, [rows, width] bf16 bits

@@ -279,6 +279,36 @@ pub fn gather_rows_reference(
     Ok(out)
 }
 
+/// CPU twin of `gather_u8`: `out[j] = src[idx[j]]` on bytes.
+pub fn gather_u8_reference(src: &[u8], idx: &[u32]) -> Result<Vec<u8>, KernelError> {
+    idx.iter()
+        .map(|&i| {
+            src.get(i as usize).copied().ok_or(KernelError::Shape {
+                what: "idx (byte out of range)",
+                expected: src.len(),
+                got: i as usize,
+            })
+        })
+        .collect()
+}
+
+/// CPU twin of `kept_counts`: `counts[b] = #{p : key[p] == b && keep[p] != 0}`
+/// for `b < groups` (other keys are not counted).
+pub fn kept_counts_reference(
+    key: &[u32],
+    keep: &[u8],
+    groups: usize,
+) -> Result<Vec<u32>, KernelError> {
+    check("keep", key.len(), keep.len())?;
+    let mut c = vec![0u32; groups];
+    for (&k, &m) in key.iter().zip(keep) {
+        if m != 0 && (k as usize) < groups {
+            c[k as usize] += 1;
+        }
+    }
+    Ok(c)
+}
+
 /// CPU twin of `unpack_rows_u16`: `out[i] = packed[inverse[i]]`, zeros for
 /// [`DROPPED`].
 pub fn unpack_rows_reference(

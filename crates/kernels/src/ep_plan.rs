@@ -9,12 +9,11 @@
 //! *expert-major* (expert by expert, sources in rank order) for the grouped
 //! GEMM. Sources hold consecutive token ranges, so expert-major order is
 //! the single-GPU layer's order on the concatenated tokens: selection ties
-//! break alike. Pure functions on counts and masks, tested in CI.
+//! break alike. Pure functions on counts, tested in CI; the backward's
+//! kept-row plans are built on the device from the index arrays these give
+//! (`group_by_expert`, `gather_32`, `gather_u8`, `kept_counts`).
 
 use crate::KernelError;
-
-/// Marks a row that is not kept.
-pub const NONE: u32 = u32::MAX;
 
 /// Experts per rank: `experts / world`, which must divide evenly.
 pub fn experts_per_rank(experts: usize, world: usize) -> Result<usize, KernelError> {
@@ -114,114 +113,15 @@ pub fn inverse(perm: &[u32]) -> Vec<u32> {
     inv
 }
 
-/// The owner's plan for the kept rows, from the selection's mask over its
-/// expert-major rows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OwnerKept {
-    /// The mask in source-major order (sent back to the sources).
-    pub mask_src: Vec<u8>,
-    /// Kept rows from each source (what the δ all-to-all brings).
-    pub from: Vec<usize>,
-    /// Expert-major kept row `q` ← expert-major row `x_rows[q]` (its saved input).
-    pub x_rows: Vec<u32>,
-    /// Expert-major kept row `q` ← row `d_rows[q]` of the received δ buffer
-    /// (source-major, kept rows only).
-    pub d_rows: Vec<u32>,
-    /// Received-δ row `i` ← expert-major kept row `back[i]` (for sending dX).
-    pub back: Vec<u32>,
-    /// Expert-major kept group offsets, `E_l + 1` entries.
-    pub offsets: Vec<i32>,
-}
-
-/// Plans the owner's kept rows.
-pub fn owner_kept(layout: &RecvLayout, kept: &[u8]) -> Result<OwnerKept, KernelError> {
-    let n = layout.perm.len();
-    if kept.len() != n {
-        return Err(KernelError::Shape {
-            what: "kept mask",
-            expected: n,
-            got: kept.len(),
-        });
+/// Segment `k` of `sizes[k]` rows: each row's segment, and the segments'
+/// offsets (`sizes.len() + 1` entries).
+pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) {
+    let (mut key, mut off) = (Vec::new(), vec![0u32]);
+    for (k, n) in sizes.into_iter().enumerate() {
+        key.extend(std::iter::repeat_n(k as u32, n));
+        off.push(key.len() as u32);
     }
-    let mut mask_src = vec![0u8; n];
-    for (j, &i) in layout.perm.iter().enumerate() {
-        mask_src[i as usize] = u8::from(kept[j] != 0);
-    }
-    // Position of each kept source-major row in the received δ buffer.
-    let mut pos = vec![NONE; n];
-    let mut from = Vec::with_capacity(layout.from.len());
-    let (mut at, mut i0) = (0u32, 0usize);
-    for &rows in &layout.from {
-        let mut c = 0usize;
-        for i in i0..i0 + rows {
-            if mask_src[i] != 0 {
-                pos[i] = at;
-                at += 1;
-                c += 1;
-            }
-        }
-        from.push(c);
-        i0 += rows;
-    }
-    let (mut x_rows, mut d_rows) = (Vec::new(), Vec::new());
-    let mut offsets = vec![0i32];
-    for w in layout.offsets.windows(2) {
-        for j in w[0]..w[1] {
-            if kept[j as usize] != 0 {
-                x_rows.push(j);
-                d_rows.push(pos[layout.perm[j as usize] as usize]);
-            }
-        }
-        offsets.push(x_rows.len() as i32);
-    }
-    Ok(OwnerKept {
-        mask_src,
-        from,
-        back: inverse(&d_rows),
-        x_rows,
-        d_rows,
-        offsets,
-    })
-}
-
-/// A source's plan for its kept rows, from the mask its owners sent back
-/// (one flag per grouped row, in send order).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SourceKept {
-    /// Grouped rows that are kept, in send order.
-    pub rows: Vec<u32>,
-    /// Kept rows per destination.
-    pub to: Vec<usize>,
-    /// Grouped row → its place among the kept rows, or [`NONE`].
-    pub place: Vec<u32>,
-}
-
-/// Plans a source's kept rows (`send`: rows per destination).
-pub fn source_kept(mask: &[u8], send: &[usize]) -> Result<SourceKept, KernelError> {
-    let n: usize = send.iter().sum();
-    if mask.len() != n {
-        return Err(KernelError::Shape {
-            what: "kept mask from the owners",
-            expected: n,
-            got: mask.len(),
-        });
-    }
-    let mut rows = Vec::new();
-    let mut place = vec![NONE; n];
-    let mut to = Vec::with_capacity(send.len());
-    let mut i0 = 0usize;
-    for &c in send {
-        let before = rows.len();
-        for j in i0..i0 + c {
-            if mask[j] != 0 {
-                place[j] = rows.len() as u32;
-                rows.push(j as u32);
-            }
-        }
-        to.push(rows.len() - before);
-        i0 += c;
-    }
-    Ok(SourceKept { rows, to, place })
+    (key, off)
 }
 
 #[cfg(test)]
@@ -254,25 +154,8 @@ mod tests {
     }
 
     #[test]
-    fn kept_plans_agree_between_owner_and_sources() {
-        let counts = vec![vec![1, 0, 2, 1], vec![0, 3, 1, 2]];
-        let l = recv_layout(&counts, 1, 2).unwrap();
-        // Expert-major rows: e2: s0,s0,s1 ; e3: s0,s1,s1. Keep 1st, 3rd, 5th.
-        let kept = [1, 0, 1, 0, 1, 0];
-        let o = owner_kept(&l, &kept).unwrap();
-        // Source-major: s0e2(kept) s0e2 s0e3 | s1e2(kept) s1e3(kept) s1e3.
-        assert_eq!(o.mask_src, vec![1, 0, 0, 1, 1, 0]);
-        assert_eq!(o.from, vec![1, 2]);
-        assert_eq!(o.x_rows, vec![0, 2, 4]);
-        assert_eq!(o.d_rows, vec![0, 1, 2]);
-        assert_eq!(o.offsets, vec![0, 2, 3]);
-        // Source 1's part of the mask, in its send order for rank 1 (its
-        // rows for rank 0 first: three, none kept here).
-        let s1 = source_kept(&[0, 0, 0, 1, 1, 0], &[3, 3]).unwrap();
-        assert_eq!(s1.rows, vec![3, 4]);
-        assert_eq!(s1.to, vec![0, 2]);
-        assert_eq!(s1.place, vec![NONE, NONE, NONE, 0, 1, NONE]);
-        assert!(owner_kept(&l, &[1]).is_err());
-        assert!(source_kept(&[1], &[3, 3]).is_err());
+    fn segments_label_rows() {
+        assert_eq!(segments([2, 0, 1]), (vec![0, 0, 2], vec![0, 2, 2, 3]));
+        assert_eq!(segments([]), (vec![], vec![0]));
     }
 }

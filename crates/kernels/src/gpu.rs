@@ -51,6 +51,19 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    pub fn gather_u8(&self, _src: &[u8], _idx: &[u32]) -> Result<Vec<u8>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn kept_counts(
+        &self,
+        _key: &[u32],
+        _keep: &[u8],
+        _groups: usize,
+    ) -> Result<Vec<u32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn gather_rows_u16(
         &self,
         _src: &[u16],
@@ -392,6 +405,8 @@ mod imp {
         f_row_sq: CudaFunction,
         f_scores_norms: CudaFunction,
         f_fill: CudaFunction,
+        f_kept_counts: CudaFunction,
+        f_gather_u8: CudaFunction,
         n_sms: u32,
     }
 
@@ -483,6 +498,8 @@ mod imp {
                 f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
                 f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
                 f_fill: module.load_function("fill_u32").map_err(cuda)?,
+                f_kept_counts: module.load_function("kept_counts").map_err(cuda)?,
+                f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
                 _module: module,
                 ctx,
                 stream,
@@ -607,6 +624,86 @@ mod imp {
                 self.launch_rows(&self.gather, &sd, &id, &mut out, idx.len(), width)?;
             }
             self.download(&out, idx.len() * width)
+        }
+
+        /// `out[j] = src[idx[j]]` on bytes (host slices; see `gather_u8_dev`).
+        pub fn gather_u8(&self, src: &[u8], idx: &[u32]) -> Result<Vec<u8>, KernelError> {
+            if let Some(&bad) = idx.iter().find(|&&i| i as usize >= src.len()) {
+                return Err(KernelError::Shape {
+                    what: "idx (byte out of range)",
+                    expected: src.len(),
+                    got: bad as usize,
+                });
+            }
+            let (sd, id) = (self.upload(src)?, self.upload(idx)?);
+            let out = self.gather_u8_dev(&sd, &id, idx.len())?;
+            self.download(&out, idx.len())
+        }
+
+        /// Byte gather on the device: `out[j] = src[idx[j]]`, `n` entries
+        /// (every index must lie inside `src`).
+        pub(crate) fn gather_u8_dev(
+            &self,
+            src: &CudaSlice<u8>,
+            idx: &CudaSlice<u32>,
+            n: usize,
+        ) -> Result<CudaSlice<u8>, KernelError> {
+            let mut out = self.poisoned::<u8>(n)?;
+            if n > 0 {
+                let n_i = dim("n", n)?;
+                let mut l = self.stream.launch_builder(&self.f_gather_u8);
+                l.arg(src).arg(idx).arg(&mut out).arg(&n_i);
+                // SAFETY: (u8*, u32*, u8*, int); idx holds n in-bounds indices
+                // of src (checked by the host wrapper, built so by the EP plan).
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            Ok(out)
+        }
+
+        /// Kept rows per key: `counts[b] = #{p : key[p] == b && keep[p] != 0}`
+        /// for `b < groups` (host slices; see `kept_counts_dev`).
+        pub fn kept_counts(
+            &self,
+            key: &[u32],
+            keep: &[u8],
+            groups: usize,
+        ) -> Result<Vec<u32>, KernelError> {
+            check("keep", key.len(), keep.len())?;
+            let (kd, md) = (self.upload(key)?, self.upload(keep)?);
+            let c = self.kept_counts_dev(&kd, &md, key.len(), groups)?;
+            self.download(&c, groups)
+        }
+
+        /// [`Gpu::kept_counts`] on device buffers of `n` entries.
+        pub(crate) fn kept_counts_dev(
+            &self,
+            key: &CudaSlice<u32>,
+            keep: &CudaSlice<u8>,
+            n: usize,
+            groups: usize,
+        ) -> Result<CudaSlice<u32>, KernelError> {
+            let mut out = self.poisoned::<u32>(groups)?;
+            if groups > 0 {
+                let n_i = dim("n", n)?;
+                let grid = u32::try_from(groups).map_err(|_| KernelError::Shape {
+                    what: "groups",
+                    expected: u32::MAX as usize,
+                    got: groups,
+                })?;
+                let mut l = self.stream.launch_builder(&self.f_kept_counts);
+                l.arg(key).arg(keep).arg(&mut out).arg(&n_i);
+                // SAFETY: (u32*, u8*, u32*, int); key and keep hold n, out one
+                // entry per block (groups).
+                unsafe {
+                    l.launch(LaunchConfig {
+                        grid_dim: (grid, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(cuda)?;
+            }
+            Ok(out)
         }
 
         /// `out[i] = packed[inverse[i]]`, zeros where `inverse[i]` is `u32::MAX`.

@@ -422,3 +422,33 @@ fn device_resident_expert_chain_matches_its_composition() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+#[test]
+fn byte_gather_and_kept_counts_match_the_cpu_twins() {
+    use kernels::cpu::{gather_u8_reference, kept_counts_reference};
+    let Some(g) = gpu() else { return };
+    let mut rng = Rng(seed());
+    for &(n, groups) in &[(1usize, 1usize), (1000, 2), (131_072, 8), (70_001, 3)] {
+        let src: Vec<u8> = (0..n).map(|_| (rng.next() % 256) as u8).collect();
+        let idx: Vec<u32> = (0..n).map(|_| (rng.next() % n as u64) as u32).collect();
+        assert_eq!(
+            g.gather_u8(&src, &idx).unwrap(),
+            gather_u8_reference(&src, &idx).unwrap(),
+            "gather_u8, n = {n}"
+        );
+        // Keys include some beyond the groups (not counted).
+        let key: Vec<u32> = (0..n)
+            .map(|_| (rng.next() % (groups as u64 + 1)) as u32)
+            .collect();
+        let keep: Vec<u8> = (0..n).map(|_| u8::from(rng.next() % 3 != 0)).collect();
+        assert_eq!(
+            g.kept_counts(&key, &keep, groups).unwrap(),
+            kept_counts_reference(&key, &keep, groups).unwrap(),
+            "kept_counts, n = {n}, groups = {groups}"
+        );
+    }
+    assert!(matches!(
+        g.gather_u8(&[1, 2], &[2]),
+        Err(KernelError::Shape { .. })
+    ));
+}

@@ -15,20 +15,20 @@
 //! on the kept rows and return their `dX` rows, which the sources
 //! scatter-add. Bytes on the wire and GEMM rows shrink with `r`.
 //!
-//! Host synchronisations: the routed counts (forward), the kept mask at the
-//! owner and at the source (backward); device work on the compute stream and
-//! the communicator's stream is ordered by synchronising the stream that
-//! wrote a buffer before the other reads it.
+//! Host synchronisations: the routed counts (forward); in the backward the
+//! error flag of the selection and the kept rows per source and per
+//! destination (W numbers each) — the kept-row plans themselves are built on
+//! the device. Work on the compute stream and the communicator's stream is
+//! ordered by synchronising the stream that wrote a buffer before the other
+//! reads it.
 
 use cudarc::driver::CudaSlice;
 
 use super::super::cuda;
-use super::{exclusive_scan, fan_in_scaled, quotas_for, DROPPED};
+use super::{exclusive_scan, fan_in_scaled, quotas_for};
 use crate::comm::NcclComm;
 use crate::cpu::GemmVariant;
-use crate::ep_plan::{
-    experts_per_rank, owner_kept, recv_layout, send_rows, source_kept, RecvLayout, NONE,
-};
+use crate::ep_plan::{experts_per_rank, recv_layout, segments, send_rows, RecvLayout};
 use crate::gpu::{Gpu, MoeShape};
 use crate::KernelError;
 
@@ -58,12 +58,35 @@ pub struct EpSaved {
     // Owner side: the rows of this rank's experts, expert-major.
     layout: RecvLayout,
     counts_mine: Vec<u32>,
+    ix: EpIndex,
     xr: CudaSlice<u16>,
     h_sq: CudaSlice<f32>,
     /// Layer output for this rank's tokens, `T × H`.
     pub y: CudaSlice<u16>,
     /// Bytes this rank sent to other ranks in the forward's all-to-alls.
     pub bytes_sent: usize,
+}
+
+/// Device index arrays the backward builds its kept-row plans from (with
+/// the `group_by_expert`, `gather_32`, `gather_u8` and `kept_counts`
+/// kernels, so no per-pair mask crosses to the host).
+struct EpIndex {
+    /// Expert-major row → source-major row, and back.
+    perm: CudaSlice<u32>,
+    inv: CudaSlice<u32>,
+    /// `0..n_r` (selection ids: ties break in expert-major order).
+    ids: CudaSlice<u32>,
+    /// `max(pairs, n_r)` ones (unit gates and norms for the score kernel).
+    ones: CudaSlice<f32>,
+    /// Expert-major offsets per local expert and each row's local expert.
+    offsets_r: CudaSlice<u32>,
+    expert_of_row: CudaSlice<u32>,
+    /// Source-major offsets per source and each row's source.
+    src_offsets: CudaSlice<u32>,
+    row_source: CudaSlice<u32>,
+    /// This rank's grouped rows: offsets per destination and each row's.
+    send_offsets: CudaSlice<u32>,
+    dest_of_row: CudaSlice<u32>,
 }
 
 /// Gradients and figures of one backward on one rank.
@@ -152,6 +175,26 @@ impl Gpu {
         })
     }
 
+    /// Uploads the index arrays of one call's layout (see [`EpIndex`]).
+    fn ep_index(&self, l: &RecvLayout, send: &[usize], p: usize) -> Result<EpIndex, KernelError> {
+        let n_r = l.perm.len();
+        let (expert_of_row, _) = segments(l.per_expert.iter().map(|&c| c as usize));
+        let (row_source, src_offsets) = segments(l.from.iter().copied());
+        let (dest_of_row, send_offsets) = segments(send.iter().copied());
+        Ok(EpIndex {
+            perm: self.upload(&l.perm)?,
+            inv: self.upload(&l.inv)?,
+            ids: self.upload(&(0..n_r as u32).collect::<Vec<_>>())?,
+            ones: self.upload(&vec![1f32; p.max(n_r)])?,
+            offsets_r: self.upload(&l.offsets)?,
+            expert_of_row: self.upload(&expert_of_row)?,
+            src_offsets: self.upload(&src_offsets)?,
+            row_source: self.upload(&row_source)?,
+            send_offsets: self.upload(&send_offsets)?,
+            dest_of_row: self.upload(&dest_of_row)?,
+        })
+    }
+
     fn sync(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(cuda)
     }
@@ -211,16 +254,15 @@ impl Gpu {
         let xr_src = self.exchange(comm, &xs, &elems(&send), &elems(&layout.from))?;
         laps.lap(self, "a2a x")?;
         let n_r = layout.perm.len();
-        let perm = self.upload(&layout.perm)?;
-        let xr = self.gather_scaled(&xr_src, &perm, 1, None, n_r, h)?;
+        let ix = self.ep_index(&layout, &send, p)?;
+        let xr = self.gather_scaled(&xr_src, &ix.perm, 1, None, n_r, h)?;
         let offsets: Vec<i32> = layout.offsets.iter().map(|&v| v as i32).collect();
         let od = self.upload(&offsets)?;
         let (_, _, hh) = self.experts_hidden(&od, el, n_r, &xr, &w.gate, &w.up, h, f)?;
         let or = self.gemm(GemmVariant::Forward, &od, el, &hh, &w.down, n_r * h, f, h)?;
         let h_sq = self.row_sq(&hh, n_r, f)?;
         laps.lap(self, "regroup+experts")?;
-        let inv = self.upload(&layout.inv)?;
-        let or_src = self.gather_scaled(&or, &inv, 1, None, n_r, h)?;
+        let or_src = self.gather_scaled(&or, &ix.inv, 1, None, n_r, h)?;
         laps.lap(self, "ungroup")?;
         let o = self.exchange(comm, &or_src, &elems(&layout.from), &elems(&send))?;
         laps.lap(self, "a2a o")?;
@@ -241,6 +283,7 @@ impl Gpu {
             o,
             counts_mine: layout.per_expert.clone(),
             layout,
+            ix,
             xr,
             h_sq,
             y,
@@ -288,52 +331,112 @@ impl Gpu {
         laps.lap(self, "router")?;
         // g²·‖δ‖² of each pair, in send order, to the owners.
         let dy_sq = self.row_sq(dy, t, h)?;
-        let ones = self.upload(&vec![1f32; p.max(sv.layout.perm.len())])?;
-        let dsq = self.scores_from_norms(&sv.gates, &dy_sq, &ones, &sv.src, p, k)?;
+        let dsq = self.scores_from_norms(&sv.gates, &dy_sq, &sv.ix.ones, &sv.src, p, k)?;
         self.sync()?;
         comm.all_reduce_sum_f32(&mut router)?;
         let dsq_src = self.exchange(comm, &dsq, &sv.send, &sv.layout.from)?;
         laps.lap(self, "norms+a2a")?;
         // Owner: scores expert-major, top-q per expert.
-        let n_r = sv.layout.perm.len();
-        let perm = self.upload(&sv.layout.perm)?;
-        let dsq_r = self.gather32(&dsq_src, &perm, n_r)?;
-        let ids: Vec<u32> = (0..n_r as u32).collect();
-        let ids = self.upload(&ids)?;
-        let scores = self.scores_from_norms(&ones, &dsq_r, &sv.h_sq, &ids, n_r, 1)?;
-        let (qd, offs) = (self.upload(&quotas)?, self.upload(&sv.layout.offsets)?);
+        let (n_r, world, ix) = (sv.layout.perm.len(), comm.world_size(), &sv.ix);
+        let dsq_r = self.gather32(&dsq_src, &ix.perm, n_r)?;
+        let scores = self.scores_from_norms(&ix.ones, &dsq_r, &sv.h_sq, &ix.ids, n_r, 1)?;
+        let qd = self.upload(&quotas)?;
         let mut kept = self.zeros::<u8>(n_r)?;
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
-        self.launch_select(&scores, &ids, &offs, &qd, &mut kept, &mut err, el)?;
+        self.launch_select(
+            &scores,
+            &ix.ids,
+            &ix.offsets_r,
+            &qd,
+            &mut kept,
+            &mut err,
+            el,
+        )?;
         if self.download(&err, 1)?[0] != 0 {
             return Err(KernelError::Cuda(
                 "ep_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
             ));
         }
         laps.lap(self, "scores+select")?;
-        let plan = owner_kept(&sv.layout, &self.download(&kept, n_r)?)?;
+        // Owner's plan, on the device: kept rows expert-major (q → j), the
+        // mask in source-major order, kept rows per source (the one small
+        // download), and both directions between kept row q and its place
+        // in the received δ buffer (source-major, kept only).
+        let kq: Vec<u32> = quotas
+            .iter()
+            .zip(&sv.counts_mine)
+            .map(|(&q, &n)| q.min(n))
+            .collect();
+        let kbase = exclusive_scan(&kq);
+        let kept_pairs = kbase[el] as usize;
+        let (dst_r, x_rows) = self.group(
+            &ix.expert_of_row,
+            Some(&kept),
+            Some(&ix.offsets_r),
+            &kbase[..el],
+            n_r,
+            kept_pairs,
+            el,
+        )?;
+        let mask_src = self.gather_u8_dev(&kept, &ix.inv, n_r)?;
+        let from_k = self.kept_counts_dev(&ix.row_source, &mask_src, n_r, world)?;
+        let from_k: Vec<usize> = self
+            .download(&from_k, world)?
+            .into_iter()
+            .map(|c| c as usize)
+            .collect();
+        let fbase = exclusive_scan(&from_k.iter().map(|&c| c as u32).collect::<Vec<_>>());
+        let (dst_s, src_s) = self.group(
+            &ix.row_source,
+            Some(&mask_src),
+            Some(&ix.src_offsets),
+            &fbase[..world],
+            n_r,
+            kept_pairs,
+            world,
+        )?;
+        let d_rows = self.gather32(
+            &dst_s,
+            &self.gather32(&ix.perm, &x_rows, kept_pairs)?,
+            kept_pairs,
+        )?;
+        let back = self.gather32(
+            &dst_r,
+            &self.gather32(&ix.inv, &src_s, kept_pairs)?,
+            kept_pairs,
+        )?;
         laps.lap(self, "owner plan")?;
-        let kept_pairs = plan.x_rows.len();
         // The mask back to the sources, which pack their kept g·δ rows.
-        let mask_d = self.upload(&plan.mask_src)?;
-        let mask = self.exchange(comm, &mask_d, &sv.layout.from, &sv.send)?;
+        let mask = self.exchange(comm, &mask_src, &sv.layout.from, &sv.send)?;
         laps.lap(self, "a2a mask")?;
-        let mine = source_kept(&self.download(&mask, p)?, &sv.send)?;
+        let to_k = self.kept_counts_dev(&ix.dest_of_row, &mask, p, world)?;
+        let to_k: Vec<usize> = self
+            .download(&to_k, world)?
+            .into_iter()
+            .map(|c| c as usize)
+            .collect();
+        let tbase = exclusive_scan(&to_k.iter().map(|&c| c as u32).collect::<Vec<_>>());
+        let n_k = tbase[world] as usize;
+        let (place, rows) = self.group(
+            &ix.dest_of_row,
+            Some(&mask),
+            Some(&ix.send_offsets),
+            &tbase[..world],
+            p,
+            n_k,
+            world,
+        )?;
         laps.lap(self, "source plan")?;
-        let n_k = mine.rows.len();
-        let rows_d = self.upload(&mine.rows)?;
-        let pair_of_kept = self.gather32(&sv.src, &rows_d, n_k)?;
+        let pair_of_kept = self.gather32(&sv.src, &rows, n_k)?;
         let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), n_k, h)?;
         let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
         laps.lap(self, "pack")?;
-        let d_recv = self.exchange(comm, &dok, &elems(&mine.to), &elems(&plan.from))?;
+        let d_recv = self.exchange(comm, &dok, &elems(&to_k), &elems(&from_k))?;
         laps.lap(self, "a2a kept rows")?;
         // Owner: grouped GEMMs on the kept rows, expert-major.
-        let xi = self.upload(&plan.x_rows)?;
-        let di = self.upload(&plan.d_rows)?;
-        let xk = self.gather_scaled(&sv.xr, &xi, 1, None, kept_pairs, h)?;
-        let dk = self.gather_scaled(&d_recv, &di, 1, None, kept_pairs, h)?;
-        let od = self.upload(&plan.offsets)?;
+        let xk = self.gather_scaled(&sv.xr, &x_rows, 1, None, kept_pairs, h)?;
+        let dk = self.gather_scaled(&d_recv, &d_rows, 1, None, kept_pairs, h)?;
+        let od = self.upload(&kbase.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
         let (dxk, gate, up, down) = self.experts_backward_dev(
             &od,
             el,
@@ -345,20 +448,17 @@ impl Gpu {
             f,
         )?;
         laps.lap(self, "experts bwd")?;
-        let back = self.upload(&plan.back)?;
         let dx_src = self.gather_scaled(&dxk, &back, 1, None, kept_pairs, h)?;
-        let dx_rows = self.exchange(comm, &dx_src, &elems(&plan.from), &elems(&mine.to))?;
+        let dx_rows = self.exchange(comm, &dx_src, &elems(&from_k), &elems(&to_k))?;
         laps.lap(self, "a2a dX")?;
         // Source: scatter-add the kept pairs' dX into the tokens.
-        let place = self.upload(&mine.place)?;
         let row_k = self.gather32(&place, &sv.dst, p)?;
-        debug_assert_eq!(NONE, DROPPED, "invariant: one marker for dropped rows");
         let dx_experts = self.combine_dev(&dx_rows, &row_k, None, s)?;
         let dx = self.add(&dx_router, &dx_experts, t * h)?;
         // Scores' inputs (4 B a pair) out, masks (1 B a pair) back, kept
         // g·δ rows out and their dX rows back.
         let scalars = (p - sv.send[rank]) * 4 + (n_r - sv.layout.from[rank]);
-        let rows = (n_k - mine.to[rank]) + (kept_pairs - plan.from[rank]);
+        let rows = (n_k - to_k[rank]) + (kept_pairs - from_k[rank]);
         self.sync()?;
         laps.lap(self, "scatter")?;
         laps.print("backward", rank);
