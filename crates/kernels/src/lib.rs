@@ -27,8 +27,9 @@
 //!   [`comm::NcclComm`] (experts in contiguous blocks, only kept rows
 //!   exchanged and multiplied), tested on two GPUs against the EP = 1
 //!   layer; `lrmoe train` does not use it yet.
-//! * [`ep_plan`] — the EP layer's host index plans (receive layouts, kept
-//!   rows at owners and sources): pure functions, tested in CI.
+//! * [`ep_plan`] — the EP layer's receive layouts (who sends an owner what,
+//!   and the source-major ↔ expert-major permutations): pure functions,
+//!   tested in CI; the backward's kept-row plans are built on the device.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins
