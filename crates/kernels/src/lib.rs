@@ -15,7 +15,8 @@
 //!   loaded through cudarc behind the `cuda` feature: fused LRM scores,
 //!   per-expert top-q selection, pack (row gather) and unpack (row scatter
 //!   with zero fill), SwiGLU forward/backward, router softmax + top-k,
-//!   combine, and the variable-size grouped GEMM (forward, data gradient,
+//!   combine, byte gather and kept-row counts, and the variable-size
+//!   grouped GEMM (forward, data gradient,
 //!   weight gradient; group sizes read on the device). Each has a CPU twin in
 //!   [`cpu`] and a device test. `gpu::MoeShape` / `Gpu::moe_forward` /
 //!   `Gpu::moe_backward` compose them into the MoE layer with the LRMoE
