@@ -109,7 +109,8 @@ impl NcclComm {
     }
 }
 
-/// Checks `counts` (one per rank, bytes) against a buffer of `len` bytes.
+/// Checks `counts` (one per rank) against `len`, their total (in the
+/// caller's unit: bytes or elements).
 pub fn check_counts(
     what: &'static str,
     counts: &[usize],

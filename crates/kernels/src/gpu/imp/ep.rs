@@ -57,7 +57,6 @@ pub struct EpSaved {
     o: CudaSlice<u16>,
     // Owner side: the rows of this rank's experts, expert-major.
     layout: RecvLayout,
-    counts_mine: Vec<u32>,
     ix: EpIndex,
     xr: CudaSlice<u16>,
     h_sq: CudaSlice<f32>,
@@ -281,7 +280,6 @@ impl Gpu {
             src,
             send,
             o,
-            counts_mine: layout.per_expert.clone(),
             layout,
             ix,
             xr,
@@ -307,7 +305,7 @@ impl Gpu {
         let (rank, el) = (comm.rank(), sv.per_rank);
         let p = s.pairs();
         super::super::check("dy", t * h, dy.len())?;
-        let quotas = quotas_for(&sv.counts_mine, retention)?;
+        let quotas = quotas_for(&sv.layout.per_expert, retention)?;
         let mut laps = Laps::new();
         // Router: complete and local, then summed over ranks (f32).
         let (g_router, dx_router) = self.router_backward(
@@ -364,7 +362,7 @@ impl Gpu {
         // in the received δ buffer (source-major, kept only).
         let kq: Vec<u32> = quotas
             .iter()
-            .zip(&sv.counts_mine)
+            .zip(&sv.layout.per_expert)
             .map(|(&q, &n)| q.min(n))
             .collect();
         let kbase = exclusive_scan(&kq);
