@@ -15,6 +15,9 @@ pub enum DataError {
         /// one-line error does not repeat it).
         error: std::io::Error,
     },
+    /// A setting does not fit the corpus (or any corpus).
+    #[error("{0}")]
+    Setting(String),
     /// The corpus is not usable text.
     #[error("corpus {path} looks corrupted: {reason}")]
     Corrupted {
@@ -41,6 +44,11 @@ pub const MIN_CORPUS_BYTES: usize = 4096;
 
 /// Loads a text corpus and splits off the last `val_fraction` as validation.
 pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> {
+    if !(val_fraction > 0.0 && val_fraction < 0.5) {
+        return Err(DataError::Setting(format!(
+            "data.val_fraction = {val_fraction} must be in (0, 0.5)"
+        )));
+    }
     let bytes = std::fs::read(path).map_err(|error| DataError::Read {
         path: path.display().to_string(),
         error,
@@ -63,11 +71,6 @@ pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> 
     if let Err(e) = std::str::from_utf8(&bytes) {
         return Err(corrupted(format!("not UTF-8 text ({e})")));
     }
-    if !(0.0..0.5).contains(&val_fraction) || val_fraction == 0.0 {
-        return Err(corrupted(format!(
-            "val_fraction {val_fraction} must be in (0, 0.5)"
-        )));
-    }
     let mut present = [false; 256];
     bytes.iter().for_each(|&b| present[b as usize] = true);
     let vocab: Vec<u8> = (0..=255u8).filter(|&b| present[b as usize]).collect();
@@ -82,6 +85,21 @@ pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> 
         train: tokens[..split].to_vec(),
         val: tokens[split..].to_vec(),
     })
+}
+
+/// Checks that windows of `seq_len + 1` tokens fit in both splits, so
+/// [`random_batch`] and [`eval_batch`] cannot run past either.
+pub fn check_seq_len(corpus: &Corpus, seq_len: usize) -> Result<(), DataError> {
+    let shortest = corpus.train.len().min(corpus.val.len());
+    if seq_len.saturating_add(2) > shortest {
+        return Err(DataError::Setting(format!(
+            "data.seq_len = {seq_len} does not fit the corpus: the validation split has {} tokens and the training split {} (lower data.seq_len below {}, or raise data.val_fraction)",
+            corpus.val.len(),
+            corpus.train.len(),
+            shortest.saturating_sub(1)
+        )));
+    }
+    Ok(())
 }
 
 /// Cross-entropy (nats per token) of the validation split under the

@@ -10,6 +10,12 @@
 //! failure, the others get `grace` to end on their own (their collectives
 //! fail within their timeout), then are killed; the launcher returns an error
 //! naming the first failing rank. It never waits on a dead group.
+//!
+//! Signals: each rank runs in its own process group, so a terminal's Ctrl-C
+//! reaches the launcher alone. The launcher forwards the first SIGINT or
+//! SIGTERM it gets (see [`LaunchOptions::stop`]) to every rank as SIGTERM —
+//! training ranks then stop together at the next step boundary, checkpoint
+//! and exit 0 — and kills every rank on the second.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus};
@@ -31,6 +37,9 @@ pub enum LaunchError {
         /// Why.
         error: std::io::Error,
     },
+    /// A second signal: every rank was killed.
+    #[error("launch: interrupted twice; every rank was killed")]
+    Interrupted,
     /// A rank failed; the others were stopped.
     #[error("launch: rank {rank} {status}; the other ranks were stopped")]
     RankFailed {
@@ -60,6 +69,9 @@ pub struct LaunchOptions {
     pub args: Vec<String>,
     /// Time the other ranks get to end on their own after one fails.
     pub grace: Duration,
+    /// Raised by the launcher's signal handler: once forwards SIGTERM to
+    /// every rank, twice kills them.
+    pub stop: crate::stop::StopFlag,
 }
 
 fn free_port() -> Result<u16, LaunchError> {
@@ -132,6 +144,11 @@ pub fn launch(o: &LaunchOptions) -> Result<(), LaunchError> {
         if std::env::var_os("RAYON_NUM_THREADS").is_none() {
             cmd.env("RAYON_NUM_THREADS", threads.to_string());
         }
+        #[cfg(unix)]
+        {
+            use std::os::unix::process::CommandExt;
+            cmd.process_group(0);
+        }
         match cmd.spawn() {
             Ok(c) => children.push((rank, c)),
             Err(error) => {
@@ -144,7 +161,20 @@ pub fn launch(o: &LaunchOptions) -> Result<(), LaunchError> {
             }
         }
     }
-    supervise(children, o.grace)
+    supervise(children, o.grace, &o.stop)
+}
+
+/// Sends SIGTERM to every rank still running.
+fn forward_signal(children: &[(usize, Child)]) {
+    #[cfg(unix)]
+    for (rank, c) in children {
+        let pid = nix::unistd::Pid::from_raw(c.id() as i32);
+        if let Err(e) = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM) {
+            tracing::warn!(rank, error = %e, "could not forward the signal");
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = children;
 }
 
 fn stop(children: &mut [(usize, Child)]) {
@@ -154,9 +184,24 @@ fn stop(children: &mut [(usize, Child)]) {
     }
 }
 
-fn supervise(mut children: Vec<(usize, Child)>, grace: Duration) -> Result<(), LaunchError> {
+fn supervise(
+    mut children: Vec<(usize, Child)>,
+    grace: Duration,
+    signals: &crate::stop::StopFlag,
+) -> Result<(), LaunchError> {
     let mut failed: Option<(usize, String, Instant)> = None;
+    let mut forwarded = 0;
     loop {
+        let seen = signals.count();
+        if seen >= 2 {
+            stop(&mut children);
+            return Err(LaunchError::Interrupted);
+        }
+        if seen > forwarded {
+            tracing::info!("forwarding the stop to every rank; signal again to kill them");
+            forward_signal(&children);
+            forwarded = seen;
+        }
         let mut i = 0;
         while i < children.len() {
             match children[i].1.try_wait() {
@@ -212,7 +257,42 @@ mod tests {
             program: Some("/bin/sh".into()),
             args: vec!["-c".into(), script.into()],
             grace: Duration::from_millis(300),
+            stop: crate::stop::StopFlag::new(),
         }
+    }
+
+    #[test]
+    fn a_signal_is_forwarded_once_then_ranks_are_killed() {
+        let dir = std::env::temp_dir().join(format!("lrmoe-sig-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Each rank writes a file when it gets SIGTERM and exits 0.
+        let script = format!(
+            "trap 'echo got > {}/r$RANK; exit 0' TERM; i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; exit 7",
+            dir.display()
+        );
+        let o = sh(&script, 2);
+        let flag = o.stop.clone();
+        let t = std::thread::spawn(move || launch(&o));
+        std::thread::sleep(Duration::from_millis(500));
+        let start = Instant::now();
+        flag.raise();
+        t.join().unwrap().unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10));
+        for r in 0..2 {
+            assert!(dir.join(format!("r{r}")).exists(), "rank {r} got no signal");
+        }
+        // Ranks that ignore the first signal are killed on the second.
+        let o = sh("trap '' TERM; sleep 60", 2);
+        let flag = o.stop.clone();
+        let t = std::thread::spawn(move || launch(&o));
+        std::thread::sleep(Duration::from_millis(300));
+        flag.raise();
+        std::thread::sleep(Duration::from_millis(300));
+        flag.raise();
+        let start = Instant::now();
+        assert!(matches!(t.join().unwrap(), Err(LaunchError::Interrupted)));
+        assert!(start.elapsed() < Duration::from_secs(10));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -34,6 +34,7 @@ pub use redistribute;
 
 pub mod compare;
 pub mod data;
+pub mod errline;
 pub mod fsutil;
 pub mod gpu_moe;
 pub mod launch;
@@ -41,7 +42,9 @@ pub mod layer_grad;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod progress;
 pub mod replay;
+pub mod stop;
 pub mod svgplot;
 pub mod tensorfile;
 pub mod train;

@@ -100,12 +100,16 @@ struct TrainArgs {
     /// Stop at the first evaluation at or below this validation loss.
     #[arg(long)]
     target_val_loss: Option<f64>,
-    /// Wall-time limit in minutes.
+    /// Stop after this much training time, in minutes (default: no cap).
     #[arg(long)]
     max_minutes: Option<f64>,
     /// Continue from the checkpoint in the output folder.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "force")]
     resume: bool,
+    /// Start over in an output folder that holds an earlier run (its
+    /// checkpoint and metrics are replaced).
+    #[arg(long)]
+    force: bool,
     /// Train full, LRMoE and capacity-factor backwards to the same target
     /// validation loss and write a comparison table and plot.
     #[arg(long)]
@@ -324,8 +328,8 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
     let transport = match dist.clone() {
         None => None,
         Some(env) => {
-            if !(a.timeout_s.is_finite() && a.timeout_s > 0.0) {
-                anyhow::bail!("--timeout-s must be positive");
+            if !(a.timeout_s.is_finite() && a.timeout_s > 0.0 && a.timeout_s <= 86_400.0) {
+                anyhow::bail!("--timeout-s must be a number of seconds in (0, 86400]");
             }
             if a.ranks.is_some_and(|r| r != env.world) {
                 anyhow::bail!(
@@ -363,11 +367,14 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
         }
         other => anyhow::bail!("--device {other}: expected cpu or cuda"),
     };
+    let stop = lrmoe::stop::install_for_run()?;
     let opts = lrmoe::train::RunOptions {
         resume: a.resume,
+        force: a.force,
         progress: !a.no_progress,
         transport,
         gpu,
+        stop,
     };
     if a.compare {
         let modes = a
@@ -387,8 +394,9 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
         return Ok(());
     }
     println!(
-        "steps {} | validation loss {:.4} nats/token | unigram baseline {:.4} | mean kept fraction {:.3} | {}",
+        "steps {} ({}) | validation loss {:.4} nats/token | unigram baseline {:.4} | mean kept fraction {:.3} | {}",
         s.steps,
+        s.stop_reason,
         s.final_val_loss,
         s.unigram_val_loss,
         s.mean_kept_fraction,
@@ -414,8 +422,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Train(a) => train(&a),
         Command::Launch(a) => {
-            if !(a.grace_s.is_finite() && a.grace_s >= 0.0) {
-                anyhow::bail!("--grace-s must be a non-negative number");
+            if !(a.grace_s.is_finite() && (0.0..=86_400.0).contains(&a.grace_s)) {
+                anyhow::bail!("--grace-s must be a number of seconds in [0, 86400]");
             }
             if a.exec.is_none() && a.args.is_empty() {
                 anyhow::bail!("nothing to launch: give the rank's arguments after `--`, e.g. `lrmoe launch --nproc 2 -- train`");
@@ -429,6 +437,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 program: a.exec,
                 args: a.args,
                 grace: Duration::from_secs_f64(a.grace_s),
+                stop: lrmoe::stop::install_for_launcher()?,
             })?;
             Ok(())
         }
@@ -492,7 +501,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
+        .with_writer(lrmoe::progress::make_writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("LRMOE_LOG")
@@ -502,7 +511,7 @@ fn main() -> ExitCode {
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("lrmoe: {e:#}");
+            eprintln!("lrmoe: {}", lrmoe::errline::one_line(e.chain()));
             ExitCode::from(2)
         }
     }

@@ -189,7 +189,9 @@ pub struct RunSection {
     pub checkpoint_every: usize,
     /// Stop at the first evaluation at or below this validation loss.
     pub target_val_loss: Option<f64>,
-    /// Stop after this much wall time.
+    /// Stop after this much training wall time (minutes; `None`: no cap).
+    /// Measured as the sum of the slowest rank's step times, so every rank
+    /// stops after the same step.
     pub max_minutes: Option<f64>,
 }
 
@@ -201,7 +203,7 @@ impl Default for RunSection {
             eval_batches: 8,
             checkpoint_every: 500,
             target_val_loss: None,
-            max_minutes: Some(10.0),
+            max_minutes: None,
         }
     }
 }
@@ -240,6 +242,9 @@ impl Default for TrainConfig {
     }
 }
 
+/// The largest accepted `run.max_minutes`: one year.
+pub const MAX_MINUTES: f64 = 525_600.0;
+
 impl TrainConfig {
     /// Parses TOML, naming the offending key on error.
     pub fn from_toml(text: &str) -> Result<Self, TrainError> {
@@ -275,6 +280,24 @@ impl TrainConfig {
         }
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return bad("optim.lr must be positive".into());
+        }
+        if let Some(m) = self.run.max_minutes {
+            if !(m.is_finite() && m > 0.0 && m <= MAX_MINUTES) {
+                return bad(format!(
+                    "run.max_minutes = {m:?} must be a number of minutes in (0, {MAX_MINUTES}] (leave it out for no cap)"
+                ));
+            }
+        }
+        if let Some(t) = self.run.target_val_loss {
+            if !t.is_finite() {
+                return bad(format!("run.target_val_loss = {t} must be finite"));
+            }
+        }
+        if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 0.5) {
+            return bad(format!(
+                "data.val_fraction = {} must be in (0, 0.5)",
+                self.data.val_fraction
+            ));
         }
         Ok(())
     }
@@ -327,6 +350,8 @@ pub struct TrainSummary {
     pub mean_kept_fraction: f64,
     /// Largest backward buffer of any rank and layer, bytes.
     pub max_buffer_bytes: u64,
+    /// Why the run ended.
+    pub stop_reason: crate::stop::StopReason,
 }
 
 /// Command-line choices around a run.
@@ -346,6 +371,13 @@ pub struct RunOptions {
     /// launched processes) the layer's expert GEMMs run on it as bf16
     /// grouped kernels.
     pub gpu: Option<std::sync::Arc<kernels::gpu::Gpu>>,
+    /// Raised to stop at the next step boundary (the CLI's signal handler
+    /// raises it on SIGINT/SIGTERM); the run then checkpoints and returns
+    /// its summary with [`crate::stop::StopReason::Signal`].
+    pub stop: crate::stop::StopFlag,
+    /// Start over in an `out_dir` that holds an earlier run's files
+    /// (without it, and without `resume`, such a folder is refused).
+    pub force: bool,
 }
 
 impl RunOptions {
@@ -549,6 +581,124 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
     })
 }
 
+/// Removes temporary files a killed run left behind in `dir` (the atomic
+/// writer's `.<name>.<pid>.tmp`).
+fn remove_orphans(dir: &Path) -> Result<(), TrainError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(_) => return Ok(()),
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let ours = [CHECKPOINT, "metrics.jsonl"]
+            .iter()
+            .any(|f| name.starts_with(&format!(".{f}.")));
+        if ours && name.ends_with(".tmp") {
+            let path = entry.path();
+            std::fs::remove_file(&path).map_err(io_err(&path))?;
+            tracing::info!(path = %path.display(), "removed a temporary file of an earlier, interrupted run");
+        }
+    }
+    Ok(())
+}
+
+/// Cuts `metrics.jsonl` back to the lines of steps `<= step` (the resumed
+/// checkpoint's), atomically, so a resumed run logs each step once. Lines
+/// that do not parse end the kept part (a torn last line of a killed run).
+fn truncate_metrics(path: &Path, step: usize) -> Result<(), TrainError> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(io_err(path)(e)),
+    };
+    let mut kept = String::new();
+    for line in text.lines() {
+        let line_step = serde_json::from_str::<serde_json::Value>(line)
+            .ok()
+            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64));
+        match line_step {
+            Some(s) if s as usize <= step => {
+                kept.push_str(line);
+                kept.push('\n');
+            }
+            _ => break,
+        }
+    }
+    if kept.len() != text.len() {
+        crate::fsutil::write_atomic(path, kept.as_bytes()).map_err(io_err(path))?;
+    }
+    Ok(())
+}
+
+/// Bytes of host memory one training run needs, roughly and from above:
+/// every rank's copy of the weights, AdamW moments and gradients, and one
+/// step's activations (attention probabilities, the MoE rows, the logits).
+/// `None` when the figure overflows `u64` (then it fits nowhere).
+pub fn memory_estimate(cfg: &TrainConfig, mcfg: &ModelConfig) -> Option<u64> {
+    let ranks = cfg.moe.ranks as u64;
+    let seq = cfg.data.seq_len as u64;
+    let n_seq = (cfg.data.batch_size as u64).checked_div(ranks)?;
+    let n = n_seq.checked_mul(seq)?;
+    let (d, f, v) = (mcfg.d_model as u64, mcfg.ffn as u64, mcfg.vocab as u64);
+    let (e, k, l) = (
+        mcfg.n_experts as u64,
+        mcfg.top_k as u64,
+        mcfg.n_layers as u64,
+    );
+    let heads = mcfg.n_heads as u64;
+    let per_layer_params = d.checked_mul(d)?.checked_mul(4)?.checked_add(
+        e.checked_mul(3)?
+            .checked_mul(d)?
+            .checked_mul(f)?
+            .checked_add(d.checked_mul(e)?)?,
+    )?;
+    let params = per_layer_params
+        .checked_mul(l)?
+        .checked_add(v.checked_mul(d)?.checked_mul(2)?)?
+        .checked_add(seq.checked_mul(d)?)?;
+    let attn = n_seq
+        .checked_mul(heads)?
+        .checked_mul(seq)?
+        .checked_mul(seq)?
+        .checked_mul(2)?;
+    let rows = n.checked_mul(d.checked_mul(16)?.checked_add(k.checked_mul(d + 4 * f)?)?)?;
+    let activations = attn
+        .checked_add(rows)?
+        .checked_mul(l)?
+        .checked_add(n.checked_mul(v)?.checked_mul(2)?)?;
+    let elems = params
+        .checked_mul(5)?
+        .checked_add(activations.checked_mul(2)?)?
+        .checked_mul(ranks)?;
+    elems.checked_mul(4)
+}
+
+/// Memory the machine can give now, bytes (`None` where it cannot be read).
+fn available_memory() -> Option<u64> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
+/// Refuses a configuration whose buffers cannot be allocated here, before
+/// any allocation aborts the process.
+fn check_memory(cfg: &TrainConfig, mcfg: &ModelConfig) -> Result<(), TrainError> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let hint = "lower data.seq_len, data.batch_size or the model's sizes";
+    match (memory_estimate(cfg, mcfg), available_memory()) {
+        (None, _) => Err(TrainError::Config(format!(
+            "the configured sizes overflow any memory ({hint})"
+        ))),
+        (Some(need), Some(have)) if need > have => Err(TrainError::Config(format!(
+            "this run needs about {:.1} GiB of memory, {:.1} GiB are available ({hint})",
+            gib(need),
+            gib(have)
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Per-step, per-layer figures written to `metrics.jsonl`.
 #[derive(Debug, Serialize)]
 struct LayerMetrics {
@@ -628,9 +778,24 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
     let mcfg = cfg.model_config(corpus.vocab.len());
     mcfg.validate()?;
+    crate::data::check_seq_len(&corpus, cfg.data.seq_len)?;
+    check_memory(cfg, &mcfg)?;
     let unigram = unigram_baseline(&corpus);
     std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
     let ckpt = cfg.run.out_dir.join(CHECKPOINT);
+    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
+    if opts.writes() {
+        remove_orphans(&cfg.run.out_dir)?;
+        if !opts.resume && !opts.force {
+            if let Some(found) = [&ckpt, &metrics_path].into_iter().find(|p| p.exists()) {
+                return Err(TrainError::Config(format!(
+                    "{} holds an earlier run ({}): pass --resume to continue it or --force to start over",
+                    cfg.run.out_dir.display(),
+                    found.display()
+                )));
+            }
+        }
+    }
     let initial = if opts.resume {
         let s = load_checkpoint(&ckpt, &mcfg, &corpus)?;
         tracing::info!(step = s.step, path = %ckpt.display(), "resumed");
@@ -668,7 +833,9 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             )));
         }
     }
-    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
+    if opts.writes() && opts.resume {
+        truncate_metrics(&metrics_path, initial.step)?;
+    }
     let metrics = if opts.writes() {
         let f = std::fs::OpenOptions::new()
             .create(true)
@@ -716,6 +883,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
         );
         b.set_position(initial.step as u64);
+        crate::progress::show(&b);
         b
     });
 
@@ -730,6 +898,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             metrics.as_ref(),
             bar.as_ref(),
             &ckpt,
+            &opts.stop,
         )],
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
             rank_loop(
@@ -742,11 +911,12 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
                 metrics.as_ref(),
                 bar.as_ref(),
                 &ckpt,
+                &opts.stop,
             )
         }),
     };
-    if let Some(b) = &bar {
-        b.finish_and_clear();
+    if bar.is_some() {
+        crate::progress::hide();
     }
     let mut summary = None;
     for r in results {
@@ -769,6 +939,7 @@ fn rank_loop<X: Transport>(
     metrics: Option<&std::sync::Mutex<File>>,
     bar: Option<&indicatif::ProgressBar>,
     ckpt: &Path,
+    stop: &crate::stop::StopFlag,
 ) -> Result<Option<TrainSummary>, TrainError> {
     let me = comm.rank();
     let ranks = comm.world_size();
@@ -783,10 +954,7 @@ fn rank_loop<X: Transport>(
         wall_s: initial.wall_s,
         moe_s: initial.moe_s,
     };
-    let deadline = cfg
-        .run
-        .max_minutes
-        .map(|m| Duration::from_secs_f64(m * 60.0));
+    let max_s = cfg.run.max_minutes.map(|m| m * 60.0);
     let mut kept_sum = 0.0;
     let mut kept_n = 0usize;
     let mut max_buffer = 0u64;
@@ -795,10 +963,13 @@ fn rank_loop<X: Transport>(
         .iter()
         .copied()
         .find(|e| cfg.run.target_val_loss.is_some_and(|t| e.val_loss <= t));
-    while s.step < cfg.steps && reached.is_none() {
-        if deadline.is_some_and(|d| s.wall_s >= d.as_secs_f64()) {
-            break;
-        }
+    // The stop is collective: every input of `stop::decide` is the same on
+    // every rank (the step count, the mean validation loss, the slowest
+    // rank's step time, any rank's signal), so all ranks leave the loop
+    // after the same step.
+    let mut reason =
+        crate::stop::decide(s.step, cfg.steps, reached.is_some(), s.wall_s, max_s, false);
+    while reason.is_none() {
         let clock = Instant::now();
         let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
         let lo = me * per_rank * seq;
@@ -815,8 +986,14 @@ fn rank_loop<X: Transport>(
         let g = model::backward(comm, mcfg, &s.model, run, &cache, seq)?;
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
         let grad_norm = adamw_step(&cfg.optim, &mut s.model, &g.grads, &mut s.adam, lr);
-        let loss = mean_over_ranks(comm, loss)?;
-        let step_s = clock.elapsed().as_secs_f64();
+        // One gather carries the loss, this rank's step time and whether it
+        // saw a signal; the step's wall time is the slowest rank's.
+        let local_s = clock.elapsed().as_secs_f64();
+        let signal = if stop.is_raised() { 1.0 } else { 0.0 };
+        let views = all_gather(comm, &[loss, local_s, signal])?;
+        let loss = views.iter().map(|v| v[0]).sum::<f64>() / views.len() as f64;
+        let step_s = views.iter().map(|v| v[1]).fold(0.0, f64::max);
+        let any_signal = views.iter().any(|v| v[2] > 0.0);
         s.wall_s += step_s;
         s.moe_s += cache.moe_seconds + g.moe_seconds;
         s.step += 1;
@@ -898,6 +1075,18 @@ fn rank_loop<X: Transport>(
                 tracing::debug!(step = s.step, "checkpoint written");
             }
         }
+        reason = crate::stop::decide(
+            s.step,
+            cfg.steps,
+            reached.is_some(),
+            s.wall_s,
+            max_s,
+            any_signal,
+        );
+    }
+    let reason = reason.unwrap_or(crate::stop::StopReason::Steps);
+    if me == 0 {
+        tracing::info!(step = s.step, reason = %reason, "stopping");
     }
     let final_val = match s.evals.last() {
         Some(e) if e.step == s.step => e.val_loss,
@@ -928,6 +1117,7 @@ fn rank_loop<X: Transport>(
             1.0
         },
         max_buffer_bytes: max_buffer,
+        stop_reason: reason,
     }))
 }
 

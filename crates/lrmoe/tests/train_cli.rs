@@ -307,3 +307,182 @@ fn device_cuda_without_the_feature_is_a_one_line_error() {
     assert!(!ok);
     one_line_error(&err, "expected cpu or cuda");
 }
+
+fn metric_steps(dir: &Path) -> Vec<u64> {
+    std::fs::read_to_string(dir.join("out/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                .as_u64()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn checkpoint_step(dir: &Path) -> u64 {
+    let f = lrmoe::tensorfile::load(&dir.join("out/checkpoint.safetensors")).unwrap();
+    f.meta("step").unwrap().parse().unwrap()
+}
+
+#[test]
+fn ranks_stop_together_at_the_time_cap_and_checkpoint() {
+    // The issue's reproduction: a checkpoint every step (rank 0 slower than
+    // rank 1) and a short time cap used to split the ranks.
+    let dir = tmp("timecap");
+    let cfg = tiny_config(&dir, "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("checkpoint_every = 2", "checkpoint_every = 1")
+        .replace("steps = 6", "steps = 100000");
+    std::fs::write(&cfg, text).unwrap();
+    let (ok, out, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--max-minutes",
+        "0.02",
+        "--no-progress",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("time cap reached"), "{out}");
+    let steps = metric_steps(&dir);
+    assert!(!steps.is_empty() && steps.len() < 100000);
+    assert_eq!(checkpoint_step(&dir), *steps.last().unwrap());
+}
+
+#[test]
+fn bad_time_caps_are_one_line_errors() {
+    let dir = tmp("badcap");
+    let cfg = tiny_config(&dir, "");
+    for v in ["-1", "0", "NaN", "inf", "1e300"] {
+        let (ok, _, err) = lrmoe(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            &format!("--max-minutes={v}"),
+            "--no-progress",
+        ]);
+        assert!(!ok, "{v}");
+        one_line_error(&err, "run.max_minutes");
+    }
+}
+
+#[cfg(unix)]
+#[test]
+fn a_signal_stops_at_a_step_boundary_with_checkpoint_and_summary() {
+    let dir = tmp("sigint");
+    let cfg = tiny_config(&dir, "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("steps = 6", "steps = 100000")
+        .replace("checkpoint_every = 2", "checkpoint_every = 0");
+    std::fs::write(&cfg, text).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["train", "--config", cfg.to_str().unwrap(), "--no-progress"])
+        .env("LRMOE_LOG", "warn")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let metrics = dir.join("out/metrics.jsonl");
+    let start = std::time::Instant::now();
+    while std::fs::read_to_string(&metrics).map_or(true, |t| t.lines().count() < 3) {
+        assert!(start.elapsed() < std::time::Duration::from_secs(60));
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let pid = nix::unistd::Pid::from_raw(child.id() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("stopped by signal"), "{stdout}");
+    let steps = metric_steps(&dir);
+    assert!(steps.len() < 100000);
+    assert_eq!(checkpoint_step(&dir), *steps.last().unwrap());
+}
+
+#[test]
+fn resume_cuts_the_log_back_and_removes_orphaned_temporaries() {
+    let dir = tmp("records");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    assert!(lrmoe(&["train", "--config", c, "--steps", "4", "--no-progress"]).0);
+    // A killed run: steps logged after the checkpoint, a torn last line and
+    // a half-written checkpoint.
+    let metrics = dir.join("out/metrics.jsonl");
+    let mut text = std::fs::read_to_string(&metrics).unwrap();
+    text.push_str("{\"step\":5,\"loss\":1.0}\n{\"step\":6,\"lo");
+    std::fs::write(&metrics, text).unwrap();
+    let orphan = dir.join("out/.checkpoint.safetensors.12345.tmp");
+    std::fs::write(&orphan, b"half").unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--resume", "--no-progress"]);
+    assert!(ok, "{err}");
+    assert_eq!(metric_steps(&dir), vec![1, 2, 3, 4, 5, 6]);
+    assert!(!orphan.exists());
+}
+
+#[test]
+fn an_earlier_run_is_not_overwritten_without_resume_or_force() {
+    let dir = tmp("force");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    assert!(lrmoe(&["train", "--config", c, "--steps", "2", "--no-progress"]).0);
+    let ckpt = dir.join("out/checkpoint.safetensors");
+    let before = std::fs::read(&ckpt).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--no-progress"]);
+    assert!(!ok);
+    one_line_error(&err, "--resume");
+    assert_eq!(std::fs::read(&ckpt).unwrap(), before);
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--force", "--no-progress"]);
+    assert!(ok, "{err}");
+    assert_eq!(metric_steps(&dir), vec![1, 2, 3, 4, 5, 6]);
+}
+
+#[test]
+fn sequence_lengths_that_cannot_fit_are_one_line_errors() {
+    let dir = tmp("seqlen");
+    // A small corpus: its validation split is 500 tokens.
+    let small = dir.join("small.txt");
+    let text: String = (0..5000).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    std::fs::write(&small, text).unwrap();
+    let cfg = tiny_config(&dir, "");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--corpus",
+        small.to_str().unwrap(),
+        "--no-progress",
+    ]);
+    assert!(ok, "{err}");
+    let long = tiny_config(&dir, "").to_str().unwrap().to_string();
+    let t = std::fs::read_to_string(&long)
+        .unwrap()
+        .replace("seq_len = 16", "seq_len = 600");
+    std::fs::write(&long, t).unwrap();
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        &long,
+        "--corpus",
+        small.to_str().unwrap(),
+        "--force",
+        "--no-progress",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "data.seq_len = 600 does not fit the corpus");
+    // Fits the shipped corpus, but not in any memory.
+    let t = std::fs::read_to_string(&long)
+        .unwrap()
+        .replace("seq_len = 600", "seq_len = 400000");
+    std::fs::write(&long, t).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", &long, "--force", "--no-progress"]);
+    assert!(!ok);
+    one_line_error(&err, "GiB");
+    assert!(err.contains("lower data.seq_len"), "{err}");
+}
