@@ -35,6 +35,7 @@ enum Table {
     Redistribute,
     Layer,
     Replay,
+    Scale,
 }
 
 /// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
@@ -307,6 +308,87 @@ fn main() {
     if matches!(args.table, Table::All | Table::Replay) {
         replay_table();
     }
+    if matches!(args.table, Table::All | Table::Scale) {
+        scale_table();
+    }
+}
+
+/// The planner's edges at many ranks: `lrmoe plan` end to end (controller,
+/// exact redistribution, per-rank report) and replica planning alone.
+fn scale_table() {
+    println!("## Planner scale (one call each, seconds)\n");
+    println!("| case | ranks | experts | replica slots | seconds |\n|---|---|---|---|---|");
+    for &(ranks, experts, slots) in &[
+        (100_000usize, 1usize, 0usize),
+        (120_000, 1, 0),
+        (100_000, 128, 0),
+    ] {
+        let problem = serde_json::json!({
+            "n_ranks": ranks,
+            "placement": {"owner": (0..experts).map(|e| e * ranks / experts).collect::<Vec<_>>()},
+            "kept_counts": (0..ranks).map(|r| (0..experts).map(|e| ((r * 7 + e * 13) % 50) as u64).collect::<Vec<_>>()).collect::<Vec<_>>(),
+        });
+        let p = lrmoe::plan::parse_problem(&problem.to_string()).expect("valid problem");
+        let t = Instant::now();
+        let report = lrmoe::plan::run(&p, &lrmoe::plan::Options::default()).expect("plans");
+        black_box(report);
+        println!(
+            "| `lrmoe plan` (kept counts, exact, report) | {ranks} | {experts} | {slots} | {:.3} |",
+            t.elapsed().as_secs_f64()
+        );
+    }
+    for &(ranks, experts, slots) in &[
+        (6000usize, 1usize, 1usize),
+        (8000, 1, 1),
+        (8000, 1, 4),
+        (8000, 128, 1),
+        (8000, 1024, 2),
+    ] {
+        let counts: Vec<Vec<u64>> = (0..ranks)
+            .map(|r| {
+                (0..experts)
+                    .map(|e| 1 + ((r * 7 + e * 13) % 50) as u64 * (1 + (e == 0) as u64 * 20))
+                    .collect()
+            })
+            .collect();
+        let placement = quota::Placement {
+            owner: (0..experts).map(|e| e * ranks / experts).collect(),
+            replicas: vec![],
+        };
+        let cost = quota::CostModel {
+            act_row_bytes: 4096,
+            grad_row_bytes: 4096,
+            expert_weight_bytes: 1 << 20,
+            expert_grad_bytes: 1 << 20,
+            flops_per_pair: 1e7,
+            link_bytes_per_s: 4.5e11,
+            flops_per_s: 8e14,
+        };
+        let budgets = vec![
+            quota::RankBudget {
+                memory_bytes: 1 << 40,
+                network_bytes: u64::MAX
+            };
+            ranks
+        ];
+        let inputs = quota::Inputs {
+            counts: &counts,
+            placement: &placement,
+            cost: &cost,
+            budgets: &budgets,
+        };
+        let cfg = quota::Config {
+            policy: quota::Policy::Maxmin,
+            replica_slots_per_rank: slots,
+            replica_memory_fraction: 1.0,
+        };
+        let t = Instant::now();
+        let placed = quota::plan_replicas(&inputs, &cfg).expect("plans");
+        let secs = t.elapsed().as_secs_f64();
+        let added: usize = placed.replicas.iter().map(Vec::len).sum();
+        println!("| `quota::plan_replicas` ({added} replicas placed) | {ranks} | {experts} | {slots} | {secs:.3} |");
+    }
+    println!();
 }
 
 /// sgemm of the `gemm` crate through `kernels::cpu::matmul`, GFLOP/s.

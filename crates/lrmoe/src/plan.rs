@@ -369,23 +369,19 @@ fn rank_reports(
     caps: Option<&[u64]>,
 ) -> Vec<RankReport> {
     let all = placement.instances_per_rank(p.n_ranks);
+    // One pass over owners and one over routes: O(ranks + experts + routes).
+    let mut owned_per_rank = vec![0u64; p.n_ranks];
+    for &o in &placement.owner {
+        owned_per_rank[o] += 1;
+    }
+    let (mut recv_per_rank, mut sent_per_rank) = (vec![0u64; p.n_ranks], vec![0u64; p.n_ranks]);
+    for x in a.routes.iter().filter(|x| x.rank != x.source) {
+        recv_per_rank[x.rank] = recv_per_rank[x.rank].saturating_add(x.pairs);
+        sent_per_rank[x.source] = sent_per_rank[x.source].saturating_add(x.pairs);
+    }
     (0..p.n_ranks)
         .map(|r| {
-            let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
-            let (recv, sent) = a.routes.iter().fold((0u64, 0u64), |(i, o), x| {
-                (
-                    i + if x.rank == r && x.source != r {
-                        x.pairs
-                    } else {
-                        0
-                    },
-                    o + if x.source == r && x.rank != r {
-                        x.pairs
-                    } else {
-                        0
-                    },
-                )
-            });
+            let (owned, recv, sent) = (owned_per_rank[r], recv_per_rank[r], sent_per_rank[r]);
             let cost = p.cost_model.as_ref();
             let bytes = |n: u64, per: fn(&CostModel) -> u64| cost.map(|c| n.saturating_mul(per(c)));
             let placement_bytes = bytes(owned, CostModel::instance_bytes);

@@ -198,3 +198,21 @@ fn missing_file_is_one_line() {
         "{err}"
     );
 }
+
+#[test]
+fn sums_past_u64_are_overflow_errors_not_wrong_plans() {
+    check_error(
+        r#"{"n_ranks": 2, "placement": {"owner": [0]}, "kept_counts": [[18446744073709551615], [1]]}"#,
+        &["overflow"],
+    );
+    let near = 1u64 << 63;
+    check_error(
+        &format!(
+            r#"{{"n_ranks": 2, "placement": {{"owner": [0, 1]}}, "routed_counts": [[{near}, 5], [{near}, 5]],
+               "cost_model": {{"act_row_bytes": 8, "grad_row_bytes": 8, "expert_weight_bytes": 1, "expert_grad_bytes": 1,
+                               "flops_per_pair": 1.0, "link_bytes_per_s": 1.0, "flops_per_s": 1.0}},
+               "budgets": [{{"memory_bytes": 1000, "network_bytes": 1000}}, {{"memory_bytes": 1000, "network_bytes": 1000}}]}}"#
+        ),
+        &["overflows u64"],
+    );
+}

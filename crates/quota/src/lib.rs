@@ -116,6 +116,12 @@ pub enum QuotaError {
         /// `needed − budget`.
         shortfall_bytes: u64,
     },
+    /// A sum the controller needs does not fit in `u64`.
+    #[error("{what} overflows u64")]
+    Overflow {
+        /// Which sum.
+        what: &'static str,
+    },
     /// A cost-model value is negative, NaN or infinite.
     #[error("cost model field {field} must be finite and > 0 (got {value})")]
     BadCost {
@@ -316,6 +322,15 @@ impl Inputs<'_> {
                 }
             }
         }
+        // Every later sum of pairs (per expert, per rank, kept totals) is
+        // bounded by this one.
+        self.counts
+            .iter()
+            .flatten()
+            .try_fold(0u64, |a, &c| a.checked_add(c))
+            .ok_or(QuotaError::Overflow {
+                what: "the total of counts",
+            })?;
         self.cost.validate()
     }
 
@@ -747,8 +762,8 @@ fn rank_models(
         .map(|r| {
             let pair_capacity = caps[r].min(total);
             let source_pairs: u64 = quotas.per_source[r].iter().sum();
-            let placement_bytes = owned[r] * cost.instance_bytes();
-            let replica_bytes = (all[r] - owned[r]) * cost.instance_bytes();
+            let placement_bytes = owned[r].saturating_mul(cost.instance_bytes());
+            let replica_bytes = (all[r] - owned[r]).saturating_mul(cost.instance_bytes());
             let buffer_bytes = pair_capacity.saturating_mul(row);
             let dispatch_in_bytes = buffer_bytes;
             let dispatch_out_bytes = source_pairs.saturating_mul(row);
@@ -783,7 +798,6 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
     let mut placement = inputs.placement.clone();
     placement.replicas.resize(n_experts, Vec::new());
     let stat = static_bytes(inputs, &placement);
-    let inst_bytes = inputs.cost.instance_bytes();
     let mut replica_room: Vec<u64> = (0..n_ranks)
         .map(|r| {
             let free = inputs.budgets[r].memory_bytes.saturating_sub(stat[r]);
@@ -801,38 +815,117 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         |e: usize, p: &Placement| routed[e] as f64 / (1 + p.replicas[e].len()) as f64;
     let mut rank_load = vec![0.0f64; n_ranks];
     for e in 0..n_experts {
-        for r in placement.instances(e) {
-            rank_load[r] += per_instance(e, &placement);
+        let share = per_instance(e, &placement);
+        rank_load[placement.owner[e]] += share;
+        for &r in &placement.replicas[e] {
+            rank_load[r] += share;
         }
     }
-    let mut exhausted = vec![false; n_experts];
-    while let Some(e) = (0..n_experts)
-        .filter(|&e| !exhausted[e] && routed[e] > 0)
-        .max_by(|&a, &b| {
-            per_instance(a, &placement)
-                .total_cmp(&per_instance(b, &placement))
-                .then(b.cmp(&a))
+    // Experts by load per instance, largest first (ties: smaller id). An
+    // expert's entry only falls when it gains a replica, so a popped entry
+    // whose value is stale is pushed back with the current one.
+    let key = |e: usize, p: &Placement| (OrdF64(per_instance(e, p)), std::cmp::Reverse(e));
+    let mut heap: std::collections::BinaryHeap<(OrdF64, std::cmp::Reverse<usize>)> = (0..n_experts)
+        .filter(|&e| routed[e] > 0)
+        .map(|e| key(e, &placement))
+        .collect();
+    // Ranks that can still take a replica, keyed by modelled load (ties:
+    // smaller rank). A rank's load only matters while it can take one
+    // (slots and room only shrink). When expert e gains a replica the loads
+    // of its hosts fall, but e's own search skips its hosts, so their keys
+    // are refreshed lazily — only before another expert searches. A hot
+    // expert taking many replicas in a row re-keys its hosts once, not once
+    // per replica; the plain loads are updated at once (one add per host).
+    let inst_bytes = inputs.cost.instance_bytes();
+    let open = |r: usize, slots: &[usize], room: &[u64]| slots[r] > 0 && room[r] >= inst_bytes;
+    let mut is_candidate: Vec<bool> = (0..n_ranks)
+        .map(|r| open(r, &slots, &replica_room))
+        .collect();
+    let mut key_of = rank_load.clone();
+    let mut candidates: std::collections::BTreeSet<(OrdF64, usize)> = (0..n_ranks)
+        .filter(|&r| is_candidate[r])
+        .map(|r| (OrdF64(rank_load[r]), r))
+        .collect();
+    let mut open_hosts: Vec<Vec<usize>> = (0..n_experts)
+        .map(|e| {
+            std::iter::once(placement.owner[e])
+                .chain(placement.replicas[e].iter().copied())
+                .filter(|&r| is_candidate[r])
+                .collect()
         })
-    {
-        let inst = placement.instances(e);
-        let target = (0..n_ranks)
-            .filter(|&r| !inst.contains(&r) && slots[r] > 0 && replica_room[r] >= inst_bytes)
-            .min_by(|&a, &b| rank_load[a].total_cmp(&rank_load[b]).then(a.cmp(&b)));
-        let Some(r) = target else {
-            exhausted[e] = true;
+        .collect();
+    let mut stale: Vec<usize> = Vec::new();
+    let mut hosts = vec![usize::MAX; n_ranks];
+    while let Some((OrdF64(value), std::cmp::Reverse(e))) = heap.pop() {
+        if value != per_instance(e, &placement) {
+            heap.push(key(e, &placement));
             continue;
+        }
+        // Every candidate but e's own hosts gets its current key.
+        for x in std::mem::take(&mut stale) {
+            if x == e {
+                stale.push(x);
+                continue;
+            }
+            for &r in &open_hosts[x] {
+                if is_candidate[r] && key_of[r] != rank_load[r] {
+                    candidates.remove(&(OrdF64(key_of[r]), r));
+                    key_of[r] = rank_load[r];
+                    candidates.insert((OrdF64(key_of[r]), r));
+                }
+            }
+        }
+        // Mark e's candidate hosts; the least-loaded candidate not among them
+        // takes the replica (at most |open hosts| candidates are skipped).
+        open_hosts[e].retain(|&r| is_candidate[r]);
+        for &r in &open_hosts[e] {
+            hosts[r] = e;
+        }
+        let Some(&(_, r)) = candidates.iter().find(|&&(_, r)| hosts[r] != e) else {
+            continue; // no rank can host another instance of e: e is done
         };
         let old = per_instance(e, &placement);
         placement.replicas[e].push(r);
         let new = per_instance(e, &placement);
-        for &i in &inst {
+        // Hosts that can no longer take a replica keep no load at all.
+        for &i in &open_hosts[e] {
             rank_load[i] += new - old;
         }
+        if !open_hosts[e].is_empty() && !stale.contains(&e) {
+            stale.push(e);
+        }
+        candidates.remove(&(OrdF64(key_of[r]), r));
         rank_load[r] += new;
         slots[r] -= 1;
         replica_room[r] -= inst_bytes;
+        if open(r, &slots, &replica_room) {
+            key_of[r] = rank_load[r];
+            candidates.insert((OrdF64(key_of[r]), r));
+            open_hosts[e].push(r);
+        } else {
+            is_candidate[r] = false;
+        }
+        heap.push(key(e, &placement));
     }
     Ok(placement)
+}
+
+/// A total order on the finite loads the replica planner compares.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct OrdF64(f64);
+
+impl Eq for OrdF64 {}
+
+impl PartialOrd for OrdF64 {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for OrdF64 {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.0.total_cmp(&other.0)
+    }
 }
 
 /// Replica plan, then quotas for it: the controller's whole decision.

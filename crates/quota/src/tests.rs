@@ -415,3 +415,128 @@ fn zero_ranks_and_experts_are_ordinary() {
         2
     );
 }
+
+fn near_max() -> impl Strategy<Value = u64> {
+    prop_oneof![0u64..100, (u64::MAX - 100)..=u64::MAX, Just(1u64 << 63)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Counts at the u64 limits: either a typed overflow (exactly when the
+    /// total does not fit) or a plan that keeps its invariants.
+    #[test]
+    fn counts_at_the_u64_limits_overflow_as_an_error_or_plan_correctly(
+        counts in prop::collection::vec(prop::collection::vec(near_max(), 2), 2),
+        budget in prop_oneof![Just(u64::MAX), 0u64..10_000],
+        slots in 0usize..2,
+    ) {
+        let placement = Placement { owner: vec![0, 1], replicas: vec![] };
+        let budgets = vec![
+            RankBudget { memory_bytes: budget.saturating_add(200), network_bytes: u64::MAX };
+            2
+        ];
+        let inputs = Inputs { counts: &counts, placement: &placement, cost: &cost(), budgets: &budgets };
+        let cfg = Config { policy: Policy::Maxmin, replica_slots_per_rank: slots, replica_memory_fraction: 1.0 };
+        let total: u128 = counts.iter().flatten().map(|&c| u128::from(c)).sum();
+        match plan(&inputs, &cfg) {
+            Err(QuotaError::Overflow { .. }) => prop_assert!(total > u128::from(u64::MAX)),
+            Err(e) => prop_assert!(false, "unexpected error {e}"),
+            Ok(p) => {
+                prop_assert!(total <= u128::from(u64::MAX));
+                prop_assert!(p.kept_fraction <= 1.0 && p.kept_fraction >= 0.0);
+                for (s, row) in p.quotas.per_source().iter().enumerate() {
+                    for (e, &k) in row.iter().enumerate() {
+                        prop_assert!(k <= counts[s][e]);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The replica planner as first written (quadratic scans per step): the reference
+/// the heap-based planner must match exactly.
+fn naive_plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
+    inputs.validate()?;
+    if !(0.0..=1.0).contains(&cfg.replica_memory_fraction) {
+        return Err(QuotaError::BadFraction {
+            field: "replica_memory_fraction",
+            value: cfg.replica_memory_fraction,
+        });
+    }
+    let (n_ranks, n_experts) = (inputs.n_ranks(), inputs.n_experts());
+    let mut placement = inputs.placement.clone();
+    placement.replicas.resize(n_experts, Vec::new());
+    let stat = static_bytes(inputs, &placement);
+    let inst_bytes = inputs.cost.instance_bytes();
+    let mut replica_room: Vec<u64> = (0..n_ranks)
+        .map(|r| {
+            let free = inputs.budgets[r].memory_bytes.saturating_sub(stat[r]);
+            (free as f64 * cfg.replica_memory_fraction) as u64
+        })
+        .collect();
+    let mut slots: Vec<usize> = (0..n_ranks)
+        .map(|r| {
+            let hosted = placement.replicas.iter().filter(|v| v.contains(&r)).count();
+            cfg.replica_slots_per_rank.saturating_sub(hosted)
+        })
+        .collect();
+    let routed = inputs.routed_per_expert();
+    let per_instance =
+        |e: usize, p: &Placement| routed[e] as f64 / (1 + p.replicas[e].len()) as f64;
+    let mut rank_load = vec![0.0f64; n_ranks];
+    for e in 0..n_experts {
+        for r in placement.instances(e) {
+            rank_load[r] += per_instance(e, &placement);
+        }
+    }
+    let mut exhausted = vec![false; n_experts];
+    while let Some(e) = (0..n_experts)
+        .filter(|&e| !exhausted[e] && routed[e] > 0)
+        .max_by(|&a, &b| {
+            per_instance(a, &placement)
+                .total_cmp(&per_instance(b, &placement))
+                .then(b.cmp(&a))
+        })
+    {
+        let inst = placement.instances(e);
+        let target = (0..n_ranks)
+            .filter(|&r| !inst.contains(&r) && slots[r] > 0 && replica_room[r] >= inst_bytes)
+            .min_by(|&a, &b| rank_load[a].total_cmp(&rank_load[b]).then(a.cmp(&b)));
+        let Some(r) = target else {
+            exhausted[e] = true;
+            continue;
+        };
+        let old = per_instance(e, &placement);
+        placement.replicas[e].push(r);
+        let new = per_instance(e, &placement);
+        for &i in &inst {
+            rank_load[i] += new - old;
+        }
+        rank_load[r] += new;
+        slots[r] -= 1;
+        replica_room[r] -= inst_bytes;
+    }
+    Ok(placement)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn replica_planner_matches_the_naive_reference(
+        c in case_strategy(),
+        slots in 0usize..4,
+        fraction in prop_oneof![Just(1.0f64), 0.0f64..1.0],
+        big_budget in any::<bool>(),
+    ) {
+        let mut c = c;
+        if big_budget {
+            c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
+        }
+        let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost(), budgets: &c.budgets };
+        let cfg = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: fraction };
+        prop_assert_eq!(plan_replicas(&inputs, &cfg), naive_plan_replicas(&inputs, &cfg));
+    }
+}

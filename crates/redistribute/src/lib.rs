@@ -154,7 +154,7 @@ impl Problem {
         let mut k = vec![0u64; self.n_experts()];
         for row in &self.kept {
             for (e, &n) in row.iter().enumerate() {
-                k[e] += n;
+                k[e] = k[e].saturating_add(n);
             }
         }
         k
@@ -278,6 +278,13 @@ pub fn validate(problem: &Problem) -> Result<(), RedistributeError> {
     if let Some(c) = &problem.rank_capacity {
         shape("rank_capacity", r, c.len())?;
     }
+    // Every later sum (per expert, per rank, loads) is bounded by the total.
+    problem
+        .kept
+        .iter()
+        .flatten()
+        .try_fold(0u64, |a, &k| a.checked_add(k))
+        .ok_or(RedistributeError::Overflow)?;
     let k = problem.kept_per_expert();
     let mut seen = vec![usize::MAX; r];
     for (expert, inst) in problem.instances.iter().enumerate() {

@@ -225,3 +225,40 @@ fn zero_ranks_experts_and_pairs_are_ordinary() {
         assert_eq!(check(&p, &cfg(s)).unwrap().peak, 3);
     }
 }
+
+fn near_max() -> impl Strategy<Value = u64> {
+    prop_oneof![0u64..50, (u64::MAX - 50)..=u64::MAX, Just(1u64 << 63)]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// Kept counts at the u64 limits: a typed overflow, or an assignment
+    /// that conserves every pair — never a silently wrong (e.g. empty) plan.
+    #[test]
+    fn kept_counts_at_the_u64_limits_overflow_as_an_error_or_conserve(
+        kept in prop::collection::vec(prop::collection::vec(near_max(), 2), 2),
+        solver in prop_oneof![Just(Solver::Exact), Just(Solver::Greedy)],
+    ) {
+        let p = Problem {
+            n_ranks: 2,
+            kept: kept.clone(),
+            instances: vec![vec![0, 1], vec![1]],
+            base_load: vec![0, 0],
+            rank_capacity: None,
+        };
+        let total: u128 = kept.iter().flatten().map(|&k| u128::from(k)).sum();
+        match solve(&p, &Config { solver, ..Config::default() }) {
+            Err(RedistributeError::Overflow) => {}
+            Err(e) => prop_assert!(false, "unexpected error {e}"),
+            Ok(a) => {
+                prop_assert!(total <= u128::from(u64::MAX));
+                let placed: u128 = a.routes.iter().map(|r| u128::from(r.pairs)).sum();
+                prop_assert_eq!(placed, total);
+            }
+        }
+        if total > u128::from(u64::MAX) {
+            prop_assert!(matches!(validate(&p), Err(RedistributeError::Overflow)));
+        }
+    }
+}
