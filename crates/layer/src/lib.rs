@@ -108,19 +108,51 @@ pub enum LayerError {
     Transport(#[from] TransportError),
     /// The controller rejected the call.
     #[error("controller: {0}")]
-    Quota(#[from] quota::QuotaError),
+    Quota(quota::QuotaError),
     /// The redistribution failed.
     #[error("redistribute: {0}")]
-    Redistribute(#[from] redistribute::RedistributeError),
+    Redistribute(redistribute::RedistributeError),
     /// Scoring or selection failed.
     #[error("lrm-score: {0}")]
-    Score(#[from] lrm_score::ScoreError),
+    Score(lrm_score::ScoreError),
     /// Compaction failed.
     #[error("pack: {0}")]
-    Pack(#[from] pack::PackError),
+    Pack(pack::PackError),
     /// A kernel rejected its inputs.
     #[error("kernel: {0}")]
-    Kernel(#[from] kernels::KernelError),
+    Kernel(kernels::KernelError),
+}
+
+// The variants above say their cause in their message, so it is not also
+// chained as `source()` (a reader printing the chain would see it twice).
+impl From<quota::QuotaError> for LayerError {
+    fn from(e: quota::QuotaError) -> Self {
+        LayerError::Quota(e)
+    }
+}
+
+impl From<redistribute::RedistributeError> for LayerError {
+    fn from(e: redistribute::RedistributeError) -> Self {
+        LayerError::Redistribute(e)
+    }
+}
+
+impl From<lrm_score::ScoreError> for LayerError {
+    fn from(e: lrm_score::ScoreError) -> Self {
+        LayerError::Score(e)
+    }
+}
+
+impl From<pack::PackError> for LayerError {
+    fn from(e: pack::PackError) -> Self {
+        LayerError::Pack(e)
+    }
+}
+
+impl From<kernels::KernelError> for LayerError {
+    fn from(e: kernels::KernelError) -> Self {
+        LayerError::Kernel(e)
+    }
 }
 
 #[cfg(test)]

@@ -45,6 +45,7 @@ pub mod plan;
 pub mod progress;
 pub mod replay;
 pub mod stop;
+pub mod strict;
 pub mod svgplot;
 pub mod tensorfile;
 pub mod train;

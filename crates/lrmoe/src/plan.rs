@@ -29,10 +29,23 @@ pub enum PlanError {
     },
     /// The controller rejected the problem.
     #[error("controller: {0}")]
-    Quota(#[from] quota::QuotaError),
+    Quota(quota::QuotaError),
     /// The redistribution rejected the problem.
     #[error("redistribute: {0}")]
-    Redistribute(#[from] redistribute::RedistributeError),
+    Redistribute(redistribute::RedistributeError),
+}
+
+// The causes are in the messages above, not chained as `source()` too.
+impl From<quota::QuotaError> for PlanError {
+    fn from(e: quota::QuotaError) -> Self {
+        PlanError::Quota(e)
+    }
+}
+
+impl From<redistribute::RedistributeError> for PlanError {
+    fn from(e: redistribute::RedistributeError) -> Self {
+        PlanError::Redistribute(e)
+    }
 }
 
 fn invalid(field: impl Into<String>, message: impl Into<String>) -> PlanError {
@@ -43,7 +56,7 @@ fn invalid(field: impl Into<String>, message: impl Into<String>) -> PlanError {
 }
 
 /// Controller settings inside a problem file.
-#[derive(Debug, Clone, Default, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ControllerSettings {
     /// Quota policy (default uniform).
@@ -58,7 +71,7 @@ pub struct ControllerSettings {
 }
 
 /// A planning problem (see `docs/formats.md`).
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Problem {
     /// Number of ranks.
@@ -88,12 +101,12 @@ pub struct Problem {
     pub load_model: Option<LoadModel>,
 }
 
-/// Parses a problem, naming the offending field on error.
+/// Parses a problem, naming the offending field on error. Objects must be
+/// objects: an array where the schema has named fields is refused.
 pub fn parse_problem(json: &str) -> Result<Problem, PlanError> {
-    let de = &mut serde_json::Deserializer::from_str(json);
-    serde_path_to_error::deserialize(de).map_err(|e| PlanError::Json {
-        path: e.path().to_string(),
-        message: e.inner().to_string(),
+    crate::strict::from_json(json).map_err(|e| PlanError::Json {
+        path: e.path,
+        message: e.message,
     })
 }
 

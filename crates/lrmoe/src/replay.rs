@@ -41,6 +41,14 @@ pub enum ReplayError {
         /// The I/O error.
         error: std::io::Error,
     },
+    /// A file or folder cannot be written.
+    #[error("cannot write {path}: {error}")]
+    Write {
+        /// The path.
+        path: String,
+        /// The I/O error.
+        error: std::io::Error,
+    },
     /// A line or document is malformed.
     #[error("{path}:{line}: {message}")]
     Parse {
@@ -125,18 +133,45 @@ fn parse_err(path: &Path, line: usize, message: impl Into<String>) -> ReplayErro
 /// deepseek-ai/EPLB load matrix `[layers][experts]` (a bare array, or an
 /// object with `weight`): one step, loads spread over `ranks`.
 pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Doc {
-        Bare(Vec<Vec<f64>>),
-        Keyed { weight: Vec<Vec<f64>> },
-    }
     let text = read(path)?;
-    let doc: Doc =
+    let doc: serde_json::Value =
         serde_json::from_str(&text).map_err(|e| parse_err(path, e.line(), e.to_string()))?;
-    let m = match doc {
-        Doc::Bare(m) | Doc::Keyed { weight: m } => m,
+    let shape =
+        "expected a [layers][experts] array of loads, or an object {\"weight\": [layers][experts]}";
+    let (matrix, prefix) = match &doc {
+        serde_json::Value::Array(_) => (&doc, ""),
+        serde_json::Value::Object(o) => {
+            match (o.get("weight"), o.keys().find(|k| *k != "weight")) {
+                (Some(w), None) => (w, "weight"),
+                (_, Some(k)) => {
+                    return Err(parse_err(path, 1, format!("unknown field `{k}`: {shape}")))
+                }
+                (None, None) => {
+                    return Err(parse_err(
+                        path,
+                        1,
+                        format!("missing field `weight`: {shape}"),
+                    ))
+                }
+            }
+        }
+        other => {
+            return Err(parse_err(
+                path,
+                1,
+                format!("got {}: {shape}", json_kind(other)),
+            ))
+        }
     };
+    let m: Vec<Vec<f64>> = serde_path_to_error::deserialize(matrix).map_err(|e| {
+        let at = e.path().to_string();
+        let at = if at == "." {
+            prefix.to_string()
+        } else {
+            format!("{prefix}{at}")
+        };
+        parse_err(path, 1, format!("{at}: {} ({shape})", e.inner()))
+    })?;
     let experts = m.first().map_or(0, Vec::len);
     let mut layers = Vec::with_capacity(m.len());
     for (l, row) in m.iter().enumerate() {
@@ -164,10 +199,22 @@ pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
     })
 }
 
+/// What kind of JSON value `v` is, for messages.
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
 /// Megatron-Core router traces: JSON lines `{"step", "layer", "rank",
 /// "top_indices": [[expert; k]; tokens]}`.
 pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> {
-    #[derive(Deserialize)]
+    #[derive(Serialize, Deserialize)]
     struct Record {
         step: usize,
         layer: usize,
@@ -179,6 +226,7 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
         error,
     })?;
     let mut cells: std::collections::BTreeMap<(usize, usize, usize), Vec<u64>> = Default::default();
+    let mut top_k: Option<(usize, usize)> = None;
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|error| ReplayError::Read {
             path: path.display().to_string(),
@@ -188,7 +236,36 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
             continue;
         }
         let r: Record =
-            serde_json::from_str(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+            crate::strict::from_json(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+        if let Some((t, row)) = r
+            .top_indices
+            .iter()
+            .enumerate()
+            .find(|(_, row)| row.len() != r.top_indices[0].len())
+        {
+            return Err(parse_err(
+                path,
+                i + 1,
+                format!(
+                    "top_indices row {t} has {} experts, row 0 has {} (every token routes to the same top-k)",
+                    row.len(),
+                    r.top_indices[0].len()
+                ),
+            ));
+        }
+        if let Some(k) = r.top_indices.first().map(Vec::len) {
+            match top_k {
+                Some((k0, line0)) if k0 != k => {
+                    return Err(parse_err(
+                        path,
+                        i + 1,
+                        format!("top_indices rows have {k} experts, line {line0} has {k0}"),
+                    ))
+                }
+                None => top_k = Some((k, i + 1)),
+                _ => {}
+            }
+        }
         let counts = cells
             .entry((r.step, r.layer, r.rank))
             .or_insert_with(|| vec![0; experts]);
@@ -232,11 +309,11 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
 
 /// `lrmoe train`'s `metrics.jsonl` (`layers[].tokens_per_expert`), spread over `ranks`.
 pub fn load_lrmoe_metrics(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
-    #[derive(Deserialize)]
+    #[derive(Serialize, Deserialize)]
     struct Layer {
         tokens_per_expert: Vec<u64>,
     }
-    #[derive(Deserialize)]
+    #[derive(Serialize, Deserialize)]
     struct Step {
         layers: Vec<Layer>,
     }
@@ -248,7 +325,7 @@ pub fn load_lrmoe_metrics(path: &Path, ranks: usize) -> Result<Trace, ReplayErro
             continue;
         }
         let s: Step =
-            serde_json::from_str(line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
+            crate::strict::from_json(line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
         if let Some(first) = steps.first().map(Vec::len) {
             if s.layers.len() != first {
                 return Err(parse_err(
@@ -334,6 +411,12 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
         return Err(ReplayError::Invalid(
             "synthetic: experts, ranks, layers and top_k must be positive, top_k ≤ experts".into(),
         ));
+    }
+    if !(cfg.zipf.is_finite() && (0.0..=100.0).contains(&cfg.zipf)) {
+        return Err(ReplayError::Invalid(format!(
+            "synthetic: the Zipf exponent {} must be a finite number in [0, 100]",
+            cfg.zipf
+        )));
     }
     let e_n = cfg.experts;
     let mut rng = crate::data::SplitMix(cfg.seed ^ 0x5EED);
@@ -775,13 +858,13 @@ pub fn table(r: &Report) -> String {
 /// Writes `replay.json`, `replay.csv`, `memory.svg`, `time.svg` into `dir`
 /// (atomically) and returns their paths.
 pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
-    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Read {
+    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Write {
         path: dir.display().to_string(),
         error,
     })?;
     let io = |p: &Path| {
         let p = p.display().to_string();
-        move |error| ReplayError::Read { path: p, error }
+        move |error| ReplayError::Write { path: p, error }
     };
     let mut csv = String::from("step,strategy,placement_bytes,replica_bytes,buffer_bytes,total_bytes,fits,backward_s,straggler,kept_fraction\n");
     for f in &r.steps {

@@ -27,6 +27,14 @@ pub enum TensorFileError {
         /// The parser's complaint.
         reason: String,
     },
+    /// The file is valid safetensors but not what the reader expects.
+    #[error("{path}: {reason}")]
+    Content {
+        /// The path.
+        path: String,
+        /// What is wrong.
+        reason: String,
+    },
     /// A tensor is missing, has another dtype or shape.
     #[error("{path}: tensor {name}: {reason}")]
     Tensor {

@@ -37,7 +37,7 @@ pub enum TrainError {
     Model(#[from] model::ModelError),
     /// A checkpoint could not be read or written.
     #[error("checkpoint: {0}")]
-    Checkpoint(#[from] TensorFileError),
+    Checkpoint(TensorFileError),
     /// A metrics or report file could not be written.
     #[error("{path}: {error}")]
     Io {
@@ -47,6 +47,12 @@ pub enum TrainError {
         /// one-line error does not repeat it).
         error: std::io::Error,
     },
+}
+
+impl From<TensorFileError> for TrainError {
+    fn from(e: TensorFileError) -> Self {
+        TrainError::Checkpoint(e)
+    }
 }
 
 impl From<layer::TransportError> for TrainError {
@@ -248,7 +254,14 @@ pub const MAX_MINUTES: f64 = 525_600.0;
 impl TrainConfig {
     /// Parses TOML, naming the offending key on error.
     pub fn from_toml(text: &str) -> Result<Self, TrainError> {
-        toml::from_str(text).map_err(|e| TrainError::Config(e.to_string().replace('\n', " ")))
+        let cfg: Self = toml::from_str(text)
+            .map_err(|e| TrainError::Config(e.to_string().replace('\n', " ")))?;
+        // Sections must be tables: serde would also read one from an array.
+        let input: toml::Value =
+            toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+        let input = serde_json::to_value(input).map_err(|e| TrainError::Config(e.to_string()))?;
+        crate::strict::check_value(&input, &cfg).map_err(|e| TrainError::Config(e.to_string()))?;
+        Ok(cfg)
     }
 
     /// Rejects settings that cannot work.
@@ -280,6 +293,24 @@ impl TrainConfig {
         }
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return bad("optim.lr must be positive".into());
+        }
+        let o = &self.optim;
+        for (name, v, ok) in [
+            ("optim.min_lr", o.min_lr, o.min_lr >= 0.0),
+            ("optim.weight_decay", o.weight_decay, o.weight_decay >= 0.0),
+            ("optim.beta1", o.beta1, (0.0..1.0).contains(&o.beta1)),
+            ("optim.beta2", o.beta2, (0.0..1.0).contains(&o.beta2)),
+            ("optim.eps", o.eps, o.eps > 0.0),
+            ("optim.clip", o.clip, o.clip >= 0.0),
+            (
+                "moe.capacity_factor",
+                self.moe.capacity_factor,
+                self.moe.capacity_factor > 0.0,
+            ),
+        ] {
+            if !(v.is_finite() && ok) {
+                return bad(format!("{name} = {v} is out of range"));
+            }
         }
         if let Some(m) = self.run.max_minutes {
             if !(m.is_finite() && m > 0.0 && m <= MAX_MINUTES) {
@@ -515,7 +546,7 @@ fn save_checkpoint(
 fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<State, TrainError> {
     let mut f = tensorfile::load(path)?;
     let fmt = |m: String| {
-        TrainError::Checkpoint(TensorFileError::Format {
+        TrainError::Checkpoint(TensorFileError::Content {
             path: path.display().to_string(),
             reason: m,
         })
@@ -523,11 +554,12 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
     if f.meta("format")? != "lrmoe-checkpoint-1" {
         return Err(fmt("not an lrmoe checkpoint".into()));
     }
-    let saved: ModelConfig =
-        serde_json::from_str(f.meta("model")?).map_err(|e| fmt(e.to_string()))?;
+    let saved: ModelConfig = crate::strict::from_json(f.meta("model")?)
+        .map_err(|e| fmt(format!("metadata field model: {e}")))?;
     if saved != *mcfg {
         return Err(fmt(format!(
-            "model shape {saved:?} differs from the configured {mcfg:?}"
+            "the checkpoint's model differs from the configured one ({}); resume with the configuration it was trained with",
+            differences(&saved, mcfg)
         )));
     }
     let vocab: String = corpus.vocab.iter().map(|b| format!("{b:02x}")).collect();
@@ -563,12 +595,20 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         v: take("adam.v.")?,
         t: adam_t,
     };
-    if model
-        .tensors()
-        .iter()
-        .any(|(_, t)| t.iter().any(|v| !v.is_finite()))
-    {
-        return Err(fmt("non-finite weights".into()));
+    for (prefix, m) in [
+        ("model.", &model),
+        ("adam.m.", &adam.m),
+        ("adam.v.", &adam.v),
+    ] {
+        for (name, t) in m.tensors() {
+            if let Some(i) = t.iter().position(|v| !v.is_finite()) {
+                return Err(TrainError::Checkpoint(TensorFileError::Tensor {
+                    path: path.display().to_string(),
+                    name: format!("{prefix}{name}"),
+                    reason: format!("non-finite value {} at element {i}", t[i]),
+                }));
+            }
+        }
     }
     Ok(State {
         model,
@@ -579,6 +619,29 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         wall_s,
         moe_s,
     })
+}
+
+/// `field saved → configured` for each field where two configurations
+/// differ, e.g. `n_experts 8 → 4, ffn 256 → 128`.
+fn differences<T: Serialize>(saved: &T, configured: &T) -> String {
+    let (a, b) = (
+        serde_json::to_value(saved).unwrap_or_default(),
+        serde_json::to_value(configured).unwrap_or_default(),
+    );
+    match (a.as_object(), b.as_object()) {
+        (Some(a), Some(b)) => a
+            .iter()
+            .filter(|(k, v)| b.get(*k) != Some(v))
+            .map(|(k, v)| {
+                format!(
+                    "{k}: {v} in the checkpoint, {} configured",
+                    b.get(k).cloned().unwrap_or_default()
+                )
+            })
+            .collect::<Vec<_>>()
+            .join(", "),
+        _ => String::from("unreadable"),
+    }
 }
 
 /// Removes temporary files a killed run left behind in `dir` (the atomic

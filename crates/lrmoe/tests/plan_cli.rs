@@ -216,3 +216,33 @@ fn sums_past_u64_are_overflow_errors_not_wrong_plans() {
         &["overflows u64"],
     );
 }
+
+#[test]
+fn strict_objects_unknown_fields_and_errors_said_once() {
+    check_error(
+        r#"{"n_ranks": 2, "placement": {"owner": [0, 1]}, "kept_counts": [[1, 1], [1, 1]],
+            "load_model": {"compute_per_pair": 1, "network_per_pair": 0, "bogus": 1}}"#,
+        &["load_model.bogus", "unknown field"],
+    );
+    check_error(
+        r#"{"n_ranks": 2, "placement": [[0, 1]], "kept_counts": [[1, 1], [1, 1]]}"#,
+        &["placement", "expected an object"],
+    );
+    check_error(
+        r#"[2, {"owner": [0, 1]}, null, [[1, 1], [1, 1]]]"#,
+        &["expected an object"],
+    );
+    let json = r#"{"n_ranks": 1, "placement": {"owner": [0]}, "routed_counts": [[4]],
+        "cost_model": {"act_row_bytes": 8, "grad_row_bytes": 8, "expert_weight_bytes": 1, "expert_grad_bytes": 1,
+                       "flops_per_pair": 1.0, "link_bytes_per_s": 1.0, "flops_per_s": 0.0},
+        "budgets": [{"memory_bytes": 1000, "network_bytes": 1000}]}"#;
+    let (ok, _, stderr) = plan(json, &[]);
+    assert!(!ok);
+    assert_eq!(stderr.matches("must be finite").count(), 1, "{stderr}");
+    let (ok, _, stderr) = plan(KEPT_OK, &["--out", "/nonexistent-dir/plan.json"]);
+    assert!(!ok);
+    assert!(
+        stderr.contains("cannot write") && !stderr.contains("cannot read"),
+        "{stderr}"
+    );
+}

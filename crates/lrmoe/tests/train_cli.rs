@@ -486,3 +486,72 @@ fn sequence_lengths_that_cannot_fit_are_one_line_errors() {
     one_line_error(&err, "GiB");
     assert!(err.contains("lower data.seq_len"), "{err}");
 }
+
+#[test]
+fn config_and_checkpoint_errors_say_what_failed_once() {
+    let dir = tmp("msgs");
+    let cfg = tiny_config(&dir, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let bad = dir.join("bad.toml");
+    for (from, to, needle) in [
+        (
+            "seq_len = 16",
+            "seq_len = 16\nval_fraction = 1.5",
+            "data.val_fraction = 1.5",
+        ),
+        ("[run]", "[optim]\nbeta2 = nan\n[run]", "optim.beta2"),
+        ("[run]", "[optim]\neps = inf\n[run]", "optim.eps"),
+        ("[model]\n", "model = [16, 1]\n[xmodel]\n", "xmodel"),
+    ] {
+        std::fs::write(&bad, text.replace(from, to)).unwrap();
+        let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap()]);
+        assert!(!ok);
+        one_line_error(&err, needle);
+        assert!(!err.contains("corrupted"), "{err}");
+    }
+    // A section written as an array.
+    std::fs::write(
+        &bad,
+        text.replace("[moe]\nranks = 2\n", "")
+            .replace("steps = 6\n", "steps = 6\nmoe = [\"full\", 2]\n"),
+    )
+    .unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap()]);
+    assert!(!ok);
+    one_line_error(&err, "moe: expected an object");
+
+    // A checkpoint of another model: the differing fields, no Debug dump.
+    let c = cfg.to_str().unwrap();
+    assert!(lrmoe(&["train", "--config", c, "--steps", "2", "--no-progress"]).0);
+    std::fs::write(&bad, text.replace("n_experts = 4", "n_experts = 2")).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap(), "--resume"]);
+    assert!(!ok);
+    one_line_error(&err, "n_experts: 4 in the checkpoint, 2 configured");
+    assert!(!err.contains("ModelConfig"), "{err}");
+    let ckpt_path = dir.join("out/checkpoint.safetensors");
+    assert_eq!(err.matches("checkpoint.safetensors").count(), 1, "{err}");
+
+    // A NaN weight names the file and the tensor.
+    let mut f = lrmoe::tensorfile::load(&ckpt_path).unwrap();
+    let meta = f.metadata.clone();
+    let mut tensors: Vec<(String, (Vec<usize>, Vec<f32>))> = f.tensors.drain().collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let victim = tensors
+        .iter_mut()
+        .find(|(n, _)| n.starts_with("model.") && n.ends_with("router"))
+        .unwrap();
+    victim.1 .1[3] = f32::NAN;
+    let victim_name = victim.0.clone();
+    let named: Vec<lrmoe::tensorfile::NamedTensor<'_>> = tensors
+        .iter()
+        .map(|(n, (s, d))| (n.clone(), s.clone(), d.as_slice()))
+        .collect();
+    lrmoe::tensorfile::save(&ckpt_path, &named, meta).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--resume"]);
+    assert!(!ok);
+    one_line_error(&err, &victim_name);
+    assert!(
+        err.contains(ckpt_path.to_str().unwrap()) && err.contains("non-finite"),
+        "{err}"
+    );
+}

@@ -130,6 +130,7 @@ pub enum RedistributeError {
 
 /// A redistribution problem. Ranks and experts are indices.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Problem {
     /// Number of ranks (GPUs).
     pub n_ranks: usize,
@@ -168,6 +169,7 @@ impl Problem {
 
 /// Weights of the load model (see the crate doc).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct LoadModel {
     /// Load of processing one pair (`c`, ≥ 1).
     pub compute_per_pair: u64,

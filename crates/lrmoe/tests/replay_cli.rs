@@ -1,0 +1,124 @@
+//! `lrmoe replay` refuses malformed traces and settings in one line that
+//! names the file, the line and what is wrong.
+
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("lrmoe-replay-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+fn replay(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .arg("replay")
+        .args(args)
+        .env("LRMOE_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn one_line(err: &str, needles: &[&str]) {
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for n in needles {
+        assert!(err.contains(n), "{err:?} lacks {n:?}");
+    }
+}
+
+#[test]
+fn non_finite_settings_are_refused() {
+    let dir = tmp("zipf");
+    let out = dir.join("out");
+    for z in ["NaN", "inf", "-1"] {
+        let (ok, err) = replay(&[
+            "--synthetic",
+            "hot-experts",
+            &format!("--zipf={z}"),
+            "--steps",
+            "2",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        assert!(!ok, "{z}");
+        one_line(&err, &["Zipf exponent"]);
+    }
+}
+
+#[test]
+fn ragged_megatron_rows_name_their_line() {
+    let dir = tmp("mg");
+    let f = dir.join("trace.jsonl");
+    std::fs::write(
+        &f,
+        "{\"step\": 0, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0, 1], [1, 2]]}\n\
+         {\"step\": 0, \"layer\": 0, \"rank\": 1, \"top_indices\": [[0, 1], [3]]}\n",
+    )
+    .unwrap();
+    let (ok, err) = replay(&["--megatron", f.to_str().unwrap(), "--experts", "4"]);
+    assert!(!ok);
+    one_line(
+        &err,
+        &["trace.jsonl:2:", "row 1 has 1 experts, row 0 has 2"],
+    );
+    std::fs::write(
+        &f,
+        "{\"step\": 0, \"layer\": 0, \"rank\": 0, \"top_indices\": [[0, 1]]}\n\
+         {\"step\": 0, \"layer\": 0, \"rank\": 1, \"top_indices\": [[0, 1, 2]]}\n",
+    )
+    .unwrap();
+    let (ok, err) = replay(&["--megatron", f.to_str().unwrap(), "--experts", "4"]);
+    assert!(!ok);
+    one_line(&err, &["trace.jsonl:2:", "line 1 has 2"]);
+    // A record written as an array.
+    std::fs::write(&f, "[0, 0, 0, [[1]]]\n").unwrap();
+    let (ok, err) = replay(&["--megatron", f.to_str().unwrap(), "--experts", "4"]);
+    assert!(!ok);
+    one_line(&err, &["trace.jsonl:1:", "expected an object"]);
+}
+
+#[test]
+fn eplb_files_of_the_wrong_shape_say_which_shape_is_expected() {
+    let dir = tmp("eplb");
+    let f = dir.join("eplb.json");
+    for (doc, needle) in [
+        ("{\"weights\": [[1, 2]]}", "unknown field `weights`"),
+        ("{}", "missing field `weight`"),
+        ("[[1, \"a\"]]", "[0][1]"),
+        ("3", "got a number"),
+        ("{\"weight\": [[1, 2], [3]]}", "layer 1 has 1 experts"),
+    ] {
+        std::fs::write(&f, doc).unwrap();
+        let (ok, err) = replay(&["--eplb", f.to_str().unwrap(), "--ranks", "2"]);
+        assert!(!ok, "{doc}");
+        one_line(&err, &["eplb.json", needle]);
+        assert!(!err.contains("untagged"), "{err}");
+    }
+}
+
+#[test]
+fn an_unwritable_output_folder_says_write() {
+    let dir = tmp("ro");
+    let blocker = dir.join("file");
+    std::fs::write(&blocker, "x").unwrap();
+    let out = blocker.join("sub");
+    let (ok, err) = replay(&[
+        "--synthetic",
+        "balanced",
+        "--steps",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    one_line(&err, &["cannot write"]);
+    assert!(!err.contains("cannot read"), "{err}");
+}
