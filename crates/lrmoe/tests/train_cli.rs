@@ -534,7 +534,7 @@ fn config_and_checkpoint_errors_say_what_failed_once() {
     // A NaN weight names the file and the tensor.
     let mut f = lrmoe::tensorfile::load(&ckpt_path).unwrap();
     let meta = f.metadata.clone();
-    let mut tensors: Vec<(String, (Vec<usize>, Vec<f32>))> = f.tensors.drain().collect();
+    let mut tensors: Vec<_> = f.tensors.drain().collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let victim = tensors
         .iter_mut()
