@@ -40,7 +40,7 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Train the MoE language model on the CPU (defaults: ~10 minutes on 2
+    /// Train the MoE language model on the CPU (defaults: ~4 minutes on 2
     /// cores). Under `lrmoe launch` each process is one rank and the ranks
     /// talk over NCCL (needs `--features nccl`).
     Train(TrainArgs),

@@ -238,7 +238,7 @@ impl Default for TrainConfig {
     fn default() -> Self {
         Self {
             seed: 0,
-            steps: 6000,
+            steps: 3000,
             model: ModelSection::default(),
             data: DataSection::default(),
             optim: AdamWConfig::default(),
