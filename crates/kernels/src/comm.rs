@@ -152,11 +152,13 @@ mod imp {
 
     fn nccl_present() -> Result<(), KernelError> {
         // SAFETY: presence probes (dlopen only).
+        // SAFETY: only tries to load libcuda; no other precondition.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(KernelError::Cuda(
                 "the CUDA driver library (libcuda.so) was not found: is this a GPU machine with a driver?".into(),
             ));
         }
+        // SAFETY: only tries to load libnccl; no other precondition.
         if !unsafe { sys::is_culib_present() } {
             return Err(KernelError::Comm(
                 "the NCCL library (libnccl.so) was not found: install NCCL or add it to LD_LIBRARY_PATH".into(),
@@ -171,12 +173,16 @@ mod imp {
             if p.is_null() {
                 String::new()
             } else {
+                // SAFETY: non-null; NCCL returns NUL-terminated static or
+                // per-communicator strings that outlive this call.
                 unsafe { std::ffi::CStr::from_ptr(p) }
                     .to_string_lossy()
                     .into_owned()
             }
         };
+        // SAFETY: takes any result code, returns a static string.
         let base = text(unsafe { sys::ncclGetErrorString(r) });
+        // SAFETY: `comm` is this communicator (or null, which NCCL accepts).
         let last = text(unsafe { sys::ncclGetLastError(comm) });
         if last.is_empty() {
             format!("NCCL: {base}")
@@ -594,6 +600,7 @@ mod imp {
             // SAFETY: group calls bracket enqueues on a live communicator.
             unsafe { sys::ncclGroupStart() };
             let r = body(comm, stream);
+            // SAFETY: closes the group opened above.
             let end = unsafe { sys::ncclGroupEnd() };
             let fired = {
                 let mut s = self.watch.lock();
@@ -658,6 +665,7 @@ mod imp {
                     if !ok(r) {
                         return r;
                     }
+                    // SAFETY: in-bounds ranges of live device buffers.
                     let r = unsafe {
                         p2p(
                             |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),

@@ -527,6 +527,7 @@ mod imp {
             if host.is_empty() {
                 // Zero-size buffers are ordinary: allocate one element so the
                 // pointer is valid; kernels never read it.
+                // SAFETY: the one uninitialised element is never read.
                 return unsafe { self.stream.alloc::<T>(1) }.map_err(cuda);
             }
             self.stream.clone_htod(host).map_err(cuda)

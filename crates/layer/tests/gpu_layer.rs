@@ -1,6 +1,7 @@
 //! The MoE layer on the GPU (`kernels::gpu::Gpu::moe_host`, bf16) against
 //! this crate's CPU layer (f32) on the same bf16-rounded weights and inputs.
-//! Runs on the GPU machine: `LRMOE_GPU_TESTS=1`, feature `cuda`.
+//! Device tests, `#[ignore]`d here: run on the GPU machine with feature
+//! `cuda` and `-- --ignored`.
 //!
 //! Inputs and router weights are small multiples of powers of two so the
 //! router logits are exact in bf16 and f32 alike: both sides then route every
@@ -60,11 +61,8 @@ fn cat(p: &MoeParams<f32>, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>) -> Vec<f32
 }
 
 #[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
 fn gpu_layer_matches_the_cpu_layer() {
-    if std::env::var("LRMOE_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipping: set LRMOE_GPU_TESTS=1 on a GPU machine");
-        return;
-    }
     let gpu = Gpu::open(0).unwrap();
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -166,11 +164,8 @@ fn rel32(got: &[f32], want: &[f32]) -> f64 {
 /// backend on the kernels' CPU twins: expert parallelism over in-process
 /// ranks with replicas, complete forward, full and halved backward.
 #[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
 fn gpu_expert_backend_matches_the_cpu_twins() {
-    if std::env::var("LRMOE_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipping: set LRMOE_GPU_TESTS=1 on a GPU machine");
-        return;
-    }
     use layer::{ExpertBackend, Retention, Transport};
     use std::sync::Arc;
     let gpu = ExpertBackend::Bf16(Arc::new(Gpu::open(0).unwrap()));

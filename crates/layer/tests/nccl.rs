@@ -2,7 +2,7 @@
 //! launcher on a machine with ≥ 2 GPUs (feature `nccl`):
 //!
 //! ```text
-//! LRMOE_NCCL_TESTS=1 lrmoe launch --nproc 2 --exec <this test binary> -- --test-threads=1
+//! lrmoe launch --nproc 2 --exec <this test binary> -- --ignored --test-threads=1
 //! ```
 //!
 //! Every rank: (1) the transport conformance suite the in-process transport
@@ -78,11 +78,8 @@ fn rel(a: &[f64], b: &[f64]) -> f64 {
 }
 
 #[test]
+#[ignore = "needs 2+ GPUs under `lrmoe launch`: run with --ignored on the device"]
 fn nccl_transport_suite_gradients_and_a_dead_peer() {
-    if std::env::var("LRMOE_NCCL_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipping: set LRMOE_NCCL_TESTS=1 and run under `lrmoe launch`");
-        return;
-    }
     let env = DistEnv::from_env()
         .unwrap()
         .expect("run under `lrmoe launch` (WORLD_SIZE is not set)");

@@ -208,7 +208,9 @@ impl Gpu {
         recv_counts: &[usize],
     ) -> Result<CudaSlice<T>, KernelError> {
         let total: usize = recv_counts.iter().sum();
-        let mut recv = self.zeros::<T>(total)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut recv = unsafe { self.uninit::<T>(total) }?;
         self.sync()?;
         comm.all_to_all_v(send, send_counts, &mut recv, recv_counts)?;
         comm.synchronize()?;
@@ -317,7 +319,9 @@ impl Gpu {
             &sv.dst,
             (&sv.probs, &sv.idx, &sv.gates),
         )?;
-        let mut router = self.zeros::<f32>(h * e)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut router = unsafe { self.uninit::<f32>(h * e) }?;
         {
             let n = (h * e) as i64;
             let mut l = self.stream.launch_builder(&self.f_to_f32);
@@ -339,7 +343,9 @@ impl Gpu {
         let dsq_r = self.gather32(&dsq_src, &ix.perm, n_r)?;
         let scores = self.scores_from_norms(&ix.ones, &dsq_r, &sv.h_sq, &ix.ids, n_r, 1)?;
         let qd = self.upload(&quotas)?;
-        let mut kept = self.zeros::<u8>(n_r)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut kept = unsafe { self.uninit::<u8>(n_r) }?;
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
         self.launch_select(
             &scores,

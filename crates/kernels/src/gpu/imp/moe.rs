@@ -147,27 +147,40 @@ impl Gpu {
     ) -> Result<CudaSlice<u16>, KernelError> {
         if out_len == 0 {
             // No rows (forward and data gradient): nothing to compute.
-            return self.zeros::<u16>(0);
+            // SAFETY: uninitialised output; the kernel or GEMM launched next
+            // writes every element before anything reads it.
+            return unsafe { self.uninit::<u16>(0) };
         }
-        let mut d = self.zeros::<u16>(out_len)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut d = unsafe { self.uninit::<u16>(out_len) }?;
         let mut ws = self.gemm_workspace(variant, groups)?;
         self.launch_gemm(variant, groups, offsets, a, b, &mut d, h, f, &mut ws)?;
         Ok(d)
     }
 
-    /// An output buffer that the next kernel writes completely (the device
-    /// tests poison outputs to prove every kernel here does). Skipping the
-    /// zero fill saves a full write of every intermediate.
-    fn zeros<T: cudarc::driver::DeviceRepr>(&self, n: usize) -> Result<CudaSlice<T>, KernelError> {
-        // SAFETY: the memory is uninitialised; every call site passes it as
-        // the output of a kernel or GEMM that writes all `n` elements before
-        // anything reads them.
+    /// An uninitialised device buffer of `max(n, 1)` elements, for the
+    /// output of the next kernel (the device tests poison outputs to prove
+    /// every kernel here writes all of its output). Skipping the zero fill
+    /// saves a full write of every intermediate.
+    ///
+    /// # Safety
+    ///
+    /// 1. Nothing may read the buffer before a kernel, GEMM or copy has
+    ///    written every element that is read.
+    unsafe fn uninit<T: cudarc::driver::DeviceRepr>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        // SAFETY: the caller promises (1): no read before a full write.
         unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)
     }
 
     /// `n` copies of `value`, filled on the device.
     fn filled(&self, value: u32, n: usize) -> Result<CudaSlice<u32>, KernelError> {
-        let mut out = self.zeros::<u32>(n)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut out = unsafe { self.uninit::<u32>(n) }?;
         let n_i = dim("n", n.max(1))?;
         let mut l = self.stream.launch_builder(&self.f_fill);
         l.arg(&mut out).arg(&value).arg(&n_i);
@@ -183,7 +196,9 @@ impl Gpu {
         n: usize,
         d: usize,
     ) -> Result<CudaSlice<f32>, KernelError> {
-        let mut out = self.zeros::<f32>(n)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut out = unsafe { self.uninit::<f32>(n) }?;
         if n > 0 {
             let (n_i, d_i) = (dim("rows", n)?, dim("width", d)?);
             let mut l = self.stream.launch_builder(&self.f_row_sq);
@@ -209,7 +224,9 @@ impl Gpu {
     ) -> Result<(CudaSlice<u32>, CudaSlice<u32>), KernelError> {
         let base_d = self.upload(base)?;
         let mut dst = self.filled(DROPPED, n)?;
-        let mut src = self.zeros::<u32>(out)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut src = unsafe { self.uninit::<u32>(out) }?;
         let n_i = dim("pairs", n)?;
         let null: u64 = 0;
         let mut l = self.stream.launch_builder(&self.f_group);
@@ -247,7 +264,9 @@ impl Gpu {
         n_out: usize,
         width: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        let mut out = self.zeros::<u16>(n_out * width)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut out = unsafe { self.uninit::<u16>(n_out * width) }?;
         if n_out == 0 {
             return Ok(out);
         }
@@ -280,7 +299,9 @@ impl Gpu {
             4,
             "invariant: gather_32 moves 4-byte values"
         );
-        let mut out = self.zeros::<T>(n)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut out = unsafe { self.uninit::<T>(n) }?;
         if n > 0 {
             let n_i = dim("n", n)?;
             let mut l = self.stream.launch_builder(&self.f_gather32);
@@ -301,7 +322,9 @@ impl Gpu {
         b: &CudaSlice<u16>,
         n: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        let mut out = self.zeros::<u16>(n)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut out = unsafe { self.uninit::<u16>(n) }?;
         let n_i = n as i64;
         let mut l = self.stream.launch_builder(f);
         l.arg(a).arg(b).arg(&mut out).arg(&n_i);
@@ -336,7 +359,9 @@ impl Gpu {
         gates: Option<&CudaSlice<f32>>,
         s: &MoeShape,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        let mut y = self.zeros::<u16>(s.tokens * s.hidden)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut y = unsafe { self.uninit::<u16>(s.tokens * s.hidden) }?;
         let (t, h, k) = (
             dim("tokens", s.tokens)?,
             dim("hidden", s.hidden)?,
@@ -371,7 +396,9 @@ impl Gpu {
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router: logits = x · W_r (a one-group GEMM), softmax, top-k.
         let logits = self.gemm(GemmVariant::Forward, &one, 1, x, router, t * e, h, e)?;
-        let mut lf = self.zeros::<f32>(t * e)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut lf = unsafe { self.uninit::<f32>(t * e) }?;
         {
             let n = (t * e) as i64;
             let mut l = self.stream.launch_builder(&self.f_to_f32);
@@ -379,9 +406,15 @@ impl Gpu {
             // SAFETY: (u16*, f32*, long long); both hold t·e.
             unsafe { l.launch(self.elementwise_config(t * e)) }.map_err(cuda)?;
         }
-        let mut probs = self.zeros::<f32>(t * e)?;
-        let mut idx = self.zeros::<u32>(p)?;
-        let mut gates = self.zeros::<f32>(p)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut probs = unsafe { self.uninit::<f32>(t * e) }?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut idx = unsafe { self.uninit::<u32>(p) }?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut gates = unsafe { self.uninit::<f32>(p) }?;
         {
             let (t_i, e_i, k_i, r_i) = (
                 dim("tokens", t)?,
@@ -402,7 +435,9 @@ impl Gpu {
             unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
         }
         // Counts (the call's one host sync), offsets, stable grouping.
-        let mut counts_d = self.zeros::<u32>(e)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut counts_d = unsafe { self.uninit::<u32>(e) }?;
         {
             let n_i = dim("pairs", p)?;
             let mut l = self.stream.launch_builder(&self.f_counts);
@@ -482,7 +517,9 @@ impl Gpu {
         let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router gradient from every pair's forward output.
-        let mut dlogits = self.zeros::<u16>(t * e)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut dlogits = unsafe { self.uninit::<u16>(t * e) }?;
         {
             let (t_i, h_i, e_i, k_i, r_i) = (
                 dim("tokens", t)?,
@@ -578,7 +615,9 @@ impl Gpu {
             .collect();
         let kbase = exclusive_scan(&kept_counts);
         let kept_total = kbase[e] as usize;
-        let (qd, mut kept) = (self.upload(quotas)?, self.zeros::<u8>(p)?);
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let (qd, mut kept) = (self.upload(quotas)?, unsafe { self.uninit::<u8>(p) }?);
         // The selection kernel only ever sets the flag: it must start at 0.
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
         self.launch_select(&scores, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
@@ -841,13 +880,18 @@ impl Gpu {
         if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
             let z = || self.stream.alloc_zeros::<u16>(ew.max(1)).map_err(cuda);
-            return Ok((self.zeros::<u16>(0)?, z()?, z()?, z()?));
+            // SAFETY: a dX of zero rows: no element of it is ever read.
+            return Ok((unsafe { self.uninit::<u16>(0) }?, z()?, z()?, z()?));
         }
         let (a, b, hh) = self.experts_hidden(od, e, rows, xd, wg, wu, h, f)?;
         let g_down = self.gemm(GemmVariant::WeightGrad, od, e, &hh, dd, ew, f, h)?;
         let dh = self.gemm(GemmVariant::DataGrad, od, e, dd, wd, rows * f, f, h)?;
-        let mut da = self.zeros::<u16>(rows * f)?;
-        let mut db = self.zeros::<u16>(rows * f)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
         if rows > 0 {
             let n = (rows * f) as i64;
             let mut l = self.stream.launch_builder(&self.swiglu_bwd);
@@ -875,7 +919,9 @@ impl Gpu {
         n: usize,
         k: usize,
     ) -> Result<CudaSlice<f32>, KernelError> {
-        let mut scores = self.zeros::<f32>(n)?;
+        // SAFETY: uninitialised output; the kernel or GEMM launched next
+        // writes every element before anything reads it.
+        let mut scores = unsafe { self.uninit::<f32>(n) }?;
         if n > 0 {
             let (n_i, k_i) = (dim("pairs", n)?, dim("top_k", k)?);
             let mut l = self.stream.launch_builder(&self.f_scores_norms);
