@@ -7,7 +7,7 @@
 #include <cuda_bf16.h>
 #include <stdint.h>
 
-#define DROPPED 0xFFFFFFFFu
+#include "limits.cuh"  // DROPPED, LRMOE_MAX_TOP_K, LRMOE_MAX_BLOCK_THREADS
 
 __device__ __forceinline__ float bf16_sq_sum8(uint4 u) {
     const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
@@ -358,9 +358,9 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
 // ---------------------------------------------------------------------------
 // Routing and LRMoE backward helpers for the single-GPU layer.
 
-// Block-wide exclusive scan of one u32 per thread (blockDim.x <= 1024).
+// Block-wide exclusive scan of one u32 per thread (blockDim.x <= LRMOE_MAX_BLOCK_THREADS).
 __device__ uint32_t block_exclusive_scan(uint32_t v, uint32_t* total) {
-    __shared__ uint32_t warp_sums[32];
+    __shared__ uint32_t warp_sums[LRMOE_MAX_BLOCK_THREADS / 32];
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5;
     uint32_t x = v;
 #pragma unroll
@@ -505,7 +505,7 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
     int n_warps = (gridDim.x * blockDim.x) >> 5;
     for (int r = warp; r < t; r += n_warps) {
         const float* p = probs + static_cast<size_t>(r) * e;
-        float dgv[32];  // k <= 32
+        float dgv[LRMOE_MAX_TOP_K];  // k <= LRMOE_MAX_TOP_K (checked by the wrapper)
         float dot_g = 0.f, s = 0.f;
         for (int j = 0; j < k; ++j) {
             uint32_t rr = row[static_cast<size_t>(r) * k + j];

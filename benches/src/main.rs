@@ -361,8 +361,8 @@ fn scale_table() {
             expert_weight_bytes: 1 << 20,
             expert_grad_bytes: 1 << 20,
             flops_per_pair: 1e7,
-            link_bytes_per_s: 4.5e11,
-            flops_per_s: 8e14,
+            link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
+            flops_per_s: quota::H200_FLOPS_PER_S,
         };
         let budgets = vec![
             quota::RankBudget {
@@ -508,8 +508,8 @@ fn replay_table() {
             ffn: 768,
             element_bytes: 2,
             memory_budget_bytes: budget_mib << 20,
-            link_bytes_per_s: 4.5e11,
-            flops_per_s: 8e14,
+            link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
+            flops_per_s: quota::H200_FLOPS_PER_S,
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: quota::Policy::Maxmin,

@@ -67,6 +67,12 @@ fn kernels() -> Result<()> {
     if sources.is_empty() {
         bail!("no CUDA sources under kernels/");
     }
+    // The constants the Rust wrappers and the kernels share.
+    let header = root.join("kernels").join("limits.cuh");
+    if std::fs::read_to_string(&header).ok().as_deref() != Some(&kernels::limits::header()) {
+        std::fs::write(&header, kernels::limits::header())?;
+        eprintln!("xtask: wrote {}", header.display());
+    }
     let nvcc = nvcc(&root)?;
     let out = kernels::artifacts::out_dir(&root);
     std::fs::create_dir_all(&out)?;

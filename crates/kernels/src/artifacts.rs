@@ -71,8 +71,8 @@ pub fn out_dir(workspace: &Path) -> PathBuf {
     workspace.join("kernels").join("out")
 }
 
-/// FNV-1a over the flags, the pins and every source's name and bytes: what
-/// the outputs were built from.
+/// FNV-1a over the flags, the pins and every source's name and bytes (the
+/// shared `limits.cuh` included): what the outputs were built from.
 pub fn stamp(workspace: &Path) -> std::io::Result<String> {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let mut eat = |bytes: &[u8]| {
@@ -93,6 +93,7 @@ pub fn stamp(workspace: &Path) -> std::io::Result<String> {
     for src in sources(workspace)?
         .into_iter()
         .chain(lib_sources(workspace)?)
+        .chain([workspace.join("kernels").join("limits.cuh")])
     {
         eat(src
             .file_name()

@@ -221,8 +221,9 @@ pub fn swiglu_backward<T: Real>(
     Ok(())
 }
 
-/// Marks a row [`unpack_rows_reference`] fills with zeros.
-pub const DROPPED: u32 = u32::MAX;
+/// Marks a row [`unpack_rows_reference`] fills with zeros (defined in
+/// [`crate::limits`], shared with the CUDA sources).
+pub use crate::limits::DROPPED;
 
 /// Widens bf16 bits to f32 exactly.
 #[inline]

@@ -208,8 +208,8 @@ impl MoeShape {
         if self.experts % 8 != 0 || self.experts == 0 || self.experts > 1024 {
             return bad("experts (multiple of 8, at most 1024)", self.experts);
         }
-        if self.top_k == 0 || self.top_k > 32 || self.top_k > self.experts {
-            return bad("top_k (1..=32 and at most experts)", self.top_k);
+        if self.top_k == 0 || self.top_k > crate::limits::MAX_TOP_K || self.top_k > self.experts {
+            return bad("top_k (1..=MAX_TOP_K = 32 and at most experts)", self.top_k);
         }
         Ok(())
     }
@@ -718,7 +718,7 @@ mod imp {
             check("packed", rows * width, packed.len())?;
             if let Some(&bad) = inverse
                 .iter()
-                .find(|&&i| width > 0 && i != u32::MAX && i as usize >= rows)
+                .find(|&&i| width > 0 && i != crate::limits::DROPPED && i as usize >= rows)
             {
                 return Err(KernelError::Shape {
                     what: "inverse (row out of range)",
@@ -1313,7 +1313,7 @@ mod imp {
             let kept: Vec<usize> = (0..n)
                 .filter(|i| (i * 37) % 100 >= dropped_per_100)
                 .collect();
-            let mut inverse = vec![u32::MAX; n];
+            let mut inverse = vec![crate::limits::DROPPED; n];
             let perm = permutation(kept.len(), 5);
             for (j, &i) in kept.iter().enumerate() {
                 inverse[i] = perm[j];

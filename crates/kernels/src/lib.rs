@@ -57,6 +57,7 @@ pub mod cpu;
 pub mod ep_plan;
 pub mod gpu;
 pub mod grouped;
+pub mod limits;
 
 /// Errors of the kernel layer.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

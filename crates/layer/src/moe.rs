@@ -293,18 +293,16 @@ pub struct BackwardStats {
     pub times: StageTimes,
 }
 
+/// The controller's cost model for this layer with `T` elements. Only the
+/// byte sizes bind here (the budgets are bytes); the rates are nominal.
 fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
-    let size = std::mem::size_of::<T>() as u64;
-    let (h, f) = (cfg.hidden as u64, cfg.ffn as u64);
-    CostModel {
-        act_row_bytes: h * size,
-        grad_row_bytes: h * size,
-        expert_weight_bytes: 3 * h * f * size,
-        expert_grad_bytes: 3 * h * f * size,
-        flops_per_pair: 16.0 * (h * f) as f64,
-        link_bytes_per_s: 1e11,
-        flops_per_s: 1e12,
-    }
+    CostModel::swiglu_expert(
+        cfg.hidden,
+        cfg.ffn,
+        std::mem::size_of::<T>() as u64,
+        1e11,
+        1e12,
+    )
 }
 
 /// The controller's plan for one call from the all-gathered routed counts

@@ -28,7 +28,7 @@ struct CompareJson<'a> {
 pub const MODES: [Mode; 4] = [Mode::Full, Mode::Replicate, Mode::Lrmoe, Mode::Capacity];
 
 /// Trains each of `modes` into `out_dir/<mode>` and writes
-/// `compare.{md,json,svg}`.
+/// `compare.{md,json,svg,png}`.
 pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Report, TrainError> {
     if modes.is_empty() {
         return Err(TrainError::Config(
@@ -45,6 +45,10 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
         c.run.out_dir = cfg.run.out_dir.join(format!("{mode:?}").to_lowercase());
         tracing::info!(?mode, target, "compare: training");
         runs.push(train(&c, opts)?);
+        if opts.stop.is_raised() {
+            tracing::warn!("compare: stopped by a signal; the later modes are not trained");
+            break;
+        }
     }
     let table = table(target, &runs);
     let dir = &cfg.run.out_dir;
@@ -70,12 +74,13 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
     })
     .unwrap_or_default();
     write_atomic(&json, body.as_bytes()).map_err(io(&json))?;
-    let svg = dir.join("compare.svg");
-    write_atomic(&svg, plot(target, &runs).as_bytes()).map_err(io(&svg))?;
+    let charts = plot(&dir.join("compare"), target, &runs)
+        .map_err(|e| TrainError::Config(format!("plot: {e}")))?;
     Ok(Report {
         table,
-        files: [md, json, svg]
-            .iter()
+        files: [md, json]
+            .into_iter()
+            .chain(charts)
             .map(|p| p.display().to_string())
             .collect(),
     })
@@ -123,23 +128,31 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
     t
 }
 
-/// Validation loss against wall time, one line per run.
-fn plot(target: f64, runs: &[TrainSummary]) -> String {
-    let names: Vec<String> = runs.iter().map(|r| format!("{:?}", r.mode)).collect();
-    let series: Vec<crate::svgplot::Series<'_>> = runs
+/// Validation loss against wall time, one line per run, with the target
+/// as a dashed line: `<stem>.svg` and `<stem>.png`.
+fn plot(
+    stem: &std::path::Path,
+    target: f64,
+    runs: &[TrainSummary],
+) -> Result<Vec<std::path::PathBuf>, crate::plots::PlotError> {
+    let series: Vec<crate::plots::Series> = runs
         .iter()
-        .zip(&names)
-        .map(|(r, name)| crate::svgplot::Series {
-            name,
+        .map(|r| crate::plots::Series {
+            name: format!("{:?}", r.mode),
             points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect(),
         })
         .collect();
-    let label = format!("target {target:.3}");
-    crate::svgplot::lines(
-        "validation loss against wall time",
-        "wall time (s)",
-        "validation loss (nats/token)",
+    crate::plots::lines(
+        stem,
+        crate::plots::Labels {
+            title: "validation loss against wall time",
+            x: "wall time (s)",
+            y: "validation loss (nats/token)",
+        },
         &series,
-        Some((target, &label)),
+        Some(&crate::plots::Reference {
+            y: target,
+            label: format!("target {target:.3}"),
+        }),
     )
 }

@@ -12,7 +12,7 @@
 //!   process) and the time-to-target comparison;
 //! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
 //! * [`replay`], [`layer_grad`]: trace replay and one layer's gradients;
-//! * [`tensorfile`], [`svgplot`], [`fsutil`]: safetensors, plots, atomic
+//! * [`tensorfile`], [`plots`], [`fsutil`]: safetensors, charts (plotters), atomic
 //!   writes.
 //!
 //! File formats are documented in `docs/formats.md`, with examples under
@@ -42,10 +42,10 @@ pub mod layer_grad;
 pub mod model;
 pub mod optim;
 pub mod plan;
+pub mod plots;
 pub mod progress;
 pub mod replay;
 pub mod stop;
 pub mod strict;
-pub mod svgplot;
 pub mod tensorfile;
 pub mod train;

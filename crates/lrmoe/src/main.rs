@@ -213,7 +213,7 @@ struct ReplayArgs {
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
-    /// Output folder for replay.json, replay.csv, memory.svg, time.svg.
+    /// Output folder for replay.json, replay.csv and the memory and time charts (SVG and PNG).
     #[arg(long, default_value = "runs/replay")]
     out: PathBuf,
     /// `cuda`: also allocate each strategy's modelled peak on GPU 0 and
@@ -252,8 +252,8 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
         ffn: a.ffn,
         element_bytes: 2,
         memory_budget_bytes: (a.budget_mib * (1 << 20) as f64) as u64,
-        link_bytes_per_s: 4.5e11,
-        flops_per_s: 8.0e14,
+        link_bytes_per_s: lrmoe::quota::H200_LINK_BYTES_PER_S,
+        flops_per_s: lrmoe::quota::H200_FLOPS_PER_S,
         replica_slots_per_rank: a.replica_slots,
         replica_memory_fraction: 0.5,
         policy: match a.policy {

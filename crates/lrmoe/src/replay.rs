@@ -521,16 +521,13 @@ pub struct ReplayConfig {
 
 impl ReplayConfig {
     fn cost(&self) -> CostModel {
-        let (h, f, b) = (self.hidden as u64, self.ffn as u64, self.element_bytes);
-        CostModel {
-            act_row_bytes: h * b,
-            grad_row_bytes: h * b,
-            expert_weight_bytes: 3 * h * f * b,
-            expert_grad_bytes: 3 * h * f * b,
-            flops_per_pair: 16.0 * (h * f) as f64,
-            link_bytes_per_s: self.link_bytes_per_s,
-            flops_per_s: self.flops_per_s,
-        }
+        CostModel::swiglu_expert(
+            self.hidden,
+            self.ffn,
+            self.element_bytes,
+            self.link_bytes_per_s,
+            self.flops_per_s,
+        )
     }
 }
 
@@ -855,8 +852,9 @@ pub fn table(r: &Report) -> String {
     t
 }
 
-/// Writes `replay.json`, `replay.csv`, `memory.svg`, `time.svg` into `dir`
-/// (atomically) and returns their paths.
+/// Writes `replay.json`, `replay.csv` and the memory and time charts
+/// (`memory.svg`/`.png`, `time.svg`/`.png`: lines over steps, or one bar per
+/// strategy for a one-step trace) into `dir`, atomically; returns the paths.
 pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
     std::fs::create_dir_all(dir).map_err(|error| ReplayError::Write {
         path: dir.display().to_string(),
@@ -882,61 +880,114 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
             f.kept_fraction
         );
     }
-    let series = |key: fn(&StepFigures) -> f64| -> Vec<(String, Vec<(f64, f64)>)> {
-        [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe]
-            .iter()
-            .map(|&s| {
-                (
-                    format!("{s:?}"),
-                    r.steps
-                        .iter()
-                        .filter(|f| f.strategy == s)
-                        .map(|f| (f.step as f64, key(f)))
-                        .collect(),
-                )
-            })
-            .collect()
+    let strategies = [Strategy::Fixed, Strategy::Replication, Strategy::Lrmoe];
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let budget = crate::plots::Reference {
+        y: mib(budget_bytes),
+        label: format!("budget {:.0} MiB", mib(budget_bytes)),
     };
-    let plot = |title: &str,
-                y: &str,
-                data: Vec<(String, Vec<(f64, f64)>)>,
-                reference: Option<(f64, &str)>| {
-        let s: Vec<crate::svgplot::Series<'_>> = data
-            .iter()
-            .map(|(n, p)| crate::svgplot::Series {
-                name: n,
-                points: p.clone(),
-            })
-            .collect();
-        crate::svgplot::lines(title, "step", y, &s, reference)
-    };
-    let mem = plot(
-        "peak memory of one layer call (placement + replicas + token buffers)",
-        "MiB",
-        series(|f| f.total_bytes as f64 / (1 << 20) as f64),
-        Some((budget_bytes as f64 / (1 << 20) as f64, "budget")),
-    );
-    let time = plot(
-        "modelled backward time",
-        "ms",
-        series(|f| f.backward_s * 1e3),
-        None,
-    );
-    let files = [
+    let mut out = Vec::new();
+    for (name, body) in [
         (
             "replay.json",
             serde_json::to_string_pretty(r).unwrap_or_default(),
         ),
         ("replay.csv", csv),
-        ("memory.svg", mem),
-        ("time.svg", time),
-    ];
-    let mut out = Vec::new();
-    for (name, body) in files {
+    ] {
         let p = dir.join(name);
         crate::fsutil::write_atomic(&p, body.as_bytes()).map_err(io(&p))?;
         out.push(p.display().to_string());
     }
+    let plot_err = |e: crate::plots::PlotError| ReplayError::Invalid(e.to_string());
+    let steps: std::collections::BTreeSet<usize> = r.steps.iter().map(|f| f.step).collect();
+    let charts = if steps.len() <= 1 {
+        // One step (an EPLB load matrix): one bar per strategy, memory split
+        // into its three parts.
+        let bars = |key: &dyn Fn(&StepFigures) -> Vec<f64>| -> Vec<crate::plots::Bar> {
+            strategies
+                .iter()
+                .filter_map(|&s| r.steps.iter().find(|f| f.strategy == s))
+                .map(|f| crate::plots::Bar {
+                    label: format!("{:?}", f.strategy),
+                    parts: key(f),
+                })
+                .collect()
+        };
+        let mut files = crate::plots::stacked_bars(
+            &dir.join("memory"),
+            crate::plots::Labels {
+                title: "peak memory of one layer call",
+                x: "strategy",
+                y: "MiB",
+            },
+            &["placement", "replicas", "token buffers"],
+            &bars(&|f| {
+                vec![
+                    mib(f.placement_bytes),
+                    mib(f.replica_bytes),
+                    mib(f.buffer_bytes),
+                ]
+            }),
+            Some(&budget),
+        )
+        .map_err(plot_err)?;
+        files.extend(
+            crate::plots::stacked_bars(
+                &dir.join("time"),
+                crate::plots::Labels {
+                    title: "modelled backward time",
+                    x: "strategy",
+                    y: "ms",
+                },
+                &["backward"],
+                &bars(&|f| vec![f.backward_s * 1e3]),
+                None,
+            )
+            .map_err(plot_err)?,
+        );
+        files
+    } else {
+        let series = |key: fn(&StepFigures) -> f64| -> Vec<crate::plots::Series> {
+            strategies
+                .iter()
+                .map(|&s| crate::plots::Series {
+                    name: format!("{s:?}"),
+                    points: r
+                        .steps
+                        .iter()
+                        .filter(|f| f.strategy == s)
+                        .map(|f| (f.step as f64, key(f)))
+                        .collect(),
+                })
+                .collect()
+        };
+        let mut files = crate::plots::lines(
+            &dir.join("memory"),
+            crate::plots::Labels {
+                title: "peak memory of one layer call (placement + replicas + token buffers)",
+                x: "step",
+                y: "MiB",
+            },
+            &series(|f| f.total_bytes as f64 / (1 << 20) as f64),
+            Some(&budget),
+        )
+        .map_err(plot_err)?;
+        files.extend(
+            crate::plots::lines(
+                &dir.join("time"),
+                crate::plots::Labels {
+                    title: "modelled backward time",
+                    x: "step",
+                    y: "ms",
+                },
+                &series(|f| f.backward_s * 1e3),
+                None,
+            )
+            .map_err(plot_err)?,
+        );
+        files
+    };
+    out.extend(charts.iter().map(|p| p.display().to_string()));
     Ok(out)
 }
 
@@ -950,8 +1001,8 @@ mod tests {
             ffn: 128,
             element_bytes: 2,
             memory_budget_bytes: budget_mib << 20,
-            link_bytes_per_s: 4.5e11,
-            flops_per_s: 8e14,
+            link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
+            flops_per_s: quota::H200_FLOPS_PER_S,
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: Policy::Maxmin,

@@ -83,11 +83,11 @@ pub fn install_for_run() -> Result<StopFlag, SignalError> {
     ctrlc::set_handler(move || {
         f.raise();
         if f.count() >= 2 {
-            eprintln!("lrmoe: second signal, aborting without a checkpoint");
+            tracing::warn!("second signal: aborting without a checkpoint");
             std::process::exit(130);
         }
-        eprintln!(
-            "lrmoe: stopping at the next step boundary (checkpoint and summary follow); signal again to abort"
+        tracing::warn!(
+            "stopping at the next step boundary (checkpoint and summary follow); signal again to abort"
         );
     })
     .map_err(|e| SignalError(e.to_string()))?;

@@ -421,10 +421,16 @@ impl RunOptions {
 /// Byte and memory model the controller plans with (f32 rows).
 fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<RankBudget> {
     let ranks = cfg.moe.ranks;
-    let size = 4u64;
-    let (h, f) = (mcfg.d_model as u64, mcfg.ffn as u64);
-    let instance = 2 * 3 * h * f * size;
-    let row = 2 * h * size;
+    // The layer plans with this cost model (f32 rows), so the budgets are
+    // stated in its units.
+    let cost = quota::CostModel::swiglu_expert(
+        mcfg.d_model,
+        mcfg.ffn,
+        4,
+        quota::H200_LINK_BYTES_PER_S,
+        quota::H200_FLOPS_PER_S,
+    );
+    let (instance, row) = (cost.instance_bytes(), cost.row_bytes());
     let pairs_per_rank = (cfg.data.batch_size / ranks * cfg.data.seq_len * mcfg.top_k) as f64;
     let buffer = (cfg.moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
     (0..ranks)

@@ -122,3 +122,40 @@ fn an_unwritable_output_folder_says_write() {
     one_line(&err, &["cannot write"]);
     assert!(!err.contains("cannot read"), "{err}");
 }
+
+#[test]
+fn a_one_step_trace_draws_bars_per_strategy() {
+    let dir = tmp("bars");
+    let f = dir.join("eplb.json");
+    std::fs::write(&f, "[[10, 200, 30, 40, 500, 60, 70, 80]]").unwrap();
+    let out = dir.join("out");
+    let (ok, err) = replay(&[
+        "--eplb",
+        f.to_str().unwrap(),
+        "--ranks",
+        "4",
+        "--experts",
+        "8",
+        "--budget-mib",
+        "100",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let svg = std::fs::read_to_string(out.join("memory.svg")).unwrap();
+    for needle in [
+        "Fixed",
+        "Replication",
+        "Lrmoe",
+        "placement",
+        "replicas",
+        "token buffers",
+        "budget 100 MiB",
+    ] {
+        assert!(svg.contains(needle), "memory.svg lacks {needle}");
+    }
+    // No x axis of repeated zeros (the old chart's one-step failure).
+    assert!(!svg.contains("0.00"), "{svg}");
+    let png = std::fs::read(out.join("memory.png")).unwrap();
+    assert_eq!(&png[1..4], b"PNG");
+}

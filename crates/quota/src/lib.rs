@@ -198,7 +198,45 @@ pub struct CostModel {
     pub flops_per_s: f64,
 }
 
+/// Dense bf16 rate of one H200 that default cost models assume, FLOP/s.
+pub const H200_FLOPS_PER_S: f64 = 8.0e14;
+
+/// One direction of one H200's NVLink that default cost models assume,
+/// bytes per second.
+pub const H200_LINK_BYTES_PER_S: f64 = 4.5e11;
+
 impl CostModel {
+    /// The cost model of a SwiGLU expert (`gate`, `up`: hidden × ffn;
+    /// `down`: ffn × hidden) with `element_bytes` per value: a kept pair
+    /// carries its saved input row and its output-gradient row (`hidden`
+    /// values each); an instance holds three weight matrices and their
+    /// gradients; a pair's backward costs `16·hidden·ffn` FLOP (the three
+    /// data-gradient and three weight-gradient GEMM rows plus the SwiGLU
+    /// recompute, rounded). Sizes saturate at `u64::MAX`.
+    pub fn swiglu_expert(
+        hidden: usize,
+        ffn: usize,
+        element_bytes: u64,
+        link_bytes_per_s: f64,
+        flops_per_s: f64,
+    ) -> Self {
+        let (h, f) = (hidden as u64, ffn as u64);
+        let row = h.saturating_mul(element_bytes);
+        let matrices = h
+            .saturating_mul(f)
+            .saturating_mul(3)
+            .saturating_mul(element_bytes);
+        CostModel {
+            act_row_bytes: row,
+            grad_row_bytes: row,
+            expert_weight_bytes: matrices,
+            expert_grad_bytes: matrices,
+            flops_per_pair: 16.0 * hidden as f64 * ffn as f64,
+            link_bytes_per_s,
+            flops_per_s,
+        }
+    }
+
     /// Bytes a kept pair moves and buffers.
     pub fn row_bytes(&self) -> u64 {
         self.act_row_bytes.saturating_add(self.grad_row_bytes)

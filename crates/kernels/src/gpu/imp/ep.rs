@@ -139,7 +139,7 @@ impl Laps {
                 .iter()
                 .map(|(n, ms)| format!("{n} {ms:.2}"))
                 .collect();
-            eprintln!("rank {rank} {what} ms: {}", parts.join(", "));
+            tracing::info!(rank, phase = what, "EP profile (ms): {}", parts.join(", "));
         }
     }
 }

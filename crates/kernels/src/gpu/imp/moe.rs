@@ -16,7 +16,7 @@ use super::{cuda, dim, random_bf16, Gpu};
 use crate::cpu::GemmVariant;
 use crate::KernelError;
 
-const DROPPED: u32 = u32::MAX;
+use crate::limits::DROPPED;
 
 use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape};
 
@@ -247,7 +247,7 @@ impl Gpu {
         unsafe {
             l.launch(LaunchConfig {
                 grid_dim: (groups as u32, 1, 1),
-                block_dim: (1024, 1, 1),
+                block_dim: (crate::limits::MAX_BLOCK_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             })
         }
