@@ -115,6 +115,28 @@ fn spread(global: &[u64], ranks: usize) -> Vec<Vec<u64>> {
         .collect()
 }
 
+/// The most counts a trace may hold (`steps × layers × ranks × experts`
+/// u64 values, 2 GiB), so a hostile file fails before it allocates.
+pub const MAX_TRACE_CELLS: u128 = 1 << 28;
+
+fn check_size(
+    what: &str,
+    steps: usize,
+    layers: usize,
+    ranks: usize,
+    experts: usize,
+) -> Result<(), ReplayError> {
+    let cells = [steps, layers, ranks, experts]
+        .iter()
+        .fold(1u128, |a, &n| a.saturating_mul(n as u128));
+    if cells > MAX_TRACE_CELLS {
+        return Err(ReplayError::Invalid(format!(
+            "{what}: {steps} steps × {layers} layers × {ranks} ranks × {experts} experts is more than {MAX_TRACE_CELLS} counts"
+        )));
+    }
+    Ok(())
+}
+
 fn read(path: &Path) -> Result<String, ReplayError> {
     std::fs::read_to_string(path).map_err(|error| ReplayError::Read {
         path: path.display().to_string(),
@@ -173,6 +195,7 @@ pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
         parse_err(path, 1, format!("{at}: {} ({shape})", e.inner()))
     })?;
     let experts = m.first().map_or(0, Vec::len);
+    check_size(&path.display().to_string(), 1, m.len(), ranks, experts)?;
     let mut layers = Vec::with_capacity(m.len());
     for (l, row) in m.iter().enumerate() {
         if row.len() != experts {
@@ -182,11 +205,14 @@ pub fn load_eplb(path: &Path, ranks: usize) -> Result<Trace, ReplayError> {
                 format!("layer {l} has {} experts, layer 0 has {experts}", row.len()),
             ));
         }
-        if let Some(bad) = row.iter().find(|v| !v.is_finite() || **v < 0.0) {
+        if let Some(bad) = row
+            .iter()
+            .find(|v| !v.is_finite() || **v < 0.0 || **v >= u64::MAX as f64)
+        {
             return Err(parse_err(
                 path,
                 1,
-                format!("layer {l}: load {bad} is not a finite non-negative number"),
+                format!("layer {l}: load {bad} is not a finite non-negative number below 2^64"),
             ));
         }
         let global: Vec<u64> = row.iter().map(|&v| v.round() as u64).collect();
@@ -282,21 +308,44 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
             }
         }
     }
-    let steps = cells.keys().map(|k| k.0).max().map_or(0, |s| s + 1);
-    let layers = cells.keys().map(|k| k.1).max().map_or(0, |l| l + 1);
-    let ranks = cells.keys().map(|k| k.2).max().map_or(0, |r| r + 1);
-    let mut out = vec![vec![vec![vec![0u64; experts]; ranks]; layers]; steps];
-    let mut seen = vec![vec![false; layers]; steps];
+    // Steps are numbered as the trace numbers them, and may be sparse (a
+    // trace sampled every N steps): they are replayed in order, densely.
+    let step_ids: Vec<usize> = {
+        let mut v: Vec<usize> = cells.keys().map(|k| k.0).collect();
+        v.dedup();
+        v
+    };
+    let layers = cells
+        .keys()
+        .map(|k| k.1)
+        .max()
+        .map_or(0, |l| l.saturating_add(1));
+    let ranks = cells
+        .keys()
+        .map(|k| k.2)
+        .max()
+        .map_or(0, |r| r.saturating_add(1));
+    check_size(
+        &path.display().to_string(),
+        step_ids.len(),
+        layers,
+        ranks,
+        experts,
+    )?;
+    let mut out = vec![vec![vec![vec![0u64; experts]; ranks]; layers]; step_ids.len()];
+    let mut seen = vec![vec![false; layers]; step_ids.len()];
     for ((s, l, r), c) in cells {
-        out[s][l][r] = c;
-        seen[s][l] = true;
+        let si = step_ids.partition_point(|&id| id < s);
+        out[si][l][r] = c;
+        seen[si][l] = true;
     }
-    for (s, row) in seen.iter().enumerate() {
+    for (si, row) in seen.iter().enumerate() {
         let n = row.iter().filter(|&&x| x).count();
         if n != layers {
             return Err(ReplayError::Invalid(format!(
-                "{}: step {s} has {n} layers, the trace has {layers}",
-                path.display()
+                "{}: step {} has {n} layers, the trace has {layers}",
+                path.display(),
+                step_ids[si]
             )));
         }
     }
@@ -335,6 +384,13 @@ pub fn load_lrmoe_metrics(path: &Path, ranks: usize) -> Result<Trace, ReplayErro
                 ));
             }
         }
+        check_size(
+            &path.display().to_string(),
+            steps.len() + 1,
+            s.layers.len(),
+            ranks,
+            s.layers.first().map_or(0, |l| l.tokens_per_expert.len()),
+        )?;
         let mut layers = Vec::new();
         for l in &s.layers {
             let e = *experts.get_or_insert(l.tokens_per_expert.len());
@@ -412,6 +468,7 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
             "synthetic: experts, ranks, layers and top_k must be positive, top_k ≤ experts".into(),
         ));
     }
+    check_size("synthetic", cfg.steps, cfg.layers, cfg.ranks, cfg.experts)?;
     if !(cfg.zipf.is_finite() && (0.0..=100.0).contains(&cfg.zipf)) {
         return Err(ReplayError::Invalid(format!(
             "synthetic: the Zipf exponent {} must be a finite number in [0, 100]",
@@ -670,7 +727,7 @@ fn replay_step(
     let mut lrm = Vec::new();
     let mut routed = 0u64;
     for (layer, counts) in trace.steps[step].iter().enumerate() {
-        routed += counts.iter().flatten().sum::<u64>();
+        routed += counts.iter().flatten().sum::<u64>(); // bounded: checked in `replay`
         let problem =
             |kept: &[Vec<u64>], p: &Placement, caps: Option<Vec<u64>>| redistribute::Problem {
                 n_ranks: ranks,
@@ -788,6 +845,27 @@ pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> 
                     trace.ranks, trace.experts
                 )));
             }
+        }
+        // Every byte figure of the step is at most its pairs' rows plus two
+        // full sets of expert instances on one rank: checked once here so
+        // the sums below cannot overflow.
+        let cost = cfg.cost();
+        let bound = st
+            .iter()
+            .flatten()
+            .flatten()
+            .try_fold(0u64, |a, &c| a.checked_add(c))
+            .and_then(|pairs| pairs.checked_mul(cost.row_bytes()))
+            .and_then(|rows| {
+                (trace.experts as u64)
+                    .checked_mul(2)?
+                    .checked_mul(cost.instance_bytes())?
+                    .checked_add(rows)
+            });
+        if bound.is_none() {
+            return Err(ReplayError::Invalid(format!(
+                "step {s}: its pairs' bytes overflow u64 (counts or sizes too large)"
+            )));
         }
     }
     let per_step: Vec<[StepFigures; 3]> = (0..trace.steps.len())

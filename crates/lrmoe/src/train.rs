@@ -627,6 +627,20 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
     })
 }
 
+/// Reads `path` as a checkpoint of the model `cfg` describes on `corpus`
+/// and checks it as `--resume` does (format, model shape, vocabulary, every
+/// tensor's shape, finite values); returns the step it holds. Nothing is
+/// trained or written.
+pub fn check_checkpoint(
+    path: &Path,
+    cfg: &TrainConfig,
+    corpus: &Corpus,
+) -> Result<usize, TrainError> {
+    let mcfg = cfg.model_config(corpus.vocab.len());
+    mcfg.validate()?;
+    Ok(load_checkpoint(path, &mcfg, corpus)?.step)
+}
+
 /// `field saved → configured` for each field where two configurations
 /// differ, e.g. `n_experts 8 → 4, ffn 256 → 128`.
 fn differences<T: Serialize>(saved: &T, configured: &T) -> String {
