@@ -51,6 +51,11 @@
 
 #![deny(missing_docs)]
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 pub mod artifacts;
 pub mod comm;
 pub mod cpu;

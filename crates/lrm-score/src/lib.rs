@@ -46,6 +46,11 @@
 
 #![deny(missing_docs)]
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 use half::bf16;
 use rayon::prelude::*;
 

@@ -53,6 +53,11 @@
 
 #![deny(missing_docs)]
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 use rayon::prelude::*;
 use serde::Serialize;
 

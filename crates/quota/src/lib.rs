@@ -78,6 +78,11 @@
 
 #![deny(missing_docs)]
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 use redistribute::flow::{EdgeId, FlowGraph};
 use serde::{Deserialize, Serialize};
 

@@ -63,6 +63,11 @@
 
 #![deny(missing_docs)]
 
+// The README's example runs as a doctest.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;
+
 pub mod flow;
 
 mod exact;
