@@ -4,7 +4,8 @@
 # the layer's bf16 GPU expert backend), the NCCL tests (transport suite,
 # EP = 2 vs in-process, GPU experts over NCCL vs the twins, a departed
 # peer), and launched training with the experts on the CPU and on the GPUs
-# side by side (same config, same steps, step time and final loss).
+# side by side (same config, same steps, step time and final loss), and
+# the collective stop under the launcher (a time cap, a SIGINT).
 # Binaries built on the dev machine and carried in .device/:
 #   cargo build --release -p lrmoe --features nccl
 #   cargo test --release -p layer --features nccl --no-run   (gpu_layer, nccl)
@@ -31,3 +32,32 @@ for dev in cpu cuda; do
     --device $dev --out "$OUT/run-$dev" --no-progress > "$OUT/train-$dev.log" 2>&1
   echo "$dev: rc=$? wall $(python3 -c "import time; print(f'{time.time() - $S:.1f}')") s; $(grep -v 'eval' "$OUT/train-$dev.log" | tail -2 | tr '\n' ' ')"
 done
+
+echo "== the collective stop under the launcher (issue 11)"
+# A checkpoint every step and a time cap: the ranks must stop after the same step.
+printf '[run]\ncheckpoint_every = 1\n' > "$OUT/ck1.toml"
+timeout 300 $L launch --nproc 2 -- train --config "$OUT/ck1.toml" --max-minutes 0.1 \
+  --device cuda --out "$OUT/run-cap" --no-progress > "$OUT/train-cap.log" 2>&1
+echo "time cap: rc=$? $(grep -v eval "$OUT/train-cap.log" | tail -1)"
+# SIGINT to the launcher alone: forwarded once, every rank stops at the same
+# step boundary, writes the checkpoint and the summary, exits 0.
+$L launch --nproc 2 -- train --device cuda --steps 100000 --out "$OUT/run-sig" --no-progress \
+  > "$OUT/train-sig.log" 2>&1 &
+LP=$!
+for _ in $(seq 600); do
+  [ "$(cat "$OUT/run-sig/metrics.jsonl" 2>/dev/null | wc -l)" -ge 30 ] && break
+  sleep 0.1
+done
+kill -INT $LP
+wait $LP
+echo "signal: rc=$? $(grep -v eval "$OUT/train-sig.log" | tail -1)"
+python3 - "$OUT" <<'PY'
+import json, sys
+out = sys.argv[1]
+for run in ("run-cap", "run-sig"):
+    steps = [json.loads(l)["step"] for l in open(f"{out}/{run}/metrics.jsonl")]
+    raw = open(f"{out}/{run}/checkpoint.safetensors", "rb").read()
+    n = int.from_bytes(raw[:8], "little")
+    meta = json.loads(raw[8:8 + n])["__metadata__"]
+    print(f"{run}: {len(steps)} metric lines, last step {steps[-1]}, checkpoint step {meta['step']}, unique {len(set(steps)) == len(steps)}")
+PY

@@ -756,10 +756,13 @@ pub fn memory_estimate(cfg: &TrainConfig, mcfg: &ModelConfig) -> Option<u64> {
     elems.checked_mul(4)
 }
 
-/// Memory the machine can give now, bytes (`None` where it cannot be read).
-fn available_memory() -> Option<u64> {
+/// The machine's memory, bytes (`None` where it cannot be read). Total,
+/// not available: memory in use by others may be freed, and some VMs grow
+/// their memory as it is used, so only a run that cannot fit at all is
+/// refused.
+fn machine_memory() -> Option<u64> {
     let info = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     kib.checked_mul(1024)
 }
@@ -769,12 +772,12 @@ fn available_memory() -> Option<u64> {
 fn check_memory(cfg: &TrainConfig, mcfg: &ModelConfig) -> Result<(), TrainError> {
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     let hint = "lower data.seq_len, data.batch_size or the model's sizes";
-    match (memory_estimate(cfg, mcfg), available_memory()) {
+    match (memory_estimate(cfg, mcfg), machine_memory()) {
         (None, _) => Err(TrainError::Config(format!(
             "the configured sizes overflow any memory ({hint})"
         ))),
         (Some(need), Some(have)) if need > have => Err(TrainError::Config(format!(
-            "this run needs about {:.1} GiB of memory, {:.1} GiB are available ({hint})",
+            "this run needs about {:.1} GiB of memory, this machine has {:.1} GiB ({hint})",
             gib(need),
             gib(have)
         ))),

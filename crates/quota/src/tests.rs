@@ -540,3 +540,14 @@ proptest! {
         prop_assert_eq!(plan_replicas(&inputs, &cfg), naive_plan_replicas(&inputs, &cfg));
     }
 }
+
+#[test]
+fn the_swiglu_expert_cost_model_counts_rows_and_three_matrices() {
+    let c = CostModel::swiglu_expert(2048, 768, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+    assert_eq!(c.row_bytes(), 2 * 2048 * 2);
+    assert_eq!(c.instance_bytes(), 2 * 3 * 2048 * 768 * 2);
+    assert_eq!(c.flops_per_pair, 16.0 * 2048.0 * 768.0);
+    // Absurd sizes saturate instead of wrapping.
+    let huge = CostModel::swiglu_expert(usize::MAX, usize::MAX, 8, 1.0, 1.0);
+    assert_eq!(huge.instance_bytes(), u64::MAX);
+}
