@@ -10,13 +10,21 @@ use crate::fsutil::write_atomic;
 /// Errors of tensor files.
 #[derive(Debug, thiserror::Error)]
 pub enum TensorFileError {
-    /// The file cannot be read or written.
-    #[error("{path}: {error}")]
-    Io {
+    /// The file cannot be read.
+    #[error("cannot read {path}: {error}")]
+    Read {
         /// The path.
         path: String,
         /// The I/O error (shown in the message, not chained, so the CLI's
         /// one-line error does not repeat it).
+        error: std::io::Error,
+    },
+    /// The file cannot be written.
+    #[error("cannot write {path}: {error}")]
+    Write {
+        /// The path.
+        path: String,
+        /// The I/O error (in the message, not chained).
         error: std::io::Error,
     },
     /// The file is not a valid safetensors file.
@@ -69,7 +77,7 @@ pub fn save(
         })
         .collect::<Result<_, _>>()?;
     let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| fmt(e.to_string()))?;
-    write_atomic(path, &bytes).map_err(|error| TensorFileError::Io {
+    write_atomic(path, &bytes).map_err(|error| TensorFileError::Write {
         path: path.display().to_string(),
         error,
     })
@@ -127,7 +135,7 @@ impl Loaded {
 /// Reads every f32 tensor of a safetensors file.
 pub fn load(path: &Path) -> Result<Loaded, TensorFileError> {
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|error| TensorFileError::Io {
+    let bytes = std::fs::read(path).map_err(|error| TensorFileError::Read {
         path: p.clone(),
         error,
     })?;

@@ -110,5 +110,17 @@ fn layer_grad_writes_every_gradient_and_the_kept_mask() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
     assert!(err.contains("tensor router is missing"), "{err}");
+
+    // An output that cannot be written says write, not read.
+    let blocker = dir.join("not-a-dir");
+    std::fs::write(&blocker, b"x").unwrap();
+    let out = run("1.0", "not-a-dir/o.safetensors");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("cannot write") && !err.contains("cannot read"),
+        "{err}"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
