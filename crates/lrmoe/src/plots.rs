@@ -244,15 +244,22 @@ impl Chart for LineChart<'_> {
                     PathElement::new(vec![(x, y), (x + 6, y), (x + 12, y)], BLACK.mix(0.6))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.3))
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|e| e.to_string())
+        draw_legend(&mut chart)
     }
+}
+
+/// The legend, top right, over a light background.
+fn draw_legend<'a, DB: DrawingBackend + 'a, CT: plotters::coord::CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+) -> Result<(), String> {
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperRight)
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK.mix(0.3))
+        .label_font(("sans-serif", 13))
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// Dashes of a horizontal line at `y` from `x0` to `x1` (40 dashes).
@@ -377,14 +384,7 @@ impl Chart for BarChart<'_> {
                     PathElement::new(vec![(x, y), (x + 12, y)], BLACK.mix(0.6).stroke_width(2))
                 });
         }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperRight)
-            .background_style(WHITE.mix(0.85))
-            .border_style(BLACK.mix(0.3))
-            .label_font(("sans-serif", 13))
-            .draw()
-            .map_err(|e| e.to_string())
+        draw_legend(&mut chart)
     }
 }
 

@@ -976,95 +976,67 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
         crate::fsutil::write_atomic(&p, body.as_bytes()).map_err(io(&p))?;
         out.push(p.display().to_string());
     }
-    let plot_err = |e: crate::plots::PlotError| ReplayError::Invalid(e.to_string());
+    // A one-step trace (an EPLB load matrix) gets one bar per strategy,
+    // its figure split into parts; a trace over steps gets one line per
+    // strategy of the parts' sum.
     let steps: std::collections::BTreeSet<usize> = r.steps.iter().map(|f| f.step).collect();
-    let charts = if steps.len() <= 1 {
-        // One step (an EPLB load matrix): one bar per strategy, memory split
-        // into its three parts.
-        let bars = |key: &dyn Fn(&StepFigures) -> Vec<f64>| -> Vec<crate::plots::Bar> {
-            strategies
+    let one_step = steps.len() <= 1;
+    let chart = |stem: &str,
+                 title: &str,
+                 unit: &str,
+                 parts: &[&str],
+                 values: &dyn Fn(&StepFigures) -> Vec<f64>,
+                 reference: Option<&crate::plots::Reference>|
+     -> Result<Vec<std::path::PathBuf>, ReplayError> {
+        let x = if one_step { "strategy" } else { "step" };
+        let labels = crate::plots::Labels { title, x, y: unit };
+        let of = |s: Strategy| r.steps.iter().filter(move |f| f.strategy == s);
+        let drawn = if one_step {
+            let bars: Vec<crate::plots::Bar> = strategies
                 .iter()
-                .filter_map(|&s| r.steps.iter().find(|f| f.strategy == s))
+                .filter_map(|&s| of(s).next())
                 .map(|f| crate::plots::Bar {
                     label: format!("{:?}", f.strategy),
-                    parts: key(f),
+                    parts: values(f),
                 })
-                .collect()
-        };
-        let mut files = crate::plots::stacked_bars(
-            &dir.join("memory"),
-            crate::plots::Labels {
-                title: "peak memory of one layer call",
-                x: "strategy",
-                y: "MiB",
-            },
-            &["placement", "replicas", "token buffers"],
-            &bars(&|f| {
-                vec![
-                    mib(f.placement_bytes),
-                    mib(f.replica_bytes),
-                    mib(f.buffer_bytes),
-                ]
-            }),
-            Some(&budget),
-        )
-        .map_err(plot_err)?;
-        files.extend(
-            crate::plots::stacked_bars(
-                &dir.join("time"),
-                crate::plots::Labels {
-                    title: "modelled backward time",
-                    x: "strategy",
-                    y: "ms",
-                },
-                &["backward"],
-                &bars(&|f| vec![f.backward_s * 1e3]),
-                None,
-            )
-            .map_err(plot_err)?,
-        );
-        files
-    } else {
-        let series = |key: fn(&StepFigures) -> f64| -> Vec<crate::plots::Series> {
-            strategies
+                .collect();
+            crate::plots::stacked_bars(&dir.join(stem), labels, parts, &bars, reference)
+        } else {
+            let series: Vec<crate::plots::Series> = strategies
                 .iter()
                 .map(|&s| crate::plots::Series {
                     name: format!("{s:?}"),
-                    points: r
-                        .steps
-                        .iter()
-                        .filter(|f| f.strategy == s)
-                        .map(|f| (f.step as f64, key(f)))
+                    points: of(s)
+                        .map(|f| (f.step as f64, values(f).iter().sum()))
                         .collect(),
                 })
-                .collect()
+                .collect();
+            crate::plots::lines(&dir.join(stem), labels, &series, reference)
         };
-        let mut files = crate::plots::lines(
-            &dir.join("memory"),
-            crate::plots::Labels {
-                title: "peak memory of one layer call (placement + replicas + token buffers)",
-                x: "step",
-                y: "MiB",
-            },
-            &series(|f| f.total_bytes as f64 / (1 << 20) as f64),
-            Some(&budget),
-        )
-        .map_err(plot_err)?;
-        files.extend(
-            crate::plots::lines(
-                &dir.join("time"),
-                crate::plots::Labels {
-                    title: "modelled backward time",
-                    x: "step",
-                    y: "ms",
-                },
-                &series(|f| f.backward_s * 1e3),
-                None,
-            )
-            .map_err(plot_err)?,
-        );
-        files
+        drawn.map_err(|e| ReplayError::Invalid(e.to_string()))
     };
+    let mut charts = chart(
+        "memory",
+        "peak memory of one layer call (placement + replicas + token buffers)",
+        "MiB",
+        &["placement", "replicas", "token buffers"],
+        &|f| {
+            vec![
+                mib(f.placement_bytes),
+                mib(f.replica_bytes),
+                mib(f.buffer_bytes),
+            ]
+        },
+        Some(&budget),
+    )?;
+    charts.extend(chart(
+        "time",
+        "modelled backward time",
+        "ms",
+        &["backward"],
+        &|f| vec![f.backward_s * 1e3],
+        None,
+    )?);
     out.extend(charts.iter().map(|p| p.display().to_string()));
     Ok(out)
 }
