@@ -28,9 +28,10 @@
 //!   [`comm::NcclComm`] (experts in contiguous blocks, only kept rows
 //!   exchanged and multiplied), tested on two GPUs against the EP = 1
 //!   layer; `lrmoe train` does not use it yet.
-//! * [`ep_plan`] — the EP layer's receive layouts (who sends an owner what,
-//!   and the source-major ↔ expert-major permutations): pure functions,
-//!   tested in CI; the backward's kept-row plans are built on the device.
+//!   Its receive layouts (who sends an owner what, and the source-major ↔
+//!   expert-major permutations) come from `pack::ep`, the plan builders the
+//!   host layer shares; the backward's kept-row plans are built on the
+//!   device.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins
@@ -59,7 +60,6 @@ struct ReadmeDoctests;
 pub mod artifacts;
 pub mod comm;
 pub mod cpu;
-pub mod ep_plan;
 pub mod gpu;
 pub mod grouped;
 pub mod limits;
@@ -88,6 +88,9 @@ pub enum KernelError {
         /// The configured timeout.
         timeout_ms: u64,
     },
+    /// An index plan (from `pack`) could not be built.
+    #[error("plan: {0}")]
+    Plan(String),
     /// A buffer's length does not match the declared shape.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {
@@ -98,4 +101,10 @@ pub enum KernelError {
         /// Length given.
         got: usize,
     },
+}
+
+impl From<pack::PackError> for KernelError {
+    fn from(e: pack::PackError) -> Self {
+        KernelError::Plan(e.to_string())
+    }
 }

@@ -34,8 +34,8 @@
 //! 1. Quotas: fixed at forward.
 //! 2. LRM score per pair for the down projection,
 //!    `g² · ‖δ‖² · ‖h‖²` with `δ = ∂L/∂y_t`, no gradient matrix formed.
-//! 3. Keep the top `k[s][e]` pairs of each expert on each source
-//!    (`lrm_score::select_top`).
+//! 3. Keep the best pairs within the quotas (`lrm_score::select_top`, see
+//!    "Selection" below).
 //! 4. Redistribute the kept pairs over the existing instances
 //!    (`redistribute`, solved on rank 0 and broadcast so every rank uses the
 //!    same plan).
@@ -47,6 +47,33 @@
 //!    are summed there; the owners' sums are then all-gathered (the model
 //!    around the layer keeps every expert on every rank) and the router's
 //!    gradient is all-reduced (data parallel).
+//!
+//! ## Selection — one rule for every executor
+//!
+//! The controller's quota is per expert, `q_e`; [`CallPlan::selection`]
+//! says which pairs compete for it:
+//!
+//! * [`Selection::PerExpert`] (the rule whenever no per-source network
+//!   budget binds, which includes `Retention::Full`, `Retention::Ratio`
+//!   and memory-only budgets): expert `e` keeps its `q_e` highest-scoring
+//!   pairs over *every* source's pairs, ties to the lower (source rank,
+//!   pair index). Each source shares one score per candidate pair (4 bytes
+//!   beside rows of `2·hidden` values); every rank then makes the same
+//!   choice, and the kept counts per (source, expert) go to the
+//!   redistribution. This is the paper's rule and the device layers' (an
+//!   owner, or one GPU, selects over all the pairs it received), and the
+//!   kept set is the best one the quota allows: it does not depend on how
+//!   tokens were split over ranks (EP = 1, 2, 4 keep the same pairs).
+//! * [`Selection::PerSourceExpert`] (only when a per-source network budget
+//!   binds): source `s` keeps its `k[s][e]` best pairs of each expert, the
+//!   controller's split of `q_e`. Per-expert selection could take all of
+//!   `q_e` from one source and overrun that source's send budget; per-cell
+//!   quotas cannot. The price is quality: a source keeps its share even
+//!   when another source's dropped pairs score higher.
+//!
+//! With unlimited sends the controller's flow network has one cell per
+//! expert, so every split of `q_e` over sources is placeable within the
+//! ranks' pair caps: per-expert selection keeps the memory guarantee.
 //!
 //! **What a dropped pair loses:** its contribution to its expert's three
 //! weight gradients, and its input gradient through that expert (`dX` of the
@@ -85,7 +112,7 @@ pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{
     backward, forward, plan_call, BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig,
-    MoeParams, Retention, Saved, StageTimes,
+    MoeParams, Retention, Saved, Selection, StageTimes,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

@@ -157,7 +157,8 @@ fn shape(what: String, expected: usize, got: usize) -> Result<(), LayerError> {
 pub enum Retention {
     /// Every pair (exact gradient).
     Full,
-    /// `round(r · n[s][e])` pairs of every (source, expert) cell, `r ∈ [0, 1]`.
+    /// `round(r · n_e)` pairs of every expert, `n_e` its routed pairs over
+    /// all sources, `r ∈ [0, 1]`.
     Ratio(f64),
     /// The controller's quotas under per-rank budgets.
     Budgeted {
@@ -210,6 +211,17 @@ impl Default for CallConfig {
     }
 }
 
+/// Which pairs compete for an expert's quota (see the crate doc,
+/// "Selection").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// Expert `e` keeps its `q_e` best pairs over every source's pairs.
+    PerExpert,
+    /// Source `s` keeps its `k[s][e]` best pairs of each expert `e`.
+    PerSourceExpert,
+}
+
 /// The controller's decision for one call, identical on every rank.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct CallPlan {
@@ -217,8 +229,14 @@ pub struct CallPlan {
     pub routed: Vec<Vec<u64>>,
     /// Placement with this call's replicas.
     pub placement: Placement,
-    /// Backward quotas `[source][expert]`.
+    /// Backward quotas per expert, `q_e` (what [`Selection::PerExpert`]
+    /// selects; `Σ_s kept[s][e]`).
+    pub quotas: Vec<u64>,
+    /// Backward quotas `[source][expert]`, the controller's split of `q_e`
+    /// over sources (what [`Selection::PerSourceExpert`] selects).
     pub kept: Vec<Vec<u64>>,
+    /// How the backward selects within the quotas.
+    pub selection: Selection,
     /// Per-rank pair caps (budgeted mode).
     pub caps: Option<Vec<u64>>,
 }
@@ -350,13 +368,24 @@ pub fn plan_call<T>(
                     "retention ratio {r} is not in [0, 1]"
                 )));
             }
-            let kept = routed
-                .iter()
-                .map(|row| {
-                    row.iter()
-                        .map(|&n| ((n as f64) * r).round() as u64)
-                        .collect()
+            // Per expert: round(r · n_e), split over sources in rank order
+            // (the split only describes the quota; selection is per expert).
+            let kept = (0..cfg.n_experts)
+                .map(|e| {
+                    let n_e: u64 = routed.iter().map(|row| row[e]).sum();
+                    let mut left = ((n_e as f64) * r).round() as u64;
+                    routed
+                        .iter()
+                        .map(|row| {
+                            let take = left.min(row[e]);
+                            left -= take;
+                            take
+                        })
+                        .collect::<Vec<u64>>()
                 })
+                .collect::<Vec<_>>();
+            let kept = (0..n_ranks)
+                .map(|s| kept.iter().map(|col| col[s]).collect())
                 .collect();
             (kept, None)
         }
@@ -370,10 +399,27 @@ pub fn plan_call<T>(
             (p.quotas.per_source().to_vec(), Some(caps))
         }
     };
+    // Per-expert selection may take an expert's quota from any source, which
+    // a per-source send budget cannot allow; with unlimited sends only the
+    // per-expert totals bind (the controller's own flow network is then one
+    // cell per expert), so any split the selection makes stays placeable.
+    let selection = match &bwd.retention {
+        Retention::Budgeted { budgets, .. }
+            if budgets.iter().any(|b| b.network_bytes != u64::MAX) =>
+        {
+            Selection::PerSourceExpert
+        }
+        _ => Selection::PerExpert,
+    };
+    let quotas = (0..cfg.n_experts)
+        .map(|e| kept.iter().map(|row: &Vec<u64>| row[e]).sum())
+        .collect();
     Ok(CallPlan {
         routed,
         placement: with_replicas,
+        quotas,
         kept,
+        selection,
         caps,
     })
 }
@@ -809,6 +855,85 @@ pub(crate) fn expert_hidden<T: Real>(
     Ok((a, b, h))
 }
 
+/// The kept pairs of this rank (`[n_pairs]`) and the kept pairs of every
+/// (source, expert) cell, by the plan's [`Selection`]. Only pairs that
+/// reached their expert in the forward are candidates; ties go to the
+/// smaller id, the id ordering pairs by source rank, then pair index —
+/// the order in which an expert's owner receives them.
+fn select_kept<T: Real, X: Transport>(
+    comm: &X,
+    saved: &Saved<T>,
+    scores: &[f32],
+) -> Result<(Vec<bool>, Vec<Vec<u64>>), LayerError> {
+    let (me, n_ranks) = (comm.rank(), comm.world_size());
+    let e_n = saved.plan.quotas.len();
+    let n_pairs = scores.len();
+    let candidates: Vec<usize> = (0..n_pairs).filter(|&p| saved.active[p]).collect();
+    // Candidates of every rank whose pairs compete here: (source, pair,
+    // expert, score).
+    let pool: Vec<(u32, u32, u32, f32)> = match saved.plan.selection {
+        Selection::PerSourceExpert => candidates
+            .iter()
+            .map(|&p| (me as u32, p as u32, saved.expert_of_pair[p], scores[p]))
+            .collect(),
+        Selection::PerExpert => {
+            // One score per candidate crosses ranks, not its rows.
+            let local: Vec<u32> = candidates
+                .iter()
+                .flat_map(|&p| [p as u32, saved.expert_of_pair[p], scores[p].to_bits()])
+                .collect();
+            all_gather(comm, &local)?
+                .iter()
+                .enumerate()
+                .flat_map(|(s, v)| {
+                    v.chunks_exact(3)
+                        .map(move |c| (s as u32, c[0], c[1], f32::from_bits(c[2])))
+                })
+                .collect()
+        }
+    };
+    let experts: Vec<u32> = pool.iter().map(|c| c.2).collect();
+    if let Some(&bad) = experts.iter().find(|&&e| e as usize >= e_n) {
+        return Err(LayerError::Config(format!(
+            "a candidate names expert {bad} of {e_n}"
+        )));
+    }
+    let ids: Vec<u64> = pool
+        .iter()
+        .map(|c| (u64::from(c.0) << 32) | u64::from(c.1))
+        .collect();
+    let pool_scores: Vec<f32> = pool.iter().map(|c| c.3).collect();
+    let quotas: Vec<usize> = match saved.plan.selection {
+        Selection::PerSourceExpert => saved.plan.kept[me].iter().map(|&q| q as usize).collect(),
+        Selection::PerExpert => saved.plan.quotas.iter().map(|&q| q as usize).collect(),
+    };
+    let mut kept_pool = vec![false; pool.len()];
+    lrm_score::select_top(
+        lrm_score::Candidates {
+            expert: &experts,
+            id: &ids,
+            score: &pool_scores,
+        },
+        &quotas,
+        &mut kept_pool,
+    )?;
+    let mut kept = vec![false; n_pairs];
+    let mut cells = vec![vec![0u64; e_n]; n_ranks];
+    for (c, &k) in pool.iter().zip(&kept_pool) {
+        if k {
+            cells[c.0 as usize][c.2 as usize] += 1;
+            if c.0 as usize == me {
+                kept[c.1 as usize] = true;
+            }
+        }
+    }
+    if saved.plan.selection == Selection::PerSourceExpert {
+        // Each source saw only its own pairs: the cells are the plan's.
+        cells.clone_from(&saved.plan.kept);
+    }
+    Ok((kept, cells))
+}
+
 /// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).
 /// Returns this rank's input gradient, the gradients of every weight summed
 /// over all ranks (identical on every rank), and this rank's figures.
@@ -898,38 +1023,16 @@ pub fn backward<T: Real, X: Transport>(
         .collect();
     times.score = clock.elapsed().as_secs_f64();
 
-    // Keep the top k[me][e] pairs of each expert.
+    // Keep the best pairs within the quotas.
     let clock = Instant::now();
-    // Only pairs that reached their expert in the forward are candidates.
-    let candidates: Vec<usize> = (0..n_pairs).filter(|&p| saved.active[p]).collect();
-    let experts: Vec<u32> = candidates
-        .iter()
-        .map(|&p| saved.expert_of_pair[p])
-        .collect();
-    let ids: Vec<u64> = candidates.iter().map(|&p| p as u64).collect();
-    let cand_scores: Vec<f32> = candidates.iter().map(|&p| scores[p]).collect();
-    let quotas: Vec<usize> = saved.plan.kept[me].iter().map(|&q| q as usize).collect();
-    let mut kept_cand = vec![false; candidates.len()];
-    lrm_score::select_top(
-        lrm_score::Candidates {
-            expert: &experts,
-            id: &ids,
-            score: &cand_scores,
-        },
-        &quotas,
-        &mut kept_cand,
-    )?;
-    let mut kept = vec![false; n_pairs];
-    for (&p, &k) in candidates.iter().zip(&kept_cand) {
-        kept[p] = k;
-    }
+    let (kept, kept_cells) = select_kept(comm, saved, &scores)?;
     times.select = clock.elapsed().as_secs_f64();
 
     // Redistribute kept pairs over existing instances.
     let clock = Instant::now();
     let problem = redistribute::Problem {
         n_ranks,
-        kept: saved.plan.kept.clone(),
+        kept: kept_cells,
         instances: saved.plan.placement.all_instances(),
         base_load: vec![0; n_ranks],
         rank_capacity: saved.plan.caps.clone(),

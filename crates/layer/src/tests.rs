@@ -435,6 +435,84 @@ fn backward_exchange_bytes_scale_with_the_kept_fraction() {
 }
 
 #[test]
+fn per_expert_selection_keeps_the_same_pairs_for_every_ep_size() {
+    // The selection is per expert over every source's pairs, so how tokens
+    // are split over ranks changes neither the kept set nor the gradients.
+    let cfg = cfg(true);
+    let (params, x, dy) = setup(&cfg, 48, 21);
+    for retention in [Retention::Ratio(0.5), Retention::Ratio(0.25)] {
+        let bwd = CallConfig {
+            retention,
+            ..CallConfig::default()
+        };
+        let one = run(&cfg, &bwd, &params, &x, &dy, 1).unwrap();
+        for n_ranks in [2, 4] {
+            let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
+            assert_eq!(r.kept, one.kept, "EP = {n_ranks}: another kept set");
+            assert_close("dx", &r.dx, &one.dx, 1e-10);
+            assert_grads_close(&r.grads, &one.grads, 1e-10);
+        }
+        // ...and every expert kept round(r · n_e) pairs, its best ones.
+        let (_, dx, g) = reference(&cfg, &params, &x, &dy, &one.kept);
+        assert_close("dx", &one.dx, &dx, 1e-12);
+        assert_grads_close(&one.grads, &g, 1e-12);
+    }
+}
+
+#[test]
+fn a_binding_send_budget_selects_per_source_within_its_cells() {
+    let cfg = MoeConfig {
+        hidden: 8,
+        ffn: 8,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: false,
+    };
+    let (params, x, dy) = setup(&cfg, 64, 9);
+    let place = placement(cfg.n_experts, 2);
+    // Each source may send at most 24 rows of 128 B in the backward.
+    let budget = quota::RankBudget {
+        memory_bytes: u64::MAX / 4,
+        network_bytes: 24 * 128,
+    };
+    let bwd = CallConfig {
+        retention: Retention::Budgeted {
+            budgets: vec![budget; 2],
+            policy: quota::Policy::Maxmin,
+        },
+        ..CallConfig::default()
+    };
+    let res: Vec<Result<_, LayerError>> = run_local(2, TIMEOUT, |t| {
+        let r = t.rank();
+        let (x, dy) = (
+            &x[r * 32 * 8..(r + 1) * 32 * 8],
+            &dy[r * 32 * 8..(r + 1) * 32 * 8],
+        );
+        let (_, saved) = forward(t, &cfg, &bwd, &params, &place, x)?;
+        let (_, _, stats) = backward(t, &cfg, &bwd, &params, &saved, dy)?;
+        Ok((
+            saved.plan.clone(),
+            saved.expert_of_pair().to_vec(),
+            stats.kept,
+        ))
+    });
+    for (rank, r) in res.into_iter().enumerate() {
+        let (plan, experts, kept) = r.unwrap();
+        assert_eq!(plan.selection, Selection::PerSourceExpert);
+        for e in 0..cfg.n_experts {
+            let k = (0..kept.len())
+                .filter(|&p| kept[p] && experts[p] as usize == e)
+                .count() as u64;
+            assert!(
+                k <= plan.kept[rank][e],
+                "rank {rank} expert {e}: {k} > its cell quota"
+            );
+        }
+        assert!(plan.kept[rank].iter().sum::<u64>() <= 24);
+    }
+}
+
+#[test]
 fn budgeted_retention_runs_the_controller() {
     let cfg = MoeConfig {
         hidden: 8,

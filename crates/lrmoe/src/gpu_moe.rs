@@ -98,7 +98,11 @@ pub fn backward<T: Real>(
     saved: &GpuSaved,
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
-    let quotas: Vec<u32> = saved.plan.kept[0]
+    // One GPU holds every source's pairs: its per-expert selection is the
+    // host layer's `Selection::PerExpert`.
+    let quotas: Vec<u32> = saved
+        .plan
+        .quotas
         .iter()
         .map(|&k| u32::try_from(k).unwrap_or(u32::MAX))
         .collect();

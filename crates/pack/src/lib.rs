@@ -31,6 +31,13 @@
 //! `group_sizes[e]`, and `order[k]` = position in the concatenated received
 //! buffer of grouped row `k`. The same `order` scatters results back.
 //!
+//! ## Expert-parallel owners ([`ep`])
+//!
+//! Where ranks own contiguous blocks of experts, [`ep::owner_layout`] is the
+//! receive plan of an owner with what a device executor uploads (the
+//! inverse permutation, group offsets); [`ep::block_rows`] the rows a
+//! source sends each owner. The CPU and device executors share them.
+//!
 //! ## Row movement
 //!
 //! [`gather_rows`] and [`unpack_rows`] move `width`-element rows of any
@@ -52,6 +59,8 @@
 //! CUDA twin of the row movers lives in `kernels`).
 
 #![deny(missing_docs)]
+
+pub mod ep;
 
 // The README's example runs as a doctest.
 #[cfg(doctest)]

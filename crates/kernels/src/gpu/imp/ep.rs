@@ -1,6 +1,6 @@
 //! The MoE layer with expert parallelism on device buffers: W ranks, one
 //! GPU each, NCCL between them (features `cuda` + `nccl`). Experts are owned
-//! in contiguous blocks (see [`crate::ep_plan`] for the index plans).
+//! in contiguous blocks (see `pack::ep` for the index plans).
 //!
 //! Forward (complete): route locally, group pairs by expert (= by owner),
 //! all-gather the routed counts, all-to-all the rows to their owners,
@@ -28,9 +28,9 @@ use super::super::cuda;
 use super::{exclusive_scan, fan_in_scaled, quotas_for};
 use crate::comm::NcclComm;
 use crate::cpu::GemmVariant;
-use crate::ep_plan::{experts_per_rank, recv_layout, segments, send_rows, RecvLayout};
 use crate::gpu::{Gpu, MoeShape};
 use crate::KernelError;
+use pack::ep::{block_rows, experts_per_rank, owner_layout, segments, OwnerLayout};
 
 /// One rank's weights on its device, bf16: the router `H × E` (every rank
 /// holds it) and the rank's own experts, `E_l × H × F` (gate, up) and
@@ -56,7 +56,7 @@ pub struct EpSaved {
     send: Vec<usize>,
     o: CudaSlice<u16>,
     // Owner side: the rows of this rank's experts, expert-major.
-    layout: RecvLayout,
+    layout: OwnerLayout,
     ix: EpIndex,
     xr: CudaSlice<u16>,
     h_sq: CudaSlice<f32>,
@@ -175,7 +175,7 @@ impl Gpu {
     }
 
     /// Uploads the index arrays of one call's layout (see [`EpIndex`]).
-    fn ep_index(&self, l: &RecvLayout, send: &[usize], p: usize) -> Result<EpIndex, KernelError> {
+    fn ep_index(&self, l: &OwnerLayout, send: &[usize], p: usize) -> Result<EpIndex, KernelError> {
         let n_r = l.perm.len();
         let (expert_of_row, _) = segments(l.per_expert.iter().map(|&c| c as usize));
         let (row_source, src_offsets) = segments(l.from.iter().copied());
@@ -248,8 +248,8 @@ impl Gpu {
                     .collect()
             })
             .collect();
-        let send = send_rows(&counts, el);
-        let layout = recv_layout(&counts_all, rank, el)?;
+        let send = block_rows(&counts, el);
+        let layout = owner_layout(&counts_all, rank, el)?;
         laps.lap(self, "counts+layout")?;
         let elems = |rows: &[usize]| rows.iter().map(|r| r * h).collect::<Vec<_>>();
         let xr_src = self.exchange(comm, &xs, &elems(&send), &elems(&layout.from))?;
