@@ -28,6 +28,12 @@ impl Timing {
 #[cfg(feature = "cuda")]
 pub use imp::Gpu;
 
+/// A call's backward plan as the device layers take it: every source's
+/// routed pairs per expert (`[sources][experts]`, one source on one GPU)
+/// in, the pairs each expert keeps out (`layer::device_quotas` is the
+/// layer's plan; the device code holds no quota rule of its own).
+pub type QuotaPlan<'a> = &'a dyn Fn(&[Vec<u32>]) -> Result<Vec<u32>, KernelError>;
+
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
 #[derive(Debug)]

@@ -424,6 +424,95 @@ pub fn plan_call<T>(
     })
 }
 
+/// Per-expert backward quotas of one call for a device executor, from
+/// every source's routed counts per expert (`routed[s][e]`; one source for
+/// one GPU): the same [`plan_call`] the host executor runs (bf16 rows, the
+/// controller under [`Retention::Budgeted`]), selected per expert
+/// ([`Selection::PerExpert`]). Experts are owned in contiguous blocks.
+/// Device executors host no replicas yet and select only per expert, so a
+/// call asking for replicas or binding a per-source send budget is refused.
+pub fn device_quotas(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+) -> Result<Vec<u32>, LayerError> {
+    cfg.validate()?;
+    if call.replica_slots_per_rank > 0 {
+        return Err(LayerError::Config(
+            "the device executors host no replicas yet: set replica_slots_per_rank = 0".into(),
+        ));
+    }
+    let n_ranks = routed.len();
+    if n_ranks == 0 || cfg.n_experts % n_ranks != 0 {
+        return Err(LayerError::Config(format!(
+            "{} experts cannot be owned in equal blocks by {n_ranks} ranks",
+            cfg.n_experts
+        )));
+    }
+    let counts: Vec<Vec<u64>> = routed
+        .iter()
+        .map(|row| {
+            shape("routed counts".into(), cfg.n_experts, row.len())?;
+            Ok(row.iter().map(|&c| u64::from(c)).collect())
+        })
+        .collect::<Result<_, LayerError>>()?;
+    let placement = Placement {
+        owner: (0..cfg.n_experts)
+            .map(|e| e / (cfg.n_experts / n_ranks))
+            .collect(),
+        replicas: vec![],
+    };
+    let plan = plan_call::<u16>(cfg, call, counts, &placement)?;
+    if plan.selection != Selection::PerExpert {
+        return Err(LayerError::Config(
+            "the device executors select per expert: per-source send budgets are not supported there yet".into(),
+        ));
+    }
+    Ok(plan
+        .quotas
+        .iter()
+        .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
+        .collect())
+}
+
+/// [`device_quotas`] as the device layers take a plan
+/// ([`kernels::gpu::QuotaPlan`]).
+pub fn device_plan(
+    cfg: MoeConfig,
+    call: CallConfig,
+) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
+    move |routed| {
+        device_quotas(&cfg, &call, routed).map_err(|e| kernels::KernelError::Plan(e.to_string()))
+    }
+}
+
+/// A device plan keeping `round(r · n_e)` pairs of every expert (`r = 1`:
+/// all of them), for the device layers' tests and benchmarks.
+pub fn device_ratio_plan(
+    shape: &kernels::gpu::MoeShape,
+    r: f64,
+) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
+    let cfg = MoeConfig {
+        hidden: shape.hidden,
+        ffn: shape.ffn,
+        n_experts: shape.experts,
+        top_k: shape.top_k,
+        renormalize: shape.renormalize,
+    };
+    let retention = if r >= 1.0 {
+        Retention::Full
+    } else {
+        Retention::Ratio(r)
+    };
+    device_plan(
+        cfg,
+        CallConfig {
+            retention,
+            ..CallConfig::default()
+        },
+    )
+}
+
 /// Routes `(source, expert, rank, pairs)` from rank 0's solve, broadcast so
 /// every rank follows one plan even if a solver could differ between runs.
 fn agreed_routes<X: Transport>(

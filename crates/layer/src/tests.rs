@@ -798,3 +798,59 @@ fn bf16_grouped_experts_match_the_reference_within_bf16_tolerance() {
         }
     }
 }
+
+#[test]
+fn device_quotas_are_the_host_plans_per_expert_quotas() {
+    let cfg = cfg(false);
+    let routed = vec![vec![5u32, 0, 9, 2], vec![3, 4, 1, 0]];
+    let q = |retention| {
+        device_quotas(
+            &cfg,
+            &CallConfig {
+                retention,
+                ..CallConfig::default()
+            },
+            &routed,
+        )
+    };
+    assert_eq!(q(Retention::Full).unwrap(), vec![8, 4, 10, 2]);
+    // round(r · n_e) per expert over all sources (2.5 rounds away from 0).
+    assert_eq!(q(Retention::Ratio(0.25)).unwrap(), vec![2, 1, 3, 1]);
+    assert_eq!(q(Retention::Ratio(0.0)).unwrap(), vec![0; 4]);
+    // The controller under a memory budget: never more than routed, and
+    // the ranks' pair caps hold every split of the quotas.
+    let inst = 2 * 3 * 6 * 5 * 2; // two experts per rank, bf16
+    let budget = quota::RankBudget {
+        memory_bytes: 2 * inst + 5 * 2 * 6 * 2,
+        network_bytes: u64::MAX,
+    };
+    let budgeted = q(Retention::Budgeted {
+        budgets: vec![budget; 2],
+        policy: quota::Policy::Maxmin,
+    })
+    .unwrap();
+    assert!(budgeted.iter().zip([8, 4, 10, 2]).all(|(&k, n)| k <= n));
+    assert!(budgeted[0] + budgeted[1] <= 5 && budgeted[2] + budgeted[3] <= 5);
+    // What device executors cannot do yet is refused, not ignored.
+    let replicas = CallConfig {
+        replica_slots_per_rank: 1,
+        ..CallConfig::default()
+    };
+    assert!(device_quotas(&cfg, &replicas, &routed).is_err());
+    let send_bound = CallConfig {
+        retention: Retention::Budgeted {
+            budgets: vec![
+                quota::RankBudget {
+                    memory_bytes: u64::MAX / 4,
+                    network_bytes: 100
+                };
+                2
+            ],
+            policy: quota::Policy::Maxmin,
+        },
+        ..CallConfig::default()
+    };
+    assert!(device_quotas(&cfg, &send_bound, &routed).is_err());
+    assert!(device_quotas(&cfg, &CallConfig::default(), &routed[..1]).is_ok());
+    assert!(device_quotas(&cfg, &CallConfig::default(), &[vec![1; 3]]).is_err());
+}

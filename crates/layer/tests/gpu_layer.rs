@@ -120,7 +120,16 @@ fn gpu_layer_matches_the_cpu_layer() {
             bits(&cat(&p, |w| &w.down)),
         );
         let r = gpu
-            .moe_host(&shape, &wr, &wg, &wu, &wd, &bits(&x), &bits(&dy), 1.0)
+            .moe_host(
+                &shape,
+                &wr,
+                &wg,
+                &wu,
+                &wd,
+                &bits(&x),
+                &bits(&dy),
+                &layer::device_ratio_plan(&shape, 1.0),
+            )
             .unwrap();
         assert_eq!(r.kept_pairs, t * k);
         let checks = [
@@ -139,7 +148,16 @@ fn gpu_layer_matches_the_cpu_layer() {
         }
         // Pruned: kept pairs follow the quotas round(r · n_e).
         let half = gpu
-            .moe_host(&shape, &wr, &wg, &wu, &wd, &bits(&x), &bits(&dy), 0.5)
+            .moe_host(
+                &shape,
+                &wr,
+                &wg,
+                &wu,
+                &wd,
+                &bits(&x),
+                &bits(&dy),
+                &layer::device_ratio_plan(&shape, 0.5),
+            )
             .unwrap();
         assert!(
             half.kept_pairs <= t * k / 2 + e && half.kept_pairs + e >= t * k / 2,

@@ -237,8 +237,10 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             (1.0, &hot, "hot"),
             (0.5, &hot, "hot"),
         ] {
+            // One plan for both layers: layer::device_quotas at this ratio.
+            let plan = layer::device_ratio_plan(&all, retention);
             let want = gpu
-                .moe_host(&all, router, &gate, &up, &down, &x, &dy, retention)
+                .moe_host(&all, router, &gate, &up, &down, &x, &dy, &plan)
                 .unwrap();
             let got = gpu
                 .ep_host(
@@ -248,7 +250,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                     (&blk(&gate), &blk(&up), &blk(&down)),
                     &tok(&x),
                     &tok(&dy),
-                    retention,
+                    &plan,
                 )
                 .unwrap();
             let checks = [

@@ -25,10 +25,10 @@
 use cudarc::driver::CudaSlice;
 
 use super::super::cuda;
-use super::{exclusive_scan, fan_in_scaled, quotas_for};
+use super::{exclusive_scan, fan_in_scaled};
 use crate::comm::NcclComm;
 use crate::cpu::GemmVariant;
-use crate::gpu::{Gpu, MoeShape};
+use crate::gpu::{Gpu, MoeShape, QuotaPlan};
 use crate::KernelError;
 use pack::ep::{block_rows, experts_per_rank, owner_layout, segments, OwnerLayout};
 
@@ -57,6 +57,7 @@ pub struct EpSaved {
     o: CudaSlice<u16>,
     // Owner side: the rows of this rank's experts, expert-major.
     layout: OwnerLayout,
+    counts_all: Vec<Vec<u32>>,
     ix: EpIndex,
     xr: CudaSlice<u16>,
     h_sq: CudaSlice<f32>,
@@ -64,6 +65,14 @@ pub struct EpSaved {
     pub y: CudaSlice<u16>,
     /// Bytes this rank sent to other ranks in the forward's all-to-alls.
     pub bytes_sent: usize,
+}
+
+impl EpSaved {
+    /// Every source's routed pairs per global expert, `[world][experts]`:
+    /// what a plan needs for this call's quotas (identical on every rank).
+    pub fn routed_counts(&self) -> &[Vec<u32>] {
+        &self.counts_all
+    }
 }
 
 /// Device index arrays the backward builds its kept-row plans from (with
@@ -283,6 +292,7 @@ impl Gpu {
             send,
             o,
             layout,
+            counts_all,
             ix,
             xr,
             h_sq,
@@ -291,23 +301,26 @@ impl Gpu {
         })
     }
 
-    /// The LRMoE backward for `dy` (this rank's tokens, `T × H`): each expert
-    /// keeps `round(retention · n_e)` of its pairs over all sources by LRM
-    /// score; only kept rows travel and are multiplied.
+    /// The LRMoE backward for `dy` (this rank's tokens, `T × H`): expert `e`
+    /// keeps its `quotas[e]` best pairs over all sources by LRM score (the
+    /// caller's plan, e.g. `layer::device_quotas` from
+    /// [`EpSaved::routed_counts`]; one entry per global expert, more than
+    /// routed keeps all); only kept rows travel and are multiplied.
     pub fn ep_backward(
         &self,
         comm: &NcclComm,
         w: &EpWeights,
         sv: &EpSaved,
         dy: &CudaSlice<u16>,
-        retention: f64,
+        quotas: &[u32],
     ) -> Result<EpBackward, KernelError> {
         let s = &sv.s;
         let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
         let (rank, el) = (comm.rank(), sv.per_rank);
         let p = s.pairs();
         super::super::check("dy", t * h, dy.len())?;
-        let quotas = quotas_for(&sv.layout.per_expert, retention)?;
+        super::super::check("quotas (one per expert)", e, quotas.len())?;
+        let quotas = &quotas[rank * el..(rank + 1) * el];
         let mut laps = Laps::new();
         // Router: complete and local, then summed over ranks (f32).
         let (g_router, dx_router) = self.router_backward(
@@ -342,7 +355,7 @@ impl Gpu {
         let (n_r, world, ix) = (sv.layout.perm.len(), comm.world_size(), &sv.ix);
         let dsq_r = self.gather32(&dsq_src, &ix.perm, n_r)?;
         let scores = self.scores_from_norms(&ix.ones, &dsq_r, &sv.h_sq, &ix.ids, n_r, 1)?;
-        let qd = self.upload(&quotas)?;
+        let qd = self.upload(quotas)?;
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut kept = unsafe { self.uninit::<u8>(n_r) }?;
@@ -529,14 +542,15 @@ impl Gpu {
         experts: (&[u16], &[u16], &[u16]),
         x: &[u16],
         dy: &[u16],
-        retention: f64,
+        plan: QuotaPlan<'_>,
     ) -> Result<EpHostResult, KernelError> {
         let w = self.ep_weights(comm, s, router, experts)?;
         super::super::check("x", s.tokens * s.hidden, x.len())?;
         super::super::check("dy", s.tokens * s.hidden, dy.len())?;
         let (xd, dyd) = (self.upload(x)?, self.upload(dy)?);
         let sv = self.ep_forward(comm, s, &w, &xd)?;
-        let g = self.ep_backward(comm, &w, &sv, &dyd, retention)?;
+        let quotas = plan(sv.routed_counts())?;
+        let g = self.ep_backward(comm, &w, &sv, &dyd, &quotas)?;
         let (t, h, e) = (s.tokens, s.hidden, s.experts);
         let ew = sv.per_rank * h * s.ffn;
         Ok(EpHostResult {
@@ -553,12 +567,12 @@ impl Gpu {
 
     /// Times the EP layer on random data (`iters` calls after 2 warm-ups,
     /// median wall time, every rank in step): returns the forward's median
-    /// ms and one row per retention.
+    /// ms and one row per `(label, plan)`, the label a retention.
     pub fn bench_ep(
         &self,
         comm: &NcclComm,
         s: &MoeShape,
-        retentions: &[f64],
+        plans: &[(f64, QuotaPlan<'_>)],
         iters: usize,
     ) -> Result<(f64, Vec<EpBenchRow>), KernelError> {
         let (_, _, el) = world_of(comm, s)?;
@@ -592,9 +606,10 @@ impl Gpu {
         let fwd = timed(&mut || self.ep_forward(comm, s, &w, &x).map(|_| ()))?;
         let sv = self.ep_forward(comm, s, &w, &x)?;
         let mut rows = Vec::new();
-        for &ret in retentions {
-            let last = self.ep_backward(comm, &w, &sv, &dy, ret)?;
-            let ms = timed(&mut || self.ep_backward(comm, &w, &sv, &dy, ret).map(|_| ()))?;
+        for &(ret, plan) in plans {
+            let quotas = plan(sv.routed_counts())?;
+            let last = self.ep_backward(comm, &w, &sv, &dy, &quotas)?;
+            let ms = timed(&mut || self.ep_backward(comm, &w, &sv, &dy, &quotas).map(|_| ()))?;
             rows.push(EpBenchRow {
                 retention: ret,
                 backward_ms: ms,

@@ -18,7 +18,7 @@ use crate::KernelError;
 
 use crate::limits::DROPPED;
 
-use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape};
+use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape, QuotaPlan};
 
 #[cfg(feature = "nccl")]
 #[path = "ep.rs"]
@@ -68,21 +68,6 @@ pub struct MoeBackward {
     pub kept_pairs: usize,
     /// Device memory the backward held at its peak (bytes, by `cuMemGetInfo`).
     pub peak_bytes: u64,
-}
-
-/// Quotas `round(r · n_e)` of a uniform retention `r ∈ [0, 1]`.
-fn quotas_for(counts: &[u32], retention: f64) -> Result<Vec<u32>, KernelError> {
-    if !(0.0..=1.0).contains(&retention) {
-        return Err(KernelError::Shape {
-            what: "retention (in [0, 1])",
-            expected: 1,
-            got: 2,
-        });
-    }
-    Ok(counts
-        .iter()
-        .map(|&n| ((n as f64) * retention).round() as u32)
-        .collect())
 }
 
 fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
@@ -555,21 +540,6 @@ impl Gpu {
         Ok((g_router, dx_router))
     }
 
-    /// The LRMoE backward for `dy` (`T × H`): each expert keeps
-    /// `round(retention · n_e)` of its pairs by LRM score; only those rows are
-    /// packed and multiplied. The router gradient is complete.
-    pub fn moe_backward(
-        &self,
-        s: &MoeShape,
-        w: &MoeWeights,
-        sv: &MoeSaved,
-        dy: &CudaSlice<u16>,
-        retention: f64,
-    ) -> Result<MoeBackward, KernelError> {
-        let quotas = quotas_for(&sv.counts, retention)?;
-        self.moe_backward_quotas(s, w, sv, dy, &quotas, true)
-    }
-
     /// The LRMoE backward with the controller's per-expert quotas (pairs
     /// kept per expert; more than routed keeps all). With `measure_memory`
     /// the device memory in use is read (`cuMemGetInfo`) before and after,
@@ -717,11 +687,11 @@ impl Gpu {
         down: &[u16],
         x: &[u16],
         dy: &[u16],
-        retention: f64,
+        plan: QuotaPlan<'_>,
     ) -> Result<MoeHostResult, KernelError> {
         super::check("dy", s.tokens * s.hidden, dy.len())?;
         let fwd = self.moe_forward_host(s, router, gate, up, down, x)?;
-        let quotas = quotas_for(&fwd.counts, retention)?;
+        let quotas = plan(std::slice::from_ref(&fwd.counts))?;
         let g = self.moe_backward_host(&fwd, dy, &quotas)?;
         Ok(MoeHostResult {
             y: fwd.y,
@@ -790,7 +760,7 @@ impl Gpu {
     pub fn bench_moe(
         &self,
         s: &MoeShape,
-        retentions: &[f64],
+        plans: &[(f64, QuotaPlan<'_>)],
     ) -> Result<(f64, Vec<MoeBenchRow>), KernelError> {
         let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
         let scale = fan_in_scaled;
@@ -806,10 +776,10 @@ impl Gpu {
         let fwd = self.time(10, || self.moe_forward(s, &w, &x).map(|_| ()))?;
         let sv = self.moe_forward(s, &w, &x)?;
         let mut rows = Vec::new();
-        for &r in retentions {
+        for &(r, plan) in plans {
             // One call reads the memory; the timed calls skip that probe.
-            let last = self.moe_backward(s, &w, &sv, &dy, r)?;
-            let quotas = quotas_for(&sv.counts, r)?;
+            let quotas = plan(std::slice::from_ref(&sv.counts))?;
+            let last = self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, true)?;
             let ms = self.time(10, || {
                 self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, false)
                     .map(|_| ())
