@@ -175,6 +175,97 @@ impl Gpu {
 
 #[cfg(feature = "nccl")]
 pub use imp::moe::ep::{EpBackward, EpBenchRow, EpHostResult, EpSaved, EpWeights};
+
+/// An expert-parallel forward on this rank's GPU driven from the host
+/// (`Gpu::ep_forward_host`): this rank's output and every source's routed
+/// counts copied back, the device state (weights, saved rows) kept for
+/// `Gpu::ep_backward_host`.
+pub struct EpHostForward {
+    /// Output of this rank's tokens, `T × H` (bf16 bits).
+    pub y: Vec<u16>,
+    /// Every source's routed pairs per global expert, `[world][experts]`
+    /// (what a plan turns into quotas).
+    pub counts: Vec<Vec<u32>>,
+    /// Bytes this rank sent in the forward's all-to-alls.
+    pub bytes_sent: usize,
+    /// The layer's shape (this rank's tokens).
+    pub shape: MoeShape,
+    #[cfg(feature = "nccl")]
+    state: Box<(EpWeights, EpSaved)>,
+}
+
+impl std::fmt::Debug for EpHostForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EpHostForward")
+            .field("shape", &self.shape)
+            .field("counts", &self.counts)
+            .finish()
+    }
+}
+
+/// Gradients of one expert-parallel LRMoE backward, copied back.
+#[derive(Debug, Clone)]
+pub struct EpHostGrads {
+    /// Input gradient of this rank's tokens, `T × H` (bf16 bits).
+    pub dx: Vec<u16>,
+    /// Router gradient summed over ranks, `H × E`, f32.
+    pub router: Vec<f32>,
+    /// This rank's experts' gradients (bf16 bits): gate and up
+    /// `E_l × H × F`, down `E_l × F × H`.
+    pub gate: Vec<u16>,
+    /// See `gate`.
+    pub up: Vec<u16>,
+    /// See `gate`.
+    pub down: Vec<u16>,
+    /// Pairs this rank's experts kept (over all sources).
+    pub kept_pairs: usize,
+    /// Bytes this rank sent in the backward's all-to-alls.
+    pub bytes_sent: usize,
+}
+
+#[cfg(feature = "nccl")]
+impl EpHostForward {
+    pub(crate) fn new(y: Vec<u16>, shape: MoeShape, w: EpWeights, sv: EpSaved) -> Self {
+        Self {
+            y,
+            counts: sv.routed_counts().to_vec(),
+            bytes_sent: sv.bytes_sent,
+            shape,
+            state: Box::new((w, sv)),
+        }
+    }
+
+    pub(crate) fn state(&self) -> (&EpWeights, &EpSaved) {
+        (&self.state.0, &self.state.1)
+    }
+}
+
+/// Without NCCL the expert-parallel layer does not exist: the same API
+/// answers `NotCompiledWithNccl`.
+#[cfg(not(feature = "nccl"))]
+impl Gpu {
+    /// See the NCCL build.
+    pub fn ep_forward_host(
+        &self,
+        _comm: &crate::comm::NcclComm,
+        _s: &MoeShape,
+        _router: &[u16],
+        _experts: (&[u16], &[u16], &[u16]),
+        _x: &[u16],
+    ) -> Result<EpHostForward, KernelError> {
+        Err(KernelError::NotCompiledWithNccl)
+    }
+    /// See the NCCL build.
+    pub fn ep_backward_host(
+        &self,
+        _comm: &crate::comm::NcclComm,
+        _fwd: &EpHostForward,
+        _dy: &[u16],
+        _quotas: &[u32],
+    ) -> Result<EpHostGrads, KernelError> {
+        Err(KernelError::NotCompiledWithNccl)
+    }
+}
 #[cfg(feature = "cuda")]
 pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeWeights};
 

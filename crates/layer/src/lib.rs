@@ -111,9 +111,9 @@ pub mod transport;
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{
-    backward, device_plan, device_quotas, device_ratio_plan, forward, plan_call, BackwardStats,
-    CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams, Retention, Saved, Selection,
-    StageTimes,
+    backward, device_plan, device_plan_call, device_quotas, device_ratio_plan, forward, plan_call,
+    BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams, Retention, Saved,
+    Selection, StageTimes,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

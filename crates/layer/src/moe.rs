@@ -424,18 +424,18 @@ pub fn plan_call<T>(
     })
 }
 
-/// Per-expert backward quotas of one call for a device executor, from
-/// every source's routed counts per expert (`routed[s][e]`; one source for
-/// one GPU): the same [`plan_call`] the host executor runs (bf16 rows, the
-/// controller under [`Retention::Budgeted`]), selected per expert
-/// ([`Selection::PerExpert`]). Experts are owned in contiguous blocks.
-/// Device executors host no replicas yet and select only per expert, so a
-/// call asking for replicas or binding a per-source send budget is refused.
-pub fn device_quotas(
+/// The plan of one call for a device executor, from every source's routed
+/// counts per expert (`routed[s][e]`; one source for one GPU): the same
+/// [`plan_call`] the host executor runs (bf16 rows, the controller under
+/// [`Retention::Budgeted`]), selected per expert ([`Selection::PerExpert`]).
+/// Experts are owned in contiguous blocks. Device executors host no
+/// replicas yet and select only per expert, so a call asking for replicas
+/// or binding a per-source send budget is refused.
+pub fn device_plan_call(
     cfg: &MoeConfig,
     call: &CallConfig,
     routed: &[Vec<u32>],
-) -> Result<Vec<u32>, LayerError> {
+) -> Result<CallPlan, LayerError> {
     cfg.validate()?;
     if call.replica_slots_per_rank > 0 {
         return Err(LayerError::Config(
@@ -468,7 +468,17 @@ pub fn device_quotas(
             "the device executors select per expert: per-source send budgets are not supported there yet".into(),
         ));
     }
-    Ok(plan
+    Ok(plan)
+}
+
+/// The per-expert quotas of [`device_plan_call`], as the device layers
+/// take them.
+pub fn device_quotas(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+) -> Result<Vec<u32>, LayerError> {
+    Ok(device_plan_call(cfg, call, routed)?
         .quotas
         .iter()
         .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))

@@ -41,6 +41,7 @@ pub mod compare;
 pub mod data;
 pub mod errline;
 pub mod fsutil;
+pub mod gpu_ep;
 pub mod gpu_moe;
 pub mod launch;
 pub mod layer_grad;

@@ -88,6 +88,10 @@ struct TrainArgs {
     /// Backward mode of the MoE layers.
     #[arg(long, value_enum)]
     mode: Option<lrmoe::train::Mode>,
+    /// Where the MoE layers run: the host executor, or (launched ranks with
+    /// --device cuda) the device expert-parallel executor.
+    #[arg(long, value_enum)]
+    executor: Option<lrmoe::train::Executor>,
     /// In-process expert-parallel ranks.
     #[arg(long)]
     ranks: Option<usize>,
@@ -303,6 +307,9 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
     }
     if let Some(v) = a.mode {
         cfg.moe.mode = v;
+    }
+    if let Some(v) = a.executor {
+        cfg.moe.executor = v;
     }
     if let Some(v) = a.ranks {
         cfg.moe.ranks = v;

@@ -308,6 +308,7 @@ struct BlockCache<T> {
 enum MoeState<T> {
     Cpu(Saved<T>),
     Gpu(crate::gpu_moe::GpuSaved),
+    Ep(crate::gpu_ep::EpSavedHost),
 }
 
 impl<T> MoeState<T> {
@@ -315,6 +316,7 @@ impl<T> MoeState<T> {
         match self {
             Self::Cpu(s) => &s.plan,
             Self::Gpu(g) => &g.plan,
+            Self::Ep(g) => &g.plan,
         }
     }
 }
@@ -349,6 +351,9 @@ pub struct MoeRun<'a> {
     pub backward: &'a CallConfig,
     /// Run the MoE layers on this GPU (EP = 1) instead of the CPU layer.
     pub gpu: Option<&'a kernels::gpu::Gpu>,
+    /// Run the MoE layers through the device expert-parallel executor on
+    /// this rank's GPU and NCCL communicator (launched ranks).
+    pub ep: Option<crate::gpu_ep::EpDevice<'a>>,
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -481,13 +486,17 @@ pub fn forward<T: Real, X: Transport>(
         let mut m = vec![T::zero(); n * d];
         let inv2 = rmsnorm(&x, &b.norm2, &mut m);
         let clock = std::time::Instant::now();
-        let (y, moe) = match run.gpu {
-            None => {
+        let (y, moe) = match (run.ep, run.gpu) {
+            (Some(dev), _) => {
+                let (y, s) = crate::gpu_ep::forward(dev, &cfg.moe(), run.backward, &b.moe, &m)?;
+                (y, MoeState::Ep(s))
+            }
+            (None, None) => {
                 let (y, s) =
                     layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
                 (y, MoeState::Cpu(s))
             }
-            Some(gpu) => {
+            (None, Some(gpu)) => {
                 if comm.world_size() != 1 {
                     return Err(ModelError::Config(
                         "the GPU MoE layer runs on one rank (EP = 1)".into(),
@@ -634,6 +643,14 @@ pub fn backward<T: Real, X: Transport>(
                 layer::backward(comm, &cfg.moe(), run.backward, &b.moe, s, &dx)?
             }
             (MoeState::Gpu(s), Some(gpu)) => crate::gpu_moe::backward(gpu, &cfg.moe(), s, &dx)?,
+            (MoeState::Ep(s), _) => match run.ep {
+                Some(dev) => crate::gpu_ep::backward(dev, comm, &cfg.moe(), s, &dx)?,
+                None => {
+                    return Err(ModelError::Config(
+                        "a device EP forward needs the device for its backward".into(),
+                    ))
+                }
+            },
             (MoeState::Gpu(_), None) => {
                 return Err(ModelError::Config(
                     "a GPU forward needs the GPU for its backward".into(),
@@ -793,6 +810,7 @@ mod tests {
             replicas: vec![],
         };
         let run = MoeRun {
+            ep: None,
             placement: &placement,
             backward: bwd,
             gpu: None,
@@ -909,6 +927,7 @@ mod tests {
         };
         let bwd = CallConfig::default();
         let run = MoeRun {
+            ep: None,
             placement: &placement,
             backward: &bwd,
             gpu: None,

@@ -142,12 +142,30 @@ impl Default for DataSection {
     }
 }
 
+/// Where the MoE layers run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Executor {
+    /// The layer crate's host executor: routing, plan, exchanges on the
+    /// host (CPU rows over the transport); with `--device cuda` its expert
+    /// GEMMs run on the GPU.
+    #[default]
+    Host,
+    /// The device expert-parallel executor (launched ranks, `--device
+    /// cuda`): the whole layer on each rank's GPU, NCCL all-to-alls of
+    /// packed kept rows, the layer crate's plan from routed counts. No
+    /// replicas yet.
+    Device,
+}
+
 /// MoE execution.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MoeSection {
     /// Backward mode.
     pub mode: Mode,
+    /// Where the layers run (host or device executor).
+    pub executor: Executor,
     /// In-process expert-parallel ranks.
     pub ranks: usize,
     /// Replicas each rank may host per layer call (lrmoe mode).
@@ -170,6 +188,7 @@ impl Default for MoeSection {
     fn default() -> Self {
         Self {
             mode: Mode::Lrmoe,
+            executor: Executor::Host,
             ranks: 2,
             replica_slots_per_rank: 1,
             buffer_fraction: 0.6,
@@ -421,12 +440,17 @@ impl RunOptions {
 /// Byte and memory model the controller plans with (f32 rows).
 fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<RankBudget> {
     let ranks = cfg.moe.ranks;
-    // The layer plans with this cost model (f32 rows), so the budgets are
-    // stated in its units.
+    // The budgets are stated in the units the executor plans with: f32 rows
+    // on the host executor, bf16 rows on the device executor, so
+    // `buffer_fraction` means the same share of pairs on both.
+    let element_bytes = match cfg.moe.executor {
+        Executor::Host => 4,
+        Executor::Device => 2,
+    };
     let cost = quota::CostModel::swiglu_expert(
         mcfg.d_model,
         mcfg.ffn,
-        4,
+        element_bytes,
         quota::H200_LINK_BYTES_PER_S,
         quota::H200_FLOPS_PER_S,
     );
@@ -955,10 +979,39 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     if fused {
         crate::gpu_moe::check(&mcfg.moe(), &call)?;
     }
+    // The device expert-parallel executor: launched ranks, each on its GPU.
+    let ep = match cfg.moe.executor {
+        Executor::Host => None,
+        Executor::Device => {
+            let (Some(gpu), Some(t)) = (opts.gpu.as_deref(), opts.transport.as_deref()) else {
+                return Err(TrainError::Config(
+                    "moe.executor = \"device\" runs under `lrmoe launch` with --device cuda (one GPU per rank)".into(),
+                ));
+            };
+            crate::gpu_moe::check(&mcfg.moe(), &call)?;
+            if call.replica_slots_per_rank > 0 {
+                return Err(TrainError::Config(format!(
+                    "the device executor hosts no replicas yet: set moe.replica_slots_per_rank = 0 (mode {:?} asks for {})",
+                    cfg.moe.mode, call.replica_slots_per_rank
+                )));
+            }
+            if mcfg.n_experts % ranks != 0 {
+                return Err(TrainError::Config(format!(
+                    "the device executor owns experts in equal blocks: model.n_experts = {} on {ranks} ranks",
+                    mcfg.n_experts
+                )));
+            }
+            Some(crate::gpu_ep::EpDevice {
+                gpu,
+                comm: t.comm(),
+            })
+        }
+    };
     let run = MoeRun {
         placement: &placement,
         backward: &call,
         gpu: if fused { opts.gpu.as_deref() } else { None },
+        ep,
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);

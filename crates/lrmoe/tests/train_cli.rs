@@ -513,7 +513,7 @@ fn config_and_checkpoint_errors_say_what_failed_once() {
     std::fs::write(
         &bad,
         text.replace("[moe]\nranks = 2\n", "")
-            .replace("steps = 6\n", "steps = 6\nmoe = [\"full\", 2]\n"),
+            .replace("steps = 6\n", "steps = 6\nmoe = [\"full\", \"host\", 2]\n"),
     )
     .unwrap();
     let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap()]);
@@ -554,4 +554,20 @@ fn config_and_checkpoint_errors_say_what_failed_once() {
         err.contains(ckpt_path.to_str().unwrap()) && err.contains("non-finite"),
         "{err}"
     );
+}
+
+#[test]
+fn the_device_executor_outside_a_launch_is_a_one_line_error() {
+    let dir = tmp("executor");
+    let cfg = tiny_config(&dir, "");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--executor",
+        "device",
+        "--no-progress",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "lrmoe launch");
 }

@@ -565,6 +565,53 @@ impl Gpu {
         })
     }
 
+    /// The forward from host data (bf16 bits): this rank's router copy, its
+    /// experts' block and its tokens in, this rank's output and every
+    /// source's routed counts out; the device state stays for
+    /// [`Gpu::ep_backward_host`]. Weights are uploaded each call.
+    pub fn ep_forward_host(
+        &self,
+        comm: &NcclComm,
+        s: &MoeShape,
+        router: &[u16],
+        experts: (&[u16], &[u16], &[u16]),
+        x: &[u16],
+    ) -> Result<crate::gpu::EpHostForward, KernelError> {
+        let w = self.ep_weights(comm, s, router, experts)?;
+        super::super::check("x", s.tokens * s.hidden, x.len())?;
+        let xd = self.upload(x)?;
+        let sv = self.ep_forward(comm, s, &w, &xd)?;
+        let y = self.download(&sv.y, s.tokens * s.hidden)?;
+        Ok(crate::gpu::EpHostForward::new(y, *s, w, sv))
+    }
+
+    /// The LRMoE backward of a host-driven forward with per-expert `quotas`
+    /// (one per global expert, the caller's plan), gradients copied back.
+    pub fn ep_backward_host(
+        &self,
+        comm: &NcclComm,
+        fwd: &crate::gpu::EpHostForward,
+        dy: &[u16],
+        quotas: &[u32],
+    ) -> Result<crate::gpu::EpHostGrads, KernelError> {
+        let (w, sv) = fwd.state();
+        let s = &fwd.shape;
+        super::super::check("dy", s.tokens * s.hidden, dy.len())?;
+        let dyd = self.upload(dy)?;
+        let g = self.ep_backward(comm, w, sv, &dyd, quotas)?;
+        let (t, h, e) = (s.tokens, s.hidden, s.experts);
+        let ew = sv.per_rank * h * s.ffn;
+        Ok(crate::gpu::EpHostGrads {
+            dx: self.download(&g.dx, t * h)?,
+            router: self.download(&g.router, h * e)?,
+            gate: self.download(&g.gate, ew)?,
+            up: self.download(&g.up, ew)?,
+            down: self.download(&g.down, ew)?,
+            kept_pairs: g.kept_pairs,
+            bytes_sent: g.bytes_sent,
+        })
+    }
+
     /// Times the EP layer on random data (`iters` calls after 2 warm-ups,
     /// median wall time, every rank in step): returns the forward's median
     /// ms and one row per `(label, plan)`, the label a retention.
