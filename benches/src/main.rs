@@ -36,6 +36,7 @@ enum Table {
     Layer,
     Replay,
     Scale,
+    Planning,
 }
 
 /// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
@@ -311,6 +312,87 @@ fn main() {
     if matches!(args.table, Table::All | Table::Scale) {
         scale_table();
     }
+    if matches!(args.table, Table::All | Table::Planning) {
+        planning_table(budget);
+    }
+}
+
+/// One layer call's planning as the executors run it: the controller
+/// (`layer::plan_call`: replicas, then quotas under the ranks' budgets) and
+/// the exact redistribution of the kept pairs over the instances.
+fn planning_table(budget: Duration) {
+    println!("## Planning one layer call (Qwen3-30B-A3B shape: hidden 2048, ffn 768, top-8; 16384 tokens per rank; Zipf 1.2)\n");
+    println!("| experts | ranks | replica slots | budget (buffer share of avg pairs) | controller median µs | redistribution median µs | total median µs | kept fraction |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for &(experts, ranks, slots, share) in &[
+        (128usize, 8usize, 0usize, 1.0f64),
+        (128, 8, 1, 0.6),
+        (128, 8, 2, 0.8),
+        (256, 32, 1, 0.6),
+    ] {
+        let cfg = layer::MoeConfig {
+            hidden: 2048,
+            ffn: 768,
+            n_experts: experts,
+            top_k: 8,
+            renormalize: true,
+        };
+        let counts = lrmoe_benches::zipf_counts(ranks, experts, 16384 * 8, 1.2, 11);
+        let placement = quota::Placement {
+            owner: (0..experts).map(|e| e * ranks / experts).collect(),
+            replicas: vec![],
+        };
+        let cost = quota::CostModel::swiglu_expert(
+            2048,
+            768,
+            2,
+            quota::H200_LINK_BYTES_PER_S,
+            quota::H200_FLOPS_PER_S,
+        );
+        let owned = (experts / ranks) as u64;
+        let rank_budget = quota::RankBudget {
+            memory_bytes: (owned + slots as u64) * cost.instance_bytes()
+                + (share * (16384 * 8) as f64) as u64 * cost.row_bytes(),
+            network_bytes: u64::MAX,
+        };
+        let call = layer::CallConfig {
+            retention: layer::Retention::Budgeted {
+                budgets: vec![rank_budget; ranks],
+                policy: quota::Policy::Maxmin,
+            },
+            replica_slots_per_rank: slots,
+            replica_memory_fraction: 1.0,
+            ..layer::CallConfig::default()
+        };
+        let mut plan = None;
+        let t_plan = time_runs(budget, || {
+            plan = Some(
+                layer::plan_call::<u16>(&cfg, &call, counts.clone(), &placement).expect("plans"),
+            );
+        });
+        let plan = plan.expect("ran");
+        let problem = redistribute::Problem {
+            n_ranks: ranks,
+            kept: plan.kept.clone(),
+            instances: plan.placement.all_instances(),
+            base_load: vec![0; ranks],
+            rank_capacity: plan.caps.clone(),
+        };
+        let t_solve = time_runs(budget, || {
+            black_box(
+                redistribute::solve(&problem, &redistribute::Config::default()).expect("solves"),
+            );
+        });
+        let kept: u64 = plan.quotas.iter().sum();
+        let routed: u64 = counts.iter().flatten().sum();
+        let (p, r) = (median(&t_plan) * 1e6, median(&t_solve) * 1e6);
+        println!(
+            "| {experts} | {ranks} | {slots} | {share} | {p:.1} | {r:.1} | {:.1} | {:.3} |",
+            p + r,
+            kept as f64 / routed as f64
+        );
+    }
+    println!();
 }
 
 /// The planner's edges at many ranks: `lrmoe plan` end to end (controller,
