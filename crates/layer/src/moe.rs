@@ -241,6 +241,17 @@ pub struct CallPlan {
     pub caps: Option<Vec<u64>>,
 }
 
+impl CallPlan {
+    /// The per-expert quotas as the device layers take them (saturating at
+    /// `u32::MAX`, which keeps every pair).
+    pub fn device_quotas(&self) -> Vec<u32> {
+        self.quotas
+            .iter()
+            .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
+            .collect()
+    }
+}
+
 /// What the forward keeps for the backward (on the source rank).
 #[derive(Debug, Clone)]
 pub struct Saved<T> {
@@ -478,11 +489,7 @@ pub fn device_quotas(
     call: &CallConfig,
     routed: &[Vec<u32>],
 ) -> Result<Vec<u32>, LayerError> {
-    Ok(device_plan_call(cfg, call, routed)?
-        .quotas
-        .iter()
-        .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
-        .collect())
+    Ok(device_plan_call(cfg, call, routed)?.device_quotas())
 }
 
 /// [`device_quotas`] as the device layers take a plan

@@ -118,12 +118,7 @@ pub fn backward<T: Real, X: Transport>(
     saved: &EpSavedHost,
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
-    let quotas: Vec<u32> = saved
-        .plan
-        .quotas
-        .iter()
-        .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
-        .collect();
+    let quotas = saved.plan.device_quotas();
     let clock = std::time::Instant::now();
     let g = dev
         .gpu

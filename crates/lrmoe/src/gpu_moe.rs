@@ -100,12 +100,7 @@ pub fn backward<T: Real>(
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
     // One GPU holds every source's pairs: its per-expert selection is the
     // host layer's `Selection::PerExpert`.
-    let quotas: Vec<u32> = saved
-        .plan
-        .quotas
-        .iter()
-        .map(|&k| u32::try_from(k).unwrap_or(u32::MAX))
-        .collect();
+    let quotas = saved.plan.device_quotas();
     let clock = std::time::Instant::now();
     let g = gpu.moe_backward_host(&saved.fwd, &to_bf16(dy), &quotas)?;
     let (h, f) = (cfg.hidden, cfg.ffn);

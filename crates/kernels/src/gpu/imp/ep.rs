@@ -544,24 +544,19 @@ impl Gpu {
         dy: &[u16],
         plan: QuotaPlan<'_>,
     ) -> Result<EpHostResult, KernelError> {
-        let w = self.ep_weights(comm, s, router, experts)?;
-        super::super::check("x", s.tokens * s.hidden, x.len())?;
         super::super::check("dy", s.tokens * s.hidden, dy.len())?;
-        let (xd, dyd) = (self.upload(x)?, self.upload(dy)?);
-        let sv = self.ep_forward(comm, s, &w, &xd)?;
-        let quotas = plan(sv.routed_counts())?;
-        let g = self.ep_backward(comm, &w, &sv, &dyd, &quotas)?;
-        let (t, h, e) = (s.tokens, s.hidden, s.experts);
-        let ew = sv.per_rank * h * s.ffn;
+        let fwd = self.ep_forward_host(comm, s, router, experts, x)?;
+        let quotas = plan(&fwd.counts)?;
+        let g = self.ep_backward_host(comm, &fwd, dy, &quotas)?;
         Ok(EpHostResult {
-            y: self.download(&sv.y, t * h)?,
-            dx: self.download(&g.dx, t * h)?,
-            router: self.download(&g.router, h * e)?,
-            gate: self.download(&g.gate, ew)?,
-            up: self.download(&g.up, ew)?,
-            down: self.download(&g.down, ew)?,
+            y: fwd.y,
+            dx: g.dx,
+            router: g.router,
+            gate: g.gate,
+            up: g.up,
+            down: g.down,
             kept_pairs: g.kept_pairs,
-            bytes_sent: (sv.bytes_sent, g.bytes_sent),
+            bytes_sent: (fwd.bytes_sent, g.bytes_sent),
         })
     }
 
