@@ -7,13 +7,18 @@
 //!   JSON-serialisable [`plan::PlanReport`];
 //! * [`model`], [`optim`], [`data`], [`train`], [`compare`]: the MoE
 //!   transformer LM (CPU dense parts; MoE layers on the CPU layer over a
-//!   transport, or on one GPU through [`gpu_moe`]), AdamW, the corpus, the
-//!   training loop (in-process ranks, or one NCCL rank per launched
-//!   process) and the time-to-target comparison;
+//!   transport, on one GPU through [`gpu_moe`], or through the device
+//!   expert-parallel executor on launched ranks' GPUs through [`gpu_ep`]),
+//!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
+//!   rank per launched process) and the time-to-target comparison;
+//! * [`stop`]: the collective stop (steps, time cap, target, signal),
+//!   decided by every rank from gathered figures, and the signal handlers;
 //! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
 //! * [`replay`], [`layer_grad`]: trace replay and one layer's gradients;
-//! * [`tensorfile`], [`plots`], [`fsutil`]: safetensors, charts (plotters), atomic
-//!   writes.
+//! * [`tensorfile`], [`plots`], [`fsutil`]: safetensors, charts (plotters),
+//!   atomic writes; [`strict`]: JSON/TOML objects that must be objects;
+//!   [`errline`], [`progress`]: one-line errors, log lines above the
+//!   progress bar.
 //!
 //! File formats are documented in `docs/formats.md`, with examples under
 //! `examples/`.
