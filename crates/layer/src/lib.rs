@@ -106,14 +106,17 @@ struct ReadmeDoctests;
 pub mod dist;
 mod experts;
 mod moe;
+mod plan;
 pub mod transport;
 
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{
-    backward, device_plan, device_plan_call, device_quotas, device_ratio_plan, forward, plan_call,
-    BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams, Retention, Saved,
-    Selection, StageTimes,
+    backward, forward, BackwardStats, ExpertWeights, MoeConfig, MoeParams, Saved, StageTimes,
+};
+pub use plan::{
+    device_plan, device_plan_call, device_quotas, device_ratio_plan, plan_call, CallConfig,
+    CallPlan, Retention, Selection,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

@@ -1,0 +1,324 @@
+//! The plan of one layer call, shared by every executor.
+//!
+//! From the routed counts `n[s][e]` of a call, [`plan_call`] runs the
+//! controller (`quota`): this call's replicas, the per-expert quotas `q_e`
+//! and their split over sources, per-rank pair caps under budgets, and the
+//! [`Selection`] rule the backward follows. The host executor
+//! ([`crate::forward`] / [`crate::backward`]) stores the [`CallPlan`] in its
+//! saved state; the device executors get theirs from [`device_plan_call`]
+//! (the same `plan_call`, restricted to what they run today) and take its
+//! per-expert quotas.
+
+use quota::{CostModel, Placement, Policy, RankBudget};
+use serde::Serialize;
+
+use crate::moe::{shape, MoeConfig};
+use crate::LayerError;
+
+/// How many pairs the backward keeps.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Retention {
+    /// Every pair (exact gradient).
+    Full,
+    /// `round(r · n_e)` pairs of every expert, `n_e` its routed pairs over
+    /// all sources, `r ∈ [0, 1]`.
+    Ratio(f64),
+    /// The controller's quotas under per-rank budgets.
+    Budgeted {
+        /// One budget per rank.
+        budgets: Vec<RankBudget>,
+        /// Quota policy.
+        policy: Policy,
+    },
+}
+
+/// Backward planning settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallConfig {
+    /// Quotas.
+    pub retention: Retention,
+    /// Replicas each rank may host in this call.
+    pub replica_slots_per_rank: usize,
+    /// Share of a rank's free memory replicas may use (budgeted mode).
+    pub replica_memory_fraction: f64,
+    /// Solver of the backward redistribution.
+    pub solver: redistribute::Solver,
+    /// Capacity-factor token dropping (the Switch/Megatron baseline, not
+    /// LRMoE): each source rank sends an expert at most
+    /// `⌈factor · pairs / n_experts⌉` pairs, first come first served; the
+    /// rest skip the expert in forward *and* backward. `None`: dropless.
+    pub capacity_factor: Option<f64>,
+    /// A forced hot-expert workload (benchmarks): `hot_bias` is added to
+    /// the router logits of experts `0..hot_experts` before the softmax. It
+    /// is a constant, so every gradient formula holds unchanged; 0 and 0.0
+    /// route as the weights say.
+    pub hot_experts: usize,
+    /// The logit bias of the hot experts.
+    pub hot_bias: f64,
+    /// Where this rank's expert GEMMs run (forward and backward).
+    pub experts: crate::experts::ExpertBackend,
+}
+
+impl Default for CallConfig {
+    fn default() -> Self {
+        Self {
+            retention: Retention::Full,
+            replica_slots_per_rank: 0,
+            replica_memory_fraction: 0.25,
+            solver: redistribute::Solver::Exact,
+            capacity_factor: None,
+            hot_experts: 0,
+            hot_bias: 0.0,
+            experts: crate::experts::ExpertBackend::Cpu,
+        }
+    }
+}
+
+/// Which pairs compete for an expert's quota (see the crate doc,
+/// "Selection").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Selection {
+    /// Expert `e` keeps its `q_e` best pairs over every source's pairs.
+    PerExpert,
+    /// Source `s` keeps its `k[s][e]` best pairs of each expert `e`.
+    PerSourceExpert,
+}
+
+/// The controller's decision for one call, identical on every rank.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CallPlan {
+    /// Routed pairs `[source][expert]`.
+    pub routed: Vec<Vec<u64>>,
+    /// Placement with this call's replicas.
+    pub placement: Placement,
+    /// Backward quotas per expert, `q_e` (what [`Selection::PerExpert`]
+    /// selects; `Σ_s kept[s][e]`).
+    pub quotas: Vec<u64>,
+    /// Backward quotas `[source][expert]`, the controller's split of `q_e`
+    /// over sources (what [`Selection::PerSourceExpert`] selects).
+    pub kept: Vec<Vec<u64>>,
+    /// How the backward selects within the quotas.
+    pub selection: Selection,
+    /// Per-rank pair caps (budgeted mode).
+    pub caps: Option<Vec<u64>>,
+}
+
+impl CallPlan {
+    /// The per-expert quotas as the device layers take them (saturating at
+    /// `u32::MAX`, which keeps every pair).
+    pub fn device_quotas(&self) -> Vec<u32> {
+        self.quotas
+            .iter()
+            .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
+            .collect()
+    }
+}
+
+/// The controller's cost model for this layer with `T` elements. Only the
+/// byte sizes bind here (the budgets are bytes); the rates are nominal.
+fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
+    CostModel::swiglu_expert(
+        cfg.hidden,
+        cfg.ffn,
+        std::mem::size_of::<T>() as u64,
+        1e11,
+        1e12,
+    )
+}
+
+/// The controller's plan for one call from the all-gathered routed counts
+/// `routed[s][e]`: this call's replicas and backward quotas (what
+/// [`crate::forward`] stores in [`crate::Saved::plan`]). `T` sets the element size of the
+/// cost model. Also used by the GPU layer, whose forward returns the counts.
+pub fn plan_call<T>(
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    routed: Vec<Vec<u64>>,
+    placement: &Placement,
+) -> Result<CallPlan, LayerError> {
+    let n_ranks = routed.len();
+    let cost = cost_model::<T>(cfg);
+    let unlimited = vec![RankBudget::UNLIMITED; n_ranks];
+    let (budgets, policy) = match &bwd.retention {
+        Retention::Budgeted { budgets, policy } => {
+            if budgets.len() != n_ranks {
+                return Err(LayerError::Config(format!(
+                    "{} budgets for {n_ranks} ranks",
+                    budgets.len()
+                )));
+            }
+            (budgets.as_slice(), *policy)
+        }
+        _ => (unlimited.as_slice(), Policy::Uniform),
+    };
+    let inputs = quota::Inputs {
+        counts: &routed,
+        placement,
+        cost: &cost,
+        budgets,
+    };
+    let qcfg = quota::Config {
+        policy,
+        replica_slots_per_rank: bwd.replica_slots_per_rank,
+        replica_memory_fraction: bwd.replica_memory_fraction,
+    };
+    let with_replicas = quota::plan_replicas(&inputs, &qcfg)?;
+    let (kept, caps) = match &bwd.retention {
+        Retention::Full => (routed.clone(), None),
+        Retention::Ratio(r) => {
+            if !(0.0..=1.0).contains(r) {
+                return Err(LayerError::Config(format!(
+                    "retention ratio {r} is not in [0, 1]"
+                )));
+            }
+            // Per expert: round(r · n_e), split over sources in rank order
+            // (the split only describes the quota; selection is per expert).
+            let kept = (0..cfg.n_experts)
+                .map(|e| {
+                    let n_e: u64 = routed.iter().map(|row| row[e]).sum();
+                    let mut left = ((n_e as f64) * r).round() as u64;
+                    routed
+                        .iter()
+                        .map(|row| {
+                            let take = left.min(row[e]);
+                            left -= take;
+                            take
+                        })
+                        .collect::<Vec<u64>>()
+                })
+                .collect::<Vec<_>>();
+            let kept = (0..n_ranks)
+                .map(|s| kept.iter().map(|col| col[s]).collect())
+                .collect();
+            (kept, None)
+        }
+        Retention::Budgeted { .. } => {
+            let inputs = quota::Inputs {
+                placement: &with_replicas,
+                ..inputs
+            };
+            let p = quota::quotas(&inputs, policy)?;
+            let caps = p.ranks.iter().map(|r| r.pair_capacity).collect();
+            (p.quotas.per_source().to_vec(), Some(caps))
+        }
+    };
+    // Per-expert selection may take an expert's quota from any source, which
+    // a per-source send budget cannot allow; with unlimited sends only the
+    // per-expert totals bind (the controller's own flow network is then one
+    // cell per expert), so any split the selection makes stays placeable.
+    let selection = match &bwd.retention {
+        Retention::Budgeted { budgets, .. }
+            if budgets.iter().any(|b| b.network_bytes != u64::MAX) =>
+        {
+            Selection::PerSourceExpert
+        }
+        _ => Selection::PerExpert,
+    };
+    let quotas = (0..cfg.n_experts)
+        .map(|e| kept.iter().map(|row: &Vec<u64>| row[e]).sum())
+        .collect();
+    Ok(CallPlan {
+        routed,
+        placement: with_replicas,
+        quotas,
+        kept,
+        selection,
+        caps,
+    })
+}
+
+/// The plan of one call for a device executor, from every source's routed
+/// counts per expert (`routed[s][e]`; one source for one GPU): the same
+/// [`plan_call`] the host executor runs (bf16 rows, the controller under
+/// [`Retention::Budgeted`]), selected per expert ([`Selection::PerExpert`]).
+/// Experts are owned in contiguous blocks. Device executors host no
+/// replicas yet and select only per expert, so a call asking for replicas
+/// or binding a per-source send budget is refused.
+pub fn device_plan_call(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+) -> Result<CallPlan, LayerError> {
+    cfg.validate()?;
+    if call.replica_slots_per_rank > 0 {
+        return Err(LayerError::Config(
+            "the device executors host no replicas yet: set replica_slots_per_rank = 0".into(),
+        ));
+    }
+    let n_ranks = routed.len();
+    if n_ranks == 0 || cfg.n_experts % n_ranks != 0 {
+        return Err(LayerError::Config(format!(
+            "{} experts cannot be owned in equal blocks by {n_ranks} ranks",
+            cfg.n_experts
+        )));
+    }
+    let counts: Vec<Vec<u64>> = routed
+        .iter()
+        .map(|row| {
+            shape("routed counts".into(), cfg.n_experts, row.len())?;
+            Ok(row.iter().map(|&c| u64::from(c)).collect())
+        })
+        .collect::<Result<_, LayerError>>()?;
+    let placement = Placement {
+        owner: (0..cfg.n_experts)
+            .map(|e| e / (cfg.n_experts / n_ranks))
+            .collect(),
+        replicas: vec![],
+    };
+    let plan = plan_call::<u16>(cfg, call, counts, &placement)?;
+    if plan.selection != Selection::PerExpert {
+        return Err(LayerError::Config(
+            "the device executors select per expert: per-source send budgets are not supported there yet".into(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// The per-expert quotas of [`device_plan_call`], as the device layers
+/// take them.
+pub fn device_quotas(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+) -> Result<Vec<u32>, LayerError> {
+    Ok(device_plan_call(cfg, call, routed)?.device_quotas())
+}
+
+/// [`device_quotas`] as the device layers take a plan
+/// ([`kernels::gpu::QuotaPlan`]).
+pub fn device_plan(
+    cfg: MoeConfig,
+    call: CallConfig,
+) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
+    move |routed| {
+        device_quotas(&cfg, &call, routed).map_err(|e| kernels::KernelError::Plan(e.to_string()))
+    }
+}
+
+/// A device plan keeping `round(r · n_e)` pairs of every expert (`r = 1`:
+/// all of them), for the device layers' tests and benchmarks.
+pub fn device_ratio_plan(
+    shape: &kernels::gpu::MoeShape,
+    r: f64,
+) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
+    let cfg = MoeConfig {
+        hidden: shape.hidden,
+        ffn: shape.ffn,
+        n_experts: shape.experts,
+        top_k: shape.top_k,
+        renormalize: shape.renormalize,
+    };
+    let retention = if r >= 1.0 {
+        Retention::Full
+    } else {
+        Retention::Ratio(r)
+    };
+    device_plan(
+        cfg,
+        CallConfig {
+            retention,
+            ..CallConfig::default()
+        },
+    )
+}
