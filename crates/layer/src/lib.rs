@@ -103,10 +103,12 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod dispatch;
 pub mod dist;
 mod experts;
 mod moe;
 mod plan;
+mod router;
 pub mod transport;
 
 pub use dist::{DistEnv, DistError, NcclTransport};
