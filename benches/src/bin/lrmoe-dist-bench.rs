@@ -139,15 +139,9 @@ fn main() -> anyhow::Result<()> {
     let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
     let rs = [1.0, 0.5, 0.25];
     // Quotas from the layer's plan (`layer::device_quotas`), per expert.
-    let plans: Vec<_> = rs
-        .iter()
-        .map(|&r| layer::device_ratio_plan(&shape, r))
-        .collect();
-    let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> = rs
-        .iter()
-        .zip(&plans)
-        .map(|(&r, p)| (r, p as kernels::gpu::QuotaPlan<'_>))
-        .collect();
+    let plans = lrmoe_benches::ratio_plans(&shape, &rs);
+    let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
+        plans.iter().map(|(r, p)| (*r, p.as_ref() as _)).collect();
     let (ep_fwd, ep_rows) = gpu.bench_ep(comm, &shape, &labelled, 10)?;
     let (one_fwd, one_rows) = gpu.bench_moe(&shape, &labelled)?;
     let bwd_kept: Vec<u64> = ep_rows.iter().map(|r| r.kept_pairs as u64).collect();

@@ -137,15 +137,9 @@ fn main() -> anyhow::Result<()> {
             renormalize: true,
         };
         let rs = [1.0, 0.75, 0.5, 0.25];
-        let plans: Vec<_> = rs
-            .iter()
-            .map(|&r| layer::device_ratio_plan(&shape, r))
-            .collect();
-        let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> = rs
-            .iter()
-            .zip(&plans)
-            .map(|(&r, p)| (r, p as kernels::gpu::QuotaPlan<'_>))
-            .collect();
+        let plans = lrmoe_benches::ratio_plans(&shape, &rs);
+        let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
+            plans.iter().map(|(r, p)| (*r, p.as_ref() as _)).collect();
         let (fwd, rows) = gpu.bench_moe(&shape, &labelled)?;
         let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
         let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));

@@ -153,23 +153,12 @@ pub fn backward<T: Real, X: Transport>(
         router: g.router.iter().map(|&x| T::of(f64::from(x))).collect(),
         experts,
     };
-    let routed: usize = saved.fwd.shape.pairs();
-    let stats = BackwardStats {
-        routed_pairs: routed,
+    let figures = crate::gpu_moe::DeviceFigures {
+        routed_pairs: saved.fwd.shape.pairs(),
         kept_pairs: g.kept_pairs,
-        kept: vec![],
-        scores: vec![],
-        pairs_per_rank: vec![g.kept_pairs as u64],
         buffer_bytes: (g.kept_pairs * 2 * h * 2) as u64,
         bytes_sent: g.bytes_sent as u64,
-        times: layer::StageTimes {
-            gemm: clock.elapsed().as_secs_f64(),
-            ..layer::StageTimes::default()
-        },
+        seconds: clock.elapsed().as_secs_f64(),
     };
-    let dx = from_bf16(&g.dx);
-    if dx.iter().any(|v: &T| !v.is_finite()) {
-        return Err(ModelError::NonFinite("device EP MoE input gradient"));
-    }
-    Ok((dx, grads, stats))
+    crate::gpu_moe::device_backward_result(&g.dx, grads, &figures, "device EP MoE input gradient")
 }

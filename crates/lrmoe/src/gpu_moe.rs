@@ -115,22 +115,49 @@ pub fn backward<T: Real>(
             .collect(),
     };
     let routed: usize = saved.fwd.counts.iter().map(|&c| c as usize).sum();
-    let stats = BackwardStats {
+    let figures = DeviceFigures {
         routed_pairs: routed,
         kept_pairs: g.kept_pairs,
-        kept: vec![],
-        scores: vec![],
-        pairs_per_rank: vec![g.kept_pairs as u64],
         buffer_bytes: g.kept_row_bytes,
         bytes_sent: 0,
+        seconds: clock.elapsed().as_secs_f64(),
+    };
+    device_backward_result(&g.dx, grads, &figures, "GPU MoE input gradient")
+}
+
+/// What a device backward reports about one call on this rank.
+pub(crate) struct DeviceFigures {
+    pub routed_pairs: usize,
+    pub kept_pairs: usize,
+    pub buffer_bytes: u64,
+    pub bytes_sent: u64,
+    pub seconds: f64,
+}
+
+/// A device backward's input gradient (bf16 bits) as `T`, checked finite,
+/// with its gradients and figures in the host layer's form.
+pub(crate) fn device_backward_result<T: Real>(
+    dx_bits: &[u16],
+    grads: MoeParams<T>,
+    f: &DeviceFigures,
+    what: &'static str,
+) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
+    let dx = from_bf16(dx_bits);
+    if dx.iter().any(|v: &T| !v.is_finite()) {
+        return Err(ModelError::NonFinite(what));
+    }
+    let stats = BackwardStats {
+        routed_pairs: f.routed_pairs,
+        kept_pairs: f.kept_pairs,
+        kept: vec![],
+        scores: vec![],
+        pairs_per_rank: vec![f.kept_pairs as u64],
+        buffer_bytes: f.buffer_bytes,
+        bytes_sent: f.bytes_sent,
         times: layer::StageTimes {
-            gemm: clock.elapsed().as_secs_f64(),
+            gemm: f.seconds,
             ..layer::StageTimes::default()
         },
     };
-    let dx = from_bf16(&g.dx);
-    if dx.iter().any(|v: &T| !v.is_finite()) {
-        return Err(ModelError::NonFinite("GPU MoE input gradient"));
-    }
     Ok((dx, grads, stats))
 }
