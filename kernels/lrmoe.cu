@@ -490,6 +490,16 @@ extern "C" __global__ void bf16_to_f32(const uint16_t* __restrict__ a, float* __
         out[i] = bf(a[i]);
 }
 
+// Logits with a per-column bias (the hot-expert workload): out[i] = a[i] +
+// bias[i % cols], f32.
+//   a: [n] bf16 bits (rows × cols); bias: [cols] f32; out: [n] f32
+extern "C" __global__ void bf16_to_f32_bias(const uint16_t* __restrict__ a, const float* __restrict__ bias,
+                                            float* __restrict__ out, long long n, int cols) {
+    for (long long i = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; i < n;
+         i += static_cast<long long>(gridDim.x) * blockDim.x)
+        out[i] = bf(a[i]) + bias[i % cols];
+}
+
 // Router backward for one token per warp. dg[p] = dy[t] . o[row[p]] for
 // each of its k pairs (o in grouped order), then through the optional
 // renormalisation and the softmax: dlogits [t, e] as bf16.

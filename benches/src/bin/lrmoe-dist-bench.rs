@@ -20,7 +20,12 @@
 //!    top-8, 128 experts owned in blocks, hidden 2048, ffn 768), forward and
 //!    LRMoE backward wall time at retention 1.0 / 0.5 / 0.25, beside the
 //!    single-GPU layer (`Gpu::bench_moe`) on the same tokens per GPU, timed
-//!    on each rank's GPU in the same run.
+//!    on each rank's GPU in the same run;
+//! 4. the same layer on the hot workload (rank 0's experts +2.0 on the
+//!    router logits, the peer's `--hot 2.0`) under one per-GPU memory
+//!    budget: fixed ownership, replication (8 and 32 replica slots per rank)
+//!    and LRMoE's controller (with and without replicas) — forward,
+//!    backward, kept fraction, per-rank backward load, peak memory.
 
 use std::time::Duration;
 
@@ -138,31 +143,141 @@ fn main() -> anyhow::Result<()> {
     };
     let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
     let rs = [1.0, 0.5, 0.25];
-    // Quotas from the layer's plan (`layer::device_quotas`), per expert.
+    // The EP layer's controller (`layer::DevicePlanner`) at each ratio, and
+    // the single-GPU layer's quotas from the same controller.
+    let planners: Vec<layer::DevicePlanner> = rs
+        .iter()
+        .map(|&r| layer::DevicePlanner::ratio(&shape, r))
+        .collect();
+    let labelled: Vec<(f64, &dyn kernels::gpu::EpPlanner)> = rs
+        .iter()
+        .zip(&planners)
+        .map(|(&r, p)| (r, p as &dyn kernels::gpu::EpPlanner))
+        .collect();
+    let ep_rows = gpu.bench_ep(comm, &shape, &labelled, 0.0, 10)?;
     let plans = lrmoe_benches::ratio_plans(&shape, &rs);
-    let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
+    let quota_plans: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
         plans.iter().map(|(r, p)| (*r, p.as_ref() as _)).collect();
-    let (ep_fwd, ep_rows) = gpu.bench_ep(comm, &shape, &labelled, 10)?;
-    let (one_fwd, one_rows) = gpu.bench_moe(&shape, &labelled)?;
-    let bwd_kept: Vec<u64> = ep_rows.iter().map(|r| r.kept_pairs as u64).collect();
-    let kept_all = layer::transport::all_gather(&t, &bwd_kept)?;
+    let (one_fwd, one_rows) = gpu.bench_moe(&shape, &quota_plans)?;
     say(format!(
-        "\nExpert-parallel MoE layer on the GPUs (Qwen3-30B-A3B shape, {} tokens per rank, top-8, {EXPERTS} experts in blocks of {}, hidden {HIDDEN}, ffn 768); single GPU = the same layer with EP = 1 on the same tokens per GPU; rank 0's wall-clock medians of 10\n",
+        "\nExpert-parallel MoE layer on the GPUs (Qwen3-30B-A3B shape, {} tokens per rank, top-8, {EXPERTS} experts in blocks of {}, hidden {HIDDEN}, ffn 768, random router); single GPU = the same layer with EP = 1 on the same tokens per GPU; rank 0's wall-clock medians of 10\n",
         shape.tokens,
         EXPERTS / world
     ));
-    say("| retention | kept pairs (all ranks) | EP bytes out (rank 0) MiB | EP fwd ms | EP bwd ms | EP bwd / r = 1 | single-GPU fwd ms | single-GPU bwd ms | EP fwd+bwd / single-GPU |".into());
+    say("| retention | kept pairs (all ranks) | EP bwd bytes out (rank 0) MiB | EP fwd ms | EP bwd ms | EP bwd / r = 1 | single-GPU fwd ms | single-GPU bwd ms | EP fwd+bwd / single-GPU |".into());
     say("|---|---|---|---|---|---|---|---|---|".into());
-    for (i, (ep, one)) in ep_rows.iter().zip(&one_rows).enumerate() {
-        let kept: u64 = kept_all.iter().map(|k| k[i]).sum();
+    for (ep, one) in ep_rows.iter().zip(&one_rows) {
         say(format!(
-            "| {} | {kept} | {:.1} | {ep_fwd:.2} | {:.2} | {:.3} | {one_fwd:.2} | {:.2} | {:.3} |",
+            "| {} | {} | {:.1} | {:.2} | {:.2} | {:.3} | {one_fwd:.2} | {:.2} | {:.3} |",
             ep.retention,
+            ep.kept_total,
             ep.bytes_sent as f64 / (1 << 20) as f64,
+            ep.forward_ms,
             ep.backward_ms,
             ep.backward_ms / ep_rows[0].backward_ms,
             one.backward_ms,
-            (ep_fwd + ep.backward_ms) / (one_fwd + one.backward_ms),
+            (ep.forward_ms + ep.backward_ms) / (one_fwd + one.backward_ms),
+        ));
+    }
+    hot_table(&t, &gpu, &shape, &say)?;
+    Ok(())
+}
+
+/// The hot workload (`--hot 2.0`: rank 0's experts get +2 on their router
+/// logits, as in the PyTorch peer) under one per-GPU memory budget: the
+/// memory one GPU needs for its own experts (weights and gradients) and a
+/// balanced share of the token buffers (`T·k` kept pairs of `[x | g·δ]`
+/// bf16 rows). Fixed ownership and replication keep every pair; LRMoE's
+/// controller keeps what the budget allows per rank.
+fn hot_table(
+    t: &NcclTransport,
+    gpu: &kernels::gpu::Gpu,
+    shape: &kernels::gpu::MoeShape,
+    say: &dyn Fn(String),
+) -> anyhow::Result<()> {
+    let world = t.world_size();
+    let el = shape.experts / world;
+    let cost = quota::CostModel::swiglu_expert(
+        shape.hidden,
+        shape.ffn,
+        2,
+        quota::H200_LINK_BYTES_PER_S,
+        quota::H200_FLOPS_PER_S,
+    );
+    let pairs = (shape.tokens * shape.top_k) as u64;
+    let budget = el as u64 * cost.instance_bytes() + pairs * cost.row_bytes();
+    let cfg = layer::MoeConfig {
+        hidden: shape.hidden,
+        ffn: shape.ffn,
+        n_experts: shape.experts,
+        top_k: shape.top_k,
+        renormalize: shape.renormalize,
+    };
+    let budgeted = |slots: usize| -> anyhow::Result<layer::DevicePlanner> {
+        Ok(layer::DevicePlanner::new(
+            cfg,
+            layer::CallConfig {
+                retention: layer::Retention::Budgeted {
+                    budgets: vec![
+                        quota::RankBudget {
+                            memory_bytes: budget,
+                            network_bytes: u64::MAX,
+                        };
+                        world
+                    ],
+                    policy: quota::Policy::Maxmin,
+                },
+                replica_slots_per_rank: slots,
+                ..layer::CallConfig::default()
+            },
+        )?)
+    };
+    let rows: Vec<(&str, layer::DevicePlanner)> = vec![
+        (
+            "fixed ownership (exact)",
+            layer::DevicePlanner::ratio(shape, 1.0),
+        ),
+        (
+            "replication, 8 slots (exact)",
+            layer::DevicePlanner::ratio_with_replicas(shape, 1.0, 8),
+        ),
+        (
+            "replication, 32 slots (exact)",
+            layer::DevicePlanner::ratio_with_replicas(shape, 1.0, 32),
+        ),
+        ("LRMoE, budget, no replicas", budgeted(0)?),
+        ("LRMoE, budget, 8 slots", budgeted(8)?),
+    ];
+    let labelled: Vec<(f64, &dyn kernels::gpu::EpPlanner)> = rows
+        .iter()
+        .enumerate()
+        .map(|(i, (_, p))| (i as f64, p as &dyn kernels::gpu::EpPlanner))
+        .collect();
+    let got = gpu.bench_ep(t.comm(), shape, &labelled, 2.0, 10)?;
+    let mine: Vec<u64> = got
+        .iter()
+        .flat_map(|r| [r.peak_bytes, r.kept_pairs as u64])
+        .collect();
+    let all = layer::transport::all_gather(t, &mine)?;
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    say(format!(
+        "\nHot workload (router logit +2.0 on rank 0's experts, as `torch_ep_anchor.py --hot 2.0`), same shape; per-GPU memory budget {:.2} GiB (own experts' weights and gradients + a balanced share of token buffers, {pairs} kept pairs of [x | g·δ] bf16 rows); peak = device memory above the weights during one forward + backward, the larger rank's; rank 0's wall-clock medians of 10\n",
+        gib(budget)
+    ));
+    say("| strategy | fwd ms | bwd ms | fwd+bwd ms | kept fraction | pairs processed in bwd (rank 0 / rank 1 …) | peak GiB (max rank) | peak / budget |".into());
+    say("|---|---|---|---|---|---|---|---|".into());
+    for (i, ((name, _), r)) in rows.iter().zip(&got).enumerate() {
+        let peak = all.iter().map(|v| v[2 * i]).max().unwrap_or(0);
+        let loads: Vec<String> = all.iter().map(|v| v[2 * i + 1].to_string()).collect();
+        say(format!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.3} | {} | {:.2} | {:.2} |",
+            r.forward_ms,
+            r.backward_ms,
+            r.forward_ms + r.backward_ms,
+            r.kept_total as f64 / (pairs * world as u64) as f64,
+            loads.join(" / "),
+            gib(peak),
+            peak as f64 / budget as f64
         ));
     }
     Ok(())

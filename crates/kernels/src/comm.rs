@@ -707,10 +707,10 @@ mod imp {
 
         /// Enqueues an all-gather: `recv` gets every rank's `send` (equal
         /// lengths) in rank order.
-        pub fn all_gather(
+        pub fn all_gather<T: cudarc::driver::DeviceRepr>(
             &self,
-            send: &CudaSlice<u8>,
-            recv: &mut CudaSlice<u8>,
+            send: &CudaSlice<T>,
+            recv: &mut CudaSlice<T>,
         ) -> Result<(), KernelError> {
             let n = send.len();
             if recv.len() != n * self.world {
@@ -728,7 +728,7 @@ mod imp {
                 sys::ncclAllGather(
                     sp as *const std::ffi::c_void,
                     rp as *mut std::ffi::c_void,
-                    n,
+                    n * std::mem::size_of::<T>(),
                     sys::ncclDataType_t::ncclUint8,
                     comm,
                     st,

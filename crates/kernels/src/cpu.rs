@@ -508,6 +508,17 @@ pub(crate) fn check_combine(
     Ok(t)
 }
 
+/// CPU twin of `bf16_to_f32_bias` ([`crate::gpu::Gpu::logits_bias_f32`]):
+/// bf16 logits of `bias.len()` columns plus a per-column bias, f32.
+pub fn logits_bias_reference(logits: &[u16], bias: &[f32]) -> Vec<f32> {
+    let cols = bias.len().max(1);
+    logits
+        .iter()
+        .enumerate()
+        .map(|(i, &b)| bf16_bits_to_f32(b) + bias.get(i % cols).copied().unwrap_or(0.0))
+        .collect()
+}
+
 /// CPU twin of `combine_bf16`: `y[t] = Σ_j gates[t, j] · o[row[t, j]]`.
 pub fn combine_bf16_reference(
     o: &[u16],

@@ -34,6 +34,116 @@ pub use imp::Gpu;
 /// layer's plan; the device code holds no quota rule of its own).
 pub type QuotaPlan<'a> = &'a dyn Fn(&[Vec<u32>]) -> Result<Vec<u32>, KernelError>;
 
+/// One call's plan for the device expert-parallel layer, identical on
+/// every rank (the layer crate's controller fills it from the routed
+/// counts; the device code holds no planning rule of its own). Experts are
+/// owned in contiguous blocks: expert `e`'s owner is `e / (E / W)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpPlan {
+    /// Ranks holding an instance of each expert in this call, owner first
+    /// then its replicas (no rank twice).
+    pub instances: Vec<Vec<usize>>,
+    /// The forward's split of every routed pair over the instances,
+    /// `[source][expert][rank]` (zero where a rank holds no instance).
+    pub forward: Vec<Vec<Vec<u32>>>,
+    /// Pairs each expert keeps in the backward, selected over every
+    /// source's pairs (more than routed keeps all).
+    pub quotas: Vec<u32>,
+    /// Per-rank pair caps the backward's redistribution honours, if any.
+    pub caps: Option<Vec<u64>>,
+}
+
+/// The controller of the device expert-parallel layer. Every rank calls it
+/// with the same inputs and must get the same answer (the layer crate's
+/// controller and exact redistribution are deterministic).
+pub trait EpPlanner {
+    /// This call's plan from every source's routed pairs per expert
+    /// (`[sources][experts]`).
+    fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, KernelError>;
+    /// The backward's split of the kept pairs (`kept[s][e]`, after
+    /// selection) over the plan's instances, `[source][expert][rank]`.
+    fn backward(&self, plan: &EpPlan, kept: &[Vec<u32>])
+        -> Result<Vec<Vec<Vec<u32>>>, KernelError>;
+}
+
+/// Checks a split `[source][expert][rank]` against the counts it divides
+/// and the instances it may use; the plan's error otherwise.
+pub fn check_split(
+    split: &[Vec<Vec<u32>>],
+    counts: &[Vec<u32>],
+    instances: &[Vec<usize>],
+) -> Result<(), KernelError> {
+    let bad = |m: String| Err(KernelError::Plan(m));
+    let world = counts.len();
+    if split.len() != world {
+        return bad(format!(
+            "a split for {} sources, {world} expected",
+            split.len()
+        ));
+    }
+    for (s, (row, n)) in split.iter().zip(counts).enumerate() {
+        if row.len() != n.len() || row.len() != instances.len() {
+            return bad(format!(
+                "source {s}: a split for {} experts, {} expected",
+                row.len(),
+                n.len()
+            ));
+        }
+        for (e, (cell, &c)) in row.iter().zip(n).enumerate() {
+            if cell.len() != world {
+                return bad(format!(
+                    "source {s}, expert {e}: {} ranks, {world} expected",
+                    cell.len()
+                ));
+            }
+            let sum: u64 = cell.iter().map(|&v| u64::from(v)).sum();
+            if sum != u64::from(c) {
+                return bad(format!(
+                    "source {s}, expert {e}: the split carries {sum} pairs, {c} expected"
+                ));
+            }
+            if let Some(r) = (0..world).find(|&r| cell[r] > 0 && !instances[e].contains(&r)) {
+                return bad(format!(
+                    "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a plan for `world` ranks with experts owned in blocks of
+/// `per_rank` against the routed counts.
+pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result<(), KernelError> {
+    let world = routed.len();
+    let experts = routed.first().map_or(0, Vec::len);
+    if plan.instances.len() != experts || plan.quotas.len() != experts {
+        return Err(KernelError::Plan(format!(
+            "a plan for {} experts ({} quotas), {experts} expected",
+            plan.instances.len(),
+            plan.quotas.len()
+        )));
+    }
+    for (e, inst) in plan.instances.iter().enumerate() {
+        let owner = e / per_rank.max(1);
+        let dup = inst.iter().enumerate().any(|(i, r)| inst[..i].contains(r));
+        if inst.first() != Some(&owner) || dup || inst.iter().any(|&r| r >= world) {
+            return Err(KernelError::Plan(format!(
+                "expert {e}: instances {inst:?} must start with its owner {owner}, each rank once, below {world}"
+            )));
+        }
+    }
+    if let Some(c) = &plan.caps {
+        if c.len() != world {
+            return Err(KernelError::Plan(format!(
+                "{} caps for {world} ranks",
+                c.len()
+            )));
+        }
+    }
+    check_split(&plan.forward, routed, &plan.instances)
+}
+
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
 #[derive(Debug)]
@@ -99,6 +209,10 @@ impl Gpu {
     }
     /// See the CUDA build.
     pub fn swiglu_bf16(&self, _a: &[u16], _b: &[u16]) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn logits_bias_f32(&self, _l: &[u16], _b: &[f32]) -> Result<Vec<f32>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
@@ -183,9 +297,10 @@ pub use imp::moe::ep::{EpBackward, EpBenchRow, EpHostResult, EpSaved, EpWeights}
 pub struct EpHostForward {
     /// Output of this rank's tokens, `T × H` (bf16 bits).
     pub y: Vec<u16>,
-    /// Every source's routed pairs per global expert, `[world][experts]`
-    /// (what a plan turns into quotas).
+    /// Every source's routed pairs per global expert, `[world][experts]`.
     pub counts: Vec<Vec<u32>>,
+    /// The call's plan (replicas, the forward's split, quotas).
+    pub plan: EpPlan,
     /// Bytes this rank sent in the forward's all-to-alls.
     pub bytes_sent: usize,
     /// The layer's shape (this rank's tokens).
@@ -217,9 +332,11 @@ pub struct EpHostGrads {
     pub up: Vec<u16>,
     /// See `gate`.
     pub down: Vec<u16>,
-    /// Pairs this rank's experts kept (over all sources).
+    /// Kept pairs this rank's instances processed.
     pub kept_pairs: usize,
-    /// Bytes this rank sent in the backward's all-to-alls.
+    /// Kept pairs over all ranks.
+    pub kept_total: usize,
+    /// Bytes this rank sent in the backward.
     pub bytes_sent: usize,
 }
 
@@ -229,6 +346,7 @@ impl EpHostForward {
         Self {
             y,
             counts: sv.routed_counts().to_vec(),
+            plan: sv.plan().clone(),
             bytes_sent: sv.bytes_sent,
             shape,
             state: Box::new((w, sv)),
@@ -245,6 +363,7 @@ impl EpHostForward {
 #[cfg(not(feature = "nccl"))]
 impl Gpu {
     /// See the NCCL build.
+    #[allow(clippy::too_many_arguments)]
     pub fn ep_forward_host(
         &self,
         _comm: &crate::comm::NcclComm,
@@ -252,6 +371,8 @@ impl Gpu {
         _router: &[u16],
         _experts: (&[u16], &[u16], &[u16]),
         _x: &[u16],
+        _router_bias: Option<&[f32]>,
+        _planner: &dyn EpPlanner,
     ) -> Result<EpHostForward, KernelError> {
         Err(KernelError::NotCompiledWithNccl)
     }
@@ -261,7 +382,7 @@ impl Gpu {
         _comm: &crate::comm::NcclComm,
         _fwd: &EpHostForward,
         _dy: &[u16],
-        _quotas: &[u32],
+        _planner: &dyn EpPlanner,
     ) -> Result<EpHostGrads, KernelError> {
         Err(KernelError::NotCompiledWithNccl)
     }
@@ -498,6 +619,7 @@ mod imp {
         f_gather32: CudaFunction,
         f_add: CudaFunction,
         f_to_f32: CudaFunction,
+        f_to_f32_bias: CudaFunction,
         f_router_bwd: CudaFunction,
         f_row_sq: CudaFunction,
         f_scores_norms: CudaFunction,
@@ -591,6 +713,7 @@ mod imp {
                 f_gather32: module.load_function("gather_32").map_err(cuda)?,
                 f_add: module.load_function("add_bf16").map_err(cuda)?,
                 f_to_f32: module.load_function("bf16_to_f32").map_err(cuda)?,
+                f_to_f32_bias: module.load_function("bf16_to_f32_bias").map_err(cuda)?,
                 f_router_bwd: module.load_function("router_backward").map_err(cuda)?,
                 f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
                 f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
@@ -973,6 +1096,36 @@ mod imp {
                 block_dim: (THREADS, 1, 1),
                 shared_mem_bytes: 0,
             }
+        }
+
+        /// Router logits (bf16 bits, rows of `bias.len()` columns) plus a
+        /// per-column bias, f32: the hot-expert workload's logits (twin:
+        /// [`crate::cpu::logits_bias_reference`]).
+        pub fn logits_bias_f32(
+            &self,
+            logits: &[u16],
+            bias: &[f32],
+        ) -> Result<Vec<f32>, KernelError> {
+            let cols = bias.len();
+            if cols == 0 || logits.len() % cols != 0 {
+                return Err(KernelError::Shape {
+                    what: "logits (whole rows of the bias's width)",
+                    expected: cols,
+                    got: logits.len(),
+                });
+            }
+            let n = logits.len();
+            let (ld, bd) = (self.upload(logits)?, self.upload(bias)?);
+            let mut out = self.poisoned::<f32>(n)?;
+            if n > 0 {
+                let (n_i, c_i) = (n as i64, dim("columns", cols)?);
+                let mut l = self.stream.launch_builder(&self.f_to_f32_bias);
+                l.arg(&ld).arg(&bd).arg(&mut out).arg(&n_i).arg(&c_i);
+                // SAFETY: (u16*, f32*, f32*, long long, int) matches; logits
+                // and out hold n, bias cols (n a multiple of cols).
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            self.download(&out, n)
         }
 
         /// `h = silu(a) ⊙ b` on bf16 bits (f32 math, round to nearest even).

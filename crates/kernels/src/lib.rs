@@ -45,9 +45,11 @@
 //!
 //! * Only this crate holds `unsafe` (the `gemm` call, wrapped by a function
 //!   that checks every length first).
-//! * No quota or selection rule lives here: the device layers take the
-//!   caller's per-expert quotas (`layer::device_quotas`). Its one planning
-//!   dependency is `pack` (the EP owner layouts, shared with the host).
+//! * No quota, replica or redistribution rule lives here: the single-GPU
+//!   layer takes the caller's per-expert quotas (`layer::device_quotas`),
+//!   the expert-parallel layer a whole plan from the caller's
+//!   [`gpu::EpPlanner`] (`layer::DevicePlanner`). Its one planning
+//!   dependency is `pack` (the EP index layouts, shared with the host).
 //! * Zero-size dimensions are ordinary inputs: an `m × 0` times `0 × n`
 //!   product is zeros (or leaves the accumulator as it was).
 //! * With the `cuda` feature off the GPU API returns

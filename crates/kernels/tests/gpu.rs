@@ -224,6 +224,30 @@ fn swiglu_forward_and_backward_match_the_cpu_twins() {
 
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
+fn biased_logits_match_the_cpu_twin_exactly() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for &(t, e) in &[(1, 1), (3, 8), (1000, 128), (777, 40)] {
+        let logits = rng.bf16(t * e);
+        let bias: Vec<f32> = (0..e)
+            .map(|_| (rng.next() % 401) as f32 / 50.0 - 4.0)
+            .collect();
+        let got = g.logits_bias_f32(&logits, &bias).unwrap();
+        let want = kernels::cpu::logits_bias_reference(&logits, &bias);
+        assert_eq!(got.len(), want.len());
+        for (a, b) in got.iter().zip(&want) {
+            assert!(
+                a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan()),
+                "({t}, {e}): {a} vs {b}"
+            );
+        }
+    }
+    assert!(g.logits_bias_f32(&[0; 7], &[0.0; 2]).is_err());
+    assert!(g.logits_bias_f32(&[0; 4], &[]).is_err());
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
 fn router_topk_matches_the_cpu_twin() {
     let g = gpu();
     let mut rng = Rng(seed());

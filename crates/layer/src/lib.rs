@@ -118,7 +118,7 @@ pub use moe::{
 };
 pub use plan::{
     device_plan, device_plan_call, device_quotas, device_ratio_plan, plan_call, CallConfig,
-    CallPlan, Retention, Selection,
+    CallPlan, DevicePlanner, Retention, Selection,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

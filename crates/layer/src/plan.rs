@@ -231,21 +231,16 @@ pub fn plan_call<T>(
 /// The plan of one call for a device executor, from every source's routed
 /// counts per expert (`routed[s][e]`; one source for one GPU): the same
 /// [`plan_call`] the host executor runs (bf16 rows, the controller under
-/// [`Retention::Budgeted`]), selected per expert ([`Selection::PerExpert`]).
-/// Experts are owned in contiguous blocks. Device executors host no
-/// replicas yet and select only per expert, so a call asking for replicas
-/// or binding a per-source send budget is refused.
+/// [`Retention::Budgeted`], replicas when `replica_slots_per_rank > 0`),
+/// selected per expert ([`Selection::PerExpert`]). Experts are owned in
+/// contiguous blocks. A call binding a per-source send budget is refused:
+/// the device executors select per expert only.
 pub fn device_plan_call(
     cfg: &MoeConfig,
     call: &CallConfig,
     routed: &[Vec<u32>],
 ) -> Result<CallPlan, LayerError> {
     cfg.validate()?;
-    if call.replica_slots_per_rank > 0 {
-        return Err(LayerError::Config(
-            "the device executors host no replicas yet: set replica_slots_per_rank = 0".into(),
-        ));
-    }
     let n_ranks = routed.len();
     if n_ranks == 0 || cfg.n_experts % n_ranks != 0 {
         return Err(LayerError::Config(format!(
@@ -275,6 +270,146 @@ pub fn device_plan_call(
     Ok(plan)
 }
 
+/// The controller of the device expert-parallel executor
+/// (`kernels::gpu::Gpu::ep_forward` / `ep_backward`): [`device_plan_call`]
+/// (replicas, per-expert quotas, pair caps) from the routed counts, the
+/// forward's pairs spread over the instances and the backward's kept pairs
+/// redistributed over the same instances by `redistribute` (the exact
+/// solver for the forward, [`CallConfig::solver`] for the backward, under
+/// the caps). Deterministic, so every rank computes the same plan.
+#[derive(Debug)]
+pub struct DevicePlanner {
+    cfg: MoeConfig,
+    call: CallConfig,
+    /// The controller's plan of the last forward, for the caller's figures.
+    last: std::sync::Mutex<Option<CallPlan>>,
+}
+
+impl DevicePlanner {
+    /// A planner for this layer and call settings. Capacity-factor dropping
+    /// and the forced hot workload are the host executor's only.
+    pub fn new(cfg: MoeConfig, call: CallConfig) -> Result<Self, LayerError> {
+        cfg.validate()?;
+        if call.capacity_factor.is_some() {
+            return Err(LayerError::Config(
+                "capacity-factor dropping runs on the host executor only".into(),
+            ));
+        }
+        Ok(Self {
+            cfg,
+            call,
+            last: std::sync::Mutex::new(None),
+        })
+    }
+
+    /// The controller's plan of the last forward this planner made (routed
+    /// counts, placement with replicas, quotas), taken out.
+    pub fn take_last_plan(&self) -> Option<CallPlan> {
+        self.last.lock().ok().and_then(|mut l| l.take())
+    }
+
+    /// Keeps `round(r · n_e)` pairs of every expert (`r ≥ 1`: all), no
+    /// replicas: for tests and benchmarks.
+    pub fn ratio(shape: &kernels::gpu::MoeShape, r: f64) -> Self {
+        Self::ratio_with_replicas(shape, r, 0)
+    }
+
+    /// [`DevicePlanner::ratio`] with `slots` replica slots per rank (the
+    /// controller places replicas of the hottest experts).
+    pub fn ratio_with_replicas(shape: &kernels::gpu::MoeShape, r: f64, slots: usize) -> Self {
+        let retention = if r >= 1.0 {
+            Retention::Full
+        } else {
+            Retention::Ratio(r.max(0.0))
+        };
+        Self {
+            cfg: moe_config(shape),
+            call: CallConfig {
+                retention,
+                replica_slots_per_rank: slots,
+                ..CallConfig::default()
+            },
+            last: std::sync::Mutex::new(None),
+        }
+    }
+
+    fn solve(
+        &self,
+        counts: &[Vec<u32>],
+        instances: &[Vec<usize>],
+        caps: Option<Vec<u64>>,
+        solver: redistribute::Solver,
+    ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
+        let n_ranks = counts.len();
+        let problem = redistribute::Problem {
+            n_ranks,
+            kept: counts
+                .iter()
+                .map(|row| row.iter().map(|&c| u64::from(c)).collect())
+                .collect(),
+            instances: instances.to_vec(),
+            base_load: vec![0; n_ranks],
+            rank_capacity: caps,
+        };
+        let cfg = redistribute::Config {
+            solver,
+            ..redistribute::Config::default()
+        };
+        let a = redistribute::solve(&problem, &cfg)?;
+        let mut split = vec![vec![vec![0u32; n_ranks]; instances.len()]; n_ranks];
+        for r in &a.routes {
+            let cell = &mut split[r.source][r.expert][r.rank];
+            *cell = u32::try_from(u64::from(*cell) + r.pairs).map_err(|_| {
+                LayerError::Config(format!("{} pairs in one route exceed u32", r.pairs))
+            })?;
+        }
+        Ok(split)
+    }
+}
+
+fn moe_config(shape: &kernels::gpu::MoeShape) -> MoeConfig {
+    MoeConfig {
+        hidden: shape.hidden,
+        ffn: shape.ffn,
+        n_experts: shape.experts,
+        top_k: shape.top_k,
+        renormalize: shape.renormalize,
+    }
+}
+
+fn plan_error(e: LayerError) -> kernels::KernelError {
+    kernels::KernelError::Plan(e.to_string())
+}
+
+impl kernels::gpu::EpPlanner for DevicePlanner {
+    fn forward(&self, routed: &[Vec<u32>]) -> Result<kernels::gpu::EpPlan, kernels::KernelError> {
+        let plan = device_plan_call(&self.cfg, &self.call, routed).map_err(plan_error)?;
+        let instances = plan.placement.all_instances();
+        let forward = self
+            .solve(routed, &instances, None, redistribute::Solver::Exact)
+            .map_err(plan_error)?;
+        let out = kernels::gpu::EpPlan {
+            quotas: plan.device_quotas(),
+            instances,
+            forward,
+            caps: plan.caps.clone(),
+        };
+        if let Ok(mut l) = self.last.lock() {
+            *l = Some(plan);
+        }
+        Ok(out)
+    }
+
+    fn backward(
+        &self,
+        plan: &kernels::gpu::EpPlan,
+        kept: &[Vec<u32>],
+    ) -> Result<Vec<Vec<Vec<u32>>>, kernels::KernelError> {
+        self.solve(kept, &plan.instances, plan.caps.clone(), self.call.solver)
+            .map_err(plan_error)
+    }
+}
+
 /// The per-expert quotas of [`device_plan_call`], as the device layers
 /// take them.
 pub fn device_quotas(
@@ -302,13 +437,7 @@ pub fn device_ratio_plan(
     shape: &kernels::gpu::MoeShape,
     r: f64,
 ) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
-    let cfg = MoeConfig {
-        hidden: shape.hidden,
-        ffn: shape.ffn,
-        n_experts: shape.experts,
-        top_k: shape.top_k,
-        renormalize: shape.renormalize,
-    };
+    let cfg = moe_config(shape);
     let retention = if r >= 1.0 {
         Retention::Full
     } else {

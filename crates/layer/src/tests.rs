@@ -831,12 +831,16 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
     .unwrap();
     assert!(budgeted.iter().zip([8, 4, 10, 2]).all(|(&k, n)| k <= n));
     assert!(budgeted[0] + budgeted[1] <= 5 && budgeted[2] + budgeted[3] <= 5);
-    // What device executors cannot do yet is refused, not ignored.
+    // Replicas are planned for device executors too (the quotas do not
+    // depend on them); what they cannot do yet is refused, not ignored.
     let replicas = CallConfig {
         replica_slots_per_rank: 1,
         ..CallConfig::default()
     };
-    assert!(device_quotas(&cfg, &replicas, &routed).is_err());
+    assert_eq!(
+        device_quotas(&cfg, &replicas, &routed).unwrap(),
+        vec![8, 4, 10, 2]
+    );
     let send_bound = CallConfig {
         retention: Retention::Budgeted {
             budgets: vec![
@@ -853,4 +857,59 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
     assert!(device_quotas(&cfg, &send_bound, &routed).is_err());
     assert!(device_quotas(&cfg, &CallConfig::default(), &routed[..1]).is_ok());
     assert!(device_quotas(&cfg, &CallConfig::default(), &[vec![1; 3]]).is_err());
+}
+
+#[test]
+fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() {
+    use kernels::gpu::{check_plan, check_split, EpPlanner};
+    let cfg = cfg(false);
+    // Rank 0's expert 0 is hot: with one replica slot per rank the
+    // controller places a replica of it on rank 1.
+    let routed = vec![vec![40u32, 2, 3, 1], vec![30, 1, 2, 2]];
+    let planner = DevicePlanner::new(
+        cfg,
+        CallConfig {
+            retention: Retention::Ratio(0.5),
+            replica_slots_per_rank: 1,
+            ..CallConfig::default()
+        },
+    )
+    .unwrap();
+    let plan = planner.forward(&routed).unwrap();
+    check_plan(&plan, &routed, 2).unwrap();
+    assert_eq!(
+        plan.instances[0],
+        vec![0, 1],
+        "a replica of the hot expert on rank 1"
+    );
+    assert_eq!(plan.quotas, vec![35, 2, 3, 2]);
+    // The forward's split balances the load: the replica takes a share.
+    let load =
+        |split: &[Vec<Vec<u32>>], r: usize| -> u32 { split.iter().flatten().map(|c| c[r]).sum() };
+    let (l0, l1) = (load(&plan.forward, 0), load(&plan.forward, 1));
+    assert_eq!(l0 + l1, 81);
+    assert!(l0.abs_diff(l1) <= 1, "forward loads {l0} and {l1}");
+    // The backward's kept pairs are redistributed over the same instances.
+    let kept = vec![vec![20u32, 1, 2, 1], vec![15, 1, 1, 1]];
+    let split = planner.backward(&plan, &kept).unwrap();
+    check_split(&split, &kept, &plan.instances).unwrap();
+    let (b0, b1) = (load(&split, 0), load(&split, 1));
+    assert!(b0.abs_diff(b1) <= 1, "backward loads {b0} and {b1}");
+    assert!(planner.take_last_plan().is_some());
+    // A plan that disagrees with the counts is an error, not a launch.
+    let mut bad = plan.clone();
+    bad.forward[0][0][0] += 1;
+    assert!(check_plan(&bad, &routed, 2).is_err());
+    let mut bad = plan.clone();
+    bad.instances[1] = vec![1];
+    assert!(check_plan(&bad, &routed, 2).is_err());
+    // Capacity-factor dropping stays on the host executor.
+    assert!(DevicePlanner::new(
+        cfg,
+        CallConfig {
+            capacity_factor: Some(1.0),
+            ..CallConfig::default()
+        }
+    )
+    .is_err());
 }

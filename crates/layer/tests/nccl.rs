@@ -229,16 +229,23 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             |v: &[u16]| -> Vec<f64> { v.iter().map(|&b| f64::from(bf16_bits_to_f32(b))).collect() };
         let blk = |w: &[u16]| w[me * el * h * f..(me + 1) * el * h * f].to_vec();
         let tok = |v: &[u16]| v[me * tokens * h..(me + 1) * tokens * h].to_vec();
-        for (retention, router, which) in [
-            (1.0, &router, "random"),
-            (0.5, &router, "random"),
-            (0.25, &router, "random"),
-            (0.0, &router, "random"),
-            (1.0, &hot, "hot"),
-            (0.5, &hot, "hot"),
+        for (retention, router, which, slots) in [
+            (1.0, &router, "random", 0),
+            (0.5, &router, "random", 0),
+            (0.25, &router, "random", 0),
+            (0.0, &router, "random", 0),
+            (1.0, &hot, "hot", 0),
+            (0.5, &hot, "hot", 0),
+            (0.5, &router, "random", 1),
+            (1.0, &hot, "hot", 1),
+            (0.5, &hot, "hot", 2),
+            (0.0, &hot, "hot", 2),
         ] {
-            // One plan for both layers: layer::device_quotas at this ratio.
+            // The same per-expert quotas for both layers (the layer's
+            // controller at this ratio); the EP layer's planner adds up to
+            // `slots` replicas per rank and spreads pairs over them.
             let plan = layer::device_ratio_plan(&all, retention);
+            let planner = layer::DevicePlanner::ratio_with_replicas(&one, retention, slots);
             let want = gpu
                 .moe_host(&all, router, &gate, &up, &down, &x, &dy, &plan)
                 .unwrap();
@@ -250,7 +257,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                     (&blk(&gate), &blk(&up), &blk(&down)),
                     &tok(&x),
                     &tok(&dy),
-                    &plan,
+                    &planner,
                 )
                 .unwrap();
             let checks = [
@@ -273,7 +280,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 // differently.
                 assert!(
                     err <= 1e-2,
-                    "EP layer, {which} router, r = {retention}: {name} relative error {err}"
+                    "EP layer, {which} router, {slots} slots, r = {retention}: {name} relative error {err}"
                 );
             }
             if retention == 0.0 {
@@ -281,7 +288,14 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 assert_eq!(want.kept_pairs, 0);
                 assert!(want.gate.iter().chain(&got.gate).all(|&b| b & 0x7fff == 0));
             }
-            if which == "hot" && me != 0 {
+            if which == "hot" && slots > 0 && retention == 1.0 && me != 0 {
+                // Replicas move the hot experts' work onto this rank.
+                assert!(
+                    got.kept_pairs > 0,
+                    "hot router with {slots} replica slots: rank {me} processed no pairs"
+                );
+            }
+            if which == "hot" && slots == 0 && me != 0 {
                 // The case this router exists for: nothing reaches these experts.
                 assert_eq!(
                     got.kept_pairs, 0,
@@ -296,11 +310,11 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             assert_eq!(
                 kept.iter().sum::<u64>() as usize,
                 want.kept_pairs,
-                "{which} router, r = {retention}: kept pairs"
+                "{which} router, {slots} slots, r = {retention}: kept pairs"
             );
             // One write per line: the ranks share the launcher's stderr.
             let line = format!(
-                "rank {me}: device EP layer, {which} router, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
+                "rank {me}: device EP layer, {which} router, {slots} replica slots, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
                 checks.map(|(n, e)| format!("{n} {e:.1e}")),
                 got.kept_pairs,
                 want.kept_pairs,

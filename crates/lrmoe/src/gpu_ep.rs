@@ -6,20 +6,23 @@
 //! top-k, an NCCL all-to-all of the rows to their experts' owners (experts
 //! in contiguous blocks), grouped SwiGLU GEMMs, the rows back and combined
 //! — every pair computed. The plan comes from the layer crate
-//! (`layer::device_plan_call`: the host executor's `plan_call` on every
-//! source's routed counts, per-expert selection, the controller under
-//! budgets), so the backward keeps each expert's best `q_e` pairs over all
-//! sources, exchanges and multiplies only those, and the router gradient
-//! stays complete. Only counts cross to the host for the plan.
+//! (`layer::DevicePlanner`: the host executor's `plan_call` on every
+//! source's routed counts — replicas of the hottest experts when
+//! `replica_slots_per_rank > 0`, per-expert selection, the controller under
+//! budgets — and `redistribute`'s exact solver spreading the forward's
+//! pairs and the backward's kept pairs over the instances), so the backward
+//! keeps each expert's best `q_e` pairs over all sources, exchanges and
+//! multiplies only those on the instances the plan names, and the router
+//! gradient stays complete. Only counts cross to the host for the plan.
+//! The forced hot-expert workload is a router logit bias on the device.
 //!
 //! The model keeps f32 master weights and AdamW on the host: the router and
 //! this rank's experts are uploaded as bf16 each call, and the owners'
 //! expert gradients are all-gathered so every rank holds every expert's
 //! gradient (as the host layer does).
 //!
-//! Not yet (issue #12): replicas and redistribution on the device (the
-//! plan refuses `replica_slots_per_rank > 0`), per-source send budgets, the
-//! capacity-factor baseline and the forced hot-expert bias (refused).
+//! Not on this executor: per-source send budgets (per-source selection)
+//! and the capacity-factor baseline (refused with a one-line error).
 
 use kernels::cpu::{from_bf16, to_bf16, Real};
 use kernels::gpu::{EpHostForward, Gpu, MoeShape};
@@ -43,10 +46,24 @@ impl std::fmt::Debug for EpDevice<'_> {
     }
 }
 
+/// The device executor's settings check: everything the host executor
+/// runs but capacity-factor dropping (and per-source send budgets, refused
+/// by the plan).
+pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
+    if call.capacity_factor.is_some() {
+        return Err(ModelError::Config(
+            "the capacity-factor baseline has no GPU path (train it with --executor host)".into(),
+        ));
+    }
+    shape(cfg, 0).check()?;
+    Ok(())
+}
+
 /// What the forward keeps for the backward.
 #[derive(Debug)]
 pub struct EpSavedHost {
     fwd: EpHostForward,
+    call: CallConfig,
     /// The plan of this call (identical on every rank).
     pub plan: CallPlan,
 }
@@ -77,7 +94,7 @@ pub fn forward<T: Real>(
     p: &MoeParams<T>,
     x: &[T],
 ) -> Result<(Vec<T>, EpSavedHost), ModelError> {
-    crate::gpu_moe::check(cfg, call)?;
+    check(cfg, call)?;
     let (rank, world) = (dev.comm.rank(), dev.comm.world_size());
     if cfg.n_experts % world != 0 {
         return Err(ModelError::Config(format!(
@@ -93,23 +110,48 @@ pub fn forward<T: Real>(
             .collect()
     };
     let s = shape(cfg, x.len() / cfg.hidden);
+    let planner = layer::DevicePlanner::new(*cfg, call.clone())?;
+    let bias: Option<Vec<f32>> = (call.hot_experts > 0 && call.hot_bias != 0.0).then(|| {
+        (0..cfg.n_experts)
+            .map(|e| {
+                if e < call.hot_experts {
+                    call.hot_bias as f32
+                } else {
+                    0.0
+                }
+            })
+            .collect()
+    });
     let fwd = dev.gpu.ep_forward_host(
         dev.comm,
         &s,
         &to_bf16(&p.router),
         (&cat(|e| &e.gate), &cat(|e| &e.up), &cat(|e| &e.down)),
         &to_bf16(x),
+        bias.as_deref(),
+        &planner,
     )?;
-    let plan = layer::device_plan_call(cfg, call, &fwd.counts)?;
+    let plan = match planner.take_last_plan() {
+        Some(p) => p,
+        None => layer::device_plan_call(cfg, call, &fwd.counts)?,
+    };
     let y = from_bf16(&fwd.y);
     if y.iter().any(|v: &T| !v.is_finite()) {
         return Err(ModelError::NonFinite("device EP MoE output"));
     }
-    Ok((y, EpSavedHost { fwd, plan }))
+    Ok((
+        y,
+        EpSavedHost {
+            fwd,
+            call: call.clone(),
+            plan,
+        },
+    ))
 }
 
-/// LRMoE backward of one MoE layer through the device EP executor with the
-/// plan's per-expert quotas. `comm` is the model's transport (the same
+/// LRMoE backward of one MoE layer through the device EP executor: the
+/// plan's per-expert quotas, the kept pairs redistributed over the call's
+/// instances, replica gradients summed into their owners'. `comm` is the model's transport (the same
 /// ranks), used to all-gather the owners' expert gradients.
 pub fn backward<T: Real, X: Transport>(
     dev: EpDevice<'_>,
@@ -118,11 +160,11 @@ pub fn backward<T: Real, X: Transport>(
     saved: &EpSavedHost,
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
-    let quotas = saved.plan.device_quotas();
+    let planner = layer::DevicePlanner::new(*cfg, saved.call.clone())?;
     let clock = std::time::Instant::now();
     let g = dev
         .gpu
-        .ep_backward_host(dev.comm, &saved.fwd, &to_bf16(dy), &quotas)?;
+        .ep_backward_host(dev.comm, &saved.fwd, &to_bf16(dy), &planner)?;
     let (h, f) = (cfg.hidden, cfg.ffn);
     // Every rank gets every owner's expert gradients (f32, owner order).
     let mine: Vec<f32> = [&g.gate, &g.up, &g.down]

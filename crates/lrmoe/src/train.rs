@@ -988,13 +988,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
                     "moe.executor = \"device\" runs under `lrmoe launch` with --device cuda (one GPU per rank)".into(),
                 ));
             };
-            crate::gpu_moe::check(&mcfg.moe(), &call)?;
-            if call.replica_slots_per_rank > 0 {
-                return Err(TrainError::Config(format!(
-                    "the device executor hosts no replicas yet: set moe.replica_slots_per_rank = 0 (mode {:?} asks for {})",
-                    cfg.moe.mode, call.replica_slots_per_rank
-                )));
-            }
+            crate::gpu_ep::check(&mcfg.moe(), &call)?;
             if mcfg.n_experts % ranks != 0 {
                 return Err(TrainError::Config(format!(
                     "the device executor owns experts in equal blocks: model.n_experts = {} on {ranks} ranks",

@@ -85,6 +85,137 @@ pub fn owner_layout(
     })
 }
 
+/// One exchange of an expert-parallel call whose experts may have several
+/// instances (owner and replicas): `split[s][e][r]` rows of source `s` and
+/// expert `e` go to rank `r`, which must host an instance of `e`
+/// (`local[r]`: the experts with an instance on rank `r`, ascending).
+///
+/// A source's rows of expert `e` (consecutive in its expert-major order)
+/// are cut in rank order: the first `split[s][e][0]` to rank 0, the next
+/// to rank 1, and so on. They go out destination-major, and within a
+/// destination in the order of its `local` list, which is also the order
+/// the instance regroups them in ([`receive_plan`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InstanceLayout {
+    /// Rows this source sends each rank.
+    pub send: Vec<usize>,
+    /// Send row `j` ← this source's expert-major row `send_order[j]`.
+    pub send_order: Vec<u32>,
+    /// Expert-major row `i` → send row `send_inv[i]` (the inverse).
+    pub send_inv: Vec<u32>,
+    /// This rank as an instance host: rows from each source, regrouped by
+    /// local instance (`per_expert`/`offsets` over `local[me]`).
+    pub recv: OwnerLayout,
+}
+
+/// [`InstanceLayout`] of rank `me`; errors name a split that sends rows to
+/// a rank without an instance, or shapes that disagree.
+pub fn instance_layout(
+    split: &[Vec<Vec<u32>>],
+    local: &[Vec<usize>],
+    me: usize,
+) -> Result<InstanceLayout, PackError> {
+    let world = local.len();
+    let shape = |what, expected, got| PackError::Shape {
+        what,
+        expected,
+        got,
+    };
+    if split.len() != world || me >= world {
+        return Err(shape("sources of the split", world, split.len()));
+    }
+    let experts = split[me].len();
+    for row in split {
+        if row.len() != experts {
+            return Err(shape("experts of the split", experts, row.len()));
+        }
+        for cell in row {
+            if cell.len() != world {
+                return Err(shape("ranks of the split", world, cell.len()));
+            }
+        }
+    }
+    for (r, l) in local.iter().enumerate() {
+        if l.windows(2).any(|w| w[0] >= w[1]) || l.last().is_some_and(|&e| e >= experts) {
+            return Err(shape("ascending local experts", experts, l.len()));
+        }
+        for (s, row) in split.iter().enumerate() {
+            for (e, cell) in row.iter().enumerate() {
+                if cell[r] > 0 && l.binary_search(&e).is_err() {
+                    return Err(PackError::NoInstance {
+                        from: s,
+                        expert: e,
+                        rank: r,
+                    });
+                }
+            }
+        }
+    }
+    // Source side: expert-major starts, then each expert's cut per rank.
+    let mine = &split[me];
+    let mut start = Vec::with_capacity(experts);
+    let mut at = 0usize;
+    for cell in mine {
+        start.push(at);
+        at += cell.iter().map(|&c| c as usize).sum::<usize>();
+    }
+    let mut cut = vec![vec![0usize; world]; experts];
+    for (e, cell) in mine.iter().enumerate() {
+        let mut a = start[e];
+        for (r, &c) in cell.iter().enumerate() {
+            cut[e][r] = a;
+            a += c as usize;
+        }
+    }
+    let mut send = vec![0usize; world];
+    let mut send_order = Vec::with_capacity(at);
+    for (d, l) in local.iter().enumerate() {
+        for &e in l {
+            let c = mine[e][d] as usize;
+            send_order.extend((cut[e][d]..cut[e][d] + c).map(|i| i as u32));
+            send[d] += c;
+        }
+    }
+    let send_inv = invert(&send_order, at)?;
+    // Instance side.
+    let blocks: Vec<Vec<usize>> = split
+        .iter()
+        .map(|row| local[me].iter().map(|&e| row[e][me] as usize).collect())
+        .collect();
+    let plan = receive_plan(&blocks, local[me].len())?;
+    let mut offsets = Vec::with_capacity(local[me].len() + 1);
+    offsets.push(0u32);
+    for &g in &plan.group_sizes {
+        offsets.push(offsets[offsets.len() - 1] + g as u32);
+    }
+    Ok(InstanceLayout {
+        send,
+        send_order,
+        send_inv,
+        recv: OwnerLayout {
+            inv: invert(&plan.order, plan.order.len())?,
+            per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
+            from: plan.recv_counts,
+            perm: plan.order,
+            offsets,
+        },
+    })
+}
+
+/// The experts with an instance on each rank (`instances[e]`: the ranks
+/// holding expert `e`), ascending: the `local` lists of [`instance_layout`].
+pub fn local_experts(instances: &[Vec<usize>], world: usize) -> Vec<Vec<usize>> {
+    let mut local = vec![Vec::new(); world];
+    for (e, ranks) in instances.iter().enumerate() {
+        for &r in ranks {
+            if r < world && local[r].last() != Some(&e) {
+                local[r].push(e);
+            }
+        }
+    }
+    local
+}
+
 /// Segment `k` of `sizes[k]` rows: each row's segment, and the segments'
 /// offsets (`sizes.len() + 1` entries).
 pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) {
@@ -130,6 +261,118 @@ mod tests {
     fn segments_label_rows() {
         assert_eq!(segments([2, 0, 1]), (vec![0, 0, 2], vec![0, 2, 2, 3]));
         assert_eq!(segments([]), (vec![], vec![0]));
+    }
+
+    #[test]
+    fn instance_layouts_cut_experts_over_their_instances() {
+        // Two ranks, two experts; expert 0 (owner 0) has a replica on rank 1.
+        let instances = vec![vec![0, 1], vec![1]];
+        let local = local_experts(&instances, 2);
+        assert_eq!(local, vec![vec![0], vec![0, 1]]);
+        // Source 0: 3 pairs of e0 (2 → rank 0, 1 → rank 1), 2 of e1.
+        // Source 1: 1 pair of e0 (→ rank 1), 1 of e1.
+        let split = vec![vec![vec![2, 1], vec![0, 2]], vec![vec![0, 1], vec![0, 1]]];
+        let l0 = instance_layout(&split, &local, 0).unwrap();
+        assert_eq!(l0.send, vec![2, 3]);
+        assert_eq!(l0.send_order, vec![0, 1, 2, 3, 4]);
+        assert_eq!(l0.recv.from, vec![2, 0]);
+        let l1 = instance_layout(&split, &local, 1).unwrap();
+        assert_eq!(l1.send, vec![0, 2]);
+        // Rank 1 receives s0: [e0, e1, e1], s1: [e0, e1]; regrouped e0 then e1.
+        assert_eq!(l1.recv.from, vec![3, 2]);
+        assert_eq!(l1.recv.perm, vec![0, 3, 1, 2, 4]);
+        assert_eq!(l1.recv.offsets, vec![0, 2, 5]);
+        // A split to a rank without the expert is refused.
+        let bad = vec![vec![vec![0, 0], vec![1, 0]], vec![vec![0, 0], vec![0, 0]]];
+        assert!(matches!(
+            instance_layout(&bad, &local, 0),
+            Err(PackError::NoInstance {
+                from: 0,
+                expert: 1,
+                rank: 0
+            })
+        ));
+    }
+
+    proptest! {
+        /// Every source's rows reach the instance the split names, exactly
+        /// once, and the instance regroups them expert by expert with
+        /// sources ascending; with one instance per expert it is the owner
+        /// layout.
+        #[test]
+        fn instance_layouts_deliver_every_row_where_the_split_says(
+            (world, per_rank, counts, reps, seed) in (1usize..4, 1usize..3).prop_flat_map(|(w, el)| {
+                (Just(w), Just(el),
+                 prop::collection::vec(prop::collection::vec(0u32..5, w * el), w),
+                 prop::collection::vec(0usize..4, w * el),
+                 any::<u64>())
+            }),
+        ) {
+            let experts = world * per_rank;
+            let instances: Vec<Vec<usize>> = (0..experts)
+                .map(|e| {
+                    let owner = e / per_rank;
+                    let mut v = vec![owner];
+                    let r = reps[e] % world;
+                    if r != owner { v.push(r); }
+                    v
+                })
+                .collect();
+            let local = local_experts(&instances, world);
+            let mut state = seed | 1;
+            let split: Vec<Vec<Vec<u32>>> = counts.iter().map(|row| {
+                row.iter().enumerate().map(|(e, &n)| {
+                    let mut cell = vec![0u32; world];
+                    let mut left = n;
+                    for (i, &r) in instances[e].iter().enumerate() {
+                        state ^= state << 13; state ^= state >> 7; state ^= state << 17;
+                        let take = if i + 1 == instances[e].len() { left } else { (state % (u64::from(left) + 1)) as u32 };
+                        cell[r] += take;
+                        left -= take;
+                    }
+                    cell
+                }).collect()
+            }).collect();
+            // What each rank receives, as (source, expert, expert-major row).
+            let mut got: Vec<Vec<(usize, usize, u32)>> = vec![Vec::new(); world];
+            for (s, row_counts) in counts.iter().enumerate() {
+                let l = instance_layout(&split, &local, s).unwrap();
+                let n: usize = row_counts.iter().map(|&c| c as usize).sum();
+                prop_assert_eq!(l.send_order.len(), n);
+                for (i, &j) in l.send_inv.iter().enumerate() {
+                    prop_assert_eq!(l.send_order[j as usize] as usize, i);
+                }
+                let mut at = 0;
+                for (d, &c) in l.send.iter().enumerate() {
+                    for &row in &l.send_order[at..at + c] {
+                        // The expert of an expert-major row.
+                        let mut e = 0; let mut acc = row_counts[0];
+                        while row >= acc { e += 1; acc += row_counts[e]; }
+                        got[d].push((s, e, row));
+                    }
+                    at += c;
+                }
+            }
+            for me in 0..world {
+                let l = instance_layout(&split, &local, me).unwrap();
+                let recv = &got[me];
+                prop_assert_eq!(l.recv.from.iter().sum::<usize>(), recv.len());
+                // Regrouped: experts ascending, sources ascending within.
+                let regrouped: Vec<(usize, usize)> =
+                    l.recv.perm.iter().map(|&i| (recv[i as usize].1, recv[i as usize].0)).collect();
+                let mut sorted = regrouped.clone();
+                sorted.sort();
+                prop_assert_eq!(&regrouped, &sorted);
+                for (li, &e) in local[me].iter().enumerate() {
+                    let want: u32 = (0..world).map(|s| split[s][e][me]).sum();
+                    prop_assert_eq!(l.recv.per_expert[li], want);
+                }
+                if instances.iter().all(|i| i.len() == 1) {
+                    let o = owner_layout(&counts, me, per_rank).unwrap();
+                    prop_assert_eq!(&l.recv, &o);
+                }
+            }
+        }
     }
 
     proptest! {

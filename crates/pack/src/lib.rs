@@ -33,6 +33,10 @@
 //!
 //! ## Expert-parallel owners ([`ep`])
 //!
+//! For the device expert-parallel executor, [`ep::instance_layout`] is one
+//! exchange under a split of rows over expert instances (owner and
+//! replicas): what each source sends where, in which order, and how each
+//! instance regroups what it receives.
 //! Where ranks own contiguous blocks of experts, [`ep::owner_layout`] is the
 //! receive plan of an owner with what a device executor uploads (the
 //! inverse permutation, group offsets); [`ep::block_rows`] the rows a
@@ -101,6 +105,18 @@ pub enum PackError {
         rank: usize,
         /// Number of ranks.
         n_ranks: usize,
+    },
+    /// A split sends rows of an expert to a rank that holds no instance of it.
+    #[error(
+        "source {from} sends expert {expert}'s rows to rank {rank}, which holds no instance of it"
+    )]
+    NoInstance {
+        /// The source rank.
+        from: usize,
+        /// The expert.
+        expert: usize,
+        /// The rank without an instance.
+        rank: usize,
     },
     /// The routes of an expert do not add up to its kept pairs.
     #[error("expert {expert}: routes carry {routed} pairs but {kept} are kept")]

@@ -375,6 +375,7 @@ impl Gpu {
         s: &MoeShape,
         router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
+        bias: Option<&CudaSlice<f32>>,
     ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, CudaSlice<f32>, Vec<u32>), KernelError> {
         let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
         let p = s.pairs();
@@ -384,7 +385,14 @@ impl Gpu {
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut lf = unsafe { self.uninit::<f32>(t * e) }?;
-        {
+        if let Some(b) = bias {
+            let (n, cols) = ((t * e) as i64, dim("experts", e)?);
+            let mut l = self.stream.launch_builder(&self.f_to_f32_bias);
+            l.arg(&logits).arg(b).arg(&mut lf).arg(&n).arg(&cols);
+            // SAFETY: (u16*, f32*, f32*, long long, int); logits and lf hold
+            // t·e, the bias e (checked where it was uploaded).
+            unsafe { l.launch(self.elementwise_config(t * e)) }.map_err(cuda)?;
+        } else {
             let n = (t * e) as i64;
             let mut l = self.stream.launch_builder(&self.f_to_f32);
             l.arg(&logits).arg(&mut lf).arg(&n);
@@ -452,7 +460,7 @@ impl Gpu {
         s.check()?;
         let (h, f, e, k) = (s.hidden, s.ffn, s.experts, s.top_k);
         let p = s.pairs();
-        let (probs, idx, gates, counts) = self.route(s, &w.router, x)?;
+        let (probs, idx, gates, counts) = self.route(s, &w.router, x, None)?;
         let base = exclusive_scan(&counts);
         let offsets = self.upload(&base.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
         let offsets_u = self.upload(&base)?;
