@@ -3,11 +3,14 @@
 # forced hot-expert workload (benches/hot-compare.toml): full backward,
 # replication only and LRMoE, in one device call. Carries .device/lrmoe
 # (built with --features nccl). Usage: TARGET=2.0 MINUTES=2.5 bash benches/dist-compare.sh
-# DEVICE=cuda runs each rank's expert GEMMs on its GPU (bf16 grouped kernels).
+# DEVICE=cuda runs each rank's expert GEMMs on its GPU (bf16 grouped kernels);
+# with EXECUTOR=device (and DEVICE=cuda) the whole MoE layer runs on the GPUs
+# through the device EP executor. MODES and CONFIG override the defaults.
 set -uo pipefail
 OUT=${OUT:-/tmp/lrmoe-out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-timeout 590 .device/lrmoe launch --nproc 2 -- train --config benches/hot-compare.toml \
-  --compare --modes full,replicate,lrmoe --target-val-loss "${TARGET:-2.0}" \
-  --max-minutes "${MINUTES:-2.5}" --device "${DEVICE:-cpu}" --out "$OUT/compare" --no-progress 2>&1 | grep -v "INFO lrmoe::train: eval" | tail -20
+timeout 590 .device/lrmoe launch --nproc 2 -- train --config "${CONFIG:-benches/hot-compare.toml}" \
+  --compare --modes "${MODES:-full,replicate,lrmoe}" --target-val-loss "${TARGET:-2.0}" \
+  --max-minutes "${MINUTES:-2.5}" --device "${DEVICE:-cpu}" --executor "${EXECUTOR:-host}" \
+  --out "$OUT/compare${TAG:-}" --no-progress 2>&1 | grep -v "INFO lrmoe::train: eval" | tail -20

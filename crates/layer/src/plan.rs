@@ -341,6 +341,23 @@ impl DevicePlanner {
         solver: redistribute::Solver,
     ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
         let n_ranks = counts.len();
+        if instances.iter().all(|i| i.len() == 1) {
+            // One instance per expert: nothing to choose (the caps were
+            // honoured by the quotas); every pair goes to its owner.
+            let mut split = vec![vec![vec![0u32; n_ranks]; instances.len()]; n_ranks];
+            for (s, row) in counts.iter().enumerate() {
+                for (e, &c) in row.iter().enumerate() {
+                    let owner = instances[e].first().copied().unwrap_or(0);
+                    if owner >= n_ranks {
+                        return Err(LayerError::Config(format!(
+                            "expert {e}'s owner {owner} is not a rank"
+                        )));
+                    }
+                    split[s][e][owner] = c;
+                }
+            }
+            return Ok(split);
+        }
         let problem = redistribute::Problem {
             n_ranks,
             kept: counts

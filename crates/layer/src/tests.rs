@@ -903,6 +903,17 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     let mut bad = plan.clone();
     bad.instances[1] = vec![1];
     assert!(check_plan(&bad, &routed, 2).is_err());
+    // Without replicas every pair goes to its owner, forward and backward.
+    let owners = DevicePlanner::new(cfg, CallConfig::default()).unwrap();
+    let plan = owners.forward(&routed).unwrap();
+    check_plan(&plan, &routed, 2).unwrap();
+    for (s, row) in plan.forward.iter().enumerate() {
+        for (e, cell) in row.iter().enumerate() {
+            assert_eq!(cell[e / 2], routed[s][e]);
+        }
+    }
+    let split = owners.backward(&plan, &kept).unwrap();
+    check_split(&split, &kept, &plan.instances).unwrap();
     // Capacity-factor dropping stays on the host executor.
     assert!(DevicePlanner::new(
         cfg,

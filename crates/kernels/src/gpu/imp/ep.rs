@@ -10,7 +10,10 @@
 //! the replicas' ranks; rows go to their instances (destination-major, one
 //! all-to-all), are regrouped by local instance, and the grouped GEMMs run;
 //! outputs and the squared norms `‖h‖²` of the down projection's inputs go
-//! back, and the source combines. Instances keep nothing per pair.
+//! back, and the source combines. In a call with replicas, instances keep
+//! nothing per pair (a kept pair may be computed on another instance in the
+//! backward); without replicas the owners keep their forward rows, since
+//! kept pairs cannot move, and the backward sends only `g·δ` rows.
 //!
 //! LRMoE backward: the router gradient is complete and local (each source
 //! kept its pairs' outputs), then summed over ranks. Each source forms its
@@ -18,7 +21,8 @@
 //! rank makes the same per-expert top-q selection over every source's pairs
 //! (ties to the lower source, then the lower pair). The kept counts per
 //! (source, expert) go to the planner's redistribution; sources pack only
-//! the kept `[x | g·δ]` rows (no padding) destination-major, instances
+//! the kept `[x | g·δ]` rows (no padding; `g·δ` only without replicas)
+//! destination-major, instances
 //! regroup them, recompute the hidden activations and run the backward
 //! GEMMs on the kept rows, `dX` rows come back and are scatter-added;
 //! replica gradients are summed into their owners'. Bytes on the wire and
@@ -62,8 +66,8 @@ struct LocalWeights {
     down: CudaSlice<u16>,
 }
 
-/// Forward state kept for the backward (source side only: instances keep
-/// no per-pair state).
+/// Forward state kept for the backward: the source's routing, outputs and
+/// norms, and, in calls without replicas, the owner's forward rows.
 pub struct EpSaved {
     s: MoeShape,
     per_rank: usize,
@@ -85,15 +89,20 @@ pub struct EpSaved {
     offsets: CudaSlice<u32>,
     /// Global expert-major order (expert, source, pair) → position in the
     /// all-gathered scores; this source's rows' global positions; the
-    /// global expert offsets; `0..W·P` for the selection's ties.
+    /// global expert offsets. `gperm` also serves as the selection's ids:
+    /// within an expert it increases with (source, pair), the tie rule.
     gperm: CudaSlice<u32>,
     gidx: CudaSlice<u32>,
     goffsets: CudaSlice<u32>,
-    gids: CudaSlice<u32>,
     counts_all: Vec<Vec<u32>>,
     plan: EpPlan,
     local: Vec<Vec<usize>>,
     weights: Option<LocalWeights>,
+    /// Without replicas in the call, this rank's forward rows as an owner
+    /// (instance-major), each row's local expert and the group offsets:
+    /// the backward's kept pairs cannot move, so their `x` rows are taken
+    /// from here instead of travelling again.
+    owned_rows: Option<OwnedRows>,
     /// Layer output for this rank's tokens, `T × H`.
     pub y: CudaSlice<u16>,
     /// Bytes this rank sent to other ranks in the forward's all-to-alls
@@ -110,6 +119,15 @@ impl EpSaved {
     pub fn plan(&self) -> &EpPlan {
         &self.plan
     }
+}
+
+/// An owner's forward rows kept for the backward (calls without replicas).
+struct OwnedRows {
+    x: CudaSlice<u16>,
+    expert: CudaSlice<u32>,
+    offsets: CudaSlice<u32>,
+    /// This rank's experts' range in the global expert-major order.
+    global: (usize, usize),
 }
 
 /// Gradients and figures of one backward on one rank.
@@ -402,6 +420,10 @@ impl Gpu {
             None => (&w.gate, &w.up, &w.down),
         };
         let inv = self.upload(&lay.recv.inv)?;
+        // Without replicas (decided from the plan, so alike on every rank)
+        // owners keep their forward rows for the backward.
+        let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
+        let mut kept_xr = None;
         let (or_src, hsq_src) = if n_r > 0 {
             let perm = self.upload(&lay.recv.perm)?;
             let xr = self.gather_scaled(&xr_src, &perm, 1, None, n_r, h)?;
@@ -416,6 +438,9 @@ impl Gpu {
             let (_, _, hh) = self.experts_hidden(&od, nl, n_r, &xr, gate_l, up_l, h, f)?;
             let or = self.gemm(GemmVariant::Forward, &od, nl, &hh, down_l, n_r * h, f, h)?;
             let h_sq = self.row_sq(&hh, n_r, f)?;
+            if keep_rows {
+                kept_xr = Some(xr);
+            }
             (
                 self.gather_scaled(&or, &inv, 1, None, n_r, h)?,
                 self.gather32(&h_sq, &inv, n_r)?,
@@ -441,6 +466,28 @@ impl Gpu {
         // The global expert-major order the backward's selection runs in.
         let (gperm, gidx, goffsets) = global_order(&counts_all, rank, p);
         let (expert_of_row, _) = pack::ep::segments(counts.iter().map(|&c| c as usize));
+        let kept_xr = match (keep_rows, kept_xr) {
+            (true, None) => {
+                // SAFETY: zero rows (this owner received none): nothing is read.
+                Some(unsafe { self.uninit::<u16>(0) }?)
+            }
+            (_, k) => k,
+        };
+        let owned_rows = match kept_xr {
+            Some(xr) => {
+                let (key, _) = pack::ep::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
+                Some(OwnedRows {
+                    x: xr,
+                    expert: self.upload(&key)?,
+                    offsets: self.upload(&lay.recv.offsets)?,
+                    global: (
+                        goffsets[rank * el] as usize,
+                        goffsets[(rank + 1) * el] as usize,
+                    ),
+                })
+            }
+            None => None,
+        };
         laps.print("forward", rank);
         let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
         Ok(EpSaved {
@@ -460,11 +507,11 @@ impl Gpu {
             gperm: self.upload(&gperm)?,
             gidx: self.upload(&gidx)?,
             goffsets: self.upload(&goffsets)?,
-            gids: self.upload(&(0..(world * p) as u32).collect::<Vec<_>>())?,
             counts_all,
             plan,
             local,
             weights,
+            owned_rows,
             y,
             bytes_sent: sent_rows * h * 2 + off_rank(&lay.recv.from, rank) * 4 + w_bytes,
         })
@@ -528,7 +575,7 @@ impl Gpu {
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
         self.launch_select(
             &g_scores,
-            &sv.gids,
+            &sv.gperm,
             &sv.goffsets,
             &qd,
             &mut kept_g,
@@ -587,11 +634,17 @@ impl Gpu {
         )?;
         let korder = self.upload(&lay.send_order)?;
         let pair = self.gather32(&sv.src, &self.gather32(&kept_rows, &korder, n_k)?, n_k)?;
-        let xk_send = self.gather_scaled(&sv.x, &pair, k, None, n_k, h)?;
         let dk_send = self.gather_scaled(dy, &pair, k, Some(&sv.gates), n_k, h)?;
         laps.lap(self, "pack")?;
         let (send, from) = (elems(&lay.send, h), elems(&lay.recv.from, h));
-        let x_recv = self.exchange(comm, &xk_send, &send, &from)?;
+        // x rows travel only where a kept pair may change instance.
+        let x_recv = match sv.owned_rows {
+            Some(_) => None,
+            None => {
+                let xk_send = self.gather_scaled(&sv.x, &pair, k, None, n_k, h)?;
+                Some(self.exchange(comm, &xk_send, &send, &from)?)
+            }
+        };
         let d_recv = self.exchange(comm, &dk_send, &send, &from)?;
         laps.lap(self, "a2a kept rows")?;
         // Instance: regroup, backward GEMMs on the kept rows.
@@ -602,7 +655,41 @@ impl Gpu {
             None => (&w.gate, &w.up, &w.down),
         };
         let perm = self.upload(&lay.recv.perm)?;
-        let xk = self.gather_scaled(&x_recv, &perm, 1, None, n_r, h)?;
+        let xk = match (&x_recv, &sv.owned_rows) {
+            (Some(xs), _) => self.gather_scaled(xs, &perm, 1, None, n_r, h)?,
+            (None, Some(own)) => {
+                // This owner's forward rows (expert, source, pair order),
+                // masked by its slice of the global selection: the kept
+                // rows in the order the sources sent their g·δ rows.
+                let (lo, hi) = own.global;
+                // SAFETY: the copy writes all hi - lo flags.
+                let mut m = unsafe { self.uninit::<u8>(hi - lo) }?;
+                if hi > lo {
+                    let v = kept_g.slice(lo..hi);
+                    let mut to = m.slice_mut(0..hi - lo);
+                    self.stream.memcpy_dtod(&v, &mut to).map_err(cuda)?;
+                }
+                let kb: Vec<u32> = (rank * el..(rank + 1) * el)
+                    .map(|ex| kept.iter().map(|row| row[ex]).sum())
+                    .collect();
+                let kb = exclusive_scan(&kb);
+                let (_, rows) = self.group(
+                    &own.expert,
+                    Some(&m),
+                    Some(&own.offsets),
+                    &kb[..el],
+                    hi - lo,
+                    n_r,
+                    el,
+                )?;
+                self.gather_scaled(&own.x, &rows, 1, None, n_r, h)?
+            }
+            (None, None) => {
+                return Err(KernelError::Cuda(
+                    "ep_backward: no x rows (invariant)".into(),
+                ))
+            }
+        };
         let dk = self.gather_scaled(&d_recv, &perm, 1, None, n_r, h)?;
         let od = self.upload(
             &lay.recv
@@ -629,7 +716,12 @@ impl Gpu {
         self.sync()?;
         laps.lap(self, "replica grads")?;
         laps.print("backward", rank);
-        let rows = off_rank(&lay.send, rank) * 2 + off_rank(&lay.recv.from, rank);
+        let x_rows = if sv.owned_rows.is_some() {
+            0
+        } else {
+            off_rank(&lay.send, rank)
+        };
+        let rows = off_rank(&lay.send, rank) + x_rows + off_rank(&lay.recv.from, rank);
         Ok(EpBackward {
             dx,
             router,
