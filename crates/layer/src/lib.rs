@@ -71,6 +71,18 @@
 //!   quotas cannot. The price is quality: a source keeps its share even
 //!   when another source's dropped pairs score higher.
 //!
+//! Within the pairs that compete for a quota, [`CallConfig::rule`] picks
+//! which are kept ([`lrm_score::Rule`]): the `q` best scores (top-q, the
+//! default), `q` at random, or one of the unbiased samplings (inclusion
+//! `∝ √score` with weight `1/π`, or priority sampling), whose weights
+//! scale the kept pairs' `g·δ` rows, so their expert and input gradients
+//! are unbiased estimates of the exact ones. The random rules draw from
+//! [`CallConfig::rule_seed`] mixed with the call's routed counts — the
+//! same on every rank. The device executors run top-q only.
+//!
+//! [`Retention::Surplus`] is the quota policy that trims only the ranks
+//! whose load exceeds their fair share of the kept-pair budget.
+//!
 //! With unlimited sends the controller's flow network has one cell per
 //! expert, so every split of `q_e` over sources is placeable within the
 //! ranks' pair caps: per-expert selection keeps the memory guarantee.

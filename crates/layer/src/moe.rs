@@ -407,11 +407,13 @@ pub(crate) fn expert_hidden<T: Real>(
 /// reached their expert in the forward are candidates; ties go to the
 /// smaller id, the id ordering pairs by source rank, then pair index —
 /// the order in which an expert's owner receives them.
+#[allow(clippy::type_complexity)]
 fn select_kept<T: Real, X: Transport>(
     comm: &X,
+    bwd: &CallConfig,
     saved: &Saved<T>,
     scores: &[f32],
-) -> Result<(Vec<bool>, Vec<Vec<u64>>), LayerError> {
+) -> Result<(Vec<bool>, Vec<Vec<u64>>, Vec<f32>), LayerError> {
     let (me, n_ranks) = (comm.rank(), comm.world_size());
     let e_n = saved.plan.quotas.len();
     let n_pairs = scores.len();
@@ -455,30 +457,51 @@ fn select_kept<T: Real, X: Transport>(
         Selection::PerExpert => saved.plan.quotas.iter().map(|&q| q as usize).collect(),
     };
     let mut kept_pool = vec![false; pool.len()];
-    lrm_score::select_top(
+    let mut weight_pool = vec![0f32; pool.len()];
+    lrm_score::select(
         lrm_score::Candidates {
             expert: &experts,
             id: &ids,
             score: &pool_scores,
         },
         &quotas,
+        bwd.rule,
+        call_seed(bwd.rule_seed, &saved.plan.routed),
         &mut kept_pool,
+        &mut weight_pool,
     )?;
     let mut kept = vec![false; n_pairs];
+    let mut weight = vec![0f32; n_pairs];
     let mut cells = vec![vec![0u64; e_n]; n_ranks];
-    for (c, &k) in pool.iter().zip(&kept_pool) {
+    for ((c, &k), &w) in pool.iter().zip(&kept_pool).zip(&weight_pool) {
         if k {
             cells[c.0 as usize][c.2 as usize] += 1;
             if c.0 as usize == me {
                 kept[c.1 as usize] = true;
+                weight[c.1 as usize] = w;
             }
         }
     }
     if saved.plan.selection == Selection::PerSourceExpert {
-        // Each source saw only its own pairs: the cells are the plan's.
-        cells.clone_from(&saved.plan.kept);
+        // Each source saw only its own pairs: top-q keeps the plan's cells
+        // exactly; a sampling rule may keep fewer, so the counts are shared.
+        if bwd.rule == lrm_score::Rule::TopQ {
+            cells.clone_from(&saved.plan.kept);
+        } else {
+            cells = all_gather(comm, &cells[me])?;
+        }
     }
-    Ok((kept, cells))
+    Ok((kept, cells, weight))
+}
+
+/// The random rules' seed of one call: the configured seed mixed with the
+/// call's routed counts (identical on every rank, different per call).
+fn call_seed(seed: u64, routed: &[Vec<u64>]) -> u64 {
+    let mut h = seed ^ 0x243F_6A88_85A3_08D3;
+    for &c in routed.iter().flatten() {
+        h = (h ^ c).wrapping_mul(0x0000_0100_0000_01B3).rotate_left(17);
+    }
+    h
 }
 
 /// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).
@@ -572,7 +595,7 @@ pub fn backward<T: Real, X: Transport>(
 
     // Keep the best pairs within the quotas.
     let clock = Instant::now();
-    let (kept, kept_cells) = select_kept(comm, saved, &scores)?;
+    let (kept, kept_cells, weight) = select_kept(comm, bwd, saved, &scores)?;
     times.select = clock.elapsed().as_secs_f64();
 
     // Redistribute kept pairs over existing instances.
@@ -596,7 +619,8 @@ pub fn backward<T: Real, X: Transport>(
     for (row, &p) in packed.chunks_exact_mut(w2).zip(&send_plan.gather) {
         let (p, t) = (p as usize, p as usize / k);
         row[..hd].copy_from_slice(&saved.x[t * hd..(t + 1) * hd]);
-        let g = saved.gate[p];
+        // The rule's weight (1 for top-q; 1/π for the unbiased rules).
+        let g = saved.gate[p] * T::of(f64::from(weight[p]));
         for (d, &v) in row[hd..].iter_mut().zip(&dy[t * hd..(t + 1) * hd]) {
             *d = g * v;
         }

@@ -23,6 +23,13 @@ pub enum Retention {
     /// `round(r · n_e)` pairs of every expert, `n_e` its routed pairs over
     /// all sources, `r ∈ [0, 1]`.
     Ratio(f64),
+    /// Keep a share `f ∈ [0, 1]` of all routed pairs, trimming only the
+    /// ranks whose load exceeds their fair share of that budget: rank loads
+    /// `L_r` (each expert's pairs spread evenly over its instances) are
+    /// capped at `c` with `Σ_r min(L_r, c) = f · Σ_r L_r`, and expert `e`
+    /// keeps `round(n_e · min(1, c / max_{r ∋ e} L_r))` — under-loaded ranks
+    /// stay whole, the straggler's surplus goes.
+    Surplus(f64),
     /// The controller's quotas under per-rank budgets.
     Budgeted {
         /// One budget per rank.
@@ -57,6 +64,12 @@ pub struct CallConfig {
     pub hot_bias: f64,
     /// Where this rank's expert GEMMs run (forward and backward).
     pub experts: crate::experts::ExpertBackend,
+    /// Which pairs the backward keeps within each quota (see
+    /// [`lrm_score::Rule`]; weights of the unbiased rules scale the kept
+    /// pairs' `g·δ` rows).
+    pub rule: lrm_score::Rule,
+    /// Seed of the random rules (mixed with each call's routed counts).
+    pub rule_seed: u64,
 }
 
 impl Default for CallConfig {
@@ -70,6 +83,8 @@ impl Default for CallConfig {
             hot_experts: 0,
             hot_bias: 0.0,
             experts: crate::experts::ExpertBackend::Cpu,
+            rule: lrm_score::Rule::TopQ,
+            rule_seed: 0,
         }
     }
 }
@@ -164,34 +179,75 @@ pub fn plan_call<T>(
         replica_memory_fraction: bwd.replica_memory_fraction,
     };
     let with_replicas = quota::plan_replicas(&inputs, &qcfg)?;
+    let split_over_sources = |quota: &dyn Fn(usize, u64) -> u64| -> Vec<Vec<u64>> {
+        // Per expert: its quota, split over sources in rank order (the split
+        // only describes the quota; selection is per expert).
+        let per_expert = (0..cfg.n_experts)
+            .map(|e| {
+                let n_e: u64 = routed.iter().map(|row| row[e]).sum();
+                let mut left = quota(e, n_e).min(n_e);
+                routed
+                    .iter()
+                    .map(|row| {
+                        let take = left.min(row[e]);
+                        left -= take;
+                        take
+                    })
+                    .collect::<Vec<u64>>()
+            })
+            .collect::<Vec<_>>();
+        (0..n_ranks)
+            .map(|s| per_expert.iter().map(|col| col[s]).collect())
+            .collect()
+    };
     let (kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
+        Retention::Surplus(f) => {
+            if !(0.0..=1.0).contains(f) {
+                return Err(LayerError::Config(format!(
+                    "surplus retention {f} is not in [0, 1]"
+                )));
+            }
+            let instances = with_replicas.all_instances();
+            let n_e: Vec<f64> = (0..cfg.n_experts)
+                .map(|e| routed.iter().map(|row| row[e] as f64).sum())
+                .collect();
+            let mut load = vec![0f64; n_ranks];
+            for (e, inst) in instances.iter().enumerate() {
+                for &r in inst {
+                    if r < n_ranks {
+                        load[r] += n_e[e] / inst.len() as f64;
+                    }
+                }
+            }
+            let cap = water_fill(&load, f * n_e.iter().sum::<f64>());
+            let ratio: Vec<f64> = instances
+                .iter()
+                .map(|inst| {
+                    let worst = inst.iter().map(|&r| load[r]).fold(0.0, f64::max);
+                    if worst <= cap {
+                        1.0
+                    } else {
+                        cap / worst
+                    }
+                })
+                .collect();
+            (
+                split_over_sources(&|e, n| ((n as f64) * ratio[e]).round() as u64),
+                None,
+            )
+        }
         Retention::Ratio(r) => {
             if !(0.0..=1.0).contains(r) {
                 return Err(LayerError::Config(format!(
                     "retention ratio {r} is not in [0, 1]"
                 )));
             }
-            // Per expert: round(r · n_e), split over sources in rank order
-            // (the split only describes the quota; selection is per expert).
-            let kept = (0..cfg.n_experts)
-                .map(|e| {
-                    let n_e: u64 = routed.iter().map(|row| row[e]).sum();
-                    let mut left = ((n_e as f64) * r).round() as u64;
-                    routed
-                        .iter()
-                        .map(|row| {
-                            let take = left.min(row[e]);
-                            left -= take;
-                            take
-                        })
-                        .collect::<Vec<u64>>()
-                })
-                .collect::<Vec<_>>();
-            let kept = (0..n_ranks)
-                .map(|s| kept.iter().map(|col| col[s]).collect())
-                .collect();
-            (kept, None)
+            // Per expert: round(r · n_e).
+            (
+                split_over_sources(&|_, n| ((n as f64) * r).round() as u64),
+                None,
+            )
         }
         Retention::Budgeted { .. } => {
             let inputs = quota::Inputs {
@@ -226,6 +282,22 @@ pub fn plan_call<T>(
         selection,
         caps,
     })
+}
+
+/// The cap `c` with `Σ_r min(load_r, c) = budget` (every load when the
+/// budget covers them all).
+fn water_fill(load: &[f64], budget: f64) -> f64 {
+    let mut sorted = load.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let mut below = 0.0;
+    for (i, &l) in sorted.iter().enumerate() {
+        let above = (sorted.len() - i) as f64;
+        if below + l * above >= budget {
+            return (budget - below) / above;
+        }
+        below += l;
+    }
+    sorted.last().copied().unwrap_or(0.0)
 }
 
 /// The plan of one call for a device executor, from every source's routed
@@ -294,6 +366,12 @@ impl DevicePlanner {
             return Err(LayerError::Config(
                 "capacity-factor dropping runs on the host executor only".into(),
             ));
+        }
+        if call.rule != lrm_score::Rule::TopQ {
+            return Err(LayerError::Config(format!(
+                "the device executors select by top-q only; the {} rule runs on the host executor",
+                call.rule.name()
+            )));
         }
         Ok(Self {
             cfg,

@@ -924,3 +924,84 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     )
     .is_err());
 }
+
+#[test]
+fn surplus_retention_trims_only_the_overloaded_rank() {
+    let cfg = cfg(false); // 4 experts, 2 ranks: experts 0, 1 on rank 0
+    let placement = Placement {
+        owner: vec![0, 0, 1, 1],
+        replicas: vec![],
+    };
+    let call = |f| CallConfig {
+        retention: Retention::Surplus(f),
+        ..CallConfig::default()
+    };
+    // Rank 0 holds 90 of 100 pairs; keep 60: the cap is 50, rank 1 whole.
+    let routed = vec![vec![30u64, 15, 3, 2], vec![30, 15, 3, 2]];
+    let plan = plan_call::<f32>(&cfg, &call(0.6), routed.clone(), &placement).unwrap();
+    assert_eq!(plan.quotas, vec![33, 17, 6, 4]);
+    assert_eq!(plan.selection, Selection::PerExpert);
+    // Balanced loads: every expert keeps the same share.
+    let even = vec![vec![10u64, 15, 10, 15], vec![10, 15, 10, 15]];
+    let plan = plan_call::<f32>(&cfg, &call(0.6), even, &placement).unwrap();
+    assert_eq!(plan.quotas, vec![12, 18, 12, 18]);
+    // Everything kept at 1, nothing at 0; out of range is an error.
+    let plan = plan_call::<f32>(&cfg, &call(1.0), routed.clone(), &placement).unwrap();
+    assert_eq!(plan.quotas, vec![60, 30, 6, 4]);
+    let plan = plan_call::<f32>(&cfg, &call(0.0), routed.clone(), &placement).unwrap();
+    assert_eq!(plan.quotas, vec![0; 4]);
+    assert!(plan_call::<f32>(&cfg, &call(1.5), routed, &placement).is_err());
+}
+
+fn expert_grads(p: &MoeParams<f64>) -> Vec<f64> {
+    p.experts
+        .iter()
+        .flat_map(|e| e.gate.iter().chain(&e.up).chain(&e.down).copied())
+        .collect()
+}
+
+#[test]
+fn sampling_rules_are_exact_at_full_retention_and_unbiased_below_it() {
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 32, 5);
+    let exact = run(&cfg, &CallConfig::default(), &params, &x, &dy, 2).unwrap();
+    for rule in lrm_score::Rule::ALL {
+        // Every pair kept: weight 1, the exact gradient.
+        let all = CallConfig {
+            retention: Retention::Ratio(1.0),
+            rule,
+            ..CallConfig::default()
+        };
+        let r = run(&cfg, &all, &params, &x, &dy, 2).unwrap();
+        assert_close("dx", &r.dx, &exact.dx, 1e-12);
+        assert_grads_close(&r.grads, &exact.grads, 1e-12);
+    }
+    // Half the pairs: the reweighted rules' expert gradients average to the
+    // exact ones over seeds; top-q's (deterministic) stay biased.
+    let want = expert_grads(&exact.grads);
+    let mean_error = |rule, seeds: u64| -> f64 {
+        let mut sum = vec![0.0; want.len()];
+        for seed in 0..seeds {
+            let half = CallConfig {
+                retention: Retention::Ratio(0.5),
+                rule,
+                rule_seed: seed,
+                ..CallConfig::default()
+            };
+            let r = run(&cfg, &half, &params, &x, &dy, 2).unwrap();
+            assert!((r.kept_pairs as f64 / r.kept.len() as f64 - 0.5).abs() < 0.1);
+            for (s, g) in sum.iter_mut().zip(expert_grads(&r.grads)) {
+                *s += g / seeds as f64;
+            }
+        }
+        rel_err(&sum, &want)
+    };
+    let top = mean_error(lrm_score::Rule::TopQ, 1);
+    for rule in [lrm_score::Rule::Proportional, lrm_score::Rule::Priority] {
+        let e = mean_error(rule, 400);
+        assert!(
+            e < 0.1 && e < top / 2.0,
+            "{rule:?}: mean error {e}, top-q {top}"
+        );
+    }
+}

@@ -27,13 +27,23 @@
 //! (counting-sort bucketing by expert, then `select_nth_unstable` per expert),
 //! not a sort.
 //!
+//! [`select`] generalises the choice to a [`Rule`]: top-q (the paper's
+//! rule, [`select_top`]), random-q, sampling proportional to the
+//! contribution's norm `√score` with `1/π` weights, and priority sampling
+//! with threshold-corrected weights (the formulas are on [`Rule`]). The two sampling rules are unbiased: the weighted kept
+//! contributions sum, in expectation, to the complete gradient.
+//!
 //! ## Invariants
 //!
 //! * Scores are finite and `≥ 0`; a non-finite score (from a NaN or infinite
 //!   input, or an overflow of `f32`) is [`ScoreError::NonFinite`], never a
 //!   silent keep or drop.
-//! * Exactly `min(q_e, n_e)` pairs of each expert are kept, and every kept
-//!   score is `≥` every dropped score of the same expert.
+//! * [`select_top`] keeps exactly `min(q_e, n_e)` pairs of each expert, and
+//!   every kept score is `≥` every dropped score of the same expert; every
+//!   rule of [`select`] keeps at most `min(q_e, n_e)` (the sampling rules
+//!   may keep one fewer when rounding leaves `Σ π` just below `q`).
+//! * The random rules draw from `(seed, id)` only: the same candidates give
+//!   the same choice in any order, on every rank.
 //! * **Tie rule:** among equal scores the pair with the smaller `id` wins. Pair
 //!   ids are caller-chosen (for example `token · top_k + slot`); with ids
 //!   unique per expert the kept set does not depend on the order in which
@@ -53,6 +63,9 @@ struct ReadmeDoctests;
 
 use half::bf16;
 use rayon::prelude::*;
+
+mod rules;
+pub use rules::{uniform, Rule};
 
 /// Errors of this crate. Every variant names the offending pair, expert or
 /// shape so the caller can report it without re-deriving it.
@@ -347,6 +360,80 @@ pub fn select_top(
         }
     }
     Ok(kept_counts)
+}
+
+/// Keeps at most `min(quotas[e], n_e)` pairs of every expert `e` by
+/// `rule` (see [`Rule`]; `seed` drives the random rules, the same seed and
+/// candidates give the same choice in any order), writing `kept[i]` and
+/// the kept pairs' weights `weight[i]` (0 for dropped pairs). Returns the
+/// number kept per expert. [`Rule::TopQ`] is [`select_top`] with weight 1.
+pub fn select(
+    candidates: Candidates<'_>,
+    quotas: &[usize],
+    rule: Rule,
+    seed: u64,
+    kept: &mut [bool],
+    weight: &mut [f32],
+) -> Result<Vec<usize>, ScoreError> {
+    check_len("weight", kept.len(), weight.len())?;
+    if rule == Rule::TopQ {
+        let counts = select_top(candidates, quotas, kept)?;
+        for (w, &k) in weight.iter_mut().zip(kept.iter()) {
+            *w = if k { 1.0 } else { 0.0 };
+        }
+        return Ok(counts);
+    }
+    let n = candidates.score.len();
+    check_len("expert", n, candidates.expert.len())?;
+    check_len("id", n, candidates.id.len())?;
+    check_len("kept", n, kept.len())?;
+    first_non_finite(candidates.score)?;
+    if let Some(pair) = candidates.score.iter().position(|&s| s < 0.0) {
+        return Err(ScoreError::NonFinite {
+            pair,
+            value: candidates.score[pair],
+        });
+    }
+    let n_experts = quotas.len();
+    let mut buckets: Vec<Vec<u32>> = vec![Vec::new(); n_experts];
+    for (pair, &e) in candidates.expert.iter().enumerate() {
+        let bucket = buckets
+            .get_mut(e as usize)
+            .ok_or(ScoreError::ExpertOutOfRange {
+                pair,
+                expert: e,
+                n_experts,
+            })?;
+        bucket.push(pair as u32);
+    }
+    let chosen: Vec<Vec<(u32, f32)>> = buckets
+        .par_iter_mut()
+        .zip(quotas.par_iter())
+        .enumerate()
+        .map(|(e, (idx, &q))| {
+            let mut out = Vec::with_capacity(q.min(idx.len()));
+            let seed_e = seed ^ (e as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93);
+            rules::choose(
+                rule,
+                seed_e,
+                idx,
+                candidates.score,
+                candidates.id,
+                q,
+                &mut out,
+            );
+            out
+        })
+        .collect();
+    kept.fill(false);
+    weight.fill(0.0);
+    for list in &chosen {
+        for &(i, w) in list {
+            kept[i as usize] = true;
+            weight[i as usize] = w;
+        }
+    }
+    Ok(chosen.iter().map(Vec::len).collect())
 }
 
 #[cfg(test)]

@@ -55,6 +55,12 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the capacity-factor baseline has no GPU path (train it with --executor host)".into(),
         ));
     }
+    if call.rule != lrm_score::Rule::TopQ {
+        return Err(ModelError::Config(format!(
+            "the device executor selects by top-q only: the {} rule runs with --executor host",
+            call.rule.name()
+        )));
+    }
     shape(cfg, 0).check()?;
     Ok(())
 }

@@ -45,6 +45,12 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
         ));
     }
+    if call.rule != lrm_score::Rule::TopQ {
+        return Err(ModelError::Config(format!(
+            "the GPU layers select by top-q only: the {} rule runs on the host executor (--device cpu)",
+            call.rule.name()
+        )));
+    }
     shape(cfg, 0).check()?;
     Ok(())
 }

@@ -95,6 +95,14 @@ struct TrainArgs {
     /// In-process expert-parallel ranks.
     #[arg(long)]
     ranks: Option<usize>,
+    /// Which pairs the LRMoE backward keeps within each quota: top_q,
+    /// random_q, proportional or priority (moe.selection_rule).
+    #[arg(long)]
+    selection_rule: Option<String>,
+    /// Per-rank backward buffer as a share of the average routed pairs per
+    /// rank, LRMoE mode (moe.buffer_fraction).
+    #[arg(long)]
+    buffer_fraction: Option<f64>,
     /// Output folder (metrics.jsonl, checkpoint.safetensors, reports).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -307,6 +315,12 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
     }
     if let Some(v) = a.mode {
         cfg.moe.mode = v;
+    }
+    if let Some(v) = a.selection_rule.clone() {
+        cfg.moe.selection_rule = v;
+    }
+    if let Some(v) = a.buffer_fraction {
+        cfg.moe.buffer_fraction = v;
     }
     if let Some(v) = a.executor {
         cfg.moe.executor = v;

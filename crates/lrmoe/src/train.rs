@@ -182,6 +182,16 @@ pub struct MoeSection {
     pub hot_experts: usize,
     /// Router logit bias of the hot experts.
     pub hot_bias: f64,
+    /// Which pairs the backward keeps within each quota (lrmoe mode):
+    /// `top_q` (the paper's rule), `random_q`, `proportional` or `priority`
+    /// (see `lrm_score::Rule`; the last two reweight kept pairs and are
+    /// unbiased). The host executor only, for the sampling rules.
+    pub selection_rule: String,
+    /// LRMoE quotas that trim only the ranks above their fair share of the
+    /// budget (`layer::Retention::Surplus(buffer_fraction)`: the share of
+    /// all routed pairs kept is `buffer_fraction`, under-loaded ranks stay
+    /// whole) instead of the controller's per-rank memory budgets.
+    pub surplus_only: bool,
 }
 
 impl Default for MoeSection {
@@ -196,6 +206,8 @@ impl Default for MoeSection {
             capacity_factor: 1.0,
             hot_experts: 0,
             hot_bias: 0.0,
+            selection_rule: "top_q".into(),
+            surplus_only: false,
         }
     }
 }
@@ -305,6 +317,13 @@ impl TrainConfig {
             return bad(format!(
                 "moe.hot_experts = {} must be at most model.n_experts = {} and moe.hot_bias finite",
                 self.moe.hot_experts, self.model.n_experts
+            ));
+        }
+        if lrm_score::Rule::from_name(&self.moe.selection_rule).is_none() {
+            return bad(format!(
+                "moe.selection_rule = {:?} is not one of {}",
+                self.moe.selection_rule,
+                lrm_score::Rule::ALL.map(|r| r.name()).join(", ")
             ));
         }
         if self.moe.buffer_fraction.is_nan() || self.moe.buffer_fraction <= 0.0 {
@@ -474,6 +493,7 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
         hot_bias: cfg.moe.hot_bias,
         ..CallConfig::default()
     };
+    let rule = lrm_score::Rule::from_name(&cfg.moe.selection_rule).unwrap_or_default();
     match cfg.moe.mode {
         Mode::Full => base,
         Mode::Capacity => CallConfig {
@@ -486,12 +506,18 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
             ..base
         },
         Mode::Lrmoe => CallConfig {
-            retention: Retention::Budgeted {
-                budgets: budgets(cfg, mcfg, placement),
-                policy: cfg.moe.policy,
+            retention: if cfg.moe.surplus_only {
+                Retention::Surplus(cfg.moe.buffer_fraction.min(1.0))
+            } else {
+                Retention::Budgeted {
+                    budgets: budgets(cfg, mcfg, placement),
+                    policy: cfg.moe.policy,
+                }
             },
             replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
+            rule,
+            rule_seed: cfg.seed,
             ..base
         },
     }
