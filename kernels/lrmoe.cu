@@ -500,6 +500,53 @@ extern "C" __global__ void bf16_to_f32_bias(const uint16_t* __restrict__ a, cons
         out[i] = bf(a[i]) + bias[i % cols];
 }
 
+// Priority sampling keys (the device form of lrm_score's priority rule):
+// rho[i] = sqrt(score[i]) / u(seed, id[i]) in f64, rounded to f32, with
+// u in (0, 1] from the SplitMix64 finaliser of (seed, id) — the same u as
+// lrm_score::uniform. Twin: kernels::cpu::priority_keys_reference.
+__device__ __forceinline__ double uniform01(unsigned long long seed, unsigned long long id) {
+    unsigned long long z = seed ^ (id * 0x9E3779B97F4A7C15ull);
+    z += 0x9E3779B97F4A7C15ull;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return static_cast<double>((z >> 11) + 1ull) / 9007199254740992.0;
+}
+
+extern "C" __global__ void priority_keys(const float* __restrict__ score, const uint32_t* __restrict__ id,
+                                         unsigned long long seed, float* __restrict__ rho, int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        rho[i] = static_cast<float>(sqrt(static_cast<double>(score[i])) / uniform01(seed, id[i]));
+}
+
+// Priority sampling weights, one block per expert segment [offsets[e],
+// offsets[e+1]): tau = the key of the one row kept at quota q + 1 but not
+// at q (0 when the expert keeps every row); kept rows get
+// w = max(a, tau) / a with a = sqrt(score) (1 where a = 0), dropped rows 0.
+// Twin: kernels::cpu::priority_weights_reference.
+extern "C" __global__ void priority_weights(const float* __restrict__ rho, const float* __restrict__ score,
+                                            const uint8_t* __restrict__ kept_q, const uint8_t* __restrict__ kept_q1,
+                                            const uint32_t* __restrict__ offsets, float* __restrict__ w) {
+    __shared__ float tau;
+    uint32_t lo = offsets[blockIdx.x], hi = offsets[blockIdx.x + 1];
+    if (threadIdx.x == 0) tau = 0.f;
+    __syncthreads();
+    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        if (kept_q1[i] && !kept_q[i]) tau = rho[i];
+    __syncthreads();
+    double t = static_cast<double>(tau);
+    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        double a = sqrt(static_cast<double>(score[i]));
+        w[i] = kept_q[i] ? (a > 0.0 ? static_cast<float>(fmax(a, t) / a) : 1.f) : 0.f;
+    }
+}
+
+// out = a * b (f32).
+extern "C" __global__ void mul_f32(const float* __restrict__ a, const float* __restrict__ b, float* __restrict__ out,
+                                   int n) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) out[i] = a[i] * b[i];
+}
+
 // Router backward for one token per warp. dg[p] = dy[t] . o[row[p]] for
 // each of its k pairs (o in grouped order), then through the optional
 // renormalisation and the softmax: dlogits [t, e] as bf16.

@@ -508,6 +508,58 @@ pub(crate) fn check_combine(
     Ok(t)
 }
 
+/// `u ∈ (0, 1]` from `(seed, id)` (SplitMix64 finaliser): the device's
+/// `uniform01`, equal to `lrm_score::uniform`.
+pub fn uniform01_reference(seed: u64, id: u64) -> f64 {
+    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    ((z >> 11) + 1) as f64 / (1u64 << 53) as f64
+}
+
+/// CPU twin of `priority_keys`: `ρ_i = √score_i / u(seed, id_i)` in f64,
+/// rounded to f32.
+pub fn priority_keys_reference(score: &[f32], id: &[u32], seed: u64) -> Vec<f32> {
+    score
+        .iter()
+        .zip(id)
+        .map(|(&s, &i)| (f64::from(s).sqrt() / uniform01_reference(seed, u64::from(i))) as f32)
+        .collect()
+}
+
+/// CPU twin of `priority_weights`: per expert segment of `offsets`,
+/// `τ` = the key of the row kept at `q + 1` but not at `q` (0 if none);
+/// kept rows get `max(a, τ) / a` with `a = √score` (1 where `a = 0`),
+/// dropped rows 0.
+pub fn priority_weights_reference(
+    rho: &[f32],
+    score: &[f32],
+    kept_q: &[u8],
+    kept_q1: &[u8],
+    offsets: &[u32],
+) -> Vec<f32> {
+    let mut w = vec![0f32; rho.len()];
+    for seg in offsets.windows(2) {
+        let (lo, hi) = (seg[0] as usize, seg[1] as usize);
+        let tau = (lo..hi)
+            .find(|&i| kept_q1[i] != 0 && kept_q[i] == 0)
+            .map_or(0.0, |i| f64::from(rho[i]));
+        for i in lo..hi {
+            let a = f64::from(score[i]).sqrt();
+            w[i] = if kept_q[i] == 0 {
+                0.0
+            } else if a > 0.0 {
+                (a.max(tau) / a) as f32
+            } else {
+                1.0
+            };
+        }
+    }
+    w
+}
+
 /// CPU twin of `bf16_to_f32_bias` ([`crate::gpu::Gpu::logits_bias_f32`]):
 /// bf16 logits of `bias.len()` columns plus a per-column bias, f32.
 pub fn logits_bias_reference(logits: &[u16], bias: &[f32]) -> Vec<f32> {

@@ -51,6 +51,11 @@ pub struct EpPlan {
     pub quotas: Vec<u32>,
     /// Per-rank pair caps the backward's redistribution honours, if any.
     pub caps: Option<Vec<u64>>,
+    /// `None`: each expert keeps its `quotas[e]` best scores (top-q).
+    /// `Some(seed)`: priority sampling with this call's seed — the `q`
+    /// largest keys `√score / u(seed, id)`, kept pairs weighted
+    /// `max(√score, τ) / √score` (unbiased; `lrm_score::Rule::Priority`).
+    pub priority_seed: Option<u64>,
 }
 
 /// The controller of the device expert-parallel layer. Every rank calls it
@@ -216,6 +221,29 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    pub fn priority_keys(
+        &self,
+        _s: &[f32],
+        _i: &[u32],
+        _seed: u64,
+    ) -> Result<Vec<f32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn priority_weights(
+        &self,
+        _rho: &[f32],
+        _s: &[f32],
+        _k: (&[u8], &[u8]),
+        _o: &[u32],
+    ) -> Result<Vec<f32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
+    pub fn mul_f32(&self, _a: &[f32], _b: &[f32]) -> Result<Vec<f32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn measure_allocations(&self, _sizes: &[u64]) -> Result<u64, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
@@ -271,6 +299,7 @@ impl Gpu {
         _fwd: &MoeHostForward,
         _dy: &[u16],
         _quotas: &[u32],
+        _priority_seed: Option<u64>,
     ) -> Result<MoeHostGrads, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
@@ -620,6 +649,9 @@ mod imp {
         f_add: CudaFunction,
         f_to_f32: CudaFunction,
         f_to_f32_bias: CudaFunction,
+        f_priority_keys: CudaFunction,
+        f_priority_weights: CudaFunction,
+        f_mul_f32: CudaFunction,
         f_router_bwd: CudaFunction,
         f_row_sq: CudaFunction,
         f_scores_norms: CudaFunction,
@@ -714,6 +746,9 @@ mod imp {
                 f_add: module.load_function("add_bf16").map_err(cuda)?,
                 f_to_f32: module.load_function("bf16_to_f32").map_err(cuda)?,
                 f_to_f32_bias: module.load_function("bf16_to_f32_bias").map_err(cuda)?,
+                f_priority_keys: module.load_function("priority_keys").map_err(cuda)?,
+                f_priority_weights: module.load_function("priority_weights").map_err(cuda)?,
+                f_mul_f32: module.load_function("mul_f32").map_err(cuda)?,
                 f_router_bwd: module.load_function("router_backward").map_err(cuda)?,
                 f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
                 f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
@@ -1126,6 +1161,139 @@ mod imp {
                 unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
             }
             self.download(&out, n)
+        }
+
+        /// Priority sampling keys `√score / u(seed, id)` (twin:
+        /// [`crate::cpu::priority_keys_reference`]).
+        pub fn priority_keys(
+            &self,
+            score: &[f32],
+            id: &[u32],
+            seed: u64,
+        ) -> Result<Vec<f32>, KernelError> {
+            check("id", score.len(), id.len())?;
+            let (sd, idd) = (self.upload(score)?, self.upload(id)?);
+            let out = self.priority_keys_dev(&sd, &idd, seed, score.len())?;
+            self.download(&out, score.len())
+        }
+
+        /// [`Gpu::priority_keys`] on device buffers of `n` entries.
+        pub(crate) fn priority_keys_dev(
+            &self,
+            score: &CudaSlice<f32>,
+            id: &CudaSlice<u32>,
+            seed: u64,
+            n: usize,
+        ) -> Result<CudaSlice<f32>, KernelError> {
+            let mut out = self.poisoned::<f32>(n)?;
+            if n > 0 {
+                let n_i = dim("n", n)?;
+                let mut l = self.stream.launch_builder(&self.f_priority_keys);
+                l.arg(score).arg(id).arg(&seed).arg(&mut out).arg(&n_i);
+                // SAFETY: (f32*, u32*, u64, f32*, int) matches; all hold n.
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            Ok(out)
+        }
+
+        /// Priority sampling weights per expert segment of `offsets` from
+        /// the keys, the scores and the masks kept at `q` and `q + 1`
+        /// (twin: [`crate::cpu::priority_weights_reference`]).
+        pub fn priority_weights(
+            &self,
+            rho: &[f32],
+            score: &[f32],
+            (kept_q, kept_q1): (&[u8], &[u8]),
+            offsets: &[u32],
+        ) -> Result<Vec<f32>, KernelError> {
+            let n = rho.len();
+            check("score", n, score.len())?;
+            check("kept at q", n, kept_q.len())?;
+            check("kept at q + 1", n, kept_q1.len())?;
+            if offsets.is_empty()
+                || offsets.windows(2).any(|w| w[0] > w[1])
+                || offsets[offsets.len() - 1] as usize > n
+            {
+                return Err(KernelError::Shape {
+                    what: "offsets (ascending, within the rows)",
+                    expected: n,
+                    got: offsets.last().copied().unwrap_or(0) as usize,
+                });
+            }
+            let (rd, sd) = (self.upload(rho)?, self.upload(score)?);
+            let (kd, k1d, od) = (
+                self.upload(kept_q)?,
+                self.upload(kept_q1)?,
+                self.upload(offsets)?,
+            );
+            let out =
+                self.priority_weights_dev(&rd, &sd, (&kd, &k1d), &od, n, offsets.len() - 1)?;
+            self.download(&out, n)
+        }
+
+        /// [`Gpu::priority_weights`] on device buffers (`groups` segments).
+        pub(crate) fn priority_weights_dev(
+            &self,
+            rho: &CudaSlice<f32>,
+            score: &CudaSlice<f32>,
+            (kept_q, kept_q1): (&CudaSlice<u8>, &CudaSlice<u8>),
+            offsets: &CudaSlice<u32>,
+            n: usize,
+            groups: usize,
+        ) -> Result<CudaSlice<f32>, KernelError> {
+            let mut out = self.poisoned::<f32>(n)?;
+            if groups > 0 && n > 0 {
+                let grid = u32::try_from(groups).map_err(|_| KernelError::Shape {
+                    what: "groups",
+                    expected: u32::MAX as usize,
+                    got: groups,
+                })?;
+                let mut l = self.stream.launch_builder(&self.f_priority_weights);
+                l.arg(rho)
+                    .arg(score)
+                    .arg(kept_q)
+                    .arg(kept_q1)
+                    .arg(offsets)
+                    .arg(&mut out);
+                // SAFETY: (f32*, f32*, u8*, u8*, u32*, f32*) matches; the
+                // offsets' groups + 1 entries partition 0..n, which every
+                // row buffer holds.
+                unsafe {
+                    l.launch(LaunchConfig {
+                        grid_dim: (grid, 1, 1),
+                        block_dim: (256, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
+                }
+                .map_err(cuda)?;
+            }
+            Ok(out)
+        }
+
+        /// `a ⊙ b` (f32).
+        pub fn mul_f32(&self, a: &[f32], b: &[f32]) -> Result<Vec<f32>, KernelError> {
+            check("b", a.len(), b.len())?;
+            let (ad, bd) = (self.upload(a)?, self.upload(b)?);
+            let out = self.mul_f32_dev(&ad, &bd, a.len())?;
+            self.download(&out, a.len())
+        }
+
+        /// [`Gpu::mul_f32`] on device buffers of `n` entries.
+        pub(crate) fn mul_f32_dev(
+            &self,
+            a: &CudaSlice<f32>,
+            b: &CudaSlice<f32>,
+            n: usize,
+        ) -> Result<CudaSlice<f32>, KernelError> {
+            let mut out = self.poisoned::<f32>(n)?;
+            if n > 0 {
+                let n_i = dim("n", n)?;
+                let mut l = self.stream.launch_builder(&self.f_mul_f32);
+                l.arg(a).arg(b).arg(&mut out).arg(&n_i);
+                // SAFETY: (f32*, f32*, f32*, int) matches; all hold n.
+                unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+            }
+            Ok(out)
         }
 
         /// `h = silu(a) ⊙ b` on bf16 bits (f32 math, round to nearest even).

@@ -248,6 +248,68 @@ fn biased_logits_match_the_cpu_twin_exactly() {
 
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
+fn priority_sampling_kernels_match_the_cpu_twins_exactly() {
+    use kernels::cpu::{priority_keys_reference, priority_weights_reference};
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for &(n, groups) in &[(0usize, 1usize), (1, 1), (37, 3), (5000, 64)] {
+        let score: Vec<f32> = (0..n)
+            .map(|i| {
+                if i % 11 == 0 {
+                    0.0
+                } else {
+                    (rng.next() % 100_000) as f32 / 997.0
+                }
+            })
+            .collect();
+        let id: Vec<u32> = (0..n as u32)
+            .map(|i| i.wrapping_mul(2_654_435_761))
+            .collect();
+        let s = rng.next();
+        let rho = g.priority_keys(&score, &id, s).unwrap();
+        let want = priority_keys_reference(&score, &id, s);
+        assert!(
+            rho.iter()
+                .zip(&want)
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "keys, n = {n}"
+        );
+        // Masks as the selection would give them: per segment, the first
+        // q rows (q = half) at q and one more at q + 1.
+        let mut offsets: Vec<u32> = (0..=groups).map(|k| (k * n / groups) as u32).collect();
+        offsets[groups] = n as u32;
+        let (mut kq, mut kq1) = (vec![0u8; n], vec![0u8; n]);
+        for w in offsets.windows(2) {
+            let (lo, hi) = (w[0] as usize, w[1] as usize);
+            let q = (hi - lo) / 2;
+            for i in lo..hi {
+                kq[i] = u8::from(i < lo + q);
+                kq1[i] = u8::from(i <= lo + q);
+            }
+        }
+        let w = g
+            .priority_weights(&rho, &score, (&kq, &kq1), &offsets)
+            .unwrap();
+        let want = priority_weights_reference(&rho, &score, &kq, &kq1, &offsets);
+        assert!(
+            w.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+            "weights, n = {n}"
+        );
+        let prod = g.mul_f32(&rho, &score).unwrap();
+        assert!(prod
+            .iter()
+            .zip(rho.iter().zip(&score))
+            .all(|(p, (a, b))| p.to_bits() == (a * b).to_bits()));
+    }
+    assert!(g.priority_keys(&[1.0], &[], 0).is_err());
+    assert!(g
+        .priority_weights(&[1.0], &[1.0], (&[1], &[1]), &[0, 2])
+        .is_err());
+    assert!(g.mul_f32(&[1.0], &[]).is_err());
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
 fn router_topk_matches_the_cpu_twin() {
     let g = gpu();
     let mut rng = Rng(seed());

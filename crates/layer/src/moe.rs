@@ -466,7 +466,7 @@ fn select_kept<T: Real, X: Transport>(
         },
         &quotas,
         bwd.rule,
-        call_seed(bwd.rule_seed, &saved.plan.routed),
+        crate::plan::call_seed(bwd.rule_seed, &saved.plan.routed),
         &mut kept_pool,
         &mut weight_pool,
     )?;
@@ -492,16 +492,6 @@ fn select_kept<T: Real, X: Transport>(
         }
     }
     Ok((kept, cells, weight))
-}
-
-/// The random rules' seed of one call: the configured seed mixed with the
-/// call's routed counts (identical on every rank, different per call).
-fn call_seed(seed: u64, routed: &[Vec<u64>]) -> u64 {
-    let mut h = seed ^ 0x243F_6A88_85A3_08D3;
-    for &c in routed.iter().flatten() {
-        h = (h ^ c).wrapping_mul(0x0000_0100_0000_01B3).rotate_left(17);
-    }
-    h
 }
 
 /// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).

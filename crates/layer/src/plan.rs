@@ -120,6 +120,12 @@ pub struct CallPlan {
 }
 
 impl CallPlan {
+    /// The seed of this call's priority sampling on a device layer when
+    /// `call` selects by [`lrm_score::Rule::Priority`] (`None`: top-q).
+    pub fn priority_seed(&self, call: &CallConfig) -> Option<u64> {
+        (call.rule == lrm_score::Rule::Priority).then(|| call_seed(call.rule_seed, &self.routed))
+    }
+
     /// The per-expert quotas as the device layers take them (saturating at
     /// `u32::MAX`, which keeps every pair).
     pub fn device_quotas(&self) -> Vec<u32> {
@@ -284,6 +290,16 @@ pub fn plan_call<T>(
     })
 }
 
+/// The random rules' seed of one call: the configured seed mixed with the
+/// call's routed counts (identical on every rank, different per call).
+pub(crate) fn call_seed(seed: u64, routed: &[Vec<u64>]) -> u64 {
+    let mut h = seed ^ 0x243F_6A88_85A3_08D3;
+    for &c in routed.iter().flatten() {
+        h = (h ^ c).wrapping_mul(0x0000_0100_0000_01B3).rotate_left(17);
+    }
+    h
+}
+
 /// The cap `c` with `Σ_r min(load_r, c) = budget` (every load when the
 /// budget covers them all).
 fn water_fill(load: &[f64], budget: f64) -> f64 {
@@ -367,9 +383,9 @@ impl DevicePlanner {
                 "capacity-factor dropping runs on the host executor only".into(),
             ));
         }
-        if call.rule != lrm_score::Rule::TopQ {
+        if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
             return Err(LayerError::Config(format!(
-                "the device executors select by top-q only; the {} rule runs on the host executor",
+                "the device EP executor selects by top-q or priority sampling; the {} rule runs on the host executor",
                 call.rule.name()
             )));
         }
@@ -483,11 +499,14 @@ impl kernels::gpu::EpPlanner for DevicePlanner {
         let forward = self
             .solve(routed, &instances, None, redistribute::Solver::Exact)
             .map_err(plan_error)?;
+        let priority_seed = (self.call.rule == lrm_score::Rule::Priority)
+            .then(|| call_seed(self.call.rule_seed, &plan.routed));
         let out = kernels::gpu::EpPlan {
             quotas: plan.device_quotas(),
             instances,
             forward,
             caps: plan.caps.clone(),
+            priority_seed,
         };
         if let Ok(mut l) = self.last.lock() {
             *l = Some(plan);

@@ -1005,3 +1005,44 @@ fn sampling_rules_are_exact_at_full_retention_and_unbiased_below_it() {
         );
     }
 }
+
+#[test]
+fn the_device_and_host_priority_rules_draw_the_same_uniforms() {
+    for (seed, id) in [
+        (0u64, 0u64),
+        (7, 1 << 40),
+        (u64::MAX, 12345),
+        (99, u64::MAX),
+    ] {
+        assert_eq!(
+            kernels::cpu::uniform01_reference(seed, id).to_bits(),
+            lrm_score::uniform(seed, id).to_bits()
+        );
+    }
+    // The device planner takes top-q and priority sampling, nothing else.
+    let cfg = cfg(false);
+    for (rule, ok) in [
+        (lrm_score::Rule::TopQ, true),
+        (lrm_score::Rule::Priority, true),
+        (lrm_score::Rule::RandomQ, false),
+        (lrm_score::Rule::Proportional, false),
+    ] {
+        let call = CallConfig {
+            rule,
+            ..CallConfig::default()
+        };
+        assert_eq!(DevicePlanner::new(cfg, call).is_ok(), ok, "{rule:?}");
+    }
+    use kernels::gpu::EpPlanner;
+    let p = DevicePlanner::new(
+        cfg,
+        CallConfig {
+            rule: lrm_score::Rule::Priority,
+            rule_seed: 3,
+            ..CallConfig::default()
+        },
+    )
+    .unwrap();
+    let plan = p.forward(&[vec![3, 1, 2, 0], vec![1, 1, 1, 1]]).unwrap();
+    assert!(plan.priority_seed.is_some());
+}

@@ -164,6 +164,26 @@ fn gpu_layer_matches_the_cpu_layer() {
             "kept {}",
             half.kept_pairs
         );
+        // Priority sampling at the same quotas: the same forward, router
+        // gradient and kept count; reweighted, different expert gradients.
+        let fwd = gpu
+            .moe_forward_host(&shape, &wr, &wg, &wu, &wd, &bits(&x))
+            .unwrap();
+        let quotas =
+            layer::device_ratio_plan(&shape, 0.5)(std::slice::from_ref(&fwd.counts)).unwrap();
+        let pri = gpu
+            .moe_backward_host(&fwd, &bits(&dy), &quotas, Some(42))
+            .unwrap();
+        assert_eq!(fwd.y, half.y);
+        assert_eq!(pri.router, half.router);
+        assert_eq!(pri.kept_pairs, half.kept_pairs);
+        assert!(
+            pri.gate.iter().all(|&b| b & 0x7f80 != 0x7f80),
+            "non-finite gradient"
+        );
+        if half.kept_pairs > e && half.kept_pairs < t * k {
+            assert_ne!(pri.gate, half.gate, "priority sampling equals top-q");
+        }
     }
 }
 

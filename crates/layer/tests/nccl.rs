@@ -323,6 +323,54 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             );
             std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
         }
+        // Priority sampling on the device: the same forward and router
+        // gradient as top-q, as many kept pairs, different (reweighted)
+        // expert gradients.
+        let moe = MoeConfig {
+            hidden: h,
+            ffn: f,
+            n_experts: e,
+            top_k: one.top_k,
+            renormalize: one.renormalize,
+        };
+        let run = |rule| {
+            let planner = layer::DevicePlanner::new(
+                moe,
+                CallConfig {
+                    retention: Retention::Ratio(0.5),
+                    rule,
+                    rule_seed: 11,
+                    ..CallConfig::default()
+                },
+            )
+            .unwrap();
+            gpu.ep_host(
+                t.comm(),
+                &one,
+                &router,
+                (&blk(&gate), &blk(&up), &blk(&down)),
+                &tok(&x),
+                &tok(&dy),
+                &planner,
+            )
+            .unwrap()
+        };
+        let (top, pri) = (run(lrm_score::Rule::TopQ), run(lrm_score::Rule::Priority));
+        assert_eq!(top.y, pri.y);
+        assert_eq!(top.router, pri.router);
+        assert_eq!(top.kept_total, pri.kept_total);
+        let g = f32s(&pri.gate);
+        assert!(g.iter().all(|v| v.is_finite()) && g.iter().any(|&v| v != 0.0));
+        let d = rel(&f32s(&pri.gate), &f32s(&top.gate));
+        assert!(
+            d > 0.0,
+            "priority sampling kept the top-q pairs with unit weights"
+        );
+        let line = format!(
+            "rank {me}: device EP layer, priority sampling at r = 0.5: y and router equal top-q's, kept {} of {} pairs, gate gradient differs by {d:.2} (relative)\n",
+            pri.kept_total, top.kept_total
+        );
+        std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
     }
 
     // A peer that leaves: rank 1 returns (its process exits), rank 0 must

@@ -55,9 +55,9 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the capacity-factor baseline has no GPU path (train it with --executor host)".into(),
         ));
     }
-    if call.rule != lrm_score::Rule::TopQ {
+    if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return Err(ModelError::Config(format!(
-            "the device executor selects by top-q only: the {} rule runs with --executor host",
+            "the device executor selects by top-q or priority sampling: the {} rule runs with --executor host",
             call.rule.name()
         )));
     }

@@ -45,9 +45,9 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
         ));
     }
-    if call.rule != lrm_score::Rule::TopQ {
+    if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return Err(ModelError::Config(format!(
-            "the GPU layers select by top-q only: the {} rule runs on the host executor (--device cpu)",
+            "the GPU layers select by top-q or priority sampling: the {} rule runs on the host executor (--device cpu)",
             call.rule.name()
         )));
     }
@@ -61,6 +61,8 @@ pub struct GpuSaved {
     fwd: MoeHostForward,
     /// The controller's plan for this call (one rank).
     pub plan: CallPlan,
+    /// Priority sampling's seed for this call (`None`: top-q).
+    priority_seed: Option<u64>,
 }
 
 /// Forward of one MoE layer on the GPU; `x` is `tokens × hidden`.
@@ -94,7 +96,15 @@ pub fn forward<T: Real>(
     if y.iter().any(|v: &T| !v.is_finite()) {
         return Err(ModelError::NonFinite("GPU MoE output"));
     }
-    Ok((y, GpuSaved { fwd, plan }))
+    let priority_seed = plan.priority_seed(call);
+    Ok((
+        y,
+        GpuSaved {
+            fwd,
+            plan,
+            priority_seed,
+        },
+    ))
 }
 
 /// LRMoE backward of one MoE layer on the GPU with the plan's quotas.
@@ -108,7 +118,7 @@ pub fn backward<T: Real>(
     // host layer's `Selection::PerExpert`.
     let quotas = saved.plan.device_quotas();
     let clock = std::time::Instant::now();
-    let g = gpu.moe_backward_host(&saved.fwd, &to_bf16(dy), &quotas)?;
+    let g = gpu.moe_backward_host(&saved.fwd, &to_bf16(dy), &quotas, saved.priority_seed)?;
     let (h, f) = (cfg.hidden, cfg.ffn);
     let grads = MoeParams {
         router: from_bf16(&g.router),

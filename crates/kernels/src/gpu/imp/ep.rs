@@ -570,18 +570,40 @@ impl Gpu {
         let n_all = world * p;
         let g_scores = self.gather32(&all, &sv.gperm, n_all)?;
         let qd = self.upload(&sv.plan.quotas)?;
-        // SAFETY: the selection writes a flag for every row.
-        let mut kept_g = unsafe { self.uninit::<u8>(n_all) }?;
+        // Top-q by score, or priority sampling: top-q by key, weights from
+        // the threshold (the key kept at q + 1 but not at q).
+        let keys = match sv.plan.priority_seed {
+            Some(seed) => Some(self.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
+            None => None,
+        };
+        let by = keys.as_ref().unwrap_or(&g_scores);
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
-        self.launch_select(
-            &g_scores,
-            &sv.gperm,
-            &sv.goffsets,
-            &qd,
-            &mut kept_g,
-            &mut err,
-            e,
-        )?;
+        let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, KernelError> {
+            // SAFETY: the selection writes a flag for every row.
+            let mut kept = unsafe { self.uninit::<u8>(n_all) }?;
+            self.launch_select(by, &sv.gperm, &sv.goffsets, quotas, &mut kept, &mut err, e)?;
+            Ok(kept)
+        };
+        let kept_g = select(&qd)?;
+        let pair_weight = match &keys {
+            Some(rho) => {
+                let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
+                let kept_g1 = select(&self.upload(&more)?)?;
+                let w = self.priority_weights_dev(
+                    rho,
+                    &g_scores,
+                    (&kept_g, &kept_g1),
+                    &sv.goffsets,
+                    n_all,
+                    e,
+                )?;
+                // This source's pairs: global row → expert-major row → pair.
+                let w_rows = self.gather32(&w, &sv.gidx, p)?;
+                let w_pair = self.gather32(&w_rows, &sv.dst, p)?;
+                Some(self.mul_f32_dev(&sv.gates, &w_pair, p)?)
+            }
+            None => None,
+        };
         let mask = self.gather_u8_dev(&kept_g, &sv.gidx, p)?;
         let mine = self.kept_counts_dev(&sv.expert_of_row, &mask, p, e)?;
         let flag_and_counts = (self.download(&err, 1)?[0], self.download(&mine, e)?);
@@ -634,7 +656,14 @@ impl Gpu {
         )?;
         let korder = self.upload(&lay.send_order)?;
         let pair = self.gather32(&sv.src, &self.gather32(&kept_rows, &korder, n_k)?, n_k)?;
-        let dk_send = self.gather_scaled(dy, &pair, k, Some(&sv.gates), n_k, h)?;
+        let dk_send = self.gather_scaled(
+            dy,
+            &pair,
+            k,
+            Some(pair_weight.as_ref().unwrap_or(&sv.gates)),
+            n_k,
+            h,
+        )?;
         laps.lap(self, "pack")?;
         let (send, from) = (elems(&lay.send, h), elems(&lay.recv.from, h));
         // x rows travel only where a kept pair may change instance.

@@ -553,6 +553,7 @@ impl Gpu {
     /// the device memory in use is read (`cuMemGetInfo`) before and after,
     /// for [`MoeBackward::peak_bytes`]; without, that field is 0 and the
     /// call skips two driver queries the GPU waits on.
+    #[allow(clippy::too_many_arguments)]
     pub fn moe_backward_quotas(
         &self,
         s: &MoeShape,
@@ -561,6 +562,7 @@ impl Gpu {
         dy: &CudaSlice<u16>,
         quotas: &[u32],
         measure_memory: bool,
+        priority_seed: Option<u64>,
     ) -> Result<MoeBackward, KernelError> {
         super::check("quotas", s.experts, quotas.len())?;
         let before = if measure_memory {
@@ -598,7 +600,28 @@ impl Gpu {
         let (qd, mut kept) = (self.upload(quotas)?, unsafe { self.uninit::<u8>(p) }?);
         // The selection kernel only ever sets the flag: it must start at 0.
         let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
-        self.launch_select(&scores, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
+        // Top-q by score, or priority sampling (top-q by the keys
+        // √score / u(seed, pair), then threshold-corrected weights).
+        let keys = match priority_seed {
+            Some(seed) => Some(self.priority_keys_dev(&scores, &sv.src, seed, p)?),
+            None => None,
+        };
+        let by = keys.as_ref().unwrap_or(&scores);
+        self.launch_select(by, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
+        let pair_scale = match &keys {
+            Some(rho) => {
+                let more: Vec<u32> = quotas.iter().map(|q| q.saturating_add(1)).collect();
+                // SAFETY: the selection writes a flag for every row.
+                let mut kept1 = unsafe { self.uninit::<u8>(p) }?;
+                let qd1 = self.upload(&more)?;
+                self.launch_select(rho, &sv.src, &sv.offsets_u, &qd1, &mut kept1, &mut err, e)?;
+                let w =
+                    self.priority_weights_dev(rho, &scores, (&kept, &kept1), &sv.offsets_u, p, e)?;
+                let w_pair = self.gather32(&w, &sv.dst, p)?;
+                Some(self.mul_f32_dev(&sv.gates, &w_pair, p)?)
+            }
+            None => None,
+        };
         // Compaction of the kept rows (still grouped by expert).
         let (dstk, srck) = self.group(
             &sv.expert_of_row,
@@ -612,7 +635,14 @@ impl Gpu {
         let koff = self.upload(&kbase.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
         let xk = self.gather_scaled(&sv.xs, &srck, 1, None, kept_total, h)?;
         let pair_of_kept = self.gather32(&sv.src, &srck, kept_total)?;
-        let dok = self.gather_scaled(dy, &pair_of_kept, k, Some(&sv.gates), kept_total, h)?;
+        let dok = self.gather_scaled(
+            dy,
+            &pair_of_kept,
+            k,
+            Some(pair_scale.as_ref().unwrap_or(&sv.gates)),
+            kept_total,
+            h,
+        )?;
         // Grouped GEMMs on the kept rows only.
         let (dxk, g_gate, g_up, g_down) = self.experts_backward_dev(
             &koff,
@@ -700,7 +730,7 @@ impl Gpu {
         super::check("dy", s.tokens * s.hidden, dy.len())?;
         let fwd = self.moe_forward_host(s, router, gate, up, down, x)?;
         let quotas = plan(std::slice::from_ref(&fwd.counts))?;
-        let g = self.moe_backward_host(&fwd, dy, &quotas)?;
+        let g = self.moe_backward_host(&fwd, dy, &quotas, None)?;
         Ok(MoeHostResult {
             y: fwd.y,
             dx: g.dx,
@@ -737,12 +767,14 @@ impl Gpu {
     }
 
     /// The LRMoE backward of a [`moe_forward_host`](Self::moe_forward_host)
-    /// with per-expert quotas; the gradients come back as bf16 bits.
+    /// with per-expert quotas (and priority sampling's seed, or top-q);
+    /// the gradients come back as bf16 bits.
     pub fn moe_backward_host(
         &self,
         fwd: &MoeHostForward,
         dy: &[u16],
         quotas: &[u32],
+        priority_seed: Option<u64>,
     ) -> Result<MoeHostGrads, KernelError> {
         let s = &fwd.shape;
         super::check("dy", s.tokens * s.hidden, dy.len())?;
@@ -750,7 +782,8 @@ impl Gpu {
             .state
             .as_deref()
             .ok_or_else(|| KernelError::Cuda("the forward state is gone".into()))?;
-        let b = self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas, false)?;
+        let b =
+            self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas, false, priority_seed)?;
         let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
         Ok(MoeHostGrads {
             dx: self.download(&b.dx, t * h)?,
@@ -787,9 +820,9 @@ impl Gpu {
         for &(r, plan) in plans {
             // One call reads the memory; the timed calls skip that probe.
             let quotas = plan(std::slice::from_ref(&sv.counts))?;
-            let last = self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, true)?;
+            let last = self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, true, None)?;
             let ms = self.time(10, || {
-                self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, false)
+                self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, false, None)
                     .map(|_| ())
             })?;
             rows.push(MoeBenchRow {
