@@ -323,6 +323,72 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             );
             std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
         }
+        // A binding memory budget: the controller's quotas (each rank's
+        // experts may keep at most about a third of a balanced share), the
+        // same quotas given to the single-GPU layer: equal results.
+        {
+            let cfg_b = MoeConfig {
+                hidden: h,
+                ffn: f,
+                n_experts: e,
+                top_k: one.top_k,
+                renormalize: one.renormalize,
+            };
+            let cost = quota::CostModel::swiglu_expert(h, f, 2, 1e11, 1e12);
+            let pairs = (tokens * one.top_k) as u64;
+            let budget = quota::RankBudget {
+                memory_bytes: el as u64 * cost.instance_bytes() + pairs / 3 * cost.row_bytes(),
+                network_bytes: u64::MAX,
+            };
+            let planner = layer::DevicePlanner::new(
+                cfg_b,
+                CallConfig {
+                    retention: Retention::Budgeted {
+                        budgets: vec![budget; world],
+                        policy: quota::Policy::Maxmin,
+                    },
+                    ..CallConfig::default()
+                },
+            )
+            .unwrap();
+            let (bx, bdy) = (tok(&x), tok(&dy));
+            let fwd = gpu
+                .ep_forward_host(
+                    t.comm(),
+                    &one,
+                    &router,
+                    (&blk(&gate), &blk(&up), &blk(&down)),
+                    &bx,
+                    None,
+                    &planner,
+                )
+                .unwrap();
+            let got = gpu.ep_backward_host(t.comm(), &fwd, &bdy, &planner).unwrap();
+            let quotas = fwd.plan.quotas.clone();
+            let routed: u32 = fwd.counts.iter().flatten().sum();
+            assert!(quotas.iter().sum::<u32>() < routed, "the budget does not bind");
+            let want = gpu
+                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, &|_| Ok(quotas.clone()))
+                .unwrap();
+            assert_eq!(got.kept_total, want.kept_pairs);
+            assert!(got.kept_pairs as u64 <= pairs / 3 + 1, "rank {me} over its cap");
+            let checks = [
+                ("y", rel(&f32s(&fwd.y), &f32s(&tok(&want.y)))),
+                ("dx", rel(&f32s(&got.dx), &f32s(&tok(&want.dx)))),
+                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&want.gate)))),
+                ("down", rel(&f32s(&got.down), &f32s(&blk(&want.down)))),
+            ];
+            for (name, err) in checks {
+                assert!(err <= 1e-2, "EP layer, binding budget: {name} relative error {err}");
+            }
+            let line = format!(
+                "rank {me}: device EP layer, binding memory budget: kept {} of {routed}, this rank {}; matches the single-GPU layer at the same quotas ({:?})\n",
+                got.kept_total,
+                got.kept_pairs,
+                checks.map(|(n, e)| format!("{n} {e:.1e}"))
+            );
+            std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
+        }
         // Priority sampling on the device: the same forward and router
         // gradient as top-q, as many kept pairs, different (reweighted)
         // expert gradients.
