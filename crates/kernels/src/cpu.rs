@@ -508,15 +508,10 @@ pub(crate) fn check_combine(
     Ok(t)
 }
 
-/// `u ∈ (0, 1]` from `(seed, id)` (SplitMix64 finaliser): the device's
-/// `uniform01`, equal to `lrm_score::uniform`.
+/// `u ∈ (0, 1]` from `(seed, id)`: the device's `uniform01` is the host
+/// rule's draw, [`lrm_score::uniform`].
 pub fn uniform01_reference(seed: u64, id: u64) -> f64 {
-    let mut z = seed ^ id.wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
-    ((z >> 11) + 1) as f64 / (1u64 << 53) as f64
+    lrm_score::uniform(seed, id)
 }
 
 /// CPU twin of `priority_keys`: `ρ_i = √score_i / u(seed, id_i)` in f64,

@@ -49,7 +49,8 @@
 //!   layer takes the caller's per-expert quotas (`layer::device_quotas`),
 //!   the expert-parallel layer a whole plan from the caller's
 //!   [`gpu::EpPlanner`] (`layer::DevicePlanner`). Its one planning
-//!   dependency is `pack` (the EP index layouts, shared with the host).
+//!   dependency is `pack` (the EP index layouts, shared with the host);
+//!   `lrm-score` gives the CPU twin of the priority keys its random draw.
 //! * Zero-size dimensions are ordinary inputs: an `m × 0` times `0 × n`
 //!   product is zeros (or leaves the accumulator as it was).
 //! * With the `cuda` feature off the GPU API returns

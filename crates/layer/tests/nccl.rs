@@ -363,15 +363,25 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                     &planner,
                 )
                 .unwrap();
-            let got = gpu.ep_backward_host(t.comm(), &fwd, &bdy, &planner).unwrap();
+            let got = gpu
+                .ep_backward_host(t.comm(), &fwd, &bdy, &planner)
+                .unwrap();
             let quotas = fwd.plan.quotas.clone();
             let routed: u32 = fwd.counts.iter().flatten().sum();
-            assert!(quotas.iter().sum::<u32>() < routed, "the budget does not bind");
+            assert!(
+                quotas.iter().sum::<u32>() < routed,
+                "the budget does not bind"
+            );
             let want = gpu
-                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, &|_| Ok(quotas.clone()))
+                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, &|_| {
+                    Ok(quotas.clone())
+                })
                 .unwrap();
             assert_eq!(got.kept_total, want.kept_pairs);
-            assert!(got.kept_pairs as u64 <= pairs / 3 + 1, "rank {me} over its cap");
+            assert!(
+                got.kept_pairs as u64 <= pairs / 3 + 1,
+                "rank {me} over its cap"
+            );
             let checks = [
                 ("y", rel(&f32s(&fwd.y), &f32s(&tok(&want.y)))),
                 ("dx", rel(&f32s(&got.dx), &f32s(&tok(&want.dx)))),
@@ -379,7 +389,10 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 ("down", rel(&f32s(&got.down), &f32s(&blk(&want.down)))),
             ];
             for (name, err) in checks {
-                assert!(err <= 1e-2, "EP layer, binding budget: {name} relative error {err}");
+                assert!(
+                    err <= 1e-2,
+                    "EP layer, binding budget: {name} relative error {err}"
+                );
             }
             let line = format!(
                 "rank {me}: device EP layer, binding memory budget: kept {} of {routed}, this rank {}; matches the single-GPU layer at the same quotas ({:?})\n",

@@ -245,6 +245,11 @@ impl Gpu {
         Ok(())
     }
 
+    /// Group offsets as the grouped GEMM takes them (i32, on the device).
+    fn group_offsets(&self, offsets: &[u32]) -> Result<CudaSlice<i32>, KernelError> {
+        self.upload(&offsets.iter().map(|&v| v as i32).collect::<Vec<_>>())
+    }
+
     fn sync(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(cuda)
     }
@@ -427,13 +432,7 @@ impl Gpu {
         let (or_src, hsq_src) = if n_r > 0 {
             let perm = self.upload(&lay.recv.perm)?;
             let xr = self.gather_scaled(&xr_src, &perm, 1, None, n_r, h)?;
-            let od = self.upload(
-                &lay.recv
-                    .offsets
-                    .iter()
-                    .map(|&v| v as i32)
-                    .collect::<Vec<_>>(),
-            )?;
+            let od = self.group_offsets(&lay.recv.offsets)?;
             let nl = local[rank].len();
             let (_, _, hh) = self.experts_hidden(&od, nl, n_r, &xr, gate_l, up_l, h, f)?;
             let or = self.gemm(GemmVariant::Forward, &od, nl, &hh, down_l, n_r * h, f, h)?;
@@ -720,13 +719,7 @@ impl Gpu {
             }
         };
         let dk = self.gather_scaled(&d_recv, &perm, 1, None, n_r, h)?;
-        let od = self.upload(
-            &lay.recv
-                .offsets
-                .iter()
-                .map(|&v| v as i32)
-                .collect::<Vec<_>>(),
-        )?;
+        let od = self.group_offsets(&lay.recv.offsets)?;
         let (dxk, gg, gu, gd) =
             self.experts_backward_dev(&od, nl, n_r, &xk, &dk, (gate_l, up_l, down_l), h, f)?;
         laps.lap(self, "experts bwd")?;
