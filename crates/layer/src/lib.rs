@@ -83,6 +83,11 @@
 //! [`Retention::Surplus`] is the quota policy that trims only the ranks
 //! whose load exceeds their fair share of the kept-pair budget.
 //!
+//! [`CallConfig::aux_loss_coeff`] adds the Switch/GShard auxiliary
+//! load-balancing loss `α · E · Σ_e f_e · P_e` on each rank's tokens
+//! ([`Saved::aux_loss`]; its router and input gradients are part of
+//! [`backward`]'s, finite-difference checked); host executor only.
+//!
 //! With unlimited sends the controller's flow network has one cell per
 //! expert, so every split of `q_e` over sources is placeable within the
 //! ranks' pair caps: per-expert selection keeps the memory guarantee.

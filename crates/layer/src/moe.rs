@@ -168,6 +168,11 @@ pub struct Saved<T> {
     /// Weights of the experts this rank hosts a replica of in this call,
     /// received from their owners (`None` elsewhere).
     replicas: Vec<Option<ExpertWeights<T>>>,
+    /// This rank's auxiliary load-balancing loss, and its gradient with
+    /// respect to each token's router probability of each expert (the
+    /// same for every token), already divided by the world size.
+    aux: f64,
+    aux_dp: Vec<f64>,
     /// The call's plan.
     pub plan: CallPlan,
 }
@@ -180,6 +185,14 @@ impl<T> Saved<T> {
     /// Routing weight of each pair.
     pub fn gate(&self) -> &[T] {
         &self.gate
+    }
+    /// This rank's auxiliary load-balancing loss `α · E · Σ_e f_e · P_e`
+    /// on its own tokens (0 when [`CallConfig::aux_loss_coeff`] is 0). The
+    /// backward's gradients are those of the mean of it over ranks, the
+    /// way the model's loss is the mean over ranks' tokens: add it to this
+    /// rank's loss.
+    pub fn aux_loss(&self) -> f64 {
+        self.aux
     }
 }
 
@@ -296,6 +309,9 @@ pub fn forward<T: Real, X: Transport>(
         }
     }
 
+    // The auxiliary load-balancing loss on this rank's tokens.
+    let (aux, aux_dp) = aux_loss(bwd.aux_loss_coeff, &probs, &expert_of_pair, e_n, n_ranks)?;
+
     // Capacity dropping (baseline only), counts and the call's plan.
     let active = capacity_mask(bwd.capacity_factor, &expert_of_pair, e_n)?;
     let mut local = vec![0u64; e_n];
@@ -377,6 +393,8 @@ pub fn forward<T: Real, X: Transport>(
             out,
             h_sq,
             replicas,
+            aux,
+            aux_dp,
             plan,
         },
     ))
@@ -494,6 +512,44 @@ fn select_kept<T: Real, X: Transport>(
     Ok((kept, cells, weight))
 }
 
+/// The Switch/GShard auxiliary loss `α · E · Σ_e f_e · P_e` on this rank's
+/// `probs` (`T × E`) and routed pairs, and `∂(loss / world) / ∂p_{t,e} =
+/// α · E · f_e / (T · world)` (the routing shares `f` are constants).
+fn aux_loss<T: Real>(
+    alpha: f64,
+    probs: &[T],
+    expert_of_pair: &[u32],
+    e_n: usize,
+    world: usize,
+) -> Result<(f64, Vec<f64>), LayerError> {
+    if !(alpha.is_finite() && alpha >= 0.0) {
+        return Err(LayerError::Config(format!(
+            "aux_loss_coeff {alpha} must be finite and ≥ 0"
+        )));
+    }
+    let n_tok = probs.len() / e_n.max(1);
+    if alpha == 0.0 || n_tok == 0 || expert_of_pair.is_empty() {
+        return Ok((0.0, Vec::new()));
+    }
+    let mut f = vec![0f64; e_n];
+    for &e in expert_of_pair {
+        f[e as usize] += 1.0 / expert_of_pair.len() as f64;
+    }
+    let mut mean_p = vec![0f64; e_n];
+    for row in probs.chunks_exact(e_n) {
+        for (m, &v) in mean_p.iter_mut().zip(row) {
+            *m += v.wide() / n_tok as f64;
+        }
+    }
+    let scale = alpha * e_n as f64;
+    let loss = scale * f.iter().zip(&mean_p).map(|(a, b)| a * b).sum::<f64>();
+    let dp = f
+        .iter()
+        .map(|&fe| scale * fe / (n_tok as f64 * world as f64))
+        .collect();
+    Ok((loss, dp))
+}
+
 /// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).
 /// Returns this rank's input gradient, the gradients of every weight summed
 /// over all ranks (identical on every rank), and this rank's figures.
@@ -542,6 +598,9 @@ pub fn backward<T: Real, X: Transport>(
             for (j, &e) in sel.iter().enumerate() {
                 dp[e as usize] = dg[j];
             }
+        }
+        for (d, &c) in dp.iter_mut().zip(&saved.aux_dp) {
+            *d += T::of(c);
         }
         let dot: T = p.iter().zip(&dp).map(|(&a, &b)| a * b).sum();
         for (i, dl) in dlogits[t * e_n..(t + 1) * e_n].iter_mut().enumerate() {

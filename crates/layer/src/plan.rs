@@ -70,6 +70,11 @@ pub struct CallConfig {
     pub rule: lrm_score::Rule,
     /// Seed of the random rules (mixed with each call's routed counts).
     pub rule_seed: u64,
+    /// Coefficient `α` of the Switch/GShard auxiliary load-balancing loss
+    /// `α · E · Σ_e f_e · P_e` on each rank's tokens (`f_e`: share of the
+    /// rank's routed pairs at expert `e`, `P_e`: mean router probability of
+    /// `e`); 0 turns it off. See [`crate::Saved::aux_loss`].
+    pub aux_loss_coeff: f64,
 }
 
 impl Default for CallConfig {
@@ -85,6 +90,7 @@ impl Default for CallConfig {
             experts: crate::experts::ExpertBackend::Cpu,
             rule: lrm_score::Rule::TopQ,
             rule_seed: 0,
+            aux_loss_coeff: 0.0,
         }
     }
 }
@@ -381,6 +387,11 @@ impl DevicePlanner {
         if call.capacity_factor.is_some() {
             return Err(LayerError::Config(
                 "capacity-factor dropping runs on the host executor only".into(),
+            ));
+        }
+        if call.aux_loss_coeff != 0.0 {
+            return Err(LayerError::Config(
+                "the auxiliary load-balancing loss runs on the host executor only".into(),
             ));
         }
         if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {

@@ -48,6 +48,8 @@ struct Run {
     kept: Vec<bool>,
     bytes_sent: u64,
     kept_pairs: usize,
+    /// Σ over ranks of each rank's auxiliary loss.
+    aux: f64,
 }
 
 fn run(
@@ -66,7 +68,7 @@ fn run(
         let (lo, hi) = (r * n_tok / n_ranks, (r + 1) * n_tok / n_ranks);
         let (y, saved) = forward(t, cfg, bwd, params, &place, &x[lo * hd..hi * hd])?;
         let (dx, grads, stats) = backward(t, cfg, bwd, params, &saved, &dy[lo * hd..hi * hd])?;
-        Ok((y, dx, grads, stats))
+        Ok((y, dx, grads, stats, saved.aux_loss()))
     });
     let mut out = Run {
         y: vec![],
@@ -75,9 +77,11 @@ fn run(
         kept: vec![],
         bytes_sent: 0,
         kept_pairs: 0,
+        aux: 0.0,
     };
     for (r, res) in per_rank.into_iter().enumerate() {
-        let (y, dx, grads, stats) = res?;
+        let (y, dx, grads, stats, aux) = res?;
+        out.aux += aux;
         out.y.extend(y);
         out.dx.extend(dx);
         out.kept.extend(stats.kept);
@@ -1045,4 +1049,61 @@ fn the_device_and_host_priority_rules_draw_the_same_uniforms() {
     .unwrap();
     let plan = p.forward(&[vec![3, 1, 2, 0], vec![1, 1, 1, 1]]).unwrap();
     assert!(plan.priority_seed.is_some());
+}
+
+#[test]
+fn the_auxiliary_balancing_loss_gradient_matches_finite_differences() {
+    for (n_ranks, renormalize) in [(1, false), (1, true), (2, true)] {
+        let cfg = cfg(renormalize);
+        let (params, x, dy) = setup(&cfg, 12, 21);
+        let call = CallConfig {
+            aux_loss_coeff: 0.3,
+            ..CallConfig::default()
+        };
+        // The gradients are those of Σ y·dy + (mean over ranks of aux).
+        let total = |p: &MoeParams<f64>, x: &[f64]| {
+            let r = run(&cfg, &call, p, x, &dy, n_ranks).unwrap();
+            r.y.iter().zip(&dy).map(|(a, b)| a * b).sum::<f64>() + r.aux / n_ranks as f64
+        };
+        let r = run(&cfg, &call, &params, &x, &dy, n_ranks).unwrap();
+        assert!(r.aux > 0.0);
+        let plain = run(&cfg, &CallConfig::default(), &params, &x, &dy, n_ranks).unwrap();
+        assert_eq!(plain.aux, 0.0);
+        assert_eq!(r.y, plain.y, "the auxiliary loss changes no output");
+        let eps = 1e-6;
+        let fd = |perturb: &dyn Fn(&mut MoeParams<f64>, &mut Vec<f64>, f64)| {
+            let (mut p1, mut x1) = (params.clone(), x.clone());
+            perturb(&mut p1, &mut x1, eps);
+            let (mut p2, mut x2) = (params.clone(), x.clone());
+            perturb(&mut p2, &mut x2, -eps);
+            (total(&p1, &x1) - total(&p2, &x2)) / (2.0 * eps)
+        };
+        for i in [0, 3, 7, 13, 23] {
+            let numeric = fd(&|p, _, d| p.router[i] += d);
+            let analytic = r.grads.router[i];
+            assert!(
+                (analytic - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "router[{i}] ({n_ranks} ranks, renorm {renormalize}): {analytic} vs {numeric}"
+            );
+            assert!(
+                (analytic - plain.grads.router[i]).abs() > 1e-9,
+                "no aux gradient"
+            );
+        }
+        for i in [0, 5, 17, 40] {
+            let numeric = fd(&|_, x, d| x[i] += d);
+            assert!(
+                (r.dx[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "x[{i}] ({n_ranks} ranks): {} vs {numeric}",
+                r.dx[i]
+            );
+        }
+    }
+    let bad = CallConfig {
+        aux_loss_coeff: -1.0,
+        ..CallConfig::default()
+    };
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 4, 1);
+    assert!(run(&cfg, &bad, &params, &x, &dy, 1).is_err());
 }

@@ -55,6 +55,11 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the capacity-factor baseline has no GPU path (train it with --executor host)".into(),
         ));
     }
+    if call.aux_loss_coeff != 0.0 {
+        return Err(ModelError::Config(
+            "the auxiliary balancing loss runs with --executor host".into(),
+        ));
+    }
     if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return Err(ModelError::Config(format!(
             "the device executor selects by top-q or priority sampling: the {} rule runs with --executor host",

@@ -45,6 +45,11 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
         ));
     }
+    if call.aux_loss_coeff != 0.0 {
+        return Err(ModelError::Config(
+            "the auxiliary balancing loss has no GPU-layer path (train it with --device cpu or --ranks 2)".into(),
+        ));
+    }
     if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return Err(ModelError::Config(format!(
             "the GPU layers select by top-q or priority sampling: the {} rule runs on the host executor (--device cpu)",

@@ -319,6 +319,14 @@ impl<T> MoeState<T> {
             Self::Ep(g) => &g.plan,
         }
     }
+    /// The layer's auxiliary load-balancing loss on this rank (the GPU
+    /// layers refuse a nonzero coefficient).
+    fn aux_loss(&self) -> f64 {
+        match self {
+            Self::Cpu(s) => s.aux_loss(),
+            Self::Gpu(_) | Self::Ep(_) => 0.0,
+        }
+    }
 }
 
 /// Activations of one forward, for [`backward`].
@@ -549,7 +557,9 @@ pub fn forward<T: Real, X: Transport>(
         }
         loss -= row[t as usize].wide().max(1e-300).ln();
     }
-    let loss = loss / n as f64;
+    // The language model's mean loss, plus each MoE layer's auxiliary
+    // balancing loss (0 unless configured).
+    let loss = loss / n as f64 + blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
     if !loss.is_finite() {
         return Err(ModelError::NonFinite("loss"));
     }
@@ -838,6 +848,51 @@ mod tests {
             grads = Some(g);
         }
         (total, grads.unwrap())
+    }
+
+    #[test]
+    fn gradients_with_the_auxiliary_balancing_loss_match_finite_differences() {
+        let cfg = tiny();
+        let model = Model::<f64>::init(&cfg, 4);
+        let seq = 5;
+        let tokens: Vec<u32> = (0..20).map(|i| (i * 3 % 7) as u32).collect();
+        let targets: Vec<u32> = (0..20).map(|i| (i * 5 % 7 + 1) as u32 % 7).collect();
+        let call = CallConfig {
+            aux_loss_coeff: 0.5,
+            ..CallConfig::default()
+        };
+        for ranks in [1, 2] {
+            let (l, grads) =
+                loss_and_grads_with(&cfg, &model, &tokens, &targets, seq, ranks, &call);
+            let (l0, _) = loss_and_grads(&cfg, &model, &tokens, &targets, seq, ranks);
+            assert!(l > l0, "the auxiliary loss is part of the loss");
+            let eps = 1e-6;
+            let names: Vec<String> = model.tensors().iter().map(|(n, _)| n.clone()).collect();
+            for (ti, name) in names.iter().enumerate() {
+                if !name.contains("router") && !name.contains("norm2") {
+                    continue;
+                }
+                let len = model.tensors()[ti].1.len();
+                for idx in [0, len / 2, len - 1] {
+                    let mut plus = model.clone();
+                    plus.tensors_mut()[ti].1[idx] += eps;
+                    let mut minus = model.clone();
+                    minus.tensors_mut()[ti].1[idx] -= eps;
+                    let fd =
+                        (loss_and_grads_with(&cfg, &plus, &tokens, &targets, seq, ranks, &call).0
+                            - loss_and_grads_with(
+                                &cfg, &minus, &tokens, &targets, seq, ranks, &call,
+                            )
+                            .0)
+                            / (2.0 * eps);
+                    let an = grads.tensors()[ti].1[idx];
+                    assert!(
+                        (fd - an).abs() <= 1e-6 * (1.0 + fd.abs()),
+                        "{name}[{idx}] ({ranks} ranks): analytic {an}, numeric {fd}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

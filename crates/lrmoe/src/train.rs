@@ -192,6 +192,10 @@ pub struct MoeSection {
     /// all routed pairs kept is `buffer_fraction`, under-loaded ranks stay
     /// whole) instead of the controller's per-rank memory budgets.
     pub surplus_only: bool,
+    /// Coefficient of the Switch/GShard auxiliary load-balancing loss
+    /// (every mode; 0 = off; the host executor only). Its value is part of
+    /// the training loss; the validation loss is the language model's alone.
+    pub aux_loss_coeff: f64,
 }
 
 impl Default for MoeSection {
@@ -212,6 +216,7 @@ impl Default for MoeSection {
             // on every executor.
             selection_rule: "priority".into(),
             surplus_only: false,
+            aux_loss_coeff: 0.0,
         }
     }
 }
@@ -321,6 +326,12 @@ impl TrainConfig {
             return bad(format!(
                 "moe.hot_experts = {} must be at most model.n_experts = {} and moe.hot_bias finite",
                 self.moe.hot_experts, self.model.n_experts
+            ));
+        }
+        if !(self.moe.aux_loss_coeff.is_finite() && self.moe.aux_loss_coeff >= 0.0) {
+            return bad(format!(
+                "moe.aux_loss_coeff = {} must be finite and ≥ 0",
+                self.moe.aux_loss_coeff
             ));
         }
         if lrm_score::Rule::from_name(&self.moe.selection_rule).is_none() {
@@ -495,6 +506,7 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
     let base = CallConfig {
         hot_experts: cfg.moe.hot_experts,
         hot_bias: cfg.moe.hot_bias,
+        aux_loss_coeff: cfg.moe.aux_loss_coeff,
         ..CallConfig::default()
     };
     let rule = lrm_score::Rule::from_name(&cfg.moe.selection_rule).unwrap_or_default();
@@ -847,6 +859,8 @@ struct LayerMetrics {
     load_min: u64,
     load_max: u64,
     load_cv: f64,
+    /// Busiest expert's routed pairs over the mean (all ranks).
+    load_max_over_mean: f64,
     kept_fraction: f64,
     peak_rank_pairs: u64,
     buffer_bytes: u64,
@@ -890,6 +904,11 @@ fn layer_metrics(
         load_min: per_expert.iter().copied().min().unwrap_or(0),
         load_max: per_expert.iter().copied().max().unwrap_or(0),
         load_cv: if mean > 0.0 { var.sqrt() / mean } else { 0.0 },
+        load_max_over_mean: if mean > 0.0 {
+            per_expert.iter().copied().max().unwrap_or(0) as f64 / mean
+        } else {
+            1.0
+        },
         tokens_per_expert: per_expert,
         kept_fraction: if routed_all > 0 {
             kept_all as f64 / routed_all as f64
