@@ -340,6 +340,10 @@ pub struct Cache<T> {
     probs: Vec<T>,
     /// Wall time spent in the MoE layers' forwards, seconds.
     pub moe_seconds: f64,
+    /// The MoE layers' auxiliary balancing losses on this rank, summed (0
+    /// unless configured). Not part of the returned language-model loss;
+    /// the backward's gradients are those of the loss plus this term.
+    pub aux_loss: f64,
 }
 
 impl<T> Cache<T> {
@@ -557,10 +561,9 @@ pub fn forward<T: Real, X: Transport>(
         }
         loss -= row[t as usize].wide().max(1e-300).ln();
     }
-    // The language model's mean loss, plus each MoE layer's auxiliary
-    // balancing loss (0 unless configured).
-    let loss = loss / n as f64 + blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
-    if !loss.is_finite() {
+    let loss = loss / n as f64;
+    let aux_loss = blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
+    if !loss.is_finite() || !aux_loss.is_finite() {
         return Err(ModelError::NonFinite("loss"));
     }
     Ok((
@@ -574,6 +577,7 @@ pub fn forward<T: Real, X: Transport>(
             hf,
             probs,
             moe_seconds,
+            aux_loss,
         },
     ))
 }
@@ -838,7 +842,8 @@ mod tests {
                 seq,
             )?;
             let g = backward(t, cfg, model, &run, &c, seq)?;
-            Ok((l, g.grads))
+            // The objective the gradients belong to.
+            Ok((l + c.aux_loss, g.grads))
         });
         let mut total = 0.0;
         let mut grads = None;

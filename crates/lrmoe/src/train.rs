@@ -193,8 +193,9 @@ pub struct MoeSection {
     /// whole) instead of the controller's per-rank memory budgets.
     pub surplus_only: bool,
     /// Coefficient of the Switch/GShard auxiliary load-balancing loss
-    /// (every mode; 0 = off; the host executor only). Its value is part of
-    /// the training loss; the validation loss is the language model's alone.
+    /// (every mode; 0 = off; the host executor only). The gradients include
+    /// it; the logged training and validation losses are the language
+    /// model's alone (the auxiliary value is logged as `aux_loss`).
     pub aux_loss_coeff: f64,
 }
 
@@ -877,6 +878,11 @@ struct StepMetrics {
     wall_s: f64,
     moe_s: f64,
     tokens_per_s: f64,
+    /// This rank's auxiliary balancing loss, summed over layers (present
+    /// when `moe.aux_loss_coeff` is set; `loss` and `val_loss` are the
+    /// language model's alone).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    aux_loss: Option<f64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     val_loss: Option<f64>,
     layers: Vec<LayerMetrics>,
@@ -1166,6 +1172,7 @@ fn rank_loop<X: Transport>(
             seq,
         )?;
         let g = model::backward(comm, mcfg, &s.model, run, &cache, seq)?;
+        let aux_loss = cache.aux_loss;
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
         let grad_norm = adamw_step(&cfg.optim, &mut s.model, &g.grads, &mut s.adam, lr);
         // One gather carries the loss, this rank's step time and whether it
@@ -1237,6 +1244,7 @@ fn rank_loop<X: Transport>(
                 wall_s: s.wall_s,
                 moe_s: s.moe_s,
                 tokens_per_s: (cfg.data.batch_size * seq) as f64 / step_s,
+                aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(aux_loss),
                 val_loss,
                 layers,
             };
