@@ -134,8 +134,8 @@ pub use moe::{
     backward, forward, BackwardStats, ExpertWeights, MoeConfig, MoeParams, Saved, StageTimes,
 };
 pub use plan::{
-    device_plan, device_plan_call, device_quotas, device_ratio_plan, plan_call, CallConfig,
-    CallPlan, DevicePlanner, Retention, Selection,
+    check_device_call, device_plan, device_plan_call, device_quotas, device_ratio_plan, plan_call,
+    CallConfig, CallPlan, DevicePlanner, Retention, Selection,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

@@ -364,6 +364,28 @@ pub fn device_plan_call(
     Ok(plan)
 }
 
+/// Refuses what the device layers (the expert-parallel executor and the
+/// single-GPU layer) cannot run: capacity-factor dropping, the auxiliary
+/// balancing loss and selection rules other than top-q and priority
+/// sampling; each error says to use the host executor.
+pub fn check_device_call(call: &CallConfig) -> Result<(), LayerError> {
+    let refuse = |what: String| {
+        Err(LayerError::Config(format!(
+            "{what} runs on the host executor only (--executor host, or --device cpu)"
+        )))
+    };
+    if call.capacity_factor.is_some() {
+        return refuse("capacity-factor dropping".into());
+    }
+    if call.aux_loss_coeff != 0.0 {
+        return refuse("the auxiliary balancing loss".into());
+    }
+    if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
+        return refuse(format!("the {} selection rule", call.rule.name()));
+    }
+    Ok(())
+}
+
 /// The controller of the device expert-parallel executor
 /// (`kernels::gpu::Gpu::ep_forward` / `ep_backward`): [`device_plan_call`]
 /// (replicas, per-expert quotas, pair caps) from the routed counts, the
@@ -384,22 +406,7 @@ impl DevicePlanner {
     /// and the forced hot workload are the host executor's only.
     pub fn new(cfg: MoeConfig, call: CallConfig) -> Result<Self, LayerError> {
         cfg.validate()?;
-        if call.capacity_factor.is_some() {
-            return Err(LayerError::Config(
-                "capacity-factor dropping runs on the host executor only".into(),
-            ));
-        }
-        if call.aux_loss_coeff != 0.0 {
-            return Err(LayerError::Config(
-                "the auxiliary load-balancing loss runs on the host executor only".into(),
-            ));
-        }
-        if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
-            return Err(LayerError::Config(format!(
-                "the device EP executor selects by top-q or priority sampling; the {} rule runs on the host executor",
-                call.rule.name()
-            )));
-        }
+        check_device_call(&call)?;
         Ok(Self {
             cfg,
             call,

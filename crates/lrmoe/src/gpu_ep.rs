@@ -46,26 +46,10 @@ impl std::fmt::Debug for EpDevice<'_> {
     }
 }
 
-/// The device executor's settings check: everything the host executor
-/// runs but capacity-factor dropping (and per-source send budgets, refused
-/// by the plan).
+/// The device executor's settings check (`layer::check_device_call`; per-
+/// source send budgets are refused by the plan).
 pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
-    if call.capacity_factor.is_some() {
-        return Err(ModelError::Config(
-            "the capacity-factor baseline has no GPU path (train it with --executor host)".into(),
-        ));
-    }
-    if call.aux_loss_coeff != 0.0 {
-        return Err(ModelError::Config(
-            "the auxiliary balancing loss runs with --executor host".into(),
-        ));
-    }
-    if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
-        return Err(ModelError::Config(format!(
-            "the device executor selects by top-q or priority sampling: the {} rule runs with --executor host",
-            call.rule.name()
-        )));
-    }
+    layer::check_device_call(call)?;
     shape(cfg, 0).check()?;
     Ok(())
 }

@@ -35,26 +35,11 @@ fn shape(cfg: &MoeConfig, tokens: usize) -> MoeShape {
 
 /// Refuses what the GPU layer cannot run, before any work.
 pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
-    if call.capacity_factor.is_some() {
-        return Err(ModelError::Config(
-            "the capacity-factor baseline has no GPU path (train it with --device cpu)".into(),
-        ));
-    }
+    layer::check_device_call(call)?;
     if call.hot_experts > 0 && call.hot_bias != 0.0 {
         return Err(ModelError::Config(
             "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
         ));
-    }
-    if call.aux_loss_coeff != 0.0 {
-        return Err(ModelError::Config(
-            "the auxiliary balancing loss has no GPU-layer path (train it with --device cpu or --ranks 2)".into(),
-        ));
-    }
-    if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
-        return Err(ModelError::Config(format!(
-            "the GPU layers select by top-q or priority sampling: the {} rule runs on the host executor (--device cpu)",
-            call.rule.name()
-        )));
     }
     shape(cfg, 0).check()?;
     Ok(())

@@ -855,11 +855,45 @@ mod tests {
         (total, grads.unwrap())
     }
 
+    /// Central finite differences of the objective against the analytic
+    /// gradient at three entries of every tensor whose name `check` takes.
+    #[allow(clippy::too_many_arguments)]
+    fn assert_fd(
+        cfg: &ModelConfig,
+        model: &Model<f64>,
+        tokens: &[u32],
+        targets: &[u32],
+        seq: usize,
+        ranks: usize,
+        call: &CallConfig,
+        check: &dyn Fn(&str) -> bool,
+    ) {
+        let (_, grads) = loss_and_grads_with(cfg, model, tokens, targets, seq, ranks, call);
+        let eps = 1e-6;
+        let objective =
+            |m: &Model<f64>| loss_and_grads_with(cfg, m, tokens, targets, seq, ranks, call).0;
+        let names: Vec<String> = model.tensors().iter().map(|(n, _)| n.clone()).collect();
+        for (ti, name) in names.iter().enumerate().filter(|(_, n)| check(n)) {
+            let len = model.tensors()[ti].1.len();
+            for idx in [0, len / 2, len - 1] {
+                let mut plus = model.clone();
+                plus.tensors_mut()[ti].1[idx] += eps;
+                let mut minus = model.clone();
+                minus.tensors_mut()[ti].1[idx] -= eps;
+                let fd = (objective(&plus) - objective(&minus)) / (2.0 * eps);
+                let an = grads.tensors()[ti].1[idx];
+                assert!(
+                    (fd - an).abs() <= 1e-6 * (1.0 + fd.abs()),
+                    "{name}[{idx}] ({ranks} ranks): analytic {an}, numeric {fd}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn gradients_with_the_auxiliary_balancing_loss_match_finite_differences() {
         let cfg = tiny();
         let model = Model::<f64>::init(&cfg, 4);
-        let seq = 5;
         let tokens: Vec<u32> = (0..20).map(|i| (i * 3 % 7) as u32).collect();
         let targets: Vec<u32> = (0..20).map(|i| (i * 5 % 7 + 1) as u32 % 7).collect();
         let call = CallConfig {
@@ -867,36 +901,11 @@ mod tests {
             ..CallConfig::default()
         };
         for ranks in [1, 2] {
-            let (l, grads) =
-                loss_and_grads_with(&cfg, &model, &tokens, &targets, seq, ranks, &call);
-            let (l0, _) = loss_and_grads(&cfg, &model, &tokens, &targets, seq, ranks);
-            assert!(l > l0, "the auxiliary loss is part of the loss");
-            let eps = 1e-6;
-            let names: Vec<String> = model.tensors().iter().map(|(n, _)| n.clone()).collect();
-            for (ti, name) in names.iter().enumerate() {
-                if !name.contains("router") && !name.contains("norm2") {
-                    continue;
-                }
-                let len = model.tensors()[ti].1.len();
-                for idx in [0, len / 2, len - 1] {
-                    let mut plus = model.clone();
-                    plus.tensors_mut()[ti].1[idx] += eps;
-                    let mut minus = model.clone();
-                    minus.tensors_mut()[ti].1[idx] -= eps;
-                    let fd =
-                        (loss_and_grads_with(&cfg, &plus, &tokens, &targets, seq, ranks, &call).0
-                            - loss_and_grads_with(
-                                &cfg, &minus, &tokens, &targets, seq, ranks, &call,
-                            )
-                            .0)
-                            / (2.0 * eps);
-                    let an = grads.tensors()[ti].1[idx];
-                    assert!(
-                        (fd - an).abs() <= 1e-6 * (1.0 + fd.abs()),
-                        "{name}[{idx}] ({ranks} ranks): analytic {an}, numeric {fd}"
-                    );
-                }
-            }
+            let (l, _) = loss_and_grads_with(&cfg, &model, &tokens, &targets, 5, ranks, &call);
+            let (l0, _) = loss_and_grads(&cfg, &model, &tokens, &targets, 5, ranks);
+            assert!(l > l0, "the auxiliary loss is part of the objective");
+            let routing = |n: &str| n.contains("router") || n.contains("norm2");
+            assert_fd(&cfg, &model, &tokens, &targets, 5, ranks, &call, &routing);
         }
     }
 
@@ -904,29 +913,10 @@ mod tests {
     fn gradients_match_central_finite_differences() {
         let cfg = tiny();
         let model = Model::<f64>::init(&cfg, 3);
-        let seq = 5;
         let tokens: Vec<u32> = (0..10).map(|i| (i * 3 % 7) as u32).collect();
         let targets: Vec<u32> = (0..10).map(|i| (i * 5 % 7 + 1) as u32 % 7).collect();
-        let (_, grads) = loss_and_grads(&cfg, &model, &tokens, &targets, seq, 1);
-        let eps = 1e-6;
-        let names: Vec<String> = model.tensors().iter().map(|(n, _)| n.clone()).collect();
-        for (ti, name) in names.iter().enumerate() {
-            let len = model.tensors()[ti].1.len();
-            for idx in [0, len / 2, len - 1] {
-                let mut plus = model.clone();
-                plus.tensors_mut()[ti].1[idx] += eps;
-                let mut minus = model.clone();
-                minus.tensors_mut()[ti].1[idx] -= eps;
-                let fd = (loss_and_grads(&cfg, &plus, &tokens, &targets, seq, 1).0
-                    - loss_and_grads(&cfg, &minus, &tokens, &targets, seq, 1).0)
-                    / (2.0 * eps);
-                let an = grads.tensors()[ti].1[idx];
-                assert!(
-                    (fd - an).abs() <= 1e-6 * (1.0 + fd.abs()),
-                    "{name}[{idx}]: analytic {an}, numeric {fd}"
-                );
-            }
-        }
+        let call = CallConfig::default();
+        assert_fd(&cfg, &model, &tokens, &targets, 5, 1, &call, &|_| true);
     }
 
     #[test]
