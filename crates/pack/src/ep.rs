@@ -1,14 +1,16 @@
 //! Plans of an expert-parallel exchange where ranks own contiguous blocks
-//! of experts (rank `r` owns experts `r·E_l .. (r+1)·E_l`, `E_l = E / W`).
+//! of experts (rank `r` owns experts `r·E_l .. (r+1)·E_l`, `E_l = E / W`)
+//! and a call may add replicas.
 //!
-//! A source's pair rows grouped by expert are then grouped by destination
-//! too, and go out in one variable all-to-all of [`block_rows`] rows per
-//! rank. The owner receives them source-major and regroups them
-//! expert-major for the grouped GEMM with the same [`receive_plan`] as any
-//! receiver; [`owner_layout`] adds what a device executor uploads: the
-//! inverse permutation and the group offsets. Sources hold consecutive
-//! token ranges, so expert-major order is the single-GPU order on the
-//! concatenated tokens (selection ties break alike).
+//! [`instance_layout`] is one exchange under a split of rows over the
+//! experts' instances: a source's rows grouped by expert go out
+//! destination-major in one variable all-to-all, and each instance
+//! regroups what it receives by local expert with the same
+//! [`receive_plan`] as any receiver, plus what a device executor uploads
+//! (the inverse permutation and the group offsets, [`OwnerLayout`]).
+//! Sources hold consecutive token ranges, so without replicas the
+//! expert-major order is the single-GPU order on the concatenated tokens
+//! (selection ties break alike).
 
 use crate::{invert, receive_plan, PackError};
 
@@ -25,16 +27,8 @@ pub fn experts_per_rank(experts: usize, world: usize) -> Result<usize, PackError
     Ok(experts / world)
 }
 
-/// Rows a source sends each owner: its routed counts per expert summed over
-/// each owner's block of `per_rank` experts.
-pub fn block_rows(counts: &[u32], per_rank: usize) -> Vec<usize> {
-    counts
-        .chunks(per_rank.max(1))
-        .map(|b| b.iter().map(|&c| c as usize).sum())
-        .collect()
-}
-
-/// What an owner receives and how it regroups it.
+/// What an instance host (an owner, or a rank with replicas) receives and
+/// how it regroups it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OwnerLayout {
     /// Rows from each source.
@@ -48,41 +42,6 @@ pub struct OwnerLayout {
     pub offsets: Vec<u32>,
     /// Rows per local expert over all sources.
     pub per_expert: Vec<u32>,
-}
-
-/// Owner `rank`'s layout from every source's routed counts per global
-/// expert (`counts_all[s][e]`).
-pub fn owner_layout(
-    counts_all: &[Vec<u32>],
-    rank: usize,
-    per_rank: usize,
-) -> Result<OwnerLayout, PackError> {
-    let lo = rank * per_rank;
-    let blocks: Vec<Vec<usize>> = counts_all
-        .iter()
-        .map(|c| {
-            c.get(lo..lo + per_rank)
-                .map(|b| b.iter().map(|&n| n as usize).collect())
-                .ok_or(PackError::Shape {
-                    what: "routed counts per expert",
-                    expected: lo + per_rank,
-                    got: c.len(),
-                })
-        })
-        .collect::<Result<_, _>>()?;
-    let plan = receive_plan(&blocks, per_rank)?;
-    let mut offsets = Vec::with_capacity(per_rank + 1);
-    offsets.push(0u32);
-    for &g in &plan.group_sizes {
-        offsets.push(offsets[offsets.len() - 1] + g as u32);
-    }
-    Ok(OwnerLayout {
-        inv: invert(&plan.order, plan.order.len())?,
-        per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
-        from: plan.recv_counts,
-        perm: plan.order,
-        offsets,
-    })
 }
 
 /// One exchange of an expert-parallel call whose experts may have several
@@ -230,7 +189,44 @@ pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::{invert, receive_plan};
     use proptest::prelude::*;
+
+    /// The owner-only layout, written directly (the oracle of
+    /// [`instance_layout`] without replicas): owner `rank`'s layout from every source's routed counts per global
+    /// expert (`counts_all[s][e]`).
+    fn owner_layout(
+        counts_all: &[Vec<u32>],
+        rank: usize,
+        per_rank: usize,
+    ) -> Result<OwnerLayout, PackError> {
+        let lo = rank * per_rank;
+        let blocks: Vec<Vec<usize>> = counts_all
+            .iter()
+            .map(|c| {
+                c.get(lo..lo + per_rank)
+                    .map(|b| b.iter().map(|&n| n as usize).collect())
+                    .ok_or(PackError::Shape {
+                        what: "routed counts per expert",
+                        expected: lo + per_rank,
+                        got: c.len(),
+                    })
+            })
+            .collect::<Result<_, _>>()?;
+        let plan = receive_plan(&blocks, per_rank)?;
+        let mut offsets = Vec::with_capacity(per_rank + 1);
+        offsets.push(0u32);
+        for &g in &plan.group_sizes {
+            offsets.push(offsets[offsets.len() - 1] + g as u32);
+        }
+        Ok(OwnerLayout {
+            inv: invert(&plan.order, plan.order.len())?,
+            per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
+            from: plan.recv_counts,
+            perm: plan.order,
+            offsets,
+        })
+    }
 
     #[test]
     fn experts_must_split_evenly() {
@@ -244,7 +240,6 @@ mod tests {
     fn layouts_regroup_source_major_rows_by_expert() {
         // Two sources, four experts, rank 1 owns experts 2 and 3.
         let counts = vec![vec![1, 0, 2, 1], vec![0, 3, 1, 2]];
-        assert_eq!(block_rows(&counts[0], 2), vec![1, 3]);
         let l = owner_layout(&counts, 1, 2).unwrap();
         assert_eq!(l.from, vec![3, 3]);
         // Source-major: s0e2 s0e2 s0e3 | s1e2 s1e3 s1e3 → rows 0..6.
@@ -414,7 +409,6 @@ mod tests {
                 prop_assert_eq!(&l.perm, &want);
                 prop_assert_eq!(*l.offsets.last().unwrap() as usize, n);
                 prop_assert_eq!(l.from.iter().sum::<usize>(), n);
-                prop_assert_eq!(block_rows(&counts[0], per_rank).len(), world);
             }
         }
     }

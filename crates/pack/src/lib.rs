@@ -36,11 +36,8 @@
 //! For the device expert-parallel executor, [`ep::instance_layout`] is one
 //! exchange under a split of rows over expert instances (owner and
 //! replicas): what each source sends where, in which order, and how each
-//! instance regroups what it receives.
-//! Where ranks own contiguous blocks of experts, [`ep::owner_layout`] is the
-//! receive plan of an owner with what a device executor uploads (the
-//! inverse permutation, group offsets); [`ep::block_rows`] the rows a
-//! source sends each owner. The CPU and device executors share them.
+//! instance regroups what it receives (with the inverse permutation and
+//! group offsets a device executor uploads).
 //!
 //! ## Row movement
 //!
