@@ -206,13 +206,7 @@ fn hot_table(
     );
     let pairs = (shape.tokens * shape.top_k) as u64;
     let budget = el as u64 * cost.instance_bytes() + pairs * cost.row_bytes();
-    let cfg = layer::MoeConfig {
-        hidden: shape.hidden,
-        ffn: shape.ffn,
-        n_experts: shape.experts,
-        top_k: shape.top_k,
-        renormalize: shape.renormalize,
-    };
+    let cfg = layer::MoeConfig::of_device_shape(shape);
     let budgeted = |slots: usize| -> anyhow::Result<layer::DevicePlanner> {
         Ok(layer::DevicePlanner::new(
             cfg,

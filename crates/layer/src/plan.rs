@@ -435,7 +435,7 @@ impl DevicePlanner {
             Retention::Ratio(r.max(0.0))
         };
         Self {
-            cfg: moe_config(shape),
+            cfg: MoeConfig::of_device_shape(shape),
             call: CallConfig {
                 retention,
                 replica_slots_per_rank: slots,
@@ -493,16 +493,6 @@ impl DevicePlanner {
             })?;
         }
         Ok(split)
-    }
-}
-
-fn moe_config(shape: &kernels::gpu::MoeShape) -> MoeConfig {
-    MoeConfig {
-        hidden: shape.hidden,
-        ffn: shape.ffn,
-        n_experts: shape.experts,
-        top_k: shape.top_k,
-        renormalize: shape.renormalize,
     }
 }
 
@@ -569,7 +559,7 @@ pub fn device_ratio_plan(
     shape: &kernels::gpu::MoeShape,
     r: f64,
 ) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
-    let cfg = moe_config(shape);
+    let cfg = MoeConfig::of_device_shape(shape);
     let retention = if r >= 1.0 {
         Retention::Full
     } else {

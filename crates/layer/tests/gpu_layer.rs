@@ -13,7 +13,7 @@
 use std::time::Duration;
 
 use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits};
-use kernels::gpu::{Gpu, MoeShape};
+use kernels::gpu::Gpu;
 use layer::{run_local, CallConfig, ExpertWeights, MoeConfig, MoeParams};
 use quota::Placement;
 
@@ -105,14 +105,7 @@ fn gpu_layer_matches_the_cpu_layer() {
             Ok::<_, layer::LayerError>((y, dx, g))
         });
         let (y, dx, g) = cpu.remove(0).unwrap();
-        let shape = MoeShape {
-            tokens: t,
-            hidden: h,
-            ffn: f,
-            experts: e,
-            top_k: k,
-            renormalize,
-        };
+        let shape = cfg.device_shape(t);
         let (wr, wg, wu, wd) = (
             bits(&p.router),
             bits(&cat(&p, |w| &w.gate)),

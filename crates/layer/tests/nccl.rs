@@ -327,13 +327,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         // experts may keep at most about a third of a balanced share), the
         // same quotas given to the single-GPU layer: equal results.
         {
-            let cfg_b = MoeConfig {
-                hidden: h,
-                ffn: f,
-                n_experts: e,
-                top_k: one.top_k,
-                renormalize: one.renormalize,
-            };
+            let cfg_b = MoeConfig::of_device_shape(&one);
             let cost = quota::CostModel::swiglu_expert(h, f, 2, 1e11, 1e12);
             let pairs = (tokens * one.top_k) as u64;
             let budget = quota::RankBudget {
@@ -405,13 +399,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         // Priority sampling on the device: the same forward and router
         // gradient as top-q, as many kept pairs, different (reweighted)
         // expert gradients.
-        let moe = MoeConfig {
-            hidden: h,
-            ffn: f,
-            n_experts: e,
-            top_k: one.top_k,
-            renormalize: one.renormalize,
-        };
+        let moe = MoeConfig::of_device_shape(&one);
         let run = |rule| {
             let planner = layer::DevicePlanner::new(
                 moe,

@@ -25,7 +25,7 @@
 //! and the capacity-factor baseline (refused with a one-line error).
 
 use kernels::cpu::{from_bf16, to_bf16, Real};
-use kernels::gpu::{EpHostForward, Gpu, MoeShape};
+use kernels::gpu::{EpHostForward, Gpu};
 use layer::transport::all_gather;
 use layer::{BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams, Transport};
 
@@ -50,7 +50,7 @@ impl std::fmt::Debug for EpDevice<'_> {
 /// source send budgets are refused by the plan).
 pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
     layer::check_device_call(call)?;
-    shape(cfg, 0).check()?;
+    cfg.device_shape(0).check()?;
     Ok(())
 }
 
@@ -61,17 +61,6 @@ pub struct EpSavedHost {
     call: CallConfig,
     /// The plan of this call (identical on every rank).
     pub plan: CallPlan,
-}
-
-fn shape(cfg: &MoeConfig, tokens: usize) -> MoeShape {
-    MoeShape {
-        tokens,
-        hidden: cfg.hidden,
-        ffn: cfg.ffn,
-        experts: cfg.n_experts,
-        top_k: cfg.top_k,
-        renormalize: cfg.renormalize,
-    }
 }
 
 /// This rank's block of experts: `[lo, hi)`.
@@ -104,7 +93,7 @@ pub fn forward<T: Real>(
             .flat_map(|e| to_bf16(sel(e)))
             .collect()
     };
-    let s = shape(cfg, x.len() / cfg.hidden);
+    let s = cfg.device_shape(x.len() / cfg.hidden);
     let planner = layer::DevicePlanner::new(*cfg, call.clone())?;
     let bias: Option<Vec<f32>> = (call.hot_experts > 0 && call.hot_bias != 0.0).then(|| {
         (0..cfg.n_experts)

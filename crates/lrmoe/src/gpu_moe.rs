@@ -16,22 +16,11 @@
 //! router has neither — both are refused with an error).
 
 use kernels::cpu::{from_bf16, to_bf16, Real};
-use kernels::gpu::{Gpu, MoeHostForward, MoeShape};
+use kernels::gpu::{Gpu, MoeHostForward};
 use layer::{BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams};
 use quota::Placement;
 
 use crate::model::ModelError;
-
-fn shape(cfg: &MoeConfig, tokens: usize) -> MoeShape {
-    MoeShape {
-        tokens,
-        hidden: cfg.hidden,
-        ffn: cfg.ffn,
-        experts: cfg.n_experts,
-        top_k: cfg.top_k,
-        renormalize: cfg.renormalize,
-    }
-}
 
 /// Refuses what the GPU layer cannot run, before any work.
 pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
@@ -41,7 +30,7 @@ pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
             "the forced hot-expert bias has no GPU path (train it with --device cpu)".into(),
         ));
     }
-    shape(cfg, 0).check()?;
+    cfg.device_shape(0).check()?;
     Ok(())
 }
 
@@ -64,7 +53,7 @@ pub fn forward<T: Real>(
     x: &[T],
 ) -> Result<(Vec<T>, GpuSaved), ModelError> {
     check(cfg, call)?;
-    let s = shape(cfg, x.len() / cfg.hidden);
+    let s = cfg.device_shape(x.len() / cfg.hidden);
     let cat = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
         p.experts.iter().flat_map(|e| to_bf16(sel(e))).collect()
     };
