@@ -507,8 +507,7 @@ impl kernels::gpu::EpPlanner for DevicePlanner {
         let forward = self
             .solve(routed, &instances, None, redistribute::Solver::Exact)
             .map_err(plan_error)?;
-        let priority_seed = (self.call.rule == lrm_score::Rule::Priority)
-            .then(|| call_seed(self.call.rule_seed, &plan.routed));
+        let priority_seed = plan.priority_seed(&self.call);
         let out = kernels::gpu::EpPlan {
             quotas: plan.device_quotas(),
             instances,
