@@ -69,10 +69,6 @@ impl Rule {
         Rule::ALL.into_iter().find(|r| r.name() == s)
     }
 
-    /// Whether the kept pairs carry weights other than 1 (unbiased rules).
-    pub fn reweights(self) -> bool {
-        matches!(self, Rule::Proportional | Rule::Priority)
-    }
 }
 
 /// A uniform number in `(0, 1]` from `(seed, id)` (SplitMix64 finaliser).
