@@ -68,7 +68,6 @@ impl Rule {
     pub fn from_name(s: &str) -> Option<Rule> {
         Rule::ALL.into_iter().find(|r| r.name() == s)
     }
-
 }
 
 /// A uniform number in `(0, 1]` from `(seed, id)` (SplitMix64 finaliser).
