@@ -109,14 +109,11 @@ pub fn redistribution_problem(
     }
 }
 
-/// The layer's device plans keeping `round(r · n_e)` pairs of every expert,
-/// one per retention in `rs` (`layer::device_ratio_plan`), for the device
-/// benchmarks' rows.
-pub type RatioPlan = Box<dyn Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError>>;
-
-/// See [`RatioPlan`].
-pub fn ratio_plans(shape: &kernels::gpu::MoeShape, rs: &[f64]) -> Vec<(f64, RatioPlan)> {
+/// The layer's device planners keeping `round(r · n_e)` pairs of every
+/// expert, one per retention in `rs` (`layer::DevicePlanner::ratio`), for
+/// the device benchmarks' rows.
+pub fn ratio_planners(cfg: &layer::MoeConfig, rs: &[f64]) -> Vec<layer::DevicePlanner> {
     rs.iter()
-        .map(|&r| (r, Box::new(layer::device_ratio_plan(shape, r)) as RatioPlan))
+        .map(|&r| layer::DevicePlanner::ratio(cfg, r))
         .collect()
 }

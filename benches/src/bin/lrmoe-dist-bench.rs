@@ -15,12 +15,12 @@
 //!    expert skew as in the anchors, experts owned in contiguous blocks):
 //!    kept rows `[x | g·δ]` (2 × 2048 bf16) out to the experts' owners and
 //!    `dX` rows (2048 bf16) back, at retention 1.0, 0.5 and 0.25;
-//! 3. the device-resident expert-parallel MoE layer (`Gpu::ep_forward` /
-//!    `ep_backward`) on the Qwen3-30B-A3B shape (16384 tokens per rank,
+//! 3. the layer crate's device executor (`layer::device::forward` /
+//!    `backward` over NCCL) on the Qwen3-30B-A3B shape (16384 tokens per rank,
 //!    top-8, 128 experts owned in blocks, hidden 2048, ffn 768), forward and
 //!    LRMoE backward wall time at retention 1.0 / 0.5 / 0.25, beside the
-//!    single-GPU layer (`Gpu::bench_moe`) on the same tokens per GPU, timed
-//!    on each rank's GPU in the same run;
+//!    same executor on one GPU (EP = 1, `DeviceComm::Local`) on the same
+//!    tokens per GPU, timed on each rank's GPU in the same run;
 //! 4. the same layer on the hot workload (rank 0's experts +2.0 on the
 //!    router logits, the peer's `--hot 2.0`) under one per-GPU memory
 //!    budget: fixed ownership, replication (8 and 32 replica slots per rank)
@@ -133,35 +133,44 @@ fn main() -> anyhow::Result<()> {
         ));
     }
 
-    let shape = kernels::gpu::MoeShape {
-        tokens: 16384,
+    let cfg = layer::MoeConfig {
         hidden: HIDDEN,
         ffn: 768,
-        experts: EXPERTS,
+        n_experts: EXPERTS,
         top_k: 8,
         renormalize: true,
     };
+    let tokens = 16384;
     let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
     let rs = [1.0, 0.5, 0.25];
-    // The EP layer's controller (`layer::DevicePlanner`) at each ratio, and
-    // the single-GPU layer's quotas from the same controller.
-    let planners: Vec<layer::DevicePlanner> = rs
-        .iter()
-        .map(|&r| layer::DevicePlanner::ratio(&shape, r))
-        .collect();
-    let labelled: Vec<(f64, &dyn kernels::gpu::EpPlanner)> = rs
-        .iter()
-        .zip(&planners)
-        .map(|(&r, p)| (r, p as &dyn kernels::gpu::EpPlanner))
-        .collect();
-    let ep_rows = gpu.bench_ep(comm, &shape, &labelled, 0.0, 10)?;
-    let plans = lrmoe_benches::ratio_plans(&shape, &rs);
-    let quota_plans: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
-        plans.iter().map(|(r, p)| (*r, p.as_ref() as _)).collect();
-    let (one_fwd, one_rows) = gpu.bench_moe(&shape, &quota_plans)?;
+    // The device executor's controller (`layer::DevicePlanner`) at each
+    // ratio, over NCCL and on this rank's GPU alone (EP = 1, the same
+    // executor) with the same tokens per GPU.
+    let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
+    let labelled: Vec<(f64, &layer::DevicePlanner)> =
+        rs.iter().copied().zip(planners.iter()).collect();
+    let ep_rows = layer::device::bench(
+        &gpu,
+        layer::device::DeviceComm::Nccl(comm),
+        &cfg,
+        tokens,
+        &labelled,
+        0.0,
+        10,
+    )?;
+    let one_rows = layer::device::bench(
+        &gpu,
+        layer::device::DeviceComm::Local,
+        &cfg,
+        tokens,
+        &labelled,
+        0.0,
+        10,
+    )?;
+    let one_fwd = one_rows[0].forward_ms;
     say(format!(
         "\nExpert-parallel MoE layer on the GPUs (Qwen3-30B-A3B shape, {} tokens per rank, top-8, {EXPERTS} experts in blocks of {}, hidden {HIDDEN}, ffn 768, random router); single GPU = the same layer with EP = 1 on the same tokens per GPU; rank 0's wall-clock medians of 10\n",
-        shape.tokens,
+        tokens,
         EXPERTS / world
     ));
     say("| retention | kept pairs (all ranks) | EP bwd bytes out (rank 0) MiB | EP fwd ms | EP bwd ms | EP bwd / r = 1 | single-GPU fwd ms | single-GPU bwd ms | EP fwd+bwd / single-GPU |".into());
@@ -179,7 +188,7 @@ fn main() -> anyhow::Result<()> {
             (ep.forward_ms + ep.backward_ms) / (one_fwd + one.backward_ms),
         ));
     }
-    hot_table(&t, &gpu, &shape, &say)?;
+    hot_table(&t, &gpu, &cfg, tokens, &say)?;
     Ok(())
 }
 
@@ -192,21 +201,22 @@ fn main() -> anyhow::Result<()> {
 fn hot_table(
     t: &NcclTransport,
     gpu: &kernels::gpu::Gpu,
-    shape: &kernels::gpu::MoeShape,
+    cfg: &layer::MoeConfig,
+    tokens: usize,
     say: &dyn Fn(String),
 ) -> anyhow::Result<()> {
     let world = t.world_size();
-    let el = shape.experts / world;
+    let el = cfg.n_experts / world;
     let cost = quota::CostModel::swiglu_expert(
-        shape.hidden,
-        shape.ffn,
+        cfg.hidden,
+        cfg.ffn,
         2,
         quota::H200_LINK_BYTES_PER_S,
         quota::H200_FLOPS_PER_S,
     );
-    let pairs = (shape.tokens * shape.top_k) as u64;
+    let pairs = (tokens * cfg.top_k) as u64;
     let budget = el as u64 * cost.instance_bytes() + pairs * cost.row_bytes();
-    let cfg = layer::MoeConfig::of_device_shape(shape);
+    let cfg = *cfg;
     let budgeted = |slots: usize| -> anyhow::Result<layer::DevicePlanner> {
         Ok(layer::DevicePlanner::new(
             cfg,
@@ -229,25 +239,33 @@ fn hot_table(
     let rows: Vec<(&str, layer::DevicePlanner)> = vec![
         (
             "fixed ownership (exact)",
-            layer::DevicePlanner::ratio(shape, 1.0),
+            layer::DevicePlanner::ratio(&cfg, 1.0),
         ),
         (
             "replication, 8 slots (exact)",
-            layer::DevicePlanner::ratio_with_replicas(shape, 1.0, 8),
+            layer::DevicePlanner::ratio_with_replicas(&cfg, 1.0, 8),
         ),
         (
             "replication, 32 slots (exact)",
-            layer::DevicePlanner::ratio_with_replicas(shape, 1.0, 32),
+            layer::DevicePlanner::ratio_with_replicas(&cfg, 1.0, 32),
         ),
         ("LRMoE, budget, no replicas", budgeted(0)?),
         ("LRMoE, budget, 8 slots", budgeted(8)?),
     ];
-    let labelled: Vec<(f64, &dyn kernels::gpu::EpPlanner)> = rows
+    let labelled: Vec<(f64, &layer::DevicePlanner)> = rows
         .iter()
         .enumerate()
-        .map(|(i, (_, p))| (i as f64, p as &dyn kernels::gpu::EpPlanner))
+        .map(|(i, (_, p))| (i as f64, p))
         .collect();
-    let got = gpu.bench_ep(t.comm(), shape, &labelled, 2.0, 10)?;
+    let got = layer::device::bench(
+        gpu,
+        layer::device::DeviceComm::Nccl(t.comm()),
+        &cfg,
+        tokens,
+        &labelled,
+        2.0,
+        10,
+    )?;
     let mine: Vec<u64> = got
         .iter()
         .flat_map(|r| [r.peak_bytes, r.kept_pairs as u64])

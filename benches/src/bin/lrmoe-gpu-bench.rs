@@ -122,25 +122,33 @@ fn main() -> anyhow::Result<()> {
     println!();
     println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");
     println!();
-    println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | backward peak MiB | kept pairs |");
+    println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | fwd+bwd peak MiB | kept pairs |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (key, e, h, f) in [
         ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
         ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
     ] {
-        let shape = kernels::gpu::MoeShape {
-            tokens: 16384,
+        let cfg = layer::MoeConfig {
             hidden: h,
             ffn: f,
-            experts: e,
+            n_experts: e,
             top_k: 8,
             renormalize: true,
         };
         let rs = [1.0, 0.75, 0.5, 0.25];
-        let plans = lrmoe_benches::ratio_plans(&shape, &rs);
-        let labelled: Vec<(f64, kernels::gpu::QuotaPlan<'_>)> =
-            plans.iter().map(|(r, p)| (*r, p.as_ref() as _)).collect();
-        let (fwd, rows) = gpu.bench_moe(&shape, &labelled)?;
+        let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
+        let labelled: Vec<(f64, &layer::DevicePlanner)> =
+            rs.iter().copied().zip(planners.iter()).collect();
+        let rows = layer::device::bench(
+            &gpu,
+            layer::device::DeviceComm::Local,
+            &cfg,
+            16384,
+            &labelled,
+            0.0,
+            10,
+        )?;
+        let fwd = rows[0].forward_ms;
         let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
         let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));
         let full = rows[0].backward_ms;
@@ -156,7 +164,7 @@ fn main() -> anyhow::Result<()> {
                 tb.map_or("-".into(), |v| format!("{v:.2}")),
                 tb.map_or("-".into(), |v| format!("{:.2}", v / r.backward_ms)),
                 r.peak_bytes as f64 / (1 << 20) as f64,
-                r.kept_pairs
+                r.kept_total
             );
         }
     }

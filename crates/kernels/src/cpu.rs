@@ -663,6 +663,29 @@ pub fn grouped_gemm_reference(
     }
 }
 
+/// `n` pseudo-random bf16 values in `[-1, 1]` (xorshift from `seed`): the
+/// benchmarks' and device tests' data.
+pub fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            let x = (s % 20001) as f32 / 10000.0 - 1.0;
+            (x.to_bits() >> 16) as u16
+        })
+        .collect()
+}
+
+/// bf16 bits times `1/√fan_in` (benchmark weights of a sensible size).
+pub fn fan_in_scaled(v: Vec<u16>, fan_in: usize) -> Vec<u16> {
+    let k = 1.0 / (fan_in as f32).sqrt();
+    v.into_iter()
+        .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

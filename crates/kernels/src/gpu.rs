@@ -7,6 +7,7 @@
 //! and bf16) so unwritten elements cannot pass a test, launch, and copy out;
 //! the `bench_*` methods keep data on the device and time with CUDA events.
 
+#[cfg(not(feature = "cuda"))]
 use crate::KernelError;
 
 /// Medians of a device benchmark, milliseconds, with the bytes each moved.
@@ -25,129 +26,11 @@ impl Timing {
     }
 }
 
+/// Device buffers and views (cudarc's), as the device operations take them.
 #[cfg(feature = "cuda")]
-pub use imp::Gpu;
-
-/// A call's backward plan as the device layers take it: every source's
-/// routed pairs per expert (`[sources][experts]`, one source on one GPU)
-/// in, the pairs each expert keeps out (`layer::device_quotas` is the
-/// layer's plan; the device code holds no quota rule of its own).
-pub type QuotaPlan<'a> = &'a dyn Fn(&[Vec<u32>]) -> Result<Vec<u32>, KernelError>;
-
-/// One call's plan for the device expert-parallel layer, identical on
-/// every rank (the layer crate's controller fills it from the routed
-/// counts; the device code holds no planning rule of its own). Experts are
-/// owned in contiguous blocks: expert `e`'s owner is `e / (E / W)`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EpPlan {
-    /// Ranks holding an instance of each expert in this call, owner first
-    /// then its replicas (no rank twice).
-    pub instances: Vec<Vec<usize>>,
-    /// The forward's split of every routed pair over the instances,
-    /// `[source][expert][rank]` (zero where a rank holds no instance).
-    pub forward: Vec<Vec<Vec<u32>>>,
-    /// Pairs each expert keeps in the backward, selected over every
-    /// source's pairs (more than routed keeps all).
-    pub quotas: Vec<u32>,
-    /// Per-rank pair caps the backward's redistribution honours, if any.
-    pub caps: Option<Vec<u64>>,
-    /// `None`: each expert keeps its `quotas[e]` best scores (top-q).
-    /// `Some(seed)`: priority sampling with this call's seed — the `q`
-    /// largest keys `√score / u(seed, id)`, kept pairs weighted
-    /// `max(√score, τ) / √score` (unbiased; `lrm_score::Rule::Priority`).
-    pub priority_seed: Option<u64>,
-}
-
-/// The controller of the device expert-parallel layer. Every rank calls it
-/// with the same inputs and must get the same answer (the layer crate's
-/// controller and exact redistribution are deterministic).
-pub trait EpPlanner {
-    /// This call's plan from every source's routed pairs per expert
-    /// (`[sources][experts]`).
-    fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, KernelError>;
-    /// The backward's split of the kept pairs (`kept[s][e]`, after
-    /// selection) over the plan's instances, `[source][expert][rank]`.
-    fn backward(&self, plan: &EpPlan, kept: &[Vec<u32>])
-        -> Result<Vec<Vec<Vec<u32>>>, KernelError>;
-}
-
-/// Checks a split `[source][expert][rank]` against the counts it divides
-/// and the instances it may use; the plan's error otherwise.
-pub fn check_split(
-    split: &[Vec<Vec<u32>>],
-    counts: &[Vec<u32>],
-    instances: &[Vec<usize>],
-) -> Result<(), KernelError> {
-    let bad = |m: String| Err(KernelError::Plan(m));
-    let world = counts.len();
-    if split.len() != world {
-        return bad(format!(
-            "a split for {} sources, {world} expected",
-            split.len()
-        ));
-    }
-    for (s, (row, n)) in split.iter().zip(counts).enumerate() {
-        if row.len() != n.len() || row.len() != instances.len() {
-            return bad(format!(
-                "source {s}: a split for {} experts, {} expected",
-                row.len(),
-                n.len()
-            ));
-        }
-        for (e, (cell, &c)) in row.iter().zip(n).enumerate() {
-            if cell.len() != world {
-                return bad(format!(
-                    "source {s}, expert {e}: {} ranks, {world} expected",
-                    cell.len()
-                ));
-            }
-            let sum: u64 = cell.iter().map(|&v| u64::from(v)).sum();
-            if sum != u64::from(c) {
-                return bad(format!(
-                    "source {s}, expert {e}: the split carries {sum} pairs, {c} expected"
-                ));
-            }
-            if let Some(r) = (0..world).find(|&r| cell[r] > 0 && !instances[e].contains(&r)) {
-                return bad(format!(
-                    "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Checks a plan for `world` ranks with experts owned in blocks of
-/// `per_rank` against the routed counts.
-pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result<(), KernelError> {
-    let world = routed.len();
-    let experts = routed.first().map_or(0, Vec::len);
-    if plan.instances.len() != experts || plan.quotas.len() != experts {
-        return Err(KernelError::Plan(format!(
-            "a plan for {} experts ({} quotas), {experts} expected",
-            plan.instances.len(),
-            plan.quotas.len()
-        )));
-    }
-    for (e, inst) in plan.instances.iter().enumerate() {
-        let owner = e / per_rank.max(1);
-        let dup = inst.iter().enumerate().any(|(i, r)| inst[..i].contains(r));
-        if inst.first() != Some(&owner) || dup || inst.iter().any(|&r| r >= world) {
-            return Err(KernelError::Plan(format!(
-                "expert {e}: instances {inst:?} must start with its owner {owner}, each rank once, below {world}"
-            )));
-        }
-    }
-    if let Some(c) = &plan.caps {
-        if c.len() != world {
-            return Err(KernelError::Plan(format!(
-                "{} caps for {world} ranks",
-                c.len()
-            )));
-        }
-    }
-    check_split(&plan.forward, routed, &plan.instances)
-}
+pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
+#[cfg(feature = "cuda")]
+pub use imp::{ops::Routed, Gpu};
 
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
@@ -281,29 +164,6 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_forward_host(
-        &self,
-        _s: &MoeShape,
-        _router: &[u16],
-        _gate: &[u16],
-        _up: &[u16],
-        _down: &[u16],
-        _x: &[u16],
-    ) -> Result<MoeHostForward, KernelError> {
-        Err(KernelError::NotCompiledWithCuda)
-    }
-    /// See the CUDA build.
-    pub fn moe_backward_host(
-        &self,
-        _fwd: &MoeHostForward,
-        _dy: &[u16],
-        _quotas: &[u32],
-        _priority_seed: Option<u64>,
-    ) -> Result<MoeHostGrads, KernelError> {
-        Err(KernelError::NotCompiledWithCuda)
-    }
-    /// See the CUDA build.
     pub fn combine_bf16(
         &self,
         _o: &[u16],
@@ -316,204 +176,9 @@ impl Gpu {
     }
 }
 
-#[cfg(feature = "nccl")]
-pub use imp::moe::ep::{EpBackward, EpBenchRow, EpHostResult, EpSaved, EpWeights};
-
-/// An expert-parallel forward on this rank's GPU driven from the host
-/// (`Gpu::ep_forward_host`): this rank's output and every source's routed
-/// counts copied back, the device state (weights, saved rows) kept for
-/// `Gpu::ep_backward_host`.
-pub struct EpHostForward {
-    /// Output of this rank's tokens, `T × H` (bf16 bits).
-    pub y: Vec<u16>,
-    /// Every source's routed pairs per global expert, `[world][experts]`.
-    pub counts: Vec<Vec<u32>>,
-    /// The call's plan (replicas, the forward's split, quotas).
-    pub plan: EpPlan,
-    /// Bytes this rank sent in the forward's all-to-alls.
-    pub bytes_sent: usize,
-    /// The layer's shape (this rank's tokens).
-    pub shape: MoeShape,
-    #[cfg(feature = "nccl")]
-    state: Box<(EpWeights, EpSaved)>,
-}
-
-impl std::fmt::Debug for EpHostForward {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("EpHostForward")
-            .field("shape", &self.shape)
-            .field("counts", &self.counts)
-            .finish()
-    }
-}
-
-/// Gradients of one expert-parallel LRMoE backward, copied back.
-#[derive(Debug, Clone)]
-pub struct EpHostGrads {
-    /// Input gradient of this rank's tokens, `T × H` (bf16 bits).
-    pub dx: Vec<u16>,
-    /// Router gradient summed over ranks, `H × E`, f32.
-    pub router: Vec<f32>,
-    /// This rank's experts' gradients (bf16 bits): gate and up
-    /// `E_l × H × F`, down `E_l × F × H`.
-    pub gate: Vec<u16>,
-    /// See `gate`.
-    pub up: Vec<u16>,
-    /// See `gate`.
-    pub down: Vec<u16>,
-    /// Kept pairs this rank's instances processed.
-    pub kept_pairs: usize,
-    /// Kept pairs over all ranks.
-    pub kept_total: usize,
-    /// Bytes this rank sent in the backward.
-    pub bytes_sent: usize,
-}
-
-#[cfg(feature = "nccl")]
-impl EpHostForward {
-    pub(crate) fn new(y: Vec<u16>, shape: MoeShape, w: EpWeights, sv: EpSaved) -> Self {
-        Self {
-            y,
-            counts: sv.routed_counts().to_vec(),
-            plan: sv.plan().clone(),
-            bytes_sent: sv.bytes_sent,
-            shape,
-            state: Box::new((w, sv)),
-        }
-    }
-
-    pub(crate) fn state(&self) -> (&EpWeights, &EpSaved) {
-        (&self.state.0, &self.state.1)
-    }
-}
-
-/// Without NCCL the expert-parallel layer does not exist: the same API
-/// answers `NotCompiledWithNccl`.
-#[cfg(not(feature = "nccl"))]
-impl Gpu {
-    /// See the NCCL build.
-    #[allow(clippy::too_many_arguments)]
-    pub fn ep_forward_host(
-        &self,
-        _comm: &crate::comm::NcclComm,
-        _s: &MoeShape,
-        _router: &[u16],
-        _experts: (&[u16], &[u16], &[u16]),
-        _x: &[u16],
-        _router_bias: Option<&[f32]>,
-        _planner: &dyn EpPlanner,
-    ) -> Result<EpHostForward, KernelError> {
-        Err(KernelError::NotCompiledWithNccl)
-    }
-    /// See the NCCL build.
-    pub fn ep_backward_host(
-        &self,
-        _comm: &crate::comm::NcclComm,
-        _fwd: &EpHostForward,
-        _dy: &[u16],
-        _planner: &dyn EpPlanner,
-    ) -> Result<EpHostGrads, KernelError> {
-        Err(KernelError::NotCompiledWithNccl)
-    }
-}
-#[cfg(feature = "cuda")]
-pub use imp::moe::{MoeBackward, MoeBenchRow, MoeHostResult, MoeSaved, MoeWeights};
-
-/// Shape of the layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct MoeShape {
-    /// Tokens.
-    pub tokens: usize,
-    /// Width (multiple of 8).
-    pub hidden: usize,
-    /// Expert FFN width (multiple of 8).
-    pub ffn: usize,
-    /// Experts (multiple of 8, at most 1024).
-    pub experts: usize,
-    /// Experts per token (at most 32).
-    pub top_k: usize,
-    /// Renormalise the top-k weights.
-    pub renormalize: bool,
-}
-
-impl MoeShape {
-    /// Rejects shapes the kernels cannot run (see the field docs).
-    pub fn check(&self) -> Result<(), KernelError> {
-        let bad = |what: &'static str, got: usize| {
-            Err(KernelError::Shape {
-                what,
-                expected: 8,
-                got,
-            })
-        };
-        if self.hidden % 8 != 0 || self.hidden == 0 {
-            return bad("hidden (positive multiple of 8)", self.hidden);
-        }
-        if self.ffn % 8 != 0 || self.ffn == 0 {
-            return bad("ffn (positive multiple of 8)", self.ffn);
-        }
-        if self.experts % 8 != 0 || self.experts == 0 || self.experts > 1024 {
-            return bad("experts (multiple of 8, at most 1024)", self.experts);
-        }
-        if self.top_k == 0 || self.top_k > crate::limits::MAX_TOP_K || self.top_k > self.experts {
-            return bad("top_k (1..=MAX_TOP_K = 32 and at most experts)", self.top_k);
-        }
-        Ok(())
-    }
-    /// Routed pairs, `tokens · top_k`.
-    pub fn pairs(&self) -> usize {
-        self.tokens * self.top_k
-    }
-}
-
-/// A forward on the GPU driven from the host: output and routed counts
-/// copied back, device state kept for the backward.
-pub struct MoeHostForward {
-    /// Output `T × H` (bf16 bits).
-    pub y: Vec<u16>,
-    /// Routed pairs per expert (what the controller plans quotas from).
-    pub counts: Vec<u32>,
-    /// The layer's shape.
-    pub shape: MoeShape,
-    #[cfg(feature = "cuda")]
-    state: Option<Box<(imp::moe::MoeWeights, imp::moe::MoeSaved)>>,
-    #[cfg(not(feature = "cuda"))]
-    #[allow(dead_code)]
-    state: Option<()>,
-}
-
-impl std::fmt::Debug for MoeHostForward {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MoeHostForward")
-            .field("shape", &self.shape)
-            .field("counts", &self.counts)
-            .finish()
-    }
-}
-
-/// Gradients of one LRMoE backward on the GPU, copied back (bf16 bits).
-#[derive(Debug, Clone)]
-pub struct MoeHostGrads {
-    /// Input gradient `T × H`.
-    pub dx: Vec<u16>,
-    /// Router gradient `H × E`.
-    pub router: Vec<u16>,
-    /// Gate gradients `E × H × F`.
-    pub gate: Vec<u16>,
-    /// Up gradients `E × H × F`.
-    pub up: Vec<u16>,
-    /// Down gradients `E × F × H`.
-    pub down: Vec<u16>,
-    /// Kept pairs.
-    pub kept_pairs: usize,
-    /// Bytes of the backward's kept-row buffers: kept pairs × the `[x | g·δ]`
-    /// row (`2 · hidden` bf16), the compacted rows it gathers and exchanges.
-    pub kept_row_bytes: u64,
-}
-
 #[cfg(feature = "cuda")]
 mod imp {
-    pub mod moe;
+    pub mod ops;
 
     use std::sync::Arc;
 
@@ -775,7 +440,9 @@ mod imp {
             }
         }
 
-        fn upload<T: cudarc::driver::DeviceRepr>(
+        /// Copies host data to a new device buffer (an empty slice gives a
+        /// one-element buffer no kernel reads).
+        pub fn upload<T: cudarc::driver::DeviceRepr>(
             &self,
             host: &[T],
         ) -> Result<CudaSlice<T>, KernelError> {
@@ -800,7 +467,9 @@ mod imp {
             self.stream.clone_htod(&host).map_err(cuda)
         }
 
-        fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        /// The first `n` elements of a device buffer, on the host (waits
+        /// for the stream).
+        pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
             &self,
             dev: &CudaSlice<T>,
             n: usize,
@@ -892,13 +561,18 @@ mod imp {
                 });
             }
             let (sd, id) = (self.upload(src)?, self.upload(idx)?);
-            let out = self.gather_u8_dev(&sd, &id, idx.len())?;
+            // SAFETY: every index was checked against src above.
+            let out = unsafe { self.gather_u8_dev(&sd, &id, idx.len()) }?;
             self.download(&out, idx.len())
         }
 
         /// Byte gather on the device: `out[j] = src[idx[j]]`, `n` entries
         /// (every index must lie inside `src`).
-        pub(crate) fn gather_u8_dev(
+        ///
+        /// # Safety
+        ///
+        /// 1. `idx` holds `n` entries, each an index of `src`.
+        pub unsafe fn gather_u8_dev(
             &self,
             src: &CudaSlice<u8>,
             idx: &CudaSlice<u32>,
@@ -931,13 +605,20 @@ mod imp {
         }
 
         /// [`Gpu::kept_counts`] on device buffers of `n` entries.
-        pub(crate) fn kept_counts_dev(
+        pub fn kept_counts_dev(
             &self,
             key: &CudaSlice<u32>,
             keep: &CudaSlice<u8>,
             n: usize,
             groups: usize,
         ) -> Result<CudaSlice<u32>, KernelError> {
+            if key.len() < n || keep.len() < n {
+                return Err(KernelError::Shape {
+                    what: "keys and flags",
+                    expected: n,
+                    got: key.len().min(keep.len()),
+                });
+            }
             let mut out = self.poisoned::<u32>(groups)?;
             if groups > 0 {
                 let n_i = dim("n", n)?;
@@ -1028,7 +709,11 @@ mod imp {
             let mut kept = self.poisoned::<u8>(scores.len())?;
             let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
             if !quotas.is_empty() {
-                self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, quotas.len())?;
+                // SAFETY: `check_selection` checked the offsets and quotas
+                // against the scores, ids and the kept flags' length.
+                unsafe {
+                    self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, quotas.len())
+                }?;
             }
             if self.stream.clone_dtoh(&err).map_err(cuda)?[0] != 0 {
                 return Err(KernelError::Cuda(
@@ -1042,8 +727,19 @@ mod imp {
                 .collect())
         }
 
+        /// Top-q selection on the device: for each segment `b` of `offsets`
+        /// (`n_experts + 1` entries), flags in `kept` the `quotas[b]` rows
+        /// with the largest `scores` (ties to the smaller `ids`); a
+        /// non-finite score sets `err[0]` (twin:
+        /// [`crate::cpu::select_top_reference`]).
+        ///
+        /// # Safety
+        ///
+        /// 1. `offsets` holds `n_experts + 1` ascending entries ending at
+        ///    most at the length of `scores`, `ids` and `kept`; `quotas`
+        ///    holds `n_experts`.
         #[allow(clippy::too_many_arguments)]
-        fn launch_select(
+        pub unsafe fn launch_select(
             &self,
             scores: &CudaSlice<f32>,
             ids: &CudaSlice<u32>,
@@ -1114,7 +810,9 @@ mod imp {
             let mut kept = self.poisoned::<u8>(n_pairs)?;
             let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
             let ms = self.time(50, || {
-                self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, n_experts)
+                // SAFETY: the offsets are the prefix sums of counts summing
+                // to n_pairs, the length of every row buffer.
+                unsafe { self.launch_select(&sd, &idd, &od, &qd, &mut kept, &mut err, n_experts) }
             })?;
             Ok(Timing {
                 ms,
@@ -1178,13 +876,20 @@ mod imp {
         }
 
         /// [`Gpu::priority_keys`] on device buffers of `n` entries.
-        pub(crate) fn priority_keys_dev(
+        pub fn priority_keys_dev(
             &self,
             score: &CudaSlice<f32>,
             id: &CudaSlice<u32>,
             seed: u64,
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
+            if score.len() < n || id.len() < n {
+                return Err(KernelError::Shape {
+                    what: "scores and ids",
+                    expected: n,
+                    got: score.len().min(id.len()),
+                });
+            }
             let mut out = self.poisoned::<f32>(n)?;
             if n > 0 {
                 let n_i = dim("n", n)?;
@@ -1226,13 +931,21 @@ mod imp {
                 self.upload(kept_q1)?,
                 self.upload(offsets)?,
             );
-            let out =
-                self.priority_weights_dev(&rd, &sd, (&kd, &k1d), &od, n, offsets.len() - 1)?;
+            // SAFETY: the offsets were checked above against n, the length
+            // of every row buffer.
+            let out = unsafe {
+                self.priority_weights_dev(&rd, &sd, (&kd, &k1d), &od, n, offsets.len() - 1)
+            }?;
             self.download(&out, n)
         }
 
         /// [`Gpu::priority_weights`] on device buffers (`groups` segments).
-        pub(crate) fn priority_weights_dev(
+        ///
+        /// # Safety
+        ///
+        /// 1. `offsets` holds `groups + 1` ascending entries ending at most
+        ///    at `n`, and `rho`, `score` and both masks hold `n` entries.
+        pub unsafe fn priority_weights_dev(
             &self,
             rho: &CudaSlice<f32>,
             score: &CudaSlice<f32>,
@@ -1279,12 +992,19 @@ mod imp {
         }
 
         /// [`Gpu::mul_f32`] on device buffers of `n` entries.
-        pub(crate) fn mul_f32_dev(
+        pub fn mul_f32_dev(
             &self,
             a: &CudaSlice<f32>,
             b: &CudaSlice<f32>,
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
+            if a.len() < n || b.len() < n {
+                return Err(KernelError::Shape {
+                    what: "factors",
+                    expected: n,
+                    got: a.len().min(b.len()),
+                });
+            }
             let mut out = self.poisoned::<f32>(n)?;
             if n > 0 {
                 let n_i = dim("n", n)?;
@@ -1645,7 +1365,7 @@ mod imp {
 
         /// Waits for the stream, then hands the pool's freed memory back to
         /// the driver, so `cuMemGetInfo` counts live buffers only.
-        pub(crate) fn trim_pool(&self) -> Result<(), KernelError> {
+        pub fn trim_pool(&self) -> Result<(), KernelError> {
             self.stream.synchronize().map_err(cuda)?;
             pool_set(&self.ctx, PoolOp::Trim)
         }
@@ -1749,18 +1469,7 @@ mod imp {
         }
     }
 
-    fn random_bf16(n: usize, seed: u64) -> Vec<u16> {
-        let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                let x = (s % 20001) as f32 / 10000.0 - 1.0;
-                (x.to_bits() >> 16) as u16
-            })
-            .collect()
-    }
+    use crate::cpu::random_bf16;
 
     fn permutation(n: usize, seed: u64) -> Vec<u32> {
         let mut p: Vec<u32> = (0..n as u32).collect();

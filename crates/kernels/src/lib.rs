@@ -94,9 +94,6 @@ pub enum KernelError {
         /// The configured timeout.
         timeout_ms: u64,
     },
-    /// An index plan (from `pack`) could not be built.
-    #[error("plan: {0}")]
-    Plan(String),
     /// A buffer's length does not match the declared shape.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {
@@ -107,10 +104,4 @@ pub enum KernelError {
         /// Length given.
         got: usize,
     },
-}
-
-impl From<pack::PackError> for KernelError {
-    fn from(e: pack::PackError) -> Self {
-        KernelError::Plan(e.to_string())
-    }
 }

@@ -120,6 +120,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+pub mod device;
 mod dispatch;
 pub mod dist;
 mod experts;
@@ -134,8 +135,8 @@ pub use moe::{
     backward, forward, BackwardStats, ExpertWeights, MoeConfig, MoeParams, Saved, StageTimes,
 };
 pub use plan::{
-    check_device_call, device_plan, device_plan_call, device_quotas, device_ratio_plan, plan_call,
-    CallConfig, CallPlan, DevicePlanner, Retention, Selection,
+    check_device_call, check_device_shape, check_plan, check_split, device_plan_call,
+    device_quotas, plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

@@ -28,30 +28,6 @@ pub struct MoeConfig {
 }
 
 impl MoeConfig {
-    /// The layer of a device shape (`kernels::gpu::MoeShape`, whose
-    /// `tokens` is per call, not part of the layer).
-    pub fn of_device_shape(s: &kernels::gpu::MoeShape) -> Self {
-        Self {
-            hidden: s.hidden,
-            ffn: s.ffn,
-            n_experts: s.experts,
-            top_k: s.top_k,
-            renormalize: s.renormalize,
-        }
-    }
-
-    /// This layer as the device layers take it, for `tokens` tokens.
-    pub fn device_shape(&self, tokens: usize) -> kernels::gpu::MoeShape {
-        kernels::gpu::MoeShape {
-            tokens,
-            hidden: self.hidden,
-            ffn: self.ffn,
-            experts: self.n_experts,
-            top_k: self.top_k,
-            renormalize: self.renormalize,
-        }
-    }
-
     /// Rejects shapes that cannot work.
     pub fn validate(&self) -> Result<(), LayerError> {
         if self.n_experts == 0 {

@@ -364,6 +364,34 @@ pub fn device_plan_call(
     Ok(plan)
 }
 
+/// Rejects layers the device operations cannot run: widths must be
+/// positive multiples of 8 (the grouped GEMM's alignment), experts a
+/// multiple of 8 up to 1024, `top_k` at most 32.
+pub fn check_device_shape(cfg: &MoeConfig) -> Result<(), LayerError> {
+    cfg.validate()?;
+    let bad = |m: String| Err(LayerError::Config(m));
+    if cfg.hidden % 8 != 0 || cfg.ffn % 8 != 0 {
+        return bad(format!(
+            "the device executor needs hidden and ffn multiples of 8 (got {} and {})",
+            cfg.hidden, cfg.ffn
+        ));
+    }
+    if cfg.n_experts % 8 != 0 || cfg.n_experts > 1024 {
+        return bad(format!(
+            "the device executor needs a multiple of 8 experts, at most 1024 (got {})",
+            cfg.n_experts
+        ));
+    }
+    if cfg.top_k > kernels::limits::MAX_TOP_K {
+        return bad(format!(
+            "the device executor routes at most {} experts per token (got {})",
+            kernels::limits::MAX_TOP_K,
+            cfg.top_k
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses what the device layers (the expert-parallel executor and the
 /// single-GPU layer) cannot run: capacity-factor dropping, the auxiliary
 /// balancing loss and selection rules other than top-q and priority
@@ -386,8 +414,111 @@ pub fn check_device_call(call: &CallConfig) -> Result<(), LayerError> {
     Ok(())
 }
 
-/// The controller of the device expert-parallel executor
-/// (`kernels::gpu::Gpu::ep_forward` / `ep_backward`): [`device_plan_call`]
+/// One call's plan as the device executor follows it, identical on every
+/// rank: [`DevicePlanner`] resolves a [`CallPlan`] (quotas, replicas, caps)
+/// into the instances of each expert and the forward's split of every
+/// routed pair over them. Experts are
+/// owned in contiguous blocks: expert `e`'s owner is `e / (E / W)`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpPlan {
+    /// Ranks holding an instance of each expert in this call, owner first
+    /// then its replicas (no rank twice).
+    pub instances: Vec<Vec<usize>>,
+    /// The forward's split of every routed pair over the instances,
+    /// `[source][expert][rank]` (zero where a rank holds no instance).
+    pub forward: Vec<Vec<Vec<u32>>>,
+    /// Pairs each expert keeps in the backward, selected over every
+    /// source's pairs (more than routed keeps all).
+    pub quotas: Vec<u32>,
+    /// Per-rank pair caps the backward's redistribution honours, if any.
+    pub caps: Option<Vec<u64>>,
+    /// `None`: each expert keeps its `quotas[e]` best scores (top-q).
+    /// `Some(seed)`: priority sampling with this call's seed — the `q`
+    /// largest keys `√score / u(seed, id)`, kept pairs weighted
+    /// `max(√score, τ) / √score` (unbiased; `lrm_score::Rule::Priority`).
+    pub priority_seed: Option<u64>,
+}
+
+/// Checks a split `[source][expert][rank]` against the counts it divides
+/// and the instances it may use; the plan's error otherwise.
+pub fn check_split(
+    split: &[Vec<Vec<u32>>],
+    counts: &[Vec<u32>],
+    instances: &[Vec<usize>],
+) -> Result<(), LayerError> {
+    let bad = |m: String| Err(LayerError::Config(m));
+    let world = counts.len();
+    if split.len() != world {
+        return bad(format!(
+            "a split for {} sources, {world} expected",
+            split.len()
+        ));
+    }
+    for (s, (row, n)) in split.iter().zip(counts).enumerate() {
+        if row.len() != n.len() || row.len() != instances.len() {
+            return bad(format!(
+                "source {s}: a split for {} experts, {} expected",
+                row.len(),
+                n.len()
+            ));
+        }
+        for (e, (cell, &c)) in row.iter().zip(n).enumerate() {
+            if cell.len() != world {
+                return bad(format!(
+                    "source {s}, expert {e}: {} ranks, {world} expected",
+                    cell.len()
+                ));
+            }
+            let sum: u64 = cell.iter().map(|&v| u64::from(v)).sum();
+            if sum != u64::from(c) {
+                return bad(format!(
+                    "source {s}, expert {e}: the split carries {sum} pairs, {c} expected"
+                ));
+            }
+            if let Some(r) = (0..world).find(|&r| cell[r] > 0 && !instances[e].contains(&r)) {
+                return bad(format!(
+                    "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks a plan for `world` ranks with experts owned in blocks of
+/// `per_rank` against the routed counts.
+pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result<(), LayerError> {
+    let world = routed.len();
+    let experts = routed.first().map_or(0, Vec::len);
+    if plan.instances.len() != experts || plan.quotas.len() != experts {
+        return Err(LayerError::Config(format!(
+            "a plan for {} experts ({} quotas), {experts} expected",
+            plan.instances.len(),
+            plan.quotas.len()
+        )));
+    }
+    for (e, inst) in plan.instances.iter().enumerate() {
+        let owner = e / per_rank.max(1);
+        let dup = inst.iter().enumerate().any(|(i, r)| inst[..i].contains(r));
+        if inst.first() != Some(&owner) || dup || inst.iter().any(|&r| r >= world) {
+            return Err(LayerError::Config(format!(
+                "expert {e}: instances {inst:?} must start with its owner {owner}, each rank once, below {world}"
+            )));
+        }
+    }
+    if let Some(c) = &plan.caps {
+        if c.len() != world {
+            return Err(LayerError::Config(format!(
+                "{} caps for {world} ranks",
+                c.len()
+            )));
+        }
+    }
+    check_split(&plan.forward, routed, &plan.instances)
+}
+
+/// The controller of the device executor
+/// ([`crate::device::forward`] / [`crate::device::backward`]): [`device_plan_call`]
 /// (replicas, per-expert quotas, pair caps) from the routed counts, the
 /// forward's pairs spread over the instances and the backward's kept pairs
 /// redistributed over the same instances by `redistribute` (the exact
@@ -399,6 +530,9 @@ pub struct DevicePlanner {
     call: CallConfig,
     /// The controller's plan of the last forward, for the caller's figures.
     last: std::sync::Mutex<Option<CallPlan>>,
+    /// Per-expert quotas that replace the controller's (a plan replayed
+    /// from elsewhere).
+    fixed: Option<Vec<u32>>,
 }
 
 impl DevicePlanner {
@@ -411,6 +545,7 @@ impl DevicePlanner {
             cfg,
             call,
             last: std::sync::Mutex::new(None),
+            fixed: None,
         })
     }
 
@@ -422,26 +557,37 @@ impl DevicePlanner {
 
     /// Keeps `round(r · n_e)` pairs of every expert (`r ≥ 1`: all), no
     /// replicas: for tests and benchmarks.
-    pub fn ratio(shape: &kernels::gpu::MoeShape, r: f64) -> Self {
-        Self::ratio_with_replicas(shape, r, 0)
+    pub fn ratio(cfg: &MoeConfig, r: f64) -> Self {
+        Self::ratio_with_replicas(cfg, r, 0)
     }
 
     /// [`DevicePlanner::ratio`] with `slots` replica slots per rank (the
     /// controller places replicas of the hottest experts).
-    pub fn ratio_with_replicas(shape: &kernels::gpu::MoeShape, r: f64, slots: usize) -> Self {
+    pub fn ratio_with_replicas(cfg: &MoeConfig, r: f64, slots: usize) -> Self {
         let retention = if r >= 1.0 {
             Retention::Full
         } else {
             Retention::Ratio(r.max(0.0))
         };
         Self {
-            cfg: MoeConfig::of_device_shape(shape),
+            cfg: *cfg,
             call: CallConfig {
                 retention,
                 replica_slots_per_rank: slots,
                 ..CallConfig::default()
             },
             last: std::sync::Mutex::new(None),
+            fixed: None,
+        }
+    }
+
+    /// Keeps exactly `quotas[e]` pairs of expert `e` (at most what was
+    /// routed), no replicas: a plan made elsewhere, replayed (the device
+    /// tests give one GPU the quotas a multi-GPU controller chose).
+    pub fn fixed_quotas(cfg: &MoeConfig, quotas: Vec<u32>) -> Self {
+        Self {
+            fixed: Some(quotas),
+            ..Self::ratio(cfg, 1.0)
         }
     }
 
@@ -496,20 +642,28 @@ impl DevicePlanner {
     }
 }
 
-fn plan_error(e: LayerError) -> kernels::KernelError {
-    kernels::KernelError::Plan(e.to_string())
-}
-
-impl kernels::gpu::EpPlanner for DevicePlanner {
-    fn forward(&self, routed: &[Vec<u32>]) -> Result<kernels::gpu::EpPlan, kernels::KernelError> {
-        let plan = device_plan_call(&self.cfg, &self.call, routed).map_err(plan_error)?;
+impl DevicePlanner {
+    /// This call's plan from every source's routed pairs per expert
+    /// (`[sources][experts]`): the controller's quotas, replicas and caps,
+    /// and the forward's pairs spread over the instances (exact solver).
+    pub fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, LayerError> {
+        let plan = device_plan_call(&self.cfg, &self.call, routed)?;
         let instances = plan.placement.all_instances();
-        let forward = self
-            .solve(routed, &instances, None, redistribute::Solver::Exact)
-            .map_err(plan_error)?;
+        let forward = self.solve(routed, &instances, None, redistribute::Solver::Exact)?;
         let priority_seed = plan.priority_seed(&self.call);
-        let out = kernels::gpu::EpPlan {
-            quotas: plan.device_quotas(),
+        let quotas = match &self.fixed {
+            Some(q) if q.len() == self.cfg.n_experts => q.clone(),
+            Some(q) => {
+                return Err(LayerError::Config(format!(
+                    "{} fixed quotas for {} experts",
+                    q.len(),
+                    self.cfg.n_experts
+                )))
+            }
+            None => plan.device_quotas(),
+        };
+        let out = EpPlan {
+            quotas,
             instances,
             forward,
             caps: plan.caps.clone(),
@@ -521,13 +675,15 @@ impl kernels::gpu::EpPlanner for DevicePlanner {
         Ok(out)
     }
 
-    fn backward(
+    /// The backward's split of the kept pairs (`kept[s][e]`, after
+    /// selection) over the plan's instances, `[source][expert][rank]`,
+    /// under the plan's caps ([`CallConfig::solver`]).
+    pub fn backward(
         &self,
-        plan: &kernels::gpu::EpPlan,
+        plan: &EpPlan,
         kept: &[Vec<u32>],
-    ) -> Result<Vec<Vec<Vec<u32>>>, kernels::KernelError> {
+    ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
         self.solve(kept, &plan.instances, plan.caps.clone(), self.call.solver)
-            .map_err(plan_error)
     }
 }
 
@@ -539,36 +695,4 @@ pub fn device_quotas(
     routed: &[Vec<u32>],
 ) -> Result<Vec<u32>, LayerError> {
     Ok(device_plan_call(cfg, call, routed)?.device_quotas())
-}
-
-/// [`device_quotas`] as the device layers take a plan
-/// ([`kernels::gpu::QuotaPlan`]).
-pub fn device_plan(
-    cfg: MoeConfig,
-    call: CallConfig,
-) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
-    move |routed| {
-        device_quotas(&cfg, &call, routed).map_err(|e| kernels::KernelError::Plan(e.to_string()))
-    }
-}
-
-/// A device plan keeping `round(r · n_e)` pairs of every expert (`r = 1`:
-/// all of them), for the device layers' tests and benchmarks.
-pub fn device_ratio_plan(
-    shape: &kernels::gpu::MoeShape,
-    r: f64,
-) -> impl Fn(&[Vec<u32>]) -> Result<Vec<u32>, kernels::KernelError> {
-    let cfg = MoeConfig::of_device_shape(shape);
-    let retention = if r >= 1.0 {
-        Retention::Full
-    } else {
-        Retention::Ratio(r)
-    };
-    device_plan(
-        cfg,
-        CallConfig {
-            retention,
-            ..CallConfig::default()
-        },
-    )
 }

@@ -865,7 +865,7 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
 
 #[test]
 fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() {
-    use kernels::gpu::{check_plan, check_split, EpPlanner};
+    use crate::plan::{check_plan, check_split};
     let cfg = cfg(false);
     // Rank 0's expert 0 is hot: with one replica slot per rank the
     // controller places a replica of it on rank 1.
@@ -1037,7 +1037,6 @@ fn the_device_and_host_priority_rules_draw_the_same_uniforms() {
         };
         assert_eq!(DevicePlanner::new(cfg, call).is_ok(), ok, "{rule:?}");
     }
-    use kernels::gpu::EpPlanner;
     let p = DevicePlanner::new(
         cfg,
         CallConfig {

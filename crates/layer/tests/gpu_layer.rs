@@ -1,5 +1,6 @@
-//! The MoE layer on the GPU (`kernels::gpu::Gpu::moe_host`, bf16) against
-//! this crate's CPU layer (f32) on the same bf16-rounded weights and inputs.
+//! The device executor on one GPU (EP = 1, `layer::device::host_call`,
+//! bf16) against this crate's host executor (f32) on the same bf16-rounded
+//! weights and inputs.
 //! Device tests, `#[ignore]`d here: run on the GPU machine with feature
 //! `cuda` and `-- --ignored`.
 //!
@@ -14,7 +15,8 @@ use std::time::Duration;
 
 use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits};
 use kernels::gpu::Gpu;
-use layer::{run_local, CallConfig, ExpertWeights, MoeConfig, MoeParams};
+use layer::device::{self, DeviceComm};
+use layer::{run_local, CallConfig, DevicePlanner, ExpertWeights, MoeConfig, MoeParams};
 use quota::Placement;
 
 struct Rng(u64);
@@ -105,33 +107,34 @@ fn gpu_layer_matches_the_cpu_layer() {
             Ok::<_, layer::LayerError>((y, dx, g))
         });
         let (y, dx, g) = cpu.remove(0).unwrap();
-        let shape = cfg.device_shape(t);
         let (wr, wg, wu, wd) = (
             bits(&p.router),
             bits(&cat(&p, |w| &w.gate)),
             bits(&cat(&p, |w| &w.up)),
             bits(&cat(&p, |w| &w.down)),
         );
-        let r = gpu
-            .moe_host(
-                &shape,
+        let run = |planner: &DevicePlanner| {
+            device::host_call(
+                &gpu,
+                DeviceComm::Local,
+                &cfg,
                 &wr,
-                &wg,
-                &wu,
-                &wd,
+                (&wg, &wu, &wd),
                 &bits(&x),
                 &bits(&dy),
-                &layer::device_ratio_plan(&shape, 1.0),
+                planner,
             )
-            .unwrap();
-        assert_eq!(r.kept_pairs, t * k);
+            .unwrap()
+        };
+        let r = run(&DevicePlanner::ratio(&cfg, 1.0));
+        assert_eq!(r.grads.kept_pairs, t * k);
         let checks = [
             ("y", rel(&r.y, &y)),
-            ("dx", rel(&r.dx, &dx)),
-            ("router", rel(&r.router, &g.router)),
-            ("gate", rel(&r.gate, &cat(&g, |w| &w.gate))),
-            ("up", rel(&r.up, &cat(&g, |w| &w.up))),
-            ("down", rel(&r.down, &cat(&g, |w| &w.down))),
+            ("dx", rel(&r.grads.dx, &dx)),
+            ("router", rel32(&r.grads.router, &g.router)),
+            ("gate", rel(&r.grads.gate, &cat(&g, |w| &w.gate))),
+            ("up", rel(&r.grads.up, &cat(&g, |w| &w.up))),
+            ("down", rel(&r.grads.down, &cat(&g, |w| &w.down))),
         ];
         for (name, err) in checks {
             assert!(
@@ -140,42 +143,35 @@ fn gpu_layer_matches_the_cpu_layer() {
             );
         }
         // Pruned: kept pairs follow the quotas round(r · n_e).
-        let half = gpu
-            .moe_host(
-                &shape,
-                &wr,
-                &wg,
-                &wu,
-                &wd,
-                &bits(&x),
-                &bits(&dy),
-                &layer::device_ratio_plan(&shape, 0.5),
-            )
-            .unwrap();
+        let half = run(&DevicePlanner::ratio(&cfg, 0.5));
         assert!(
-            half.kept_pairs <= t * k / 2 + e && half.kept_pairs + e >= t * k / 2,
+            half.grads.kept_pairs <= t * k / 2 + e && half.grads.kept_pairs + e >= t * k / 2,
             "kept {}",
-            half.kept_pairs
+            half.grads.kept_pairs
         );
         // Priority sampling at the same quotas: the same forward, router
         // gradient and kept count; reweighted, different expert gradients.
-        let fwd = gpu
-            .moe_forward_host(&shape, &wr, &wg, &wu, &wd, &bits(&x))
-            .unwrap();
-        let quotas =
-            layer::device_ratio_plan(&shape, 0.5)(std::slice::from_ref(&fwd.counts)).unwrap();
-        let pri = gpu
-            .moe_backward_host(&fwd, &bits(&dy), &quotas, Some(42))
-            .unwrap();
-        assert_eq!(fwd.y, half.y);
-        assert_eq!(pri.router, half.router);
-        assert_eq!(pri.kept_pairs, half.kept_pairs);
+        let pri = run(&DevicePlanner::new(
+            cfg,
+            CallConfig {
+                retention: layer::Retention::Ratio(0.5),
+                rule: lrm_score::Rule::Priority,
+                ..CallConfig::default()
+            },
+        )
+        .unwrap());
+        assert_eq!(pri.y, half.y);
+        assert_eq!(pri.grads.router, half.grads.router);
+        assert_eq!(pri.grads.kept_pairs, half.grads.kept_pairs);
         assert!(
-            pri.gate.iter().all(|&b| b & 0x7f80 != 0x7f80),
+            pri.grads.gate.iter().all(|&b| b & 0x7f80 != 0x7f80),
             "non-finite gradient"
         );
-        if half.kept_pairs > e && half.kept_pairs < t * k {
-            assert_ne!(pri.gate, half.gate, "priority sampling equals top-q");
+        if half.grads.kept_pairs > e && half.grads.kept_pairs < t * k {
+            assert_ne!(
+                pri.grads.gate, half.grads.gate,
+                "priority sampling equals top-q"
+            );
         }
     }
 }

@@ -178,36 +178,33 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         rel(&flat(&g), &flat(&lg))
     );
 
-    // The device-resident EP layer (`Gpu::ep_*`: rows, all-to-alls and
-    // grouped GEMMs on the GPUs, NCCL between them) against the single-GPU
-    // layer (`Gpu::moe_host`, device-tested against the CPU layer) on all
-    // ranks' tokens concatenated, on this rank's GPU: each rank's outputs,
-    // input gradients and experts' gradients, the summed router gradient
-    // and the kept pairs, at retention 1.0, 0.5 and 0.25.
+    // The device executor over NCCL (rows, all-to-alls and grouped GEMMs
+    // on the GPUs) against the same executor on one GPU (EP = 1,
+    // device-tested against the host executor) on all ranks' tokens
+    // concatenated, on this rank's GPU: each rank's outputs, input
+    // gradients and experts' gradients, the summed router gradient and the
+    // kept pairs, at retention 1.0, 0.5, 0.25 and 0.
     {
         use kernels::cpu::bf16_bits_to_f32;
-        use kernels::gpu::{Gpu, MoeShape};
+        use kernels::gpu::Gpu;
+        use layer::device::{host_call, DeviceComm};
         let gpu = Gpu::open(env.local_rank).unwrap();
         let tokens = 256;
-        let one = MoeShape {
-            tokens,
+        let moe = MoeConfig {
             hidden: 64,
             ffn: 128,
-            experts: 8,
+            n_experts: 8,
             top_k: 2,
             renormalize: true,
         };
-        let all = MoeShape {
-            tokens: tokens * world,
-            ..one
-        };
+        let all_tokens = tokens * world;
         let bits = |n: usize, seed: u64, scale: f64| -> Vec<u16> {
             data(n, seed)
                 .into_iter()
                 .map(|v| kernels::cpu::f32_to_bf16_bits((v * scale) as f32))
                 .collect()
         };
-        let (h, f, e) = (one.hidden, one.ffn, one.experts);
+        let (h, f, e) = (moe.hidden, moe.ffn, moe.n_experts);
         let el = e / world;
         let router = bits(h * e, 21, 0.5);
         let (gate, up, down) = (
@@ -215,7 +212,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             bits(e * h * f, 23, 0.125),
             bits(e * f * h, 24, 0.09),
         );
-        let (mut x, dy) = (bits(all.tokens * h, 25, 1.0), bits(all.tokens * h, 26, 1.0));
+        let (mut x, dy) = (bits(all_tokens * h, 25, 1.0), bits(all_tokens * h, 26, 1.0));
         // A hot router: feature 0 is 1 on every token and pulls every pair
         // to rank 0's experts, so the other ranks' experts receive nothing.
         let mut hot = router.clone();
@@ -244,35 +241,39 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             // The same per-expert quotas for both layers (the layer's
             // controller at this ratio); the EP layer's planner adds up to
             // `slots` replicas per rank and spreads pairs over them.
-            let plan = layer::device_ratio_plan(&all, retention);
-            let planner = layer::DevicePlanner::ratio_with_replicas(&one, retention, slots);
-            let want = gpu
-                .moe_host(&all, router, &gate, &up, &down, &x, &dy, &plan)
-                .unwrap();
-            let got = gpu
-                .ep_host(
-                    t.comm(),
-                    &one,
-                    router,
-                    (&blk(&gate), &blk(&up), &blk(&down)),
-                    &tok(&x),
-                    &tok(&dy),
-                    &planner,
-                )
-                .unwrap();
+            let plan = layer::DevicePlanner::ratio(&moe, retention);
+            let planner = layer::DevicePlanner::ratio_with_replicas(&moe, retention, slots);
+            let want = host_call(
+                &gpu,
+                DeviceComm::Local,
+                &moe,
+                router,
+                (&gate, &up, &down),
+                &x,
+                &dy,
+                &plan,
+            )
+            .unwrap();
+            let got = host_call(
+                &gpu,
+                DeviceComm::Nccl(t.comm()),
+                &moe,
+                router,
+                (&blk(&gate), &blk(&up), &blk(&down)),
+                &tok(&x),
+                &tok(&dy),
+                &planner,
+            )
+            .unwrap();
+            let f64s = |v: &[f32]| -> Vec<f64> { v.iter().map(|&x| f64::from(x)).collect() };
+            let (gg, wg) = (&got.grads, &want.grads);
             let checks = [
                 ("y", rel(&f32s(&got.y), &f32s(&tok(&want.y)))),
-                ("dx", rel(&f32s(&got.dx), &f32s(&tok(&want.dx)))),
-                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&want.gate)))),
-                ("up", rel(&f32s(&got.up), &f32s(&blk(&want.up)))),
-                ("down", rel(&f32s(&got.down), &f32s(&blk(&want.down)))),
-                (
-                    "router",
-                    rel(
-                        &got.router.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
-                        &f32s(&want.router),
-                    ),
-                ),
+                ("dx", rel(&f32s(&gg.dx), &f32s(&tok(&wg.dx)))),
+                ("gate", rel(&f32s(&gg.gate), &f32s(&blk(&wg.gate)))),
+                ("up", rel(&f32s(&gg.up), &f32s(&blk(&wg.up)))),
+                ("down", rel(&f32s(&gg.down), &f32s(&blk(&wg.down)))),
+                ("router", rel(&f64s(&gg.router), &f64s(&wg.router))),
             ];
             for (name, err) in checks {
                 // Same kernels on the same rows; only the router's sum over
@@ -285,41 +286,41 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             }
             if retention == 0.0 {
                 // No pair kept: no expert gradient, on either side.
-                assert_eq!(want.kept_pairs, 0);
-                assert!(want.gate.iter().chain(&got.gate).all(|&b| b & 0x7fff == 0));
+                assert_eq!(wg.kept_pairs, 0);
+                assert!(wg.gate.iter().chain(&gg.gate).all(|&b| b & 0x7fff == 0));
             }
             if which == "hot" && slots > 0 && retention == 1.0 && me != 0 {
                 // Replicas move the hot experts' work onto this rank.
                 assert!(
-                    got.kept_pairs > 0,
+                    gg.kept_pairs > 0,
                     "hot router with {slots} replica slots: rank {me} processed no pairs"
                 );
             }
             if which == "hot" && slots == 0 && me != 0 {
                 // The case this router exists for: nothing reaches these experts.
                 assert_eq!(
-                    got.kept_pairs, 0,
+                    gg.kept_pairs, 0,
                     "hot router: rank {me}'s experts kept pairs"
                 );
                 assert!(
-                    got.gate.iter().chain(&got.down).all(|&b| b & 0x7fff == 0),
+                    gg.gate.iter().chain(&gg.down).all(|&b| b & 0x7fff == 0),
                     "hot router: rank {me}'s experts have gradients"
                 );
             }
-            let kept: Vec<u64> = all_gather(&t, &[got.kept_pairs as u64]).unwrap().concat();
+            let kept: Vec<u64> = all_gather(&t, &[gg.kept_pairs as u64]).unwrap().concat();
             assert_eq!(
                 kept.iter().sum::<u64>() as usize,
-                want.kept_pairs,
+                wg.kept_pairs,
                 "{which} router, {slots} slots, r = {retention}: kept pairs"
             );
             // One write per line: the ranks share the launcher's stderr.
             let line = format!(
-                "rank {me}: device EP layer, {which} router, {slots} replica slots, r = {retention}: matches the single-GPU layer ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
+                "rank {me}: device executor over NCCL, {which} router, {slots} replica slots, r = {retention}: matches EP = 1 ({:?}); kept {} of {}; bytes out fwd {} bwd {}\n",
                 checks.map(|(n, e)| format!("{n} {e:.1e}")),
-                got.kept_pairs,
-                want.kept_pairs,
-                got.bytes_sent.0,
-                got.bytes_sent.1
+                gg.kept_pairs,
+                wg.kept_pairs,
+                got.forward_bytes,
+                gg.bytes_sent
             );
             std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
         }
@@ -327,9 +328,9 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         // experts may keep at most about a third of a balanced share), the
         // same quotas given to the single-GPU layer: equal results.
         {
-            let cfg_b = MoeConfig::of_device_shape(&one);
+            let cfg_b = moe;
             let cost = quota::CostModel::swiglu_expert(h, f, 2, 1e11, 1e12);
-            let pairs = (tokens * one.top_k) as u64;
+            let pairs = (tokens * moe.top_k) as u64;
             let budget = quota::RankBudget {
                 memory_bytes: el as u64 * cost.instance_bytes() + pairs / 3 * cost.row_bytes(),
                 network_bytes: u64::MAX,
@@ -346,41 +347,47 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             )
             .unwrap();
             let (bx, bdy) = (tok(&x), tok(&dy));
-            let fwd = gpu
-                .ep_forward_host(
-                    t.comm(),
-                    &one,
-                    &router,
-                    (&blk(&gate), &blk(&up), &blk(&down)),
-                    &bx,
-                    None,
-                    &planner,
-                )
-                .unwrap();
-            let got = gpu
-                .ep_backward_host(t.comm(), &fwd, &bdy, &planner)
-                .unwrap();
+            let nccl = DeviceComm::Nccl(t.comm());
+            let fwd = layer::device::forward_host(
+                &gpu,
+                nccl,
+                &moe,
+                &router,
+                (&blk(&gate), &blk(&up), &blk(&down)),
+                &bx,
+                None,
+                &planner,
+            )
+            .unwrap();
+            let got = layer::device::backward_host(&gpu, nccl, &fwd, &bdy, &planner).unwrap();
             let quotas = fwd.plan.quotas.clone();
             let routed: u32 = fwd.counts.iter().flatten().sum();
             assert!(
                 quotas.iter().sum::<u32>() < routed,
                 "the budget does not bind"
             );
-            let want = gpu
-                .moe_host(&all, &router, &gate, &up, &down, &x, &dy, &|_| {
-                    Ok(quotas.clone())
-                })
-                .unwrap();
-            assert_eq!(got.kept_total, want.kept_pairs);
+            let want = host_call(
+                &gpu,
+                DeviceComm::Local,
+                &moe,
+                &router,
+                (&gate, &up, &down),
+                &x,
+                &dy,
+                &layer::DevicePlanner::fixed_quotas(&moe, quotas.clone()),
+            )
+            .unwrap();
+            let wg = &want.grads;
+            assert_eq!(got.kept_total, wg.kept_pairs);
             assert!(
                 got.kept_pairs as u64 <= pairs / 3 + 1,
                 "rank {me} over its cap"
             );
             let checks = [
                 ("y", rel(&f32s(&fwd.y), &f32s(&tok(&want.y)))),
-                ("dx", rel(&f32s(&got.dx), &f32s(&tok(&want.dx)))),
-                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&want.gate)))),
-                ("down", rel(&f32s(&got.down), &f32s(&blk(&want.down)))),
+                ("dx", rel(&f32s(&got.dx), &f32s(&tok(&wg.dx)))),
+                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&wg.gate)))),
+                ("down", rel(&f32s(&got.down), &f32s(&blk(&wg.down)))),
             ];
             for (name, err) in checks {
                 assert!(
@@ -399,7 +406,6 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         // Priority sampling on the device: the same forward and router
         // gradient as top-q, as many kept pairs, different (reweighted)
         // expert gradients.
-        let moe = MoeConfig::of_device_shape(&one);
         let run = |rule| {
             let planner = layer::DevicePlanner::new(
                 moe,
@@ -411,19 +417,22 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 },
             )
             .unwrap();
-            gpu.ep_host(
-                t.comm(),
-                &one,
+            let r = host_call(
+                &gpu,
+                DeviceComm::Nccl(t.comm()),
+                &moe,
                 &router,
                 (&blk(&gate), &blk(&up), &blk(&down)),
                 &tok(&x),
                 &tok(&dy),
                 &planner,
             )
-            .unwrap()
+            .unwrap();
+            (r.y, r.grads)
         };
-        let (top, pri) = (run(lrm_score::Rule::TopQ), run(lrm_score::Rule::Priority));
-        assert_eq!(top.y, pri.y);
+        let ((top_y, top), (pri_y, pri)) =
+            (run(lrm_score::Rule::TopQ), run(lrm_score::Rule::Priority));
+        assert_eq!(top_y, pri_y);
         assert_eq!(top.router, pri.router);
         assert_eq!(top.kept_total, pri.kept_total);
         let g = f32s(&pri.gate);

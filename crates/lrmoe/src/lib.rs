@@ -7,8 +7,8 @@
 //!   JSON-serialisable [`plan::PlanReport`];
 //! * [`model`], [`optim`], [`data`], [`train`], [`compare`]: the MoE
 //!   transformer LM (CPU dense parts; MoE layers on the CPU layer over a
-//!   transport, on one GPU through [`gpu_moe`], or through the device
-//!   expert-parallel executor on launched ranks' GPUs through [`gpu_ep`]),
+//!   transport, or through the layer crate's device executor on one GPU or
+//!   on launched ranks' GPUs through [`device_moe`]),
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
 //! * [`stop`]: the collective stop (steps, time cap, target, signal),
@@ -44,10 +44,9 @@ pub use redistribute;
 
 pub mod compare;
 pub mod data;
+pub mod device_moe;
 pub mod errline;
 pub mod fsutil;
-pub mod gpu_ep;
-pub mod gpu_moe;
 pub mod launch;
 pub mod layer_grad;
 pub mod model;

@@ -304,19 +304,18 @@ struct BlockCache<T> {
     moe: MoeState<T>,
 }
 
-/// The MoE layer's saved state: the CPU layer's, or the GPU layer's.
+/// The MoE layer's saved state: the host executor's, or the device
+/// executor's.
 enum MoeState<T> {
     Cpu(Saved<T>),
-    Gpu(crate::gpu_moe::GpuSaved),
-    Ep(crate::gpu_ep::EpSavedHost),
+    Device(crate::device_moe::DeviceSavedHost),
 }
 
 impl<T> MoeState<T> {
     fn plan(&self) -> &CallPlan {
         match self {
             Self::Cpu(s) => &s.plan,
-            Self::Gpu(g) => &g.plan,
-            Self::Ep(g) => &g.plan,
+            Self::Device(g) => &g.plan,
         }
     }
     /// The layer's auxiliary load-balancing loss on this rank (the GPU
@@ -324,7 +323,7 @@ impl<T> MoeState<T> {
     fn aux_loss(&self) -> f64 {
         match self {
             Self::Cpu(s) => s.aux_loss(),
-            Self::Gpu(_) | Self::Ep(_) => 0.0,
+            Self::Device(_) => 0.0,
         }
     }
 }
@@ -361,11 +360,9 @@ pub struct MoeRun<'a> {
     pub placement: &'a Placement,
     /// Backward planning.
     pub backward: &'a CallConfig,
-    /// Run the MoE layers on this GPU (EP = 1) instead of the CPU layer.
-    pub gpu: Option<&'a kernels::gpu::Gpu>,
-    /// Run the MoE layers through the device expert-parallel executor on
-    /// this rank's GPU and NCCL communicator (launched ranks).
-    pub ep: Option<crate::gpu_ep::EpDevice<'a>>,
+    /// Run the MoE layers through the device executor on this rank's GPU
+    /// (one GPU: EP = 1; launched ranks: NCCL) instead of the host one.
+    pub device: Option<crate::device_moe::DeviceRun<'a>>,
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -498,24 +495,22 @@ pub fn forward<T: Real, X: Transport>(
         let mut m = vec![T::zero(); n * d];
         let inv2 = rmsnorm(&x, &b.norm2, &mut m);
         let clock = std::time::Instant::now();
-        let (y, moe) = match (run.ep, run.gpu) {
-            (Some(dev), _) => {
-                let (y, s) = crate::gpu_ep::forward(dev, &cfg.moe(), run.backward, &b.moe, &m)?;
-                (y, MoeState::Ep(s))
+        let (y, moe) = match run.device {
+            Some(dev) => {
+                if dev.comm.world_size() != comm.world_size() {
+                    return Err(ModelError::Config(format!(
+                        "the device executor spans {} ranks, the model {}",
+                        dev.comm.world_size(),
+                        comm.world_size()
+                    )));
+                }
+                let (y, s) = crate::device_moe::forward(dev, &cfg.moe(), run.backward, &b.moe, &m)?;
+                (y, MoeState::Device(s))
             }
-            (None, None) => {
+            None => {
                 let (y, s) =
                     layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
                 (y, MoeState::Cpu(s))
-            }
-            (None, Some(gpu)) => {
-                if comm.world_size() != 1 {
-                    return Err(ModelError::Config(
-                        "the GPU MoE layer runs on one rank (EP = 1)".into(),
-                    ));
-                }
-                let (y, s) = crate::gpu_moe::forward(gpu, &cfg.moe(), run.backward, &b.moe, &m)?;
-                (y, MoeState::Gpu(s))
             }
         };
         moe_seconds += clock.elapsed().as_secs_f64();
@@ -652,22 +647,16 @@ pub fn backward<T: Real, X: Transport>(
         let gb = &mut g.blocks[li];
         // MoE branch: x = x_mid + moe(norm2(x_mid)).
         let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) = match (&c.moe, run.gpu) {
+        let (dm, moe_grads, st) = match (&c.moe, run.device) {
             (MoeState::Cpu(s), _) => {
                 layer::backward(comm, &cfg.moe(), run.backward, &b.moe, s, &dx)?
             }
-            (MoeState::Gpu(s), Some(gpu)) => crate::gpu_moe::backward(gpu, &cfg.moe(), s, &dx)?,
-            (MoeState::Ep(s), _) => match run.ep {
-                Some(dev) => crate::gpu_ep::backward(dev, comm, &cfg.moe(), s, &dx)?,
-                None => {
-                    return Err(ModelError::Config(
-                        "a device EP forward needs the device for its backward".into(),
-                    ))
-                }
-            },
-            (MoeState::Gpu(_), None) => {
+            (MoeState::Device(s), Some(dev)) => {
+                crate::device_moe::backward(dev, comm, &cfg.moe(), s, &dx)?
+            }
+            (MoeState::Device(_), None) => {
                 return Err(ModelError::Config(
-                    "a GPU forward needs the GPU for its backward".into(),
+                    "a device forward needs the device for its backward".into(),
                 ))
             }
         };
@@ -824,10 +813,9 @@ mod tests {
             replicas: vec![],
         };
         let run = MoeRun {
-            ep: None,
             placement: &placement,
             backward: bwd,
-            gpu: None,
+            device: None,
         };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
@@ -977,10 +965,9 @@ mod tests {
         };
         let bwd = CallConfig::default();
         let run = MoeRun {
-            ep: None,
             placement: &placement,
             backward: &bwd,
-            gpu: None,
+            device: None,
         };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())

@@ -147,14 +147,15 @@ impl Default for DataSection {
 #[serde(rename_all = "lowercase")]
 pub enum Executor {
     /// The layer crate's host executor: routing, plan, exchanges on the
-    /// host (CPU rows over the transport); with `--device cuda` its expert
-    /// GEMMs run on the GPU.
+    /// host (CPU rows over the transport); with `--device cuda` on several
+    /// ranks its expert GEMMs run on the GPU. A single rank with `--device
+    /// cuda` runs the device executor (EP = 1) either way.
     #[default]
     Host,
-    /// The device expert-parallel executor (launched ranks, `--device
-    /// cuda`): the whole layer on each rank's GPU, NCCL all-to-alls of
-    /// packed kept rows, the layer crate's plan from routed counts. No
-    /// replicas yet.
+    /// The layer crate's device executor (`--device cuda`; launched ranks
+    /// or one GPU): the whole layer on each rank's GPU — routing, the
+    /// controller's plan from routed counts, replicas, selection,
+    /// redistribution, NCCL all-to-alls of packed kept rows.
     Device,
 }
 
@@ -1020,47 +1021,50 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         replicas: vec![],
     };
     let call = call_config(cfg, &mcfg, &placement);
-    // On a GPU: one rank runs the fused CUDA layer; several ranks (threads
-    // sharing GPU 0, or launched processes with a GPU each) run the layer's
-    // expert GEMMs as bf16 grouped kernels on their GPU.
-    let fused = opts.gpu.is_some() && ranks == 1 && opts.transport.is_none();
+    // On a GPU: one rank runs the device executor on its GPU (EP = 1);
+    // launched ranks with `moe.executor = "device"` run it over NCCL; other
+    // multi-rank runs (threads sharing GPU 0, or launched processes on the
+    // host executor) run the host layer's expert GEMMs as bf16 grouped
+    // kernels on their GPU.
+    let one_gpu = opts.gpu.is_some() && ranks == 1 && opts.transport.is_none();
+    let device_exec = one_gpu || cfg.moe.executor == Executor::Device;
     let call = match &opts.gpu {
-        Some(gpu) if !fused => CallConfig {
+        Some(gpu) if !device_exec => CallConfig {
             experts: layer::ExpertBackend::Bf16(gpu.clone()),
             ..call
         },
         _ => call,
     };
-    if fused {
-        crate::gpu_moe::check(&mcfg.moe(), &call)?;
-    }
-    // The device expert-parallel executor: launched ranks, each on its GPU.
-    let ep = match cfg.moe.executor {
-        Executor::Host => None,
-        Executor::Device => {
-            let (Some(gpu), Some(t)) = (opts.gpu.as_deref(), opts.transport.as_deref()) else {
+    let device = if !device_exec {
+        None
+    } else {
+        let Some(gpu) = opts.gpu.as_deref() else {
+            return Err(TrainError::Config(
+                "moe.executor = \"device\" needs --device cuda (one GPU per rank)".into(),
+            ));
+        };
+        crate::device_moe::check(&mcfg.moe(), &call)?;
+        let comm = match opts.transport.as_deref() {
+            Some(t) => layer::device::DeviceComm::Nccl(t.comm()),
+            None if ranks == 1 => layer::device::DeviceComm::Local,
+            None => {
                 return Err(TrainError::Config(
-                    "moe.executor = \"device\" runs under `lrmoe launch` with --device cuda (one GPU per rank)".into(),
-                ));
-            };
-            crate::gpu_ep::check(&mcfg.moe(), &call)?;
-            if mcfg.n_experts % ranks != 0 {
-                return Err(TrainError::Config(format!(
-                    "the device executor owns experts in equal blocks: model.n_experts = {} on {ranks} ranks",
-                    mcfg.n_experts
-                )));
+                    "moe.executor = \"device\" on several ranks runs under `lrmoe launch` (one GPU per rank)".into(),
+                ))
             }
-            Some(crate::gpu_ep::EpDevice {
-                gpu,
-                comm: t.comm(),
-            })
+        };
+        if mcfg.n_experts % ranks != 0 {
+            return Err(TrainError::Config(format!(
+                "the device executor owns experts in equal blocks: model.n_experts = {} on {ranks} ranks",
+                mcfg.n_experts
+            )));
         }
+        Some(crate::device_moe::DeviceRun { gpu, comm })
     };
     let run = MoeRun {
         placement: &placement,
         backward: &call,
-        gpu: if fused { opts.gpu.as_deref() } else { None },
-        ep,
+        device,
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);

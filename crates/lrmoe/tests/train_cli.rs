@@ -557,7 +557,7 @@ fn config_and_checkpoint_errors_say_what_failed_once() {
 }
 
 #[test]
-fn the_device_executor_outside_a_launch_is_a_one_line_error() {
+fn the_device_executor_without_a_gpu_is_a_one_line_error() {
     let dir = tmp("executor");
     let cfg = tiny_config(&dir, "");
     let (ok, _, err) = lrmoe(&[
@@ -569,5 +569,5 @@ fn the_device_executor_outside_a_launch_is_a_one_line_error() {
         "--no-progress",
     ]);
     assert!(!ok);
-    one_line_error(&err, "lrmoe launch");
+    one_line_error(&err, "--device cuda");
 }

@@ -186,6 +186,168 @@ pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) 
     (key, off)
 }
 
+/// The global expert-major order of every source's pairs (expert, then
+/// source, then the source's expert-major order) that the device
+/// executor's per-expert selection runs in, for source `rank` with `p`
+/// pairs per source (`counts_all[s][e]`: source `s`'s pairs of expert
+/// `e`, rows of `s` expert-major).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GlobalOrder {
+    /// Global row → index into the all-gathered scores (`s·p + row`);
+    /// within an expert it increases with (source, row): the tie rule.
+    pub perm: Vec<u32>,
+    /// This source's expert-major rows → their global rows.
+    pub mine: Vec<u32>,
+    /// The expert of each global row.
+    pub expert: Vec<u32>,
+    /// The experts' offsets in the global order (`E + 1`).
+    pub offsets: Vec<u32>,
+}
+
+/// [`GlobalOrder`] of source `rank`; an error when a source's counts do
+/// not fit in `p` rows or the sources disagree on the experts.
+pub fn global_order(
+    counts_all: &[Vec<u32>],
+    rank: usize,
+    p: usize,
+) -> Result<GlobalOrder, PackError> {
+    let world = counts_all.len();
+    let experts = counts_all.first().map_or(0, Vec::len);
+    if rank >= world.max(1) || counts_all.iter().any(|c| c.len() != experts) {
+        return Err(PackError::Shape {
+            what: "counts per source (one row per rank, equal lengths)",
+            expected: experts,
+            got: counts_all.get(rank).map_or(0, Vec::len),
+        });
+    }
+    let mut bases = Vec::with_capacity(world);
+    for c in counts_all {
+        let mut b = Vec::with_capacity(experts + 1);
+        let mut sum = 0u64;
+        b.push(0u32);
+        for &n in c {
+            sum += u64::from(n);
+            b.push(sum.min(u64::from(u32::MAX)) as u32);
+        }
+        if sum > p as u64 || (world * p) as u64 > u64::from(u32::MAX) {
+            return Err(PackError::Shape {
+                what: "pairs of one source (at most p; W·p below 2^32)",
+                expected: p,
+                got: sum as usize,
+            });
+        }
+        bases.push(b);
+    }
+    let mut perm = Vec::with_capacity(world * p);
+    let mut expert = Vec::with_capacity(world * p);
+    let mut mine = vec![0u32; bases.get(rank).map_or(0, |b| b[experts] as usize)];
+    let mut offsets = Vec::with_capacity(experts + 1);
+    for e in 0..experts {
+        offsets.push(perm.len() as u32);
+        for s in 0..world {
+            let (lo, n) = (bases[s][e], counts_all[s][e]);
+            if s == rank {
+                let at = perm.len() as u32;
+                for i in 0..n {
+                    mine[(lo + i) as usize] = at + i;
+                }
+            }
+            let off = (s * p) as u32;
+            perm.extend(off + lo..off + lo + n);
+            expert.extend(std::iter::repeat_n(e as u32, n as usize));
+        }
+    }
+    offsets.push(perm.len() as u32);
+    Ok(GlobalOrder {
+        perm,
+        mine,
+        expert,
+        offsets,
+    })
+}
+
+/// Who sends which expert blocks where when a call has replicas, from rank
+/// `rank`'s view (experts owned in blocks of `per_rank`; `local` from
+/// [`local_experts`]). The forward sends owners' weights to the replicas'
+/// ranks; the backward sends replicas' gradients back to the owners, the
+/// same counts in reverse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaTraffic {
+    /// Own blocks (index within the rank's `per_rank` experts) sent as
+    /// weights, destination-major, ascending expert.
+    pub weights_out: Vec<usize>,
+    /// Weight blocks sent to each rank (= gradient blocks received from it).
+    pub weights_send: Vec<usize>,
+    /// Weight blocks received from each rank (= gradient blocks sent to it).
+    pub weights_recv: Vec<usize>,
+    /// Replicas this rank hosts of experts below its own block: its local
+    /// list is `below` replicas, its own block, then the other replicas.
+    pub below: usize,
+    /// Positions in this rank's local list of the replicas it hosts
+    /// (gradients sent to their owners), owner-major, ascending expert.
+    pub grads_out: Vec<usize>,
+    /// Own block receiving each incoming replica gradient, in receive
+    /// order (source-major, ascending expert).
+    pub grads_in: Vec<usize>,
+}
+
+/// [`ReplicaTraffic`] of `rank` (`instances[e]`: the ranks holding expert
+/// `e`, owner first).
+pub fn replica_traffic(
+    instances: &[Vec<usize>],
+    local: &[Vec<usize>],
+    rank: usize,
+    per_rank: usize,
+) -> ReplicaTraffic {
+    let world = local.len();
+    let el = per_rank.max(1);
+    let mut weights_out = Vec::new();
+    let mut weights_send = vec![0usize; world];
+    for (d, sd) in weights_send.iter_mut().enumerate() {
+        let lo = (rank * el).min(instances.len());
+        let hi = ((rank + 1) * el).min(instances.len());
+        for (i, inst) in instances[lo..hi].iter().enumerate() {
+            if d != rank && inst.iter().skip(1).any(|&r| r == d) {
+                weights_out.push(i);
+                *sd += 1;
+            }
+        }
+    }
+    let mut weights_recv = vec![0usize; world];
+    let (mut below, mut grads_out) = (0usize, Vec::new());
+    for (i, &e) in local
+        .get(rank)
+        .map_or(&[][..], Vec::as_slice)
+        .iter()
+        .enumerate()
+    {
+        let o = e / el;
+        if o != rank && o < world {
+            weights_recv[o] += 1;
+            grads_out.push(i);
+            if o < rank {
+                below += 1;
+            }
+        }
+    }
+    let mut grads_in = Vec::new();
+    for (r, l) in local.iter().enumerate() {
+        for &e in l {
+            if r != rank && e / el == rank {
+                grads_in.push(e - rank * el);
+            }
+        }
+    }
+    ReplicaTraffic {
+        weights_out,
+        weights_send,
+        weights_recv,
+        below,
+        grads_out,
+        grads_in,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -409,6 +571,104 @@ mod tests {
                 prop_assert_eq!(&l.perm, &want);
                 prop_assert_eq!(*l.offsets.last().unwrap() as usize, n);
                 prop_assert_eq!(l.from.iter().sum::<usize>(), n);
+            }
+        }
+    }
+    #[test]
+    fn the_global_order_lists_every_pair_once_expert_major() {
+        // Two sources of 3 pairs, three experts.
+        let counts = vec![vec![2, 0, 1], vec![1, 2, 0]];
+        let g = global_order(&counts, 1, 3).unwrap();
+        assert_eq!(g.offsets, vec![0, 3, 5, 6]);
+        // Expert 0: source 0 rows 0, 1, then source 1 row 0 (at 3 + 0).
+        assert_eq!(g.perm, vec![0, 1, 3, 4, 5, 2]);
+        assert_eq!(g.expert, vec![0, 0, 0, 1, 1, 2]);
+        // Source 1's expert-major rows 0, 1, 2 sit at 2, 3, 4.
+        assert_eq!(g.mine, vec![2, 3, 4]);
+        assert!(global_order(&counts, 1, 2).is_err());
+        assert!(global_order(&counts, 2, 3).is_err());
+        assert!(global_order(&[vec![1, 0], vec![1]], 0, 3).is_err());
+    }
+
+    #[test]
+    fn replica_traffic_sends_each_replicated_block_to_its_replica() {
+        // 4 experts on 2 ranks (blocks of 2); expert 0 replicated on rank
+        // 1, expert 3 on rank 0.
+        let instances = vec![vec![0, 1], vec![0], vec![1], vec![1, 0]];
+        let local = local_experts(&instances, 2);
+        assert_eq!(local, vec![vec![0, 1, 3], vec![0, 2, 3]]);
+        let r0 = replica_traffic(&instances, &local, 0, 2);
+        assert_eq!(r0.weights_out, vec![0]);
+        assert_eq!(
+            (r0.weights_send.clone(), r0.weights_recv.clone()),
+            (vec![0, 1], vec![0, 1])
+        );
+        assert_eq!(r0.below, 0);
+        assert_eq!(r0.grads_out, vec![2]);
+        assert_eq!(r0.grads_in, vec![0]);
+        let r1 = replica_traffic(&instances, &local, 1, 2);
+        assert_eq!(r1.weights_out, vec![1]);
+        assert_eq!((r1.weights_send, r1.weights_recv), (vec![1, 0], vec![1, 0]));
+        assert_eq!(r1.below, 1);
+        assert_eq!(r1.grads_out, vec![0]);
+        assert_eq!(r1.grads_in, vec![1]);
+    }
+
+    proptest! {
+        /// Every rank's global order is a permutation of all W·p score
+        /// slots that are routed, grouped by expert, and maps this
+        /// source's rows onto the slots that hold them.
+        #[test]
+        fn global_orders_agree_and_cover_every_pair(
+            counts in prop::collection::vec(prop::collection::vec(0u32..5, 4), 1..4),
+        ) {
+            let p = counts.iter().map(|c| c.iter().sum::<u32>()).max().unwrap_or(0) as usize;
+            let first = global_order(&counts, 0, p).unwrap();
+            for r in 0..counts.len() {
+                let g = global_order(&counts, r, p).unwrap();
+                prop_assert_eq!(&g.perm, &first.perm);
+                prop_assert_eq!(&g.offsets, &first.offsets);
+                for (row, &at) in g.mine.iter().enumerate() {
+                    prop_assert_eq!(g.perm[at as usize] as usize, r * p + row);
+                }
+            }
+            let mut seen = first.perm.clone();
+            seen.sort_unstable();
+            seen.dedup();
+            prop_assert_eq!(seen.len(), first.perm.len());
+            for e in 0..4 {
+                let (lo, hi) = (first.offsets[e] as usize, first.offsets[e + 1] as usize);
+                prop_assert!(first.expert[lo..hi].iter().all(|&x| x as usize == e));
+                prop_assert!(first.perm[lo..hi].windows(2).all(|w| w[0] < w[1]));
+            }
+        }
+
+        /// Weights sent and received balance over ranks, and the gradient
+        /// lists mirror them.
+        #[test]
+        fn replica_traffic_balances(
+            world in 1usize..5,
+            per_rank in 1usize..4,
+            extra in prop::collection::vec((0usize..16, 0usize..5), 0..8),
+        ) {
+            let e = world * per_rank;
+            let mut instances: Vec<Vec<usize>> = (0..e).map(|x| vec![x / per_rank]).collect();
+            for (x, r) in extra {
+                let (x, r) = (x % e, r % world);
+                if !instances[x].contains(&r) {
+                    instances[x].push(r);
+                }
+            }
+            let local = local_experts(&instances, world);
+            let all: Vec<ReplicaTraffic> =
+                (0..world).map(|r| replica_traffic(&instances, &local, r, per_rank)).collect();
+            for a in 0..world {
+                prop_assert_eq!(all[a].weights_out.len(), all[a].weights_send.iter().sum::<usize>());
+                prop_assert_eq!(all[a].grads_out.len(), all[a].weights_recv.iter().sum::<usize>());
+                prop_assert_eq!(all[a].grads_in.len(), all[a].weights_send.iter().sum::<usize>());
+                for b in 0..world {
+                    prop_assert_eq!(all[a].weights_send[b], all[b].weights_recv[a]);
+                }
             }
         }
     }

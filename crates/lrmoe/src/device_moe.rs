@@ -1,99 +1,94 @@
-//! The model's MoE layers through the device expert-parallel executor
-//! (`lrmoe launch --nproc N -- train --device cuda --executor device`).
+//! The model's MoE layers through the layer crate's device executor
+//! (`lrmoe train --device cuda`: one GPU, EP = 1; `lrmoe launch --nproc N
+//! -- train --device cuda --executor device`: one GPU per launched rank,
+//! NCCL between them).
 //!
-//! Each launched rank runs its MoE layer calls on its GPU with
-//! `kernels::gpu::Gpu::ep_forward_host` / `ep_backward_host`: router,
-//! top-k, an NCCL all-to-all of the rows to their experts' owners (experts
-//! in contiguous blocks), grouped SwiGLU GEMMs, the rows back and combined
-//! — every pair computed. The plan comes from the layer crate
-//! (`layer::DevicePlanner`: the host executor's `plan_call` on every
+//! Each MoE layer call runs on the rank's GPU with
+//! `layer::device::forward_host` / `backward_host`: router, top-k, the rows
+//! sent to their experts' instances (an NCCL all-to-all; with one GPU the
+//! exchange hands the buffer through), grouped SwiGLU GEMMs, the rows back
+//! and combined — every pair computed. The plan comes from
+//! `layer::DevicePlanner` (the host executor's `plan_call` on every
 //! source's routed counts — replicas of the hottest experts when
 //! `replica_slots_per_rank > 0`, per-expert selection, the controller under
 //! budgets — and `redistribute`'s exact solver spreading the forward's
 //! pairs and the backward's kept pairs over the instances), so the backward
-//! keeps each expert's best `q_e` pairs over all sources, exchanges and
-//! multiplies only those on the instances the plan names, and the router
-//! gradient stays complete. Only counts cross to the host for the plan.
-//! The forced hot-expert workload is a router logit bias on the device.
+//! keeps each expert's best `q_e` pairs over all sources (or priority
+//! samples them), exchanges and multiplies only those on the instances the
+//! plan names, and the router gradient stays complete. Only counts cross to
+//! the host for the plan. The forced hot-expert workload is a router logit
+//! bias on the device.
 //!
 //! The model keeps f32 master weights and AdamW on the host: the router and
 //! this rank's experts are uploaded as bf16 each call, and the owners'
 //! expert gradients are all-gathered so every rank holds every expert's
 //! gradient (as the host layer does).
 //!
-//! Not on this executor: per-source send budgets (per-source selection)
-//! and the capacity-factor baseline (refused with a one-line error).
+//! Not on this executor: per-source send budgets (per-source selection),
+//! the capacity-factor baseline, the auxiliary loss and the random and
+//! proportional selection rules (each refused with a one-line error).
 
 use kernels::cpu::{from_bf16, to_bf16, Real};
-use kernels::gpu::{EpHostForward, Gpu};
+use kernels::gpu::Gpu;
+use layer::device::{DeviceComm, HostForward};
 use layer::transport::all_gather;
 use layer::{BackwardStats, CallConfig, CallPlan, ExpertWeights, MoeConfig, MoeParams, Transport};
 
 use crate::model::ModelError;
 
-/// This rank's GPU and its NCCL communicator.
-#[derive(Clone, Copy)]
-pub struct EpDevice<'a> {
-    /// The GPU (`LOCAL_RANK`).
+/// This rank's GPU and how it reaches the other ranks.
+#[derive(Clone, Copy, Debug)]
+pub struct DeviceRun<'a> {
+    /// The GPU (`LOCAL_RANK`, or 0).
     pub gpu: &'a Gpu,
-    /// The launched group's communicator.
-    pub comm: &'a kernels::comm::NcclComm,
+    /// `DeviceComm::Local` on one GPU, the launched group's NCCL
+    /// communicator otherwise.
+    pub comm: DeviceComm<'a>,
 }
 
-impl std::fmt::Debug for EpDevice<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("EpDevice")
-    }
-}
-
-/// The device executor's settings check (`layer::check_device_call`; per-
-/// source send budgets are refused by the plan).
+/// The device executor's settings check (`layer::check_device_call`,
+/// `layer::check_device_shape`; per-source send budgets are refused by the
+/// plan).
 pub fn check(cfg: &MoeConfig, call: &CallConfig) -> Result<(), ModelError> {
     layer::check_device_call(call)?;
-    cfg.device_shape(0).check()?;
+    layer::check_device_shape(cfg)?;
     Ok(())
 }
 
 /// What the forward keeps for the backward.
 #[derive(Debug)]
-pub struct EpSavedHost {
-    fwd: EpHostForward,
+pub struct DeviceSavedHost {
+    fwd: HostForward,
     call: CallConfig,
     /// The plan of this call (identical on every rank).
     pub plan: CallPlan,
 }
 
-/// This rank's block of experts: `[lo, hi)`.
-fn block(cfg: &MoeConfig, rank: usize, world: usize) -> (usize, usize) {
-    let el = cfg.n_experts / world.max(1);
-    (rank * el, (rank + 1) * el)
-}
-
-/// Forward of one MoE layer through the device EP executor; `x` is this
+/// Forward of one MoE layer through the device executor; `x` is this
 /// rank's `tokens × hidden`.
 pub fn forward<T: Real>(
-    dev: EpDevice<'_>,
+    dev: DeviceRun<'_>,
     cfg: &MoeConfig,
     call: &CallConfig,
     p: &MoeParams<T>,
     x: &[T],
-) -> Result<(Vec<T>, EpSavedHost), ModelError> {
+) -> Result<(Vec<T>, DeviceSavedHost), ModelError> {
     check(cfg, call)?;
     let (rank, world) = (dev.comm.rank(), dev.comm.world_size());
     if cfg.n_experts % world != 0 {
         return Err(ModelError::Config(format!(
-            "the device EP executor owns experts in equal blocks: {} experts on {world} ranks",
+            "the device executor owns experts in equal blocks: {} experts on {world} ranks",
             cfg.n_experts
         )));
     }
-    let (lo, hi) = block(cfg, rank, world);
+    let el = cfg.n_experts / world;
+    let (lo, hi) = (rank * el, (rank + 1) * el);
     let cat = |sel: fn(&ExpertWeights<T>) -> &Vec<T>| -> Vec<u16> {
         p.experts[lo..hi]
             .iter()
             .flat_map(|e| to_bf16(sel(e)))
             .collect()
     };
-    let s = cfg.device_shape(x.len() / cfg.hidden);
     let planner = layer::DevicePlanner::new(*cfg, call.clone())?;
     let bias: Option<Vec<f32>> = (call.hot_experts > 0 && call.hot_bias != 0.0).then(|| {
         (0..cfg.n_experts)
@@ -106,9 +101,10 @@ pub fn forward<T: Real>(
             })
             .collect()
     });
-    let fwd = dev.gpu.ep_forward_host(
+    let fwd = layer::device::forward_host(
+        dev.gpu,
         dev.comm,
-        &s,
+        cfg,
         &to_bf16(&p.router),
         (&cat(|e| &e.gate), &cat(|e| &e.up), &cat(|e| &e.down)),
         &to_bf16(x),
@@ -121,11 +117,11 @@ pub fn forward<T: Real>(
     };
     let y = from_bf16(&fwd.y);
     if y.iter().any(|v: &T| !v.is_finite()) {
-        return Err(ModelError::NonFinite("device EP MoE output"));
+        return Err(ModelError::NonFinite("device MoE output"));
     }
     Ok((
         y,
-        EpSavedHost {
+        DeviceSavedHost {
             fwd,
             call: call.clone(),
             plan,
@@ -133,22 +129,21 @@ pub fn forward<T: Real>(
     ))
 }
 
-/// LRMoE backward of one MoE layer through the device EP executor: the
-/// plan's per-expert quotas, the kept pairs redistributed over the call's
-/// instances, replica gradients summed into their owners'. `comm` is the model's transport (the same
-/// ranks), used to all-gather the owners' expert gradients.
+/// LRMoE backward of one MoE layer through the device executor: the plan's
+/// per-expert quotas, the kept pairs redistributed over the call's
+/// instances, replica gradients summed into their owners'. `comm` is the
+/// model's transport (the same ranks), used to all-gather the owners'
+/// expert gradients.
 pub fn backward<T: Real, X: Transport>(
-    dev: EpDevice<'_>,
+    dev: DeviceRun<'_>,
     comm: &X,
     cfg: &MoeConfig,
-    saved: &EpSavedHost,
+    saved: &DeviceSavedHost,
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
     let planner = layer::DevicePlanner::new(*cfg, saved.call.clone())?;
     let clock = std::time::Instant::now();
-    let g = dev
-        .gpu
-        .ep_backward_host(dev.comm, &saved.fwd, &to_bf16(dy), &planner)?;
+    let g = layer::device::backward_host(dev.gpu, dev.comm, &saved.fwd, &to_bf16(dy), &planner)?;
     let (h, f) = (cfg.hidden, cfg.ffn);
     // Every rank gets every owner's expert gradients (f32, owner order).
     let mine: Vec<f32> = [&g.gate, &g.up, &g.down]
@@ -179,12 +174,22 @@ pub fn backward<T: Real, X: Transport>(
         router: g.router.iter().map(|&x| T::of(f64::from(x))).collect(),
         experts,
     };
-    let figures = crate::gpu_moe::DeviceFigures {
-        routed_pairs: saved.fwd.shape.pairs(),
+    let dx = from_bf16(&g.dx);
+    if dx.iter().any(|v: &T| !v.is_finite()) {
+        return Err(ModelError::NonFinite("device MoE input gradient"));
+    }
+    let stats = BackwardStats {
+        routed_pairs: saved.fwd.tokens * cfg.top_k,
         kept_pairs: g.kept_pairs,
+        kept: vec![],
+        scores: vec![],
+        pairs_per_rank: vec![g.kept_pairs as u64],
         buffer_bytes: (g.kept_pairs * 2 * h * 2) as u64,
         bytes_sent: g.bytes_sent as u64,
-        seconds: clock.elapsed().as_secs_f64(),
+        times: layer::StageTimes {
+            gemm: clock.elapsed().as_secs_f64(),
+            ..layer::StageTimes::default()
+        },
     };
-    crate::gpu_moe::device_backward_result(&g.dx, grads, &figures, "device EP MoE input gradient")
+    Ok((dx, grads, stats))
 }

@@ -1,121 +1,126 @@
-//! The MoE layer on one GPU (EP = 1): forward, and the LRMoE backward with
-//! per-expert quotas, LRM scores, top-q selection, compaction and grouped
-//! GEMMs on the kept rows only. bf16 activations and weights, f32
-//! accumulation; router probabilities in f32.
+//! Device-buffer operations of the MoE layer's executors (the `layer`
+//! crate's device executor composes them): routing, grouping by expert,
+//! row gathers, the experts' grouped GEMM chains, combine, the router's
+//! backward, LRM scores from norms, selection. bf16 activations and
+//! weights, f32 accumulation; router probabilities in f32. Each has a CPU
+//! twin in [`crate::cpu`] or [`crate::grouped`] and a device test.
 //!
-//! Rows are grouped by expert (stable, in pair order) with the
-//! `group_by_expert` kernel; group offsets go to the grouped GEMM on the
-//! device. The one host synchronisation per call is the download of the
-//! routed counts per expert in the forward (the controller needs them to fix
-//! the quotas); the backward's kept counts follow from those quotas on the
-//! host without another sync.
+//! Operations that read through device index buffers are `unsafe fn`: the
+//! kernels cannot check that an index lies inside its source, so the
+//! caller promises it (the layer builds every index from `pack`'s layouts
+//! or from this module's own outputs, whose ranges are stated here).
+//! Operations on lengths alone check them and are safe.
 
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::{cuda, dim, random_bf16, Gpu};
+use super::{cuda, dim, Gpu};
 use crate::cpu::GemmVariant;
 use crate::KernelError;
 
 use crate::limits::DROPPED;
 
-use crate::gpu::{MoeHostForward, MoeHostGrads, MoeShape, QuotaPlan};
-
-#[cfg(feature = "nccl")]
-#[path = "ep.rs"]
-pub mod ep;
-
-/// Layer weights on the device, bf16: router `H × E`, gate and up
-/// `E × H × F`, down `E × F × H` (row-major, `x · W`).
-pub struct MoeWeights {
-    router: CudaSlice<u16>,
-    gate: CudaSlice<u16>,
-    up: CudaSlice<u16>,
-    down: CudaSlice<u16>,
-}
-
-/// Forward state kept for the backward.
-pub struct MoeSaved {
-    x: CudaSlice<u16>,
-    /// Layer output `T × H`.
-    pub y: CudaSlice<u16>,
-    probs: CudaSlice<f32>,
-    idx: CudaSlice<u32>,
-    gates: CudaSlice<f32>,
-    dst: CudaSlice<u32>,
-    src: CudaSlice<u32>,
-    offsets_u: CudaSlice<u32>,
-    expert_of_row: CudaSlice<u32>,
-    counts: Vec<u32>,
-    xs: CudaSlice<u16>,
-    /// `‖h‖²` of each grouped row (the down projection's input), for scoring.
-    h_sq: CudaSlice<f32>,
-    o: CudaSlice<u16>,
-}
-
-/// Gradients and figures of one backward.
-pub struct MoeBackward {
-    /// Input gradient `T × H`.
-    pub dx: CudaSlice<u16>,
-    /// Router gradient `H × E`.
-    pub router: CudaSlice<u16>,
-    /// Gate gradients `E × H × F`.
-    pub gate: CudaSlice<u16>,
-    /// Up gradients `E × H × F`.
-    pub up: CudaSlice<u16>,
-    /// Down gradients `E × F × H`.
-    pub down: CudaSlice<u16>,
-    /// Kept pairs.
-    pub kept_pairs: usize,
-    /// Device memory the backward held at its peak (bytes, by `cuMemGetInfo`).
-    pub peak_bytes: u64,
-}
-
-fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
-    let mut v = Vec::with_capacity(counts.len() + 1);
-    let mut s = 0u32;
-    v.push(0);
-    for &c in counts {
-        s += c;
-        v.push(s);
+fn need(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+    if got >= expected {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            what,
+            expected,
+            got,
+        })
     }
-    v
 }
 
-/// bf16 bits times `1/√fan_in` (benchmark weights of a sensible size).
-fn fan_in_scaled(v: Vec<u16>, fan_in: usize) -> Vec<u16> {
-    let k = 1.0 / (fan_in as f32).sqrt();
-    v.into_iter()
-        .map(|b| ((f32::from_bits(u32::from(b) << 16) * k).to_bits() >> 16) as u16)
-        .collect()
-}
-
-fn used_bytes() -> Result<u64, KernelError> {
-    let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
-    Ok((total - free) as u64)
+/// One call's routing on the device ([`Gpu::route`]).
+pub struct Routed {
+    /// Router probabilities, `tokens × experts` (f32).
+    pub probs: CudaSlice<f32>,
+    /// Expert of each pair, `tokens · top_k` (each below `experts`).
+    pub idx: CudaSlice<u32>,
+    /// Routing weight of each pair (f32).
+    pub gates: CudaSlice<f32>,
+    /// Routed pairs per expert (host).
+    pub counts: Vec<u32>,
+    /// Tokens routed.
+    pub tokens: usize,
+    /// Experts.
+    pub experts: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Whether the top-k weights were renormalised.
+    pub renormalize: bool,
 }
 
 impl Gpu {
-    /// Uploads layer weights given as bf16 bits.
-    pub fn moe_weights(
+    /// Waits until the compute stream has finished its work.
+    pub fn sync(&self) -> Result<(), KernelError> {
+        self.stream.synchronize().map_err(cuda)
+    }
+
+    /// Device memory in use on this device (bytes, `cuMemGetInfo`; call
+    /// [`Gpu::trim_pool`] first to count live buffers only).
+    pub fn used_bytes(&self) -> Result<u64, KernelError> {
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let (free, total) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
+        Ok((total - free) as u64)
+    }
+
+    /// A zero-filled device buffer of `max(n, 1)` elements.
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
-        s: &MoeShape,
-        router: &[u16],
-        gate: &[u16],
-        up: &[u16],
-        down: &[u16],
-    ) -> Result<MoeWeights, KernelError> {
-        s.check()?;
-        let (h, f, e) = (s.hidden, s.ffn, s.experts);
-        super::check("router", h * e, router.len())?;
-        super::check("gate", e * h * f, gate.len())?;
-        super::check("up", e * h * f, up.len())?;
-        super::check("down", e * f * h, down.len())?;
-        Ok(MoeWeights {
-            router: self.upload(router)?,
-            gate: self.upload(gate)?,
-            up: self.upload(up)?,
-            down: self.upload(down)?,
-        })
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.stream.alloc_zeros::<T>(n.max(1)).map_err(cuda)
+    }
+
+    /// Copies `src` into `dst` (equal lengths) on the compute stream.
+    pub fn copy<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &CudaView<'_, T>,
+        dst: &mut cudarc::driver::CudaViewMut<'_, T>,
+    ) -> Result<(), KernelError> {
+        if src.len() != dst.len() {
+            return Err(KernelError::Shape {
+                what: "copy destination",
+                expected: src.len(),
+                got: dst.len(),
+            });
+        }
+        self.stream.memcpy_dtod(src, dst).map_err(cuda)
+    }
+
+    /// bf16 bits to f32, `n` values (twin: [`crate::cpu::bf16_bits_to_f32`]).
+    pub fn to_f32_dev(&self, x: &CudaSlice<u16>, n: usize) -> Result<CudaSlice<f32>, KernelError> {
+        need("values", n, x.len())?;
+        // SAFETY: uninitialised output; the conversion below writes it all.
+        let mut out = unsafe { self.uninit::<f32>(n) }?;
+        if n > 0 {
+            let n_i = n as i64;
+            let mut l = self.stream.launch_builder(&self.f_to_f32);
+            l.arg(x).arg(&mut out).arg(&n_i);
+            // SAFETY: (u16*, f32*, long long); both hold n.
+            unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
+    /// `a + b` of two bf16 views of equal length, into a new buffer.
+    pub fn add_views(
+        &self,
+        a: &CudaView<'_, u16>,
+        b: &CudaView<'_, u16>,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let n = a.len();
+        need("b", n, b.len())?;
+        // SAFETY: the kernel writes all n elements.
+        let mut out = unsafe { self.uninit::<u16>(n) }?;
+        let n_i = n as i64;
+        let mut l = self.stream.launch_builder(&self.f_add);
+        l.arg(a).arg(b).arg(&mut out).arg(&n_i);
+        // SAFETY: (u16*, u16*, u16*, long long); a, b and out hold n; out
+        // aliases neither input.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(out)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -153,7 +158,7 @@ impl Gpu {
     ///
     /// 1. Nothing may read the buffer before a kernel, GEMM or copy has
     ///    written every element that is read.
-    unsafe fn uninit<T: cudarc::driver::DeviceRepr>(
+    pub unsafe fn uninit<T: cudarc::driver::DeviceRepr>(
         &self,
         n: usize,
     ) -> Result<CudaSlice<T>, KernelError> {
@@ -162,7 +167,7 @@ impl Gpu {
     }
 
     /// `n` copies of `value`, filled on the device.
-    fn filled(&self, value: u32, n: usize) -> Result<CudaSlice<u32>, KernelError> {
+    pub fn filled(&self, value: u32, n: usize) -> Result<CudaSlice<u32>, KernelError> {
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut out = unsafe { self.uninit::<u32>(n) }?;
@@ -174,13 +179,15 @@ impl Gpu {
         Ok(out)
     }
 
-    /// `‖row‖²` of `n` bf16 rows of width `d`.
-    fn row_sq(
+    /// `‖row‖²` of `n` bf16 rows of width `d` (twin: a sum of squares
+    /// per row).
+    pub fn row_sq(
         &self,
         x: &CudaSlice<u16>,
         n: usize,
         d: usize,
     ) -> Result<CudaSlice<f32>, KernelError> {
+        need("rows", n * d, x.len())?;
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut out = unsafe { self.uninit::<f32>(n) }?;
@@ -194,10 +201,22 @@ impl Gpu {
         Ok(out)
     }
 
-    /// Stable grouping by expert; `seg` (the input's own group offsets) lets
-    /// each block scan only its expert's segment when the input is grouped.
+    /// Stable grouping of `n` rows by key (expert): block `b` writes the
+    /// rows whose key is `b` (and whose `keep` flag is set, when given), in
+    /// row order, at `base[b]..`; returns `(dst, src)`: `dst[row]` its
+    /// grouped position or `DROPPED`, `src[pos]` the row at `pos` (`out`
+    /// entries). `seg` (the input's own group offsets, `groups + 1`) lets
+    /// each block scan only its key's segment when the input is grouped.
+    ///
+    /// # Safety
+    ///
+    /// 1. `expert` (and `keep`) hold `n` entries, `base` one per group;
+    /// 2. the selected rows with key `b` number exactly
+    ///    `base[b + 1] - base[b]` (`out - base[b]` for the last), so writes
+    ///    stay inside `src`;
+    /// 3. `seg`, when given, partitions `0..n` by key.
     #[allow(clippy::too_many_arguments)]
-    fn group(
+    pub unsafe fn group(
         &self,
         expert: &CudaSlice<u32>,
         keep: Option<&CudaSlice<u8>>,
@@ -240,7 +259,14 @@ impl Gpu {
         Ok((dst, src))
     }
 
-    fn gather_scaled(
+    /// `out[j] = src[pair[j] / div] · scale[pair[j]]` for `n_out` rows of
+    /// `width` bf16 (no scale: a plain row gather).
+    ///
+    /// # Safety
+    ///
+    /// 1. `pair` holds `n_out` entries; every `pair[j] / div` is a row of
+    ///    `src` (rows of `width`) and every `pair[j]` an entry of `scale`.
+    pub unsafe fn gather_scaled(
         &self,
         src: &CudaSlice<u16>,
         pair: &CudaSlice<u32>,
@@ -272,8 +298,13 @@ impl Gpu {
         Ok(out)
     }
 
-    /// `out[j] = src[idx[j]]` for any 4-byte element (u32 indices, f32 gates).
-    fn gather32<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    /// `out[j] = src[idx[j]]` for any 4-byte element (u32 indices, f32
+    /// gates), `n` entries; a `DROPPED` index yields `DROPPED`.
+    ///
+    /// # Safety
+    ///
+    /// 1. `idx` holds `n` entries, each an index of `src` or `DROPPED`.
+    pub unsafe fn gather32<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
         &self,
         src: &CudaSlice<T>,
         idx: &CudaSlice<u32>,
@@ -319,12 +350,15 @@ impl Gpu {
         Ok(out)
     }
 
-    fn add(
+    /// `a + b` of `n` bf16 values (f32 sum, rounded once).
+    pub fn add(
         &self,
         a: &CudaSlice<u16>,
         b: &CudaSlice<u16>,
         n: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
+        need("a", n, a.len())?;
+        need("b", n, b.len())?;
         self.binary(&self.f_add, a, b, n)
     }
 
@@ -337,20 +371,28 @@ impl Gpu {
         self.binary(&self.swiglu_fwd, a, b, n)
     }
 
-    fn combine_dev(
+    /// `y[t] = Σ_k gate[t·K + k] · o[row[t·K + k]]` over `tokens` tokens
+    /// (rows of `hidden` bf16; no gates: a plain sum; `DROPPED` rows add
+    /// nothing). Twin: [`crate::cpu::combine_bf16_reference`].
+    ///
+    /// # Safety
+    ///
+    /// 1. `row` (and `gates`) hold `tokens · top_k` entries; every row is a
+    ///    row of `o` or `DROPPED`.
+    pub unsafe fn combine_rows(
         &self,
         o: &CudaSlice<u16>,
         row: &CudaSlice<u32>,
         gates: Option<&CudaSlice<f32>>,
-        s: &MoeShape,
+        (tokens, hidden, top_k): (usize, usize, usize),
     ) -> Result<CudaSlice<u16>, KernelError> {
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
-        let mut y = unsafe { self.uninit::<u16>(s.tokens * s.hidden) }?;
+        let mut y = unsafe { self.uninit::<u16>(tokens * hidden) }?;
         let (t, h, k) = (
-            dim("tokens", s.tokens)?,
-            dim("hidden", s.hidden)?,
-            dim("top_k", s.top_k)?,
+            dim("tokens", tokens)?,
+            dim("hidden", hidden)?,
+            dim("top_k", top_k)?,
         );
         let null: u64 = 0;
         let mut l = self.stream.launch_builder(&self.combine);
@@ -361,24 +403,37 @@ impl Gpu {
         };
         l.arg(&mut y).arg(&t).arg(&h).arg(&k);
         // SAFETY: as in `combine_bf16`; row entries index o or are DROPPED.
-        unsafe { l.launch(self.rows_config(s.tokens)) }.map_err(cuda)?;
+        unsafe { l.launch(self.rows_config(tokens)) }.map_err(cuda)?;
         Ok(y)
     }
 
-    /// Routing of `x` (`T × H`): logits `x · W_r` (a one-group GEMM),
-    /// softmax, top-k; returns `(probs T × E, expert of each pair, gate of
-    /// each pair, routed pairs per expert)`. The counts' download is the
-    /// forward's one host synchronisation.
-    #[allow(clippy::type_complexity)]
-    pub(super) fn route(
+    /// Routing of `x` (`tokens × hidden`) with the router `W_r` (`hidden ×
+    /// experts`): logits `x · W_r` (a one-group GEMM) plus `bias[e]` when
+    /// given, softmax, top-k (renormalised if asked). The counts' download
+    /// is the forward's one host synchronisation. Twins:
+    /// [`crate::cpu::router_topk_reference`], `logits_bias_reference`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(
         &self,
-        s: &MoeShape,
         router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
         bias: Option<&CudaSlice<f32>>,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<u32>, CudaSlice<f32>, Vec<u32>), KernelError> {
-        let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
-        let p = s.pairs();
+        (t, h, e, k): (usize, usize, usize, usize),
+        renormalize: bool,
+    ) -> Result<Routed, KernelError> {
+        let p = t * k;
+        need("x", t * h, x.len())?;
+        need("router", h * e, router.len())?;
+        if let Some(b) = bias {
+            need("bias", e, b.len())?;
+        }
+        if k == 0 || k > crate::limits::MAX_TOP_K || k > e || e == 0 {
+            return Err(KernelError::Shape {
+                what: "top_k (1..=MAX_TOP_K and at most experts)",
+                expected: crate::limits::MAX_TOP_K.min(e),
+                got: k,
+            });
+        }
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router: logits = x · W_r (a one-group GEMM), softmax, top-k.
         let logits = self.gemm(GemmVariant::Forward, &one, 1, x, router, t * e, h, e)?;
@@ -413,7 +468,7 @@ impl Gpu {
                 dim("tokens", t)?,
                 dim("experts", e)?,
                 dim("top_k", k)?,
-                i32::from(s.renormalize),
+                i32::from(renormalize),
             );
             let mut l = self.stream.launch_builder(&self.router);
             l.arg(&lf)
@@ -446,68 +501,44 @@ impl Gpu {
             .map_err(cuda)?;
         }
         let counts = self.download(&counts_d, e)?;
-        Ok((probs, idx, gates, counts))
-    }
-
-    /// Forward of the layer on `x` (`T × H` bf16 on the device): complete,
-    /// every routed pair computed.
-    pub fn moe_forward(
-        &self,
-        s: &MoeShape,
-        w: &MoeWeights,
-        x: &CudaSlice<u16>,
-    ) -> Result<MoeSaved, KernelError> {
-        s.check()?;
-        let (h, f, e, k) = (s.hidden, s.ffn, s.experts, s.top_k);
-        let p = s.pairs();
-        let (probs, idx, gates, counts) = self.route(s, &w.router, x, None)?;
-        let base = exclusive_scan(&counts);
-        let offsets = self.upload(&base.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
-        let offsets_u = self.upload(&base)?;
-        let mut eor = Vec::with_capacity(p);
-        for (ex, &c) in counts.iter().enumerate() {
-            eor.extend(std::iter::repeat_n(ex as u32, c as usize));
-        }
-        let expert_of_row = self.upload(&eor)?;
-        let (dst, src) = self.group(&idx, None, None, &base[..e], p, p, e)?;
-        // Experts on the grouped rows.
-        let xs = self.gather_scaled(x, &src, k, None, p, h)?;
-        let (_, _, hh) = self.experts_hidden(&offsets, e, p, &xs, &w.gate, &w.up, h, f)?;
-        let o = self.gemm(GemmVariant::Forward, &offsets, e, &hh, &w.down, p * h, f, h)?;
-        let y = self.combine_dev(&o, &dst, Some(&gates), s)?;
-        let h_sq = self.row_sq(&hh, p, f)?;
-        Ok(MoeSaved {
-            x: x.clone(),
-            y,
+        Ok(Routed {
             probs,
             idx,
             gates,
-            dst,
-            src,
-            offsets_u,
-            expert_of_row,
             counts,
-            xs,
-            h_sq,
-            o,
+            tokens: t,
+            experts: e,
+            top_k: k,
+            renormalize,
         })
     }
 
-    /// The complete router gradient from every pair's forward output `o`
-    /// (rows in grouped order, `dst`: pair → row): returns `(dW_r H × E,
-    /// dX_router T × H)`.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    pub(super) fn router_backward(
+    /// The complete router gradient of a [`Routed`] call from every pair's
+    /// forward output `o` (`row`: pair → row of `o`) and the output
+    /// gradient `dy`: returns `(dW_r hidden × E, dX_router tokens ×
+    /// hidden)`. Twin: the host layer's router backward.
+    ///
+    /// # Safety
+    ///
+    /// 1. `row` holds one entry per pair of `r`, each a row of `o`
+    ///    (`hidden` wide).
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn router_backward(
         &self,
-        s: &MoeShape,
+        r: &Routed,
         router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
         dy: &CudaSlice<u16>,
         o: &CudaSlice<u16>,
-        dst: &CudaSlice<u32>,
-        (probs, idx, gates): (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<f32>),
+        row: &CudaSlice<u32>,
+        h: usize,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>), KernelError> {
-        let (t, h, e, k) = (s.tokens, s.hidden, s.experts, s.top_k);
+        let (t, e, k) = (r.tokens, r.experts, r.top_k);
+        need("x", t * h, x.len())?;
+        need("dy", t * h, dy.len())?;
+        need("router", h * e, router.len())?;
+        need("row", t * k, row.len())?;
+        let (probs, idx, gates, dst) = (&r.probs, &r.idx, &r.gates, row);
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router gradient from every pair's forward output.
         // SAFETY: uninitialised output; the kernel or GEMM launched next
@@ -519,7 +550,7 @@ impl Gpu {
                 dim("hidden", h)?,
                 dim("experts", e)?,
                 dim("top_k", k)?,
-                i32::from(s.renormalize),
+                i32::from(r.renormalize),
             );
             let mut l = self.stream.launch_builder(&self.f_router_bwd);
             l.arg(dy)
@@ -547,293 +578,23 @@ impl Gpu {
         )?;
         Ok((g_router, dx_router))
     }
-
-    /// The LRMoE backward with the controller's per-expert quotas (pairs
-    /// kept per expert; more than routed keeps all). With `measure_memory`
-    /// the device memory in use is read (`cuMemGetInfo`) before and after,
-    /// for [`MoeBackward::peak_bytes`]; without, that field is 0 and the
-    /// call skips two driver queries the GPU waits on.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_backward_quotas(
-        &self,
-        s: &MoeShape,
-        w: &MoeWeights,
-        sv: &MoeSaved,
-        dy: &CudaSlice<u16>,
-        quotas: &[u32],
-        measure_memory: bool,
-        priority_seed: Option<u64>,
-    ) -> Result<MoeBackward, KernelError> {
-        super::check("quotas", s.experts, quotas.len())?;
-        let before = if measure_memory {
-            self.trim_pool()?;
-            used_bytes()?
-        } else {
-            0
-        };
-        let (t, h, f, e, k) = (s.tokens, s.hidden, s.ffn, s.experts, s.top_k);
-        let p = s.pairs();
-        let (g_router, dx_router) = self.router_backward(
-            s,
-            &w.router,
-            &sv.x,
-            dy,
-            &sv.o,
-            &sv.dst,
-            (&sv.probs, &sv.idx, &sv.gates),
-        )?;
-        // LRM scores in grouped order: g² · ‖δ‖² · ‖h‖².
-        // From norms: ‖δ‖² per token, ‖h‖² per grouped row (saved by the
-        // forward), so no δ row is gathered and no h row re-read.
-        let dy_sq = self.row_sq(dy, t, h)?;
-        let scores = self.scores_from_norms(&sv.gates, &dy_sq, &sv.h_sq, &sv.src, p, k)?;
-        // Quotas and selection.
-        let kept_counts: Vec<u32> = quotas
-            .iter()
-            .zip(&sv.counts)
-            .map(|(&q, &n)| q.min(n))
-            .collect();
-        let kbase = exclusive_scan(&kept_counts);
-        let kept_total = kbase[e] as usize;
-        // SAFETY: uninitialised output; the kernel or GEMM launched next
-        // writes every element before anything reads it.
-        let (qd, mut kept) = (self.upload(quotas)?, unsafe { self.uninit::<u8>(p) }?);
-        // The selection kernel only ever sets the flag: it must start at 0.
-        let mut err = self.stream.clone_htod(&[0u32]).map_err(cuda)?;
-        // Top-q by score, or priority sampling (top-q by the keys
-        // √score / u(seed, pair), then threshold-corrected weights).
-        let keys = match priority_seed {
-            Some(seed) => Some(self.priority_keys_dev(&scores, &sv.src, seed, p)?),
-            None => None,
-        };
-        let by = keys.as_ref().unwrap_or(&scores);
-        self.launch_select(by, &sv.src, &sv.offsets_u, &qd, &mut kept, &mut err, e)?;
-        let pair_scale = match &keys {
-            Some(rho) => {
-                let more: Vec<u32> = quotas.iter().map(|q| q.saturating_add(1)).collect();
-                // SAFETY: the selection writes a flag for every row.
-                let mut kept1 = unsafe { self.uninit::<u8>(p) }?;
-                let qd1 = self.upload(&more)?;
-                self.launch_select(rho, &sv.src, &sv.offsets_u, &qd1, &mut kept1, &mut err, e)?;
-                let w =
-                    self.priority_weights_dev(rho, &scores, (&kept, &kept1), &sv.offsets_u, p, e)?;
-                let w_pair = self.gather32(&w, &sv.dst, p)?;
-                Some(self.mul_f32_dev(&sv.gates, &w_pair, p)?)
-            }
-            None => None,
-        };
-        // Compaction of the kept rows (still grouped by expert).
-        let (dstk, srck) = self.group(
-            &sv.expert_of_row,
-            Some(&kept),
-            Some(&sv.offsets_u),
-            &kbase[..e],
-            p,
-            kept_total,
-            e,
-        )?;
-        let koff = self.upload(&kbase.iter().map(|&v| v as i32).collect::<Vec<_>>())?;
-        let xk = self.gather_scaled(&sv.xs, &srck, 1, None, kept_total, h)?;
-        let pair_of_kept = self.gather32(&sv.src, &srck, kept_total)?;
-        let dok = self.gather_scaled(
-            dy,
-            &pair_of_kept,
-            k,
-            Some(pair_scale.as_ref().unwrap_or(&sv.gates)),
-            kept_total,
-            h,
-        )?;
-        // Grouped GEMMs on the kept rows only.
-        let (dxk, g_gate, g_up, g_down) = self.experts_backward_dev(
-            &koff,
-            e,
-            kept_total,
-            &xk,
-            &dok,
-            (&w.gate, &w.up, &w.down),
-            h,
-            f,
-        )?;
-        // Scatter-add back to tokens (dropped pairs contribute nothing).
-        let row_k = self.gather32(&dstk, &sv.dst, p)?;
-        let dx_experts = self.combine_dev(&dxk, &row_k, None, s)?;
-        let dx = self.add(&dx_router, &dx_experts, t * h)?;
-        let peak_bytes = if measure_memory {
-            self.stream.synchronize().map_err(cuda)?;
-            used_bytes()?.saturating_sub(before)
-        } else {
-            0
-        };
-        if self.download(&err, 1)?[0] != 0 {
-            return Err(KernelError::Cuda(
-                "moe_backward: a LRM score is NaN or infinite (non-finite dy?)".into(),
-            ));
-        }
-        Ok(MoeBackward {
-            dx,
-            router: g_router,
-            gate: g_gate,
-            up: g_up,
-            down: g_down,
-            kept_pairs: kept_total,
-            peak_bytes,
-        })
-    }
 }
 
-/// Host copies of one forward + backward (for tests and `layer-grad`-style use).
-#[derive(Debug, Clone)]
-pub struct MoeHostResult {
-    /// Output `T × H` (bf16 bits).
-    pub y: Vec<u16>,
-    /// Input gradient `T × H`.
-    pub dx: Vec<u16>,
-    /// Router gradient `H × E`.
-    pub router: Vec<u16>,
-    /// Gate gradients `E × H × F`.
-    pub gate: Vec<u16>,
-    /// Up gradients `E × H × F`.
-    pub up: Vec<u16>,
-    /// Down gradients `E × F × H`.
-    pub down: Vec<u16>,
-    /// Kept pairs.
-    pub kept_pairs: usize,
-}
-
-/// One row of the layer benchmark.
-#[derive(Debug, Clone, Copy)]
-pub struct MoeBenchRow {
-    /// Retention.
-    pub retention: f64,
-    /// Median backward time, ms (router, scores, selection, packing and GEMMs included).
-    pub backward_ms: f64,
-    /// Device memory the backward held at its peak, bytes.
-    pub peak_bytes: u64,
-    /// Kept pairs.
-    pub kept_pairs: usize,
-}
-
-impl Gpu {
-    /// Forward and LRMoE backward from host data (bf16 bits), copied back.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_host(
-        &self,
-        s: &MoeShape,
-        router: &[u16],
-        gate: &[u16],
-        up: &[u16],
-        down: &[u16],
-        x: &[u16],
-        dy: &[u16],
-        plan: QuotaPlan<'_>,
-    ) -> Result<MoeHostResult, KernelError> {
-        super::check("dy", s.tokens * s.hidden, dy.len())?;
-        let fwd = self.moe_forward_host(s, router, gate, up, down, x)?;
-        let quotas = plan(std::slice::from_ref(&fwd.counts))?;
-        let g = self.moe_backward_host(&fwd, dy, &quotas, None)?;
-        Ok(MoeHostResult {
-            y: fwd.y,
-            dx: g.dx,
-            router: g.router,
-            gate: g.gate,
-            up: g.up,
-            down: g.down,
-            kept_pairs: g.kept_pairs,
-        })
+/// Checks group offsets for `groups` groups of `rows` rows and uploads
+/// them as the grouped GEMM takes them (i32).
+fn checked_offsets(gpu: &Gpu, offsets: &[u32], rows: usize) -> Result<CudaSlice<i32>, KernelError> {
+    let ok = offsets.first() == Some(&0)
+        && offsets.windows(2).all(|w| w[0] <= w[1])
+        && offsets.last().map(|&v| v as usize) == Some(rows)
+        && rows <= i32::MAX as usize;
+    if !ok {
+        return Err(KernelError::Shape {
+            what: "group offsets (from 0, ascending, ending at the row count)",
+            expected: rows,
+            got: offsets.last().copied().unwrap_or(0) as usize,
+        });
     }
-
-    /// Forward from host data (bf16 bits): the output and the routed counts
-    /// come back; the device state stays in the result for
-    /// [`moe_backward_host`](Self::moe_backward_host).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_forward_host(
-        &self,
-        s: &MoeShape,
-        router: &[u16],
-        gate: &[u16],
-        up: &[u16],
-        down: &[u16],
-        x: &[u16],
-    ) -> Result<MoeHostForward, KernelError> {
-        super::check("x", s.tokens * s.hidden, x.len())?;
-        let w = self.moe_weights(s, router, gate, up, down)?;
-        let sv = self.moe_forward(s, &w, &self.upload(x)?)?;
-        Ok(MoeHostForward {
-            y: self.download(&sv.y, s.tokens * s.hidden)?,
-            counts: sv.counts.clone(),
-            shape: *s,
-            state: Some(Box::new((w, sv))),
-        })
-    }
-
-    /// The LRMoE backward of a [`moe_forward_host`](Self::moe_forward_host)
-    /// with per-expert quotas (and priority sampling's seed, or top-q);
-    /// the gradients come back as bf16 bits.
-    pub fn moe_backward_host(
-        &self,
-        fwd: &MoeHostForward,
-        dy: &[u16],
-        quotas: &[u32],
-        priority_seed: Option<u64>,
-    ) -> Result<MoeHostGrads, KernelError> {
-        let s = &fwd.shape;
-        super::check("dy", s.tokens * s.hidden, dy.len())?;
-        let (w, sv) = fwd
-            .state
-            .as_deref()
-            .ok_or_else(|| KernelError::Cuda("the forward state is gone".into()))?;
-        let b =
-            self.moe_backward_quotas(s, w, sv, &self.upload(dy)?, quotas, false, priority_seed)?;
-        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
-        Ok(MoeHostGrads {
-            dx: self.download(&b.dx, t * h)?,
-            router: self.download(&b.router, h * e)?,
-            gate: self.download(&b.gate, e * h * f)?,
-            up: self.download(&b.up, e * h * f)?,
-            down: self.download(&b.down, e * f * h)?,
-            kept_pairs: b.kept_pairs,
-            kept_row_bytes: (b.kept_pairs * 2 * s.hidden * 2) as u64,
-        })
-    }
-
-    /// Times the layer on random bf16 data: the forward (median ms) and the
-    /// backward at each retention.
-    pub fn bench_moe(
-        &self,
-        s: &MoeShape,
-        plans: &[(f64, QuotaPlan<'_>)],
-    ) -> Result<(f64, Vec<MoeBenchRow>), KernelError> {
-        let (t, h, f, e) = (s.tokens, s.hidden, s.ffn, s.experts);
-        let scale = fan_in_scaled;
-        let w = self.moe_weights(
-            s,
-            &scale(random_bf16(h * e, 31), h),
-            &scale(random_bf16(e * h * f, 32), h),
-            &scale(random_bf16(e * h * f, 33), h),
-            &scale(random_bf16(e * f * h, 34), f),
-        )?;
-        let x = self.upload(&random_bf16(t * h, 35))?;
-        let dy = self.upload(&random_bf16(t * h, 36))?;
-        let fwd = self.time(10, || self.moe_forward(s, &w, &x).map(|_| ()))?;
-        let sv = self.moe_forward(s, &w, &x)?;
-        let mut rows = Vec::new();
-        for &(r, plan) in plans {
-            // One call reads the memory; the timed calls skip that probe.
-            let quotas = plan(std::slice::from_ref(&sv.counts))?;
-            let last = self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, true, None)?;
-            let ms = self.time(10, || {
-                self.moe_backward_quotas(s, &w, &sv, &dy, &quotas, false, None)
-                    .map(|_| ())
-            })?;
-            rows.push(MoeBenchRow {
-                retention: r,
-                backward_ms: ms,
-                peak_bytes: last.peak_bytes,
-                kept_pairs: last.kept_pairs,
-            });
-        }
-        Ok((fwd, rows))
-    }
+    gpu.upload(&offsets.iter().map(|&v| v as i32).collect::<Vec<_>>())
 }
 
 /// The experts' math on rows already grouped by expert, as one
@@ -863,21 +624,49 @@ impl Gpu {
         Ok((a, b, hh))
     }
 
-    /// The experts' backward on `rows` kept rows grouped by `od` (device):
+    /// The experts' forward on rows grouped by `offsets` (`E + 1` entries,
+    /// host): `o = (silu(x·W_gate) ⊙ x·W_up) · W_down` and `‖h‖²` of every
+    /// row (device; twin: [`Gpu::experts_forward_bf16`]'s
+    /// [`crate::grouped::compose_forward`]).
+    #[allow(clippy::type_complexity)]
+    pub fn experts_forward_dev(
+        &self,
+        offsets: &[u32],
+        x: &CudaSlice<u16>,
+        (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (h, f): (usize, usize),
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let rows = offsets.last().copied().unwrap_or(0) as usize;
+        let e = offsets.len().saturating_sub(1);
+        let od = checked_offsets(self, offsets, rows)?;
+        need("x", rows * h, x.len())?;
+        for w in [wg, wu, wd] {
+            need("expert weights", e * h * f, w.len())?;
+        }
+        if rows == 0 {
+            // SAFETY: zero rows: nothing is read.
+            return unsafe { Ok((self.uninit::<u16>(0)?, self.uninit::<f32>(0)?)) };
+        }
+        let (_, _, hh) = self.experts_hidden(&od, e, rows, x, wg, wu, h, f)?;
+        let o = self.gemm(GemmVariant::Forward, &od, e, &hh, wd, rows * h, f, h)?;
+        let h_sq = self.row_sq(&hh, rows, f)?;
+        Ok((o, h_sq))
+    }
+
+    /// The experts' backward on kept rows grouped by `offsets` (`E + 1`
+    /// entries, host; `x` the rows' inputs, `d` their output gradients):
     /// recomputes `a`, `b`, `h`, then `dW_down = hᵀ·d`, `dh = d·W_downᵀ`,
     /// the SwiGLU backward, `dW_gate`, `dW_up` and `dX = da·W_gateᵀ +
-    /// db·W_upᵀ`; returns `(dX, dW_gate, dW_up, dW_down)`.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    pub(super) fn experts_backward_dev(
+    /// db·W_upᵀ`; returns `(dX, dW_gate, dW_up, dW_down)` (twin:
+    /// [`crate::grouped::compose_backward`]).
+    #[allow(clippy::type_complexity)]
+    pub fn experts_backward_dev(
         &self,
-        od: &CudaSlice<i32>,
-        e: usize,
-        rows: usize,
+        offsets: &[u32],
         xd: &CudaSlice<u16>,
         dd: &CudaSlice<u16>,
         (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
-        h: usize,
-        f: usize,
+        (h, f): (usize, usize),
     ) -> Result<
         (
             CudaSlice<u16>,
@@ -887,6 +676,15 @@ impl Gpu {
         ),
         KernelError,
     > {
+        let rows = offsets.last().copied().unwrap_or(0) as usize;
+        let e = offsets.len().saturating_sub(1);
+        let od = checked_offsets(self, offsets, rows)?;
+        let od = &od;
+        need("x", rows * h, xd.len())?;
+        need("d", rows * h, dd.len())?;
+        for w in [wg, wu, wd] {
+            need("expert weights", e * h * f, w.len())?;
+        }
         let ew = e * h * f;
         if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
@@ -919,9 +717,15 @@ impl Gpu {
     }
 
     /// LRM scores from norms: `score[j] = g[p]² · dy_sq[p / k] · h_sq[j]`
-    /// with `p = src[j]`, for `n` rows.
+    /// with `p = src[j]`, for `n` rows (twin: [`lrm_score`]'s
+    /// `g²·‖δ‖²·‖h‖²` on the rows themselves).
+    ///
+    /// # Safety
+    ///
+    /// 1. `src` and `h_sq` hold `n` entries; every `src[j]` is an entry of
+    ///    `gates` and `src[j] / k` an entry of `dy_sq`.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn scores_from_norms(
+    pub unsafe fn scores_from_norms(
         &self,
         gates: &CudaSlice<f32>,
         dy_sq: &CudaSlice<f32>,
@@ -984,15 +788,14 @@ impl Gpu {
         h: usize,
         f: usize,
     ) -> Result<(Vec<u16>, Vec<f32>), KernelError> {
-        let (e, rows) = Self::experts_check(offsets, x, gate, up, down, h, f)?;
+        let (_, rows) = Self::experts_check(offsets, x, gate, up, down, h, f)?;
         if rows == 0 {
             return Ok((Vec::new(), Vec::new()));
         }
-        let (od, xd) = (self.upload(offsets)?, self.upload(x)?);
+        let xd = self.upload(x)?;
         let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
-        let (_, _, hh) = self.experts_hidden(&od, e, rows, &xd, &wg, &wu, h, f)?;
-        let o = self.gemm(GemmVariant::Forward, &od, e, &hh, &wd, rows * h, f, h)?;
-        let h_sq = self.row_sq(&hh, rows, f)?;
+        let (o, h_sq) =
+            self.experts_forward_dev(&host_offsets(offsets), &xd, (&wg, &wu, &wd), (h, f))?;
         Ok((self.download(&o, rows * h)?, self.download(&h_sq, rows)?))
     }
 
@@ -1017,10 +820,10 @@ impl Gpu {
         if rows == 0 {
             return Ok((Vec::new(), vec![0; ew], vec![0; ew], vec![0; ew]));
         }
-        let (od, xd, dd) = (self.upload(offsets)?, self.upload(x)?, self.upload(d)?);
+        let (xd, dd) = (self.upload(x)?, self.upload(d)?);
         let (wg, wu, wd) = (self.upload(gate)?, self.upload(up)?, self.upload(down)?);
         let (dx, g_gate, g_up, g_down) =
-            self.experts_backward_dev(&od, e, rows, &xd, &dd, (&wg, &wu, &wd), h, f)?;
+            self.experts_backward_dev(&host_offsets(offsets), &xd, &dd, (&wg, &wu, &wd), (h, f))?;
         Ok((
             self.download(&dx, rows * h)?,
             self.download(&g_gate, ew)?,
@@ -1028,4 +831,9 @@ impl Gpu {
             self.download(&g_down, ew)?,
         ))
     }
+}
+
+/// Offsets already checked by `gemm_shapes` (non-negative) as u32.
+fn host_offsets(offsets: &[i32]) -> Vec<u32> {
+    offsets.iter().map(|&v| v.max(0) as u32).collect()
 }

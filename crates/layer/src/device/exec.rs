@@ -1,0 +1,1146 @@
+//! The device executor proper (feature `cuda`); see the module doc.
+
+use kernels::cpu::{fan_in_scaled, random_bf16};
+use kernels::gpu::{CudaSlice, Gpu, Routed};
+use kernels::KernelError;
+use pack::ep::{
+    experts_per_rank, global_order, instance_layout, local_experts, replica_traffic, InstanceLayout,
+};
+
+use crate::moe::MoeConfig;
+use crate::plan::{check_device_shape, check_plan, check_split, DevicePlanner, EpPlan};
+use crate::LayerError;
+
+use super::{DeviceComm, HostForward, HostGrads};
+
+impl DeviceComm<'_> {
+    /// Every rank's bytes, rank order.
+    fn all_gather_host(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, KernelError> {
+        match self {
+            Self::Local => Ok(vec![local.to_vec()]),
+            Self::Nccl(c) => c.all_gather_host(local),
+        }
+    }
+
+    /// Every rank's `u32` counts, rank order, each `n` long.
+    fn all_gather_counts(&self, mine: &[u32]) -> Result<Vec<Vec<u32>>, LayerError> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|c| c.to_le_bytes()).collect();
+        let all: Vec<Vec<u32>> = self
+            .all_gather_host(&bytes)?
+            .into_iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect();
+        if all.len() != self.world_size() || all.iter().any(|c| c.len() != mine.len()) {
+            return Err(LayerError::Kernel(KernelError::Comm(
+                "counts of another shape from a peer".into(),
+            )));
+        }
+        Ok(all)
+    }
+
+    /// An all-to-all of the compute stream's `send` (`send_counts` elements
+    /// to each rank, `recv_counts` from each): the compute stream is
+    /// drained first, the communicator's after. One rank: `send` itself.
+    fn exchange<T: kernels::gpu::DeviceRepr>(
+        &self,
+        gpu: &Gpu,
+        send: CudaSlice<T>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<CudaSlice<T>, KernelError> {
+        match self {
+            Self::Local => Ok(send),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => {
+                let total: usize = recv_counts.iter().sum();
+                // SAFETY: the all-to-all writes every element.
+                let mut recv = unsafe { gpu.uninit::<T>(total) }?;
+                gpu.sync()?;
+                c.all_to_all_v(&send, send_counts, &mut recv, recv_counts)?;
+                c.synchronize()?;
+                Ok(recv)
+            }
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, send_counts, recv_counts);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+
+    /// Sums `buf` over ranks (in place).
+    fn all_reduce_sum(&self, gpu: &Gpu, buf: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+        match self {
+            Self::Local => Ok(()),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => {
+                gpu.sync()?;
+                c.all_reduce_sum_f32(buf)?;
+                c.synchronize()
+            }
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, buf);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+
+    /// Every rank's `n` values, rank-major (one rank: `mine`).
+    fn all_gather(
+        &self,
+        gpu: &Gpu,
+        mine: CudaSlice<f32>,
+        n: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        match self {
+            Self::Local => Ok(mine),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => {
+                // SAFETY: the all-gather writes all W·n entries.
+                let mut all = unsafe { gpu.uninit::<f32>(c.world_size() * n) }?;
+                gpu.sync()?;
+                c.all_gather(&mine, &mut all)?;
+                c.synchronize()?;
+                Ok(all)
+            }
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, mine, n);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+}
+
+/// One rank's weights on its device, bf16: the router `H × E` (every rank
+/// holds it) and the rank's own experts, `E_l × H × F` (gate, up) and
+/// `E_l × F × H` (down).
+pub struct DeviceWeights {
+    router: CudaSlice<u16>,
+    /// A constant added to the router logits of each expert (the forced
+    /// hot-expert workload), if any.
+    bias: Option<CudaSlice<f32>>,
+    gate: CudaSlice<u16>,
+    up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+}
+
+/// The weights of this rank's instances in one call (its own experts and
+/// the replicas it received), in the order of its local expert list.
+struct LocalWeights {
+    gate: CudaSlice<u16>,
+    up: CudaSlice<u16>,
+    down: CudaSlice<u16>,
+}
+
+/// Forward state kept for the backward: the source's routing, outputs and
+/// norms, and, in calls without replicas, the owner's forward rows.
+pub struct DeviceSaved {
+    cfg: MoeConfig,
+    tokens: usize,
+    per_rank: usize,
+    x: CudaSlice<u16>,
+    routed: Routed,
+    /// Pair → this source's expert-major row, and back.
+    dst: CudaSlice<u32>,
+    src: CudaSlice<u32>,
+    /// Pair → row of `o` (send order).
+    row_of_pair: CudaSlice<u32>,
+    /// Output rows of this source's pairs, send order.
+    o: CudaSlice<u16>,
+    /// `‖h‖²` of this source's pairs, expert-major.
+    h_sq: CudaSlice<f32>,
+    /// Expert of each expert-major row, and the expert offsets (`E + 1`).
+    expert_of_row: CudaSlice<u32>,
+    offsets: Vec<u32>,
+    /// Global expert-major order (expert, source, pair) → position in the
+    /// all-gathered scores; this source's rows' global positions; the
+    /// expert of each global row; the global expert offsets. `gperm` also
+    /// serves as the selection's ids: within an expert it increases with
+    /// (source, pair), the tie rule.
+    gperm: CudaSlice<u32>,
+    gperm_identity: bool,
+    gidx: CudaSlice<u32>,
+    gexpert: CudaSlice<u32>,
+    goffsets: Vec<u32>,
+    counts_all: Vec<Vec<u32>>,
+    plan: EpPlan,
+    local: Vec<Vec<usize>>,
+    weights: Option<LocalWeights>,
+    /// Without replicas in the call, this rank's forward rows as an owner
+    /// (instance-major), each row's local expert and the group offsets:
+    /// the backward's kept pairs cannot move, so their `x` rows are taken
+    /// from here instead of travelling again.
+    owned_rows: Option<OwnedRows>,
+    /// Layer output for this rank's tokens, `T × H`.
+    pub y: CudaSlice<u16>,
+    /// Bytes this rank sent to other ranks in the forward's all-to-alls
+    /// (rows, their outputs and norms, replica weights).
+    pub bytes_sent: usize,
+}
+
+impl DeviceSaved {
+    /// Every source's routed pairs per global expert, `[world][experts]`.
+    pub fn routed_counts(&self) -> &[Vec<u32>] {
+        &self.counts_all
+    }
+    /// This call's plan.
+    pub fn plan(&self) -> &EpPlan {
+        &self.plan
+    }
+}
+
+/// An owner's forward rows kept for the backward (calls without replicas).
+struct OwnedRows {
+    x: CudaSlice<u16>,
+    expert: CudaSlice<u32>,
+    offsets: CudaSlice<u32>,
+    /// This rank's experts' range in the global expert-major order.
+    global: (usize, usize),
+}
+
+/// Gradients and figures of one backward on one rank.
+pub struct DeviceGrads {
+    /// Input gradient of this rank's tokens, `T × H`.
+    pub dx: CudaSlice<u16>,
+    /// Router gradient summed over ranks, `H × E`, f32.
+    pub router: CudaSlice<f32>,
+    /// This rank's experts' gradients (replicas' summed in): gate, up
+    /// `E_l × H × F`, down `E_l × F × H`.
+    pub gate: CudaSlice<u16>,
+    /// See `gate`.
+    pub up: CudaSlice<u16>,
+    /// See `gate`.
+    pub down: CudaSlice<u16>,
+    /// Kept pairs this rank's instances processed.
+    pub kept_pairs: usize,
+    /// Kept pairs over all ranks (what the selection kept).
+    pub kept_total: usize,
+    /// Bytes this rank sent to other ranks in the backward (scores, kept
+    /// rows, dX rows, replica gradients; not the router's all-reduce).
+    pub bytes_sent: usize,
+}
+
+/// Per-phase wall times of one call, printed when `LRMOE_EP_PROFILE=1`
+/// (each lap synchronises the compute stream, so profiling slows the call).
+struct Laps {
+    on: bool,
+    at: std::time::Instant,
+    laps: Vec<(&'static str, f64)>,
+}
+
+impl Laps {
+    fn new() -> Self {
+        Self {
+            on: std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"),
+            at: std::time::Instant::now(),
+            laps: Vec::new(),
+        }
+    }
+    fn lap(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), KernelError> {
+        if self.on {
+            gpu.sync()?;
+            let now = std::time::Instant::now();
+            self.laps.push((name, (now - self.at).as_secs_f64() * 1e3));
+            self.at = now;
+        }
+        Ok(())
+    }
+    fn print(&self, what: &str, rank: usize) {
+        if self.on {
+            let parts: Vec<String> = self
+                .laps
+                .iter()
+                .map(|(n, ms)| format!("{n} {ms:.2}"))
+                .collect();
+            tracing::info!(rank, phase = what, "EP profile (ms): {}", parts.join(", "));
+        }
+    }
+}
+
+fn world_of(comm: DeviceComm<'_>, cfg: &MoeConfig) -> Result<(usize, usize, usize), LayerError> {
+    check_device_shape(cfg)?;
+    let (rank, world) = (comm.rank(), comm.world_size());
+    Ok((rank, world, experts_per_rank(cfg.n_experts, world)?))
+}
+
+fn elems(rows: &[usize], width: usize) -> Vec<usize> {
+    rows.iter().map(|r| r * width).collect()
+}
+
+/// Rows this rank sends to other ranks under `send` counts.
+fn off_rank(send: &[usize], rank: usize) -> usize {
+    send.iter().sum::<usize>() - send[rank]
+}
+
+fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
+    let mut v = Vec::with_capacity(counts.len() + 1);
+    let mut s = 0u32;
+    v.push(0);
+    for &c in counts {
+        s += c;
+        v.push(s);
+    }
+    v
+}
+
+fn is_identity(v: &[u32]) -> bool {
+    v.iter().enumerate().all(|(i, &x)| x as usize == i)
+}
+
+fn check_len(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(LayerError::Shape {
+            what: what.into(),
+            expected,
+            got,
+        })
+    }
+}
+
+/// `rows[perm[j]]` for the `perm.len()` rows of `width` of `rows`; the
+/// buffer itself when `perm` is the identity (one rank's layouts).
+fn permute_rows(
+    gpu: &Gpu,
+    rows: CudaSlice<u16>,
+    perm: &[u32],
+    width: usize,
+) -> Result<CudaSlice<u16>, LayerError> {
+    if is_identity(perm) {
+        return Ok(rows);
+    }
+    let n = perm.len();
+    if perm
+        .iter()
+        .any(|&i| i as usize * width >= rows.len().max(1) && width > 0)
+    {
+        return Err(LayerError::Config(
+            "a row permutation leaves its rows".into(),
+        ));
+    }
+    let pd = gpu.upload(perm)?;
+    // SAFETY: every index was checked against the rows above.
+    Ok(unsafe { gpu.gather_scaled(&rows, &pd, 1, None, n, width) }?)
+}
+
+/// `vals[perm[j]]` (4-byte values); the buffer itself for the identity.
+fn permute4<T: kernels::gpu::DeviceRepr + kernels::gpu::ValidAsZeroBits>(
+    gpu: &Gpu,
+    vals: CudaSlice<T>,
+    perm: &[u32],
+) -> Result<CudaSlice<T>, LayerError> {
+    if is_identity(perm) {
+        return Ok(vals);
+    }
+    if perm.iter().any(|&i| i as usize >= vals.len()) {
+        return Err(LayerError::Config("a permutation leaves its values".into()));
+    }
+    let pd = gpu.upload(perm)?;
+    // SAFETY: every index was checked against the values above.
+    Ok(unsafe { gpu.gather32(&vals, &pd, perm.len()) }?)
+}
+
+/// Uploads one rank's weights (bf16 bits): the full router and the
+/// rank's block of experts.
+pub fn weights(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    router: &[u16],
+    (gate, up, down): (&[u16], &[u16], &[u16]),
+) -> Result<DeviceWeights, LayerError> {
+    let (_, _, el) = world_of(comm, cfg)?;
+    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
+    check_len("router", h * e, router.len())?;
+    check_len("gate (this rank's experts)", el * h * f, gate.len())?;
+    check_len("up (this rank's experts)", el * h * f, up.len())?;
+    check_len("down (this rank's experts)", el * f * h, down.len())?;
+    Ok(DeviceWeights {
+        router: gpu.upload(router)?,
+        bias: None,
+        gate: gpu.upload(gate)?,
+        up: gpu.upload(up)?,
+        down: gpu.upload(down)?,
+    })
+}
+
+/// Adds `bias[e]` to every token's router logit of expert `e` (one finite
+/// value per expert; a constant, so every gradient formula holds): the
+/// forced hot-expert workload of `CallConfig::hot_experts`.
+pub fn set_logit_bias(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    w: &mut DeviceWeights,
+    bias: &[f32],
+) -> Result<(), LayerError> {
+    check_len(
+        "router logit bias (one per expert)",
+        cfg.n_experts,
+        bias.len(),
+    )?;
+    if bias.iter().any(|b| !b.is_finite()) {
+        return Err(LayerError::NonFinite("router logit bias"));
+    }
+    w.bias = Some(gpu.upload(bias)?);
+    Ok(())
+}
+
+/// `n` consecutive blocks of `width` elements of `src`, starting at the
+/// listed block indices, packed into one buffer (device copies).
+fn pack_blocks(
+    gpu: &Gpu,
+    src: &CudaSlice<u16>,
+    blocks: &[usize],
+    width: usize,
+) -> Result<CudaSlice<u16>, LayerError> {
+    // SAFETY: every block of the output is written by the copies below.
+    let mut out = unsafe { gpu.uninit::<u16>(blocks.len() * width) }?;
+    for (i, &b) in blocks.iter().enumerate() {
+        if (b + 1) * width > src.len() {
+            return Err(LayerError::Config("a weight block past its tensor".into()));
+        }
+        let from = src.slice(b * width..(b + 1) * width);
+        let mut to = out.slice_mut(i * width..(i + 1) * width);
+        gpu.copy(&from, &mut to)?;
+    }
+    Ok(out)
+}
+
+/// The weights of this rank's instances for `plan`: owners send every
+/// replicated expert's weights to the replicas' ranks (one all-to-all per
+/// tensor); `None` where this rank holds only its own block.
+fn replica_weights(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    plan: &EpPlan,
+    local: &[Vec<usize>],
+    el: usize,
+) -> Result<(Option<LocalWeights>, usize), LayerError> {
+    let rank = comm.rank();
+    if plan.instances.iter().all(|i| i.len() == 1) {
+        return Ok((None, 0));
+    }
+    let hf = cfg.hidden * cfg.ffn;
+    let traffic = replica_traffic(&plan.instances, local, rank, el);
+    let mut got = Vec::with_capacity(3);
+    for t in [&w.gate, &w.up, &w.down] {
+        let packed = pack_blocks(gpu, t, &traffic.weights_out, hf)?;
+        got.push(comm.exchange(
+            gpu,
+            packed,
+            &elems(&traffic.weights_send, hf),
+            &elems(&traffic.weights_recv, hf),
+        )?);
+    }
+    let bytes = traffic.weights_out.len() * 3 * hf * 2;
+    let n_in: usize = traffic.weights_recv.iter().sum();
+    if n_in == 0 {
+        return Ok((None, bytes));
+    }
+    // This rank's instances, ascending: replicas below its block, its
+    // block, replicas above.
+    let below = traffic.below;
+    let nl = local[rank].len();
+    let build = |own: &CudaSlice<u16>, rep: &CudaSlice<u16>| {
+        // SAFETY: the three copies below write all nl blocks.
+        let mut t = unsafe { gpu.uninit::<u16>(nl * hf) }?;
+        let parts = [
+            (rep, 0, below, 0),
+            (own, 0, el, below),
+            (rep, below, n_in, below + el),
+        ];
+        for (from, a, b, at) in parts {
+            if b > a {
+                let v = from.slice(a * hf..b * hf);
+                let mut to = t.slice_mut(at * hf..(at + b - a) * hf);
+                gpu.copy(&v, &mut to)?;
+            }
+        }
+        Ok::<_, LayerError>(t)
+    };
+    Ok((
+        Some(LocalWeights {
+            gate: build(&w.gate, &got[0])?,
+            up: build(&w.up, &got[1])?,
+            down: build(&w.down, &got[2])?,
+        }),
+        bytes,
+    ))
+}
+
+/// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
+/// device); every rank calls it with the same layer, the same tokens per
+/// rank and a planner that answers alike on every rank.
+pub fn forward(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    x: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceSaved, LayerError> {
+    let (rank, world, el) = world_of(comm, cfg)?;
+    let (h, f, e, k) = (cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
+    if x.len() % h != 0 && x.len() > 1 {
+        return Err(LayerError::Shape {
+            what: "x (tokens × hidden)".into(),
+            expected: x.len() / h * h,
+            got: x.len(),
+        });
+    }
+    let tokens = x.len() / h;
+    let p = tokens * k;
+    let mut laps = Laps::new();
+    let routed = gpu.route(
+        &w.router,
+        x,
+        w.bias.as_ref(),
+        (tokens, h, e, k),
+        cfg.renormalize,
+    )?;
+    laps.lap(gpu, "route")?;
+    let base = exclusive_scan(&routed.counts);
+    // SAFETY: idx holds p experts below e (route's output); base is the
+    // prefix sum of route's own counts of those experts.
+    let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
+    // Everyone's counts, then the plan every rank follows.
+    let counts_all = comm.all_gather_counts(&routed.counts)?;
+    let plan = planner.forward(&counts_all)?;
+    check_plan(&plan, &counts_all, el)?;
+    let local = local_experts(&plan.instances, world);
+    let lay = instance_layout(&plan.forward, &local, rank)?;
+    laps.lap(gpu, "counts+plan")?;
+    let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, &plan, &local, el)?;
+    laps.lap(gpu, "replica weights")?;
+    // Source: rows destination-major.
+    let pair_of_send = if is_identity(&lay.send_order) {
+        src.clone()
+    } else {
+        let send_order = gpu.upload(&lay.send_order)?;
+        // SAFETY: send_order is a permutation of the p grouped rows.
+        unsafe { gpu.gather32(&src, &send_order, p) }?
+    };
+    // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
+    let xs = unsafe { gpu.gather_scaled(x, &pair_of_send, k, None, p, h) }?;
+    let xr_src = comm.exchange(gpu, xs, &elems(&lay.send, h), &elems(&lay.recv.from, h))?;
+    laps.lap(gpu, "a2a x")?;
+    // Instance: regroup, experts, ungroup.
+    let n_r = lay.recv.perm.len();
+    let (gate_l, up_l, down_l) = match &weights {
+        Some(lw) => (&lw.gate, &lw.up, &lw.down),
+        None => (&w.gate, &w.up, &w.down),
+    };
+    // Without replicas (decided from the plan, so alike on every rank)
+    // owners keep their forward rows for the backward.
+    let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
+    let xr = permute_rows(gpu, xr_src, &lay.recv.perm, h)?;
+    let (or, h_sq) =
+        gpu.experts_forward_dev(&lay.recv.offsets, &xr, (gate_l, up_l, down_l), (h, f))?;
+    let (or_src, hsq_src) = if n_r > 0 {
+        (
+            permute_rows(gpu, or, &lay.recv.inv, h)?,
+            permute4(gpu, h_sq, &lay.recv.inv)?,
+        )
+    } else {
+        (or, h_sq)
+    };
+    laps.lap(gpu, "regroup+experts")?;
+    let o = comm.exchange(gpu, or_src, &elems(&lay.recv.from, h), &elems(&lay.send, h))?;
+    let hsq_send = comm.exchange(gpu, hsq_src, &lay.recv.from, &lay.send)?;
+    laps.lap(gpu, "a2a o")?;
+    let send_inv = gpu.upload(&lay.send_inv)?;
+    // SAFETY: dst maps every pair to its grouped row (< p, no drops:
+    // nothing was filtered); send_inv is a permutation of 0..p.
+    let row_of_pair = unsafe { gpu.gather32(&send_inv, &dst, p) }?;
+    let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
+    // SAFETY: row_of_pair holds p rows of o (p rows came back).
+    let y = unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), (tokens, h, k)) }?;
+    laps.lap(gpu, "combine")?;
+    // The global expert-major order the backward's selection runs in.
+    let pack::ep::GlobalOrder {
+        perm: gperm,
+        mine: gidx,
+        expert: gexpert,
+        offsets: goffsets,
+    } = global_order(&counts_all, rank, p)?;
+    let (expert_of_row, _) = pack::ep::segments(routed.counts.iter().map(|&c| c as usize));
+    let owned_rows = if keep_rows {
+        let (key, _) = pack::ep::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
+        Some(OwnedRows {
+            x: xr,
+            expert: gpu.upload(&key)?,
+            offsets: gpu.upload(&lay.recv.offsets)?,
+            global: (
+                goffsets[rank * el] as usize,
+                goffsets[(rank + 1) * el] as usize,
+            ),
+        })
+    } else {
+        None
+    };
+    laps.print("forward", rank);
+    let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
+    Ok(DeviceSaved {
+        cfg: *cfg,
+        tokens,
+        per_rank: el,
+        x: x.clone(),
+        routed,
+        dst,
+        src,
+        row_of_pair,
+        o,
+        h_sq,
+        expert_of_row: gpu.upload(&expert_of_row)?,
+        offsets: base,
+        gperm_identity: is_identity(&gperm),
+        gperm: gpu.upload(&gperm)?,
+        gidx: gpu.upload(&gidx)?,
+        gexpert: gpu.upload(&gexpert)?,
+        goffsets,
+        counts_all,
+        plan,
+        local,
+        weights,
+        owned_rows,
+        y,
+        bytes_sent: sent_rows * h * 2 + off_rank(&lay.recv.from, rank) * 4 + w_bytes,
+    })
+}
+
+/// The LRMoE backward for `dy` (this rank's tokens, `tokens × hidden`):
+/// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
+/// (top-q, or priority sampling with the plan's seed); the planner splits
+/// the kept pairs over the instances; only kept rows travel and are
+/// multiplied.
+pub fn backward(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    w: &DeviceWeights,
+    sv: &DeviceSaved,
+    dy: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceGrads, LayerError> {
+    let cfg = &sv.cfg;
+    let (t, h, f, e, k) = (sv.tokens, cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
+    let (rank, world, el) = (comm.rank(), comm.world_size(), sv.per_rank);
+    let p = t * k;
+    if dy.len() < t * h {
+        return Err(LayerError::Shape {
+            what: "dy (tokens × hidden)".into(),
+            expected: t * h,
+            got: dy.len(),
+        });
+    }
+    let mut laps = Laps::new();
+    // Router: complete and local, then summed over ranks (f32).
+    // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
+    // forward's p returned rows).
+    let (g_router, dx_router) = unsafe {
+        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
+    }?;
+    let mut router = gpu.to_f32_dev(&g_router, h * e)?;
+    laps.lap(gpu, "router")?;
+    // Scores of this source's pairs (expert-major), all-gathered.
+    let dy_sq = gpu.row_sq(dy, t, h)?;
+    // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
+    // h_sq holds p entries.
+    let scores =
+        unsafe { gpu.scores_from_norms(&sv.routed.gates, &dy_sq, &sv.h_sq, &sv.src, p, k) }?;
+    comm.all_reduce_sum(gpu, &mut router)?;
+    let all = comm.all_gather(gpu, scores, p)?;
+    laps.lap(gpu, "scores+gather")?;
+    // The same per-expert selection on every rank, over every source's pairs.
+    let n_all = world * p;
+    let g_scores = if sv.gperm_identity {
+        all
+    } else {
+        // SAFETY: gperm is a permutation of the W·P gathered scores.
+        unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
+    };
+    let qd = gpu.upload(&sv.plan.quotas)?;
+    let god = gpu.upload(&sv.goffsets)?;
+    // Top-q by score, or priority sampling: top-q by key, weights from the
+    // threshold (the key kept at q + 1 but not at q).
+    let keys = match sv.plan.priority_seed {
+        Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
+        None => None,
+    };
+    let by = keys.as_ref().unwrap_or(&g_scores);
+    let mut err = gpu.upload(&[0u32])?;
+    let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
+        // SAFETY: the selection writes a flag for every row.
+        let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
+        // SAFETY: goffsets has E + 1 ascending entries ending at W·P, the
+        // length of the scores, ids and flags; quotas holds E.
+        unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut err, e) }?;
+        Ok(kept)
+    };
+    let kept_g = select(&qd)?;
+    let pair_weight = match &keys {
+        Some(rho) => {
+            let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
+            let kept_g1 = select(&gpu.upload(&more)?)?;
+            // SAFETY: goffsets partitions the W·P rows every buffer holds.
+            let wt = unsafe {
+                gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
+            }?;
+            // This source's pairs: global row → expert-major row → pair.
+            // SAFETY: gidx maps this source's p rows into the W·P global
+            // rows; dst maps each pair to one of the p rows.
+            let w_pair = unsafe {
+                let w_rows = gpu.gather32(&wt, &sv.gidx, p)?;
+                gpu.gather32(&w_rows, &sv.dst, p)
+            }?;
+            Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
+        }
+        None => None,
+    };
+    // SAFETY: gidx maps this source's p rows into the W·P flags.
+    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, p) }?;
+    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, p, e)?;
+    let global_d = gpu.kept_counts_dev(&sv.gexpert, &kept_g, n_all, e)?;
+    let flag = gpu.download(&err, 1)?[0];
+    let mine = gpu.download(&mine_d, e)?;
+    let global = gpu.download(&global_d, e)?;
+    if flag != 0 {
+        return Err(LayerError::NonFinite(
+            "a LRM score of the device backward (non-finite dy?)",
+        ));
+    }
+    let kept = comm.all_gather_counts(&mine)?;
+    for (ex, &g) in global.iter().enumerate() {
+        let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
+        if sum != u64::from(g) {
+            return Err(LayerError::Kernel(KernelError::Comm(format!(
+                "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
+            ))));
+        }
+    }
+    laps.lap(gpu, "select")?;
+    // Redistribution of the kept pairs over the instances.
+    let split = planner.backward(&sv.plan, &kept)?;
+    check_split(&split, &kept, &sv.plan.instances)?;
+    if let Some(caps) = &sv.plan.caps {
+        for (r, &cap) in caps.iter().enumerate() {
+            let load: u64 = split.iter().flatten().map(|c| u64::from(c[r])).sum();
+            if load > cap {
+                return Err(LayerError::Config(format!(
+                    "the redistribution gives rank {r} {load} pairs, over its cap {cap}"
+                )));
+            }
+        }
+    }
+    let lay: InstanceLayout = instance_layout(&split, &sv.local, rank)?;
+    laps.lap(gpu, "redistribute")?;
+    // Source: kept rows (expert-major, compacted), then destination-major.
+    let kbase = exclusive_scan(&kept[rank]);
+    let n_k = kbase[e] as usize;
+    let seg = gpu.upload(&sv.offsets)?;
+    // SAFETY: expert_of_row and mask hold p entries; kbase is the prefix
+    // sum of this rank's kept counts per expert, counted from the same
+    // mask and keys; seg is the rows' own expert partition.
+    let (place, kept_rows) = unsafe {
+        gpu.group(
+            &sv.expert_of_row,
+            Some(&mask),
+            Some(&seg),
+            &kbase[..e],
+            p,
+            n_k,
+            e,
+        )
+    }?;
+    let kept_rows = permute4(gpu, kept_rows, &lay.send_order)?;
+    // SAFETY: kept_rows holds n_k expert-major rows (< p), src maps rows to
+    // pairs (< p = t · k): pair / k is a token of dy and x.
+    let pair = unsafe { gpu.gather32(&sv.src, &kept_rows, n_k) }?;
+    // SAFETY: as above; the scale holds one weight per pair.
+    let dk_send = unsafe {
+        gpu.gather_scaled(
+            dy,
+            &pair,
+            k,
+            Some(pair_weight.as_ref().unwrap_or(&sv.routed.gates)),
+            n_k,
+            h,
+        )
+    }?;
+    laps.lap(gpu, "pack")?;
+    let (send, from) = (elems(&lay.send, h), elems(&lay.recv.from, h));
+    // x rows travel only where a kept pair may change instance.
+    let x_recv = match sv.owned_rows {
+        Some(_) => None,
+        None => {
+            // SAFETY: as for dk_send.
+            let xk_send = unsafe { gpu.gather_scaled(&sv.x, &pair, k, None, n_k, h) }?;
+            Some(comm.exchange(gpu, xk_send, &send, &from)?)
+        }
+    };
+    let d_recv = comm.exchange(gpu, dk_send, &send, &from)?;
+    laps.lap(gpu, "a2a kept rows")?;
+    // Instance: regroup, backward GEMMs on the kept rows.
+    let n_r = lay.recv.perm.len();
+    let (gate_l, up_l, down_l) = match &sv.weights {
+        Some(lw) => (&lw.gate, &lw.up, &lw.down),
+        None => (&w.gate, &w.up, &w.down),
+    };
+    let xk = match (x_recv, &sv.owned_rows) {
+        (Some(xs), _) => permute_rows(gpu, xs, &lay.recv.perm, h)?,
+        (None, Some(own)) => {
+            // This owner's forward rows (expert, source, pair order),
+            // masked by its slice of the global selection: the kept rows in
+            // the order the sources sent their g·δ rows.
+            let (lo, hi) = own.global;
+            // SAFETY: the copy writes all hi - lo flags.
+            let mut m = unsafe { gpu.uninit::<u8>(hi - lo) }?;
+            if hi > lo {
+                let v = kept_g.slice(lo..hi);
+                let mut to = m.slice_mut(0..hi - lo);
+                gpu.copy(&v, &mut to)?;
+            }
+            let kb: Vec<u32> = global[rank * el..(rank + 1) * el].to_vec();
+            let kb = exclusive_scan(&kb);
+            if kb[el] as usize != n_r {
+                return Err(LayerError::Config(format!(
+                    "rank {rank} expects {n_r} kept rows, its selection kept {}",
+                    kb[el]
+                )));
+            }
+            // SAFETY: own.expert and m hold hi - lo entries (this owner's
+            // forward rows); kb is the prefix sum of the flags this rank
+            // selected in that same range per local expert (`global`,
+            // counted from kept_g), so the writes fill exactly n_r rows.
+            unsafe {
+                let (_, rows) = gpu.group(
+                    &own.expert,
+                    Some(&m),
+                    Some(&own.offsets),
+                    &kb[..el],
+                    hi - lo,
+                    n_r,
+                    el,
+                )?;
+                gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)
+            }?
+        }
+        (None, None) => {
+            return Err(LayerError::Config(
+                "device backward: no x rows (invariant)".into(),
+            ))
+        }
+    };
+    let dk = permute_rows(gpu, d_recv, &lay.recv.perm, h)?;
+    let (dxk, gg, gu, gd) =
+        gpu.experts_backward_dev(&lay.recv.offsets, &xk, &dk, (gate_l, up_l, down_l), (h, f))?;
+    laps.lap(gpu, "experts bwd")?;
+    let dx_src = if n_r > 0 {
+        permute_rows(gpu, dxk, &lay.recv.inv, h)?
+    } else {
+        dxk
+    };
+    let dx_rows = comm.exchange(gpu, dx_src, &from, &send)?;
+    laps.lap(gpu, "a2a dX")?;
+    // Source: scatter-add the kept pairs' dX into the tokens.
+    let kinv = gpu.upload(&lay.send_inv)?;
+    // SAFETY: dst maps pairs to expert-major rows (< p), place maps those
+    // to kept positions (< n_k) or DROPPED, kinv is a permutation of the
+    // n_k kept rows: row is a row of dx_rows or DROPPED for every pair.
+    let dx_experts = unsafe {
+        let row = gpu.gather32(&kinv, &gpu.gather32(&place, &sv.dst, p)?, p)?;
+        gpu.combine_rows(&dx_rows, &row, None, (t, h, k))
+    }?;
+    let dx = gpu.add(&dx_router, &dx_experts, t * h)?;
+    laps.lap(gpu, "scatter")?;
+    let ((gate, up, down), g_bytes) =
+        owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, (gg, gu, gd))?;
+    gpu.sync()?;
+    laps.lap(gpu, "replica grads")?;
+    laps.print("backward", rank);
+    let x_rows = if sv.owned_rows.is_some() {
+        0
+    } else {
+        off_rank(&lay.send, rank)
+    };
+    let rows = off_rank(&lay.send, rank) + x_rows + off_rank(&lay.recv.from, rank);
+    Ok(DeviceGrads {
+        dx,
+        router,
+        gate,
+        up,
+        down,
+        kept_pairs: n_r,
+        kept_total: kept.iter().flatten().map(|&c| c as usize).sum(),
+        bytes_sent: p * 4 * (world - 1) + rows * h * 2 + g_bytes,
+    })
+}
+
+/// This rank's own experts' gradients from those of its instances
+/// (`local` order): replicas' gradients go to their owners (one
+/// all-to-all per tensor) and are added there.
+#[allow(clippy::type_complexity)]
+fn owner_gradients(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    plan: &EpPlan,
+    local: &[Vec<usize>],
+    el: usize,
+    (gg, gu, gd): (CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>),
+) -> Result<((CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), usize), LayerError> {
+    let rank = comm.rank();
+    let hf = cfg.hidden * cfg.ffn;
+    if plan.instances.iter().all(|i| i.len() == 1) {
+        return Ok(((gg, gu, gd), 0));
+    }
+    let traffic = replica_traffic(&plan.instances, local, rank, el);
+    let below = traffic.below;
+    // Replica gradients go back the way the weights came.
+    let (out_blocks, send, recv, from_blocks) = (
+        &traffic.grads_out,
+        &traffic.weights_recv,
+        &traffic.weights_send,
+        &traffic.grads_in,
+    );
+    let mut out = Vec::with_capacity(3);
+    for g in [&gg, &gu, &gd] {
+        let packed = pack_blocks(gpu, g, out_blocks, hf)?;
+        let got = comm.exchange(gpu, packed, &elems(send, hf), &elems(recv, hf))?;
+        // This rank's block of the instance gradients.
+        let mut own = pack_blocks(gpu, g, &(below..below + el).collect::<Vec<_>>(), hf)?;
+        for (i, &b) in from_blocks.iter().enumerate() {
+            let sum = {
+                let a = own.slice(b * hf..(b + 1) * hf);
+                let c = got.slice(i * hf..(i + 1) * hf);
+                gpu.add_views(&a, &c)?
+            };
+            let mut to = own.slice_mut(b * hf..(b + 1) * hf);
+            gpu.copy(&sum.slice(0..hf), &mut to)?;
+        }
+        out.push(own);
+    }
+    let down = out.pop();
+    let up = out.pop();
+    let gate = out.pop();
+    match (gate, up, down) {
+        (Some(a), Some(b), Some(c)) => Ok(((a, b, c), out_blocks.len() * 3 * hf * 2)),
+        _ => Err(LayerError::Config(
+            "owner_gradients: three tensors expected".into(),
+        )),
+    }
+}
+
+/// The forward from host data (bf16 bits): this rank's router copy, its
+/// experts' block and its tokens in; this rank's output, every source's
+/// routed counts and the call's plan out; the device state stays for
+/// [`backward_host`]. Weights are uploaded each call; `router_bias` (one
+/// per expert) is [`set_logit_bias`].
+#[allow(clippy::too_many_arguments)]
+pub fn forward_host(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    router: &[u16],
+    experts: (&[u16], &[u16], &[u16]),
+    x: &[u16],
+    router_bias: Option<&[f32]>,
+    planner: &DevicePlanner,
+) -> Result<HostForward, LayerError> {
+    let mut w = weights(gpu, comm, cfg, router, experts)?;
+    if let Some(b) = router_bias {
+        set_logit_bias(gpu, cfg, &mut w, b)?;
+    }
+    if x.len() % cfg.hidden != 0 {
+        return Err(LayerError::Shape {
+            what: "x (tokens × hidden)".into(),
+            expected: x.len() / cfg.hidden * cfg.hidden,
+            got: x.len(),
+        });
+    }
+    let tokens = x.len() / cfg.hidden;
+    let xd = gpu.upload(x)?;
+    let sv = forward(gpu, comm, cfg, &w, &xd, planner)?;
+    let y = gpu.download(&sv.y, tokens * cfg.hidden)?;
+    Ok(HostForward {
+        y,
+        counts: sv.routed_counts().to_vec(),
+        plan: sv.plan().clone(),
+        bytes_sent: sv.bytes_sent,
+        tokens,
+        state: Box::new((w, sv)),
+    })
+}
+
+/// The LRMoE backward of a host-driven forward (the same planner's
+/// redistribution), gradients copied back.
+pub fn backward_host(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    fwd: &HostForward,
+    dy: &[u16],
+    planner: &DevicePlanner,
+) -> Result<HostGrads, LayerError> {
+    let (w, sv) = (&fwd.state.0, &fwd.state.1);
+    let cfg = &sv.cfg;
+    check_len("dy", fwd.tokens * cfg.hidden, dy.len())?;
+    let dyd = gpu.upload(dy)?;
+    let g = backward(gpu, comm, w, sv, &dyd, planner)?;
+    let (t, h, e) = (fwd.tokens, cfg.hidden, cfg.n_experts);
+    let ew = sv.per_rank * h * cfg.ffn;
+    Ok(HostGrads {
+        dx: gpu.download(&g.dx, t * h)?,
+        router: gpu.download(&g.router, h * e)?,
+        gate: gpu.download(&g.gate, ew)?,
+        up: gpu.download(&g.up, ew)?,
+        down: gpu.download(&g.down, ew)?,
+        kept_pairs: g.kept_pairs,
+        kept_total: g.kept_total,
+        bytes_sent: g.bytes_sent,
+    })
+}
+
+/// Host copies of one forward + backward on one rank.
+#[derive(Debug, Clone)]
+pub struct HostResult {
+    /// Output of this rank's tokens (bf16 bits).
+    pub y: Vec<u16>,
+    /// The gradients and figures of the backward.
+    pub grads: HostGrads,
+    /// Bytes sent to other ranks in the forward.
+    pub forward_bytes: usize,
+}
+
+/// Forward and LRMoE backward from host data (bf16 bits), copied back:
+/// `x`, `dy` this rank's tokens, `experts` this rank's block.
+#[allow(clippy::too_many_arguments)]
+pub fn host_call(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    router: &[u16],
+    experts: (&[u16], &[u16], &[u16]),
+    x: &[u16],
+    dy: &[u16],
+    planner: &DevicePlanner,
+) -> Result<HostResult, LayerError> {
+    let fwd = forward_host(gpu, comm, cfg, router, experts, x, None, planner)?;
+    let grads = backward_host(gpu, comm, &fwd, dy, planner)?;
+    Ok(HostResult {
+        y: fwd.y,
+        grads,
+        forward_bytes: fwd.bytes_sent,
+    })
+}
+
+/// One row of the device layer benchmark (this rank's view).
+#[derive(Debug, Clone, Copy)]
+pub struct BenchRow {
+    /// The caller's label (a retention).
+    pub retention: f64,
+    /// Median forward wall time, ms (planning and replica weights included).
+    pub forward_ms: f64,
+    /// Median backward wall time, ms (host round trips included).
+    pub backward_ms: f64,
+    /// Kept pairs this rank's instances processed.
+    pub kept_pairs: usize,
+    /// Kept pairs over all ranks.
+    pub kept_total: usize,
+    /// Bytes this rank sent in the backward.
+    pub bytes_sent: usize,
+    /// Peak device memory of one forward + backward above what was in use
+    /// before it (bytes, by `cuMemGetInfo` after trimming the pool).
+    pub peak_bytes: u64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Times the layer on random data (`iters` calls after 2 warm-ups, median
+/// wall time, every rank in step), one row per `(label, planner)`, for
+/// `tokens` tokens per rank. `hot` is added to the router logits of rank
+/// 0's experts (the PyTorch peer's `--hot`: rank 0 receives most pairs).
+pub fn bench(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    tokens: usize,
+    planners: &[(f64, &DevicePlanner)],
+    hot: f32,
+    iters: usize,
+) -> Result<Vec<BenchRow>, LayerError> {
+    let (_, _, el) = world_of(comm, cfg)?;
+    let (t, h, f, e, r) = (
+        tokens,
+        cfg.hidden,
+        cfg.ffn,
+        cfg.n_experts,
+        comm.rank() as u64,
+    );
+    let scale = fan_in_scaled;
+    let mut w = weights(
+        gpu,
+        comm,
+        cfg,
+        &scale(random_bf16(h * e, 31), h),
+        (
+            &scale(random_bf16(el * h * f, 32 + 8 * r), h),
+            &scale(random_bf16(el * h * f, 33 + 8 * r), h),
+            &scale(random_bf16(el * f * h, 34 + 8 * r), f),
+        ),
+    )?;
+    if hot != 0.0 {
+        let bias: Vec<f32> = (0..e).map(|i| if i < el { hot } else { 0.0 }).collect();
+        set_logit_bias(gpu, cfg, &mut w, &bias)?;
+    }
+    let x = gpu.upload(&random_bf16(t * h, 35 + 8 * r))?;
+    let dy = gpu.upload(&random_bf16(t * h, 36 + 8 * r))?;
+    let timed = |f: &mut dyn FnMut() -> Result<(), LayerError>| -> Result<f64, LayerError> {
+        let mut v = Vec::with_capacity(iters);
+        for i in 0..iters + 2 {
+            gpu.sync()?;
+            let start = std::time::Instant::now();
+            f()?;
+            gpu.sync()?;
+            if i >= 2 {
+                v.push(start.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(median(v))
+    };
+    let mut rows = Vec::new();
+    for &(label, planner) in planners {
+        gpu.trim_pool()?;
+        let before = gpu.used_bytes()?;
+        let sv = forward(gpu, comm, cfg, &w, &x, planner)?;
+        let last = backward(gpu, comm, &w, &sv, &dy, planner)?;
+        gpu.sync()?;
+        let peak = gpu.used_bytes()?.saturating_sub(before);
+        drop(last);
+        drop(sv);
+        let fwd = timed(&mut || forward(gpu, comm, cfg, &w, &x, planner).map(|_| ()))?;
+        let sv = forward(gpu, comm, cfg, &w, &x, planner)?;
+        let last = backward(gpu, comm, &w, &sv, &dy, planner)?;
+        let ms = timed(&mut || backward(gpu, comm, &w, &sv, &dy, planner).map(|_| ()))?;
+        rows.push(BenchRow {
+            retention: label,
+            forward_ms: fwd,
+            backward_ms: ms,
+            kept_pairs: last.kept_pairs,
+            kept_total: last.kept_total,
+            bytes_sent: last.bytes_sent,
+            peak_bytes: peak,
+        });
+    }
+    Ok(rows)
+}

@@ -1,0 +1,181 @@
+//! The device executor (feature `cuda`): the layer on device buffers, one
+//! GPU per rank, NCCL between ranks (feature `nccl`). One GPU is EP = 1 of
+//! the same executor ([`DeviceComm::Local`]): no collective runs, the
+//! exchanges hand their buffers through, and index gathers that would be
+//! identities are skipped. `kernels` provides the device operations
+//! (`kernels::gpu::Gpu`), this module composes them with the plan
+//! ([`DevicePlanner`]) and the index layouts (`pack::ep`).
+//!
+//! Experts are owned in contiguous blocks; a call's [`EpPlan`] may add
+//! replicas and says how every routed pair, then every kept pair, is split
+//! over the instances (see `pack::ep::instance_layout`).
+//!
+//! Forward (complete): route locally, group pairs by expert, all-gather the
+//! routed counts, plan; owners send the weights of replicated experts to
+//! the replicas' ranks; rows go to their instances (destination-major, one
+//! all-to-all), are regrouped by local instance, and the grouped GEMMs run;
+//! outputs and the squared norms `‖h‖²` of the down projection's inputs go
+//! back, and the source combines. In a call with replicas, instances keep
+//! nothing per pair (a kept pair may be computed on another instance in the
+//! backward); without replicas the owners keep their forward rows, since
+//! kept pairs cannot move, and the backward sends only `g·δ` rows.
+//!
+//! LRMoE backward: the router gradient is complete and local (each source
+//! kept its pairs' outputs), then summed over ranks. Each source forms its
+//! pairs' LRM scores `g²·‖δ‖²·‖h‖²`; the scores are all-gathered and every
+//! rank makes the same per-expert selection over every source's pairs (the
+//! crate doc's `Selection::PerExpert`; ties to the lower source, then the
+//! lower pair). The kept counts per (source, expert) go to the planner's
+//! redistribution; sources pack only the kept `[x | g·δ]` rows (no padding;
+//! `g·δ` only without replicas) destination-major, instances regroup them,
+//! recompute the hidden activations and run the backward GEMMs on the kept
+//! rows, `dX` rows come back and are scatter-added; replica gradients are
+//! summed into their owners'. Bytes on the wire and GEMM rows shrink with
+//! the kept fraction.
+//!
+//! Host synchronisations: the routed counts and the plan (forward); in the
+//! backward the selection's error flag and the kept counts per expert (one
+//! small all-gather) for the redistribution. Work on the compute stream and
+//! the communicator's stream is ordered by synchronising the stream that
+//! wrote a buffer before the other reads it.
+//!
+//! Every index buffer handed to an `unsafe` device operation here is built
+//! by `pack::ep` (permutations of the rows they index, proptested), by the
+//! device operations themselves (whose output ranges `kernels` states), or
+//! from counts this rank computed from the same flags it groups by.
+
+use kernels::comm::NcclComm;
+
+use crate::plan::EpPlan;
+#[cfg(not(feature = "cuda"))]
+use crate::{DevicePlanner, LayerError, MoeConfig};
+
+#[cfg(feature = "cuda")]
+mod exec;
+#[cfg(feature = "cuda")]
+pub use exec::*;
+
+/// How this rank reaches the others: alone (one GPU, EP = 1) or through
+/// an NCCL communicator.
+#[derive(Clone, Copy)]
+pub enum DeviceComm<'a> {
+    /// One rank: collectives are identities.
+    Local,
+    /// A launched group's communicator.
+    Nccl(&'a NcclComm),
+}
+
+impl std::fmt::Debug for DeviceComm<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Local => f.write_str("DeviceComm::Local"),
+            Self::Nccl(c) => write!(
+                f,
+                "DeviceComm::Nccl(rank {} of {})",
+                c.rank(),
+                c.world_size()
+            ),
+        }
+    }
+}
+
+impl DeviceComm<'_> {
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        match self {
+            Self::Local => 0,
+            Self::Nccl(c) => c.rank(),
+        }
+    }
+
+    /// Ranks in the group.
+    pub fn world_size(&self) -> usize {
+        match self {
+            Self::Local => 1,
+            Self::Nccl(c) => c.world_size(),
+        }
+    }
+}
+
+/// An expert-parallel forward on this rank's GPU driven from the host
+/// ([`forward_host`]): this rank's output and every source's routed counts
+/// copied back, the device state (weights, saved rows) kept for
+/// [`backward_host`].
+pub struct HostForward {
+    /// Output of this rank's tokens, `T × H` (bf16 bits).
+    pub y: Vec<u16>,
+    /// Every source's routed pairs per global expert, `[world][experts]`.
+    pub counts: Vec<Vec<u32>>,
+    /// The call's plan (replicas, the forward's split, quotas).
+    pub plan: EpPlan,
+    /// Bytes this rank sent in the forward's all-to-alls.
+    pub bytes_sent: usize,
+    /// Tokens of this rank.
+    pub tokens: usize,
+    #[cfg(feature = "cuda")]
+    pub(crate) state: Box<(exec::DeviceWeights, exec::DeviceSaved)>,
+}
+
+impl std::fmt::Debug for HostForward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostForward")
+            .field("tokens", &self.tokens)
+            .field("counts", &self.counts)
+            .finish()
+    }
+}
+
+/// Gradients of one LRMoE backward, copied back.
+#[derive(Debug, Clone)]
+pub struct HostGrads {
+    /// Input gradient of this rank's tokens, `T × H` (bf16 bits).
+    pub dx: Vec<u16>,
+    /// Router gradient summed over ranks, `H × E`, f32.
+    pub router: Vec<f32>,
+    /// This rank's experts' gradients (bf16 bits): gate and up
+    /// `E_l × H × F`, down `E_l × F × H`.
+    pub gate: Vec<u16>,
+    /// See `gate`.
+    pub up: Vec<u16>,
+    /// See `gate`.
+    pub down: Vec<u16>,
+    /// Kept pairs this rank's instances processed.
+    pub kept_pairs: usize,
+    /// Kept pairs over all ranks.
+    pub kept_total: usize,
+    /// Bytes this rank sent in the backward.
+    pub bytes_sent: usize,
+}
+
+/// Without CUDA the device executor does not exist: the same entry points
+/// answer `NotCompiledWithCuda`, so callers carry no `cfg`.
+#[cfg(not(feature = "cuda"))]
+#[allow(clippy::too_many_arguments)]
+pub fn forward_host(
+    _gpu: &kernels::gpu::Gpu,
+    _comm: DeviceComm<'_>,
+    _cfg: &MoeConfig,
+    _router: &[u16],
+    _experts: (&[u16], &[u16], &[u16]),
+    _x: &[u16],
+    _router_bias: Option<&[f32]>,
+    _planner: &DevicePlanner,
+) -> Result<HostForward, LayerError> {
+    Err(LayerError::Kernel(
+        kernels::KernelError::NotCompiledWithCuda,
+    ))
+}
+
+/// See [`forward_host`].
+#[cfg(not(feature = "cuda"))]
+pub fn backward_host(
+    _gpu: &kernels::gpu::Gpu,
+    _comm: DeviceComm<'_>,
+    _fwd: &HostForward,
+    _dy: &[u16],
+    _planner: &DevicePlanner,
+) -> Result<HostGrads, LayerError> {
+    Err(LayerError::Kernel(
+        kernels::KernelError::NotCompiledWithCuda,
+    ))
+}
