@@ -198,8 +198,6 @@ pub struct GlobalOrder {
     pub perm: Vec<u32>,
     /// This source's expert-major rows → their global rows.
     pub mine: Vec<u32>,
-    /// The expert of each global row.
-    pub expert: Vec<u32>,
     /// The experts' offsets in the global order (`E + 1`).
     pub offsets: Vec<u32>,
 }
@@ -239,7 +237,6 @@ pub fn global_order(
         bases.push(b);
     }
     let mut perm = Vec::with_capacity(world * p);
-    let mut expert = Vec::with_capacity(world * p);
     let mut mine = vec![0u32; bases.get(rank).map_or(0, |b| b[experts] as usize)];
     let mut offsets = Vec::with_capacity(experts + 1);
     for e in 0..experts {
@@ -254,14 +251,12 @@ pub fn global_order(
             }
             let off = (s * p) as u32;
             perm.extend(off + lo..off + lo + n);
-            expert.extend(std::iter::repeat_n(e as u32, n as usize));
         }
     }
     offsets.push(perm.len() as u32);
     Ok(GlobalOrder {
         perm,
         mine,
-        expert,
         offsets,
     })
 }
@@ -582,7 +577,6 @@ mod tests {
         assert_eq!(g.offsets, vec![0, 3, 5, 6]);
         // Expert 0: source 0 rows 0, 1, then source 1 row 0 (at 3 + 0).
         assert_eq!(g.perm, vec![0, 1, 3, 4, 5, 2]);
-        assert_eq!(g.expert, vec![0, 0, 0, 1, 1, 2]);
         // Source 1's expert-major rows 0, 1, 2 sit at 2, 3, 4.
         assert_eq!(g.mine, vec![2, 3, 4]);
         assert!(global_order(&counts, 1, 2).is_err());
@@ -638,7 +632,8 @@ mod tests {
             prop_assert_eq!(seen.len(), first.perm.len());
             for e in 0..4 {
                 let (lo, hi) = (first.offsets[e] as usize, first.offsets[e + 1] as usize);
-                prop_assert!(first.expert[lo..hi].iter().all(|&x| x as usize == e));
+                let routed: u32 = counts.iter().map(|c| c[e]).sum();
+                prop_assert_eq!(hi - lo, routed as usize);
                 prop_assert!(first.perm[lo..hi].windows(2).all(|w| w[0] < w[1]));
             }
         }

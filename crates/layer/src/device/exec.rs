@@ -160,13 +160,12 @@ pub struct DeviceSaved {
     offsets: Vec<u32>,
     /// Global expert-major order (expert, source, pair) → position in the
     /// all-gathered scores; this source's rows' global positions; the
-    /// expert of each global row; the global expert offsets. `gperm` also
+    /// global expert offsets. `gperm` also
     /// serves as the selection's ids: within an expert it increases with
     /// (source, pair), the tie rule.
     gperm: CudaSlice<u32>,
     gperm_identity: bool,
     gidx: CudaSlice<u32>,
-    gexpert: CudaSlice<u32>,
     goffsets: Vec<u32>,
     counts_all: Vec<Vec<u32>>,
     plan: EpPlan,
@@ -522,15 +521,17 @@ pub fn forward(
     let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, &plan, &local, el)?;
     laps.lap(gpu, "replica weights")?;
     // Source: rows destination-major.
+    let reordered;
     let pair_of_send = if is_identity(&lay.send_order) {
-        src.clone()
+        &src
     } else {
         let send_order = gpu.upload(&lay.send_order)?;
         // SAFETY: send_order is a permutation of the p grouped rows.
-        unsafe { gpu.gather32(&src, &send_order, p) }?
+        reordered = unsafe { gpu.gather32(&src, &send_order, p) }?;
+        &reordered
     };
     // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
-    let xs = unsafe { gpu.gather_scaled(x, &pair_of_send, k, None, p, h) }?;
+    let xs = unsafe { gpu.gather_scaled(x, pair_of_send, k, None, p, h) }?;
     let xr_src = comm.exchange(gpu, xs, &elems(&lay.send, h), &elems(&lay.recv.from, h))?;
     laps.lap(gpu, "a2a x")?;
     // Instance: regroup, experts, ungroup.
@@ -569,8 +570,8 @@ pub fn forward(
     let pack::ep::GlobalOrder {
         perm: gperm,
         mine: gidx,
-        expert: gexpert,
         offsets: goffsets,
+        ..
     } = global_order(&counts_all, rank, p)?;
     let (expert_of_row, _) = pack::ep::segments(routed.counts.iter().map(|&c| c as usize));
     let owned_rows = if keep_rows {
@@ -605,7 +606,6 @@ pub fn forward(
         gperm_identity: is_identity(&gperm),
         gperm: gpu.upload(&gperm)?,
         gidx: gpu.upload(&gidx)?,
-        gexpert: gpu.upload(&gexpert)?,
         goffsets,
         counts_all,
         plan,
@@ -708,16 +708,24 @@ pub fn backward(
     // SAFETY: gidx maps this source's p rows into the W·P flags.
     let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, p) }?;
     let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, p, e)?;
-    let global_d = gpu.kept_counts_dev(&sv.gexpert, &kept_g, n_all, e)?;
     let flag = gpu.download(&err, 1)?[0];
     let mine = gpu.download(&mine_d, e)?;
-    let global = gpu.download(&global_d, e)?;
     if flag != 0 {
         return Err(LayerError::NonFinite(
             "a LRM score of the device backward (non-finite dy?)",
         ));
     }
     let kept = comm.all_gather_counts(&mine)?;
+    // The selection flags exactly min(q_e, n_e) rows of expert e's segment
+    // (its contract, device-tested against `select_top_reference`) when no
+    // score is non-finite (checked above): the kept pairs per expert.
+    let global: Vec<u32> = sv
+        .plan
+        .quotas
+        .iter()
+        .zip(sv.goffsets.windows(2))
+        .map(|(&q, w)| q.min(w[1] - w[0]))
+        .collect();
     for (ex, &g) in global.iter().enumerate() {
         let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
         if sum != u64::from(g) {
@@ -817,9 +825,10 @@ pub fn backward(
                 )));
             }
             // SAFETY: own.expert and m hold hi - lo entries (this owner's
-            // forward rows); kb is the prefix sum of the flags this rank
-            // selected in that same range per local expert (`global`,
-            // counted from kept_g), so the writes fill exactly n_r rows.
+            // forward rows); kb is the prefix sum of the rows this rank's
+            // selection flagged in that range per local expert (`global`:
+            // min(q_e, n_e), the selection's postcondition), so the writes
+            // fill exactly n_r rows.
             unsafe {
                 let (_, rows) = gpu.group(
                     &own.expert,
