@@ -392,19 +392,15 @@ pub fn check_device_shape(cfg: &MoeConfig) -> Result<(), LayerError> {
     Ok(())
 }
 
-/// Refuses what the device layers (the expert-parallel executor and the
-/// single-GPU layer) cannot run: capacity-factor dropping, the auxiliary
-/// balancing loss and selection rules other than top-q and priority
-/// sampling; each error says to use the host executor.
+/// Refuses what the device executor cannot run: the auxiliary balancing
+/// loss and selection rules other than top-q and priority sampling; each
+/// error says to use the host executor.
 pub fn check_device_call(call: &CallConfig) -> Result<(), LayerError> {
     let refuse = |what: String| {
         Err(LayerError::Config(format!(
             "{what} runs on the host executor only (--executor host, or --device cpu)"
         )))
     };
-    if call.capacity_factor.is_some() {
-        return refuse("capacity-factor dropping".into());
-    }
     if call.aux_loss_coeff != 0.0 {
         return refuse("the auxiliary balancing loss".into());
     }
@@ -579,6 +575,11 @@ impl DevicePlanner {
             last: std::sync::Mutex::new(None),
             fixed: None,
         }
+    }
+
+    /// The call's capacity factor (the capacity-factor baseline), if any.
+    pub fn capacity_factor(&self) -> Option<f64> {
+        self.call.capacity_factor
     }
 
     /// Keeps exactly `quotas[e]` pairs of expert `e` (at most what was

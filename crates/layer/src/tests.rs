@@ -918,11 +918,21 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     }
     let split = owners.backward(&plan, &kept).unwrap();
     check_split(&split, &kept, &plan.instances).unwrap();
-    // Capacity-factor dropping stays on the host executor.
-    assert!(DevicePlanner::new(
+    // Capacity-factor dropping runs on the device executor too; the
+    // auxiliary loss stays on the host.
+    let capped = DevicePlanner::new(
         cfg,
         CallConfig {
             capacity_factor: Some(1.0),
+            ..CallConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(capped.capacity_factor(), Some(1.0));
+    assert!(DevicePlanner::new(
+        cfg,
+        CallConfig {
+            aux_loss_coeff: 0.01,
             ..CallConfig::default()
         }
     )

@@ -142,6 +142,36 @@ fn gpu_layer_matches_the_cpu_layer() {
                 "{name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
             );
         }
+        // The capacity-factor baseline on the device against the host
+        // executor: the first ⌈0.5 · P / E⌉ pairs of each expert only.
+        let capped = CallConfig {
+            capacity_factor: Some(0.5),
+            ..CallConfig::default()
+        };
+        let mut cpu = run_local(1, Duration::from_secs(120), |tr| {
+            let (y, saved) = layer::forward(tr, &cfg, &capped, &p, &place, &x)?;
+            let (dx, g, s) = layer::backward(tr, &cfg, &capped, &p, &saved, &dy)?;
+            Ok::<_, layer::LayerError>((y, dx, g, s.kept_pairs))
+        });
+        let (cy, cdx, cg, ck) = cpu.remove(0).unwrap();
+        let c = run(&DevicePlanner::new(cfg, capped.clone()).unwrap());
+        assert_eq!(
+            c.grads.kept_pairs, ck,
+            "capacity: pairs that reached an expert"
+        );
+        assert!(ck < t * k, "capacity 0.5 dropped nothing");
+        for (name, err) in [
+            ("y", rel(&c.y, &cy)),
+            ("dx", rel(&c.grads.dx, &cdx)),
+            ("router", rel32(&c.grads.router, &cg.router)),
+            ("gate", rel(&c.grads.gate, &cat(&cg, |w| &w.gate))),
+            ("down", rel(&c.grads.down, &cat(&cg, |w| &w.down))),
+        ] {
+            assert!(
+                err <= 3e-2,
+                "capacity 0.5, {name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
+            );
+        }
         // Pruned: kept pairs follow the quotas round(r · n_e).
         let half = run(&DevicePlanner::ratio(&cfg, 0.5));
         assert!(

@@ -449,6 +449,121 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
     }
 
+    // Capacity-factor dropping on the device executor over NCCL against the
+    // host executor on in-process ranks (f64), on inputs whose router
+    // logits are exact in bf16 (ternary multiples of powers of two) so both
+    // route alike: each rank's output and input gradient, its experts'
+    // gradients and the summed router gradient.
+    {
+        use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits};
+        use layer::device::{host_call, DeviceComm};
+        let gpu = kernels::gpu::Gpu::open(env.local_rank).unwrap();
+        let moe = MoeConfig {
+            hidden: 64,
+            ffn: 128,
+            n_experts: 8,
+            top_k: 2,
+            renormalize: true,
+        };
+        let (h, e) = (moe.hidden, moe.n_experts);
+        let (tokens, el) = (256, e / world);
+        let all_tokens = tokens * world;
+        let bf = |v: f64| f64::from(bf16_bits_to_f32(f32_to_bf16_bits(v as f32)));
+        let tern = |n: usize, seed: u64, scale: f64| -> Vec<f64> {
+            data(n, seed)
+                .iter()
+                .map(|v| (v * 1.5).round().clamp(-1.0, 1.0) * scale)
+                .collect()
+        };
+        let mut params = MoeParams::<f64>::init(&moe, 5);
+        params.router = tern(h * e, 31, 0.125);
+        for ex in &mut params.experts {
+            for w in [&mut ex.gate, &mut ex.up, &mut ex.down] {
+                w.iter_mut().for_each(|v| *v = bf(*v));
+            }
+        }
+        let xa = tern(all_tokens * h, 32, 0.25);
+        let dya: Vec<f64> = data(all_tokens * h, 33).into_iter().map(bf).collect();
+        let bits =
+            |v: &[f64]| -> Vec<u16> { v.iter().map(|&x| f32_to_bf16_bits(x as f32)).collect() };
+        let f64s =
+            |v: &[u16]| -> Vec<f64> { v.iter().map(|&b| f64::from(bf16_bits_to_f32(b))).collect() };
+        let cat =
+            |sel: fn(&layer::ExpertWeights<f64>) -> &Vec<f64>, lo: usize, hi: usize| -> Vec<f64> {
+                params.experts[lo..hi]
+                    .iter()
+                    .flat_map(|x| sel(x).iter().copied())
+                    .collect()
+            };
+        let tok = |v: &[f64]| v[me * tokens * h..(me + 1) * tokens * h].to_vec();
+        for factor in [0.5, 1.0] {
+            let call = CallConfig {
+                capacity_factor: Some(factor),
+                ..CallConfig::default()
+            };
+            let mut host = run_local(world, Duration::from_secs(120), |tr| {
+                one_rank(tr, &moe, &call, &params, &xa, &dya)
+            });
+            let (want_y, want_dx, want_g, _) = host.swap_remove(me).unwrap();
+            let got = host_call(
+                &gpu,
+                DeviceComm::Nccl(t.comm()),
+                &moe,
+                &bits(&params.router),
+                (
+                    &bits(&cat(|w| &w.gate, me * el, (me + 1) * el)),
+                    &bits(&cat(|w| &w.up, me * el, (me + 1) * el)),
+                    &bits(&cat(|w| &w.down, me * el, (me + 1) * el)),
+                ),
+                &bits(&tok(&xa)),
+                &bits(&tok(&dya)),
+                &layer::DevicePlanner::new(moe, call.clone()).unwrap(),
+            )
+            .unwrap();
+            let wcat = |sel: fn(&layer::ExpertWeights<f64>) -> &Vec<f64>| -> Vec<f64> {
+                want_g.experts[me * el..(me + 1) * el]
+                    .iter()
+                    .flat_map(|x| sel(x).iter().copied())
+                    .collect()
+            };
+            let g = &got.grads;
+            let checks = [
+                ("y", rel(&f64s(&got.y), &want_y)),
+                ("dx", rel(&f64s(&g.dx), &want_dx)),
+                ("gate", rel(&f64s(&g.gate), &wcat(|w| &w.gate))),
+                ("up", rel(&f64s(&g.up), &wcat(|w| &w.up))),
+                ("down", rel(&f64s(&g.down), &wcat(|w| &w.down))),
+                (
+                    "router",
+                    rel(
+                        &g.router.iter().map(|&v| f64::from(v)).collect::<Vec<_>>(),
+                        &want_g.router,
+                    ),
+                ),
+            ];
+            for (name, err) in checks {
+                // bf16 GEMM outputs against f64: 3e-2 relative (rms).
+                assert!(
+                    err <= 3e-2,
+                    "capacity {factor}: {name} relative error {err}"
+                );
+            }
+            let line = format!(
+                "rank {me}: device executor, capacity factor {factor}: matches the host executor ({:?}); {} of {} pairs reached an expert over all ranks\n",
+                checks.map(|(n, e)| format!("{n} {e:.1e}")),
+                g.kept_total,
+                all_tokens * moe.top_k
+            );
+            std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
+            if factor < 1.0 {
+                assert!(
+                    g.kept_total < all_tokens * moe.top_k,
+                    "capacity 0.5 dropped nothing"
+                );
+            }
+        }
+    }
+
     // A peer that leaves: rank 1 returns (its process exits), rank 0 must
     // get an error within the timeout.
     let short = NcclTransport::connect(&env, Duration::from_secs(5)).unwrap();

@@ -143,15 +143,20 @@ struct LocalWeights {
 pub struct DeviceSaved {
     cfg: MoeConfig,
     tokens: usize,
+    /// This source's pairs that reached an expert (all `tokens · k` unless
+    /// the capacity factor dropped some), in expert-major rows.
+    rows: usize,
     per_rank: usize,
     x: CudaSlice<u16>,
     routed: Routed,
-    /// Pair → this source's expert-major row, and back.
+    /// Pair → this source's expert-major row (`DROPPED` for a pair the
+    /// capacity dropped), and row → pair.
     dst: CudaSlice<u32>,
     src: CudaSlice<u32>,
     /// Pair → row of `o` (send order).
     row_of_pair: CudaSlice<u32>,
-    /// Output rows of this source's pairs, send order.
+    /// Output rows of this source's pairs, send order (and a zero row for
+    /// dropped pairs).
     o: CudaSlice<u16>,
     /// `‖h‖²` of this source's pairs, expert-major.
     h_sq: CudaSlice<f32>,
@@ -511,8 +516,30 @@ pub fn forward(
     // SAFETY: idx holds p experts below e (route's output); base is the
     // prefix sum of route's own counts of those experts.
     let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
+    // The capacity-factor baseline: each expert takes its first
+    // ⌈factor · p / E⌉ pairs of this source (pair order); the others reach
+    // no expert, in the forward or the backward.
+    let cap = capacity(planner.capacity_factor(), p, e)?;
+    let Capped {
+        counts,
+        src,
+        dst,
+        dst_fwd,
+    } = match cap {
+        Some(cap) if routed.counts.iter().any(|&c| c as usize > cap) => {
+            cap_rows(gpu, &routed.counts, cap, &src, &dst, p)?
+        }
+        _ => Capped {
+            counts: routed.counts.clone(),
+            src,
+            dst_fwd: None,
+            dst,
+        },
+    };
+    // Rows reaching an expert (p without dropping).
+    let n: usize = counts.iter().map(|&c| c as usize).sum();
     // Everyone's counts, then the plan every rank follows.
-    let counts_all = comm.all_gather_counts(&routed.counts)?;
+    let counts_all = comm.all_gather_counts(&counts)?;
     let plan = planner.forward(&counts_all)?;
     check_plan(&plan, &counts_all, el)?;
     let local = local_experts(&plan.instances, world);
@@ -526,12 +553,12 @@ pub fn forward(
         &src
     } else {
         let send_order = gpu.upload(&lay.send_order)?;
-        // SAFETY: send_order is a permutation of the p grouped rows.
-        reordered = unsafe { gpu.gather32(&src, &send_order, p) }?;
+        // SAFETY: send_order is a permutation of the n grouped rows.
+        reordered = unsafe { gpu.gather32(&src, &send_order, n) }?;
         &reordered
     };
     // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
-    let xs = unsafe { gpu.gather_scaled(x, pair_of_send, k, None, p, h) }?;
+    let xs = unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?;
     let xr_src = comm.exchange(gpu, xs, &elems(&lay.send, h), &elems(&lay.recv.from, h))?;
     laps.lap(gpu, "a2a x")?;
     // Instance: regroup, experts, ungroup.
@@ -558,12 +585,31 @@ pub fn forward(
     let o = comm.exchange(gpu, or_src, &elems(&lay.recv.from, h), &elems(&lay.send, h))?;
     let hsq_send = comm.exchange(gpu, hsq_src, &lay.recv.from, &lay.send)?;
     laps.lap(gpu, "a2a o")?;
-    let send_inv = gpu.upload(&lay.send_inv)?;
-    // SAFETY: dst maps every pair to its grouped row (< p, no drops:
-    // nothing was filtered); send_inv is a permutation of 0..p.
-    let row_of_pair = unsafe { gpu.gather32(&send_inv, &dst, p) }?;
+    // Pair → row of o. Pairs dropped by the capacity point at an extra
+    // zero row (their output, and their router gradient term, are zero).
+    let (row_of_pair, o) = match &dst_fwd {
+        None => {
+            let send_inv = gpu.upload(&lay.send_inv)?;
+            // SAFETY: dst maps every pair to its grouped row (< n = p, no
+            // drops); send_inv is a permutation of 0..n.
+            (unsafe { gpu.gather32(&send_inv, &dst, p) }?, o)
+        }
+        Some(dst_fwd) => {
+            let mut ext = lay.send_inv.clone();
+            ext.push(n as u32);
+            let send_inv = gpu.upload(&ext)?;
+            let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
+            if n > 0 {
+                gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
+            }
+            // SAFETY: dst_fwd maps every pair to a grouped row (< n) or to
+            // n; ext maps 0..n onto the n rows of o and n to the zero row.
+            (unsafe { gpu.gather32(&send_inv, dst_fwd, p) }?, o_ext)
+        }
+    };
     let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
-    // SAFETY: row_of_pair holds p rows of o (p rows came back).
+    // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
+    // zero row when pairs were dropped).
     let y = unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), (tokens, h, k)) }?;
     laps.lap(gpu, "combine")?;
     // The global expert-major order the backward's selection runs in.
@@ -573,7 +619,7 @@ pub fn forward(
         offsets: goffsets,
         ..
     } = global_order(&counts_all, rank, p)?;
-    let (expert_of_row, _) = pack::ep::segments(routed.counts.iter().map(|&c| c as usize));
+    let (expert_of_row, _) = pack::ep::segments(counts.iter().map(|&c| c as usize));
     let owned_rows = if keep_rows {
         let (key, _) = pack::ep::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
         Some(OwnedRows {
@@ -593,6 +639,7 @@ pub fn forward(
     Ok(DeviceSaved {
         cfg: *cfg,
         tokens,
+        rows: n,
         per_rank: el,
         x: x.clone(),
         routed,
@@ -617,6 +664,87 @@ pub fn forward(
     })
 }
 
+/// The per-expert capacity `⌈factor · p / E⌉` of a source with `p` pairs,
+/// if the call has a capacity factor (the host executor's rule).
+fn capacity(factor: Option<f64>, p: usize, e: usize) -> Result<Option<usize>, LayerError> {
+    match factor {
+        None => Ok(None),
+        Some(f) if f.is_finite() && f > 0.0 => Ok(Some((f * p as f64 / e as f64).ceil() as usize)),
+        Some(f) => Err(LayerError::Config(format!(
+            "capacity factor {f} must be positive"
+        ))),
+    }
+}
+
+/// The rows that reach an expert under a capacity, and their index maps.
+struct Capped {
+    /// Rows per expert.
+    counts: Vec<u32>,
+    /// Row → pair.
+    src: CudaSlice<u32>,
+    /// Pair → row, or `DROPPED`.
+    dst: CudaSlice<u32>,
+    /// Pair → row, or the row count for a dropped pair (the forward's
+    /// zero output row); `None` when nothing was dropped.
+    dst_fwd: Option<CudaSlice<u32>>,
+}
+
+/// Keeps the first `cap` rows of each expert (rows grouped by expert in
+/// pair order, so the first `cap` pairs of each expert): the host builds
+/// the row maps from the counts, the device composes them with the
+/// grouping.
+fn cap_rows(
+    gpu: &Gpu,
+    routed: &[u32],
+    cap: usize,
+    src: &CudaSlice<u32>,
+    dst: &CudaSlice<u32>,
+    p: usize,
+) -> Result<Capped, LayerError> {
+    let counts: Vec<u32> = routed.iter().map(|&c| c.min(cap as u32)).collect();
+    let n: usize = counts.iter().map(|&c| c as usize).sum();
+    let (mut keep, mut place, mut place_fwd) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(p),
+        Vec::with_capacity(p),
+    );
+    let mut row = 0u32;
+    for (&c, &kept) in routed.iter().zip(&counts) {
+        for i in 0..c {
+            if i < kept {
+                place.push(keep.len() as u32);
+                place_fwd.push(keep.len() as u32);
+                keep.push(row);
+            } else {
+                place.push(kernels::limits::DROPPED);
+                place_fwd.push(n as u32);
+            }
+            row += 1;
+        }
+    }
+    if row as usize != p {
+        return Err(LayerError::Config(format!(
+            "routed counts add up to {row} pairs, {p} routed"
+        )));
+    }
+    let (keep, place, place_fwd) = (
+        gpu.upload(&keep)?,
+        gpu.upload(&place)?,
+        gpu.upload(&place_fwd)?,
+    );
+    // SAFETY: keep holds n rows below p (the grouped rows src maps); dst
+    // maps every pair to one of the p grouped rows, which place and
+    // place_fwd (p entries each) map on.
+    unsafe {
+        Ok(Capped {
+            counts,
+            src: gpu.gather32(src, &keep, n)?,
+            dst: gpu.gather32(&place, dst, p)?,
+            dst_fwd: Some(gpu.gather32(&place_fwd, dst, p)?),
+        })
+    }
+}
+
 /// The LRMoE backward for `dy` (this rank's tokens, `tokens × hidden`):
 /// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
 /// (top-q, or priority sampling with the plan's seed); the planner splits
@@ -633,7 +761,10 @@ pub fn backward(
     let cfg = &sv.cfg;
     let (t, h, f, e, k) = (sv.tokens, cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
     let (rank, world, el) = (comm.rank(), comm.world_size(), sv.per_rank);
-    let p = t * k;
+    // p pairs per source (the scores' stride over ranks), n of them reached
+    // an expert on this source; n_g over all sources.
+    let (p, n) = (t * k, sv.rows);
+    let n_g = sv.goffsets[e] as usize;
     if dy.len() < t * h {
         return Err(LayerError::Shape {
             what: "dy (tokens × hidden)".into(),
@@ -654,17 +785,26 @@ pub fn backward(
     let dy_sq = gpu.row_sq(dy, t, h)?;
     // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
     // h_sq holds p entries.
-    let scores =
-        unsafe { gpu.scores_from_norms(&sv.routed.gates, &dy_sq, &sv.h_sq, &sv.src, p, k) }?;
+    let mut scores =
+        unsafe { gpu.scores_from_norms(&sv.routed.gates, &dy_sq, &sv.h_sq, &sv.src, n, k) }?;
+    if n < p {
+        // Every source contributes p slots to the gather; only its first n
+        // are routed rows (gperm never points past them).
+        let mut padded = gpu.zeros::<f32>(p)?;
+        if n > 0 {
+            gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
+        }
+        scores = padded;
+    }
     comm.all_reduce_sum(gpu, &mut router)?;
     let all = comm.all_gather(gpu, scores, p)?;
     laps.lap(gpu, "scores+gather")?;
     // The same per-expert selection on every rank, over every source's pairs.
-    let n_all = world * p;
+    let n_all = n_g;
     let g_scores = if sv.gperm_identity {
         all
     } else {
-        // SAFETY: gperm is a permutation of the W·P gathered scores.
+        // SAFETY: gperm holds n_g indices into the W·p gathered scores.
         unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
     };
     let qd = gpu.upload(&sv.plan.quotas)?;
@@ -680,7 +820,7 @@ pub fn backward(
     let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
         // SAFETY: the selection writes a flag for every row.
         let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
-        // SAFETY: goffsets has E + 1 ascending entries ending at W·P, the
+        // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
         // length of the scores, ids and flags; quotas holds E.
         unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut err, e) }?;
         Ok(kept)
@@ -690,24 +830,24 @@ pub fn backward(
         Some(rho) => {
             let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
             let kept_g1 = select(&gpu.upload(&more)?)?;
-            // SAFETY: goffsets partitions the W·P rows every buffer holds.
+            // SAFETY: goffsets partitions the n_g rows every buffer holds.
             let wt = unsafe {
                 gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
             }?;
             // This source's pairs: global row → expert-major row → pair.
-            // SAFETY: gidx maps this source's p rows into the W·P global
+            // SAFETY: gidx maps this source's n rows into the n_g global
             // rows; dst maps each pair to one of the p rows.
             let w_pair = unsafe {
-                let w_rows = gpu.gather32(&wt, &sv.gidx, p)?;
+                let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
                 gpu.gather32(&w_rows, &sv.dst, p)
             }?;
             Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
         }
         None => None,
     };
-    // SAFETY: gidx maps this source's p rows into the W·P flags.
-    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, p) }?;
-    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, p, e)?;
+    // SAFETY: gidx maps this source's n rows into the n_g flags.
+    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
+    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
     let flag = gpu.download(&err, 1)?[0];
     let mine = gpu.download(&mine_d, e)?;
     if flag != 0 {
@@ -754,7 +894,7 @@ pub fn backward(
     let kbase = exclusive_scan(&kept[rank]);
     let n_k = kbase[e] as usize;
     let seg = gpu.upload(&sv.offsets)?;
-    // SAFETY: expert_of_row and mask hold p entries; kbase is the prefix
+    // SAFETY: expert_of_row and mask hold n entries; kbase is the prefix
     // sum of this rank's kept counts per expert, counted from the same
     // mask and keys; seg is the rows' own expert partition.
     let (place, kept_rows) = unsafe {
@@ -763,13 +903,13 @@ pub fn backward(
             Some(&mask),
             Some(&seg),
             &kbase[..e],
-            p,
+            n,
             n_k,
             e,
         )
     }?;
     let kept_rows = permute4(gpu, kept_rows, &lay.send_order)?;
-    // SAFETY: kept_rows holds n_k expert-major rows (< p), src maps rows to
+    // SAFETY: kept_rows holds n_k expert-major rows (< n), src maps rows to
     // pairs (< p = t · k): pair / k is a token of dy and x.
     let pair = unsafe { gpu.gather32(&sv.src, &kept_rows, n_k) }?;
     // SAFETY: as above; the scale holds one weight per pair.
@@ -861,7 +1001,7 @@ pub fn backward(
     laps.lap(gpu, "a2a dX")?;
     // Source: scatter-add the kept pairs' dX into the tokens.
     let kinv = gpu.upload(&lay.send_inv)?;
-    // SAFETY: dst maps pairs to expert-major rows (< p), place maps those
+    // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place maps those
     // to kept positions (< n_k) or DROPPED, kinv is a permutation of the
     // n_k kept rows: row is a row of dx_rows or DROPPED for every pair.
     let dx_experts = unsafe {
