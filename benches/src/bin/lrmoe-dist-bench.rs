@@ -23,8 +23,9 @@
 //!    tokens per GPU, timed on each rank's GPU in the same run;
 //! 4. the same layer on the hot workload (rank 0's experts +2.0 on the
 //!    router logits, the peer's `--hot 2.0`) under one per-GPU memory
-//!    budget: fixed ownership, replication (8 and 32 replica slots per rank)
-//!    and LRMoE's controller (with and without replicas) — forward,
+//!    budget: fixed ownership, replication (8 and 32 replica slots per rank),
+//!    the capacity-factor baseline (1.25) and LRMoE's controller (with and
+//!    without replicas) — forward,
 //!    backward, kept fraction, per-rank backward load, peak memory.
 
 use std::time::Duration;
@@ -248,6 +249,16 @@ fn hot_table(
         (
             "replication, 32 slots (exact)",
             layer::DevicePlanner::ratio_with_replicas(&cfg, 1.0, 32),
+        ),
+        (
+            "capacity factor 1.25 (drops in fwd and bwd)",
+            layer::DevicePlanner::new(
+                cfg,
+                layer::CallConfig {
+                    capacity_factor: Some(1.25),
+                    ..layer::CallConfig::default()
+                },
+            )?,
         ),
         ("LRMoE, budget, no replicas", budgeted(0)?),
         ("LRMoE, budget, 8 slots", budgeted(8)?),

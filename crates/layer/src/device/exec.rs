@@ -310,7 +310,10 @@ fn check_len(what: &str, expected: usize, got: usize) -> Result<(), LayerError> 
 }
 
 /// `rows[perm[j]]` for the `perm.len()` rows of `width` of `rows`; the
-/// buffer itself when `perm` is the identity (one rank's layouts).
+/// buffer itself when `perm` is the identity (one rank's layouts). Every
+/// `perm` here is a `pack::ep` layout's (`recv.perm`, `recv.inv`,
+/// `send_inv`, `send_order`): a permutation of `0..perm.len()`, which
+/// `pack` proptests, so only the row count is checked here.
 fn permute_rows(
     gpu: &Gpu,
     rows: CudaSlice<u16>,
@@ -321,20 +324,15 @@ fn permute_rows(
         return Ok(rows);
     }
     let n = perm.len();
-    if perm
-        .iter()
-        .any(|&i| i as usize * width >= rows.len().max(1) && width > 0)
-    {
-        return Err(LayerError::Config(
-            "a row permutation leaves its rows".into(),
-        ));
-    }
+    check_at_least("rows to permute", n * width, rows.len())?;
     let pd = gpu.upload(perm)?;
-    // SAFETY: every index was checked against the rows above.
+    // SAFETY: perm is a permutation of 0..n (a `pack::ep` layout) and rows
+    // holds n rows (checked above).
     Ok(unsafe { gpu.gather_scaled(&rows, &pd, 1, None, n, width) }?)
 }
 
 /// `vals[perm[j]]` (4-byte values); the buffer itself for the identity.
+/// `perm` as in [`permute_rows`].
 fn permute4<T: kernels::gpu::DeviceRepr + kernels::gpu::ValidAsZeroBits>(
     gpu: &Gpu,
     vals: CudaSlice<T>,
@@ -343,12 +341,23 @@ fn permute4<T: kernels::gpu::DeviceRepr + kernels::gpu::ValidAsZeroBits>(
     if is_identity(perm) {
         return Ok(vals);
     }
-    if perm.iter().any(|&i| i as usize >= vals.len()) {
-        return Err(LayerError::Config("a permutation leaves its values".into()));
-    }
+    check_at_least("values to permute", perm.len(), vals.len())?;
     let pd = gpu.upload(perm)?;
-    // SAFETY: every index was checked against the values above.
+    // SAFETY: perm is a permutation of 0..perm.len() (a `pack::ep` layout)
+    // over as many values (checked above).
     Ok(unsafe { gpu.gather32(&vals, &pd, perm.len()) }?)
+}
+
+fn check_at_least(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
+    if got >= expected {
+        Ok(())
+    } else {
+        Err(LayerError::Shape {
+            what: what.into(),
+            expected,
+            got,
+        })
+    }
 }
 
 /// Uploads one rank's weights (bf16 bits): the full router and the
@@ -536,8 +545,9 @@ pub fn forward(
             dst,
         },
     };
-    // Rows reaching an expert (p without dropping).
-    let n: usize = counts.iter().map(|&c| c as usize).sum();
+    // Rows reaching an expert (p without dropping), grouped by expert.
+    let base = exclusive_scan(&counts);
+    let n = base[e] as usize;
     // Everyone's counts, then the plan every rank follows.
     let counts_all = comm.all_gather_counts(&counts)?;
     let plan = planner.forward(&counts_all)?;
