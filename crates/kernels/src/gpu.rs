@@ -1,7 +1,7 @@
 //! The CUDA backend: safe wrappers that check shapes, then launch the
 //! kernels of `kernels/lrmoe.cu` through cudarc (loaded dynamically, so the
 //! crate builds with no CUDA installed). Without the `cuda` feature the same
-//! API returns [`KernelError::NotCompiledWithCuda`].
+//! API returns [`crate::KernelError::NotCompiledWithCuda`].
 //!
 //! Host-slice methods copy in, poison the output (0xFF bytes: NaN for f32
 //! and bf16) so unwritten elements cannot pass a test, launch, and copy out;

@@ -18,20 +18,12 @@
 //!   combine, byte gather and kept-row counts, and the variable-size
 //!   grouped GEMM (forward, data gradient,
 //!   weight gradient; group sizes read on the device). Each has a CPU twin in
-//!   [`cpu`] and a device test. `gpu::MoeShape` / `Gpu::moe_forward` /
-//!   `Gpu::moe_backward` compose them into the MoE layer with the LRMoE
-//!   backward on one GPU (EP = 1), tested against the `layer` crate's CPU
-//!   layer; `Gpu::moe_forward_host` / `moe_backward_host` drive it from
-//!   host slices (how `lrmoe train --device cuda` trains with it).
-//!   `Gpu::ep_forward` / `Gpu::ep_backward` (features `cuda` + `nccl`) run
-//!   the same layer expert-parallel on device buffers over a
-//!   [`comm::NcclComm`] (experts in contiguous blocks, only kept rows
-//!   exchanged and multiplied), tested on two GPUs against the EP = 1
-//!   layer; `lrmoe train` does not use it yet.
-//!   Its receive layouts (who sends an owner what, and the source-major ↔
-//!   expert-major permutations) come from `pack::ep`, the plan builders the
-//!   host layer shares; the backward's kept-row plans are built on the
-//!   device.
+//!   [`cpu`] and a device test. `gpu/imp/ops.rs` exposes them on device
+//!   buffers (`Gpu::route`, `group`, `gather_scaled`, `experts_forward_dev`,
+//!   `experts_backward_dev`, `combine_rows`, `router_backward`, …) for the
+//!   `layer` crate's device executor (`layer::device`), which composes
+//!   them into the MoE layer on one GPU or expert-parallel over
+//!   [`comm::NcclComm`].
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins
@@ -43,14 +35,13 @@
 //!
 //! ## Invariants
 //!
-//! * Only this crate holds `unsafe` (the `gemm` call, wrapped by a function
-//!   that checks every length first).
-//! * No quota, replica or redistribution rule lives here: the single-GPU
-//!   layer takes the caller's per-expert quotas (`layer::device_quotas`),
-//!   the expert-parallel layer a whole plan from the caller's
-//!   [`gpu::EpPlanner`] (`layer::DevicePlanner`). Its one planning
-//!   dependency is `pack` (the EP index layouts, shared with the host);
-//!   `lrm-score` gives the CPU twin of the priority keys its random draw.
+//! * `unsafe` here wraps FFI and launches; device operations that read
+//!   through device index buffers are `unsafe fn` with a `# Safety`
+//!   contract the caller (the layer's device executor) upholds, the rest
+//!   check lengths and are safe.
+//! * No layer, quota, replica or redistribution rule lives here: the
+//!   crate runs operations on buffers it is given (`lrm-score` gives the
+//!   CPU twin of the priority keys its random draw).
 //! * Zero-size dimensions are ordinary inputs: an `m × 0` times `0 × n`
 //!   product is zeros (or leaves the accumulator as it was).
 //! * With the `cuda` feature off the GPU API returns

@@ -78,7 +78,8 @@
 //! scale the kept pairs' `g·δ` rows, so their expert and input gradients
 //! are unbiased estimates of the exact ones. The random rules draw from
 //! [`CallConfig::rule_seed`] mixed with the call's routed counts — the
-//! same on every rank. The device executors run top-q only.
+//! same on every rank. The device executor runs top-q and priority
+//! sampling.
 //!
 //! [`Retention::Surplus`] is the quota policy that trims only the ranks
 //! whose load exceeds their fair share of the kept-pair budget.
@@ -106,10 +107,22 @@
 //! ## Not here
 //!
 //! No optimizer, no model around the layer (the top crate has them), no
-//! GPU code (`kernels`; the layer's expert GEMMs can run as bf16 grouped
-//! operations through [`ExpertBackend::Bf16`] — the CUDA kernels of this
-//! rank's GPU or their CPU twins — while routing, planning, scoring,
-//! selection, packing and the exchanges stay here), no file I/O. [`dist`] has the one network piece:
+//! kernels (`kernels` has them; the host executor's expert GEMMs can run
+//! as bf16 grouped operations through [`ExpertBackend::Bf16`]), no file
+//! I/O.
+//!
+//! ## Executors
+//!
+//! The host executor ([`forward`], [`backward`]) runs on CPU rows over any
+//! [`Transport`]. The device executor ([`device`], feature `cuda`) runs the
+//! same plan on device buffers: one GPU is EP = 1
+//! ([`device::DeviceComm::Local`]), several GPUs exchange over NCCL. Both
+//! follow [`CallPlan`] from [`plan_call`] (the device executor through
+//! [`DevicePlanner`], which resolves it into an [`EpPlan`]), select per
+//! expert as above, redistribute kept pairs with `redistribute`, and move
+//! and multiply only kept rows; the device executor also runs the
+//! capacity-factor baseline. It refuses what it cannot run
+//! ([`check_device_call`], [`check_device_shape`]). [`dist`] has the one network piece:
 //! the TCP rendezvous that hands out the NCCL id, and [`NcclTransport`]
 //! (one process per GPU; NCCL itself lives in `kernels::comm`).
 

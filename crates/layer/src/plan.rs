@@ -514,7 +514,7 @@ pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result
 }
 
 /// The controller of the device executor
-/// ([`crate::device::forward`] / [`crate::device::backward`]): [`device_plan_call`]
+/// (`layer::device::forward` / `backward`): [`device_plan_call`]
 /// (replicas, per-expert quotas, pair caps) from the routed counts, the
 /// forward's pairs spread over the instances and the backward's kept pairs
 /// redistributed over the same instances by `redistribute` (the exact

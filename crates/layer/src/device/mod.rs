@@ -4,7 +4,7 @@
 //! exchanges hand their buffers through, and index gathers that would be
 //! identities are skipped. `kernels` provides the device operations
 //! (`kernels::gpu::Gpu`), this module composes them with the plan
-//! ([`DevicePlanner`]) and the index layouts (`pack::ep`).
+//! ([`crate::DevicePlanner`]) and the index layouts (`pack::ep`).
 //!
 //! Experts are owned in contiguous blocks; a call's [`EpPlan`] may add
 //! replicas and says how every routed pair, then every kept pair, is split
