@@ -103,6 +103,11 @@ struct TrainArgs {
     /// rank, LRMoE mode (moe.buffer_fraction).
     #[arg(long)]
     buffer_fraction: Option<f64>,
+    /// Hold every mode to LRMoE's per-rank token-buffer budget: full and
+    /// replicate split steps into micro-batches, capacity uses
+    /// buffer_fraction as its factor (moe.fit_budget).
+    #[arg(long)]
+    fit_budget: bool,
     /// Output folder (metrics.jsonl, checkpoint.safetensors, reports).
     #[arg(long)]
     out: Option<PathBuf>,
@@ -321,6 +326,9 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
     }
     if let Some(v) = a.buffer_fraction {
         cfg.moe.buffer_fraction = v;
+    }
+    if a.fit_budget {
+        cfg.moe.fit_budget = true;
     }
     if let Some(v) = a.executor {
         cfg.moe.executor = v;

@@ -198,6 +198,15 @@ pub struct MoeSection {
     /// it; the logged training and validation losses are the language
     /// model's alone (the auxiliary value is logged as `aux_loss`).
     pub aux_loss_coeff: f64,
+    /// Hold every mode to LRMoE's per-rank token-buffer budget
+    /// (`buffer_fraction` of the average routed pairs per rank, the same
+    /// bytes the controller plans with): `full` and `replicate` keep every
+    /// pair and fit by splitting each step into micro-batches (gradient
+    /// accumulation, exact gradient) — as many as the busiest rank's pairs
+    /// in the previous step need; `capacity` uses `buffer_fraction` as its
+    /// capacity factor (its per-rank buffers then equal the budget);
+    /// `lrmoe` fits by its quotas.
+    pub fit_budget: bool,
 }
 
 impl Default for MoeSection {
@@ -219,6 +228,7 @@ impl Default for MoeSection {
             selection_rule: "priority".into(),
             surplus_only: false,
             aux_loss_coeff: 0.0,
+            fit_budget: false,
         }
     }
 }
@@ -515,7 +525,11 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
     match cfg.moe.mode {
         Mode::Full => base,
         Mode::Capacity => CallConfig {
-            capacity_factor: Some(cfg.moe.capacity_factor),
+            capacity_factor: Some(if cfg.moe.fit_budget {
+                cfg.moe.buffer_fraction
+            } else {
+                cfg.moe.capacity_factor
+            }),
             ..base
         },
         Mode::Replicate => CallConfig {
@@ -884,6 +898,8 @@ struct StepMetrics {
     /// language model's alone).
     #[serde(skip_serializing_if = "Option::is_none")]
     aux_loss: Option<f64>,
+    /// Micro-batches this step ran in (`moe.fit_budget`).
+    micro_batches: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     val_loss: Option<f64>,
     layers: Vec<LayerMetrics>,
@@ -1120,6 +1136,91 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     Ok(s)
 }
 
+/// One step's gradients on this rank's sequences, split into `micro`
+/// micro-batches of equal size (gradient accumulation: the mean of the
+/// micro-batches' gradients is the whole batch's).
+struct StepGrads {
+    loss: f64,
+    aux_loss: f64,
+    moe_seconds: f64,
+    /// The first micro-batch's activations (its plans feed the metrics).
+    cache: model::Cache<f32>,
+    /// The accumulated gradients; `moe_stats` are the first micro-batch's.
+    grads: model::Gradients<f32>,
+    /// Kept and routed pairs per layer, summed over micro-batches.
+    kept_routed: Vec<u64>,
+    /// The most pairs this rank processed in one layer call.
+    busiest: u64,
+}
+
+fn step_grads<X: Transport>(
+    comm: &X,
+    mcfg: &ModelConfig,
+    model: &Model<f32>,
+    run: &MoeRun<'_>,
+    (tokens, targets): (&[u32], &[u32]),
+    seq: usize,
+    micro: usize,
+) -> Result<StepGrads, TrainError> {
+    let (me, ranks) = (comm.rank(), comm.world_size());
+    let sequences = tokens.len() / seq.max(1);
+    if micro == 0 || sequences % micro != 0 {
+        return Err(TrainError::Config(format!(
+            "{sequences} sequences do not split into {micro} micro-batches"
+        )));
+    }
+    let chunk = sequences / micro * seq;
+    let (mut loss, mut aux_loss, mut moe_seconds) = (0.0, 0.0, 0.0);
+    let mut first: Option<(model::Cache<f32>, model::Gradients<f32>)> = None;
+    let mut kept_routed = vec![0u64; 2 * mcfg.n_layers];
+    let mut busiest = 0u64;
+    for i in 0..micro {
+        let r = i * chunk..(i + 1) * chunk;
+        let (l, cache) =
+            model::forward(comm, mcfg, model, run, &tokens[r.clone()], &targets[r], seq)?;
+        let g = model::backward(comm, mcfg, model, run, &cache, seq)?;
+        loss += l / micro as f64;
+        aux_loss += cache.aux_loss / micro as f64;
+        moe_seconds += cache.moe_seconds + g.moe_seconds;
+        for (li, st) in g.moe_stats.iter().enumerate() {
+            kept_routed[2 * li] += st.kept_pairs as u64;
+            kept_routed[2 * li + 1] += st.routed_pairs as u64;
+            let mine = if st.pairs_per_rank.len() == ranks {
+                st.pairs_per_rank[me]
+            } else {
+                st.pairs_per_rank.first().copied().unwrap_or(0)
+            };
+            busiest = busiest.max(mine);
+        }
+        match &mut first {
+            None => first = Some((cache, g)),
+            Some((_, acc)) => {
+                for ((_, a), (_, b)) in acc.grads.tensors_mut().into_iter().zip(g.grads.tensors()) {
+                    a.iter_mut().zip(b).for_each(|(x, y)| *x += *y);
+                }
+            }
+        }
+    }
+    let Some((cache, mut grads)) = first else {
+        return Err(TrainError::Config("a step of zero micro-batches".into()));
+    };
+    if micro > 1 {
+        let k = 1.0 / micro as f32;
+        for (_, a) in grads.grads.tensors_mut() {
+            a.iter_mut().for_each(|x| *x *= k);
+        }
+    }
+    Ok(StepGrads {
+        loss,
+        aux_loss,
+        moe_seconds,
+        cache,
+        grads,
+        kept_routed,
+        busiest,
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn rank_loop<X: Transport>(
     comm: &X,
@@ -1161,22 +1262,34 @@ fn rank_loop<X: Transport>(
     // after the same step.
     let mut reason =
         crate::stop::decide(s.step, cfg.steps, reached.is_some(), s.wall_s, max_s, false);
+    // Micro-batches of the next step (`moe.fit_budget` in full and
+    // replicate modes: decided from the previous step's busiest rank, the
+    // same on every rank).
+    let mut micro = 1usize;
+    let splits = cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate);
     while reason.is_none() {
         let clock = Instant::now();
         let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
         let lo = me * per_rank * seq;
         let hi = lo + per_rank * seq;
-        let (loss, cache) = model::forward(
+        let StepGrads {
+            loss,
+            aux_loss,
+            moe_seconds,
+            cache,
+            grads: g,
+            kept_routed,
+            busiest,
+        } = step_grads(
             comm,
             mcfg,
             &s.model,
             run,
-            &tokens[lo..hi],
-            &targets[lo..hi],
+            (&tokens[lo..hi], &targets[lo..hi]),
             seq,
+            micro,
         )?;
-        let g = model::backward(comm, mcfg, &s.model, run, &cache, seq)?;
-        let aux_loss = cache.aux_loss;
+        let step_micro = micro;
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
         let grad_norm = adamw_step(&cfg.optim, &mut s.model, &g.grads, &mut s.adam, lr);
         // One gather carries the loss, this rank's step time and whether it
@@ -1188,16 +1301,28 @@ fn rank_loop<X: Transport>(
         let step_s = views.iter().map(|v| v[1]).fold(0.0, f64::max);
         let any_signal = views.iter().any(|v| v[2] > 0.0);
         s.wall_s += step_s;
-        s.moe_s += cache.moe_seconds + g.moe_seconds;
+        s.moe_s += moe_seconds;
         s.step += 1;
 
-        // Kept fraction over all ranks, per layer.
-        let kept: Vec<u64> = g
-            .moe_stats
-            .iter()
-            .flat_map(|st| [st.kept_pairs as u64, st.routed_pairs as u64])
-            .collect();
+        // Kept fraction over all ranks, per layer; the busiest rank's pairs.
+        let mut kept = kept_routed;
+        kept.push(busiest);
         let totals = all_gather(comm, &kept)?;
+        if splits {
+            // The busiest rank's pairs of a whole step over the budget's
+            // rows: the next step's micro-batches (a divisor of the rank's
+            // sequences, so every micro-batch is the same size).
+            let peak = totals
+                .iter()
+                .map(|t| t[2 * mcfg.n_layers])
+                .max()
+                .unwrap_or(0);
+            let budget_rows = cfg.moe.buffer_fraction * (per_rank * seq * mcfg.top_k) as f64;
+            let need = ((peak * step_micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
+            micro = (need.max(1)..=per_rank)
+                .find(|m| per_rank % m == 0)
+                .unwrap_or(per_rank);
+        }
         let layers: Vec<LayerMetrics> = cache
             .moe_plans()
             .zip(&g.moe_stats)
@@ -1249,6 +1374,7 @@ fn rank_loop<X: Transport>(
                 moe_s: s.moe_s,
                 tokens_per_s: (cfg.data.batch_size * seq) as f64 / step_s,
                 aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(aux_loss),
+                micro_batches: step_micro,
                 val_loss,
                 layers,
             };
@@ -1349,4 +1475,86 @@ fn evaluate<X: Transport>(
         total += loss;
     }
     mean_over_ranks(comm, total / cfg.run.eval_batches as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Micro-batches accumulate the whole batch's gradient (the exact
+    /// backward, two in-process ranks): the same gradients within f32
+    /// summation noise, the same loss.
+    #[test]
+    fn micro_batches_accumulate_the_whole_batch_gradient() {
+        let mcfg = ModelConfig {
+            vocab: 11,
+            d_model: 16,
+            n_layers: 1,
+            n_heads: 2,
+            ffn: 16,
+            n_experts: 4,
+            top_k: 2,
+            renormalize: true,
+            max_seq: 8,
+        };
+        let model = Model::<f32>::init(&mcfg, 7);
+        let placement = Placement {
+            owner: vec![0, 0, 1, 1],
+            replicas: vec![],
+        };
+        let call = CallConfig::default();
+        let run = MoeRun {
+            placement: &placement,
+            backward: &call,
+            device: None,
+        };
+        let seq = 8;
+        let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();
+        let targets: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 5 + 1) % 11).collect();
+        let go = |micro: usize| {
+            layer::run_local(2, std::time::Duration::from_secs(60), |t| {
+                let me = t.rank();
+                let r = me * 2 * seq..(me + 1) * 2 * seq;
+                step_grads(
+                    t,
+                    &mcfg,
+                    &model,
+                    &run,
+                    (&tokens[r.clone()], &targets[r]),
+                    seq,
+                    micro,
+                )
+                .map(|g| (g.loss, g.grads.grads))
+            })
+        };
+        let (one, two) = (go(1), go(2));
+        for (a, b) in one.into_iter().zip(two) {
+            let ((la, ga), (lb, gb)) = (a.unwrap(), b.unwrap());
+            assert!((la - lb).abs() <= 1e-5 * la.abs(), "loss {la} vs {lb}");
+            for ((name, x), (_, y)) in ga.tensors().into_iter().zip(gb.tensors()) {
+                let n: f64 = x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+                let d: f64 = x
+                    .iter()
+                    .zip(y)
+                    .map(|(&p, &q)| f64::from(p - q).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                assert!(d <= 1e-4 * n.max(1e-12), "{name}: {d} vs norm {n}");
+            }
+        }
+        // Three micro-batches do not split two sequences.
+        let bad = layer::run_local(1, std::time::Duration::from_secs(60), |t| {
+            step_grads(
+                t,
+                &mcfg,
+                &model,
+                &run,
+                (&tokens[..2 * seq], &targets[..2 * seq]),
+                seq,
+                3,
+            )
+            .map(|_| ())
+        });
+        assert!(bad[0].is_err());
+    }
 }
