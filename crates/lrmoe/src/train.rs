@@ -203,7 +203,9 @@ pub struct MoeSection {
     /// bytes the controller plans with): `full` and `replicate` keep every
     /// pair and fit by splitting each step into micro-batches (gradient
     /// accumulation, exact gradient) — as many as the busiest rank's pairs
-    /// in the previous step need; `capacity` uses `buffer_fraction` as its
+    /// in the previous step need (the first step assumes every pair lands
+    /// on one rank), rounded up to a divisor of the rank's sequences;
+    /// `capacity` uses `buffer_fraction` as its
     /// capacity factor (its per-rank buffers then equal the budget);
     /// `lrmoe` fits by its quotas.
     pub fit_budget: bool,
@@ -1265,8 +1267,18 @@ fn rank_loop<X: Transport>(
     // Micro-batches of the next step (`moe.fit_budget` in full and
     // replicate modes: decided from the previous step's busiest rank, the
     // same on every rank).
-    let mut micro = 1usize;
     let splits = cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate);
+    let divisor_from = |need: usize| {
+        (need.max(1)..=per_rank)
+            .find(|m| per_rank % m == 0)
+            .unwrap_or(per_rank)
+    };
+    // Before any routing is seen, the worst case: every rank's pairs on one.
+    let mut micro = if splits {
+        divisor_from((ranks as f64 / cfg.moe.buffer_fraction).ceil() as usize)
+    } else {
+        1
+    };
     while reason.is_none() {
         let clock = Instant::now();
         let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
@@ -1319,9 +1331,7 @@ fn rank_loop<X: Transport>(
                 .unwrap_or(0);
             let budget_rows = cfg.moe.buffer_fraction * (per_rank * seq * mcfg.top_k) as f64;
             let need = ((peak * step_micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
-            micro = (need.max(1)..=per_rank)
-                .find(|m| per_rank % m == 0)
-                .unwrap_or(per_rank);
+            micro = divisor_from(need);
         }
         let layers: Vec<LayerMetrics> = cache
             .moe_plans()
