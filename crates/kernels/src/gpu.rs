@@ -1064,6 +1064,54 @@ mod imp {
             Ok((self.download(&da, n)?, self.download(&db, n)?))
         }
 
+        /// Softmax and top-k of `t × e` f32 logits into `probs` (`t × e`),
+        /// `idx` and `gates` (`t × k`), which must hold that many elements.
+        pub(crate) fn launch_router_topk(
+            &self,
+            logits: &CudaSlice<f32>,
+            (probs, idx, gates): (
+                &mut CudaSlice<f32>,
+                &mut CudaSlice<u32>,
+                &mut CudaSlice<f32>,
+            ),
+            t: usize,
+            e: usize,
+            k: usize,
+            renormalize: bool,
+        ) -> Result<(), KernelError> {
+            if logits.len() < t * e
+                || probs.len() < t * e
+                || idx.len() < t * k
+                || gates.len() < t * k
+            {
+                return Err(KernelError::Shape {
+                    what: "router buffers",
+                    expected: t * e,
+                    got: logits.len().min(probs.len()),
+                });
+            }
+            let (t_i, e_i, k_i, r_i) = (
+                dim("tokens", t)?,
+                dim("experts", e)?,
+                dim("top_k", k)?,
+                i32::from(renormalize),
+            );
+            let mut l = self.stream.launch_builder(&self.router);
+            l.arg(logits)
+                .arg(probs)
+                .arg(idx)
+                .arg(gates)
+                .arg(&t_i)
+                .arg(&e_i)
+                .arg(&k_i)
+                .arg(&r_i);
+            // SAFETY: 1. (f32*, f32*, u32*, f32*, int, int, int, int)
+            // matches; 2. logits and probs hold t·e, idx and gates t·k
+            // elements (checked above); 3. outputs alias nothing.
+            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+            Ok(())
+        }
+
         /// Router softmax and top-k over `t × e` logits: `(probs, idx, gates)`.
         #[allow(clippy::type_complexity)]
         pub fn router_topk(
@@ -1079,25 +1127,14 @@ mod imp {
             let mut idx = self.poisoned::<u32>(t * k)?;
             let mut gates = self.poisoned::<f32>(t * k)?;
             if t > 0 {
-                let (t_i, e_i, k_i, r_i) = (
-                    dim("tokens", t)?,
-                    dim("experts", e)?,
-                    dim("top_k", k)?,
-                    i32::from(renormalize),
-                );
-                let mut l = self.stream.launch_builder(&self.router);
-                l.arg(&ld)
-                    .arg(&mut probs)
-                    .arg(&mut idx)
-                    .arg(&mut gates)
-                    .arg(&t_i)
-                    .arg(&e_i)
-                    .arg(&k_i)
-                    .arg(&r_i);
-                // SAFETY: 1. (f32*, f32*, u32*, f32*, int, int, int, int)
-                // matches; 2. logits and probs hold t·e, idx and gates t·k
-                // elements; 3. outputs alias nothing.
-                unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+                self.launch_router_topk(
+                    &ld,
+                    (&mut probs, &mut idx, &mut gates),
+                    t,
+                    e,
+                    k,
+                    renormalize,
+                )?;
             }
             Ok((
                 self.download(&probs, t * e)?,

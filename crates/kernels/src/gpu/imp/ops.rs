@@ -463,24 +463,15 @@ impl Gpu {
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut gates = unsafe { self.uninit::<f32>(p) }?;
-        {
-            let (t_i, e_i, k_i, r_i) = (
-                dim("tokens", t)?,
-                dim("experts", e)?,
-                dim("top_k", k)?,
-                i32::from(renormalize),
-            );
-            let mut l = self.stream.launch_builder(&self.router);
-            l.arg(&lf)
-                .arg(&mut probs)
-                .arg(&mut idx)
-                .arg(&mut gates)
-                .arg(&t_i)
-                .arg(&e_i)
-                .arg(&k_i)
-                .arg(&r_i);
-            // SAFETY: as in `router_topk`.
-            unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
+        if t > 0 {
+            self.launch_router_topk(
+                &lf,
+                (&mut probs, &mut idx, &mut gates),
+                t,
+                e,
+                k,
+                renormalize,
+            )?;
         }
         // Counts (the call's one host sync), offsets, stable grouping.
         // SAFETY: uninitialised output; the kernel or GEMM launched next
