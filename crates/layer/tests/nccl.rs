@@ -396,7 +396,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 );
             }
             let line = format!(
-                "rank {me}: device EP layer, binding memory budget: kept {} of {routed}, this rank {}; matches the single-GPU layer at the same quotas ({:?})\n",
+                "rank {me}: device executor over NCCL, binding memory budget: kept {} of {routed}, this rank {}; matches EP = 1 at the same quotas ({:?})\n",
                 got.kept_total,
                 got.kept_pairs,
                 checks.map(|(n, e)| format!("{n} {e:.1e}"))
@@ -443,7 +443,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
             "priority sampling kept the top-q pairs with unit weights"
         );
         let line = format!(
-            "rank {me}: device EP layer, priority sampling at r = 0.5: y and router equal top-q's, kept {} of {} pairs, gate gradient differs by {d:.2} (relative)\n",
+            "rank {me}: device executor over NCCL, priority sampling at r = 0.5: y and router equal top-q's, kept {} of {} pairs, gate gradient differs by {d:.2} (relative)\n",
             pri.kept_total, top.kept_total
         );
         std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes()).unwrap();
