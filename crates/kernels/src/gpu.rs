@@ -285,6 +285,20 @@ mod imp {
         }
     }
 
+    /// `got` holds at least `expected` elements (device buffers may be
+    /// longer than the rows a call uses).
+    fn at_least(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+        if got >= expected {
+            Ok(())
+        } else {
+            Err(KernelError::Shape {
+                what,
+                expected,
+                got,
+            })
+        }
+    }
+
     fn dim(what: &'static str, x: usize) -> Result<i32, KernelError> {
         i32::try_from(x).map_err(|_| KernelError::Shape {
             what,
@@ -612,13 +626,7 @@ mod imp {
             n: usize,
             groups: usize,
         ) -> Result<CudaSlice<u32>, KernelError> {
-            if key.len() < n || keep.len() < n {
-                return Err(KernelError::Shape {
-                    what: "keys and flags",
-                    expected: n,
-                    got: key.len().min(keep.len()),
-                });
-            }
+            at_least("keys and flags", n, key.len().min(keep.len()))?;
             let mut out = self.poisoned::<u32>(groups)?;
             if groups > 0 {
                 let n_i = dim("n", n)?;
@@ -883,13 +891,7 @@ mod imp {
             seed: u64,
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
-            if score.len() < n || id.len() < n {
-                return Err(KernelError::Shape {
-                    what: "scores and ids",
-                    expected: n,
-                    got: score.len().min(id.len()),
-                });
-            }
+            at_least("scores and ids", n, score.len().min(id.len()))?;
             let mut out = self.poisoned::<f32>(n)?;
             if n > 0 {
                 let n_i = dim("n", n)?;
@@ -998,13 +1000,7 @@ mod imp {
             b: &CudaSlice<f32>,
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
-            if a.len() < n || b.len() < n {
-                return Err(KernelError::Shape {
-                    what: "factors",
-                    expected: n,
-                    got: a.len().min(b.len()),
-                });
-            }
+            at_least("factors", n, a.len().min(b.len()))?;
             let mut out = self.poisoned::<f32>(n)?;
             if n > 0 {
                 let n_i = dim("n", n)?;

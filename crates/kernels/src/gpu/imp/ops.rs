@@ -13,23 +13,11 @@
 
 use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
-use super::{cuda, dim, Gpu};
+use super::{at_least, cuda, dim, Gpu};
 use crate::cpu::GemmVariant;
 use crate::KernelError;
 
 use crate::limits::DROPPED;
-
-fn need(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
-    if got >= expected {
-        Ok(())
-    } else {
-        Err(KernelError::Shape {
-            what,
-            expected,
-            got,
-        })
-    }
-}
 
 /// One call's routing on the device ([`Gpu::route`]).
 pub struct Routed {
@@ -91,7 +79,7 @@ impl Gpu {
 
     /// bf16 bits to f32, `n` values (twin: [`crate::cpu::bf16_bits_to_f32`]).
     pub fn to_f32_dev(&self, x: &CudaSlice<u16>, n: usize) -> Result<CudaSlice<f32>, KernelError> {
-        need("values", n, x.len())?;
+        at_least("values", n, x.len())?;
         // SAFETY: uninitialised output; the conversion below writes it all.
         let mut out = unsafe { self.uninit::<f32>(n) }?;
         if n > 0 {
@@ -111,7 +99,7 @@ impl Gpu {
         b: &CudaView<'_, u16>,
     ) -> Result<CudaSlice<u16>, KernelError> {
         let n = a.len();
-        need("b", n, b.len())?;
+        at_least("b", n, b.len())?;
         // SAFETY: the kernel writes all n elements.
         let mut out = unsafe { self.uninit::<u16>(n) }?;
         let n_i = n as i64;
@@ -187,7 +175,7 @@ impl Gpu {
         n: usize,
         d: usize,
     ) -> Result<CudaSlice<f32>, KernelError> {
-        need("rows", n * d, x.len())?;
+        at_least("rows", n * d, x.len())?;
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut out = unsafe { self.uninit::<f32>(n) }?;
@@ -357,8 +345,8 @@ impl Gpu {
         b: &CudaSlice<u16>,
         n: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        need("a", n, a.len())?;
-        need("b", n, b.len())?;
+        at_least("a", n, a.len())?;
+        at_least("b", n, b.len())?;
         self.binary(&self.f_add, a, b, n)
     }
 
@@ -422,10 +410,10 @@ impl Gpu {
         renormalize: bool,
     ) -> Result<Routed, KernelError> {
         let p = t * k;
-        need("x", t * h, x.len())?;
-        need("router", h * e, router.len())?;
+        at_least("x", t * h, x.len())?;
+        at_least("router", h * e, router.len())?;
         if let Some(b) = bias {
-            need("bias", e, b.len())?;
+            at_least("bias", e, b.len())?;
         }
         if k == 0 || k > crate::limits::MAX_TOP_K || k > e || e == 0 {
             return Err(KernelError::Shape {
@@ -525,10 +513,10 @@ impl Gpu {
         h: usize,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (t, e, k) = (r.tokens, r.experts, r.top_k);
-        need("x", t * h, x.len())?;
-        need("dy", t * h, dy.len())?;
-        need("router", h * e, router.len())?;
-        need("row", t * k, row.len())?;
+        at_least("x", t * h, x.len())?;
+        at_least("dy", t * h, dy.len())?;
+        at_least("router", h * e, router.len())?;
+        at_least("row", t * k, row.len())?;
         let (probs, idx, gates, dst) = (&r.probs, &r.idx, &r.gates, row);
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router gradient from every pair's forward output.
@@ -569,6 +557,17 @@ impl Gpu {
         )?;
         Ok((g_router, dx_router))
     }
+}
+
+/// Each of the stacked gate, up and down weights holds `n` elements.
+fn check_expert_weights(
+    (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+    n: usize,
+) -> Result<(), KernelError> {
+    for w in [wg, wu, wd] {
+        at_least("expert weights", n, w.len())?;
+    }
+    Ok(())
 }
 
 /// Checks group offsets for `groups` groups of `rows` rows and uploads
@@ -630,10 +629,8 @@ impl Gpu {
         let rows = offsets.last().copied().unwrap_or(0) as usize;
         let e = offsets.len().saturating_sub(1);
         let od = checked_offsets(self, offsets, rows)?;
-        need("x", rows * h, x.len())?;
-        for w in [wg, wu, wd] {
-            need("expert weights", e * h * f, w.len())?;
-        }
+        at_least("x", rows * h, x.len())?;
+        check_expert_weights((wg, wu, wd), e * h * f)?;
         if rows == 0 {
             // SAFETY: zero rows: nothing is read.
             return unsafe { Ok((self.uninit::<u16>(0)?, self.uninit::<f32>(0)?)) };
@@ -671,11 +668,9 @@ impl Gpu {
         let e = offsets.len().saturating_sub(1);
         let od = checked_offsets(self, offsets, rows)?;
         let od = &od;
-        need("x", rows * h, xd.len())?;
-        need("d", rows * h, dd.len())?;
-        for w in [wg, wu, wd] {
-            need("expert weights", e * h * f, w.len())?;
-        }
+        at_least("x", rows * h, xd.len())?;
+        at_least("d", rows * h, dd.len())?;
+        check_expert_weights((wg, wu, wd), e * h * f)?;
         let ew = e * h * f;
         if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
