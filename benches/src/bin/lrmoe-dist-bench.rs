@@ -27,6 +27,9 @@
 //!    the capacity-factor baseline (1.25) and LRMoE's controller (with and
 //!    without replicas) — forward,
 //!    backward, kept fraction, per-rank backward load, peak memory.
+//!
+//! `LRMOE_DIST_TABLES` (e.g. `layer,hot`) picks tables by name: `a2a`
+//! (1 and 2), `layer` (3), `hot` (4); all by default.
 
 use std::time::Duration;
 
@@ -68,6 +71,38 @@ fn main() -> anyhow::Result<()> {
             println!("{s}");
         }
     };
+    let tables = std::env::var("LRMOE_DIST_TABLES").unwrap_or_else(|_| "a2a,layer,hot".into());
+    let table = |name: &str| tables.split(',').any(|t| t.trim() == name);
+    if table("a2a") {
+        a2a_tables(comm, &anchors, me, world, &say)?;
+    }
+    let cfg = layer::MoeConfig {
+        hidden: HIDDEN,
+        ffn: 768,
+        n_experts: EXPERTS,
+        top_k: 8,
+        renormalize: true,
+    };
+    let tokens = 16384;
+    let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
+    if table("layer") {
+        layer_table(comm, &gpu, &cfg, tokens, world, &say)?;
+    }
+    if table("hot") {
+        hot_table(&t, &gpu, &cfg, tokens, &say)?;
+    }
+    Ok(())
+}
+
+/// Tables 1 and 2: NCCL's all-to-all against PyTorch's, and the LRMoE
+/// backward's exchange sizes.
+fn a2a_tables(
+    comm: &kernels::comm::NcclComm,
+    anchors: &serde_json::Value,
+    me: usize,
+    world: usize,
+    say: &dyn Fn(String),
+) -> anyhow::Result<()> {
     say(format!(
         "NCCL {} all-to-all, {world} ranks, one H200 each (rank 0's medians)\n",
         kernels::comm::version()?
@@ -134,35 +169,38 @@ fn main() -> anyhow::Result<()> {
         ));
     }
 
-    let cfg = layer::MoeConfig {
-        hidden: HIDDEN,
-        ffn: 768,
-        n_experts: EXPERTS,
-        top_k: 8,
-        renormalize: true,
-    };
-    let tokens = 16384;
-    let gpu = kernels::gpu::Gpu::open(env.local_rank)?;
+    Ok(())
+}
+
+/// Table 3: the device executor over NCCL beside EP = 1.
+fn layer_table(
+    comm: &kernels::comm::NcclComm,
+    gpu: &kernels::gpu::Gpu,
+    cfg: &layer::MoeConfig,
+    tokens: usize,
+    world: usize,
+    say: &dyn Fn(String),
+) -> anyhow::Result<()> {
     let rs = [1.0, 0.5, 0.25];
     // The device executor's controller (`layer::DevicePlanner`) at each
     // ratio, over NCCL and on this rank's GPU alone (EP = 1, the same
     // executor) with the same tokens per GPU.
-    let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
+    let planners = lrmoe_benches::ratio_planners(cfg, &rs);
     let labelled: Vec<(f64, &layer::DevicePlanner)> =
         rs.iter().copied().zip(planners.iter()).collect();
     let ep_rows = layer::device::bench(
-        &gpu,
+        gpu,
         layer::device::DeviceComm::Nccl(comm),
-        &cfg,
+        cfg,
         tokens,
         &labelled,
         0.0,
         10,
     )?;
     let one_rows = layer::device::bench(
-        &gpu,
+        gpu,
         layer::device::DeviceComm::Local,
-        &cfg,
+        cfg,
         tokens,
         &labelled,
         0.0,
@@ -189,7 +227,6 @@ fn main() -> anyhow::Result<()> {
             (ep.forward_ms + ep.backward_ms) / (one_fwd + one.backward_ms),
         ));
     }
-    hot_table(&t, &gpu, &cfg, tokens, &say)?;
     Ok(())
 }
 

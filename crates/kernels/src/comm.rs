@@ -34,7 +34,7 @@ use std::time::Duration;
 use crate::KernelError;
 
 #[cfg(feature = "nccl")]
-pub use imp::{unique_id, version, NcclComm};
+pub use imp::{unique_id, version, InFlight, NcclComm};
 
 /// Whether this build has NCCL.
 pub const COMPILED: bool = cfg!(feature = "nccl");
@@ -686,6 +686,146 @@ mod imp {
             })
         }
 
+        /// Starts a variable all-to-all that runs beside the compute stream
+        /// of `gpu`: the communicator's stream waits for the work `gpu` has
+        /// enqueued so far, sends `sends[b][off .. off + n]` to each peer
+        /// `d` for `send_parts[d] = (b, off, n)` and receives `recv_parts[s]
+        /// = (off, n)` elements from each peer `s` into `recv` (regions
+        /// need not be packed). The message to self is not sent (its two
+        /// counts must be zero): the caller has its rows. The host does not
+        /// wait; [`InFlight::finish`] orders `gpu`'s stream after the
+        /// exchange and hands the buffers back. The deadline still holds:
+        /// before the host waits on `gpu`'s stream it calls
+        /// [`synchronize`](Self::synchronize).
+        pub fn start_all_to_all<T: cudarc::driver::DeviceRepr>(
+            &self,
+            gpu: &crate::gpu::Gpu,
+            sends: Vec<CudaSlice<T>>,
+            send_parts: &[(usize, usize, usize)],
+            recv: CudaSlice<T>,
+            recv_parts: &[(usize, usize)],
+        ) -> Result<InFlight<T>, KernelError> {
+            use cudarc::driver::{DevicePtr, DevicePtrMut};
+            let size = std::mem::size_of::<T>();
+            let shape = |what, expected, got| KernelError::Shape {
+                what,
+                expected,
+                got,
+            };
+            if send_parts.len() != self.world || recv_parts.len() != self.world {
+                return Err(shape(
+                    "all-to-all parts (one per rank)",
+                    self.world,
+                    send_parts.len().min(recv_parts.len()),
+                ));
+            }
+            for &(b, off, n) in send_parts {
+                if n > 0 && (b >= sends.len() || off + n > sends[b].len()) {
+                    return Err(shape("all-to-all send part", off + n, sends.len()));
+                }
+            }
+            for &(off, n) in recv_parts {
+                if n > 0 && off + n > recv.len() {
+                    return Err(shape("all-to-all receive part", off + n, recv.len()));
+                }
+            }
+            if send_parts[self.rank].2 != 0 || recv_parts[self.rank].1 != 0 {
+                return Err(shape(
+                    "all-to-all message to self (not sent)",
+                    0,
+                    send_parts[self.rank].2.max(recv_parts[self.rank].1),
+                ));
+            }
+            let compute = self.wait_for(gpu)?;
+            let mut recv = recv;
+            let stream = self.stream.clone();
+            let send_ptrs: Vec<u64> = sends.iter().map(|b| b.device_ptr(&stream).0).collect();
+            let rp = recv.device_ptr_mut(&stream).0;
+            self.group(|comm, st| {
+                for peer in 0..self.world {
+                    if peer == self.rank {
+                        continue;
+                    }
+                    let (b, off, n) = send_parts[peer];
+                    if n > 0 {
+                        // SAFETY: a range of a live send buffer (checked).
+                        let r = unsafe {
+                            p2p(
+                                sys::ncclSend,
+                                send_ptrs[b] + (off * size) as u64,
+                                n * size,
+                                peer,
+                                comm,
+                                st,
+                            )
+                        };
+                        if !ok(r) {
+                            return r;
+                        }
+                    }
+                    let (off, n) = recv_parts[peer];
+                    // SAFETY: a range of the live receive buffer (checked).
+                    let r = unsafe {
+                        p2p(
+                            |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),
+                            rp + (off * size) as u64,
+                            n * size,
+                            peer,
+                            comm,
+                            st,
+                        )
+                    };
+                    if !ok(r) {
+                        return r;
+                    }
+                }
+                sys::ncclResult_t::ncclSuccess
+            })?;
+            self.in_flight(compute, sends, recv)
+        }
+
+        /// Orders this communicator's stream after the work enqueued on
+        /// `gpu`'s compute stream so far; returns that stream.
+        fn wait_for(&self, gpu: &crate::gpu::Gpu) -> Result<Arc<CudaStream>, KernelError> {
+            let compute = gpu.compute_stream().clone();
+            let ready = self.ctx.new_event(None).map_err(cuda)?;
+            ready.record(&compute).map_err(cuda)?;
+            self.stream.wait(&ready).map_err(cuda)?;
+            Ok(compute)
+        }
+
+        /// The handle of the collective just enqueued.
+        fn in_flight<T>(
+            &self,
+            compute: Arc<CudaStream>,
+            sends: Vec<CudaSlice<T>>,
+            recv: CudaSlice<T>,
+        ) -> Result<InFlight<T>, KernelError> {
+            let done = self.ctx.new_event(None).map_err(cuda)?;
+            done.record(&self.stream).map_err(cuda)?;
+            Ok(InFlight {
+                sends,
+                recv: Some(recv),
+                done,
+                compute,
+                finished: false,
+            })
+        }
+
+        /// Starts an in-place sum all-reduce of `buf` beside the compute
+        /// stream of `gpu` (after the work enqueued there so far), as
+        /// [`start_all_to_all`](Self::start_all_to_all): `finish` returns
+        /// the summed buffer.
+        pub fn start_all_reduce_sum_f32(
+            &self,
+            gpu: &crate::gpu::Gpu,
+            mut buf: CudaSlice<f32>,
+        ) -> Result<InFlight<f32>, KernelError> {
+            let compute = self.wait_for(gpu)?;
+            self.all_reduce_sum_f32(&mut buf)?;
+            self.in_flight(compute, Vec::new(), buf)
+        }
+
         /// Enqueues an in-place sum all-reduce of `buf`.
         pub fn all_reduce_sum_f32(&self, buf: &mut CudaSlice<f32>) -> Result<(), KernelError> {
             let n = buf.len();
@@ -868,6 +1008,58 @@ mod imp {
             let per = total_bytes / self.world;
             let counts = vec![per; self.world];
             self.bench_all_to_all_counts(&counts, &counts)
+        }
+    }
+
+    /// An exchange started by [`NcclComm::start_all_to_all`]: owns its
+    /// buffers until the compute stream is ordered after it.
+    pub struct InFlight<T> {
+        sends: Vec<CudaSlice<T>>,
+        recv: Option<CudaSlice<T>>,
+        done: cudarc::driver::CudaEvent,
+        compute: Arc<CudaStream>,
+        finished: bool,
+    }
+
+    impl<T> InFlight<T> {
+        /// The send buffers (the exchange reads them; reading them on the
+        /// compute stream meanwhile is fine).
+        pub fn sends(&self) -> &[CudaSlice<T>] {
+            &self.sends
+        }
+
+        /// The send buffers and the receive buffer, for work on the compute
+        /// stream meanwhile: reading the sends, writing regions of the
+        /// receive buffer the exchange does not receive into (the message
+        /// to self).
+        #[allow(clippy::type_complexity)]
+        pub fn buffers_mut(&mut self) -> Result<(&[CudaSlice<T>], &mut CudaSlice<T>), KernelError> {
+            match self.recv.as_mut() {
+                Some(r) => Ok((&self.sends, r)),
+                None => Err(KernelError::Comm("an exchange finished twice".into())),
+            }
+        }
+
+        /// Orders the compute stream after the exchange (the host does not
+        /// wait) and returns the receive buffer and the send buffers.
+        pub fn finish(mut self) -> Result<(CudaSlice<T>, Vec<CudaSlice<T>>), KernelError> {
+            self.compute.wait(&self.done).map_err(cuda)?;
+            self.finished = true;
+            let sends = std::mem::take(&mut self.sends);
+            match self.recv.take() {
+                Some(r) => Ok((r, sends)),
+                None => Err(KernelError::Comm("an exchange finished twice".into())),
+            }
+        }
+    }
+
+    impl<T> Drop for InFlight<T> {
+        fn drop(&mut self) {
+            // Unfinished (an error path): the buffers are freed on the
+            // compute stream, so order it after the exchange first.
+            if !self.finished {
+                let _ = self.compute.wait(&self.done);
+            }
         }
     }
 

@@ -30,7 +30,10 @@ impl Timing {
 #[cfg(feature = "cuda")]
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
-pub use imp::{ops::Routed, Gpu};
+pub use imp::{
+    ops::{ExpertsBackward, Routed},
+    Gpu,
+};
 
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
@@ -43,6 +46,8 @@ impl Gpu {
     pub fn open(_ordinal: usize) -> Result<Self, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
+    /// See the CUDA build.
+    pub fn set_gemm_sm_reserve(&self, _sms: u32) {}
     /// See the CUDA build.
     pub fn lrm_scores_bf16(
         &self,
@@ -338,6 +343,9 @@ mod imp {
         f_kept_counts: CudaFunction,
         f_gather_u8: CudaFunction,
         n_sms: u32,
+        /// SMs the grouped GEMMs leave free (for a collective running
+        /// beside them): see [`Gpu::set_gemm_sm_reserve`].
+        gemm_reserve: std::sync::atomic::AtomicU32,
     }
 
     impl std::fmt::Debug for Gpu {
@@ -438,6 +446,7 @@ mod imp {
                 ctx,
                 stream,
                 n_sms,
+                gemm_reserve: std::sync::atomic::AtomicU32::new(0),
             })
         }
 
@@ -1253,13 +1262,13 @@ mod imp {
         }
 
         #[allow(clippy::too_many_arguments)]
-        fn launch_gemm(
+        fn launch_gemm<A: cudarc::driver::DevicePtr<u16>, B: cudarc::driver::DevicePtr<u16>>(
             &self,
             variant: GemmVariant,
             groups: usize,
             offsets: &CudaSlice<i32>,
-            a: &CudaSlice<u16>,
-            b: &CudaSlice<u16>,
+            a: &A,
+            b: &B,
             d: &mut CudaSlice<u16>,
             h: usize,
             f: usize,
@@ -1267,6 +1276,7 @@ mod imp {
         ) -> Result<(), KernelError> {
             use cudarc::driver::{DevicePtr, DevicePtrMut};
             let ws_len = ws.len();
+            let sms = self.gemm_sms();
             let (g, hh, ff) = (dim("groups", groups)?, dim("h", h)?, dim("f", f)?);
             self.ctx.bind_to_thread().map_err(cuda)?;
             let (po, _o) = offsets.device_ptr(&self.stream);
@@ -1289,7 +1299,7 @@ mod imp {
                     pd as *mut std::ffi::c_void,
                     hh,
                     ff,
-                    self.n_sms as i32,
+                    sms,
                     pw as *mut std::ffi::c_void,
                     ws_len,
                     self.stream.cu_stream() as *mut std::ffi::c_void,
@@ -1303,6 +1313,22 @@ mod imp {
             Ok(())
         }
 
+        /// SMs a grouped GEMM is launched on: all but the reserve.
+        fn gemm_sms(&self) -> i32 {
+            let r = self.gemm_reserve.load(std::sync::atomic::Ordering::Relaxed);
+            self.n_sms.saturating_sub(r).max(1) as i32
+        }
+
+        /// Leaves `sms` SMs out of the grouped GEMMs launched from now on
+        /// (0: all SMs), so that a collective running beside them on
+        /// another stream is not waited for by the GEMMs' persistent
+        /// blocks. Results do not depend on it (the tiles and their
+        /// reduction order are the same); only the speed does.
+        pub fn set_gemm_sm_reserve(&self, sms: u32) {
+            self.gemm_reserve
+                .store(sms, std::sync::atomic::Ordering::Relaxed);
+        }
+
         fn gemm_workspace(
             &self,
             variant: GemmVariant,
@@ -1313,7 +1339,7 @@ mod imp {
                 (self.gemm.workspace)(
                     variant_code(variant),
                     dim("groups", groups)?,
-                    self.n_sms as i32,
+                    self.gemm_sms(),
                 )
             };
             self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda)

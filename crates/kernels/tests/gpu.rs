@@ -494,6 +494,13 @@ fn device_resident_expert_chain_matches_its_composition() {
             got, comp,
             "backward: chain differs from the composed kernels"
         );
+        // GEMMs on fewer SMs (a collective beside them) give the same bits.
+        g.set_gemm_sm_reserve(100);
+        let o_r = g.experts_forward(&offsets, &x, &w).unwrap().0;
+        let got_r = g.experts_backward(&offsets, &x, &d, &w).unwrap();
+        g.set_gemm_sm_reserve(0);
+        assert_eq!(o_r, o, "forward on fewer SMs");
+        assert_eq!(got_r, got, "backward on fewer SMs");
         for (name, a, b) in [
             ("dx", &got.dx, &twin.dx),
             ("gate", &got.gate, &twin.gate),

@@ -42,6 +42,20 @@ pub struct OwnerLayout {
     pub offsets: Vec<u32>,
     /// Rows per local expert over all sources.
     pub per_expert: Vec<u32>,
+    /// Each source's message grouped by local instance on its own:
+    /// `chunks[s]` holds `E_l + 1` offsets into source `s`'s rows (which
+    /// arrive instance-major), so an instance can run its experts on one
+    /// source's rows as soon as they arrive, with no regrouping.
+    pub chunks: Vec<Vec<u32>>,
+}
+
+/// Offsets (`len + 1` entries, from 0) of consecutive groups of `sizes`.
+fn group_offsets(sizes: impl IntoIterator<Item = usize>) -> Vec<u32> {
+    let mut v = vec![0u32];
+    for g in sizes {
+        v.push(v[v.len() - 1] + g as u32);
+    }
+    v
 }
 
 /// One exchange of an expert-parallel call whose experts may have several
@@ -142,11 +156,6 @@ pub fn instance_layout(
         .map(|row| local[me].iter().map(|&e| row[e][me] as usize).collect())
         .collect();
     let plan = receive_plan(&blocks, local[me].len())?;
-    let mut offsets = Vec::with_capacity(local[me].len() + 1);
-    offsets.push(0u32);
-    for &g in &plan.group_sizes {
-        offsets.push(offsets[offsets.len() - 1] + g as u32);
-    }
     Ok(InstanceLayout {
         send,
         send_order,
@@ -156,7 +165,11 @@ pub fn instance_layout(
             per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
             from: plan.recv_counts,
             perm: plan.order,
-            offsets,
+            offsets: group_offsets(plan.group_sizes.iter().copied()),
+            chunks: blocks
+                .iter()
+                .map(|b| group_offsets(b.iter().copied()))
+                .collect(),
         },
     })
 }
@@ -371,17 +384,16 @@ mod tests {
             })
             .collect::<Result<_, _>>()?;
         let plan = receive_plan(&blocks, per_rank)?;
-        let mut offsets = Vec::with_capacity(per_rank + 1);
-        offsets.push(0u32);
-        for &g in &plan.group_sizes {
-            offsets.push(offsets[offsets.len() - 1] + g as u32);
-        }
         Ok(OwnerLayout {
             inv: invert(&plan.order, plan.order.len())?,
             per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
             from: plan.recv_counts,
             perm: plan.order,
-            offsets,
+            offsets: group_offsets(plan.group_sizes.iter().copied()),
+            chunks: blocks
+                .iter()
+                .map(|b| group_offsets(b.iter().copied()))
+                .collect(),
         })
     }
 
@@ -518,6 +530,21 @@ mod tests {
                 for (li, &e) in local[me].iter().enumerate() {
                     let want: u32 = (0..world).map(|s| split[s][e][me]).sum();
                     prop_assert_eq!(l.recv.per_expert[li], want);
+                }
+                // Each source's chunk, read by its own offsets, holds that
+                // source's rows of each local instance in arrival order.
+                let mut start = 0usize;
+                for s in 0..world {
+                    let c = &l.recv.chunks[s];
+                    prop_assert_eq!(c.len(), local[me].len() + 1);
+                    prop_assert_eq!(c[local[me].len()] as usize, l.recv.from[s]);
+                    for (li, &e) in local[me].iter().enumerate() {
+                        for i in c[li]..c[li + 1] {
+                            let (src, ex, _) = recv[start + i as usize];
+                            prop_assert_eq!((src, ex), (s, e));
+                        }
+                    }
+                    start += l.recv.from[s];
                 }
                 if instances.iter().all(|i| i.len() == 1) {
                     let o = owner_layout(&counts, me, per_rank).unwrap();

@@ -72,16 +72,39 @@ impl DeviceComm<'_> {
         }
     }
 
-    /// Sums `buf` over ranks (in place).
-    fn all_reduce_sum(&self, gpu: &Gpu, buf: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    /// Starts an exchange beside the compute stream (the host does not
+    /// wait): `sends[b][off .. off + n]` to rank `d` for `send_parts[d] =
+    /// (b, off, n)`, `recv_parts[s] = (off, n)` into `recv` from rank `s`;
+    /// the message to self never travels (its counts are zero: the caller
+    /// moves those rows itself). One rank: nothing to do.
+    fn start<T: kernels::gpu::DeviceRepr>(
+        &self,
+        gpu: &Gpu,
+        sends: Vec<CudaSlice<T>>,
+        send_parts: &[(usize, usize, usize)],
+        recv: CudaSlice<T>,
+        recv_parts: &[(usize, usize)],
+    ) -> Result<Flight<T>, KernelError> {
         match self {
-            Self::Local => Ok(()),
+            Self::Local => Ok(Flight::Here(recv, sends)),
             #[cfg(feature = "nccl")]
-            Self::Nccl(c) => {
-                gpu.sync()?;
-                c.all_reduce_sum_f32(buf)?;
-                c.synchronize()
+            Self::Nccl(c) => Ok(Flight::Away(
+                c.start_all_to_all(gpu, sends, send_parts, recv, recv_parts)?,
+            )),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, send_parts, recv_parts);
+                Err(KernelError::NotCompiledWithNccl)
             }
+        }
+    }
+
+    /// Starts the sum of `buf` over ranks beside the compute stream.
+    fn start_sum(&self, gpu: &Gpu, buf: CudaSlice<f32>) -> Result<Flight<f32>, KernelError> {
+        match self {
+            Self::Local => Ok(Flight::Here(buf, Vec::new())),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => Ok(Flight::Away(c.start_all_reduce_sum_f32(gpu, buf)?)),
             #[cfg(not(feature = "nccl"))]
             Self::Nccl(_) => {
                 let _ = (gpu, buf);
@@ -90,31 +113,171 @@ impl DeviceComm<'_> {
         }
     }
 
-    /// Every rank's `n` values, rank-major (one rank: `mine`).
-    fn all_gather(
-        &self,
-        gpu: &Gpu,
-        mine: CudaSlice<f32>,
-        n: usize,
-    ) -> Result<CudaSlice<f32>, KernelError> {
+    /// Waits (with the communicator's deadline) for every collective
+    /// started so far: called before the host waits on the compute stream,
+    /// which may be ordered after them, so a dead peer ends in an error,
+    /// never a hang.
+    fn settle(&self) -> Result<(), KernelError> {
         match self {
-            Self::Local => Ok(mine),
+            Self::Local => Ok(()),
             #[cfg(feature = "nccl")]
-            Self::Nccl(c) => {
-                // SAFETY: the all-gather writes all W·n entries.
-                let mut all = unsafe { gpu.uninit::<f32>(c.world_size() * n) }?;
-                gpu.sync()?;
-                c.all_gather(&mine, &mut all)?;
-                c.synchronize()?;
-                Ok(all)
-            }
+            Self::Nccl(c) => c.synchronize(),
             #[cfg(not(feature = "nccl"))]
-            Self::Nccl(_) => {
-                let _ = (gpu, mine, n);
-                Err(KernelError::NotCompiledWithNccl)
-            }
+            Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
         }
     }
+}
+
+/// An exchange started by [`DeviceComm::start`].
+enum Flight<T> {
+    /// One rank: the buffers, untouched.
+    Here(CudaSlice<T>, Vec<CudaSlice<T>>),
+    #[cfg(feature = "nccl")]
+    Away(kernels::comm::InFlight<T>),
+}
+
+impl<T> Flight<T> {
+    fn sends(&self) -> &[CudaSlice<T>] {
+        match self {
+            Self::Here(_, s) => s,
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.sends(),
+        }
+    }
+    #[allow(clippy::type_complexity)]
+    fn buffers_mut(&mut self) -> Result<(&[CudaSlice<T>], &mut CudaSlice<T>), KernelError> {
+        match self {
+            Self::Here(r, s) => Ok((s, r)),
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.buffers_mut(),
+        }
+    }
+    fn recv_mut(&mut self) -> Result<&mut CudaSlice<T>, KernelError> {
+        Ok(self.buffers_mut()?.1)
+    }
+    /// Orders the compute stream after the exchange; the receive buffer
+    /// and the send buffers.
+    fn finish(self) -> Result<(CudaSlice<T>, Vec<CudaSlice<T>>), KernelError> {
+        match self {
+            Self::Here(r, s) => Ok((r, s)),
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.finish(),
+        }
+    }
+}
+
+/// SMs the experts' GEMMs leave to an exchange running beside them on
+/// several ranks: `LRMOE_COMM_SMS`, else 16 (NCCL's send/receive kernels
+/// must find free SMs, or they wait for the persistent GEMM to end).
+fn comm_sms(world: usize) -> u32 {
+    if world == 1 {
+        return 0;
+    }
+    std::env::var("LRMOE_COMM_SMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(16)
+}
+
+/// Keeps [`comm_sms`] SMs out of the GEMMs while it lives.
+struct Overlap<'a>(&'a Gpu);
+
+impl<'a> Overlap<'a> {
+    fn new(gpu: &'a Gpu, world: usize) -> Self {
+        gpu.set_gemm_sm_reserve(comm_sms(world));
+        Self(gpu)
+    }
+}
+
+impl Drop for Overlap<'_> {
+    fn drop(&mut self) {
+        self.0.set_gemm_sm_reserve(0);
+    }
+}
+
+/// Starts of consecutive parts of `counts` (`len + 1` entries).
+fn starts(counts: &[usize]) -> Vec<usize> {
+    let mut v = Vec::with_capacity(counts.len() + 1);
+    v.push(0);
+    for &c in counts {
+        v.push(v[v.len() - 1] + c);
+    }
+    v
+}
+
+/// The parts of an exchange of rows of `width` from one packed buffer
+/// (`send[d]` rows to rank `d`, consecutive) into one packed buffer
+/// (`recv[s]` rows from rank `s`, consecutive), the own rank's message
+/// left out of both (its region of the receive buffer is the caller's).
+#[allow(clippy::type_complexity)]
+fn packed_parts(
+    send: &[usize],
+    recv: &[usize],
+    rank: usize,
+    width: usize,
+) -> (Vec<(usize, usize, usize)>, Vec<(usize, usize)>) {
+    let (so, ro) = (starts(send), starts(recv));
+    let sp = (0..send.len())
+        .map(|d| {
+            let n = if d == rank { 0 } else { send[d] * width };
+            (0, so[d] * width, n)
+        })
+        .collect();
+    let rp = (0..recv.len())
+        .map(|s| {
+            let n = if s == rank { 0 } else { recv[s] * width };
+            (ro[s] * width, n)
+        })
+        .collect();
+    (sp, rp)
+}
+
+/// Starts an exchange of the packed rows `send` (`send_rows[d]` rows of
+/// `width` to rank `d`) into a fresh packed buffer (`recv_rows[s]` rows from
+/// rank `s`); the own rows are copied on the compute stream when
+/// `copy_own` (else their region stays unwritten). Several ranks only.
+fn exchange_rows<T: kernels::gpu::DeviceRepr>(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    send: CudaSlice<T>,
+    (send_rows, recv_rows): (&[usize], &[usize]),
+    width: usize,
+    copy_own: bool,
+) -> Result<Flight<T>, LayerError> {
+    let rank = comm.rank();
+    let (sp, rp) = packed_parts(send_rows, recv_rows, rank, width);
+    let total: usize = recv_rows.iter().sum();
+    // SAFETY: the exchange writes every other rank's region and the copy
+    // below the own one; without `copy_own` the caller reads no row of it.
+    let recv = unsafe { gpu.uninit::<T>(total * width) }?;
+    let mut fl = comm.start(gpu, vec![send], &sp, recv, &rp)?;
+    if copy_own {
+        let (a, b) = (starts(send_rows)[rank], starts(recv_rows)[rank]);
+        let (sends, recv) = fl.buffers_mut()?;
+        copy_rows(gpu, &sends[0], a, recv, b, (send_rows[rank], width))?;
+    }
+    Ok(fl)
+}
+
+/// Copies `rows` rows of `width` from row `a` of `from` to row `b` of `to`
+/// (the message to self of an exchange).
+fn copy_rows<T: kernels::gpu::DeviceRepr>(
+    gpu: &Gpu,
+    from: &CudaSlice<T>,
+    a: usize,
+    to: &mut CudaSlice<T>,
+    b: usize,
+    (rows, width): (usize, usize),
+) -> Result<(), LayerError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    check_at_least("rows to copy", (a + rows) * width, from.len())?;
+    check_at_least("rows to copy into", (b + rows) * width, to.len())?;
+    let v = from.slice(a * width..(a + rows) * width);
+    let mut t = to.slice_mut(b * width..(b + rows) * width);
+    gpu.copy(&v, &mut t)?;
+    Ok(())
 }
 
 /// One rank's weights on its device, bf16: the router `H × E` (every rank
@@ -177,7 +340,8 @@ pub struct DeviceSaved {
     local: Vec<Vec<usize>>,
     weights: Option<LocalWeights>,
     /// Without replicas in the call, this rank's forward rows as an owner
-    /// (instance-major), each row's local expert and the group offsets:
+    /// (as they arrived), each expert-major row's local expert and the
+    /// group offsets:
     /// the backward's kept pairs cannot move, so their `x` rows are taken
     /// from here instead of travelling again.
     owned_rows: Option<OwnedRows>,
@@ -201,7 +365,10 @@ impl DeviceSaved {
 
 /// An owner's forward rows kept for the backward (calls without replicas).
 struct OwnedRows {
+    /// The rows as they arrived (source-major).
     x: CudaSlice<u16>,
+    /// Expert-major row → arrival row (`None`: the identity).
+    perm: Option<CudaSlice<u32>>,
     expert: CudaSlice<u32>,
     offsets: CudaSlice<u32>,
     /// This rank's experts' range in the global expert-major order.
@@ -569,31 +736,117 @@ pub fn forward(
     };
     // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
     let xs = unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?;
-    let xr_src = comm.exchange(gpu, xs, &elems(&lay.send, h), &elems(&lay.recv.from, h))?;
-    laps.lap(gpu, "a2a x")?;
-    // Instance: regroup, experts, ungroup.
-    let n_r = lay.recv.perm.len();
+    laps.lap(gpu, "pack x")?;
+    // Rows for other ranks travel while this rank's own rows go through
+    // its experts; each source's rows are multiplied as they arrive, in
+    // the instance-major order they came in (no regrouping).
+    let (soff, roff) = (starts(&lay.send), starts(&lay.recv.from));
     let (gate_l, up_l, down_l) = match &weights {
         Some(lw) => (&lw.gate, &lw.up, &lw.down),
         None => (&w.gate, &w.up, &w.down),
     };
+    let wts = (gate_l, up_l, down_l);
     // Without replicas (decided from the plan, so alike on every rank)
-    // owners keep their forward rows for the backward.
+    // owners keep their forward rows (source-major) for the backward.
     let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
-    let xr = permute_rows(gpu, xr_src, &lay.recv.perm, h)?;
-    let (or, h_sq) =
-        gpu.experts_forward_dev(&lay.recv.offsets, &xr, (gate_l, up_l, down_l), (h, f))?;
-    let (or_src, hsq_src) = if n_r > 0 {
-        (
-            permute_rows(gpu, or, &lay.recv.inv, h)?,
-            permute4(gpu, h_sq, &lay.recv.inv)?,
-        )
+    let (mut fl, xs_here) = if world > 1 {
+        let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
+        (Some(fl), None)
     } else {
-        (or, h_sq)
+        (None, Some(xs))
     };
-    laps.lap(gpu, "regroup+experts")?;
-    let o = comm.exchange(gpu, or_src, &elems(&lay.recv.from, h), &elems(&lay.send, h))?;
-    let hsq_send = comm.exchange(gpu, hsq_src, &lay.recv.from, &lay.send)?;
+    let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
+        (0..world).map(|_| None).collect();
+    let overlap = Overlap::new(gpu, world);
+    {
+        let xs = match (&fl, &xs_here) {
+            (Some(f), _) => &f.sends()[0],
+            (None, Some(x)) => x,
+            (None, None) => return Err(LayerError::Config("no rows to send (invariant)".into())),
+        };
+        let (a, m) = (soff[rank] * h, lay.send[rank] * h);
+        check_at_least("rows to this rank", a + m, xs.len())?;
+        outs[rank] = Some(gpu.experts_forward_dev(
+            &lay.recv.chunks[rank],
+            &xs.slice(a..a + m),
+            wts,
+            (h, f),
+        )?);
+    }
+    laps.lap(gpu, "experts (own rows)")?;
+    let (xr, xs) = match (fl.take(), xs_here) {
+        (Some(f), _) => {
+            let (xr, mut sent) = f.finish()?;
+            (xr, sent.pop())
+        }
+        (None, xs) => (gpu.zeros::<u16>(0)?, xs),
+    };
+    drop(overlap);
+    for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
+        let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
+        check_at_least("rows from a source", a + m, xr.len())?;
+        outs[s] =
+            Some(gpu.experts_forward_dev(&lay.recv.chunks[s], &xr.slice(a..a + m), wts, (h, f))?);
+    }
+    laps.lap(gpu, "a2a x + experts")?;
+    // Each source's outputs and norms go back; the own ones are copied.
+    let own = outs[rank]
+        .take()
+        .ok_or(LayerError::Config("no own rows".into()))?;
+    let (o, hsq_send) = if world == 1 {
+        own
+    } else {
+        let mut o_sends = Vec::new();
+        let mut h_sends = Vec::new();
+        let (mut op, mut hp) = (Vec::new(), Vec::new());
+        for (s, out) in outs.into_iter().enumerate() {
+            match out {
+                Some((o, q)) if s != rank => {
+                    op.push((o_sends.len(), 0, lay.recv.from[s] * h));
+                    hp.push((h_sends.len(), 0, lay.recv.from[s]));
+                    o_sends.push(o);
+                    h_sends.push(q);
+                }
+                _ => {
+                    op.push((0, 0, 0));
+                    hp.push((0, 0, 0));
+                }
+            }
+        }
+        let orp: Vec<(usize, usize)> = (0..world)
+            .map(|d| (soff[d] * h, if d == rank { 0 } else { lay.send[d] * h }))
+            .collect();
+        let hrp: Vec<(usize, usize)> = (0..world)
+            .map(|d| (soff[d], if d == rank { 0 } else { lay.send[d] }))
+            .collect();
+        // SAFETY: the exchanges write every other rank's region, the copies
+        // the own one.
+        let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
+        let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
+        let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
+        copy_rows(
+            gpu,
+            &own.0,
+            0,
+            fo.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], h),
+        )?;
+        copy_rows(
+            gpu,
+            &own.1,
+            0,
+            fh.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], 1),
+        )?;
+        (fo.finish()?.0, fh.finish()?.0)
+    };
+    // One rank: its rows are the ones it sent itself.
+    let xr = match (world, xs) {
+        (1, Some(xs)) => xs,
+        _ => xr,
+    };
     laps.lap(gpu, "a2a o")?;
     // Pair → row of o. Pairs dropped by the capacity point at an extra
     // zero row (their output, and their router gradient term, are zero).
@@ -634,6 +887,11 @@ pub fn forward(
         let (key, _) = pack::ep::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
         Some(OwnedRows {
             x: xr,
+            perm: if is_identity(&lay.recv.perm) {
+                None
+            } else {
+                Some(gpu.upload(&lay.recv.perm)?)
+            },
             expert: gpu.upload(&key)?,
             offsets: gpu.upload(&lay.recv.offsets)?,
             global: (
@@ -644,6 +902,7 @@ pub fn forward(
     } else {
         None
     };
+    comm.settle()?;
     laps.print("forward", rank);
     let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
     Ok(DeviceSaved {
@@ -783,14 +1042,6 @@ pub fn backward(
         });
     }
     let mut laps = Laps::new();
-    // Router: complete and local, then summed over ranks (f32).
-    // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
-    // forward's p returned rows).
-    let (g_router, dx_router) = unsafe {
-        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
-    }?;
-    let mut router = gpu.to_f32_dev(&g_router, h * e)?;
-    laps.lap(gpu, "router")?;
     // Scores of this source's pairs (expert-major), all-gathered.
     let dy_sq = gpu.row_sq(dy, t, h)?;
     // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
@@ -806,8 +1057,28 @@ pub fn backward(
         }
         scores = padded;
     }
-    comm.all_reduce_sum(gpu, &mut router)?;
-    let all = comm.all_gather(gpu, scores, p)?;
+    let all = if world == 1 {
+        scores
+    } else {
+        let same = vec![p; world];
+        let (mut sp, rp) = packed_parts(&same, &same, rank, 1);
+        // Every rank gets the one buffer whole.
+        for (d, part) in sp.iter_mut().enumerate() {
+            *part = (0, 0, if d == rank { 0 } else { p });
+        }
+        // SAFETY: the exchange writes every other rank's p scores, the
+        // copy below the own ones.
+        let mut fl = comm.start(
+            gpu,
+            vec![scores],
+            &sp,
+            unsafe { gpu.uninit(world * p) }?,
+            &rp,
+        )?;
+        let (sends, recv) = fl.buffers_mut()?;
+        copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
+        fl.finish()?.0
+    };
     laps.lap(gpu, "scores+gather")?;
     // The same per-expert selection on every rank, over every source's pairs.
     let n_all = n_g;
@@ -858,6 +1129,7 @@ pub fn backward(
     // SAFETY: gidx maps this source's n rows into the n_g flags.
     let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
     let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
+    comm.settle()?;
     let flag = gpu.download(&err, 1)?[0];
     let mine = gpu.download(&mine_d, e)?;
     if flag != 0 {
@@ -934,26 +1206,38 @@ pub fn backward(
         )
     }?;
     laps.lap(gpu, "pack")?;
-    let (send, from) = (elems(&lay.send, h), elems(&lay.recv.from, h));
+    // Kept rows travel while the router's backward (complete and local)
+    // runs; its sum over ranks follows on the communicator's stream.
+    let n_r = lay.recv.perm.len();
+    let travel = |rows: CudaSlice<u16>| -> Result<Flight<u16>, LayerError> {
+        if world == 1 {
+            return Ok(Flight::Here(rows, Vec::new()));
+        }
+        exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true)
+    };
     // x rows travel only where a kept pair may change instance.
-    let x_recv = match sv.owned_rows {
+    let x_fl = match sv.owned_rows {
         Some(_) => None,
         None => {
             // SAFETY: as for dk_send.
             let xk_send = unsafe { gpu.gather_scaled(&sv.x, &pair, k, None, n_k, h) }?;
-            Some(comm.exchange(gpu, xk_send, &send, &from)?)
+            Some(travel(xk_send)?)
         }
     };
-    let d_recv = comm.exchange(gpu, dk_send, &send, &from)?;
-    laps.lap(gpu, "a2a kept rows")?;
-    // Instance: regroup, backward GEMMs on the kept rows.
-    let n_r = lay.recv.perm.len();
+    let d_fl = travel(dk_send)?;
+    let overlap = Overlap::new(gpu, world);
+    // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
+    // forward's p returned rows).
+    let (g_router, dx_router) = unsafe {
+        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
+    }?;
+    let router_fl = comm.start_sum(gpu, gpu.to_f32_dev(&g_router, h * e)?)?;
     let (gate_l, up_l, down_l) = match &sv.weights {
         Some(lw) => (&lw.gate, &lw.up, &lw.down),
         None => (&w.gate, &w.up, &w.down),
     };
-    let xk = match (x_recv, &sv.owned_rows) {
-        (Some(xs), _) => permute_rows(gpu, xs, &lay.recv.perm, h)?,
+    let xk = match (x_fl, &sv.owned_rows) {
+        (Some(fl), _) => permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?,
         (None, Some(own)) => {
             // This owner's forward rows (expert, source, pair order),
             // masked by its slice of the global selection: the kept rows in
@@ -975,10 +1259,11 @@ pub fn backward(
                 )));
             }
             // SAFETY: own.expert and m hold hi - lo entries (this owner's
-            // forward rows); kb is the prefix sum of the rows this rank's
-            // selection flagged in that range per local expert (`global`:
-            // min(q_e, n_e), the selection's postcondition), so the writes
-            // fill exactly n_r rows.
+            // forward rows, expert-major); kb is the prefix sum of the rows
+            // this rank's selection flagged in that range per local expert
+            // (`global`: min(q_e, n_e), the selection's postcondition), so
+            // the writes fill exactly n_r rows; own.perm maps expert-major
+            // rows to the rows of own.x (a `pack::ep` layout's permutation).
             unsafe {
                 let (_, rows) = gpu.group(
                     &own.expert,
@@ -989,6 +1274,10 @@ pub fn backward(
                     n_r,
                     el,
                 )?;
+                let rows = match &own.perm {
+                    Some(perm) => gpu.gather32(perm, &rows, n_r)?,
+                    None => rows,
+                };
                 gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)
             }?
         }
@@ -998,16 +1287,28 @@ pub fn backward(
             ))
         }
     };
-    let dk = permute_rows(gpu, d_recv, &lay.recv.perm, h)?;
-    let (dxk, gg, gu, gd) =
-        gpu.experts_backward_dev(&lay.recv.offsets, &xk, &dk, (gate_l, up_l, down_l), (h, f))?;
-    laps.lap(gpu, "experts bwd")?;
+    let dk = permute_rows(gpu, d_fl.finish()?.0, &lay.recv.perm, h)?;
+    drop(overlap);
+    laps.lap(gpu, "a2a kept rows + router")?;
+    // Instance: dX of the kept rows first, sent back while the weight
+    // gradients are computed.
+    let (dxk, rest) =
+        gpu.experts_backward_data(&lay.recv.offsets, &xk, &dk, (gate_l, up_l, down_l), (h, f))?;
     let dx_src = if n_r > 0 {
         permute_rows(gpu, dxk, &lay.recv.inv, h)?
     } else {
         dxk
     };
-    let dx_rows = comm.exchange(gpu, dx_src, &from, &send)?;
+    let dx_fl = if world == 1 {
+        Flight::Here(dx_src, Vec::new())
+    } else {
+        exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?
+    };
+    let overlap = Overlap::new(gpu, world);
+    let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;
+    laps.lap(gpu, "experts bwd")?;
+    let dx_rows = dx_fl.finish()?.0;
+    drop(overlap);
     laps.lap(gpu, "a2a dX")?;
     // Source: scatter-add the kept pairs' dX into the tokens.
     let kinv = gpu.upload(&lay.send_inv)?;
@@ -1019,10 +1320,11 @@ pub fn backward(
         gpu.combine_rows(&dx_rows, &row, None, (t, h, k))
     }?;
     let dx = gpu.add(&dx_router, &dx_experts, t * h)?;
+    let router = router_fl.finish()?.0;
     laps.lap(gpu, "scatter")?;
     let ((gate, up, down), g_bytes) =
         owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, (gg, gu, gd))?;
-    gpu.sync()?;
+    comm.settle()?;
     laps.lap(gpu, "replica grads")?;
     laps.print("backward", rank);
     let x_rows = if sv.owned_rows.is_some() {

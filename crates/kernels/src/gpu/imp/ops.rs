@@ -11,7 +11,7 @@
 //! or from this module's own outputs, whose ranges are stated here).
 //! Operations on lengths alone check them and are safe.
 
-use cudarc::driver::{CudaSlice, CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaView, DevicePtr, LaunchConfig, PushKernelArg};
 
 use super::{at_least, cuda, dim, Gpu};
 use crate::cpu::GemmVariant;
@@ -39,7 +39,25 @@ pub struct Routed {
     pub renormalize: bool,
 }
 
+/// What [`Gpu::experts_backward_data`] keeps for
+/// [`Gpu::experts_backward_weights`]: the group offsets on the device and,
+/// when rows were kept, `h`, `da`, `db` (`rows × F` each).
+pub struct ExpertsBackward {
+    od: CudaSlice<i32>,
+    e: usize,
+    rows: usize,
+    dims: (usize, usize),
+    hidden: Option<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>)>,
+}
+
 impl Gpu {
+    /// The compute stream every operation here runs on (the collectives
+    /// order their own stream against it).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn compute_stream(&self) -> &std::sync::Arc<cudarc::driver::CudaStream> {
+        &self.stream
+    }
+
     /// Waits until the compute stream has finished its work.
     pub fn sync(&self) -> Result<(), KernelError> {
         self.stream.synchronize().map_err(cuda)
@@ -112,13 +130,13 @@ impl Gpu {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemm(
+    fn gemm<A: DevicePtr<u16>, B: DevicePtr<u16>>(
         &self,
         variant: GemmVariant,
         offsets: &CudaSlice<i32>,
         groups: usize,
-        a: &CudaSlice<u16>,
-        b: &CudaSlice<u16>,
+        a: &A,
+        b: &B,
         out_len: usize,
         h: usize,
         f: usize,
@@ -597,12 +615,12 @@ fn checked_offsets(gpu: &Gpu, offsets: &[u32], rows: usize) -> Result<CudaSlice<
 impl Gpu {
     /// `a = x·W_gate`, `b = x·W_up` and `h = silu(a) ⊙ b` of `rows` grouped rows.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn experts_hidden(
+    fn experts_hidden<X: DevicePtr<u16>>(
         &self,
         od: &CudaSlice<i32>,
         e: usize,
         rows: usize,
-        xd: &CudaSlice<u16>,
+        xd: &X,
         wg: &CudaSlice<u16>,
         wu: &CudaSlice<u16>,
         h: usize,
@@ -619,10 +637,10 @@ impl Gpu {
     /// row (device; twin: [`Gpu::experts_forward_bf16`]'s
     /// [`crate::grouped::compose_forward`]).
     #[allow(clippy::type_complexity)]
-    pub fn experts_forward_dev(
+    pub fn experts_forward_dev<X: DevicePtr<u16>>(
         &self,
         offsets: &[u32],
-        x: &CudaSlice<u16>,
+        x: &X,
         (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
         (h, f): (usize, usize),
     ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
@@ -646,14 +664,15 @@ impl Gpu {
     /// recomputes `a`, `b`, `h`, then `dW_down = hᵀ·d`, `dh = d·W_downᵀ`,
     /// the SwiGLU backward, `dW_gate`, `dW_up` and `dX = da·W_gateᵀ +
     /// db·W_upᵀ`; returns `(dX, dW_gate, dW_up, dW_down)` (twin:
-    /// [`crate::grouped::compose_backward`]).
+    /// [`crate::grouped::compose_backward`]). The composition of
+    /// [`Gpu::experts_backward_data`] and [`Gpu::experts_backward_weights`].
     #[allow(clippy::type_complexity)]
     pub fn experts_backward_dev(
         &self,
         offsets: &[u32],
         xd: &CudaSlice<u16>,
         dd: &CudaSlice<u16>,
-        (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        w: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
         (h, f): (usize, usize),
     ) -> Result<
         (
@@ -664,42 +683,100 @@ impl Gpu {
         ),
         KernelError,
     > {
+        let (dx, st) = self.experts_backward_data(offsets, xd, dd, w, (h, f))?;
+        let (gg, gu, gd) = self.experts_backward_weights(st, xd, dd)?;
+        Ok((dx, gg, gu, gd))
+    }
+
+    /// The data half of [`Gpu::experts_backward_dev`]: `dX` of the rows,
+    /// enqueued before any weight gradient so that its exchange can run
+    /// beside [`Gpu::experts_backward_weights`]; the state that needs is
+    /// returned. Same arguments, same results bit for bit.
+    pub fn experts_backward_data(
+        &self,
+        offsets: &[u32],
+        xd: &CudaSlice<u16>,
+        dd: &CudaSlice<u16>,
+        (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (h, f): (usize, usize),
+    ) -> Result<(CudaSlice<u16>, ExpertsBackward), KernelError> {
         let rows = offsets.last().copied().unwrap_or(0) as usize;
         let e = offsets.len().saturating_sub(1);
         let od = checked_offsets(self, offsets, rows)?;
-        let od = &od;
         at_least("x", rows * h, xd.len())?;
         at_least("d", rows * h, dd.len())?;
         check_expert_weights((wg, wu, wd), e * h * f)?;
-        let ew = e * h * f;
         if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
-            let z = || self.stream.alloc_zeros::<u16>(ew.max(1)).map_err(cuda);
             // SAFETY: a dX of zero rows: no element of it is ever read.
-            return Ok((unsafe { self.uninit::<u16>(0) }?, z()?, z()?, z()?));
+            let dx = unsafe { self.uninit::<u16>(0) }?;
+            return Ok((
+                dx,
+                ExpertsBackward {
+                    od,
+                    e,
+                    rows,
+                    dims: (h, f),
+                    hidden: None,
+                },
+            ));
         }
-        let (a, b, hh) = self.experts_hidden(od, e, rows, xd, wg, wu, h, f)?;
-        let g_down = self.gemm(GemmVariant::WeightGrad, od, e, &hh, dd, ew, f, h)?;
-        let dh = self.gemm(GemmVariant::DataGrad, od, e, dd, wd, rows * f, f, h)?;
+        let (a, b, hh) = self.experts_hidden(&od, e, rows, xd, wg, wu, h, f)?;
+        let dh = self.gemm(GemmVariant::DataGrad, &od, e, dd, wd, rows * f, f, h)?;
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
-        if rows > 0 {
-            let n = (rows * f) as i64;
-            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
-            l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
-            // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
-            unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
-        }
-        let g_gate = self.gemm(GemmVariant::WeightGrad, od, e, xd, &da, ew, h, f)?;
-        let g_up = self.gemm(GemmVariant::WeightGrad, od, e, xd, &db, ew, h, f)?;
-        let dx1 = self.gemm(GemmVariant::DataGrad, od, e, &da, wg, rows * h, h, f)?;
-        let dx2 = self.gemm(GemmVariant::DataGrad, od, e, &db, wu, rows * h, h, f)?;
+        let n = (rows * f) as i64;
+        let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+        l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
+        // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
+        unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+        let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
+        let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, wu, rows * h, h, f)?;
         let dx = self.add(&dx1, &dx2, rows * h)?;
-        Ok((dx, g_gate, g_up, g_down))
+        Ok((
+            dx,
+            ExpertsBackward {
+                od,
+                e,
+                rows,
+                dims: (h, f),
+                hidden: Some((hh, da, db)),
+            },
+        ))
+    }
+
+    /// The weight half of [`Gpu::experts_backward_dev`]: `(dW_gate,
+    /// dW_up, dW_down)` from the data half's state and the same `x` and `d`
+    /// rows (zeros when no row was kept).
+    #[allow(clippy::type_complexity)]
+    pub fn experts_backward_weights(
+        &self,
+        st: ExpertsBackward,
+        xd: &CudaSlice<u16>,
+        dd: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let ExpertsBackward {
+            od,
+            e,
+            rows,
+            dims: (h, f),
+            hidden,
+        } = st;
+        let ew = e * h * f;
+        at_least("x", rows * h, xd.len())?;
+        at_least("d", rows * h, dd.len())?;
+        let Some((hh, da, db)) = hidden else {
+            let z = || self.stream.alloc_zeros::<u16>(ew.max(1)).map_err(cuda);
+            return Ok((z()?, z()?, z()?));
+        };
+        let g_down = self.gemm(GemmVariant::WeightGrad, &od, e, &hh, dd, ew, f, h)?;
+        let g_gate = self.gemm(GemmVariant::WeightGrad, &od, e, xd, &da, ew, h, f)?;
+        let g_up = self.gemm(GemmVariant::WeightGrad, &od, e, xd, &db, ew, h, f)?;
+        Ok((g_gate, g_up, g_down))
     }
 
     /// LRM scores from norms: `score[j] = g[p]² · dy_sq[p / k] · h_sq[j]`
