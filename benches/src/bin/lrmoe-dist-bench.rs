@@ -50,7 +50,8 @@ fn zipf_counts(rows: usize) -> Vec<u64> {
 }
 
 fn main() -> anyhow::Result<()> {
-    // The layer's per-phase profile (LRMOE_EP_PROFILE=1) is logged.
+    lrmoe::keep_freed_memory();
+    // The layer's timeline (LRMOE_EP_PROFILE=1) is logged.
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_env_filter(

@@ -499,6 +499,11 @@ mod imp {
             self.world
         }
 
+        /// A timed mark of the collectives enqueued so far (no wait).
+        pub fn mark(&self) -> Result<crate::gpu::Mark, KernelError> {
+            crate::gpu::Mark::on(&self.ctx, &self.stream)
+        }
+
         /// The stream every collective of this communicator runs on.
         pub fn stream(&self) -> &Arc<CudaStream> {
             &self.stream

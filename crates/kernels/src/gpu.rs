@@ -32,7 +32,7 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 #[cfg(feature = "cuda")]
 pub use imp::{
     ops::{ExpertsBackward, Routed},
-    Gpu,
+    Download, Gpu, Mark,
 };
 
 /// Stand-in when built without CUDA: every call is an error.
@@ -312,6 +312,77 @@ mod imp {
         })
     }
 
+    /// Uploads of at least this many bytes are staged through pinned memory.
+    const STAGE_ABOVE: usize = 64 << 10;
+
+    /// A pooled pinned buffer and the event after its last copy.
+    type Staging = (
+        cudarc::driver::PinnedHostSlice<u64>,
+        Option<cudarc::driver::CudaEvent>,
+    );
+
+    /// A device-to-host copy in flight ([`Gpu::download_later`]).
+    pub struct Download<'a, T> {
+        gpu: &'a Gpu,
+        host: Option<cudarc::driver::PinnedHostSlice<u64>>,
+        done: cudarc::driver::CudaEvent,
+        n: usize,
+        _t: std::marker::PhantomData<T>,
+    }
+
+    impl<T: cudarc::driver::DeviceRepr + Copy> Download<'_, T> {
+        /// Blocks until the copy is done; the `n` elements.
+        pub fn wait(mut self) -> Result<Vec<T>, KernelError> {
+            self.done.synchronize().map_err(cuda)?;
+            let host = self
+                .host
+                .take()
+                .ok_or_else(|| KernelError::Cuda("a download waited twice".into()))?;
+            // SAFETY: the event above follows the copy of n elements of T
+            // into this pinned buffer (8-byte aligned, at least n · size_of
+            // T bytes): they are initialised values of T.
+            let v = unsafe {
+                std::slice::from_raw_parts(host.as_ptr().map_err(cuda)? as *const T, self.n)
+            }
+            .to_vec();
+            self.gpu.give_pinned(host, None);
+            Ok(v)
+        }
+    }
+
+    impl<T> Drop for Download<'_, T> {
+        fn drop(&mut self) {
+            if let Some(h) = self.host.take() {
+                // Not waited for (an error path): the copy may still write.
+                let _ = self.done.synchronize();
+                self.gpu.give_pinned(h, None);
+            }
+        }
+    }
+
+    /// A point in a stream's work, timed by the device (a CUDA event with
+    /// timing): [`Gpu::mark`] on the compute stream, `NcclComm::mark` on a
+    /// communicator's stream.
+    pub struct Mark(cudarc::driver::CudaEvent);
+
+    impl Mark {
+        /// Records a timed event on `stream`.
+        pub(crate) fn on(ctx: &Arc<CudaContext>, stream: &CudaStream) -> Result<Self, KernelError> {
+            let ev = ctx
+                .new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cuda)?;
+            ev.record(stream).map_err(cuda)?;
+            Ok(Self(ev))
+        }
+
+        /// Device milliseconds from `earlier` to this mark (waits for both).
+        pub fn ms_since(&self, earlier: &Mark) -> Result<f64, KernelError> {
+            self.0.synchronize().map_err(cuda)?;
+            earlier.0.synchronize().map_err(cuda)?;
+            Ok(f64::from(earlier.0.elapsed_ms(&self.0).map_err(cuda)?))
+        }
+    }
+
     /// One device with the lrmoe module loaded.
     pub struct Gpu {
         ctx: Arc<CudaContext>,
@@ -346,6 +417,9 @@ mod imp {
         /// SMs the grouped GEMMs leave free (for a collective running
         /// beside them): see [`Gpu::set_gemm_sm_reserve`].
         gemm_reserve: std::sync::atomic::AtomicU32,
+        /// Pinned host buffers for [`Gpu::download_later`] and staged
+        /// uploads, each with the event after its last copy.
+        pinned: std::sync::Mutex<Vec<Staging>>,
     }
 
     impl std::fmt::Debug for Gpu {
@@ -447,6 +521,7 @@ mod imp {
                 stream,
                 n_sms,
                 gemm_reserve: std::sync::atomic::AtomicU32::new(0),
+                pinned: std::sync::Mutex::new(Vec::new()),
             })
         }
 
@@ -475,7 +550,44 @@ mod imp {
                 // SAFETY: the one uninitialised element is never read.
                 return unsafe { self.stream.alloc::<T>(1) }.map_err(cuda);
             }
-            self.stream.clone_htod(host).map_err(cuda)
+            let bytes = std::mem::size_of_val(host);
+            if bytes < STAGE_ABOVE {
+                return self.stream.clone_htod(host).map_err(cuda);
+            }
+            // Staged through pinned memory, so the copy is asynchronous (a
+            // copy from pageable memory may wait for the stream).
+            let mut stage = self.take_pinned(bytes.div_ceil(8))?;
+            {
+                let words = stage.as_mut_slice().map_err(cuda)?;
+                // SAFETY: `bytes` bytes of a live host slice into a pinned
+                // buffer of at least as many bytes; they do not overlap.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        host.as_ptr() as *const u8,
+                        words.as_mut_ptr() as *mut u8,
+                        bytes,
+                    );
+                }
+            }
+            // SAFETY: the copy below writes all host.len() elements.
+            let mut dev = unsafe { self.stream.alloc::<T>(host.len()) }.map_err(cuda)?;
+            {
+                use cudarc::driver::DevicePtrMut;
+                let (dst, _g) = dev.device_ptr_mut(&self.stream);
+                let src = stage.as_slice().map_err(cuda)?;
+                // SAFETY: `bytes` bytes from the pinned buffer into a device
+                // buffer of host.len() elements, on the compute stream; the
+                // buffer stays busy in the pool until the event below.
+                unsafe {
+                    let src = std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes);
+                    cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
+                }
+                .map_err(cuda)?;
+            }
+            let done = self.ctx.new_event(None).map_err(cuda)?;
+            done.record(&self.stream).map_err(cuda)?;
+            self.give_pinned(stage, Some(done));
+            Ok(dev)
         }
 
         fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(
@@ -500,6 +612,92 @@ mod imp {
             let mut v = self.stream.clone_dtoh(dev).map_err(cuda)?;
             v.truncate(n);
             Ok(v)
+        }
+
+        /// A timed mark of the work enqueued on the compute stream so far
+        /// (no wait).
+        pub fn mark(&self) -> Result<Mark, KernelError> {
+            Mark::on(&self.ctx, &self.stream)
+        }
+
+        /// Enqueues a copy of the first `n` elements of `dev` to pinned host
+        /// memory and returns at once; [`Download::wait`] blocks until the
+        /// copy (and the work before it on the compute stream, not the work
+        /// enqueued after) is done. Lets the host read a few counts while
+        /// the device runs on.
+        pub fn download_later<T: cudarc::driver::DeviceRepr + Copy>(
+            &self,
+            dev: &CudaSlice<T>,
+            n: usize,
+        ) -> Result<Download<'_, T>, KernelError> {
+            use cudarc::driver::DevicePtr;
+            if n > dev.len() {
+                return Err(KernelError::Shape {
+                    what: "download length",
+                    expected: n,
+                    got: dev.len(),
+                });
+            }
+            let bytes = n * std::mem::size_of::<T>();
+            let mut host = self.take_pinned(bytes.div_ceil(8))?;
+            if n > 0 {
+                let (src, _g) = dev.device_ptr(&self.stream);
+                let dst = host.as_mut_slice().map_err(cuda)?;
+                // SAFETY: a copy of n elements (bytes) from a live device
+                // buffer of at least n into this pinned buffer of at least as
+                // many bytes (as u64 words), on the compute stream; the
+                // buffer stays out of the pool until the copy is waited for.
+                unsafe {
+                    let dst = std::slice::from_raw_parts_mut(dst.as_mut_ptr() as *mut u8, bytes);
+                    cudarc::driver::result::memcpy_dtoh_async(dst, src, self.stream.cu_stream())
+                }
+                .map_err(cuda)?;
+            }
+            let done = self.ctx.new_event(None).map_err(cuda)?;
+            done.record(&self.stream).map_err(cuda)?;
+            Ok(Download {
+                gpu: self,
+                host: Some(host),
+                done,
+                n,
+                _t: std::marker::PhantomData,
+            })
+        }
+
+        /// A free pinned staging buffer of at least `words` u64 from the
+        /// pool (pinned allocations are slow, so they are kept; a buffer is
+        /// free once the copy that last used it is done).
+        fn take_pinned(
+            &self,
+            words: usize,
+        ) -> Result<cudarc::driver::PinnedHostSlice<u64>, KernelError> {
+            let mut pool = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            let free = pool.iter().position(|(b, ev)| {
+                b.len() >= words && ev.as_ref().is_none_or(|e| e.is_complete())
+            });
+            if let Some(i) = free {
+                return Ok(pool.swap_remove(i).0);
+            }
+            drop(pool);
+            // SAFETY: the contents are written before any read.
+            unsafe {
+                self.ctx
+                    .alloc_pinned_with_flags::<u64>(words.max(512).next_power_of_two(), 0)
+                    .map_err(cuda)
+            }
+        }
+
+        /// Returns a staging buffer to the pool, busy until `after` (if any)
+        /// completes.
+        fn give_pinned(
+            &self,
+            b: cudarc::driver::PinnedHostSlice<u64>,
+            after: Option<cudarc::driver::CudaEvent>,
+        ) {
+            let mut pool = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
+            if pool.len() < 32 {
+                pool.push((b, after));
+            }
         }
 
         /// LRM scores `g² · ‖δ‖² · ‖h‖²` of `gate.len()` rows of bf16 bits.

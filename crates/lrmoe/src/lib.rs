@@ -59,3 +59,18 @@ pub mod stop;
 pub mod strict;
 pub mod tensorfile;
 pub mod train;
+
+/// Keeps freed heap memory in the process (glibc: no `mmap` per large
+/// buffer, no trimming): the device executor builds index layouts of a few
+/// hundred KiB on the host every layer call, and fresh pages for each
+/// (one page fault per 4 KiB, and an `munmap` after) cost more than the
+/// layouts themselves. A no-op where the C library is not glibc.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets allocator parameters; called before the
+    // process allocates from other threads.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}

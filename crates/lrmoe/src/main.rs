@@ -528,6 +528,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 fn main() -> ExitCode {
+    lrmoe::keep_freed_memory();
     let cli = Cli::parse();
     tracing_subscriber::fmt()
         .with_writer(lrmoe::progress::make_writer)

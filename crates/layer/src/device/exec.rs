@@ -1,7 +1,7 @@
 //! The device executor proper (feature `cuda`); see the module doc.
 
 use kernels::cpu::{fan_in_scaled, random_bf16};
-use kernels::gpu::{CudaSlice, Gpu, Routed};
+use kernels::gpu::{CudaSlice, Gpu, Mark, Routed};
 use kernels::KernelError;
 use pack::ep::{
     experts_per_rank, global_order, instance_layout, local_experts, replica_traffic, InstanceLayout,
@@ -96,6 +96,17 @@ impl DeviceComm<'_> {
                 let _ = (gpu, send_parts, recv_parts);
                 Err(KernelError::NotCompiledWithNccl)
             }
+        }
+    }
+
+    /// A timed mark on the communicator's stream (none on one rank).
+    fn mark(&self) -> Result<Option<Mark>, KernelError> {
+        match self {
+            Self::Local => Ok(None),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => Ok(Some(c.mark()?)),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
         }
     }
 
@@ -397,40 +408,70 @@ pub struct DeviceGrads {
     pub bytes_sent: usize,
 }
 
-/// Per-phase wall times of one call, printed when `LRMOE_EP_PROFILE=1`
-/// (each lap synchronises the compute stream, so profiling slows the call).
+/// The timeline of one call, logged when `LRMOE_EP_PROFILE=1`: a timed
+/// mark on the compute stream after each phase, and for each exchange the
+/// compute stream's mark where it was started and the communicator
+/// stream's mark where it ended. Nothing is synchronised until the log, so
+/// overlapping phases show as overlapping intervals (device ms from the
+/// call's start).
 struct Laps {
-    on: bool,
-    at: std::time::Instant,
-    laps: Vec<(&'static str, f64)>,
+    start: Option<Mark>,
+    compute: Vec<(&'static str, Mark)>,
+    comm: Vec<(&'static str, Mark, Mark)>,
 }
 
 impl Laps {
-    fn new() -> Self {
-        Self {
-            on: std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"),
-            at: std::time::Instant::now(),
-            laps: Vec::new(),
-        }
+    fn new(gpu: &Gpu) -> Result<Self, KernelError> {
+        let on = std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1");
+        Ok(Self {
+            start: if on { Some(gpu.mark()?) } else { None },
+            compute: Vec::new(),
+            comm: Vec::new(),
+        })
     }
     fn lap(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), KernelError> {
-        if self.on {
-            gpu.sync()?;
-            let now = std::time::Instant::now();
-            self.laps.push((name, (now - self.at).as_secs_f64() * 1e3));
-            self.at = now;
+        if self.start.is_some() {
+            self.compute.push((name, gpu.mark()?));
         }
         Ok(())
     }
-    fn print(&self, what: &str, rank: usize) {
-        if self.on {
-            let parts: Vec<String> = self
-                .laps
-                .iter()
-                .map(|(n, ms)| format!("{n} {ms:.2}"))
-                .collect();
-            tracing::info!(rank, phase = what, "EP profile (ms): {}", parts.join(", "));
+    /// An exchange `name` was just started.
+    fn sent(
+        &mut self,
+        gpu: &Gpu,
+        comm: DeviceComm<'_>,
+        name: &'static str,
+    ) -> Result<(), KernelError> {
+        if self.start.is_some() {
+            if let Some(end) = comm.mark()? {
+                self.comm.push((name, gpu.mark()?, end));
+            }
         }
+        Ok(())
+    }
+    fn print(&self, what: &str, rank: usize) -> Result<(), KernelError> {
+        let Some(t0) = &self.start else {
+            return Ok(());
+        };
+        let mut parts = Vec::new();
+        let mut at = 0.0;
+        for (n, m) in &self.compute {
+            let t = m.ms_since(t0)?;
+            parts.push(format!("{n} {at:.2}-{t:.2}"));
+            at = t;
+        }
+        let mut comm = Vec::new();
+        for (n, a, b) in &self.comm {
+            comm.push(format!("{n} {:.2}-{:.2}", a.ms_since(t0)?, b.ms_since(t0)?));
+        }
+        tracing::info!(
+            rank,
+            phase = what,
+            "EP timeline (device ms): compute: {}; comm: {}",
+            parts.join(", "),
+            comm.join(", ")
+        );
+        Ok(())
     }
 }
 
@@ -679,7 +720,7 @@ pub fn forward(
     }
     let tokens = x.len() / h;
     let p = tokens * k;
-    let mut laps = Laps::new();
+    let mut laps = Laps::new(gpu)?;
     let routed = gpu.route(
         &w.router,
         x,
@@ -751,6 +792,7 @@ pub fn forward(
     let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
     let (mut fl, xs_here) = if world > 1 {
         let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
+        laps.sent(gpu, comm, "x out")?;
         (Some(fl), None)
     } else {
         (None, Some(xs))
@@ -824,6 +866,7 @@ pub fn forward(
         let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
         let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
         let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
+        laps.sent(gpu, comm, "o, |h|^2 back")?;
         copy_rows(
             gpu,
             &own.0,
@@ -903,7 +946,7 @@ pub fn forward(
         None
     };
     comm.settle()?;
-    laps.print("forward", rank);
+    laps.print("forward", rank)?;
     let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
     Ok(DeviceSaved {
         cfg: *cfg,
@@ -1041,7 +1084,7 @@ pub fn backward(
             got: dy.len(),
         });
     }
-    let mut laps = Laps::new();
+    let mut laps = Laps::new(gpu)?;
     // Scores of this source's pairs (expert-major), all-gathered.
     let dy_sq = gpu.row_sq(dy, t, h)?;
     // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
@@ -1075,6 +1118,7 @@ pub fn backward(
             unsafe { gpu.uninit(world * p) }?,
             &rp,
         )?;
+        laps.sent(gpu, comm, "scores")?;
         let (sends, recv) = fl.buffers_mut()?;
         copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
         fl.finish()?.0
@@ -1129,9 +1173,20 @@ pub fn backward(
     // SAFETY: gidx maps this source's n rows into the n_g flags.
     let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
     let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
+    // The host needs the kept counts to plan; the router's backward
+    // (complete and local) keeps the device busy meanwhile.
+    let (flag, mine) = (
+        gpu.download_later(&err, 1)?,
+        gpu.download_later(&mine_d, e)?,
+    );
+    // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
+    // forward's p returned rows).
+    let (g_router, dx_router) = unsafe {
+        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
+    }?;
+    let router = gpu.to_f32_dev(&g_router, h * e)?;
     comm.settle()?;
-    let flag = gpu.download(&err, 1)?[0];
-    let mine = gpu.download(&mine_d, e)?;
+    let (flag, mine) = (flag.wait()?[0], mine.wait()?);
     if flag != 0 {
         return Err(LayerError::NonFinite(
             "a LRM score of the device backward (non-finite dy?)",
@@ -1156,7 +1211,7 @@ pub fn backward(
             ))));
         }
     }
-    laps.lap(gpu, "select")?;
+    laps.lap(gpu, "select + router")?;
     // Redistribution of the kept pairs over the instances.
     let split = planner.backward(&sv.plan, &kept)?;
     check_split(&split, &kept, &sv.plan.instances)?;
@@ -1206,8 +1261,8 @@ pub fn backward(
         )
     }?;
     laps.lap(gpu, "pack")?;
-    // Kept rows travel while the router's backward (complete and local)
-    // runs; its sum over ranks follows on the communicator's stream.
+    // Kept rows travel; the router gradient's sum over ranks follows on
+    // the communicator's stream.
     let n_r = lay.recv.perm.len();
     let travel = |rows: CudaSlice<u16>| -> Result<Flight<u16>, LayerError> {
         if world == 1 {
@@ -1225,13 +1280,9 @@ pub fn backward(
         }
     };
     let d_fl = travel(dk_send)?;
-    let overlap = Overlap::new(gpu, world);
-    // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
-    // forward's p returned rows).
-    let (g_router, dx_router) = unsafe {
-        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
-    }?;
-    let router_fl = comm.start_sum(gpu, gpu.to_f32_dev(&g_router, h * e)?)?;
+    laps.sent(gpu, comm, "kept rows out")?;
+    let router_fl = comm.start_sum(gpu, router)?;
+    laps.sent(gpu, comm, "router sum")?;
     let (gate_l, up_l, down_l) = match &sv.weights {
         Some(lw) => (&lw.gate, &lw.up, &lw.down),
         None => (&w.gate, &w.up, &w.down),
@@ -1288,8 +1339,7 @@ pub fn backward(
         }
     };
     let dk = permute_rows(gpu, d_fl.finish()?.0, &lay.recv.perm, h)?;
-    drop(overlap);
-    laps.lap(gpu, "a2a kept rows + router")?;
+    laps.lap(gpu, "a2a kept rows")?;
     // Instance: dX of the kept rows first, sent back while the weight
     // gradients are computed.
     let (dxk, rest) =
@@ -1304,6 +1354,7 @@ pub fn backward(
     } else {
         exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?
     };
+    laps.sent(gpu, comm, "dX back")?;
     let overlap = Overlap::new(gpu, world);
     let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;
     laps.lap(gpu, "experts bwd")?;
@@ -1326,7 +1377,7 @@ pub fn backward(
         owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, (gg, gu, gd))?;
     comm.settle()?;
     laps.lap(gpu, "replica grads")?;
-    laps.print("backward", rank);
+    laps.print("backward", rank)?;
     let x_rows = if sv.owned_rows.is_some() {
         0
     } else {
