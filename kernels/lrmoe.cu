@@ -248,9 +248,13 @@ extern "C" __global__ void swiglu_bwd_bf16(const uint16_t* __restrict__ a, const
 //   probs:  device, [t, e] f32
 //   idx:    device, [t, k] u32 (descending probability)
 //   gates:  device, [t, k] f32
-extern "C" __global__ void router_topk(const float* __restrict__ logits, float* __restrict__ probs,
-                                       uint32_t* __restrict__ idx, float* __restrict__ gates, int t, int e, int k,
-                                       int renormalize) {
+// Softmax and top-k of each row of logits. `sel_bias` (nullable, one per
+// expert) is added to the probabilities for the choice only (DeepSeek-V3's
+// auxiliary-loss-free balancing bias); the gates are the unbiased
+// probabilities of the chosen experts.
+extern "C" __global__ void router_topk(const float* __restrict__ logits, const float* __restrict__ sel_bias,
+                                       float* __restrict__ probs, uint32_t* __restrict__ idx,
+                                       float* __restrict__ gates, int t, int e, int k, int renormalize) {
     int lane = threadIdx.x & 31;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int n_warps = (gridDim.x * blockDim.x) >> 5;
@@ -275,7 +279,7 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, float* 
             float bv = -1.f;
             uint32_t bi = 0xffffffffu;
             for (int i = lane; i < e; i += 32) {
-                float v = p[i];
+                float v = sel_bias ? p[i] + sel_bias[i] : p[i];
                 bool after = v < prev_v || (v == prev_v && static_cast<uint32_t>(i) > prev_i);
                 bool better = v > bv || (v == bv && static_cast<uint32_t>(i) < bi);
                 if (after && better) {
@@ -292,11 +296,12 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, float* 
                     bi = oi;
                 }
             }
+            float g = p[bi];
             if (lane == 0) {
                 idx[static_cast<size_t>(r) * k + j] = bi;
-                gates[static_cast<size_t>(r) * k + j] = bv;
+                gates[static_cast<size_t>(r) * k + j] = g;
             }
-            total += bv;
+            total += g;
             prev_v = bv;
             prev_i = bi;
         }

@@ -455,11 +455,15 @@ pub(crate) fn check_router(logits_len: usize, e: usize, k: usize) -> Result<usiz
 #[allow(clippy::type_complexity)]
 pub fn router_topk_reference(
     logits: &[f32],
+    sel_bias: Option<&[f32]>,
     e: usize,
     k: usize,
     renormalize: bool,
 ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
     let t = check_router(logits.len(), e, k)?;
+    if let Some(b) = sel_bias {
+        check("selection bias (one per expert)", e, b.len())?;
+    }
     let mut probs = vec![0f32; t * e];
     let mut idx = vec![0u32; t * k];
     let mut gates = vec![0f32; t * k];
@@ -471,8 +475,14 @@ pub fn router_topk_reference(
         for (pi, &v) in p.iter_mut().zip(l) {
             *pi = (v - m).exp() / s;
         }
+        // The choice reads `p + bias` (the same f32 add as the kernel); the
+        // gates stay the unbiased probabilities.
+        let key = |i: u32| match sel_bias {
+            Some(b) => p[i as usize] + b[i as usize],
+            None => p[i as usize],
+        };
         let mut order: Vec<u32> = (0..e as u32).collect();
-        order.sort_by(|&a, &b| p[b as usize].total_cmp(&p[a as usize]).then(a.cmp(&b)));
+        order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
         let total: f32 = order[..k].iter().map(|&i| p[i as usize]).sum();
         for j in 0..k {
             idx[r * k + j] = order[j];

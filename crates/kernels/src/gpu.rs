@@ -150,6 +150,7 @@ impl Gpu {
     pub fn router_topk(
         &self,
         _logits: &[f32],
+        _sel_bias: Option<&[f32]>,
         _e: usize,
         _k: usize,
         _renormalize: bool,
@@ -1269,9 +1270,11 @@ mod imp {
 
         /// Softmax and top-k of `t × e` f32 logits into `probs` (`t × e`),
         /// `idx` and `gates` (`t × k`), which must hold that many elements.
+        #[allow(clippy::too_many_arguments)]
         pub(crate) fn launch_router_topk(
             &self,
             logits: &CudaSlice<f32>,
+            sel_bias: Option<&CudaSlice<f32>>,
             (probs, idx, gates): (
                 &mut CudaSlice<f32>,
                 &mut CudaSlice<u32>,
@@ -1299,18 +1302,33 @@ mod imp {
                 dim("top_k", k)?,
                 i32::from(renormalize),
             );
+            if let Some(b) = sel_bias {
+                if b.len() < e {
+                    return Err(KernelError::Shape {
+                        what: "selection bias (one per expert)",
+                        expected: e,
+                        got: b.len(),
+                    });
+                }
+            }
+            let null = 0u64;
             let mut l = self.stream.launch_builder(&self.router);
-            l.arg(logits)
-                .arg(probs)
+            l.arg(logits);
+            match sel_bias {
+                Some(b) => l.arg(b),
+                None => l.arg(&null),
+            };
+            l.arg(probs)
                 .arg(idx)
                 .arg(gates)
                 .arg(&t_i)
                 .arg(&e_i)
                 .arg(&k_i)
                 .arg(&r_i);
-            // SAFETY: 1. (f32*, f32*, u32*, f32*, int, int, int, int)
-            // matches; 2. logits and probs hold t·e, idx and gates t·k
-            // elements (checked above); 3. outputs alias nothing.
+            // SAFETY: 1. (f32*, const f32* or null, f32*, u32*, f32*, int,
+            // int, int, int) matches; 2. logits and probs hold t·e, the bias
+            // e, idx and gates t·k elements (checked above); 3. outputs
+            // alias nothing.
             unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
             Ok(())
         }
@@ -1320,11 +1338,16 @@ mod imp {
         pub fn router_topk(
             &self,
             logits: &[f32],
+            sel_bias: Option<&[f32]>,
             e: usize,
             k: usize,
             renormalize: bool,
         ) -> Result<(Vec<f32>, Vec<u32>, Vec<f32>), KernelError> {
             let t = crate::cpu::check_router(logits.len(), e, k)?;
+            if let Some(b) = sel_bias {
+                check("selection bias (one per expert)", e, b.len())?;
+            }
+            let bd = sel_bias.map(|b| self.upload(b)).transpose()?;
             let ld = self.upload(logits)?;
             let mut probs = self.poisoned::<f32>(t * e)?;
             let mut idx = self.poisoned::<u32>(t * k)?;
@@ -1332,6 +1355,7 @@ mod imp {
             if t > 0 {
                 self.launch_router_topk(
                     &ld,
+                    bd.as_ref(),
                     (&mut probs, &mut idx, &mut gates),
                     t,
                     e,

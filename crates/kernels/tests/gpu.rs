@@ -323,14 +323,32 @@ fn router_topk_matches_the_cpu_twin() {
         let logits: Vec<f32> = (0..t * e)
             .map(|_| (rng.next() % 2001) as f32 / 250.0 - 4.0)
             .collect();
-        let (p, idx, gates) = g.router_topk(&logits, e, k, renorm).unwrap();
-        let (wp, widx, wg) = router_topk_reference(&logits, e, k, renorm).unwrap();
-        assert_eq!(idx, widx, "top-k indices ({t}, {e}, {k})");
-        for (a, b) in p.iter().zip(&wp).chain(gates.iter().zip(&wg)) {
-            assert!(
-                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                "({t}, {e}, {k}): {a} vs {b}"
+        // Without and with a selection-only bias (DeepSeek-V3's balancing
+        // bias, of the size of the probabilities' spread).
+        let bias: Vec<f32> = (0..e)
+            .map(|_| (rng.next() % 2001) as f32 / 2000.0 * 0.04 - 0.02)
+            .collect();
+        for sel in [None, Some(bias.as_slice())] {
+            let (p, idx, gates) = g.router_topk(&logits, sel, e, k, renorm).unwrap();
+            let (wp, widx, wg) = router_topk_reference(&logits, sel, e, k, renorm).unwrap();
+            assert_eq!(
+                idx,
+                widx,
+                "top-k indices ({t}, {e}, {k}, bias {})",
+                sel.is_some()
             );
+            for (a, b) in p.iter().zip(&wp).chain(gates.iter().zip(&wg)) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "({t}, {e}, {k}): {a} vs {b}"
+                );
+            }
+            if !renorm {
+                // The gates are the unbiased probabilities of the chosen.
+                for (j, (&i, &gv)) in idx.iter().zip(&gates).enumerate() {
+                    assert_eq!(gv, p[(j / k) * e + i as usize]);
+                }
+            }
         }
     }
 }

@@ -217,6 +217,22 @@ pub struct StageTimes {
     pub reduce: f64,
 }
 
+/// The call's selection bias in `T` (`None` when empty); one finite value
+/// per expert or a configuration error.
+fn selection_bias<T: Real>(bias: &[f64], experts: usize) -> Result<Option<Vec<T>>, LayerError> {
+    if bias.is_empty() {
+        return Ok(None);
+    }
+    if bias.len() != experts || bias.iter().any(|b| !b.is_finite()) {
+        return Err(LayerError::Config(format!(
+            "expert bias: {} finite values expected (one per expert), got {}",
+            experts,
+            bias.len()
+        )));
+    }
+    Ok(Some(bias.iter().map(|&b| T::of(b)).collect()))
+}
+
 /// Figures of one backward on one rank.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackwardStats {
@@ -230,6 +246,9 @@ pub struct BackwardStats {
     pub scores: Vec<f32>,
     /// Pairs processed per rank after redistribution (same on every rank).
     pub pairs_per_rank: Vec<u64>,
+    /// Routed pairs per expert over every rank (the call's expert load,
+    /// after capacity dropping).
+    pub expert_load: Vec<u64>,
     /// Bytes of this rank's backward token buffers.
     pub buffer_bytes: u64,
     /// Bytes this rank sent to other ranks during the backward exchange.
@@ -294,11 +313,22 @@ pub fn forward<T: Real, X: Transport>(
         }
     }
     softmax_rows(&mut probs, e_n);
+    let sel_bias = selection_bias::<T>(&bwd.expert_bias, e_n)?;
     let mut expert_of_pair = vec![0u32; n_tok * k];
     let mut gate = vec![T::zero(); n_tok * k];
+    let mut biased = vec![T::zero(); if sel_bias.is_some() { e_n } else { 0 }];
     for t in 0..n_tok {
         let sel = &mut expert_of_pair[t * k..(t + 1) * k];
-        top_k(&probs[t * e_n..(t + 1) * e_n], k, sel);
+        let row = &probs[t * e_n..(t + 1) * e_n];
+        match &sel_bias {
+            Some(b) => {
+                for ((o, &p), &bb) in biased.iter_mut().zip(row).zip(b) {
+                    *o = p + bb;
+                }
+                top_k(&biased, k, sel);
+            }
+            None => top_k(row, k, sel),
+        }
         let g = &mut gate[t * k..(t + 1) * k];
         for (gj, &e) in g.iter_mut().zip(sel.iter()) {
             *gj = probs[t * e_n + e as usize];
@@ -752,6 +782,9 @@ pub fn backward<T: Real, X: Transport>(
             + n_sent * hd as u64
             + largest as u64 * 6 * f as u64);
     let stats = BackwardStats {
+        expert_load: (0..cfg.n_experts)
+            .map(|e| saved.plan.routed.iter().map(|r| r[e]).sum())
+            .collect(),
         routed_pairs: n_pairs,
         kept_pairs: send_plan.packed_rows(),
         kept,

@@ -75,6 +75,12 @@ pub struct CallConfig {
     /// rank's routed pairs at expert `e`, `P_e`: mean router probability of
     /// `e`); 0 turns it off. See [`crate::Saved::aux_loss`].
     pub aux_loss_coeff: f64,
+    /// The auxiliary-loss-free balancing bias (DeepSeek-V3): `b[e]` is
+    /// added to expert `e`'s router probability for the top-k choice only;
+    /// the gates stay the unbiased probabilities, so no gradient changes
+    /// form. Empty: none. The trainer updates it between steps
+    /// (`moe.expert_bias_rate`).
+    pub expert_bias: Vec<f64>,
 }
 
 impl Default for CallConfig {
@@ -91,6 +97,7 @@ impl Default for CallConfig {
             rule: lrm_score::Rule::TopQ,
             rule_seed: 0,
             aux_loss_coeff: 0.0,
+            expert_bias: Vec::new(),
         }
     }
 }

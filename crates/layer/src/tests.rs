@@ -672,6 +672,70 @@ fn a_hot_expert_bias_skews_routing_and_keeps_gradients_exact() {
 }
 
 #[test]
+fn the_balancing_bias_moves_the_choice_but_not_the_gates_or_gradients() {
+    // DeepSeek-V3's auxiliary-loss-free bias: a large bias on expert 1
+    // puts it in every token's top-k; its gate is still the plain router
+    // probability, so y differs from the plain routing's only through the
+    // choice, and every gradient still matches finite differences.
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 40, 23);
+    let mut expert_bias = vec![0.0; cfg.n_experts];
+    expert_bias[1] = 2.0;
+    let biased = CallConfig {
+        expert_bias,
+        ..CallConfig::default()
+    };
+    let res: Vec<Result<_, LayerError>> = run_local(1, TIMEOUT, |t| {
+        let place = placement(cfg.n_experts, 1);
+        let (_, plain) = forward(t, &cfg, &CallConfig::default(), &params, &place, &x)?;
+        let (_, skewed) = forward(t, &cfg, &biased, &params, &place, &x)?;
+        let (_, _, st) = backward(t, &cfg, &biased, &params, &skewed, &dy)?;
+        Ok((
+            plain.plan.routed[0].clone(),
+            skewed.plan.routed[0].clone(),
+            st.expert_load,
+        ))
+    });
+    let (plain, skewed, load) = res.into_iter().next().unwrap().unwrap();
+    assert_eq!(
+        skewed[1], 40,
+        "every token picks the biased expert: {skewed:?}"
+    );
+    assert!(skewed[1] > plain[1]);
+    assert_eq!(load, skewed, "the stats report the call's load");
+    // The layer with the bias equals a reference that routes to the same
+    // experts with unbiased gates: check through finite differences.
+    let r = run(&cfg, &biased, &params, &x, &dy, 2).unwrap();
+    let loss = |p: &MoeParams<f64>, x: &[f64]| -> f64 {
+        let y = run(&cfg, &biased, p, x, &dy, 1).unwrap().y;
+        y.iter().zip(&dy).map(|(a, b)| a * b).sum()
+    };
+    let eps = 1e-6;
+    for i in [0, 7, 23] {
+        let (mut p1, mut p2) = (params.clone(), params.clone());
+        p1.router[i] += eps;
+        p2.router[i] -= eps;
+        let numeric = (loss(&p1, &x) - loss(&p2, &x)) / (2.0 * eps);
+        assert!(
+            (r.grads.router[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+            "router[{i}]: {} vs {numeric}",
+            r.grads.router[i]
+        );
+    }
+    // A wrong-length or non-finite bias is refused.
+    for bad in [vec![0.5; cfg.n_experts + 1], vec![f64::NAN; cfg.n_experts]] {
+        let call = CallConfig {
+            expert_bias: bad,
+            ..CallConfig::default()
+        };
+        assert!(matches!(
+            run(&cfg, &call, &params, &x, &dy, 1),
+            Err(LayerError::Config(_))
+        ));
+    }
+}
+
+#[test]
 fn replicas_compute_with_the_owners_weights_copied_to_them() {
     // Each rank's copies of the experts it does not own are garbage: a
     // correct layer never reads them — replicas get the owner's weights over

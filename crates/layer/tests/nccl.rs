@@ -355,7 +355,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
                 &router,
                 (&blk(&gate), &blk(&up), &blk(&down)),
                 &bx,
-                None,
+                (None, None),
                 &planner,
             )
             .unwrap();

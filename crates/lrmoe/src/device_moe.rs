@@ -101,6 +101,8 @@ pub fn forward<T: Real>(
             })
             .collect()
     });
+    let sel_bias: Option<Vec<f32>> = (!call.expert_bias.is_empty())
+        .then(|| call.expert_bias.iter().map(|&b| b as f32).collect());
     let fwd = layer::device::forward_host(
         dev.gpu,
         dev.comm,
@@ -108,7 +110,7 @@ pub fn forward<T: Real>(
         &to_bf16(&p.router),
         (&cat(|e| &e.gate), &cat(|e| &e.up), &cat(|e| &e.down)),
         &to_bf16(x),
-        bias.as_deref(),
+        (bias.as_deref(), sel_bias.as_deref()),
         &planner,
     )?;
     let plan = match planner.take_last_plan() {
@@ -179,6 +181,9 @@ pub fn backward<T: Real, X: Transport>(
         return Err(ModelError::NonFinite("device MoE input gradient"));
     }
     let stats = BackwardStats {
+        expert_load: (0..cfg.n_experts)
+            .map(|e| saved.fwd.counts.iter().map(|c| u64::from(c[e])).sum())
+            .collect(),
         routed_pairs: saved.fwd.tokens * cfg.top_k,
         kept_pairs: g.kept_pairs,
         kept: vec![],

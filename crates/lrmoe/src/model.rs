@@ -363,6 +363,9 @@ pub struct MoeRun<'a> {
     /// Run the MoE layers through the device executor on this rank's GPU
     /// (one GPU: EP = 1; launched ranks: NCCL) instead of the host one.
     pub device: Option<crate::device_moe::DeviceRun<'a>>,
+    /// Each layer's auxiliary-loss-free balancing bias
+    /// (`CallConfig::expert_bias`); empty: none.
+    pub expert_bias: &'a [Vec<f64>],
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -495,6 +498,17 @@ pub fn forward<T: Real, X: Transport>(
         let mut m = vec![T::zero(); n * d];
         let inv2 = rmsnorm(&x, &b.norm2, &mut m);
         let clock = std::time::Instant::now();
+        let biased;
+        let call = match run.expert_bias.get(blocks.len()) {
+            Some(b) if !b.is_empty() => {
+                biased = layer::CallConfig {
+                    expert_bias: b.clone(),
+                    ..run.backward.clone()
+                };
+                &biased
+            }
+            _ => run.backward,
+        };
         let (y, moe) = match run.device {
             Some(dev) => {
                 if dev.comm.world_size() != comm.world_size() {
@@ -504,12 +518,11 @@ pub fn forward<T: Real, X: Transport>(
                         comm.world_size()
                     )));
                 }
-                let (y, s) = crate::device_moe::forward(dev, &cfg.moe(), run.backward, &b.moe, &m)?;
+                let (y, s) = crate::device_moe::forward(dev, &cfg.moe(), call, &b.moe, &m)?;
                 (y, MoeState::Device(s))
             }
             None => {
-                let (y, s) =
-                    layer::forward(comm, &cfg.moe(), run.backward, &b.moe, run.placement, &m)?;
+                let (y, s) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
                 (y, MoeState::Cpu(s))
             }
         };
@@ -816,6 +829,7 @@ mod tests {
             placement: &placement,
             backward: bwd,
             device: None,
+            expert_bias: &[],
         };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
@@ -968,6 +982,7 @@ mod tests {
             placement: &placement,
             backward: &bwd,
             device: None,
+            expert_bias: &[],
         };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())

@@ -198,6 +198,13 @@ pub struct MoeSection {
     /// it; the logged training and validation losses are the language
     /// model's alone (the auxiliary value is logged as `aux_loss`).
     pub aux_loss_coeff: f64,
+    /// Update rate `γ` of the auxiliary-loss-free balancing bias
+    /// (DeepSeek-V3; 0 = off): each layer keeps a bias per expert, added to
+    /// the router probabilities for the top-k choice only, and after every
+    /// step moves it by `γ · sign(mean load − load)` (the step's routed
+    /// pairs per expert over all ranks), so overloaded experts are chosen
+    /// less. Both executors; checkpointed.
+    pub expert_bias_rate: f64,
     /// Hold every mode to LRMoE's per-rank token-buffer budget
     /// (`buffer_fraction` of the average routed pairs per rank, the same
     /// bytes the controller plans with): `full` and `replicate` keep every
@@ -230,6 +237,7 @@ impl Default for MoeSection {
             selection_rule: "priority".into(),
             surplus_only: false,
             aux_loss_coeff: 0.0,
+            expert_bias_rate: 0.0,
             fit_budget: false,
         }
     }
@@ -346,6 +354,12 @@ impl TrainConfig {
             return bad(format!(
                 "moe.aux_loss_coeff = {} must be finite and ≥ 0",
                 self.moe.aux_loss_coeff
+            ));
+        }
+        if !(self.moe.expert_bias_rate.is_finite() && self.moe.expert_bias_rate >= 0.0) {
+            return bad(format!(
+                "moe.expert_bias_rate = {} must be finite and ≥ 0",
+                self.moe.expert_bias_rate
             ));
         }
         if lrm_score::Rule::from_name(&self.moe.selection_rule).is_none() {
@@ -566,6 +580,8 @@ struct State {
     evals: Vec<EvalPoint>,
     wall_s: f64,
     moe_s: f64,
+    /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
+    expert_bias: Vec<Vec<f64>>,
 }
 
 const CHECKPOINT: &str = "checkpoint.safetensors";
@@ -616,6 +632,10 @@ fn save_checkpoint(
     meta.insert("rng".into(), s.rng.0.to_string());
     meta.insert("wall_s".into(), s.wall_s.to_string());
     meta.insert("moe_s".into(), s.moe_s.to_string());
+    meta.insert(
+        "expert_bias".into(),
+        serde_json::to_string(&s.expert_bias).unwrap_or_default(),
+    );
     meta.insert(
         "model".into(),
         serde_json::to_string(mcfg).unwrap_or_default(),
@@ -671,6 +691,22 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
     let moe_s = num(&f, "moe_s")?;
     let evals: Vec<EvalPoint> =
         serde_json::from_str(f.meta("evals")?).map_err(|e| fmt(e.to_string()))?;
+    // Checkpoints from before the balancing bias carry none.
+    let expert_bias: Vec<Vec<f64>> = match f.meta("expert_bias") {
+        Ok(j) => serde_json::from_str(j).map_err(|e| fmt(format!("expert_bias: {e}")))?,
+        Err(_) => Vec::new(),
+    };
+    if !expert_bias.is_empty()
+        && (expert_bias.len() != mcfg.n_layers
+            || expert_bias
+                .iter()
+                .any(|b| b.len() != mcfg.n_experts || b.iter().any(|v| !v.is_finite())))
+    {
+        return Err(fmt(format!(
+            "expert_bias: {} finite values per layer for {} layers expected",
+            mcfg.n_experts, mcfg.n_layers
+        )));
+    }
     let shapes = shapes(mcfg);
     let mut take = |prefix: &str| -> Result<Model<f32>, TrainError> {
         let mut m = Model::<f32>::zeros(mcfg);
@@ -708,6 +744,7 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         evals,
         wall_s,
         moe_s,
+        expert_bias,
     })
 }
 
@@ -998,6 +1035,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             evals: Vec::new(),
             wall_s: 0.0,
             moe_s: 0.0,
+            expert_bias: Vec::new(),
         }
     };
     tracing::info!(
@@ -1083,6 +1121,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         placement: &placement,
         backward: &call,
         device,
+        expert_bias: &[],
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
@@ -1153,6 +1192,27 @@ struct StepGrads {
     kept_routed: Vec<u64>,
     /// The most pairs this rank processed in one layer call.
     busiest: u64,
+    /// Routed pairs per expert and layer over every rank, summed over the
+    /// micro-batches.
+    expert_load: Vec<Vec<u64>>,
+}
+
+/// DeepSeek-V3's bias update: `b[e] += rate · sign(mean − load[e])` per
+/// layer (no change where a layer saw no pairs).
+fn update_expert_bias(bias: &mut [Vec<f64>], load: &[Vec<u64>], rate: f64) {
+    for (b, l) in bias.iter_mut().zip(load) {
+        let total: u64 = l.iter().sum();
+        if total == 0 || b.len() != l.len() {
+            continue;
+        }
+        let mean = total as f64 / l.len() as f64;
+        for (bv, &c) in b.iter_mut().zip(l) {
+            let d = mean - c as f64;
+            if d != 0.0 {
+                *bv += rate * d.signum();
+            }
+        }
+    }
 }
 
 fn step_grads<X: Transport>(
@@ -1176,6 +1236,7 @@ fn step_grads<X: Transport>(
     let mut first: Option<(model::Cache<f32>, model::Gradients<f32>)> = None;
     let mut kept_routed = vec![0u64; 2 * mcfg.n_layers];
     let mut busiest = 0u64;
+    let mut expert_load = vec![vec![0u64; mcfg.n_experts]; mcfg.n_layers];
     for i in 0..micro {
         let r = i * chunk..(i + 1) * chunk;
         let (l, cache) =
@@ -1185,6 +1246,9 @@ fn step_grads<X: Transport>(
         aux_loss += cache.aux_loss / micro as f64;
         moe_seconds += cache.moe_seconds + g.moe_seconds;
         for (li, st) in g.moe_stats.iter().enumerate() {
+            for (a, &b) in expert_load[li].iter_mut().zip(&st.expert_load) {
+                *a += b;
+            }
             kept_routed[2 * li] += st.kept_pairs as u64;
             kept_routed[2 * li + 1] += st.routed_pairs as u64;
             let mine = if st.pairs_per_rank.len() == ranks {
@@ -1220,6 +1284,7 @@ fn step_grads<X: Transport>(
         grads,
         kept_routed,
         busiest,
+        expert_load,
     })
 }
 
@@ -1248,7 +1313,12 @@ fn rank_loop<X: Transport>(
         evals: initial.evals.clone(),
         wall_s: initial.wall_s,
         moe_s: initial.moe_s,
+        expert_bias: initial.expert_bias.clone(),
     };
+    let rate = cfg.moe.expert_bias_rate;
+    if rate > 0.0 && s.expert_bias.is_empty() {
+        s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
+    }
     let max_s = cfg.run.max_minutes.map(|m| m * 60.0);
     let mut kept_sum = 0.0;
     let mut kept_n = 0usize;
@@ -1284,6 +1354,10 @@ fn rank_loop<X: Transport>(
         let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
         let lo = me * per_rank * seq;
         let hi = lo + per_rank * seq;
+        let step_run = MoeRun {
+            expert_bias: &s.expert_bias,
+            ..run.clone()
+        };
         let StepGrads {
             loss,
             aux_loss,
@@ -1292,11 +1366,12 @@ fn rank_loop<X: Transport>(
             grads: g,
             kept_routed,
             busiest,
+            expert_load,
         } = step_grads(
             comm,
             mcfg,
             &s.model,
-            run,
+            &step_run,
             (&tokens[lo..hi], &targets[lo..hi]),
             seq,
             micro,
@@ -1315,6 +1390,11 @@ fn rank_loop<X: Transport>(
         s.wall_s += step_s;
         s.moe_s += moe_seconds;
         s.step += 1;
+        // The balancing bias follows the step's loads (all ranks' pairs,
+        // the same on every rank): experts above the mean are chosen less.
+        if rate > 0.0 {
+            update_expert_bias(&mut s.expert_bias, &expert_load, rate);
+        }
 
         // Kept fraction over all ranks, per layer; the busiest rank's pairs.
         let mut kept = kept_routed;
@@ -1350,7 +1430,17 @@ fn rank_loop<X: Transport>(
         }
 
         let val_loss = if s.step % cfg.run.eval_every == 0 || s.step == cfg.steps {
-            let v = evaluate(comm, cfg, mcfg, corpus, run, &s.model)?;
+            let v = evaluate(
+                comm,
+                cfg,
+                mcfg,
+                corpus,
+                &MoeRun {
+                    expert_bias: &s.expert_bias,
+                    ..run.clone()
+                },
+                &s.model,
+            )?;
             let point = EvalPoint {
                 step: s.step,
                 wall_s: s.wall_s,
@@ -1421,7 +1511,17 @@ fn rank_loop<X: Transport>(
     let final_val = match s.evals.last() {
         Some(e) if e.step == s.step => e.val_loss,
         _ => {
-            let v = evaluate(comm, cfg, mcfg, corpus, run, &s.model)?;
+            let v = evaluate(
+                comm,
+                cfg,
+                mcfg,
+                corpus,
+                &MoeRun {
+                    expert_bias: &s.expert_bias,
+                    ..run.clone()
+                },
+                &s.model,
+            )?;
             s.evals.push(EvalPoint {
                 step: s.step,
                 wall_s: s.wall_s,
@@ -1517,6 +1617,7 @@ mod tests {
             placement: &placement,
             backward: &call,
             device: None,
+            expert_bias: &[],
         };
         let seq = 8;
         let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();

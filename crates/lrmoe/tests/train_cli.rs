@@ -571,3 +571,55 @@ fn the_device_executor_without_a_gpu_is_a_one_line_error() {
     assert!(!ok);
     one_line_error(&err, "--device cuda");
 }
+
+#[test]
+fn the_balancing_bias_evens_out_a_hot_expert_and_is_checkpointed() {
+    // A hot expert takes most pairs; DeepSeek-V3's auxiliary-loss-free
+    // bias (moe.expert_bias_rate) moves the choice away from it step by
+    // step, so the later steps' max/mean load falls well below the run
+    // without it. The bias is part of the checkpoint.
+    let imbalance = |rate: &str| -> (f64, PathBuf) {
+        let dir = tmp(&format!("bias-{rate}"));
+        let cfg = tiny_config(&dir, "");
+        let text = std::fs::read_to_string(&cfg)
+            .unwrap()
+            .replace("steps = 6", "steps = 40")
+            .replace(
+                "ranks = 2\n",
+                &format!("ranks = 2\nhot_experts = 1\nhot_bias = 2.0\nexpert_bias_rate = {rate}\n"),
+            );
+        std::fs::write(&cfg, text).unwrap();
+        let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap(), "--no-progress"]);
+        assert!(ok, "{err}");
+        let log = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+        let rows: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let last: Vec<f64> = rows[rows.len() - 15..]
+            .iter()
+            .map(|r| r["layers"][0]["load_max_over_mean"].as_f64().unwrap())
+            .collect();
+        (last.iter().sum::<f64>() / last.len() as f64, dir)
+    };
+    let (plain, _) = imbalance("0.0");
+    let (biased, dir) = imbalance("0.05");
+    eprintln!("max/mean load, last 15 of 40 steps: bias off {plain:.3}, on {biased:.3}");
+    assert!(
+        biased < 0.8 * plain,
+        "max/mean load with the bias {biased:.3}, without {plain:.3}"
+    );
+    let f = lrmoe::tensorfile::load(&dir.join("out/checkpoint.safetensors")).unwrap();
+    let bias: Vec<Vec<f64>> = serde_json::from_str(f.meta("expert_bias").unwrap()).unwrap();
+    assert_eq!((bias.len(), bias[0].len()), (1, 4));
+    assert!(bias[0][0] < 0.0, "the hot expert's bias falls: {bias:?}");
+    // A negative rate is a one-line error.
+    let cfg = tiny_config(&tmp("bias-bad"), "");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("ranks = 2\n", "ranks = 2\nexpert_bias_rate = -1.0\n");
+    std::fs::write(&cfg, text).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap()]);
+    assert!(!ok);
+    one_line_error(&err, "expert_bias_rate");
+}

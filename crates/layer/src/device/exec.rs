@@ -299,6 +299,9 @@ pub struct DeviceWeights {
     /// A constant added to the router logits of each expert (the forced
     /// hot-expert workload), if any.
     bias: Option<CudaSlice<f32>>,
+    /// The balancing bias added to the router probabilities for the top-k
+    /// choice only (`CallConfig::expert_bias`), if any.
+    sel_bias: Option<CudaSlice<f32>>,
     gate: CudaSlice<u16>,
     up: CudaSlice<u16>,
     down: CudaSlice<u16>,
@@ -586,6 +589,7 @@ pub fn weights(
     Ok(DeviceWeights {
         router: gpu.upload(router)?,
         bias: None,
+        sel_bias: None,
         gate: gpu.upload(gate)?,
         up: gpu.upload(up)?,
         down: gpu.upload(down)?,
@@ -610,6 +614,27 @@ pub fn set_logit_bias(
         return Err(LayerError::NonFinite("router logit bias"));
     }
     w.bias = Some(gpu.upload(bias)?);
+    Ok(())
+}
+
+/// Adds `bias[e]` to expert `e`'s router probability for the top-k choice
+/// only (one finite value per expert; the gates stay unbiased): the
+/// auxiliary-loss-free balancing bias of `CallConfig::expert_bias`.
+pub fn set_selection_bias(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    w: &mut DeviceWeights,
+    bias: &[f32],
+) -> Result<(), LayerError> {
+    check_len(
+        "expert selection bias (one per expert)",
+        cfg.n_experts,
+        bias.len(),
+    )?;
+    if bias.iter().any(|b| !b.is_finite()) {
+        return Err(LayerError::NonFinite("expert selection bias"));
+    }
+    w.sel_bias = Some(gpu.upload(bias)?);
     Ok(())
 }
 
@@ -725,6 +750,7 @@ pub fn forward(
         &w.router,
         x,
         w.bias.as_ref(),
+        w.sel_bias.as_ref(),
         (tokens, h, e, k),
         cfg.renormalize,
     )?;
@@ -1455,7 +1481,8 @@ fn owner_gradients(
 /// experts' block and its tokens in; this rank's output, every source's
 /// routed counts and the call's plan out; the device state stays for
 /// [`backward_host`]. Weights are uploaded each call; `router_bias` (one
-/// per expert) is [`set_logit_bias`].
+/// per expert) is [`set_logit_bias`], `selection_bias`
+/// [`set_selection_bias`].
 #[allow(clippy::too_many_arguments)]
 pub fn forward_host(
     gpu: &Gpu,
@@ -1464,12 +1491,15 @@ pub fn forward_host(
     router: &[u16],
     experts: (&[u16], &[u16], &[u16]),
     x: &[u16],
-    router_bias: Option<&[f32]>,
+    (router_bias, selection_bias): (Option<&[f32]>, Option<&[f32]>),
     planner: &DevicePlanner,
 ) -> Result<HostForward, LayerError> {
     let mut w = weights(gpu, comm, cfg, router, experts)?;
     if let Some(b) = router_bias {
         set_logit_bias(gpu, cfg, &mut w, b)?;
+    }
+    if let Some(b) = selection_bias {
+        set_selection_bias(gpu, cfg, &mut w, b)?;
     }
     if x.len() % cfg.hidden != 0 {
         return Err(LayerError::Shape {
@@ -1544,7 +1574,7 @@ pub fn host_call(
     dy: &[u16],
     planner: &DevicePlanner,
 ) -> Result<HostResult, LayerError> {
-    let fwd = forward_host(gpu, comm, cfg, router, experts, x, None, planner)?;
+    let fwd = forward_host(gpu, comm, cfg, router, experts, x, (None, None), planner)?;
     let grads = backward_host(gpu, comm, &fwd, dy, planner)?;
     Ok(HostResult {
         y: fwd.y,

@@ -158,7 +158,7 @@ pub fn forward_host(
     _router: &[u16],
     _experts: (&[u16], &[u16], &[u16]),
     _x: &[u16],
-    _router_bias: Option<&[f32]>,
+    _biases: (Option<&[f32]>, Option<&[f32]>),
     _planner: &DevicePlanner,
 ) -> Result<HostForward, LayerError> {
     Err(LayerError::Kernel(

@@ -415,7 +415,9 @@ impl Gpu {
 
     /// Routing of `x` (`tokens × hidden`) with the router `W_r` (`hidden ×
     /// experts`): logits `x · W_r` (a one-group GEMM) plus `bias[e]` when
-    /// given, softmax, top-k (renormalised if asked). The counts' download
+    /// given, softmax, top-k by probability plus `sel_bias[e]` when given
+    /// (the choice only: gates are the unbiased probabilities), gates
+    /// renormalised if asked. The counts' download
     /// is the forward's one host synchronisation. Twins:
     /// [`crate::cpu::router_topk_reference`], `logits_bias_reference`.
     #[allow(clippy::too_many_arguments)]
@@ -424,6 +426,7 @@ impl Gpu {
         router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
         bias: Option<&CudaSlice<f32>>,
+        sel_bias: Option<&CudaSlice<f32>>,
         (t, h, e, k): (usize, usize, usize, usize),
         renormalize: bool,
     ) -> Result<Routed, KernelError> {
@@ -472,6 +475,7 @@ impl Gpu {
         if t > 0 {
             self.launch_router_topk(
                 &lf,
+                sel_bias,
                 (&mut probs, &mut idx, &mut gates),
                 t,
                 e,
