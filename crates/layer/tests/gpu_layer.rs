@@ -172,6 +172,52 @@ fn gpu_layer_matches_the_cpu_layer() {
                 "capacity 0.5, {name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
             );
         }
+        // The balancing bias (selection only) on the device against the
+        // host executor: the same choices, unbiased gates.
+        let bias: Vec<f64> = (0..e)
+            .map(|_| ((rng.next() % 2001) as f64 / 1000.0 - 1.0) * 0.05)
+            .collect();
+        let biased = CallConfig {
+            expert_bias: bias.clone(),
+            ..CallConfig::default()
+        };
+        let mut cpu = run_local(1, Duration::from_secs(120), |tr| {
+            let (_, plain) = layer::forward(tr, &cfg, &CallConfig::default(), &p, &place, &x)?;
+            let (y, saved) = layer::forward(tr, &cfg, &biased, &p, &place, &x)?;
+            let routed = saved.plan.routed[0].clone();
+            let (dx, g, _) = layer::backward(tr, &cfg, &biased, &p, &saved, &dy)?;
+            Ok::<_, layer::LayerError>((y, dx, g, routed, plain.plan.routed[0].clone()))
+        });
+        let (by, bdx, bg, brouted, plain_routed) = cpu.remove(0).unwrap();
+        assert_ne!(brouted, plain_routed, "the bias changed no choice");
+        let planner = DevicePlanner::new(cfg, biased.clone()).unwrap();
+        let b32: Vec<f32> = bias.iter().map(|&b| b as f32).collect();
+        let fwd = device::forward_host(
+            &gpu,
+            DeviceComm::Local,
+            &cfg,
+            &wr,
+            (&wg, &wu, &wd),
+            &bits(&x),
+            (None, Some(&b32)),
+            &planner,
+        )
+        .unwrap();
+        let dev_routed: Vec<u64> = fwd.counts[0].iter().map(|&c| u64::from(c)).collect();
+        assert_eq!(dev_routed, brouted, "biased choices: device vs host");
+        let bgr =
+            device::backward_host(&gpu, DeviceComm::Local, &fwd, &bits(&dy), &planner).unwrap();
+        for (name, err) in [
+            ("y", rel(&fwd.y, &by)),
+            ("dx", rel(&bgr.dx, &bdx)),
+            ("router", rel32(&bgr.router, &bg.router)),
+            ("gate", rel(&bgr.gate, &cat(&bg, |w| &w.gate))),
+        ] {
+            assert!(
+                err <= 3e-2,
+                "balancing bias, {name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
+            );
+        }
         // Pruned: kept pairs follow the quotas round(r · n_e).
         let half = run(&DevicePlanner::ratio(&cfg, 0.5));
         assert!(
