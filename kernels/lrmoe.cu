@@ -557,11 +557,14 @@ extern "C" __global__ void mul_f32(const float* __restrict__ a, const float* __r
 // renormalisation and the softmax: dlogits [t, e] as bf16.
 //   dy: [t, h] bf16; o: [rows, h] bf16; row: [t*k] u32 (grouped row of each pair)
 //   probs: [t, e] f32; idx: [t*k] u32; gates: [t*k] f32
+// `aux_dp` (nullable, one per expert) is the auxiliary balancing loss's
+// gradient with respect to every probability of every token, added before
+// the softmax backward.
 extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, const uint16_t* __restrict__ o,
                                            const uint32_t* __restrict__ row, const float* __restrict__ probs,
                                            const uint32_t* __restrict__ idx, const float* __restrict__ gates,
-                                           uint16_t* __restrict__ dlogits, int t, int h, int e, int k,
-                                           int renormalize) {
+                                           const float* __restrict__ aux_dp, uint16_t* __restrict__ dlogits,
+                                           int t, int h, int e, int k, int renormalize) {
     int lane = threadIdx.x & 31;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int n_warps = (gridDim.x * blockDim.x) >> 5;
@@ -579,19 +582,35 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
             dot_g += acc * gates[static_cast<size_t>(r) * k + j];
             s += p[idx[static_cast<size_t>(r) * k + j]];
         }
-        // dp is nonzero only on the k selected experts.
+        // dp is nonzero only on the k selected experts (plus the auxiliary
+        // loss's term on every expert).
         float dot_p = 0.f;
         for (int j = 0; j < k; ++j) {
             float dpj = renormalize ? (dgv[j] - dot_g) / s : dgv[j];
             dot_p += p[idx[static_cast<size_t>(r) * k + j]] * dpj;
         }
+        if (aux_dp) {
+            float a = 0.f;
+            for (int i = lane; i < e; i += 32) a += p[i] * aux_dp[i];
+            dot_p += warp_sum(a);
+        }
         for (int i = lane; i < e; i += 32) {
-            float dpi = 0.f;
+            float dpi = aux_dp ? aux_dp[i] : 0.f;
             for (int j = 0; j < k; ++j)
                 if (idx[static_cast<size_t>(r) * k + j] == static_cast<uint32_t>(i))
-                    dpi = renormalize ? (dgv[j] - dot_g) / s : dgv[j];
+                    dpi += renormalize ? (dgv[j] - dot_g) / s : dgv[j];
             dlogits[static_cast<size_t>(r) * e + i] = to_bf(p[i] * (dpi - dot_p));
         }
+    }
+}
+
+// Column means of a row-major [t, e] f32 matrix: out[c] = sum_r x[r, c] / t,
+// one thread per column, rows in order (deterministic).
+extern "C" __global__ void col_mean_f32(const float* __restrict__ x, float* __restrict__ out, int t, int e) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < e; c += gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (int r = 0; r < t; ++r) s += x[static_cast<size_t>(r) * e + c];
+        out[c] = t > 0 ? s / static_cast<float>(t) : 0.f;
     }
 }
 

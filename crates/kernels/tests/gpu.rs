@@ -573,3 +573,33 @@ fn byte_gather_and_kept_counts_match_the_cpu_twins() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn column_means_match_the_cpu_twin() {
+    // The router's mean probability per expert (the auxiliary loss):
+    // column means of a t × e f32 matrix, rows summed in order.
+    let g = gpu();
+    let mut rng = Rng(seed());
+    for &(t, e) in &[(0usize, 8usize), (1, 1), (1000, 128), (4097, 40)] {
+        let x: Vec<f32> = (0..t * e)
+            .map(|_| (rng.next() % 10_001) as f32 / 10_000.0)
+            .collect();
+        let got = g
+            .download(&g.col_mean(&g.upload(&x).unwrap(), t, e).unwrap(), e)
+            .unwrap();
+        for c in 0..e {
+            let mut s = 0f32;
+            for r in 0..t {
+                s += x[r * e + c];
+            }
+            let want = if t > 0 { s / t as f32 } else { 0.0 };
+            assert_eq!(got[c], want, "column {c} of ({t}, {e})");
+        }
+    }
+    assert!(matches!(
+        g.col_mean(&g.upload(&[0f32; 10]).unwrap(), 4, 4),
+        Err(KernelError::Shape { .. })
+    ));
+}

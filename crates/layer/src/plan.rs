@@ -399,18 +399,15 @@ pub fn check_device_shape(cfg: &MoeConfig) -> Result<(), LayerError> {
     Ok(())
 }
 
-/// Refuses what the device executor cannot run: the auxiliary balancing
-/// loss and selection rules other than top-q and priority sampling; each
-/// error says to use the host executor.
+/// Refuses what the device executor cannot run: selection rules other
+/// than top-q and priority sampling; the error says to use the host
+/// executor.
 pub fn check_device_call(call: &CallConfig) -> Result<(), LayerError> {
     let refuse = |what: String| {
         Err(LayerError::Config(format!(
             "{what} runs on the host executor only (--executor host, or --device cpu)"
         )))
     };
-    if call.aux_loss_coeff != 0.0 {
-        return refuse("the auxiliary balancing loss".into());
-    }
     if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return refuse(format!("the {} selection rule", call.rule.name()));
     }
@@ -587,6 +584,11 @@ impl DevicePlanner {
     /// The call's capacity factor (the capacity-factor baseline), if any.
     pub fn capacity_factor(&self) -> Option<f64> {
         self.call.capacity_factor
+    }
+
+    /// The auxiliary balancing loss's coefficient (0: off).
+    pub fn aux_loss_coeff(&self) -> f64 {
+        self.call.aux_loss_coeff
     }
 
     /// Keeps exactly `quotas[e]` pairs of expert `e` (at most what was

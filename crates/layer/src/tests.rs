@@ -982,8 +982,7 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     }
     let split = owners.backward(&plan, &kept).unwrap();
     check_split(&split, &kept, &plan.instances).unwrap();
-    // Capacity-factor dropping runs on the device executor too; the
-    // auxiliary loss stays on the host.
+    // Capacity-factor dropping runs on the device executor too.
     let capped = DevicePlanner::new(
         cfg,
         CallConfig {
@@ -993,10 +992,20 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     )
     .unwrap();
     assert_eq!(capped.capacity_factor(), Some(1.0));
-    assert!(DevicePlanner::new(
+    // The auxiliary loss runs on the device too; the random rule does not.
+    let aux = DevicePlanner::new(
         cfg,
         CallConfig {
             aux_loss_coeff: 0.01,
+            ..CallConfig::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(aux.aux_loss_coeff(), 0.01);
+    assert!(DevicePlanner::new(
+        cfg,
+        CallConfig {
+            rule: lrm_score::Rule::RandomQ,
             ..CallConfig::default()
         }
     )

@@ -218,6 +218,46 @@ fn gpu_layer_matches_the_cpu_layer() {
                 "balancing bias, {name} ({t}, {h}, {f}, {e}, {k}): relative error {err}"
             );
         }
+        // The auxiliary balancing loss on the device against the host
+        // executor: its value and its share of the router's gradient.
+        let aux = CallConfig {
+            aux_loss_coeff: 0.05,
+            ..CallConfig::default()
+        };
+        let mut cpu = run_local(1, Duration::from_secs(120), |tr| {
+            let (_, saved) = layer::forward(tr, &cfg, &aux, &p, &place, &x)?;
+            let a = saved.aux_loss();
+            let (dx, g, _) = layer::backward(tr, &cfg, &aux, &p, &saved, &dy)?;
+            Ok::<_, layer::LayerError>((a, dx, g))
+        });
+        let (aloss, adx, ag) = cpu.remove(0).unwrap();
+        let planner = DevicePlanner::new(cfg, aux.clone()).unwrap();
+        let fwd = device::forward_host(
+            &gpu,
+            DeviceComm::Local,
+            &cfg,
+            &wr,
+            (&wg, &wu, &wd),
+            &bits(&x),
+            (None, None),
+            &planner,
+        )
+        .unwrap();
+        assert!(
+            (fwd.aux_loss - aloss).abs() <= 1e-4 * aloss.abs().max(1e-6),
+            "aux loss: device {} vs host {aloss}",
+            fwd.aux_loss
+        );
+        let agr =
+            device::backward_host(&gpu, DeviceComm::Local, &fwd, &bits(&dy), &planner).unwrap();
+        let plain_router = &g.router;
+        let router_err = rel32(&agr.router, &ag.router);
+        assert!(
+            router_err <= 3e-2 && rel32(&agr.router, plain_router) > 1e-3,
+            "aux router gradient: {router_err} vs host, {} vs plain",
+            rel32(&agr.router, plain_router)
+        );
+        assert!(rel(&agr.dx, &adx) <= 3e-2, "aux dx: {}", rel(&agr.dx, &adx));
         // Pruned: kept pairs follow the quotas round(r · n_e).
         let half = run(&DevicePlanner::ratio(&cfg, 0.5));
         assert!(

@@ -24,9 +24,10 @@
 //! expert gradients are all-gathered so every rank holds every expert's
 //! gradient (as the host layer does).
 //!
-//! Not on this executor: per-source send budgets (per-source selection),
-//! the capacity-factor baseline, the auxiliary loss and the random and
-//! proportional selection rules (each refused with a one-line error).
+//! Not on this executor: per-source send budgets (per-source selection)
+//! and the random and proportional selection rules (each refused with a
+//! one-line error). The capacity-factor baseline, the auxiliary balancing
+//! loss and the auxiliary-loss-free balancing bias run on the device.
 
 use kernels::cpu::{from_bf16, to_bf16, Real};
 use kernels::gpu::Gpu;
@@ -62,6 +63,13 @@ pub struct DeviceSavedHost {
     call: CallConfig,
     /// The plan of this call (identical on every rank).
     pub plan: CallPlan,
+}
+
+impl DeviceSavedHost {
+    /// This rank's auxiliary balancing loss of the call (0 when off).
+    pub fn aux_loss(&self) -> f64 {
+        self.fwd.aux_loss
+    }
 }
 
 /// Forward of one MoE layer through the device executor; `x` is this

@@ -323,7 +323,7 @@ impl<T> MoeState<T> {
     fn aux_loss(&self) -> f64 {
         match self {
             Self::Cpu(s) => s.aux_loss(),
-            Self::Device(_) => 0.0,
+            Self::Device(s) => s.aux_loss(),
         }
     }
 }

@@ -364,6 +364,10 @@ pub struct DeviceSaved {
     /// Bytes this rank sent to other ranks in the forward's all-to-alls
     /// (rows, their outputs and norms, replica weights).
     pub bytes_sent: usize,
+    /// This rank's auxiliary balancing loss (0 when off) and its gradient
+    /// with respect to every router probability, one per expert.
+    pub aux_loss: f64,
+    aux_dp: Option<CudaSlice<f32>>,
 }
 
 impl DeviceSaved {
@@ -755,6 +759,7 @@ pub fn forward(
         cfg.renormalize,
     )?;
     laps.lap(gpu, "route")?;
+    let (aux_loss, aux_dp) = aux_terms(gpu, planner.aux_loss_coeff(), &routed, world)?;
     let base = exclusive_scan(&routed.counts);
     // SAFETY: idx holds p experts below e (route's output); base is the
     // prefix sum of route's own counts of those experts.
@@ -999,7 +1004,44 @@ pub fn forward(
         owned_rows,
         y,
         bytes_sent: sent_rows * h * 2 + off_rank(&lay.recv.from, rank) * 4 + w_bytes,
+        aux_loss,
+        aux_dp,
     })
+}
+
+/// The Switch/GShard auxiliary loss `α · E · Σ_e f_e · P_e` of this rank's
+/// routing (`f_e`: share of its routed pairs at `e`, `P_e`: mean router
+/// probability of `e`) and its gradient with respect to each token's
+/// probability of `e`, `α · E · f_e / (T · W)` (the host executor's form:
+/// the ranks' losses are summed into the model's); `(0, None)` when off.
+fn aux_terms(
+    gpu: &Gpu,
+    alpha: f64,
+    r: &Routed,
+    world: usize,
+) -> Result<(f64, Option<CudaSlice<f32>>), LayerError> {
+    if !(alpha.is_finite() && alpha >= 0.0) {
+        return Err(LayerError::Config(format!(
+            "aux_loss_coeff {alpha} must be finite and ≥ 0"
+        )));
+    }
+    let (t, e, p) = (r.tokens, r.experts, r.tokens * r.top_k);
+    if alpha == 0.0 || t == 0 {
+        return Ok((0.0, None));
+    }
+    let mean_p = gpu.download(&gpu.col_mean(&r.probs, t, e)?, e)?;
+    let f: Vec<f64> = r.counts.iter().map(|&c| f64::from(c) / p as f64).collect();
+    let scale = alpha * e as f64;
+    let loss = scale
+        * f.iter()
+            .zip(&mean_p)
+            .map(|(a, &b)| a * f64::from(b))
+            .sum::<f64>();
+    let dp: Vec<f32> = f
+        .iter()
+        .map(|&fe| (scale * fe / (t as f64 * world as f64)) as f32)
+        .collect();
+    Ok((loss, Some(gpu.upload(&dp)?)))
 }
 
 /// The per-expert capacity `⌈factor · p / E⌉` of a source with `p` pairs,
@@ -1208,7 +1250,16 @@ pub fn backward(
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
     // forward's p returned rows).
     let (g_router, dx_router) = unsafe {
-        gpu.router_backward(&sv.routed, &w.router, &sv.x, dy, &sv.o, &sv.row_of_pair, h)
+        gpu.router_backward(
+            &sv.routed,
+            sv.aux_dp.as_ref(),
+            &w.router,
+            &sv.x,
+            dy,
+            &sv.o,
+            &sv.row_of_pair,
+            h,
+        )
     }?;
     let router = gpu.to_f32_dev(&g_router, h * e)?;
     comm.settle()?;
@@ -1518,6 +1569,7 @@ pub fn forward_host(
         plan: sv.plan().clone(),
         bytes_sent: sv.bytes_sent,
         tokens,
+        aux_loss: sv.aux_loss,
         state: Box::new((w, sv)),
     })
 }

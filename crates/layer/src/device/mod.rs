@@ -112,6 +112,8 @@ pub struct HostForward {
     pub bytes_sent: usize,
     /// Tokens of this rank.
     pub tokens: usize,
+    /// This rank's auxiliary balancing loss (0 when off).
+    pub aux_loss: f64,
     #[cfg(feature = "cuda")]
     pub(crate) state: Box<(exec::DeviceWeights, exec::DeviceSaved)>,
 }

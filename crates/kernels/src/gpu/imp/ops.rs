@@ -413,6 +413,28 @@ impl Gpu {
         Ok(y)
     }
 
+    /// Column means of a `t × e` f32 matrix on the device, `e` values
+    /// (twin: a mean per column in row order; the router's mean
+    /// probability per expert for the auxiliary balancing loss).
+    pub fn col_mean(
+        &self,
+        x: &CudaSlice<f32>,
+        t: usize,
+        e: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        at_least("matrix", t * e, x.len())?;
+        // SAFETY: uninitialised output; the kernel writes all e entries.
+        let mut out = unsafe { self.uninit::<f32>(e) }?;
+        if e > 0 {
+            let (t_i, e_i) = (dim("rows", t)?, dim("columns", e)?);
+            let mut l = self.stream.launch_builder(&self.f_col_mean);
+            l.arg(x).arg(&mut out).arg(&t_i).arg(&e_i);
+            // SAFETY: (f32*, f32*, int, int); x holds t·e, out e.
+            unsafe { l.launch(self.elementwise_config(e)) }.map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
     /// Routing of `x` (`tokens × hidden`) with the router `W_r` (`hidden ×
     /// experts`): logits `x · W_r` (a one-group GEMM) plus `bias[e]` when
     /// given, softmax, top-k by probability plus `sel_bias[e]` when given
@@ -527,6 +549,7 @@ impl Gpu {
     pub unsafe fn router_backward(
         &self,
         r: &Routed,
+        aux_dp: Option<&CudaSlice<f32>>,
         router: &CudaSlice<u16>,
         x: &CudaSlice<u16>,
         dy: &CudaSlice<u16>,
@@ -539,7 +562,11 @@ impl Gpu {
         at_least("dy", t * h, dy.len())?;
         at_least("router", h * e, router.len())?;
         at_least("row", t * k, row.len())?;
+        if let Some(a) = aux_dp {
+            at_least("aux_dp (one per expert)", e, a.len())?;
+        }
         let (probs, idx, gates, dst) = (&r.probs, &r.idx, &r.gates, row);
+        let null = 0u64;
         let one = self.upload(&[0i32, dim("tokens", t)?])?;
         // Router gradient from every pair's forward output.
         // SAFETY: uninitialised output; the kernel or GEMM launched next
@@ -554,16 +581,16 @@ impl Gpu {
                 i32::from(r.renormalize),
             );
             let mut l = self.stream.launch_builder(&self.f_router_bwd);
-            l.arg(dy)
-                .arg(o)
-                .arg(dst)
-                .arg(probs)
-                .arg(idx)
-                .arg(gates)
-                .arg(&mut dlogits);
+            l.arg(dy).arg(o).arg(dst).arg(probs).arg(idx).arg(gates);
+            match aux_dp {
+                Some(a) => l.arg(a),
+                None => l.arg(&null),
+            };
+            l.arg(&mut dlogits);
             l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&r_i);
-            // SAFETY: (u16*, u16*, u32*, f32*, u32*, f32*, u16*, int×5)
-            // matches; dst maps every pair to a row of o; k ≤ 32 (checked).
+            // SAFETY: (u16*, u16*, u32*, f32*, u32*, f32*, const f32* or
+            // null, u16*, int×5) matches; dst maps every pair to a row of o;
+            // aux_dp holds e (checked); k ≤ 32 (checked).
             unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
         }
         let g_router = self.gemm(GemmVariant::WeightGrad, &one, 1, x, &dlogits, h * e, h, e)?;
