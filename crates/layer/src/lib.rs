@@ -87,7 +87,15 @@
 //! [`CallConfig::aux_loss_coeff`] adds the Switch/GShard auxiliary
 //! load-balancing loss `α · E · Σ_e f_e · P_e` on each rank's tokens
 //! ([`Saved::aux_loss`]; its router and input gradients are part of
-//! [`backward`]'s, finite-difference checked); host executor only.
+//! [`backward`]'s, finite-difference checked); both executors.
+//!
+//! [`CallConfig::expert_bias`] is DeepSeek-V3's auxiliary-loss-free
+//! balancing bias: `b_e` is added to expert `e`'s router probability for
+//! the top-k choice only, the gates stay the unbiased probabilities (so no
+//! gradient changes form); the caller moves it between calls
+//! (`b_e += γ · sign(mean load − load_e)`, the `lrmoe` trainer's
+//! `moe.expert_bias_rate`). [`BackwardStats::expert_load`] reports the
+//! call's routed pairs per expert over all ranks. Both executors.
 //!
 //! With unlimited sends the controller's flow network has one cell per
 //! expert, so every split of `q_e` over sources is placeable within the

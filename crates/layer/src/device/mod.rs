@@ -13,15 +13,18 @@
 //! Forward (complete): route locally, group pairs by expert, all-gather the
 //! routed counts, plan; owners send the weights of replicated experts to
 //! the replicas' ranks; rows go to their instances (destination-major, one
-//! all-to-all), are regrouped by local instance, and the grouped GEMMs run;
-//! outputs and the squared norms `‖h‖²` of the down projection's inputs go
-//! back, and the source combines. In a call with replicas, instances keep
+//! all-to-all) while each rank runs its experts on its own rows; each
+//! other source's rows are multiplied as they arrived (instance-major per
+//! source, `pack::ep::OwnerLayout::chunks`, no regrouping); outputs and the
+//! squared norms `‖h‖²` of the down projection's inputs go back, and the
+//! source combines. In a call with replicas, instances keep
 //! nothing per pair (a kept pair may be computed on another instance in the
 //! backward); without replicas the owners keep their forward rows, since
 //! kept pairs cannot move, and the backward sends only `g·δ` rows.
 //!
 //! LRMoE backward: the router gradient is complete and local (each source
-//! kept its pairs' outputs), then summed over ranks. Each source forms its
+//! kept its pairs' outputs; it runs while the host plans), then summed over
+//! ranks beside the kept rows' exchange. Each source forms its
 //! pairs' LRM scores `g²·‖δ‖²·‖h‖²`; the scores are all-gathered and every
 //! rank makes the same per-expert selection over every source's pairs (the
 //! crate doc's `Selection::PerExpert`; ties to the lower source, then the
@@ -29,15 +32,23 @@
 //! redistribution; sources pack only the kept `[x | g·δ]` rows (no padding;
 //! `g·δ` only without replicas) destination-major, instances regroup them,
 //! recompute the hidden activations and run the backward GEMMs on the kept
-//! rows, `dX` rows come back and are scatter-added; replica gradients are
+//! rows — the data gradients first, so the `dX` rows travel back while the
+//! weight gradients are computed — and `dX` is scatter-added; replica gradients are
 //! summed into their owners'. Bytes on the wire and GEMM rows shrink with
 //! the kept fraction.
 //!
 //! Host synchronisations: the routed counts and the plan (forward); in the
 //! backward the selection's error flag and the kept counts per expert (one
-//! small all-gather) for the redistribution. Work on the compute stream and
-//! the communicator's stream is ordered by synchronising the stream that
-//! wrote a buffer before the other reads it.
+//! small all-gather, read through pinned memory while the device runs the
+//! router's backward) for the redistribution. Exchanges run on the
+//! communicator's stream beside the compute stream, ordered by CUDA events
+//! (`kernels::comm::InFlight`), never by the host; the message to self
+//! never travels (a device copy). While an exchange runs beside them the
+//! grouped GEMMs leave `LRMOE_COMM_SMS` SMs (default 16) free for NCCL's
+//! kernels. Before the host waits on the compute stream it waits on the
+//! communicator with its deadline, so a dead peer is an error, not a
+//! hang. `LRMOE_EP_PROFILE=1` logs each call's timeline (CUDA events on
+//! both streams, no synchronisation).
 //!
 //! Every index buffer handed to an `unsafe` device operation here is built
 //! by `pack::ep` (permutations of the rows they index, proptested), by the
