@@ -117,3 +117,18 @@ pub fn ratio_planners(cfg: &layer::MoeConfig, rs: &[f64]) -> Vec<layer::DevicePl
         .map(|&r| layer::DevicePlanner::ratio(cfg, r))
         .collect()
 }
+
+/// What every bench binary does first: keeps freed heap memory (the host
+/// layouts' pages, see [`lrmoe::keep_freed_memory`]) and logs to stderr at
+/// `LRMOE_LOG` (default `info`; the layer's `LRMOE_EP_PROFILE=1` timeline
+/// is logged there).
+pub fn init_process() {
+    lrmoe::keep_freed_memory();
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("LRMOE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+}

@@ -50,15 +50,7 @@ fn zipf_counts(rows: usize) -> Vec<u64> {
 }
 
 fn main() -> anyhow::Result<()> {
-    lrmoe::keep_freed_memory();
-    // The layer's timeline (LRMOE_EP_PROFILE=1) is logged.
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("LRMOE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    lrmoe_benches::init_process();
     let anchors: serde_json::Value = match std::env::args().nth(1) {
         Some(p) => serde_json::from_str(&std::fs::read_to_string(&p)?)?,
         None => serde_json::Value::Null,

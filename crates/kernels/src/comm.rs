@@ -357,6 +357,36 @@ mod imp {
         }
     }
 
+    /// An `ncclSend` of `send = (address, bytes)` and an `ncclRecv` into
+    /// `recv` with `peer` (zero bytes enqueue nothing).
+    ///
+    /// # Safety
+    /// Both ranges lie in live device buffers; `comm` is live.
+    unsafe fn send_recv(
+        send: (u64, usize),
+        recv: (u64, usize),
+        peer: usize,
+        comm: sys::ncclComm_t,
+        stream: sys::cudaStream_t,
+    ) -> sys::ncclResult_t {
+        // SAFETY: the caller's contract.
+        let r = unsafe { p2p(sys::ncclSend, send.0, send.1, peer, comm, stream) };
+        if !ok(r) {
+            return r;
+        }
+        // SAFETY: the caller's contract.
+        unsafe {
+            p2p(
+                |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),
+                recv.0,
+                recv.1,
+                peer,
+                comm,
+                stream,
+            )
+        }
+    }
+
     struct SendComm(sys::ncclComm_t);
     // SAFETY: handed from the set-up thread to its owner exactly once.
     unsafe impl Send for SendComm {}
@@ -666,20 +696,8 @@ mod imp {
                     // overlapped with the remote transfers.
                     let (sc, rc) = (send_counts[peer] * size, recv_counts[peer] * size);
                     // SAFETY: in-bounds ranges of live device buffers.
-                    let r = unsafe { p2p(sys::ncclSend, sp + so as u64, sc, peer, comm, st) };
-                    if !ok(r) {
-                        return r;
-                    }
-                    // SAFETY: in-bounds ranges of live device buffers.
                     let r = unsafe {
-                        p2p(
-                            |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),
-                            rp + ro as u64,
-                            rc,
-                            peer,
-                            comm,
-                            st,
-                        )
+                        send_recv((sp + so as u64, sc), (rp + ro as u64, rc), peer, comm, st)
                     };
                     if !ok(r) {
                         return r;
@@ -752,29 +770,18 @@ mod imp {
                         continue;
                     }
                     let (b, off, n) = send_parts[peer];
-                    if n > 0 {
-                        // SAFETY: a range of a live send buffer (checked).
-                        let r = unsafe {
-                            p2p(
-                                sys::ncclSend,
-                                send_ptrs[b] + (off * size) as u64,
-                                n * size,
-                                peer,
-                                comm,
-                                st,
-                            )
-                        };
-                        if !ok(r) {
-                            return r;
-                        }
-                    }
-                    let (off, n) = recv_parts[peer];
-                    // SAFETY: a range of the live receive buffer (checked).
+                    let from = if n > 0 {
+                        send_ptrs[b] + (off * size) as u64
+                    } else {
+                        0
+                    };
+                    let (roff, rn) = recv_parts[peer];
+                    // SAFETY: ranges of the live send and receive buffers
+                    // (checked above; zero bytes enqueue nothing).
                     let r = unsafe {
-                        p2p(
-                            |b, n, t, p, c, s| sys::ncclRecv(b as *mut _, n, t, p, c, s),
-                            rp + (off * size) as u64,
-                            n * size,
+                        send_recv(
+                            (from, n * size),
+                            (rp + (roff * size) as u64, rn * size),
                             peer,
                             comm,
                             st,

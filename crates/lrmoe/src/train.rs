@@ -1197,6 +1197,14 @@ struct StepGrads {
     expert_load: Vec<Vec<u64>>,
 }
 
+/// `run` with the layers' balancing bias.
+fn biased<'a>(run: &MoeRun<'a>, expert_bias: &'a [Vec<f64>]) -> MoeRun<'a> {
+    MoeRun {
+        expert_bias,
+        ..run.clone()
+    }
+}
+
 /// DeepSeek-V3's bias update: `b[e] += rate · sign(mean − load[e])` per
 /// layer (no change where a layer saw no pairs).
 fn update_expert_bias(bias: &mut [Vec<f64>], load: &[Vec<u64>], rate: f64) {
@@ -1354,10 +1362,7 @@ fn rank_loop<X: Transport>(
         let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
         let lo = me * per_rank * seq;
         let hi = lo + per_rank * seq;
-        let step_run = MoeRun {
-            expert_bias: &s.expert_bias,
-            ..run.clone()
-        };
+        let step_run = biased(run, &s.expert_bias);
         let StepGrads {
             loss,
             aux_loss,
@@ -1435,10 +1440,7 @@ fn rank_loop<X: Transport>(
                 cfg,
                 mcfg,
                 corpus,
-                &MoeRun {
-                    expert_bias: &s.expert_bias,
-                    ..run.clone()
-                },
+                &biased(run, &s.expert_bias),
                 &s.model,
             )?;
             let point = EvalPoint {
@@ -1516,10 +1518,7 @@ fn rank_loop<X: Transport>(
                 cfg,
                 mcfg,
                 corpus,
-                &MoeRun {
-                    expert_bias: &s.expert_bias,
-                    ..run.clone()
-                },
+                &biased(run, &s.expert_bias),
                 &s.model,
             )?;
             s.evals.push(EvalPoint {

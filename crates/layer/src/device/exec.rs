@@ -609,15 +609,7 @@ pub fn set_logit_bias(
     w: &mut DeviceWeights,
     bias: &[f32],
 ) -> Result<(), LayerError> {
-    check_len(
-        "router logit bias (one per expert)",
-        cfg.n_experts,
-        bias.len(),
-    )?;
-    if bias.iter().any(|b| !b.is_finite()) {
-        return Err(LayerError::NonFinite("router logit bias"));
-    }
-    w.bias = Some(gpu.upload(bias)?);
+    w.bias = Some(per_expert(gpu, cfg, bias, "router logit bias")?);
     Ok(())
 }
 
@@ -630,16 +622,22 @@ pub fn set_selection_bias(
     w: &mut DeviceWeights,
     bias: &[f32],
 ) -> Result<(), LayerError> {
-    check_len(
-        "expert selection bias (one per expert)",
-        cfg.n_experts,
-        bias.len(),
-    )?;
-    if bias.iter().any(|b| !b.is_finite()) {
-        return Err(LayerError::NonFinite("expert selection bias"));
-    }
-    w.sel_bias = Some(gpu.upload(bias)?);
+    w.sel_bias = Some(per_expert(gpu, cfg, bias, "expert selection bias")?);
     Ok(())
+}
+
+/// One finite value per expert, uploaded.
+fn per_expert(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    v: &[f32],
+    what: &'static str,
+) -> Result<CudaSlice<f32>, LayerError> {
+    check_len(&format!("{what} (one per expert)"), cfg.n_experts, v.len())?;
+    if v.iter().any(|b| !b.is_finite()) {
+        return Err(LayerError::NonFinite(what));
+    }
+    Ok(gpu.upload(v)?)
 }
 
 /// `n` consecutive blocks of `width` elements of `src`, starting at the
