@@ -21,10 +21,51 @@ __device__ __forceinline__ float bf16_sq_sum8(uint4 u) {
     return s;
 }
 
+__device__ __forceinline__ float bf16_dot8(uint4 u, uint4 w) {
+    const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const __nv_bfloat162* q = reinterpret_cast<const __nv_bfloat162*>(&w);
+    float s = 0.f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        float2 a = __bfloat1622float2(p[i]);
+        float2 b = __bfloat1622float2(q[i]);
+        s = fmaf(a.x, b.x, s);
+        s = fmaf(a.y, b.y, s);
+    }
+    return s;
+}
+
+// Dot product of two bf16 rows of `d` elements, by one warp (every lane
+// gets the sum). 16-byte loads, two pairs in flight per lane, where both
+// rows are 16-byte aligned and `d` is a multiple of 8; scalar otherwise.
+__device__ __forceinline__ float row_dot(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int d,
+                                         int lane);
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
+}
+
+__device__ __forceinline__ float row_dot(const uint16_t* __restrict__ a, const uint16_t* __restrict__ b, int d,
+                                         int lane) {
+    float acc = 0.f;
+    if (((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) & 15) == 0 && (d & 7) == 0) {
+        const uint4* u = reinterpret_cast<const uint4*>(a);
+        const uint4* w = reinterpret_cast<const uint4*>(b);
+        int nv = d >> 3;
+        int i = lane;
+        for (; i + 32 < nv; i += 64) {
+            uint4 u0 = __ldg(u + i), w0 = __ldg(w + i), u1 = __ldg(u + i + 32), w1 = __ldg(w + i + 32);
+            acc += bf16_dot8(u0, w0) + bf16_dot8(u1, w1);
+        }
+        for (; i < nv; i += 32) acc += bf16_dot8(__ldg(u + i), __ldg(w + i));
+    } else {
+        for (int i = lane; i < d; i += 32)
+            acc = fmaf(__uint_as_float(static_cast<uint32_t>(a[i]) << 16),
+                       __uint_as_float(static_cast<uint32_t>(b[i]) << 16), acc);
+    }
+    return warp_sum(acc);
 }
 
 // Sum of squares of one bf16 row of `d` elements, by one warp. Rows whose
@@ -574,10 +615,7 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
         float dot_g = 0.f, s = 0.f;
         for (int j = 0; j < k; ++j) {
             uint32_t rr = row[static_cast<size_t>(r) * k + j];
-            float acc = 0.f;
-            for (int c = lane; c < h; c += 32)
-                acc = fmaf(bf(dy[static_cast<size_t>(r) * h + c]), bf(o[static_cast<size_t>(rr) * h + c]), acc);
-            acc = warp_sum(acc);
+            float acc = row_dot(dy + static_cast<size_t>(r) * h, o + static_cast<size_t>(rr) * h, h, lane);
             dgv[j] = acc;
             dot_g += acc * gates[static_cast<size_t>(r) * k + j];
             s += p[idx[static_cast<size_t>(r) * k + j]];

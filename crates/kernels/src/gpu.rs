@@ -313,15 +313,6 @@ mod imp {
         })
     }
 
-    /// Uploads of at least this many bytes are staged through pinned memory.
-    const STAGE_ABOVE: usize = 64 << 10;
-
-    /// A pooled pinned buffer and the event after its last copy.
-    type Staging = (
-        cudarc::driver::PinnedHostSlice<u64>,
-        Option<cudarc::driver::CudaEvent>,
-    );
-
     /// A device-to-host copy in flight ([`Gpu::download_later`]).
     pub struct Download<'a, T> {
         gpu: &'a Gpu,
@@ -346,7 +337,7 @@ mod imp {
                 std::slice::from_raw_parts(host.as_ptr().map_err(cuda)? as *const T, self.n)
             }
             .to_vec();
-            self.gpu.give_pinned(host, None);
+            self.gpu.give_pinned(host);
             Ok(v)
         }
     }
@@ -356,7 +347,7 @@ mod imp {
             if let Some(h) = self.host.take() {
                 // Not waited for (an error path): the copy may still write.
                 let _ = self.done.synchronize();
-                self.gpu.give_pinned(h, None);
+                self.gpu.give_pinned(h);
             }
         }
     }
@@ -419,9 +410,9 @@ mod imp {
         /// SMs the grouped GEMMs leave free (for a collective running
         /// beside them): see [`Gpu::set_gemm_sm_reserve`].
         gemm_reserve: std::sync::atomic::AtomicU32,
-        /// Pinned host buffers for [`Gpu::download_later`] and staged
-        /// uploads, each with the event after its last copy.
-        pinned: std::sync::Mutex<Vec<Staging>>,
+        /// Pinned host buffers for [`Gpu::download_later`] (each waited
+        /// for before it returns to the pool).
+        pinned: std::sync::Mutex<Vec<cudarc::driver::PinnedHostSlice<u64>>>,
     }
 
     impl std::fmt::Debug for Gpu {
@@ -553,44 +544,10 @@ mod imp {
                 // SAFETY: the one uninitialised element is never read.
                 return unsafe { self.stream.alloc::<T>(1) }.map_err(cuda);
             }
-            let bytes = std::mem::size_of_val(host);
-            if bytes < STAGE_ABOVE {
-                return self.stream.clone_htod(host).map_err(cuda);
-            }
-            // Staged through pinned memory, so the copy is asynchronous (a
-            // copy from pageable memory may wait for the stream).
-            let mut stage = self.take_pinned(bytes.div_ceil(8))?;
-            {
-                let words = stage.as_mut_slice().map_err(cuda)?;
-                // SAFETY: `bytes` bytes of a live host slice into a pinned
-                // buffer of at least as many bytes; they do not overlap.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(
-                        host.as_ptr() as *const u8,
-                        words.as_mut_ptr() as *mut u8,
-                        bytes,
-                    );
-                }
-            }
-            // SAFETY: the copy below writes all host.len() elements.
-            let mut dev = unsafe { self.stream.alloc::<T>(host.len()) }.map_err(cuda)?;
-            {
-                use cudarc::driver::DevicePtrMut;
-                let (dst, _g) = dev.device_ptr_mut(&self.stream);
-                let src = stage.as_slice().map_err(cuda)?;
-                // SAFETY: `bytes` bytes from the pinned buffer into a device
-                // buffer of host.len() elements, on the compute stream; the
-                // buffer stays busy in the pool until the event below.
-                unsafe {
-                    let src = std::slice::from_raw_parts(src.as_ptr() as *const u8, bytes);
-                    cudarc::driver::result::memcpy_htod_async(dst, src, self.stream.cu_stream())
-                }
-                .map_err(cuda)?;
-            }
-            let done = self.ctx.new_event(None).map_err(cuda)?;
-            done.record(&self.stream).map_err(cuda)?;
-            self.give_pinned(stage, Some(done));
-            Ok(dev)
+            // Pageable memory: staging through a pinned pool measured slower
+            // (a pool buffer is busy until the device reaches its copy, and
+            // the host runs milliseconds ahead, so the pool kept allocating).
+            self.stream.clone_htod(host).map_err(cuda)
         }
 
         fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(
@@ -667,22 +624,18 @@ mod imp {
             })
         }
 
-        /// A free pinned staging buffer of at least `words` u64 from the
-        /// pool (pinned allocations are slow, so they are kept; a buffer is
-        /// free once the copy that last used it is done).
+        /// A pinned buffer of at least `words` u64 from the pool (pinned
+        /// allocations are slow, so they are kept).
         fn take_pinned(
             &self,
             words: usize,
         ) -> Result<cudarc::driver::PinnedHostSlice<u64>, KernelError> {
             let mut pool = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            let free = pool.iter().position(|(b, ev)| {
-                b.len() >= words && ev.as_ref().is_none_or(|e| e.is_complete())
-            });
-            if let Some(i) = free {
-                return Ok(pool.swap_remove(i).0);
+            if let Some(i) = pool.iter().position(|b| b.len() >= words) {
+                return Ok(pool.swap_remove(i));
             }
             drop(pool);
-            // SAFETY: the contents are written before any read.
+            // SAFETY: the contents are written by a copy before any read.
             unsafe {
                 self.ctx
                     .alloc_pinned_with_flags::<u64>(words.max(512).next_power_of_two(), 0)
@@ -690,16 +643,11 @@ mod imp {
             }
         }
 
-        /// Returns a staging buffer to the pool, busy until `after` (if any)
-        /// completes.
-        fn give_pinned(
-            &self,
-            b: cudarc::driver::PinnedHostSlice<u64>,
-            after: Option<cudarc::driver::CudaEvent>,
-        ) {
+        /// Returns a pinned buffer whose copy is done to the pool.
+        fn give_pinned(&self, b: cudarc::driver::PinnedHostSlice<u64>) {
             let mut pool = self.pinned.lock().unwrap_or_else(|p| p.into_inner());
-            if pool.len() < 32 {
-                pool.push((b, after));
+            if pool.len() < 8 {
+                pool.push(b);
             }
         }
 
