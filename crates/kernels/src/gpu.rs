@@ -544,9 +544,10 @@ mod imp {
                 // SAFETY: the one uninitialised element is never read.
                 return unsafe { self.stream.alloc::<T>(1) }.map_err(cuda);
             }
-            // Pageable memory: staging through a pinned pool measured slower
-            // (a pool buffer is busy until the device reaches its copy, and
-            // the host runs milliseconds ahead, so the pool kept allocating).
+            // From pageable memory. Staging through a pinned pool was tried
+            // and showed no gain: a pool buffer stays busy until the device
+            // reaches its copy, the host runs milliseconds ahead, so the
+            // pool kept allocating pinned memory, which is slow.
             self.stream.clone_htod(host).map_err(cuda)
         }
 
