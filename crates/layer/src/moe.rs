@@ -300,16 +300,10 @@ pub fn forward<T: Real, X: Transport>(
         (n_tok, hd, e_n),
         false,
     )?;
-    if bwd.hot_experts > e_n || !bwd.hot_bias.is_finite() {
-        return Err(LayerError::Config(format!(
-            "hot_experts = {} (of {e_n}) with bias {}",
-            bwd.hot_experts, bwd.hot_bias
-        )));
-    }
-    if bwd.hot_experts > 0 && bwd.hot_bias != 0.0 {
-        let b = T::from_f64(bwd.hot_bias).unwrap_or_else(T::zero);
+    if let Some(bias) = bwd.logit_bias(e_n)? {
+        let b: Vec<T> = bias.iter().map(|&v| T::of(v)).collect();
         for row in probs.chunks_exact_mut(e_n) {
-            row[..bwd.hot_experts].iter_mut().for_each(|v| *v += b);
+            row.iter_mut().zip(&b).for_each(|(v, &bb)| *v += bb);
         }
     }
     softmax_rows(&mut probs, e_n);

@@ -672,6 +672,51 @@ fn a_hot_expert_bias_skews_routing_and_keeps_gradients_exact() {
 }
 
 #[test]
+fn a_zipf_skew_makes_loads_fall_off_and_is_a_constant_bias() {
+    // -s·ln(1 + e) on the logits: the max/mean load grows with s, the
+    // hottest expert is expert 0, and a negative or non-finite skew is
+    // refused.
+    let cfg = MoeConfig {
+        hidden: 8,
+        ffn: 6,
+        n_experts: 16,
+        top_k: 2,
+        renormalize: true,
+    };
+    let (params, x, _) = setup(&cfg, 400, 31);
+    let imbalance = |s: f64| -> (f64, Vec<u64>) {
+        let call = CallConfig {
+            zipf_skew: s,
+            ..CallConfig::default()
+        };
+        let res: Vec<Result<_, LayerError>> = run_local(1, TIMEOUT, |t| {
+            let place = placement(cfg.n_experts, 1);
+            let (_, saved) = forward(t, &cfg, &call, &params, &place, &x)?;
+            Ok(saved.plan.routed[0].clone())
+        });
+        let load = res.into_iter().next().unwrap().unwrap();
+        let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
+        (*load.iter().max().unwrap() as f64 / mean, load)
+    };
+    let (flat, _) = imbalance(0.0);
+    let (mid, _) = imbalance(1.0);
+    let (steep, load) = imbalance(3.0);
+    assert!(flat < mid && mid < steep, "{flat} {mid} {steep}");
+    assert_eq!(load.iter().max(), Some(&load[0]), "{load:?}");
+    assert!(steep >= 4.0, "max/mean {steep} at skew 3");
+    for bad in [-1.0, f64::INFINITY] {
+        let call = CallConfig {
+            zipf_skew: bad,
+            ..CallConfig::default()
+        };
+        assert!(matches!(
+            call.logit_bias(cfg.n_experts),
+            Err(LayerError::Config(_))
+        ));
+    }
+}
+
+#[test]
 fn the_balancing_bias_moves_the_choice_but_not_the_gates_or_gradients() {
     // DeepSeek-V3's auxiliary-loss-free bias: a large bias on expert 1
     // puts it in every token's top-k; its gate is still the plain router

@@ -98,17 +98,9 @@ pub fn forward<T: Real>(
             .collect()
     };
     let planner = layer::DevicePlanner::new(*cfg, call.clone())?;
-    let bias: Option<Vec<f32>> = (call.hot_experts > 0 && call.hot_bias != 0.0).then(|| {
-        (0..cfg.n_experts)
-            .map(|e| {
-                if e < call.hot_experts {
-                    call.hot_bias as f32
-                } else {
-                    0.0
-                }
-            })
-            .collect()
-    });
+    let bias: Option<Vec<f32>> = call
+        .logit_bias(cfg.n_experts)?
+        .map(|b| b.iter().map(|&v| v as f32).collect());
     let sel_bias: Option<Vec<f32>> = (!call.expert_bias.is_empty())
         .then(|| call.expert_bias.iter().map(|&b| b as f32).collect());
     let fwd = layer::device::forward_host(

@@ -183,6 +183,10 @@ pub struct MoeSection {
     pub hot_experts: usize,
     /// Router logit bias of the hot experts.
     pub hot_bias: f64,
+    /// Skewed workload (every mode): `-zipf_skew · ln(1 + e)` added to
+    /// expert `e`'s router logits, a power-law fall-off of the loads (0 =
+    /// off); see `layer::CallConfig::zipf_skew`.
+    pub zipf_skew: f64,
     /// Which pairs the backward keeps within each quota (lrmoe mode):
     /// `priority` (default: priority sampling, unbiased), `top_q` (the
     /// paper's rule), `random_q` or `proportional` (see `lrm_score::Rule`).
@@ -230,6 +234,7 @@ impl Default for MoeSection {
             capacity_factor: 1.0,
             hot_experts: 0,
             hot_bias: 0.0,
+            zipf_skew: 0.0,
             // The study of issue 14 (docs/benchmarks.md): at 60% kept,
             // top-q needs 1.5–2.3× the exact backward's steps to a loss,
             // the unbiased samplings about 1.0–1.1×; priority sampling runs
@@ -348,6 +353,12 @@ impl TrainConfig {
             return bad(format!(
                 "moe.hot_experts = {} must be at most model.n_experts = {} and moe.hot_bias finite",
                 self.moe.hot_experts, self.model.n_experts
+            ));
+        }
+        if !(self.moe.zipf_skew.is_finite() && self.moe.zipf_skew >= 0.0) {
+            return bad(format!(
+                "moe.zipf_skew = {} must be finite and ≥ 0",
+                self.moe.zipf_skew
             ));
         }
         if !(self.moe.aux_loss_coeff.is_finite() && self.moe.aux_loss_coeff >= 0.0) {
@@ -534,6 +545,7 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
     let base = CallConfig {
         hot_experts: cfg.moe.hot_experts,
         hot_bias: cfg.moe.hot_bias,
+        zipf_skew: cfg.moe.zipf_skew,
         aux_loss_coeff: cfg.moe.aux_loss_coeff,
         ..CallConfig::default()
     };
