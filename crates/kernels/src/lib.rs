@@ -20,7 +20,10 @@
 //!   weight gradient; group sizes read on the device). Each has a CPU twin in
 //!   [`cpu`] and a device test. `gpu/imp/ops.rs` exposes them on device
 //!   buffers (`Gpu::route`, `group`, `gather_scaled`, `experts_forward_dev`,
-//!   `experts_backward_dev`, `combine_rows`, `router_backward`, …) for the
+//!   `experts_backward_dev` and its data / weight halves, `combine_rows`,
+//!   `router_backward`, `col_mean`, …; `download_later` for counts read
+//!   while the device runs on, `mark` for event timelines,
+//!   `set_gemm_sm_reserve` for SMs left to a collective) for the
 //!   `layer` crate's device executor (`layer::device`), which composes
 //!   them into the MoE layer on one GPU or expert-parallel over
 //!   [`comm::NcclComm`].
@@ -31,7 +34,9 @@
 //!   `layer` crate's use of them is tested in CI through the twins.
 //! * [`comm`] — NCCL collectives between processes, one GPU each (feature
 //!   `nccl`): variable all-to-all of any element type, all-gather,
-//!   all-reduce, every wait with a deadline.
+//!   all-reduce, every wait with a deadline; `start_all_to_all` /
+//!   `start_all_reduce_sum_f32` run beside a [`gpu::Gpu`]'s compute stream,
+//!   ordered by CUDA events (`comm::InFlight`), never by the host.
 //!
 //! ## Invariants
 //!
