@@ -820,7 +820,6 @@ mod imp {
                 recv: Some(recv),
                 done,
                 compute,
-                finished: false,
             })
         }
 
@@ -1027,10 +1026,10 @@ mod imp {
     /// buffers until the compute stream is ordered after it.
     pub struct InFlight<T> {
         sends: Vec<CudaSlice<T>>,
+        /// The receive buffer; `None` once finished.
         recv: Option<CudaSlice<T>>,
         done: cudarc::driver::CudaEvent,
         compute: Arc<CudaStream>,
-        finished: bool,
     }
 
     impl<T> InFlight<T> {
@@ -1056,7 +1055,6 @@ mod imp {
         /// wait) and returns the receive buffer and the send buffers.
         pub fn finish(mut self) -> Result<(CudaSlice<T>, Vec<CudaSlice<T>>), KernelError> {
             self.compute.wait(&self.done).map_err(cuda)?;
-            self.finished = true;
             let sends = std::mem::take(&mut self.sends);
             match self.recv.take() {
                 Some(r) => Ok((r, sends)),
@@ -1069,7 +1067,7 @@ mod imp {
         fn drop(&mut self) {
             // Unfinished (an error path): the buffers are freed on the
             // compute stream, so order it after the exchange first.
-            if !self.finished {
+            if self.recv.is_some() {
                 let _ = self.compute.wait(&self.done);
             }
         }

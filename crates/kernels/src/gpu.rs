@@ -1254,13 +1254,7 @@ mod imp {
                 i32::from(renormalize),
             );
             if let Some(b) = sel_bias {
-                if b.len() < e {
-                    return Err(KernelError::Shape {
-                        what: "selection bias (one per expert)",
-                        expected: e,
-                        got: b.len(),
-                    });
-                }
+                at_least("selection bias (one per expert)", e, b.len())?;
             }
             let null = 0u64;
             let mut l = self.stream.launch_builder(&self.router);

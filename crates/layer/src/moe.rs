@@ -217,22 +217,6 @@ pub struct StageTimes {
     pub reduce: f64,
 }
 
-/// The call's selection bias in `T` (`None` when empty); one finite value
-/// per expert or a configuration error.
-fn selection_bias<T: Real>(bias: &[f64], experts: usize) -> Result<Option<Vec<T>>, LayerError> {
-    if bias.is_empty() {
-        return Ok(None);
-    }
-    if bias.len() != experts || bias.iter().any(|b| !b.is_finite()) {
-        return Err(LayerError::Config(format!(
-            "expert bias: {} finite values expected (one per expert), got {}",
-            experts,
-            bias.len()
-        )));
-    }
-    Ok(Some(bias.iter().map(|&b| T::of(b)).collect()))
-}
-
 /// Figures of one backward on one rank.
 #[derive(Debug, Clone, Serialize)]
 pub struct BackwardStats {
@@ -307,7 +291,9 @@ pub fn forward<T: Real, X: Transport>(
         }
     }
     softmax_rows(&mut probs, e_n);
-    let sel_bias = selection_bias::<T>(&bwd.expert_bias, e_n)?;
+    let sel_bias: Option<Vec<T>> = bwd
+        .selection_bias(e_n)?
+        .map(|b| b.iter().map(|&v| T::of(v)).collect());
     let mut expert_of_pair = vec![0u32; n_tok * k];
     let mut gate = vec![T::zero(); n_tok * k];
     let mut biased = vec![T::zero(); if sel_bias.is_some() { e_n } else { 0 }];

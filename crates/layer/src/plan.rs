@@ -91,6 +91,24 @@ pub struct CallConfig {
 }
 
 impl CallConfig {
+    /// The balancing bias [`CallConfig::expert_bias`], or `None` when it
+    /// is empty; a configuration error unless it holds one finite value
+    /// per expert.
+    pub fn selection_bias(&self, experts: usize) -> Result<Option<&[f64]>, LayerError> {
+        let b = &self.expert_bias;
+        if b.is_empty() {
+            return Ok(None);
+        }
+        if b.len() != experts || b.iter().any(|v| !v.is_finite()) {
+            return Err(LayerError::Config(format!(
+                "expert bias: {} finite values expected (one per expert), got {}",
+                experts,
+                b.len()
+            )));
+        }
+        Ok(Some(b))
+    }
+
     /// The constant added to each expert's router logit by the forced
     /// workloads (`hot_experts`/`hot_bias`, `zipf_skew`), or `None` when
     /// there is none; a configuration error names a bad setting.

@@ -101,8 +101,9 @@ pub fn forward<T: Real>(
     let bias: Option<Vec<f32>> = call
         .logit_bias(cfg.n_experts)?
         .map(|b| b.iter().map(|&v| v as f32).collect());
-    let sel_bias: Option<Vec<f32>> = (!call.expert_bias.is_empty())
-        .then(|| call.expert_bias.iter().map(|&b| b as f32).collect());
+    let sel_bias: Option<Vec<f32>> = call
+        .selection_bias(cfg.n_experts)?
+        .map(|b| b.iter().map(|&v| v as f32).collect());
     let fwd = layer::device::forward_host(
         dev.gpu,
         dev.comm,

@@ -148,12 +148,14 @@ enum Flight<T> {
 }
 
 impl<T> Flight<T> {
-    fn sends(&self) -> &[CudaSlice<T>] {
-        match self {
-            Self::Here(_, s) => s,
+    /// The rows going out (one rank: the rows handed through).
+    fn outgoing(&self) -> Result<&CudaSlice<T>, KernelError> {
+        let sent = match self {
+            Self::Here(r, s) => s.first().or(Some(r)),
             #[cfg(feature = "nccl")]
-            Self::Away(f) => f.sends(),
-        }
+            Self::Away(f) => f.sends().first(),
+        };
+        sent.ok_or_else(|| KernelError::Comm("an exchange without a send buffer".into()))
     }
     #[allow(clippy::type_complexity)]
     fn buffers_mut(&mut self) -> Result<(&[CudaSlice<T>], &mut CudaSlice<T>), KernelError> {
@@ -178,16 +180,19 @@ impl<T> Flight<T> {
 }
 
 /// SMs the experts' GEMMs leave to an exchange running beside them on
-/// several ranks: `LRMOE_COMM_SMS`, else 16 (NCCL's send/receive kernels
+/// several ranks: `LRMOE_COMM_SMS` (read once per process), else 16 (NCCL's send/receive kernels
 /// must find free SMs, or they wait for the persistent GEMM to end).
 fn comm_sms(world: usize) -> u32 {
     if world == 1 {
         return 0;
     }
-    std::env::var("LRMOE_COMM_SMS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(16)
+    static SMS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SMS.get_or_init(|| {
+        std::env::var("LRMOE_COMM_SMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16)
+    })
 }
 
 /// Keeps [`comm_sms`] SMs out of the GEMMs while it lives.
@@ -206,16 +211,6 @@ impl Drop for Overlap<'_> {
     }
 }
 
-/// Starts of consecutive parts of `counts` (`len + 1` entries).
-fn starts(counts: &[usize]) -> Vec<usize> {
-    let mut v = Vec::with_capacity(counts.len() + 1);
-    v.push(0);
-    for &c in counts {
-        v.push(v[v.len() - 1] + c);
-    }
-    v
-}
-
 /// The parts of an exchange of rows of `width` from one packed buffer
 /// (`send[d]` rows to rank `d`, consecutive) into one packed buffer
 /// (`recv[s]` rows from rank `s`, consecutive), the own rank's message
@@ -227,7 +222,7 @@ fn packed_parts(
     rank: usize,
     width: usize,
 ) -> (Vec<(usize, usize, usize)>, Vec<(usize, usize)>) {
-    let (so, ro) = (starts(send), starts(recv));
+    let (so, ro) = (exclusive_scan(send), exclusive_scan(recv));
     let sp = (0..send.len())
         .map(|d| {
             let n = if d == rank { 0 } else { send[d] * width };
@@ -246,7 +241,8 @@ fn packed_parts(
 /// Starts an exchange of the packed rows `send` (`send_rows[d]` rows of
 /// `width` to rank `d`) into a fresh packed buffer (`recv_rows[s]` rows from
 /// rank `s`); the own rows are copied on the compute stream when
-/// `copy_own` (else their region stays unwritten). Several ranks only.
+/// `copy_own` (else their region stays unwritten). One rank: every row is
+/// its own, and `send` is handed through as the received rows.
 fn exchange_rows<T: kernels::gpu::DeviceRepr>(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
@@ -255,6 +251,9 @@ fn exchange_rows<T: kernels::gpu::DeviceRepr>(
     width: usize,
     copy_own: bool,
 ) -> Result<Flight<T>, LayerError> {
+    if comm.world_size() == 1 {
+        return Ok(Flight::Here(send, Vec::new()));
+    }
     let rank = comm.rank();
     let (sp, rp) = packed_parts(send_rows, recv_rows, rank, width);
     let total: usize = recv_rows.iter().sum();
@@ -263,7 +262,10 @@ fn exchange_rows<T: kernels::gpu::DeviceRepr>(
     let recv = unsafe { gpu.uninit::<T>(total * width) }?;
     let mut fl = comm.start(gpu, vec![send], &sp, recv, &rp)?;
     if copy_own {
-        let (a, b) = (starts(send_rows)[rank], starts(recv_rows)[rank]);
+        let (a, b) = (
+            exclusive_scan(send_rows)[rank],
+            exclusive_scan(recv_rows)[rank],
+        );
         let (sends, recv) = fl.buffers_mut()?;
         copy_rows(gpu, &sends[0], a, recv, b, (send_rows[rank], width))?;
     }
@@ -429,7 +431,8 @@ struct Laps {
 
 impl Laps {
     fn new(gpu: &Gpu) -> Result<Self, KernelError> {
-        let on = std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1");
+        static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+        let on = *ON.get_or_init(|| std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"));
         Ok(Self {
             start: if on { Some(gpu.mark()?) } else { None },
             compute: Vec::new(),
@@ -497,12 +500,13 @@ fn off_rank(send: &[usize], rank: usize) -> usize {
     send.iter().sum::<usize>() - send[rank]
 }
 
-fn exclusive_scan(counts: &[u32]) -> Vec<u32> {
+/// Starts of consecutive parts of `counts` (`len + 1` entries, from 0).
+fn exclusive_scan<T: Copy + Default + std::ops::Add<Output = T>>(counts: &[T]) -> Vec<T> {
     let mut v = Vec::with_capacity(counts.len() + 1);
-    let mut s = 0u32;
-    v.push(0);
+    let mut s = T::default();
+    v.push(s);
     for &c in counts {
-        s += c;
+        s = s + c;
         v.push(s);
     }
     v
@@ -810,7 +814,7 @@ pub fn forward(
     // Rows for other ranks travel while this rank's own rows go through
     // its experts; each source's rows are multiplied as they arrive, in
     // the instance-major order they came in (no regrouping).
-    let (soff, roff) = (starts(&lay.send), starts(&lay.recv.from));
+    let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
     let (gate_l, up_l, down_l) = match &weights {
         Some(lw) => (&lw.gate, &lw.up, &lw.down),
         None => (&w.gate, &w.up, &w.down),
@@ -819,22 +823,13 @@ pub fn forward(
     // Without replicas (decided from the plan, so alike on every rank)
     // owners keep their forward rows (source-major) for the backward.
     let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
-    let (mut fl, xs_here) = if world > 1 {
-        let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
-        laps.sent(gpu, comm, "x out")?;
-        (Some(fl), None)
-    } else {
-        (None, Some(xs))
-    };
+    let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
+    laps.sent(gpu, comm, "x out")?;
     let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
         (0..world).map(|_| None).collect();
     let overlap = Overlap::new(gpu, world);
     {
-        let xs = match (&fl, &xs_here) {
-            (Some(f), _) => &f.sends()[0],
-            (None, Some(x)) => x,
-            (None, None) => return Err(LayerError::Config("no rows to send (invariant)".into())),
-        };
+        let xs = fl.outgoing()?;
         let (a, m) = (soff[rank] * h, lay.send[rank] * h);
         check_at_least("rows to this rank", a + m, xs.len())?;
         outs[rank] = Some(gpu.experts_forward_dev(
@@ -845,13 +840,8 @@ pub fn forward(
         )?);
     }
     laps.lap(gpu, "experts (own rows)")?;
-    let (xr, xs) = match (fl.take(), xs_here) {
-        (Some(f), _) => {
-            let (xr, mut sent) = f.finish()?;
-            (xr, sent.pop())
-        }
-        (None, xs) => (gpu.zeros::<u16>(0)?, xs),
-    };
+    // One rank: its rows are the ones it sent itself.
+    let xr = fl.finish()?.0;
     drop(overlap);
     for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
         let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
@@ -884,12 +874,9 @@ pub fn forward(
                 }
             }
         }
-        let orp: Vec<(usize, usize)> = (0..world)
-            .map(|d| (soff[d] * h, if d == rank { 0 } else { lay.send[d] * h }))
-            .collect();
-        let hrp: Vec<(usize, usize)> = (0..world)
-            .map(|d| (soff[d], if d == rank { 0 } else { lay.send[d] }))
-            .collect();
+        // Back in the layout this source sent them in.
+        let orp = packed_parts(&lay.recv.from, &lay.send, rank, h).1;
+        let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
         // SAFETY: the exchanges write every other rank's region, the copies
         // the own one.
         let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
@@ -913,11 +900,6 @@ pub fn forward(
             (lay.send[rank], 1),
         )?;
         (fo.finish()?.0, fh.finish()?.0)
-    };
-    // One rank: its rows are the ones it sent itself.
-    let xr = match (world, xs) {
-        (1, Some(xs)) => xs,
-        _ => xr,
     };
     laps.lap(gpu, "a2a o")?;
     // Pair → row of o. Pairs dropped by the capacity point at an extra
@@ -1169,12 +1151,12 @@ pub fn backward(
     let all = if world == 1 {
         scores
     } else {
-        let same = vec![p; world];
-        let (mut sp, rp) = packed_parts(&same, &same, rank, 1);
-        // Every rank gets the one buffer whole.
-        for (d, part) in sp.iter_mut().enumerate() {
-            *part = (0, 0, if d == rank { 0 } else { p });
-        }
+        // Every other rank gets the one buffer whole; their p each land
+        // rank-major.
+        let sp: Vec<_> = (0..world)
+            .map(|d| (0, 0, if d == rank { 0 } else { p }))
+            .collect();
+        let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
         // SAFETY: the exchange writes every other rank's p scores, the
         // copy below the own ones.
         let mut fl = comm.start(
@@ -1339,12 +1321,8 @@ pub fn backward(
     // Kept rows travel; the router gradient's sum over ranks follows on
     // the communicator's stream.
     let n_r = lay.recv.perm.len();
-    let travel = |rows: CudaSlice<u16>| -> Result<Flight<u16>, LayerError> {
-        if world == 1 {
-            return Ok(Flight::Here(rows, Vec::new()));
-        }
-        exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true)
-    };
+    let travel =
+        |rows: CudaSlice<u16>| exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true);
     // x rows travel only where a kept pair may change instance.
     let x_fl = match sv.owned_rows {
         Some(_) => None,
@@ -1424,11 +1402,7 @@ pub fn backward(
     } else {
         dxk
     };
-    let dx_fl = if world == 1 {
-        Flight::Here(dx_src, Vec::new())
-    } else {
-        exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?
-    };
+    let dx_fl = exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?;
     laps.sent(gpu, comm, "dX back")?;
     let overlap = Overlap::new(gpu, world);
     let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;

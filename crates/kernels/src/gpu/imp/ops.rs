@@ -737,37 +737,28 @@ impl Gpu {
         at_least("x", rows * h, xd.len())?;
         at_least("d", rows * h, dd.len())?;
         check_expert_weights((wg, wu, wd), e * h * f)?;
-        if rows == 0 {
+        let (dx, hidden) = if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
             // SAFETY: a dX of zero rows: no element of it is ever read.
-            let dx = unsafe { self.uninit::<u16>(0) }?;
-            return Ok((
-                dx,
-                ExpertsBackward {
-                    od,
-                    e,
-                    rows,
-                    dims: (h, f),
-                    hidden: None,
-                },
-            ));
-        }
-        let (a, b, hh) = self.experts_hidden(&od, e, rows, xd, wg, wu, h, f)?;
-        let dh = self.gemm(GemmVariant::DataGrad, &od, e, dd, wd, rows * f, f, h)?;
-        // SAFETY: uninitialised output; the kernel or GEMM launched next
-        // writes every element before anything reads it.
-        let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
-        // SAFETY: uninitialised output; the kernel or GEMM launched next
-        // writes every element before anything reads it.
-        let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
-        let n = (rows * f) as i64;
-        let mut l = self.stream.launch_builder(&self.swiglu_bwd);
-        l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
-        // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
-        unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
-        let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
-        let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, wu, rows * h, h, f)?;
-        let dx = self.add(&dx1, &dx2, rows * h)?;
+            (unsafe { self.uninit::<u16>(0) }?, None)
+        } else {
+            let (a, b, hh) = self.experts_hidden(&od, e, rows, xd, wg, wu, h, f)?;
+            let dh = self.gemm(GemmVariant::DataGrad, &od, e, dd, wd, rows * f, f, h)?;
+            // SAFETY: uninitialised output; the kernel or GEMM launched next
+            // writes every element before anything reads it.
+            let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
+            // SAFETY: uninitialised output; the kernel or GEMM launched next
+            // writes every element before anything reads it.
+            let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
+            let n = (rows * f) as i64;
+            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+            l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
+            // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
+            unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+            let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
+            let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, wu, rows * h, h, f)?;
+            (self.add(&dx1, &dx2, rows * h)?, Some((hh, da, db)))
+        };
         Ok((
             dx,
             ExpertsBackward {
@@ -775,7 +766,7 @@ impl Gpu {
                 e,
                 rows,
                 dims: (h, f),
-                hidden: Some((hh, da, db)),
+                hidden,
             },
         ))
     }
