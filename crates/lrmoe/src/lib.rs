@@ -11,6 +11,8 @@
 //!   on launched ranks' GPUs through [`device_moe`]),
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
+//! * [`hf_config`]: a Hugging Face Qwen3-MoE `config.json` → the model
+//!   section (`--model-config`);
 //! * [`stop`]: the collective stop (steps, time cap, target, signal),
 //!   decided by every rank from gathered figures, and the signal handlers;
 //! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
@@ -47,6 +49,7 @@ pub mod data;
 pub mod device_moe;
 pub mod errline;
 pub mod fsutil;
+pub mod hf_config;
 pub mod launch;
 pub mod layer_grad;
 pub mod model;

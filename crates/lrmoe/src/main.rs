@@ -79,6 +79,14 @@ struct TrainArgs {
     /// TOML configuration (every field optional; flags below override it).
     #[arg(long)]
     config: Option<PathBuf>,
+    /// A Hugging Face Qwen3-MoE config.json: the model's shape (replaces the
+    /// configuration's model section; flags below override it).
+    #[arg(long)]
+    model_config: Option<PathBuf>,
+    /// Transformer blocks (overrides model.n_layers, e.g. a few layers of a
+    /// published shape).
+    #[arg(long)]
+    layers: Option<usize>,
     /// Optimizer steps.
     #[arg(long)]
     steps: Option<usize>,
@@ -312,6 +320,18 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
         }
         None => lrmoe::train::TrainConfig::default(),
     };
+    if let Some(path) = &a.model_config {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read {}", path.display()))?;
+        let hf = lrmoe::hf_config::parse(&text).with_context(|| format!("{}", path.display()))?;
+        if let Some(w) = hf.warning() {
+            tracing::warn!("{}: {w}", path.display());
+        }
+        cfg.model = hf.model;
+    }
+    if let Some(v) = a.layers {
+        cfg.model.n_layers = v;
+    }
     if let Some(v) = a.steps {
         cfg.steps = v;
     }

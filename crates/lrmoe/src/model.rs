@@ -2,8 +2,14 @@
 //! `f64` (the latter for gradient checks).
 //!
 //! `tokens → embedding → N × [x + Attn(RMSNorm(x)); x + MoE(RMSNorm(x))] →
-//! RMSNorm → LM head → cross-entropy`. Attention is causal multi-head with
-//! no bias; the MoE layer is `layer`'s, with the LRMoE backward. Each rank
+//! RMSNorm → LM head → cross-entropy`. Attention is causal, without bias,
+//! grouped-query (`n_kv_heads` key/value heads shared by `n_heads / n_kv_heads`
+//! query heads each), with an optional Qwen3 per-head RMSNorm of queries and
+//! keys and either a learned position embedding or rotary position
+//! embeddings (RoPE, rotate-half form: dimension `i < head_dim/2` pairs with
+//! `i + head_dim/2`, angle `pos · θ^(−2i/head_dim)`, applied after the q/k
+//! norm) — the Qwen3-MoE block when [`ModelConfig::rope_theta`] is set and
+//! `qk_norm` is on. The MoE layer is `layer`'s, with the LRMoE backward. Each rank
 //! of a [`layer::Transport`] holds a full copy of the dense weights
 //! (data parallel, gradients all-reduced) and runs the MoE layers with
 //! expert parallelism over the same transport.
@@ -57,8 +63,27 @@ pub struct ModelConfig {
     pub top_k: usize,
     /// Renormalise top-k routing weights.
     pub renormalize: bool,
-    /// Longest sequence (rows of the learned position embedding).
+    /// Longest sequence (rows of the learned position embedding; with RoPE
+    /// only a bound on the batch's sequence length).
     pub max_seq: usize,
+    /// Key/value heads of grouped-query attention (must divide `n_heads`);
+    /// `None`: `n_heads` (plain multi-head attention).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// Width of one attention head; `None`: `d_model / n_heads`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Rotary position embeddings with this base (Qwen3: 1e6) instead of the
+    /// learned position embedding; `None`: learned positions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// Qwen3's RMSNorm of every query and key head (one `head_dim` gain each
+    /// for queries and keys per block), before the rotation.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
+    /// Epsilon of every RMSNorm; `None`: 1e-6.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rms_eps: Option<f64>,
 }
 
 impl ModelConfig {
@@ -73,18 +98,88 @@ impl ModelConfig {
         }
     }
 
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.n_kv_heads.unwrap_or(self.n_heads)
+    }
+
+    /// Width of one attention head.
+    pub fn head_width(&self) -> usize {
+        self.head_dim.unwrap_or(self.d_model / self.n_heads.max(1))
+    }
+
+    /// RMSNorm epsilon.
+    pub fn eps(&self) -> f64 {
+        self.rms_eps.unwrap_or(1e-6)
+    }
+
+    /// A small model of the given vocabulary with the classic block
+    /// (multi-head attention, learned positions; tests and examples).
+    pub fn small(vocab: usize) -> Self {
+        Self {
+            vocab,
+            d_model: 8,
+            n_layers: 2,
+            n_heads: 2,
+            ffn: 6,
+            n_experts: 4,
+            top_k: 2,
+            renormalize: true,
+            max_seq: 8,
+            n_kv_heads: None,
+            head_dim: None,
+            rope_theta: None,
+            qk_norm: false,
+            rms_eps: None,
+        }
+    }
+
     /// Rejects shapes that cannot work.
     pub fn validate(&self) -> Result<(), ModelError> {
+        let bad = |m: String| Err(ModelError::Config(m));
         if self.vocab == 0 || self.d_model == 0 || self.n_layers == 0 || self.n_heads == 0 {
-            return Err(ModelError::Config(
-                "vocab, d_model, n_layers and n_heads must be positive".into(),
+            return bad("vocab, d_model, n_layers and n_heads must be positive".into());
+        }
+        if self.max_seq == 0 {
+            return bad("max_seq must be positive".into());
+        }
+        match self.head_dim {
+            None if self.d_model % self.n_heads != 0 => {
+                return bad(format!(
+                    "d_model = {} is not divisible by n_heads = {} (or set head_dim)",
+                    self.d_model, self.n_heads
+                ))
+            }
+            Some(0) => return bad("head_dim must be positive".into()),
+            _ => {}
+        }
+        let kv = self.kv_heads();
+        if kv == 0 || self.n_heads % kv != 0 {
+            return bad(format!(
+                "n_kv_heads = {kv} must be positive and divide n_heads = {}",
+                self.n_heads
             ));
         }
-        if self.d_model % self.n_heads != 0 {
-            return Err(ModelError::Config(format!(
-                "d_model = {} is not divisible by n_heads = {}",
-                self.d_model, self.n_heads
-            )));
+        if let Some(t) = self.rope_theta {
+            if !(t.is_finite() && t > 1.0) {
+                return bad(format!("rope_theta = {t} must be finite and > 1"));
+            }
+            if self.head_width() % 2 != 0 {
+                return bad(format!(
+                    "RoPE needs an even head_dim, not {}",
+                    self.head_width()
+                ));
+            }
+        }
+        let eps = self.eps();
+        if !(eps.is_finite() && eps > 0.0 && eps < 1.0) {
+            return bad(format!("rms_eps = {eps} must be in (0, 1)"));
+        }
+        if [self.n_heads, kv]
+            .iter()
+            .any(|h| h.checked_mul(self.head_width()).is_none())
+        {
+            return bad("heads × head_dim overflows".into());
         }
         self.moe().validate()?;
         Ok(())
@@ -96,14 +191,18 @@ impl ModelConfig {
 pub struct Block<T> {
     /// Pre-attention RMSNorm gain, `d`.
     pub norm1: Vec<T>,
-    /// Query, key, value, output projections, `d × d` each.
+    /// Query projection, `d × (n_heads · head_dim)`.
     pub wq: Vec<T>,
-    /// Key projection.
+    /// Key projection, `d × (n_kv_heads · head_dim)`.
     pub wk: Vec<T>,
-    /// Value projection.
+    /// Value projection, `d × (n_kv_heads · head_dim)`.
     pub wv: Vec<T>,
-    /// Output projection.
+    /// Output projection, `(n_heads · head_dim) × d`.
     pub wo: Vec<T>,
+    /// Query-head RMSNorm gain, `head_dim` (empty without `qk_norm`).
+    pub q_norm: Vec<T>,
+    /// Key-head RMSNorm gain, `head_dim` (empty without `qk_norm`).
+    pub k_norm: Vec<T>,
     /// Pre-MoE RMSNorm gain, `d`.
     pub norm2: Vec<T>,
     /// The MoE layer.
@@ -115,7 +214,7 @@ pub struct Block<T> {
 pub struct Model<T> {
     /// Token embedding, `vocab × d`.
     pub embed: Vec<T>,
-    /// Learned position embedding, `max_seq × d`.
+    /// Learned position embedding, `max_seq × d` (empty with RoPE).
     pub pos: Vec<T>,
     /// Blocks.
     pub blocks: Vec<Block<T>>,
@@ -146,17 +245,26 @@ impl<T: Real> Model<T> {
     /// Zeros of the configured shapes.
     pub fn zeros(cfg: &ModelConfig) -> Self {
         let d = cfg.d_model;
+        let dh = cfg.head_width();
+        let (qd, kd) = (cfg.n_heads * dh, cfg.kv_heads() * dh);
+        let qk = if cfg.qk_norm { dh } else { 0 };
         let z = |n: usize| vec![T::zero(); n];
         Self {
             embed: z(cfg.vocab * d),
-            pos: z(cfg.max_seq * d),
+            pos: z(if cfg.rope_theta.is_some() {
+                0
+            } else {
+                cfg.max_seq * d
+            }),
             blocks: (0..cfg.n_layers)
                 .map(|_| Block {
                     norm1: z(d),
-                    wq: z(d * d),
-                    wk: z(d * d),
-                    wv: z(d * d),
-                    wo: z(d * d),
+                    wq: z(d * qd),
+                    wk: z(d * kd),
+                    wv: z(d * kd),
+                    wo: z(qd * d),
+                    q_norm: z(qk),
+                    k_norm: z(qk),
                     norm2: z(d),
                     moe: MoeParams::zeros(&cfg.moe()),
                 })
@@ -177,11 +285,14 @@ impl<T: Real> Model<T> {
         for (i, b) in m.blocks.iter_mut().enumerate() {
             b.norm1.fill(T::one());
             b.norm2.fill(T::one());
+            b.q_norm.fill(T::one());
+            b.k_norm.fill(T::one());
             for w in [&mut b.wq, &mut b.wk, &mut b.wv] {
                 rng.fill(w, s);
             }
             // Residual branches start small so early training is stable.
-            rng.fill(&mut b.wo, s / (2.0 * cfg.n_layers as f64).sqrt());
+            let so = 1.0 / ((cfg.n_heads * cfg.head_width()) as f64).sqrt();
+            rng.fill(&mut b.wo, so / (2.0 * cfg.n_layers as f64).sqrt());
             b.moe = MoeParams::init(&cfg.moe(), seed.wrapping_add(1000 + i as u64));
         }
         m.norm_f.fill(T::one());
@@ -191,10 +302,10 @@ impl<T: Real> Model<T> {
 
     /// Every tensor with a stable name, in a fixed order.
     pub fn tensors(&self) -> Vec<(String, &Vec<T>)> {
-        let mut v = vec![
-            ("embed".to_string(), &self.embed),
-            ("pos".to_string(), &self.pos),
-        ];
+        let mut v = vec![("embed".to_string(), &self.embed)];
+        if !self.pos.is_empty() {
+            v.push(("pos".to_string(), &self.pos));
+        }
         for (i, b) in self.blocks.iter().enumerate() {
             for (n, t) in [
                 ("norm1", &b.norm1),
@@ -202,8 +313,13 @@ impl<T: Real> Model<T> {
                 ("wk", &b.wk),
                 ("wv", &b.wv),
                 ("wo", &b.wo),
+                ("q_norm", &b.q_norm),
+                ("k_norm", &b.k_norm),
                 ("norm2", &b.norm2),
-            ] {
+            ]
+            .into_iter()
+            .filter(|(_, t)| !t.is_empty())
+            {
                 v.push((format!("blocks.{i}.{n}"), t));
             }
             for (n, t) in b.moe.tensors() {
@@ -217,10 +333,10 @@ impl<T: Real> Model<T> {
 
     /// Every tensor with its name, mutably, in the order of [`Self::tensors`].
     pub fn tensors_mut(&mut self) -> Vec<(String, &mut Vec<T>)> {
-        let mut v = vec![
-            ("embed".to_string(), &mut self.embed),
-            ("pos".to_string(), &mut self.pos),
-        ];
+        let mut v = vec![("embed".to_string(), &mut self.embed)];
+        if !self.pos.is_empty() {
+            v.push(("pos".to_string(), &mut self.pos));
+        }
         for (i, b) in self.blocks.iter_mut().enumerate() {
             for (n, t) in [
                 ("norm1", &mut b.norm1),
@@ -228,8 +344,13 @@ impl<T: Real> Model<T> {
                 ("wk", &mut b.wk),
                 ("wv", &mut b.wv),
                 ("wo", &mut b.wo),
+                ("q_norm", &mut b.q_norm),
+                ("k_norm", &mut b.k_norm),
                 ("norm2", &mut b.norm2),
-            ] {
+            ]
+            .into_iter()
+            .filter(|(_, t)| !t.is_empty())
+            {
                 v.push((format!("blocks.{i}.{n}"), t));
             }
             for (n, t) in b.moe.tensors_mut() {
@@ -247,16 +368,14 @@ impl<T: Real> Model<T> {
     }
 }
 
-const RMS_EPS: f64 = 1e-6;
-
-/// `y = x / rms(x) ⊙ w` per row; returns `1 / rms` per row.
-fn rmsnorm<T: Real>(x: &[T], w: &[T], y: &mut [T]) -> Vec<T> {
+/// `y = x / rms(x) ⊙ w` per row of `w.len()`; returns `1 / rms` per row.
+fn rmsnorm<T: Real>(x: &[T], w: &[T], eps: f64, y: &mut [T]) -> Vec<T> {
     let d = w.len();
     x.chunks_exact(d)
         .zip(y.chunks_exact_mut(d))
         .map(|(xr, yr)| {
             let ms = xr.iter().map(|&v| v * v).sum::<T>() / T::of(d as f64);
-            let inv = T::one() / (ms + T::of(RMS_EPS)).sqrt();
+            let inv = T::one() / (ms + T::of(eps)).sqrt();
             for ((o, &v), &g) in yr.iter_mut().zip(xr).zip(w) {
                 *o = v * inv * g;
             }
@@ -294,6 +413,14 @@ struct BlockCache<T> {
     x_in: Vec<T>,
     inv1: Vec<T>,
     a: Vec<T>,
+    /// Query and key projections before their head norms, token-major, and
+    /// the norms' `1 / rms` per head row (empty without `qk_norm`).
+    q_raw: Vec<T>,
+    k_raw: Vec<T>,
+    q_inv: Vec<T>,
+    k_inv: Vec<T>,
+    /// Queries, keys and values as attention saw them (normed and rotated),
+    /// `[sequence, head, position, head_dim]`.
     q: Vec<T>,
     k: Vec<T>,
     v: Vec<T>,
@@ -383,6 +510,34 @@ fn split_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut 
     }
 }
 
+/// Rotates every head of the token-major rows `x` (`[n, width]`, `width` a
+/// multiple of `dh`; token `i` at position `i % seq`) by RoPE with base
+/// `theta`; `inverse` rotates by the negative angle (the transpose: the
+/// backward of the rotation).
+fn rope<T: Real>(x: &mut [T], seq: usize, width: usize, dh: usize, theta: f64, inverse: bool) {
+    let half = dh / 2;
+    let sign = if inverse { -1.0 } else { 1.0 };
+    let table: Vec<(T, T)> = (0..seq)
+        .flat_map(|p| {
+            (0..half).map(move |j| {
+                let angle = p as f64 * theta.powf(-2.0 * j as f64 / dh as f64);
+                (T::of(angle.cos()), T::of(sign * angle.sin()))
+            })
+        })
+        .collect();
+    for (i, row) in x.chunks_exact_mut(width).enumerate() {
+        let cs = &table[(i % seq) * half..(i % seq + 1) * half];
+        for head in row.chunks_exact_mut(dh) {
+            let (lo, hi) = head.split_at_mut(half);
+            for ((a, b), &(c, s)) in lo.iter_mut().zip(hi.iter_mut()).zip(cs) {
+                let (x1, x2) = (*a, *b);
+                *a = x1 * c - x2 * s;
+                *b = x2 * c + x1 * s;
+            }
+        }
+    }
+}
+
 /// Inverse of [`split_heads`].
 fn merge_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut [T]) {
     let d = heads * dh;
@@ -410,8 +565,10 @@ pub fn forward<T: Real, X: Transport>(
     seq: usize,
 ) -> Result<(f64, Cache<T>), ModelError> {
     cfg.validate()?;
-    let (d, v_n, heads) = (cfg.d_model, cfg.vocab, cfg.n_heads);
-    let dh = d / heads;
+    let (d, v_n) = (cfg.d_model, cfg.vocab);
+    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
+    let eps = cfg.eps();
     if seq == 0 || seq > cfg.max_seq || tokens.len() % seq != 0 || targets.len() != tokens.len() {
         return Err(ModelError::Batch(format!(
             "{} tokens and {} targets do not form sequences of {seq} (max_seq {})",
@@ -429,13 +586,12 @@ pub fn forward<T: Real, X: Transport>(
     let n_seq = n / seq;
     let mut x = vec![T::zero(); n * d];
     for (i, (row, &t)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
-        let p = i % seq;
-        for ((o, &e), &q) in row
-            .iter_mut()
-            .zip(&model.embed[t as usize * d..(t as usize + 1) * d])
-            .zip(&model.pos[p * d..(p + 1) * d])
-        {
-            *o = e + q;
+        row.copy_from_slice(&model.embed[t as usize * d..(t as usize + 1) * d]);
+        if !model.pos.is_empty() {
+            let p = i % seq;
+            for (o, &q) in row.iter_mut().zip(&model.pos[p * d..(p + 1) * d]) {
+                *o += q;
+            }
         }
     }
     let scale = T::of(1.0 / (dh as f64).sqrt());
@@ -444,22 +600,39 @@ pub fn forward<T: Real, X: Transport>(
     for b in &model.blocks {
         let x_in = x.clone();
         let mut a = vec![T::zero(); n * d];
-        let inv1 = rmsnorm(&x, &b.norm1, &mut a);
-        let proj = |w: &[T]| -> Result<Vec<T>, ModelError> {
-            let mut o = vec![T::zero(); n * d];
-            matmul(&mut o, &a, Op::N, w, Op::N, (n, d, d), false)?;
-            let mut s = vec![T::zero(); n * d];
-            split_heads(&o, seq, heads, dh, &mut s);
-            Ok(s)
+        let inv1 = rmsnorm(&x, &b.norm1, eps, &mut a);
+        let proj = |w: &[T], width: usize| -> Result<Vec<T>, ModelError> {
+            let mut o = vec![T::zero(); n * width];
+            matmul(&mut o, &a, Op::N, w, Op::N, (n, d, width), false)?;
+            Ok(o)
         };
-        let (q, k, v) = (proj(&b.wq)?, proj(&b.wk)?, proj(&b.wv)?);
-        // Causal attention per (sequence, head).
-        let mut probs = vec![T::zero(); n_seq * heads * seq * seq];
-        let mut ctx = vec![T::zero(); n * d];
-        for sh in 0..n_seq * heads {
+        let (mut qt, mut kt, vt) = (proj(&b.wq, qd)?, proj(&b.wk, kd)?, proj(&b.wv, kd)?);
+        let (mut q_raw, mut k_raw, mut q_inv, mut k_inv) = (vec![], vec![], vec![], vec![]);
+        if cfg.qk_norm {
+            q_raw = qt.clone();
+            k_raw = kt.clone();
+            q_inv = rmsnorm(&q_raw, &b.q_norm, eps, &mut qt);
+            k_inv = rmsnorm(&k_raw, &b.k_norm, eps, &mut kt);
+        }
+        if let Some(theta) = cfg.rope_theta {
+            rope(&mut qt, seq, qd, dh, theta, false);
+            rope(&mut kt, seq, kd, dh, theta, false);
+        }
+        let by_head = |t: &[T], heads: usize| {
+            let mut s = vec![T::zero(); t.len()];
+            split_heads(t, seq, heads, dh, &mut s);
+            s
+        };
+        let (q, k, v) = (by_head(&qt, h), by_head(&kt, kv), by_head(&vt, kv));
+        // Causal attention per (sequence, query head); query head `j` reads
+        // key/value head `j / group`.
+        let mut probs = vec![T::zero(); n_seq * h * seq * seq];
+        let mut ctx = vec![T::zero(); n * qd];
+        for sh in 0..n_seq * h {
+            let ks_i = (sh / h) * kv + (sh % h) / group;
             let qs = &q[sh * seq * dh..(sh + 1) * seq * dh];
-            let ks = &k[sh * seq * dh..(sh + 1) * seq * dh];
-            let vs = &v[sh * seq * dh..(sh + 1) * seq * dh];
+            let ks = &k[ks_i * seq * dh..(ks_i + 1) * seq * dh];
+            let vs = &v[ks_i * seq * dh..(ks_i + 1) * seq * dh];
             let p = &mut probs[sh * seq * seq..(sh + 1) * seq * seq];
             matmul(p, qs, Op::N, ks, Op::T, (seq, dh, seq), false)?;
             for (i, row) in p.chunks_exact_mut(seq).enumerate() {
@@ -491,12 +664,12 @@ pub fn forward<T: Real, X: Transport>(
                 false,
             )?;
         }
-        let mut attn = vec![T::zero(); n * d];
-        merge_heads(&ctx, seq, heads, dh, &mut attn);
-        matmul(&mut x, &attn, Op::N, &b.wo, Op::N, (n, d, d), true)?;
+        let mut attn = vec![T::zero(); n * qd];
+        merge_heads(&ctx, seq, h, dh, &mut attn);
+        matmul(&mut x, &attn, Op::N, &b.wo, Op::N, (n, qd, d), true)?;
         let x_mid = x.clone();
         let mut m = vec![T::zero(); n * d];
-        let inv2 = rmsnorm(&x, &b.norm2, &mut m);
+        let inv2 = rmsnorm(&x, &b.norm2, eps, &mut m);
         let clock = std::time::Instant::now();
         let biased;
         let call = match run.expert_bias.get(blocks.len()) {
@@ -534,6 +707,10 @@ pub fn forward<T: Real, X: Transport>(
             x_in,
             inv1,
             a,
+            q_raw,
+            k_raw,
+            q_inv,
+            k_inv,
             q,
             k,
             v,
@@ -545,7 +722,7 @@ pub fn forward<T: Real, X: Transport>(
         });
     }
     let mut hf = vec![T::zero(); n * d];
-    let inv_f = rmsnorm(&x, &model.norm_f, &mut hf);
+    let inv_f = rmsnorm(&x, &model.norm_f, eps, &mut hf);
     let mut probs = vec![T::zero(); n * v_n];
     matmul(
         &mut probs,
@@ -611,8 +788,9 @@ pub fn backward<T: Real, X: Transport>(
     cache: &Cache<T>,
     seq: usize,
 ) -> Result<Gradients<T>, ModelError> {
-    let (d, v_n, heads) = (cfg.d_model, cfg.vocab, cfg.n_heads);
-    let dh = d / heads;
+    let (d, v_n) = (cfg.d_model, cfg.vocab);
+    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
     let n = cache.tokens.len();
     let n_seq = n / seq;
     let world = comm.world_size() as f64;
@@ -678,32 +856,35 @@ pub fn backward<T: Real, X: Transport>(
         stats.push(st);
         rmsnorm_backward(&c.x_mid, &b.norm2, &c.inv2, &dm, &mut dx, &mut gb.norm2);
         // Attention branch: x_mid = x_in + attn(norm1(x_in)) · Wo.
-        matmul(&mut gb.wo, &c.attn, Op::T, &dx, Op::N, (d, n, d), false)?;
-        let mut dattn = vec![T::zero(); n * d];
-        matmul(&mut dattn, &dx, Op::N, &b.wo, Op::T, (n, d, d), false)?;
-        let mut dctx = vec![T::zero(); n * d];
-        split_heads(&dattn, seq, heads, dh, &mut dctx);
-        let mut dq = vec![T::zero(); n * d];
-        let mut dk = vec![T::zero(); n * d];
-        let mut dv = vec![T::zero(); n * d];
+        matmul(&mut gb.wo, &c.attn, Op::T, &dx, Op::N, (qd, n, d), false)?;
+        let mut dattn = vec![T::zero(); n * qd];
+        matmul(&mut dattn, &dx, Op::N, &b.wo, Op::T, (n, d, qd), false)?;
+        let mut dctx = vec![T::zero(); n * qd];
+        split_heads(&dattn, seq, h, dh, &mut dctx);
+        let mut dq = vec![T::zero(); n * qd];
+        let mut dk = vec![T::zero(); n * kd];
+        let mut dv = vec![T::zero(); n * kd];
         let mut dp = vec![T::zero(); seq * seq];
-        for sh in 0..n_seq * heads {
+        for sh in 0..n_seq * h {
+            let ks_i = (sh / h) * kv + (sh % h) / group;
             let r = sh * seq * dh..(sh + 1) * seq * dh;
+            let rk = ks_i * seq * dh..(ks_i + 1) * seq * dh;
             let p = &c.probs[sh * seq * seq..(sh + 1) * seq * seq];
+            // A key/value head sums the gradients of its group's queries.
             matmul(
-                &mut dv[r.clone()],
+                &mut dv[rk.clone()],
                 p,
                 Op::T,
                 &dctx[r.clone()],
                 Op::N,
                 (seq, seq, dh),
-                false,
+                true,
             )?;
             matmul(
                 &mut dp,
                 &dctx[r.clone()],
                 Op::N,
-                &c.v[r.clone()],
+                &c.v[rk.clone()],
                 Op::T,
                 (seq, dh, seq),
                 false,
@@ -719,31 +900,50 @@ pub fn backward<T: Real, X: Transport>(
                 &mut dq[r.clone()],
                 &dp,
                 Op::N,
-                &c.k[r.clone()],
+                &c.k[rk.clone()],
                 Op::N,
                 (seq, seq, dh),
                 false,
             )?;
             matmul(
-                &mut dk[r.clone()],
+                &mut dk[rk],
                 &dp,
                 Op::T,
-                &c.q[r.clone()],
+                &c.q[r],
                 Op::N,
                 (seq, seq, dh),
-                false,
+                true,
             )?;
         }
+        // Back to token-major rows, through the rotation and the head norms.
+        let by_token = |t: &[T], heads: usize| {
+            let mut o = vec![T::zero(); t.len()];
+            merge_heads(t, seq, heads, dh, &mut o);
+            o
+        };
+        let (mut dqt, mut dkt, dvt) = (by_token(&dq, h), by_token(&dk, kv), by_token(&dv, kv));
+        if let Some(theta) = cfg.rope_theta {
+            rope(&mut dqt, seq, qd, dh, theta, true);
+            rope(&mut dkt, seq, kd, dh, theta, true);
+        }
+        if cfg.qk_norm {
+            for (dt, raw, w, inv, gw) in [
+                (&mut dqt, &c.q_raw, &b.q_norm, &c.q_inv, &mut gb.q_norm),
+                (&mut dkt, &c.k_raw, &b.k_norm, &c.k_inv, &mut gb.k_norm),
+            ] {
+                let mut draw = vec![T::zero(); dt.len()];
+                rmsnorm_backward(raw, w, inv, dt, &mut draw, gw);
+                *dt = draw;
+            }
+        }
         let mut da = vec![T::zero(); n * d];
-        let mut merged = vec![T::zero(); n * d];
-        for (dproj, w, gw) in [
-            (&dq, &b.wq, &mut gb.wq),
-            (&dk, &b.wk, &mut gb.wk),
-            (&dv, &b.wv, &mut gb.wv),
+        for (dproj, w, gw, width) in [
+            (&dqt, &b.wq, &mut gb.wq, qd),
+            (&dkt, &b.wk, &mut gb.wk, kd),
+            (&dvt, &b.wv, &mut gb.wv, kd),
         ] {
-            merge_heads(dproj, seq, heads, dh, &mut merged);
-            matmul(gw, &c.a, Op::T, &merged, Op::N, (d, n, d), false)?;
-            matmul(&mut da, &merged, Op::N, w, Op::T, (n, d, d), true)?;
+            matmul(gw, &c.a, Op::T, dproj, Op::N, (d, n, width), false)?;
+            matmul(&mut da, dproj, Op::N, w, Op::T, (n, width, d), true)?;
         }
         rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, &mut dx, &mut gb.norm1);
     }
@@ -754,9 +954,11 @@ pub fn backward<T: Real, X: Transport>(
         {
             *gv += v;
         }
-        let p = i % seq;
-        for (gv, &v) in g.pos[p * d..(p + 1) * d].iter_mut().zip(row) {
-            *gv += v;
+        if !g.pos.is_empty() {
+            let p = i % seq;
+            for (gv, &v) in g.pos[p * d..(p + 1) * d].iter_mut().zip(row) {
+                *gv += v;
+            }
         }
     }
     stats.reverse();
@@ -787,16 +989,20 @@ mod tests {
     use std::time::Duration;
 
     fn tiny() -> ModelConfig {
+        ModelConfig::small(7)
+    }
+
+    /// The Qwen3-MoE block: grouped-query attention, per-head q/k norms,
+    /// rotary positions, head_dim not d_model / n_heads.
+    fn tiny_qwen3() -> ModelConfig {
         ModelConfig {
-            vocab: 7,
-            d_model: 8,
-            n_layers: 2,
-            n_heads: 2,
-            ffn: 6,
-            n_experts: 4,
-            top_k: 2,
-            renormalize: true,
-            max_seq: 8,
+            n_heads: 4,
+            n_kv_heads: Some(2),
+            head_dim: Some(4),
+            rope_theta: Some(10_000.0),
+            qk_norm: true,
+            rms_eps: Some(1e-5),
+            ..ModelConfig::small(7)
         }
     }
 
@@ -912,6 +1118,89 @@ mod tests {
     }
 
     #[test]
+    fn qwen3_block_gradients_match_central_finite_differences() {
+        let cfg = tiny_qwen3();
+        let model = Model::<f64>::init(&cfg, 11);
+        assert!(model.pos.is_empty() && model.blocks[0].q_norm.len() == 4);
+        assert_eq!(model.blocks[0].wk.len(), 8 * 2 * 4);
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 3 % 7) as u32).collect();
+        let targets: Vec<u32> = (0..12).map(|i| (i * 5 % 7 + 1) as u32 % 7).collect();
+        let call = CallConfig::default();
+        for ranks in [1, 2] {
+            assert_fd(&cfg, &model, &tokens, &targets, 6, ranks, &call, &|_| true);
+        }
+    }
+
+    #[test]
+    fn rope_is_a_relative_rotation() {
+        let (seq, dh) = (7, 6);
+        let q: Vec<f64> = (0..dh).map(|i| (i as f64 * 0.7).sin()).collect();
+        let k: Vec<f64> = (0..dh).map(|i| (i as f64 * 1.3).cos()).collect();
+        let at = |v: &[f64]| {
+            let mut x: Vec<f64> = (0..seq).flat_map(|_| v.iter().copied()).collect();
+            rope(&mut x, seq, dh, dh, 500.0, false);
+            x
+        };
+        let (rq, rk) = (at(&q), at(&k));
+        let dot =
+            |i: usize, j: usize| -> f64 { (0..dh).map(|t| rq[i * dh + t] * rk[j * dh + t]).sum() };
+        // Position 0 is untouched; norms are kept; scores depend on i − j.
+        assert_eq!(&rq[..dh], &q[..]);
+        let norm = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>();
+        assert!((norm(&rq[3 * dh..4 * dh]) - norm(&q)).abs() < 1e-12);
+        assert!((dot(5, 3) - dot(2, 0)).abs() < 1e-12);
+        assert!((dot(6, 6) - dot(0, 0)).abs() < 1e-12);
+        assert!(
+            (dot(4, 1) - dot(1, 4)).abs() > 1e-6,
+            "not symmetric in i − j"
+        );
+        let mut back = rq.clone();
+        rope(&mut back, seq, dh, dh, 500.0, true);
+        for (a, b) in back.chunks_exact(dh).flatten().zip(q.iter().cycle()) {
+            assert!((a - b).abs() < 1e-12);
+        }
+    }
+
+    #[test]
+    fn grouped_query_attention_equals_multi_head_with_shared_key_heads() {
+        let gqa = tiny_qwen3();
+        let mha = ModelConfig {
+            n_kv_heads: None,
+            ..gqa
+        };
+        let g = Model::<f64>::init(&gqa, 5);
+        let mut m = Model::<f64>::zeros(&mha);
+        m.embed.clone_from(&g.embed);
+        m.norm_f.clone_from(&g.norm_f);
+        m.head.clone_from(&g.head);
+        let (d, dh) = (gqa.d_model, 4);
+        for (mb, gb) in m.blocks.iter_mut().zip(&g.blocks) {
+            let keep = (mb.wk.len(), mb.wv.len());
+            *mb = gb.clone();
+            // Key/value head j of the multi-head model copies head j / 2.
+            let widen = |w: &[f64]| -> Vec<f64> {
+                let mut out = vec![0.0; d * 4 * dh];
+                for r in 0..d {
+                    for j in 0..4 {
+                        for t in 0..dh {
+                            out[r * 4 * dh + j * dh + t] = w[r * 2 * dh + (j / 2) * dh + t];
+                        }
+                    }
+                }
+                out
+            };
+            mb.wk = widen(&gb.wk);
+            mb.wv = widen(&gb.wv);
+            assert_eq!((mb.wk.len(), mb.wv.len()), keep);
+        }
+        let tokens: Vec<u32> = (0..12).map(|i| (i * 3 % 7) as u32).collect();
+        let targets: Vec<u32> = (0..12).map(|i| (i * 2 % 7) as u32).collect();
+        let (lg, _) = loss_and_grads(&gqa, &g, &tokens, &targets, 6, 1);
+        let (lm, _) = loss_and_grads(&mha, &m, &tokens, &targets, 6, 1);
+        assert!((lg - lm).abs() < 1e-12, "{lg} vs {lm}");
+    }
+
+    #[test]
     fn gradients_match_central_finite_differences() {
         let cfg = tiny();
         let model = Model::<f64>::init(&cfg, 3);
@@ -992,5 +1281,51 @@ mod tests {
         assert!(matches!(bad.validate(), Err(ModelError::Config(_))));
         let bad = ModelConfig { top_k: 9, ..cfg };
         assert!(bad.validate().is_err());
+        for bad in [
+            ModelConfig {
+                n_kv_heads: Some(3),
+                ..tiny_qwen3()
+            },
+            ModelConfig {
+                n_kv_heads: Some(0),
+                ..tiny_qwen3()
+            },
+            ModelConfig {
+                head_dim: Some(3),
+                ..tiny_qwen3()
+            },
+            ModelConfig {
+                head_dim: Some(0),
+                ..tiny_qwen3()
+            },
+            ModelConfig {
+                rope_theta: Some(f64::NAN),
+                ..tiny_qwen3()
+            },
+            ModelConfig {
+                rms_eps: Some(0.0),
+                ..tiny_qwen3()
+            },
+        ] {
+            assert!(
+                matches!(bad.validate(), Err(ModelError::Config(_))),
+                "{bad:?}"
+            );
+        }
+        // head_dim frees d_model from dividing by n_heads.
+        let odd = ModelConfig {
+            n_heads: 3,
+            head_dim: Some(4),
+            ..tiny_qwen3()
+        };
+        assert!(ModelConfig {
+            n_kv_heads: None,
+            ..odd
+        }
+        .validate()
+        .is_ok());
+        // The classic model's description is unchanged (old checkpoints).
+        let json = serde_json::to_string(&tiny()).unwrap();
+        assert!(!json.contains("rope") && !json.contains("kv"), "{json}");
     }
 }

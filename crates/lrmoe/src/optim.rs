@@ -142,6 +142,7 @@ mod tests {
             top_k: 1,
             renormalize: false,
             max_seq: 4,
+            ..ModelConfig::small(3)
         };
         let mut model = Model::<f64>::zeros(&cfg);
         let mut grads = Model::<f64>::zeros(&cfg);

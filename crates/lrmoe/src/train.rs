@@ -101,6 +101,31 @@ pub struct ModelSection {
     pub top_k: usize,
     /// Renormalise top-k weights.
     pub renormalize: bool,
+    /// Key/value heads of grouped-query attention (divides `n_heads`);
+    /// unset: `n_heads`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub n_kv_heads: Option<usize>,
+    /// Width of one attention head; unset: `d_model / n_heads`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub head_dim: Option<usize>,
+    /// Rotary position embeddings with this base instead of learned
+    /// positions; unset: learned positions.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rope_theta: Option<f64>,
+    /// Qwen3's per-head RMSNorm of queries and keys.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub qk_norm: bool,
+    /// RMSNorm epsilon; unset: 1e-6.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rms_eps: Option<f64>,
+    /// Rows of the embedding and columns of the LM head; unset: the
+    /// corpus's symbols. Must be at least the corpus's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vocab: Option<usize>,
+    /// Longest sequence the model is meant for (a config.json's
+    /// `max_position_embeddings`); `data.seq_len` may not exceed it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_positions: Option<usize>,
 }
 
 impl Default for ModelSection {
@@ -113,6 +138,13 @@ impl Default for ModelSection {
             n_experts: 8,
             top_k: 2,
             renormalize: true,
+            n_kv_heads: None,
+            head_dim: None,
+            rope_theta: None,
+            qk_norm: false,
+            rms_eps: None,
+            vocab: None,
+            max_positions: None,
         }
     }
 }
@@ -425,10 +457,22 @@ impl TrainConfig {
         Ok(())
     }
 
-    fn model_config(&self, vocab: usize) -> ModelConfig {
+    /// The model's shape on a corpus of `corpus_vocab` symbols.
+    pub fn model_config(&self, corpus_vocab: usize) -> Result<ModelConfig, TrainError> {
         let m = &self.model;
-        ModelConfig {
-            vocab,
+        if let Some(v) = m.vocab.filter(|&v| v < corpus_vocab) {
+            return Err(TrainError::Config(format!(
+                "model.vocab = {v} is smaller than the corpus's {corpus_vocab} symbols"
+            )));
+        }
+        if let Some(p) = m.max_positions.filter(|&p| p < self.data.seq_len) {
+            return Err(TrainError::Config(format!(
+                "data.seq_len = {} exceeds the model's {p} positions (max_position_embeddings)",
+                self.data.seq_len
+            )));
+        }
+        let cfg = ModelConfig {
+            vocab: m.vocab.unwrap_or(corpus_vocab),
             d_model: m.d_model,
             n_layers: m.n_layers,
             n_heads: m.n_heads,
@@ -437,7 +481,14 @@ impl TrainConfig {
             top_k: m.top_k,
             renormalize: m.renormalize,
             max_seq: self.data.seq_len,
-        }
+            n_kv_heads: m.n_kv_heads,
+            head_dim: m.head_dim,
+            rope_theta: m.rope_theta,
+            qk_norm: m.qk_norm,
+            rms_eps: m.rms_eps,
+        };
+        cfg.validate()?;
+        Ok(cfg)
     }
 }
 
@@ -600,6 +651,10 @@ const CHECKPOINT: &str = "checkpoint.safetensors";
 
 fn shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (d, v, f) = (cfg.d_model, cfg.vocab, cfg.ffn);
+    let (qd, kd) = (
+        cfg.n_heads * cfg.head_width(),
+        cfg.kv_heads() * cfg.head_width(),
+    );
     let z = Model::<f32>::zeros(cfg);
     z.tensors()
         .iter()
@@ -611,7 +666,9 @@ fn shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
                 "router" => vec![d, cfg.n_experts],
                 "gate" | "up" => vec![d, f],
                 "down" => vec![f, d],
-                "wq" | "wk" | "wv" | "wo" => vec![d, d],
+                "wq" => vec![d, qd],
+                "wk" | "wv" => vec![d, kd],
+                "wo" => vec![qd, d],
                 _ => vec![t.len()],
             };
             (name.clone(), shape)
@@ -769,8 +826,7 @@ pub fn check_checkpoint(
     cfg: &TrainConfig,
     corpus: &Corpus,
 ) -> Result<usize, TrainError> {
-    let mcfg = cfg.model_config(corpus.vocab.len());
-    mcfg.validate()?;
+    let mcfg = cfg.model_config(corpus.vocab.len())?;
     Ok(load_checkpoint(path, &mcfg, corpus)?.step)
 }
 
@@ -862,12 +918,19 @@ pub fn memory_estimate(cfg: &TrainConfig, mcfg: &ModelConfig) -> Option<u64> {
         mcfg.n_layers as u64,
     );
     let heads = mcfg.n_heads as u64;
-    let per_layer_params = d.checked_mul(d)?.checked_mul(4)?.checked_add(
-        e.checked_mul(3)?
-            .checked_mul(d)?
-            .checked_mul(f)?
-            .checked_add(d.checked_mul(e)?)?,
-    )?;
+    let dh = mcfg.head_width() as u64;
+    let (qd, kd) = (
+        heads.checked_mul(dh)?,
+        (mcfg.kv_heads() as u64).checked_mul(dh)?,
+    );
+    let per_layer_params = d
+        .checked_mul(qd.checked_add(kd)?.checked_mul(2)?)?
+        .checked_add(
+            e.checked_mul(3)?
+                .checked_mul(d)?
+                .checked_mul(f)?
+                .checked_add(d.checked_mul(e)?)?,
+        )?;
     let params = per_layer_params
         .checked_mul(l)?
         .checked_add(v.checked_mul(d)?.checked_mul(2)?)?
@@ -877,7 +940,11 @@ pub fn memory_estimate(cfg: &TrainConfig, mcfg: &ModelConfig) -> Option<u64> {
         .checked_mul(seq)?
         .checked_mul(seq)?
         .checked_mul(2)?;
-    let rows = n.checked_mul(d.checked_mul(16)?.checked_add(k.checked_mul(d + 4 * f)?)?)?;
+    let attn_rows = d
+        .checked_mul(8)?
+        .checked_add(qd.checked_mul(4)?)?
+        .checked_add(kd.checked_mul(4)?)?;
+    let rows = n.checked_mul(attn_rows.checked_add(k.checked_mul(d + 4 * f)?)?)?;
     let activations = attn
         .checked_add(rows)?
         .checked_mul(l)?
@@ -1007,10 +1074,9 @@ fn mean_over_ranks<X: Transport>(comm: &X, x: f64) -> Result<f64, TrainError> {
 pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
     cfg.validate()?;
     // Shapes first: a bad config should not wait for the corpus.
-    cfg.model_config(1).validate()?;
+    cfg.model_config(1)?;
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
-    let mcfg = cfg.model_config(corpus.vocab.len());
-    mcfg.validate()?;
+    let mcfg = cfg.model_config(corpus.vocab.len())?;
     crate::data::check_seq_len(&corpus, cfg.data.seq_len)?;
     check_memory(cfg, &mcfg)?;
     let unigram = unigram_baseline(&corpus);
@@ -1617,6 +1683,7 @@ mod tests {
             top_k: 2,
             renormalize: true,
             max_seq: 8,
+            ..ModelConfig::small(11)
         };
         let model = Model::<f32>::init(&mcfg, 7);
         let placement = Placement {

@@ -623,3 +623,107 @@ fn the_balancing_bias_evens_out_a_hot_expert_and_is_checkpointed() {
     assert!(!ok);
     one_line_error(&err, "expert_bias_rate");
 }
+
+/// A Qwen3-MoE `config.json` (grouped-query attention, q/k norms, RoPE) of
+/// a tiny shape.
+fn tiny_qwen3_json(dir: &Path, extra: &str) -> PathBuf {
+    let text = format!(
+        r#"{{"model_type": "qwen3_moe", "hidden_size": 16, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 4,
+        "moe_intermediate_size": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "norm_topk_prob": true, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "vocab_size": 96, "max_position_embeddings": 64, "torch_dtype": "bfloat16"{extra}}}"#
+    );
+    let path = dir.join("config.json");
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+#[test]
+fn a_qwen3_config_json_trains_and_resumes_exactly() {
+    let run = |name: &str, steps: Option<&str>, resume: bool| -> (PathBuf, String) {
+        let dir = tmp(name);
+        let cfg = tiny_config(&dir, "");
+        let json = tiny_qwen3_json(&dir, "");
+        let mut args = vec![
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--model-config",
+            json.to_str().unwrap(),
+            "--layers",
+            "1",
+            "--no-progress",
+        ];
+        if let Some(s) = steps {
+            args.extend(["--steps", s]);
+        }
+        let (ok, _, stderr) = lrmoe(&args);
+        assert!(ok, "{stderr}");
+        if resume {
+            args.retain(|a| *a != "--steps" && Some(*a) != steps);
+            args.push("--resume");
+            let (ok, _, stderr) = lrmoe(&args);
+            assert!(ok, "{stderr}");
+        }
+        (dir, stderr)
+    };
+    let (a, warn) = run("qwen3-straight", None, false);
+    assert!(
+        warn.contains("not used by the model: torch_dtype"),
+        "{warn}"
+    );
+    let (b, _) = run("qwen3-resumed", Some("4"), true);
+    let ta = model_tensors(&a.join("out/checkpoint.safetensors"));
+    assert_eq!(ta, model_tensors(&b.join("out/checkpoint.safetensors")));
+    let names: Vec<&str> = ta.iter().map(|(n, _)| n.as_str()).collect();
+    assert!(names.contains(&"model.blocks.0.q_norm") && !names.contains(&"model.pos"));
+    let wk = ta.iter().find(|(n, _)| n == "model.blocks.0.wk").unwrap();
+    assert_eq!(wk.1.len(), 16 * 2 * 4, "grouped-query key projection");
+    let head = ta.iter().find(|(n, _)| n == "model.head").unwrap();
+    assert_eq!(
+        head.1.len(),
+        16 * 96,
+        "the config's vocabulary, not the corpus's"
+    );
+    std::fs::remove_dir_all(&a).unwrap();
+    std::fs::remove_dir_all(&b).unwrap();
+}
+
+#[test]
+fn config_json_errors_are_one_line_and_name_the_field() {
+    let dir = tmp("qwen3-bad");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    for (extra, needle) in [
+        (r#", "use_sliding_window": true"#, "use_sliding_window"),
+        (r#", "mlp_only_layers": [0]"#, "mlp_only_layers"),
+        (r#", "num_key_value_heads": 3"#, "n_kv_heads"),
+        (r#", "vocab_size": 8"#, "model.vocab"),
+        (
+            r#", "max_position_embeddings": 8"#,
+            "max_position_embeddings",
+        ),
+    ] {
+        let json = tiny_qwen3_json(&dir, extra);
+        let (ok, _, err) = lrmoe(&[
+            "train",
+            "--config",
+            c,
+            "--model-config",
+            json.to_str().unwrap(),
+        ]);
+        assert!(!ok, "{extra}");
+        one_line_error(&err, needle);
+    }
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        c,
+        "--model-config",
+        "/nonexistent.json",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "nonexistent.json");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
