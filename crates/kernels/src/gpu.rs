@@ -31,6 +31,7 @@ impl Timing {
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
 pub use imp::{
+    dense::GradElem,
     ops::{ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };
@@ -184,6 +185,7 @@ impl Gpu {
 
 #[cfg(feature = "cuda")]
 mod imp {
+    pub mod dense;
     pub mod ops;
 
     use std::sync::Arc;
@@ -199,6 +201,10 @@ mod imp {
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../kernels/out/lrmoe.fatbin"
+    ));
+    static DENSE_FATBIN: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../kernels/out/dense.fatbin"
     ));
     static GEMM_SO: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -406,6 +412,10 @@ mod imp {
         f_fill: CudaFunction,
         f_kept_counts: CudaFunction,
         f_gather_u8: CudaFunction,
+        dense: dense::DenseFns,
+        /// Fill every output buffer with 0xFF bytes before its kernel runs
+        /// (device tests: a kernel that skips an element is caught).
+        poison: std::sync::atomic::AtomicBool,
         n_sms: u32,
         /// SMs the grouped GEMMs leave free (for a collective running
         /// beside them): see [`Gpu::set_gemm_sm_reserve`].
@@ -510,6 +520,8 @@ mod imp {
                 f_fill: module.load_function("fill_u32").map_err(cuda)?,
                 f_kept_counts: module.load_function("kept_counts").map_err(cuda)?,
                 f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
+                dense: dense::DenseFns::load(&ctx, DENSE_FATBIN)?,
+                poison: std::sync::atomic::AtomicBool::new(false),
                 _module: module,
                 ctx,
                 stream,

@@ -27,6 +27,14 @@
 //!   `layer` crate's device executor (`layer::device`), which composes
 //!   them into the MoE layer on one GPU or expert-parallel over
 //!   [`comm::NcclComm`].
+//! * [`dense`] — CPU twins of the dense transformer kernels
+//!   (`kernels/dense.cu`, its own fatbin): embedding and its scatter-add,
+//!   RMSNorm forward/backward (f32 residual or bf16 head rows), the
+//!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
+//!   cross-entropy, gradient squared norms and the fused AdamW update
+//!   (clip read on the device). `Gpu` runs them on device buffers
+//!   (`gpu/imp/dense.rs`); attention's products are the grouped GEMM with
+//!   one group per (sequence, key/value head).
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins
@@ -62,6 +70,7 @@ struct ReadmeDoctests;
 pub mod artifacts;
 pub mod comm;
 pub mod cpu;
+pub mod dense;
 pub mod gpu;
 pub mod grouped;
 pub mod limits;

@@ -140,15 +140,15 @@ pub fn random_batch(
     seq: usize,
     rng: &mut SplitMix,
 ) -> (Vec<u32>, Vec<u32>) {
-    let span = data.len() - seq - 1;
-    let mut x = Vec::with_capacity(n_seq * seq);
-    let mut y = Vec::with_capacity(n_seq * seq);
-    for _ in 0..n_seq {
-        let at = (rng.next_u64() % span as u64) as usize;
-        x.extend_from_slice(&data[at..at + seq]);
-        y.extend_from_slice(&data[at + 1..at + seq + 1]);
-    }
-    (x, y)
+    windows(data, &random_starts(data.len(), n_seq, seq, rng), seq)
+}
+
+/// Where [`random_batch`]'s sequences start (the same draws).
+pub fn random_starts(len: usize, n_seq: usize, seq: usize, rng: &mut SplitMix) -> Vec<usize> {
+    let span = len - seq - 1;
+    (0..n_seq)
+        .map(|_| (rng.next_u64() % span as u64) as usize)
+        .collect()
 }
 
 /// Fixed validation windows evenly spread over `data` (the same every eval).
@@ -159,12 +159,33 @@ pub fn eval_batch(
     index: usize,
     batches: usize,
 ) -> (Vec<u32>, Vec<u32>) {
-    let span = data.len() - seq - 1;
+    windows(
+        data,
+        &eval_starts(data.len(), n_seq, seq, index, batches),
+        seq,
+    )
+}
+
+/// Where [`eval_batch`]'s sequences start.
+pub fn eval_starts(
+    len: usize,
+    n_seq: usize,
+    seq: usize,
+    index: usize,
+    batches: usize,
+) -> Vec<usize> {
+    let span = len - seq - 1;
     let total = n_seq * batches;
-    let mut x = Vec::with_capacity(n_seq * seq);
-    let mut y = Vec::with_capacity(n_seq * seq);
-    for i in 0..n_seq {
-        let at = (index * n_seq + i) * span / total.max(1);
+    (0..n_seq)
+        .map(|i| (index * n_seq + i) * span / total.max(1))
+        .collect()
+}
+
+/// Tokens and next-token targets of the windows of `seq` at `starts`.
+pub fn windows(data: &[u32], starts: &[usize], seq: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut x = Vec::with_capacity(starts.len() * seq);
+    let mut y = Vec::with_capacity(starts.len() * seq);
+    for &at in starts {
         x.extend_from_slice(&data[at..at + seq]);
         y.extend_from_slice(&data[at + 1..at + seq + 1]);
     }

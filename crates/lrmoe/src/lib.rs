@@ -46,6 +46,7 @@ pub use redistribute;
 
 pub mod compare;
 pub mod data;
+pub mod device_model;
 pub mod device_moe;
 pub mod errline;
 pub mod fsutil;

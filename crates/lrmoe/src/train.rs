@@ -18,7 +18,11 @@ use layer::{CallConfig, Retention, Transport};
 use quota::{Placement, Policy, RankBudget};
 use serde::{Deserialize, Serialize};
 
-use crate::data::{eval_batch, load_corpus, random_batch, unigram_baseline, Corpus, SplitMix};
+use crate::data::{
+    eval_batch, eval_starts, load_corpus, random_batch, random_starts, unigram_baseline, Corpus,
+    SplitMix,
+};
+use crate::device_model::DeviceModel;
 use crate::model::{self, Model, ModelConfig, MoeRun};
 use crate::optim::{lr_at, step as adamw_step, AdamWConfig, AdamWState};
 use crate::tensorfile::{self, TensorFileError};
@@ -1020,6 +1024,10 @@ struct StepMetrics {
     micro_batches: usize,
     #[serde(skip_serializing_if = "Option::is_none")]
     val_loss: Option<f64>,
+    /// The device-resident model's step split, device milliseconds: dense
+    /// forward, MoE forward, dense backward, MoE backward, optimizer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_ms: Option<[f64; 5]>,
     layers: Vec<LayerMetrics>,
 }
 
@@ -1076,9 +1084,26 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     // Shapes first: a bad config should not wait for the corpus.
     cfg.model_config(1)?;
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
-    let mcfg = cfg.model_config(corpus.vocab.len())?;
+    // One GPU, one rank: the whole model resident on the device, its
+    // vocabulary padded to a multiple of 8 unless the configuration sets it.
+    let whole_gpu = opts.gpu.is_some() && cfg.moe.ranks == 1 && opts.transport.is_none();
+    let corpus_vocab = if whole_gpu && cfg.model.vocab.is_none() {
+        crate::device_model::padded_vocab(corpus.vocab.len())
+    } else {
+        corpus.vocab.len()
+    };
+    let mcfg = cfg.model_config(corpus_vocab)?;
     crate::data::check_seq_len(&corpus, cfg.data.seq_len)?;
-    check_memory(cfg, &mcfg)?;
+    if whole_gpu {
+        crate::device_model::check(&mcfg, Some(cfg.data.seq_len), 1)?;
+        if cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate) {
+            return Err(TrainError::Config(
+                "moe.fit_budget needs micro-batches, which the device-resident model does not run yet".into(),
+            ));
+        }
+    } else {
+        check_memory(cfg, &mcfg)?;
+    }
     let unigram = unigram_baseline(&corpus);
     std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
     let ckpt = cfg.run.out_dir.join(CHECKPOINT);
@@ -1201,6 +1226,17 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         device,
         expert_bias: &[],
     };
+    let device_model = match (&opts.gpu, whole_gpu) {
+        (Some(gpu), true) => Some(std::sync::Mutex::new(DeviceModel::new(
+            gpu.clone(),
+            &mcfg,
+            &initial.model,
+            &initial.adam,
+            &call,
+            (&corpus.train, &corpus.val),
+        )?)),
+        _ => None,
+    };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
         b.set_style(
@@ -1226,6 +1262,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             bar.as_ref(),
             &ckpt,
             &opts.stop,
+            device_model.as_ref(),
         )],
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
             rank_loop(
@@ -1239,6 +1276,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
                 bar.as_ref(),
                 &ckpt,
                 &opts.stop,
+                device_model.as_ref(),
             )
         }),
     };
@@ -1273,6 +1311,54 @@ struct StepGrads {
     /// Routed pairs per expert and layer over every rank, summed over the
     /// micro-batches.
     expert_load: Vec<Vec<u64>>,
+}
+
+/// The device model, its lock poisoned or not (a panic elsewhere leaves
+/// its buffers consistent: every update is one kernel per tensor).
+fn lock(m: &std::sync::Mutex<DeviceModel>) -> std::sync::MutexGuard<'_, DeviceModel> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// One optimizer step's figures, from the host model or the device one.
+struct StepOut {
+    loss: f64,
+    aux_loss: f64,
+    moe_seconds: f64,
+    grad_norm: f64,
+    plans: Vec<layer::CallPlan>,
+    stats: Vec<layer::BackwardStats>,
+    kept_routed: Vec<u64>,
+    busiest: u64,
+    expert_load: Vec<Vec<u64>>,
+    device_ms: Option<[f64; 5]>,
+}
+
+/// Kept and routed pairs per layer, the most pairs rank `me` processed in
+/// one layer call, and the routed pairs per expert and layer, of one
+/// micro-batch's backward figures.
+fn tally(
+    mcfg: &ModelConfig,
+    stats: &[layer::BackwardStats],
+    me: usize,
+    ranks: usize,
+) -> (Vec<u64>, u64, Vec<Vec<u64>>) {
+    let mut kept_routed = vec![0u64; 2 * mcfg.n_layers];
+    let mut busiest = 0u64;
+    let mut expert_load = vec![vec![0u64; mcfg.n_experts]; mcfg.n_layers];
+    for (li, st) in stats.iter().enumerate() {
+        for (a, &b) in expert_load[li].iter_mut().zip(&st.expert_load) {
+            *a += b;
+        }
+        kept_routed[2 * li] += st.kept_pairs as u64;
+        kept_routed[2 * li + 1] += st.routed_pairs as u64;
+        let mine = if st.pairs_per_rank.len() == ranks {
+            st.pairs_per_rank[me]
+        } else {
+            st.pairs_per_rank.first().copied().unwrap_or(0)
+        };
+        busiest = busiest.max(mine);
+    }
+    (kept_routed, busiest, expert_load)
 }
 
 /// `run` with the layers' balancing bias.
@@ -1331,18 +1417,13 @@ fn step_grads<X: Transport>(
         loss += l / micro as f64;
         aux_loss += cache.aux_loss / micro as f64;
         moe_seconds += cache.moe_seconds + g.moe_seconds;
-        for (li, st) in g.moe_stats.iter().enumerate() {
-            for (a, &b) in expert_load[li].iter_mut().zip(&st.expert_load) {
-                *a += b;
-            }
-            kept_routed[2 * li] += st.kept_pairs as u64;
-            kept_routed[2 * li + 1] += st.routed_pairs as u64;
-            let mine = if st.pairs_per_rank.len() == ranks {
-                st.pairs_per_rank[me]
-            } else {
-                st.pairs_per_rank.first().copied().unwrap_or(0)
-            };
-            busiest = busiest.max(mine);
+        let (kr, b, load) = tally(mcfg, &g.moe_stats, me, ranks);
+        for (a, x) in kept_routed.iter_mut().zip(kr) {
+            *a += x;
+        }
+        busiest = busiest.max(b);
+        for (a, l) in expert_load.iter_mut().zip(load) {
+            a.iter_mut().zip(l).for_each(|(x, y)| *x += y);
         }
         match &mut first {
             None => first = Some((cache, g)),
@@ -1386,6 +1467,7 @@ fn rank_loop<X: Transport>(
     bar: Option<&indicatif::ProgressBar>,
     ckpt: &Path,
     stop: &crate::stop::StopFlag,
+    device_model: Option<&std::sync::Mutex<DeviceModel>>,
 ) -> Result<Option<TrainSummary>, TrainError> {
     let me = comm.rank();
     let ranks = comm.world_size();
@@ -1437,31 +1519,71 @@ fn rank_loop<X: Transport>(
     };
     while reason.is_none() {
         let clock = Instant::now();
-        let (tokens, targets) = random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
-        let lo = me * per_rank * seq;
-        let hi = lo + per_rank * seq;
-        let step_run = biased(run, &s.expert_bias);
-        let StepGrads {
+        let lr = lr_at(&cfg.optim, s.step, cfg.steps);
+        let step_micro = micro;
+        let StepOut {
             loss,
             aux_loss,
             moe_seconds,
-            cache,
-            grads: g,
+            grad_norm,
+            plans,
+            stats,
             kept_routed,
             busiest,
             expert_load,
-        } = step_grads(
-            comm,
-            mcfg,
-            &s.model,
-            &step_run,
-            (&tokens[lo..hi], &targets[lo..hi]),
-            seq,
-            micro,
-        )?;
-        let step_micro = micro;
-        let lr = lr_at(&cfg.optim, s.step, cfg.steps);
-        let grad_norm = adamw_step(&cfg.optim, &mut s.model, &g.grads, &mut s.adam, lr);
+            device_ms,
+        } = match device_model {
+            Some(dm) => {
+                // The whole model on this GPU: only the windows' starts go
+                // down, scalars and counts come back.
+                let starts =
+                    random_starts(corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
+                let st = lock(dm).train_step(&starts, seq, &cfg.optim, lr, &s.expert_bias)?;
+                let (kept_routed, busiest, expert_load) = tally(mcfg, &st.stats, me, ranks);
+                StepOut {
+                    loss: st.loss,
+                    aux_loss: st.aux_loss,
+                    moe_seconds: st.moe_seconds,
+                    grad_norm: st.grad_norm,
+                    plans: st.plans,
+                    stats: st.stats,
+                    kept_routed,
+                    busiest,
+                    expert_load,
+                    device_ms: Some(st.split_ms),
+                }
+            }
+            None => {
+                let (tokens, targets) =
+                    random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
+                let lo = me * per_rank * seq;
+                let hi = lo + per_rank * seq;
+                let step_run = biased(run, &s.expert_bias);
+                let sg = step_grads(
+                    comm,
+                    mcfg,
+                    &s.model,
+                    &step_run,
+                    (&tokens[lo..hi], &targets[lo..hi]),
+                    seq,
+                    micro,
+                )?;
+                let grad_norm =
+                    adamw_step(&cfg.optim, &mut s.model, &sg.grads.grads, &mut s.adam, lr);
+                StepOut {
+                    loss: sg.loss,
+                    aux_loss: sg.aux_loss,
+                    moe_seconds: sg.moe_seconds,
+                    grad_norm,
+                    plans: sg.cache.moe_plans().cloned().collect(),
+                    stats: sg.grads.moe_stats,
+                    kept_routed: sg.kept_routed,
+                    busiest: sg.busiest,
+                    expert_load: sg.expert_load,
+                    device_ms: None,
+                }
+            }
+        };
         // One gather carries the loss, this rank's step time and whether it
         // saw a signal; the step's wall time is the slowest rank's.
         let local_s = clock.elapsed().as_secs_f64();
@@ -1496,9 +1618,9 @@ fn rank_loop<X: Transport>(
             let need = ((peak * step_micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
             micro = divisor_from(need);
         }
-        let layers: Vec<LayerMetrics> = cache
-            .moe_plans()
-            .zip(&g.moe_stats)
+        let layers: Vec<LayerMetrics> = plans
+            .iter()
+            .zip(&stats)
             .enumerate()
             .map(|(li, (plan, st))| {
                 let k: u64 = totals.iter().map(|t| t[2 * li]).sum();
@@ -1520,6 +1642,7 @@ fn rank_loop<X: Transport>(
                 corpus,
                 &biased(run, &s.expert_bias),
                 &s.model,
+                device_model,
             )?;
             let point = EvalPoint {
                 step: s.step,
@@ -1556,6 +1679,7 @@ fn rank_loop<X: Transport>(
                 aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(aux_loss),
                 micro_batches: step_micro,
                 val_loss,
+                device_ms,
                 layers,
             };
             let line = serde_json::to_string(&m).unwrap_or_default() + "\n";
@@ -1571,6 +1695,9 @@ fn rank_loop<X: Transport>(
                 b.set_message(format!("loss {loss:.3}{last}"));
             }
             if cfg.run.checkpoint_every > 0 && s.step % cfg.run.checkpoint_every == 0 {
+                if let Some(dm) = device_model {
+                    (s.model, s.adam) = lock(dm).download()?;
+                }
                 save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
                 tracing::debug!(step = s.step, "checkpoint written");
             }
@@ -1598,6 +1725,7 @@ fn rank_loop<X: Transport>(
                 corpus,
                 &biased(run, &s.expert_bias),
                 &s.model,
+                device_model,
             )?;
             s.evals.push(EvalPoint {
                 step: s.step,
@@ -1609,6 +1737,9 @@ fn rank_loop<X: Transport>(
         }
     };
     if me == 0 && metrics.is_some() {
+        if let Some(dm) = device_model {
+            (s.model, s.adam) = lock(dm).download()?;
+        }
         save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
     }
     Ok(Some(TrainSummary {
@@ -1636,11 +1767,26 @@ fn evaluate<X: Transport>(
     corpus: &Corpus,
     run: &MoeRun<'_>,
     model: &Model<f32>,
+    device_model: Option<&std::sync::Mutex<DeviceModel>>,
 ) -> Result<f64, TrainError> {
     let (me, ranks) = (comm.rank(), comm.world_size());
     let seq = cfg.data.seq_len;
     let per_rank = cfg.data.batch_size / ranks;
     let mut total = 0.0;
+    if let Some(dm) = device_model {
+        let mut dm = lock(dm);
+        for i in 0..cfg.run.eval_batches {
+            let starts = eval_starts(
+                corpus.val.len(),
+                cfg.data.batch_size,
+                seq,
+                i,
+                cfg.run.eval_batches,
+            );
+            total += dm.eval_loss(&starts, seq, run.expert_bias)?;
+        }
+        return Ok(total / cfg.run.eval_batches as f64);
+    }
     for i in 0..cfg.run.eval_batches {
         let (x, y) = eval_batch(
             &corpus.val,

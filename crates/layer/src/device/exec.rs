@@ -604,6 +604,35 @@ pub fn weights(
     })
 }
 
+impl DeviceWeights {
+    /// Zeroed weights of this rank (the router and its block of experts),
+    /// for a device-resident optimizer to write in place
+    /// ([`DeviceWeights::buffers_mut`]).
+    pub fn zeros(gpu: &Gpu, comm: DeviceComm<'_>, cfg: &MoeConfig) -> Result<Self, LayerError> {
+        let (_, _, el) = world_of(comm, cfg)?;
+        let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
+        Ok(Self {
+            router: gpu.zeros::<u16>(h * e)?,
+            bias: None,
+            sel_bias: None,
+            gate: gpu.zeros::<u16>(el * h * f)?,
+            up: gpu.zeros::<u16>(el * h * f)?,
+            down: gpu.zeros::<u16>(el * f * h)?,
+        })
+    }
+
+    /// The bf16 router (`H × E`) and this rank's experts' gate, up
+    /// (`E_l × H × F`) and down (`E_l × F × H`), writable in place.
+    pub fn buffers_mut(&mut self) -> [&mut CudaSlice<u16>; 4] {
+        [
+            &mut self.router,
+            &mut self.gate,
+            &mut self.up,
+            &mut self.down,
+        ]
+    }
+}
+
 /// Adds `bias[e]` to every token's router logit of expert `e` (one finite
 /// value per expert; a constant, so every gradient formula holds): the
 /// forced hot-expert workload of `CallConfig::hot_experts`.

@@ -79,6 +79,14 @@ impl Gpu {
         self.stream.alloc_zeros::<T>(n.max(1)).map_err(cuda)
     }
 
+    /// A copy of a whole device buffer, on the compute stream.
+    pub fn duplicate<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        self.stream.clone_dtod(src).map_err(cuda)
+    }
+
     /// Copies `src` into `dst` (equal lengths) on the compute stream.
     pub fn copy<T: cudarc::driver::DeviceRepr>(
         &self,
@@ -130,7 +138,7 @@ impl Gpu {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gemm<A: DevicePtr<u16>, B: DevicePtr<u16>>(
+    pub(crate) fn gemm<A: DevicePtr<u16>, B: DevicePtr<u16>>(
         &self,
         variant: GemmVariant,
         offsets: &CudaSlice<i32>,
@@ -169,7 +177,18 @@ impl Gpu {
         n: usize,
     ) -> Result<CudaSlice<T>, KernelError> {
         // SAFETY: the caller promises (1): no read before a full write.
-        unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)
+        let mut out = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)?;
+        if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
+            use cudarc::driver::DevicePtrMut;
+            let bytes = out.num_bytes();
+            let (ptr, _g) = out.device_ptr_mut(&self.stream);
+            // SAFETY: a byte fill of the buffer just allocated, on its stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+            }
+            .map_err(cuda)?;
+        }
+        Ok(out)
     }
 
     /// `n` copies of `value`, filled on the device.

@@ -1,0 +1,390 @@
+//! CPU twins of the dense transformer kernels (`kernels/dense.cu`): the
+//! device-resident model's embedding, RMSNorm, head layout with RoPE,
+//! causal softmax, fused cross-entropy, gradient norms and AdamW. Each
+//! computes what its kernel computes, in f32 (f64 where the kernel sums
+//! with atomics, whose order is not fixed), rounding to bf16 where the
+//! kernel writes bf16; the device tests compare against them.
+//!
+//! Layouts: the residual stream `[tokens, d]` f32; projections token-major
+//! `[n_seq · seq, heads · dh]` bf16; attention operands head-major
+//! `[n_seq, heads, seq, dh]` bf16; scores and probabilities `[rows, seq]`
+//! bf16 where row `r` is the query at position `r % seq`.
+
+use crate::cpu::{bf16_bits_to_f32, f32_to_bf16_bits as to_bf16_bits};
+use crate::KernelError;
+
+fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            what,
+            expected,
+            got,
+        })
+    }
+}
+
+/// `x[i] = table[tok[i]]` (rows of `d`).
+pub fn embed_reference(table: &[f32], tok: &[u32], d: usize) -> Result<Vec<f32>, KernelError> {
+    let vocab = table.len() / d.max(1);
+    let mut x = Vec::with_capacity(tok.len() * d);
+    for &t in tok {
+        let t = t as usize;
+        if t >= vocab {
+            return Err(KernelError::Shape {
+                what: "token (below the vocabulary)",
+                expected: vocab,
+                got: t,
+            });
+        }
+        x.extend_from_slice(&table[t * d..(t + 1) * d]);
+    }
+    Ok(x)
+}
+
+/// `dtable[tok[i]] += dx[i]`, summed in f64.
+pub fn embed_backward_reference(
+    dx: &[f32],
+    tok: &[u32],
+    dtable: &[f32],
+    d: usize,
+) -> Result<Vec<f32>, KernelError> {
+    check("dx", tok.len() * d, dx.len())?;
+    let mut acc: Vec<f64> = dtable.iter().map(|&v| f64::from(v)).collect();
+    for (row, &t) in dx.chunks_exact(d.max(1)).zip(tok) {
+        let t = t as usize;
+        for (a, &v) in acc[t * d..(t + 1) * d].iter_mut().zip(row) {
+            *a += f64::from(v);
+        }
+    }
+    Ok(acc.into_iter().map(|v| v as f32).collect())
+}
+
+/// RMSNorm of rows of `w.len()`: `y = bf16(x · inv · w)`, `inv = 1 /
+/// sqrt(mean(x²) + eps)` per row.
+pub fn rmsnorm_reference(x: &[f32], w: &[f32], eps: f32) -> (Vec<u16>, Vec<f32>) {
+    let d = w.len().max(1);
+    let mut y = Vec::with_capacity(x.len());
+    let mut inv = Vec::with_capacity(x.len() / d);
+    for row in x.chunks_exact(d) {
+        let s: f32 = row.iter().map(|v| v * v).sum();
+        let iv = 1.0 / (s / d as f32 + eps).sqrt();
+        y.extend(row.iter().zip(w).map(|(&v, &g)| to_bf16_bits(v * iv * g)));
+        inv.push(iv);
+    }
+    (y, inv)
+}
+
+/// Backward of [`rmsnorm_reference`] for `dy` (bf16): returns `dx` (f32,
+/// not rounded) and `dw` (summed over rows, f64 then f32).
+pub fn rmsnorm_backward_reference(
+    x: &[f32],
+    w: &[f32],
+    inv: &[f32],
+    dy: &[u16],
+) -> (Vec<f32>, Vec<f32>) {
+    let d = w.len().max(1);
+    let mut dx = Vec::with_capacity(x.len());
+    let mut dw = vec![0f64; w.len()];
+    for ((xr, gr), &iv) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(inv) {
+        let g: Vec<f32> = gr.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        let dot: f32 = g.iter().zip(w).zip(xr).map(|((a, b), c)| a * b * c).sum();
+        let c = dot * iv * iv * iv / d as f32;
+        for i in 0..d {
+            dx.push(g[i] * w[i] * iv - xr[i] * c);
+            dw[i] += f64::from(g[i] * xr[i] * iv);
+        }
+    }
+    (dx, dw.into_iter().map(|v| v as f32).collect())
+}
+
+/// Token-major `[n_seq · seq, heads · dh]` → head-major `[n_seq, heads,
+/// seq, dh]` rotating by RoPE (base `theta`; 0: no rotation) when
+/// `to_heads`; head-major → token-major rotating by the negative angle
+/// otherwise.
+pub fn heads_reference(
+    src: &[u16],
+    (n_seq, seq, heads, dh): (usize, usize, usize, usize),
+    theta: f32,
+    to_heads: bool,
+) -> Result<Vec<u16>, KernelError> {
+    check("rows", n_seq * seq * heads * dh, src.len())?;
+    if dh % 2 != 0 {
+        return Err(KernelError::Shape {
+            what: "head_dim (even)",
+            expected: dh + 1,
+            got: dh,
+        });
+    }
+    let half = dh / 2;
+    let mut dst = vec![0u16; src.len()];
+    for b in 0..n_seq {
+        for pos in 0..seq {
+            for h in 0..heads {
+                let tix = ((b * seq + pos) * heads + h) * dh;
+                let hix = ((b * heads + h) * seq + pos) * dh;
+                let (si, di) = if to_heads { (tix, hix) } else { (hix, tix) };
+                for j in 0..half {
+                    let (mut x1, mut x2) = (
+                        bf16_bits_to_f32(src[si + j]),
+                        bf16_bits_to_f32(src[si + j + half]),
+                    );
+                    if theta > 0.0 {
+                        let freq = theta.powf(-2.0 * j as f32 / dh as f32);
+                        let (mut s, c) = (pos as f32 * freq).sin_cos();
+                        if !to_heads {
+                            s = -s;
+                        }
+                        (x1, x2) = (x1 * c - x2 * s, x2 * c + x1 * s);
+                    }
+                    dst[di + j] = to_bf16_bits(x1);
+                    dst[di + j + half] = to_bf16_bits(x2);
+                }
+            }
+        }
+    }
+    Ok(dst)
+}
+
+/// Causal softmax of bf16 score rows of `seq` (row `r` at position `r %
+/// seq`), scaled by `scale`; entries after the position are 0.
+pub fn softmax_causal_reference(s: &[u16], seq: usize, scale: f32) -> Vec<u16> {
+    let mut p = vec![0u16; s.len()];
+    for (r, (sr, pr)) in s.chunks_exact(seq).zip(p.chunks_exact_mut(seq)).enumerate() {
+        let pos = r % seq;
+        let v: Vec<f32> = sr[..=pos]
+            .iter()
+            .map(|&b| scale * bf16_bits_to_f32(b))
+            .collect();
+        let m = v.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let sum: f32 = v.iter().map(|x| (x - m).exp()).sum();
+        for (o, x) in pr.iter_mut().zip(&v) {
+            *o = to_bf16_bits((x - m).exp() / sum);
+        }
+    }
+    p
+}
+
+/// `ds = scale · p ⊙ (dp − Σ p·dp)` per row, bf16.
+pub fn softmax_causal_backward_reference(
+    p: &[u16],
+    dp: &[u16],
+    seq: usize,
+    scale: f32,
+) -> Vec<u16> {
+    let mut ds = vec![0u16; p.len()];
+    for (r, ((pr, gr), dr)) in p
+        .chunks_exact(seq)
+        .zip(dp.chunks_exact(seq))
+        .zip(ds.chunks_exact_mut(seq))
+        .enumerate()
+    {
+        let pos = r % seq;
+        let f = |b: u16| bf16_bits_to_f32(b);
+        let dot: f32 = (0..=pos).map(|j| f(pr[j]) * f(gr[j])).sum();
+        for j in 0..=pos {
+            dr[j] = to_bf16_bits(scale * f(pr[j]) * (f(gr[j]) - dot));
+        }
+    }
+    ds
+}
+
+/// Fused cross-entropy of bf16 logits rows of `v`: the summed loss (f64)
+/// and `dlogits = bf16((softmax − onehot) · inv_n)`.
+pub fn cross_entropy_reference(
+    logits: &[u16],
+    target: &[u32],
+    v: usize,
+    inv_n: f32,
+) -> Result<(f64, Vec<u16>), KernelError> {
+    check("logits", target.len() * v, logits.len())?;
+    let mut loss = 0f64;
+    let mut d = vec![0u16; logits.len()];
+    for ((lr, dr), &t) in logits
+        .chunks_exact(v)
+        .zip(d.chunks_exact_mut(v))
+        .zip(target)
+    {
+        let t = t as usize;
+        if t >= v {
+            return Err(KernelError::Shape {
+                what: "target (below the vocabulary)",
+                expected: v,
+                got: t,
+            });
+        }
+        let x: Vec<f32> = lr.iter().map(|&b| bf16_bits_to_f32(b)).collect();
+        let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let s: f32 = x.iter().map(|&a| (a - m).exp()).sum();
+        loss += f64::from(s.ln() + m - x[t]);
+        for (j, (o, &a)) in dr.iter_mut().zip(&x).enumerate() {
+            let pj = (a - m).exp() / s;
+            *o = to_bf16_bits((pj - if j == t { 1.0 } else { 0.0 }) * inv_n);
+        }
+    }
+    Ok((loss, d))
+}
+
+/// AdamW hyper-parameters of one update ([`adamw_reference`] and the
+/// device kernel): bias corrections `1 − β^t` precomputed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamHp {
+    /// Learning rate.
+    pub lr: f32,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Numerical floor.
+    pub eps: f32,
+    /// Decoupled weight decay of this tensor (0 for gains, embeddings).
+    pub weight_decay: f32,
+    /// `1 − β1^t`.
+    pub bc1: f32,
+    /// `1 − β2^t`.
+    pub bc2: f32,
+    /// Global-norm clip (0: off).
+    pub clip: f32,
+}
+
+/// One AdamW update of `p`, `m`, `v` with gradient `g` (f32), clipped by
+/// `hp.clip / sqrt(norm_sq)` when the norm exceeds the clip; returns the
+/// bf16 copy of the new `p`.
+pub fn adamw_reference(
+    p: &mut [f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    g: &[f32],
+    hp: &AdamHp,
+    norm_sq: f32,
+) -> Vec<u16> {
+    let norm = norm_sq.sqrt();
+    let scale = if hp.clip > 0.0 && norm > hp.clip {
+        hp.clip / norm
+    } else {
+        1.0
+    };
+    for i in 0..p.len() {
+        let gi = g[i] * scale;
+        m[i] = hp.beta1 * m[i] + (1.0 - hp.beta1) * gi;
+        v[i] = hp.beta2 * v[i] + (1.0 - hp.beta2) * gi * gi;
+        p[i] -=
+            hp.lr * ((m[i] / hp.bc1) / ((v[i] / hp.bc2).sqrt() + hp.eps) + hp.weight_decay * p[i]);
+    }
+    p.iter().map(|&x| to_bf16_bits(x)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn heads_round_trip_and_rotation_inverse() {
+        let (n_seq, seq, heads, dh) = (2, 5, 3, 4);
+        let src: Vec<u16> = (0..n_seq * seq * heads * dh)
+            .map(|i| to_bf16_bits((i % 7) as f32 - 3.0))
+            .collect();
+        let plain = heads_reference(&src, (n_seq, seq, heads, dh), 0.0, true).unwrap();
+        // Head-major element of (sequence 1, head 2, position 3, dim 1).
+        assert_eq!(
+            plain[((heads + 2) * seq + 3) * dh + 1],
+            src[((seq + 3) * heads + 2) * dh + 1]
+        );
+        let back = heads_reference(&plain, (n_seq, seq, heads, dh), 0.0, false).unwrap();
+        assert_eq!(back, src);
+        // Rotation then the inverse rotation: the input within bf16 rounding.
+        let rot = heads_reference(&src, (n_seq, seq, heads, dh), 100.0, true).unwrap();
+        let un = heads_reference(&rot, (n_seq, seq, heads, dh), 100.0, false).unwrap();
+        for (a, b) in un.iter().zip(&src) {
+            let (a, b) = (bf16_bits_to_f32(*a), bf16_bits_to_f32(*b));
+            assert!((a - b).abs() <= 0.02 * (1.0 + b.abs()), "{a} vs {b}");
+        }
+        assert!(heads_reference(&src[1..], (n_seq, seq, heads, dh), 0.0, true).is_err());
+    }
+
+    #[test]
+    fn causal_softmax_masks_and_normalises() {
+        let seq = 4;
+        let s: Vec<u16> = (0..2 * seq * seq)
+            .map(|i| to_bf16_bits(i as f32 * 0.1))
+            .collect();
+        let p = softmax_causal_reference(&s, seq, 0.5);
+        for (r, row) in p.chunks_exact(seq).enumerate() {
+            let pos = r % seq;
+            let sum: f32 = row.iter().map(|&b| bf16_bits_to_f32(b)).sum();
+            assert!((sum - 1.0).abs() < 1e-2);
+            assert!(row[pos + 1..].iter().all(|&b| b == 0));
+        }
+        // The backward of a row whose upstream gradient is constant is 0.
+        let dp = vec![to_bf16_bits(0.75); p.len()];
+        let ds = softmax_causal_backward_reference(&p, &dp, seq, 0.5);
+        assert!(ds.iter().all(|&b| bf16_bits_to_f32(b).abs() < 1e-2));
+    }
+
+    #[test]
+    fn cross_entropy_gradient_matches_finite_differences() {
+        let v = 5;
+        let logits: Vec<u16> = [0.5f32, -1.0, 2.0, 0.25, 0.0]
+            .iter()
+            .map(|&x| to_bf16_bits(x))
+            .collect();
+        let (l, d) = cross_entropy_reference(&logits, &[2], v, 1.0).unwrap();
+        let x: Vec<f64> = logits
+            .iter()
+            .map(|&b| f64::from(bf16_bits_to_f32(b)))
+            .collect();
+        let f = |x: &[f64]| {
+            let m = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+            x.iter().map(|a| (a - m).exp()).sum::<f64>().ln() + m - x[2]
+        };
+        assert!((l - f(&x)).abs() < 1e-5);
+        for j in 0..v {
+            let mut a = x.clone();
+            a[j] += 1e-6;
+            let mut b = x.clone();
+            b[j] -= 1e-6;
+            let fd = (f(&a) - f(&b)) / 2e-6;
+            assert!((f64::from(bf16_bits_to_f32(d[j])) - fd).abs() < 1e-2, "{j}");
+        }
+        assert!(cross_entropy_reference(&logits, &[5], v, 1.0).is_err());
+    }
+
+    #[test]
+    fn rmsnorm_backward_matches_finite_differences() {
+        let w = [0.5f32, 1.5, -1.0, 2.0];
+        let x = [0.3f32, -1.2, 0.7, 2.0, 1.0, 0.1, -0.4, 0.9];
+        let dy_f = [1.0f32, -0.5, 0.25, 2.0, -1.0, 0.5, 1.5, -0.75];
+        let dy: Vec<u16> = dy_f.iter().map(|&v| to_bf16_bits(v)).collect();
+        let (_, inv) = rmsnorm_reference(&x, &w, 1e-6);
+        let (dx, dw) = rmsnorm_backward_reference(&x, &w, &inv, &dy);
+        // Objective Σ dy · y in f64 (y unrounded).
+        let obj = |x: &[f64], w: &[f64]| -> f64 {
+            x.chunks_exact(4)
+                .zip(dy_f.chunks_exact(4))
+                .map(|(r, g)| {
+                    let iv = 1.0 / (r.iter().map(|v| v * v).sum::<f64>() / 4.0 + 1e-6).sqrt();
+                    (0..4)
+                        .map(|i| f64::from(g[i]) * r[i] * iv * w[i])
+                        .sum::<f64>()
+                })
+                .sum()
+        };
+        let xd: Vec<f64> = x.iter().map(|&v| v.into()).collect();
+        let wd: Vec<f64> = w.iter().map(|&v| v.into()).collect();
+        for i in 0..8 {
+            let (mut a, mut b) = (xd.clone(), xd.clone());
+            a[i] += 1e-6;
+            b[i] -= 1e-6;
+            let fd = (obj(&a, &wd) - obj(&b, &wd)) / 2e-6;
+            assert!((f64::from(dx[i]) - fd).abs() < 1e-4, "dx[{i}]");
+        }
+        for i in 0..4 {
+            let (mut a, mut b) = (wd.clone(), wd.clone());
+            a[i] += 1e-6;
+            b[i] -= 1e-6;
+            let fd = (obj(&xd, &a) - obj(&xd, &b)) / 2e-6;
+            assert!((f64::from(dw[i]) - fd).abs() < 1e-4, "dw[{i}]");
+        }
+    }
+}

@@ -1,0 +1,660 @@
+//! The dense transformer kernels (`kernels/dense.cu`) on device buffers,
+//! for the device-resident model: embedding, RMSNorm, head layout with
+//! RoPE, causal softmax, residual adds, fused cross-entropy, gradient
+//! norms, AdamW, and the grouped GEMM on caller-given offsets (dense
+//! projections are one group; attention one group per (sequence,
+//! key/value head)). Twins: [`crate::dense`]. Operations that index
+//! through device buffers (tokens, targets) are `unsafe fn`; the rest
+//! check lengths and are safe.
+
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+
+use super::{at_least, cuda, dim, Gpu};
+use crate::cpu::GemmVariant;
+use crate::dense::AdamHp;
+use crate::KernelError;
+
+/// The dense module's functions.
+pub(crate) struct DenseFns {
+    embed_fwd: CudaFunction,
+    embed_bwd: CudaFunction,
+    batch: CudaFunction,
+    norm_f32: CudaFunction,
+    norm_bf16: CudaFunction,
+    norm_bwd_f32: CudaFunction,
+    norm_bwd_bf16: CudaFunction,
+    heads: CudaFunction,
+    softmax: CudaFunction,
+    softmax_bwd: CudaFunction,
+    add_into: CudaFunction,
+    xent: CudaFunction,
+    sq_f32: CudaFunction,
+    sq_bf16: CudaFunction,
+    adam_f32: CudaFunction,
+    adam_bf16: CudaFunction,
+    to_bf16: CudaFunction,
+}
+
+impl DenseFns {
+    pub(crate) fn load(ctx: &Arc<CudaContext>, fatbin: &[u8]) -> Result<Self, KernelError> {
+        let m = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(fatbin.to_vec()))
+            .map_err(cuda)?;
+        let f = |n: &str| m.load_function(n).map_err(cuda);
+        Ok(Self {
+            embed_fwd: f("embed_fwd")?,
+            embed_bwd: f("embed_bwd")?,
+            batch: f("batch_gather")?,
+            norm_f32: f("rmsnorm_fwd_f32")?,
+            norm_bf16: f("rmsnorm_fwd_bf16")?,
+            norm_bwd_f32: f("rmsnorm_bwd_f32")?,
+            norm_bwd_bf16: f("rmsnorm_bwd_bf16")?,
+            heads: f("heads_bf16")?,
+            softmax: f("softmax_causal_fwd")?,
+            softmax_bwd: f("softmax_causal_bwd")?,
+            add_into: f("add_into_f32")?,
+            xent: f("cross_entropy")?,
+            sq_f32: f("sq_sum_f32")?,
+            sq_bf16: f("sq_sum_bf16")?,
+            adam_f32: f("adamw_f32")?,
+            adam_bf16: f("adamw_bf16")?,
+            to_bf16: f("f32_to_bf16")?,
+        })
+    }
+}
+
+/// An element type AdamW and the norm kernel read gradients as: f32, or
+/// bf16 bits (`u16`; the GEMMs' weight gradients).
+pub trait GradElem: cudarc::driver::DeviceRepr {
+    /// Whether the elements are bf16 bits.
+    const BF16: bool;
+}
+impl GradElem for f32 {
+    const BF16: bool = false;
+}
+impl GradElem for u16 {
+    const BF16: bool = true;
+}
+
+impl DenseFns {
+    fn sq<G: GradElem>(&self) -> &CudaFunction {
+        if G::BF16 {
+            &self.sq_bf16
+        } else {
+            &self.sq_f32
+        }
+    }
+    fn adam<G: GradElem>(&self) -> &CudaFunction {
+        if G::BF16 {
+            &self.adam_bf16
+        } else {
+            &self.adam_f32
+        }
+    }
+}
+
+impl Gpu {
+    /// Fills every output buffer the device operations allocate with 0xFF
+    /// bytes first (device tests; off by default).
+    pub fn set_poison(&self, on: bool) {
+        self.poison.store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Warp-per-row kernels: blocks of 8 warps, enough to fill the chip.
+    fn warp_rows(&self, rows: usize, shared: u32) -> LaunchConfig {
+        let mut c = self.rows_config(rows);
+        c.shared_mem_bytes = shared;
+        c
+    }
+
+    /// Grouped GEMM on device buffers (see [`GemmVariant`]): `groups`
+    /// groups split by the device `offsets` (`groups + 1` entries, the last
+    /// `rows`). Output bf16: `rows × f` (forward), `rows × h` (data
+    /// gradient), `groups × h × f` (weight gradient).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_dev(
+        &self,
+        variant: GemmVariant,
+        offsets: &CudaSlice<i32>,
+        groups: usize,
+        rows: usize,
+        a: &CudaSlice<u16>,
+        b: &CudaSlice<u16>,
+        h: usize,
+        f: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        if h % 8 != 0 || f % 8 != 0 {
+            return Err(KernelError::Shape {
+                what: "h and f (multiples of 8 for 16-byte TMA rows)",
+                expected: 8,
+                got: h % 8 + f % 8,
+            });
+        }
+        at_least("offsets (groups + 1)", groups + 1, offsets.len())?;
+        let (na, nb, nd) = match variant {
+            GemmVariant::Forward => (rows * h, groups * h * f, rows * f),
+            GemmVariant::DataGrad => (rows * f, groups * h * f, rows * h),
+            GemmVariant::WeightGrad => (rows * h, rows * f, groups * h * f),
+        };
+        at_least("a", na, a.len())?;
+        at_least("b", nb, b.len())?;
+        if variant == GemmVariant::WeightGrad && rows == 0 {
+            // No rows: the gradient is zero (the GEMM would not write it).
+            // SAFETY: uninitialised output, zeroed on the next line.
+            let mut d = unsafe { self.uninit::<u16>(nd) }?;
+            self.stream.memset_zeros(&mut d).map_err(cuda)?;
+            return Ok(d);
+        }
+        self.gemm(variant, offsets, groups, a, b, nd, h, f)
+    }
+
+    /// Offsets of `groups` equal groups of `rows_each` rows, on the device.
+    pub fn even_offsets(
+        &self,
+        groups: usize,
+        rows_each: usize,
+    ) -> Result<CudaSlice<i32>, KernelError> {
+        let o: Vec<i32> = (0..=groups)
+            .map(|g| dim("rows", g * rows_each))
+            .collect::<Result<_, _>>()?;
+        self.upload(&o)
+    }
+
+    /// `x[i] = table[tok[i]]`, rows of `d` (f32). Twin:
+    /// [`crate::dense::embed_reference`].
+    ///
+    /// # Safety
+    ///
+    /// Every token of `tok` (`n` entries) is below `table.len() / d`.
+    pub unsafe fn embed(
+        &self,
+        table: &CudaSlice<f32>,
+        tok: &CudaSlice<u32>,
+        n: usize,
+        d: usize,
+    ) -> Result<CudaSlice<f32>, KernelError> {
+        // SAFETY: uninitialised output; the kernel writes all n·d entries.
+        let mut x = unsafe { self.uninit::<f32>(n * d) }?;
+        // SAFETY: the caller's promise.
+        unsafe { self.embed_launch(table, tok, &mut x, n, d, false) }?;
+        Ok(x)
+    }
+
+    /// `x[i] += table[tok[i]]` (a learned position embedding).
+    ///
+    /// # Safety
+    ///
+    /// As [`Gpu::embed`].
+    pub unsafe fn embed_add(
+        &self,
+        table: &CudaSlice<f32>,
+        tok: &CudaSlice<u32>,
+        x: &mut CudaSlice<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), KernelError> {
+        at_least("x", n * d, x.len())?;
+        // SAFETY: the caller's promise.
+        unsafe { self.embed_launch(table, tok, x, n, d, true) }
+    }
+
+    /// # Safety
+    ///
+    /// As [`Gpu::embed`]; `x` holds `n · d`.
+    unsafe fn embed_launch(
+        &self,
+        table: &CudaSlice<f32>,
+        tok: &CudaSlice<u32>,
+        x: &mut CudaSlice<f32>,
+        n: usize,
+        d: usize,
+        add: bool,
+    ) -> Result<(), KernelError> {
+        at_least("tokens", n, tok.len())?;
+        if n * d == 0 {
+            return Ok(());
+        }
+        let (ni, di, ai) = (dim("tokens", n)?, dim("width", d)?, i32::from(add));
+        let mut l = self.stream.launch_builder(&self.dense.embed_fwd);
+        l.arg(table).arg(tok).arg(x).arg(&ni).arg(&di).arg(&ai);
+        // SAFETY: (f32*, u32*, f32*, int, int, int); tokens index the table
+        // (caller), x holds n·d.
+        unsafe { l.launch(self.elementwise_config(n * d)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// A batch of `n_seq` windows of `seq` tokens from a corpus resident
+    /// on the device, and their next-token targets (twin:
+    /// `lrmoe::data::windows`).
+    ///
+    /// # Safety
+    ///
+    /// Every start (`n_seq` entries) satisfies `start + seq < corpus.len()`.
+    pub unsafe fn batch_windows(
+        &self,
+        corpus: &CudaSlice<u32>,
+        starts: &CudaSlice<u32>,
+        n_seq: usize,
+        seq: usize,
+    ) -> Result<(CudaSlice<u32>, CudaSlice<u32>), KernelError> {
+        at_least("starts", n_seq, starts.len())?;
+        let n = n_seq * seq;
+        // SAFETY: uninitialised outputs; the kernel writes all n entries.
+        let (mut tok, mut tgt) = unsafe { (self.uninit::<u32>(n)?, self.uninit::<u32>(n)?) };
+        if n > 0 {
+            let (b, s) = (dim("sequences", n_seq)?, dim("seq", seq)?);
+            let mut l = self.stream.launch_builder(&self.dense.batch);
+            l.arg(corpus)
+                .arg(starts)
+                .arg(&mut tok)
+                .arg(&mut tgt)
+                .arg(&b)
+                .arg(&s);
+            // SAFETY: (u32*, u32*, u32*, u32*, int, int); windows inside the
+            // corpus (caller), outputs n entries.
+            unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        }
+        Ok((tok, tgt))
+    }
+
+    /// `dtable[tok[i]] += dx[i]` (atomic). Twin:
+    /// [`crate::dense::embed_backward_reference`].
+    ///
+    /// # Safety
+    ///
+    /// Every token of `tok` (`n` entries) is below `dtable.len() / d`.
+    pub unsafe fn embed_backward(
+        &self,
+        dx: &CudaSlice<f32>,
+        tok: &CudaSlice<u32>,
+        dtable: &mut CudaSlice<f32>,
+        n: usize,
+        d: usize,
+    ) -> Result<(), KernelError> {
+        at_least("tokens", n, tok.len())?;
+        at_least("dx", n * d, dx.len())?;
+        let (ni, di) = (dim("tokens", n)?, dim("width", d)?);
+        let mut l = self.stream.launch_builder(&self.dense.embed_bwd);
+        l.arg(dx).arg(tok).arg(dtable).arg(&ni).arg(&di);
+        // SAFETY: as in `embed`.
+        unsafe { l.launch(self.elementwise_config(n * d)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// RMSNorm of `rows` f32 rows of `w.len()`: bf16 output and `1 / rms`
+    /// per row. Twin: [`crate::dense::rmsnorm_reference`].
+    pub fn rmsnorm(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        self.norm_any(&self.dense.norm_f32, x, w, rows, eps)
+    }
+
+    /// RMSNorm of bf16 rows (the q/k head norms), as [`Gpu::rmsnorm`].
+    pub fn rmsnorm_bf16(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        self.norm_any(&self.dense.norm_bf16, x, w, rows, eps)
+    }
+
+    fn norm_any<X: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        x: &CudaSlice<X>,
+        w: &CudaSlice<f32>,
+        rows: usize,
+        eps: f32,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let d = w.len();
+        at_least("x", rows * d, x.len())?;
+        // SAFETY: uninitialised outputs; the kernel writes every row.
+        let (mut y, mut inv) =
+            unsafe { (self.uninit::<u16>(rows * d)?, self.uninit::<f32>(rows)?) };
+        if rows > 0 {
+            let (ri, di) = (dim("rows", rows)?, dim("width", d)?);
+            let mut l = self.stream.launch_builder(f);
+            l.arg(x)
+                .arg(w)
+                .arg(&mut y)
+                .arg(&mut inv)
+                .arg(&ri)
+                .arg(&di)
+                .arg(&eps);
+            // SAFETY: (X*, f32*, u16*, f32*, int, int, float); sizes checked.
+            unsafe { l.launch(self.warp_rows(rows, 0)) }.map_err(cuda)?;
+        }
+        Ok((y, inv))
+    }
+
+    /// Backward of [`Gpu::rmsnorm`]: adds the input gradient into `dx`
+    /// (f32, the residual stream's gradient) and the gain's into `dw`.
+    /// Twin: [`crate::dense::rmsnorm_backward_reference`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn rmsnorm_backward(
+        &self,
+        x: &CudaSlice<f32>,
+        w: &CudaSlice<f32>,
+        inv: &CudaSlice<f32>,
+        dy: &CudaSlice<u16>,
+        dx: &mut CudaSlice<f32>,
+        dw: &mut CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), KernelError> {
+        at_least("dx", rows * w.len(), dx.len())?;
+        self.norm_bwd_any(&self.dense.norm_bwd_f32, x, w, inv, dy, dx, dw, rows)
+    }
+
+    /// Backward of [`Gpu::rmsnorm_bf16`]: returns the input gradient
+    /// (bf16) and adds the gain's into `dw`.
+    pub fn rmsnorm_bf16_backward(
+        &self,
+        x: &CudaSlice<u16>,
+        w: &CudaSlice<f32>,
+        inv: &CudaSlice<f32>,
+        dy: &CudaSlice<u16>,
+        dw: &mut CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        // SAFETY: uninitialised output; the kernel writes every row.
+        let mut dx = unsafe { self.uninit::<u16>(rows * w.len()) }?;
+        self.norm_bwd_any(&self.dense.norm_bwd_bf16, x, w, inv, dy, &mut dx, dw, rows)?;
+        Ok(dx)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn norm_bwd_any<X: cudarc::driver::DeviceRepr, D: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        x: &CudaSlice<X>,
+        w: &CudaSlice<f32>,
+        inv: &CudaSlice<f32>,
+        dy: &CudaSlice<u16>,
+        dx: &mut CudaSlice<D>,
+        dw: &mut CudaSlice<f32>,
+        rows: usize,
+    ) -> Result<(), KernelError> {
+        let d = w.len();
+        at_least("x", rows * d, x.len())?;
+        at_least("dy", rows * d, dy.len())?;
+        at_least("inv", rows, inv.len())?;
+        at_least("dw", d, dw.len())?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let shared = u32::try_from(d * 4)
+            .ok()
+            .filter(|&b| b <= 48 * 1024)
+            .ok_or(KernelError::Shape {
+                what: "norm width (at most 12288: the gain gradient sits in shared memory)",
+                expected: 12288,
+                got: d,
+            })?;
+        let (ri, di) = (dim("rows", rows)?, dim("width", d)?);
+        let mut l = self.stream.launch_builder(f);
+        l.arg(x)
+            .arg(w)
+            .arg(inv)
+            .arg(dy)
+            .arg(dx)
+            .arg(dw)
+            .arg(&ri)
+            .arg(&di);
+        // SAFETY: (X*, f32*, f32*, u16*, D*, f32*, int, int); sizes checked;
+        // d floats of dynamic shared memory.
+        unsafe { l.launch(self.warp_rows(rows.min(self.n_sms as usize * 16), shared)) }
+            .map_err(cuda)?;
+        Ok(())
+    }
+
+    /// Token-major ↔ head-major layout (see [`crate::dense::heads_reference`],
+    /// its twin), rotating by RoPE with base `theta` (0: none) on the way
+    /// to heads and back by the negative angle on the way to tokens.
+    pub fn heads(
+        &self,
+        src: &CudaSlice<u16>,
+        (n_seq, seq, heads, dh): (usize, usize, usize, usize),
+        theta: f32,
+        to_heads: bool,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        let n = n_seq * seq * heads * dh;
+        at_least("rows", n, src.len())?;
+        if dh % 2 != 0 {
+            return Err(KernelError::Shape {
+                what: "head_dim (even)",
+                expected: dh + 1,
+                got: dh,
+            });
+        }
+        // SAFETY: uninitialised output; the kernel writes all n entries.
+        let mut dst = unsafe { self.uninit::<u16>(n) }?;
+        if n > 0 {
+            let (b, s, h, d) = (
+                dim("sequences", n_seq)?,
+                dim("seq", seq)?,
+                dim("heads", heads)?,
+                dim("head_dim", dh)?,
+            );
+            let th: i32 = i32::from(to_heads);
+            let mut l = self.stream.launch_builder(&self.dense.heads);
+            l.arg(src)
+                .arg(&mut dst)
+                .arg(&b)
+                .arg(&s)
+                .arg(&h)
+                .arg(&d)
+                .arg(&theta)
+                .arg(&th);
+            // SAFETY: (u16*, u16*, int×4, float, int); n entries each.
+            unsafe { l.launch(self.elementwise_config(n / 2)) }.map_err(cuda)?;
+        }
+        Ok(dst)
+    }
+
+    /// Causal softmax of `rows` score rows of `seq` (bf16) scaled by
+    /// `scale`. Twin: [`crate::dense::softmax_causal_reference`].
+    pub fn softmax_causal(
+        &self,
+        s: &CudaSlice<u16>,
+        rows: usize,
+        seq: usize,
+        scale: f32,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        self.softmax_any(&self.dense.softmax, &[s], rows, seq, scale)
+    }
+
+    /// Backward of [`Gpu::softmax_causal`] from the probabilities and their
+    /// gradient. Twin: [`crate::dense::softmax_causal_backward_reference`].
+    pub fn softmax_causal_backward(
+        &self,
+        p: &CudaSlice<u16>,
+        dp: &CudaSlice<u16>,
+        rows: usize,
+        seq: usize,
+        scale: f32,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        self.softmax_any(&self.dense.softmax_bwd, &[p, dp], rows, seq, scale)
+    }
+
+    fn softmax_any(
+        &self,
+        f: &CudaFunction,
+        ins: &[&CudaSlice<u16>],
+        rows: usize,
+        seq: usize,
+        scale: f32,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        for x in ins {
+            at_least("score rows", rows * seq, x.len())?;
+        }
+        // SAFETY: uninitialised output; the kernel writes every entry.
+        let mut out = unsafe { self.uninit::<u16>(rows * seq) }?;
+        if rows > 0 && seq > 0 {
+            let (ri, si) = (dim("rows", rows)?, dim("seq", seq)?);
+            let mut l = self.stream.launch_builder(f);
+            for x in ins {
+                l.arg(*x);
+            }
+            l.arg(&mut out).arg(&ri).arg(&si).arg(&scale);
+            // SAFETY: (u16* [, u16*], u16*, int, int, float); sizes checked.
+            unsafe { l.launch(self.warp_rows(rows, 0)) }.map_err(cuda)?;
+        }
+        Ok(out)
+    }
+
+    /// `x[..n] += y[..n]` (f32 residual, bf16 branch).
+    pub fn add_into(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<u16>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        at_least("x", n, x.len())?;
+        at_least("y", n, y.len())?;
+        let nl = n as i64;
+        let mut l = self.stream.launch_builder(&self.dense.add_into);
+        l.arg(x).arg(y).arg(&nl);
+        // SAFETY: (f32*, u16*, long long); n entries each.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// `bf16(x[..n])`.
+    pub fn to_bf16(&self, x: &CudaSlice<f32>, n: usize) -> Result<CudaSlice<u16>, KernelError> {
+        // SAFETY: uninitialised output; the kernel writes all n entries.
+        let mut y = unsafe { self.uninit::<u16>(n) }?;
+        self.to_bf16_into(x, &mut y, n)?;
+        Ok(y)
+    }
+
+    /// `y[..n] = bf16(x[..n])`.
+    pub fn to_bf16_into(
+        &self,
+        x: &CudaSlice<f32>,
+        y: &mut CudaSlice<u16>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        at_least("x", n, x.len())?;
+        at_least("y", n, y.len())?;
+        let nl = n as i64;
+        let mut l = self.stream.launch_builder(&self.dense.to_bf16);
+        l.arg(x).arg(y).arg(&nl);
+        // SAFETY: (f32*, u16*, long long); n entries each.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// Fused cross-entropy of `n` bf16 logits rows of `v`: adds the summed
+    /// loss into `loss[0]` and returns `(softmax − onehot) · inv_n` (bf16).
+    /// Twin: [`crate::dense::cross_entropy_reference`].
+    ///
+    /// # Safety
+    ///
+    /// Every target of `target` (`n` entries) is below `v`.
+    pub unsafe fn cross_entropy(
+        &self,
+        logits: &CudaSlice<u16>,
+        target: &CudaSlice<u32>,
+        loss: &mut CudaSlice<f32>,
+        (n, v): (usize, usize),
+        inv_n: f32,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        at_least("logits", n * v, logits.len())?;
+        at_least("targets", n, target.len())?;
+        // SAFETY: uninitialised output; the kernel writes every row.
+        let mut d = unsafe { self.uninit::<u16>(n * v) }?;
+        if n > 0 {
+            let (ni, vi) = (dim("rows", n)?, dim("vocabulary", v)?);
+            let mut l = self.stream.launch_builder(&self.dense.xent);
+            l.arg(logits)
+                .arg(target)
+                .arg(loss)
+                .arg(&mut d)
+                .arg(&ni)
+                .arg(&vi)
+                .arg(&inv_n);
+            let cfg = LaunchConfig {
+                grid_dim: (n.min(self.n_sms as usize * 32) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            // SAFETY: (u16*, u32*, f32*, u16*, int, int, float); targets
+            // below v (caller); sizes checked.
+            unsafe { l.launch(cfg) }.map_err(cuda)?;
+        }
+        Ok(d)
+    }
+
+    /// `out[0] += Σ x[..n]²` (f32 or bf16 gradients).
+    pub fn sq_sum_into<G: GradElem>(
+        &self,
+        x: &CudaSlice<G>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        at_least("x", n, x.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let nl = n as i64;
+        let mut l = self.stream.launch_builder(self.dense.sq::<G>());
+        l.arg(x).arg(out).arg(&nl);
+        // SAFETY: (G*, f32*, long long); n entries.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// One AdamW update of the f32 master `p` and moments `m`, `v` with the
+    /// gradient `g`, clipped by `hp.clip / sqrt(norm_sq[0])` (read on the
+    /// device) when that norm exceeds the clip; writes the bf16 copy when
+    /// given. Twin: [`crate::dense::adamw_reference`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn adamw<G: GradElem>(
+        &self,
+        p: &mut CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        g: &CudaSlice<G>,
+        p16: Option<&mut CudaSlice<u16>>,
+        hp: &AdamHp,
+        norm_sq: &CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let n = p.len();
+        at_least("m", n, m.len())?;
+        at_least("v", n, v.len())?;
+        at_least("gradient", n, g.len())?;
+        let nl = n as i64;
+        let null: u64 = 0;
+        let mut l = self.stream.launch_builder(self.dense.adam::<G>());
+        l.arg(p).arg(m).arg(v).arg(g);
+        match p16 {
+            Some(c) => {
+                at_least("bf16 copy", n, c.len())?;
+                l.arg(c)
+            }
+            None => l.arg(&null),
+        };
+        l.arg(&nl)
+            .arg(&hp.lr)
+            .arg(&hp.beta1)
+            .arg(&hp.beta2)
+            .arg(&hp.eps)
+            .arg(&hp.weight_decay)
+            .arg(&hp.bc1)
+            .arg(&hp.bc2)
+            .arg(norm_sq)
+            .arg(&hp.clip);
+        // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long, float×7,
+        // f32*, float); n entries each, norm_sq one.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+}

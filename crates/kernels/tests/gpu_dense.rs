@@ -1,0 +1,401 @@
+//! Device tests of the dense transformer kernels against their CPU twins
+//! (`kernels::dense`): fresh random inputs each run, outputs poisoned
+//! (`Gpu::set_poison`), tolerances stated per test. `#[ignore]`d: run on
+//! the GPU machine with `cargo test -p kernels --features cuda --
+//! --ignored`.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
+
+use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits, GemmVariant};
+use kernels::dense::*;
+use kernels::gpu::Gpu;
+
+fn gpu() -> Gpu {
+    let g = Gpu::open(0).expect("a CUDA device (run with --ignored on the GPU machine)");
+    g.set_poison(true);
+    g
+}
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn f32s(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|_| ((self.next() % 20001) as f32 / 10000.0 - 1.0) * scale)
+            .collect()
+    }
+    fn bf16(&mut self, n: usize, scale: f32) -> Vec<u16> {
+        self.f32s(n, scale)
+            .into_iter()
+            .map(f32_to_bf16_bits)
+            .collect()
+    }
+}
+
+fn seed() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64
+        | 1
+}
+
+/// ‖a − b‖ / ‖b‖.
+fn rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn wide(v: &[u16]) -> Vec<f32> {
+    v.iter().map(|&b| bf16_bits_to_f32(b)).collect()
+}
+
+/// Largest difference in bf16 units in the last place (same-sign values).
+fn max_ulps(a: &[u16], b: &[u16]) -> u32 {
+    a.iter()
+        .zip(b)
+        .map(|(&x, &y)| (i32::from(x as i16) - i32::from(y as i16)).unsigned_abs())
+        .max()
+        .unwrap_or(0)
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn embedding_and_its_scatter_add_match_the_twins() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    let (vocab, d, n) = (97, 136, 1000);
+    let table = r.f32s(vocab * d, 1.0);
+    let tok: Vec<u32> = (0..n).map(|_| (r.next() % vocab as u64) as u32).collect();
+    let (tb, tk) = (g.upload(&table).unwrap(), g.upload(&tok).unwrap());
+    // SAFETY: every token is below vocab.
+    let x = unsafe { g.embed(&tb, &tk, n, d) }.unwrap();
+    assert_eq!(
+        g.download(&x, n * d).unwrap(),
+        embed_reference(&table, &tok, d).unwrap(),
+        "a gather is exact"
+    );
+    let dx = r.f32s(n * d, 1.0);
+    let start = r.f32s(vocab * d, 1.0);
+    let mut dt = g.upload(&start).unwrap();
+    // SAFETY: as above.
+    unsafe { g.embed_backward(&g.upload(&dx).unwrap(), &tk, &mut dt, n, d) }.unwrap();
+    let want = embed_backward_reference(&dx, &tok, &start, d).unwrap();
+    let e = rel(&g.download(&dt, vocab * d).unwrap(), &want);
+    assert!(e < 1e-6, "scatter-add relative error {e}");
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn rmsnorm_forward_and_backward_match_the_twins() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    for &(rows, d) in &[(1, 8), (333, 64), (2048, 512), (17, 2048)] {
+        let x = r.f32s(rows * d, 3.0);
+        let w = r.f32s(d, 2.0);
+        let (xd, wd) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let (y, inv) = g.rmsnorm(&xd, &wd, rows, 1e-6).unwrap();
+        let (wy, winv) = rmsnorm_reference(&x, &w, 1e-6);
+        let (y, inv) = (
+            g.download(&y, rows * d).unwrap(),
+            g.download(&inv, rows).unwrap(),
+        );
+        assert!(max_ulps(&y, &wy) <= 1, "rmsnorm y ({rows}×{d})");
+        assert!(rel(&inv, &winv) < 1e-6, "rmsnorm inv");
+        // Backward into preset accumulators.
+        let dy = r.bf16(rows * d, 1.0);
+        let (dx0, dw0) = (r.f32s(rows * d, 1.0), r.f32s(d, 1.0));
+        let (mut dxd, mut dwd) = (g.upload(&dx0).unwrap(), g.upload(&dw0).unwrap());
+        let invd = g.upload(&winv).unwrap();
+        g.rmsnorm_backward(
+            &xd,
+            &wd,
+            &invd,
+            &g.upload(&dy).unwrap(),
+            &mut dxd,
+            &mut dwd,
+            rows,
+        )
+        .unwrap();
+        let (rdx, rdw) = rmsnorm_backward_reference(&x, &w, &winv, &dy);
+        let want_dx: Vec<f32> = dx0.iter().zip(&rdx).map(|(a, b)| a + b).collect();
+        let want_dw: Vec<f32> = dw0.iter().zip(&rdw).map(|(a, b)| a + b).collect();
+        let e = rel(&g.download(&dxd, rows * d).unwrap(), &want_dx);
+        assert!(e < 1e-5, "dx relative error {e} ({rows}×{d})");
+        let e = rel(&g.download(&dwd, d).unwrap(), &want_dw);
+        assert!(e < 1e-4, "dw relative error {e} ({rows}×{d})");
+        // bf16 input (head norms): same math on the widened input.
+        let xb = r.bf16(rows * d, 3.0);
+        let xbd = g.upload(&xb).unwrap();
+        let (y, inv) = g.rmsnorm_bf16(&xbd, &wd, rows, 1e-5).unwrap();
+        let (wy, winv) = rmsnorm_reference(&wide(&xb), &w, 1e-5);
+        assert!(max_ulps(&g.download(&y, rows * d).unwrap(), &wy) <= 1);
+        let e = rel(&g.download(&inv, rows).unwrap(), &winv);
+        assert!(e < 1e-5, "bf16 rmsnorm inv relative error {e}");
+        let mut dwd = g.upload(&dw0).unwrap();
+        let dxb = g
+            .rmsnorm_bf16_backward(&xbd, &wd, &inv, &g.upload(&dy).unwrap(), &mut dwd, rows)
+            .unwrap();
+        let (rdx, rdw) = rmsnorm_backward_reference(&wide(&xb), &w, &winv, &dy);
+        let e = rel(&wide(&g.download(&dxb, rows * d).unwrap()), &rdx);
+        assert!(e < 8e-3, "bf16 dx relative error {e}");
+        let want_dw: Vec<f32> = dw0.iter().zip(&rdw).map(|(a, b)| a + b).collect();
+        assert!(rel(&g.download(&dwd, d).unwrap(), &want_dw) < 1e-4);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn head_layout_and_rope_match_the_twin() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    for &(n_seq, seq, heads, dh) in &[(1, 1, 1, 2), (2, 48, 4, 64), (3, 130, 2, 128)] {
+        let n = n_seq * seq * heads * dh;
+        let x = r.bf16(n, 2.0);
+        let xd = g.upload(&x).unwrap();
+        for (theta, to_heads) in [(0.0, true), (0.0, false), (1e6, true), (1e4, false)] {
+            let got = g
+                .download(
+                    &g.heads(&xd, (n_seq, seq, heads, dh), theta, to_heads)
+                        .unwrap(),
+                    n,
+                )
+                .unwrap();
+            let want = heads_reference(&x, (n_seq, seq, heads, dh), theta, to_heads).unwrap();
+            if theta == 0.0 {
+                assert_eq!(got, want, "a pure layout change is exact");
+            } else {
+                // f32 angles on both sides; sincosf vs the library's sin/cos.
+                let e = rel(&wide(&got), &wide(&want));
+                assert!(e < 4e-3, "rope relative error {e} ({seq}×{dh}, θ {theta})");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn causal_softmax_forward_and_backward_match_the_twins() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    for &(rows, seq) in &[(1, 1), (96, 48), (4096, 512), (130, 1000)] {
+        let s = r.bf16(rows * seq, 8.0);
+        let scale = 0.125;
+        let p = g
+            .softmax_causal(&g.upload(&s).unwrap(), rows, seq, scale)
+            .unwrap();
+        let p = g.download(&p, rows * seq).unwrap();
+        let want = softmax_causal_reference(&s, seq, scale);
+        let e = rel(&wide(&p), &wide(&want));
+        assert!(e < 4e-3, "softmax relative error {e} ({rows}×{seq})");
+        assert!(
+            p.iter().zip(&want).all(|(a, b)| (*a == 0) == (*b == 0)),
+            "mask"
+        );
+        let dp = r.bf16(rows * seq, 1.0);
+        let ds = g
+            .softmax_causal_backward(
+                &g.upload(&want).unwrap(),
+                &g.upload(&dp).unwrap(),
+                rows,
+                seq,
+                scale,
+            )
+            .unwrap();
+        let want = softmax_causal_backward_reference(&want, &dp, seq, scale);
+        let e = rel(&wide(&g.download(&ds, rows * seq).unwrap()), &wide(&want));
+        assert!(e < 8e-3, "softmax backward relative error {e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn fused_cross_entropy_matches_the_twin() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    for &(n, v) in &[(1, 2), (512, 256), (64, 151_936)] {
+        let logits = r.bf16(n * v, 6.0);
+        let target: Vec<u32> = (0..n).map(|_| (r.next() % v as u64) as u32).collect();
+        let mut loss = g.upload(&[0.5f32]).unwrap();
+        let inv_n = 1.0 / n as f32;
+        // SAFETY: every target is below v.
+        let d = unsafe {
+            g.cross_entropy(
+                &g.upload(&logits).unwrap(),
+                &g.upload(&target).unwrap(),
+                &mut loss,
+                (n, v),
+                inv_n,
+            )
+        }
+        .unwrap();
+        let (wl, wd) = cross_entropy_reference(&logits, &target, v, inv_n).unwrap();
+        let got = f64::from(g.download(&loss, 1).unwrap()[0]) - 0.5;
+        assert!(
+            (got - wl).abs() <= 1e-4 * wl.abs().max(1.0),
+            "loss {got} vs {wl}"
+        );
+        let e = rel(&wide(&g.download(&d, n * v).unwrap()), &wide(&wd));
+        assert!(e < 4e-3, "dlogits relative error {e} ({n}×{v})");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn gradient_norm_and_adamw_match_the_twins() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    let n = 100_003;
+    let gf = r.f32s(n, 0.1);
+    let gb = r.bf16(n, 0.1);
+    let mut ns = g.upload(&[0f32]).unwrap();
+    g.sq_sum_into(&g.upload(&gf).unwrap(), n, &mut ns).unwrap();
+    g.sq_sum_into(&g.upload(&gb).unwrap(), n, &mut ns).unwrap();
+    let norm_sq = g.download(&ns, 1).unwrap()[0];
+    let want: f64 = gf
+        .iter()
+        .chain(wide(&gb).iter())
+        .map(|&x| f64::from(x).powi(2))
+        .sum();
+    assert!(
+        (f64::from(norm_sq) - want).abs() <= 1e-5 * want,
+        "{norm_sq} vs {want}"
+    );
+    for (clip, grads) in [(0.5f32, gf.clone()), (0.0, wide(&gb)), (1e9, gf)] {
+        let hp = AdamHp {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            bc1: 1.0 - 0.9f32.powi(3),
+            bc2: 1.0 - 0.95f32.powi(3),
+            clip,
+        };
+        let (p0, m0, v0) = (r.f32s(n, 1.0), r.f32s(n, 0.01), r.f32s(n, 0.001));
+        let v0: Vec<f32> = v0.iter().map(|x| x.abs()).collect();
+        let (mut p, mut m, mut v) = (
+            g.upload(&p0).unwrap(),
+            g.upload(&m0).unwrap(),
+            g.upload(&v0).unwrap(),
+        );
+        let mut p16 = g.upload(&vec![0xFFFFu16; n]).unwrap();
+        if clip == 0.0 {
+            g.adamw(
+                &mut p,
+                &mut m,
+                &mut v,
+                &g.upload(&gb).unwrap(),
+                Some(&mut p16),
+                &hp,
+                &ns,
+            )
+            .unwrap();
+        } else {
+            g.adamw(
+                &mut p,
+                &mut m,
+                &mut v,
+                &g.upload(&grads).unwrap(),
+                Some(&mut p16),
+                &hp,
+                &ns,
+            )
+            .unwrap();
+        }
+        let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
+        let w16 = adamw_reference(&mut wp, &mut wm, &mut wv, &grads, &hp, norm_sq);
+        assert!(
+            rel(&g.download(&p, n).unwrap(), &wp) < 1e-6,
+            "p (clip {clip})"
+        );
+        assert!(rel(&g.download(&m, n).unwrap(), &wm) < 1e-6, "m");
+        assert!(rel(&g.download(&v, n).unwrap(), &wv) < 1e-6, "v");
+        assert!(
+            max_ulps(&g.download(&p16, n).unwrap(), &w16) <= 1,
+            "bf16 copy"
+        );
+    }
+}
+
+/// Attention's products as grouped GEMMs with one group per (sequence,
+/// key/value head) whose rows are that head's queries, against a CPU
+/// product per group: scores `Q·Kᵀ`, context `P·V`, and `dV = Pᵀ·dC`
+/// summed over the group's query heads.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn attention_products_as_grouped_gemms() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    let (n_seq, kv, group, seq, dh) = (2, 2, 3, 40, 64);
+    let groups = n_seq * kv;
+    let rows_each = group * seq;
+    let q = r.bf16(groups * rows_each * dh, 1.0);
+    let k = r.bf16(groups * seq * dh, 1.0);
+    let off = g.even_offsets(groups, rows_each).unwrap();
+    let s = g
+        .gemm_dev(
+            GemmVariant::DataGrad,
+            &off,
+            groups,
+            groups * rows_each,
+            &g.upload(&q).unwrap(),
+            &g.upload(&k).unwrap(),
+            seq,
+            dh,
+        )
+        .unwrap();
+    let s = wide(&g.download(&s, groups * rows_each * seq).unwrap());
+    let (qf, kf) = (wide(&q), wide(&k));
+    for e in 0..groups {
+        for i in 0..rows_each {
+            for j in 0..seq {
+                let want: f32 = (0..dh)
+                    .map(|t| qf[(e * rows_each + i) * dh + t] * kf[(e * seq + j) * dh + t])
+                    .sum();
+                let got = s[(e * rows_each + i) * seq + j];
+                assert!(
+                    (got - want).abs() <= 1e-2 * (1.0 + want.abs()),
+                    "S[{e}][{i}][{j}]"
+                );
+            }
+        }
+    }
+    let p = r.bf16(groups * rows_each * seq, 1.0);
+    let dc = r.bf16(groups * rows_each * dh, 1.0);
+    let dv = g
+        .gemm_dev(
+            GemmVariant::WeightGrad,
+            &off,
+            groups,
+            groups * rows_each,
+            &g.upload(&p).unwrap(),
+            &g.upload(&dc).unwrap(),
+            seq,
+            dh,
+        )
+        .unwrap();
+    let dv = wide(&g.download(&dv, groups * seq * dh).unwrap());
+    let (pf, dcf) = (wide(&p), wide(&dc));
+    for e in 0..groups {
+        for j in 0..seq {
+            for t in 0..dh {
+                let want: f32 = (0..rows_each)
+                    .map(|i| pf[(e * rows_each + i) * seq + j] * dcf[(e * rows_each + i) * dh + t])
+                    .sum();
+                let got = dv[(e * seq + j) * dh + t];
+                assert!(
+                    (got - want).abs() <= 1e-2 * (1.0 + want.abs()),
+                    "dV[{e}][{j}][{t}]"
+                );
+            }
+        }
+    }
+}

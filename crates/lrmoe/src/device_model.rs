@@ -1,0 +1,1101 @@
+//! The whole model resident on one GPU (`lrmoe train --device cuda` for a
+//! model with rotary positions, e.g. `--model-config
+//! examples/qwen3-moe-mini.config.json`): f32 master weights, AdamW
+//! moments and their bf16 working copies, the training and validation
+//! corpora, every activation and gradient stay on the device. Per step the
+//! host sends the batch's window starts (and, with the balancing bias,
+//! one value per expert and layer) and reads back scalars — the loss, the
+//! gradient norm, the MoE layers' routed counts for the controller and
+//! the metrics; checkpoints download the weights only when saved.
+//!
+//! The math is [`crate::model`]'s (the CPU model is the reference the
+//! device tests hold it to): embedding (plus the learned positions when
+//! the model has no RoPE), per block RMSNorm → q/k/v projections →
+//! per-head q/k RMSNorm → RoPE → causal grouped-query attention → output
+//! projection → residual → RMSNorm → the MoE layer through
+//! `layer::device` (the controller's quotas, the LRMoE backward, the
+//! forced hot expert and the balancing bias, exactly as the host-driven
+//! device executor runs them) → residual; final RMSNorm, LM head, fused
+//! cross-entropy. The residual stream and norms are f32; GEMM inputs,
+//! outputs and weight gradients bf16 with f32 accumulation (the grouped
+//! CUTLASS GEMM: the projections are one group, attention one group per
+//! (sequence, key/value head) whose rows are that head's queries, so
+//! grouped-query attention needs no repeated keys); AdamW with weight
+//! decay and global-norm clipping runs fused on the device, the clip
+//! factor read from the device's norm.
+//!
+//! Limits (errors, not silent fallbacks): one GPU (expert and data
+//! parallelism over several GPUs is not built yet); widths that are GEMM
+//! dimensions (`d_model`, heads × head_dim, `ffn`, the vocabulary, the
+//! sequence length, `head_dim`) must be multiples of 8; no micro-batching.
+
+use layer::{BackwardStats, CallPlan};
+
+use crate::model::{ModelConfig, ModelError};
+#[cfg(not(feature = "cuda"))]
+use {
+    crate::model::Model,
+    crate::optim::{AdamWConfig, AdamWState},
+    layer::CallConfig,
+};
+
+/// What one training step reports.
+#[derive(Debug, Clone)]
+pub struct DeviceStep {
+    /// Mean cross-entropy of the batch, nats per token.
+    pub loss: f64,
+    /// The MoE layers' auxiliary balancing losses, summed.
+    pub aux_loss: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Device time in the MoE layers (forward + backward), seconds.
+    pub moe_seconds: f64,
+    /// The step's device time split, milliseconds: dense forward (with the
+    /// loss), MoE forward, dense backward, MoE backward, optimizer (norm,
+    /// clip, AdamW). One GPU: no communication.
+    pub split_ms: [f64; 5],
+    /// Each layer's plan.
+    pub plans: Vec<CallPlan>,
+    /// Each layer's backward figures.
+    pub stats: Vec<BackwardStats>,
+}
+
+/// The device model's limits on a configuration, checked before any
+/// allocation (also without CUDA, so a bad configuration is named first).
+pub fn check(cfg: &ModelConfig, seq: Option<usize>, world: usize) -> Result<(), ModelError> {
+    cfg.validate()?;
+    if world != 1 {
+        return Err(ModelError::Config(format!(
+            "the device-resident model runs on one GPU; {world} ranks need expert and data parallelism, which it does not have yet"
+        )));
+    }
+    let dh = cfg.head_width();
+    for (what, v) in [
+        ("d_model", cfg.d_model),
+        ("n_heads × head_dim", cfg.n_heads * dh),
+        ("n_kv_heads × head_dim", cfg.kv_heads() * dh),
+        ("ffn", cfg.ffn),
+        ("vocab", cfg.vocab),
+        ("seq_len", seq.unwrap_or(8)),
+        ("head_dim", dh),
+    ] {
+        if v % 8 != 0 || v == 0 {
+            return Err(ModelError::Config(format!(
+                "the device model's GEMMs need {what} = {v} to be a positive multiple of 8"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A vocabulary rounded up to a multiple of 8 (the LM head is a GEMM
+/// dimension; Megatron pads its vocabulary the same way): unused rows are
+/// never a target and learn to stay unlikely.
+pub fn padded_vocab(v: usize) -> usize {
+    v.div_ceil(8) * 8
+}
+
+#[cfg(feature = "cuda")]
+pub use imp::DeviceModel;
+
+/// Without CUDA there is no device model: [`DeviceModel::new`] says so.
+#[cfg(not(feature = "cuda"))]
+#[derive(Debug)]
+pub struct DeviceModel(());
+
+#[cfg(not(feature = "cuda"))]
+impl DeviceModel {
+    /// Always `NotCompiledWithCuda` in this build.
+    pub fn new(
+        _gpu: std::sync::Arc<kernels::gpu::Gpu>,
+        _cfg: &ModelConfig,
+        _model: &Model<f32>,
+        _adam: &AdamWState<f32>,
+        _call: &CallConfig,
+        _corpus: (&[u32], &[u32]),
+    ) -> Result<Self, ModelError> {
+        Err(ModelError::Kernel(
+            kernels::KernelError::NotCompiledWithCuda,
+        ))
+    }
+    /// See the CUDA build.
+    pub fn train_step(
+        &mut self,
+        _starts: &[usize],
+        _seq: usize,
+        _optim: &AdamWConfig,
+        _lr: f64,
+        _expert_bias: &[Vec<f64>],
+    ) -> Result<DeviceStep, ModelError> {
+        Err(ModelError::Kernel(
+            kernels::KernelError::NotCompiledWithCuda,
+        ))
+    }
+    /// See the CUDA build.
+    pub fn eval_loss(
+        &mut self,
+        _starts: &[usize],
+        _seq: usize,
+        _expert_bias: &[Vec<f64>],
+    ) -> Result<f64, ModelError> {
+        Err(ModelError::Kernel(
+            kernels::KernelError::NotCompiledWithCuda,
+        ))
+    }
+    /// See the CUDA build.
+    pub fn download(&self) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
+        Err(ModelError::Kernel(
+            kernels::KernelError::NotCompiledWithCuda,
+        ))
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod imp {
+    use std::sync::Arc;
+
+    use kernels::cpu::GemmVariant;
+    use kernels::dense::AdamHp;
+    use kernels::gpu::{CudaSlice, Gpu};
+    use layer::device::{DeviceComm, DeviceSaved, DeviceWeights};
+    use layer::{BackwardStats, CallConfig, DevicePlanner, ExpertWeights};
+
+    use super::{check, DeviceStep};
+    use crate::model::{Model, ModelConfig, ModelError};
+    use crate::optim::{AdamWConfig, AdamWState};
+
+    /// One parameter: f32 master and moments.
+    struct Param {
+        p: CudaSlice<f32>,
+        m: CudaSlice<f32>,
+        v: CudaSlice<f32>,
+        decay: bool,
+    }
+
+    /// One transformer block's parameters and bf16 working copies.
+    struct Block {
+        norm1: Param,
+        wq: Param,
+        wk: Param,
+        wv: Param,
+        wo: Param,
+        q_norm: Option<Param>,
+        k_norm: Option<Param>,
+        norm2: Param,
+        router: Param,
+        gate: Param,
+        up: Param,
+        down: Param,
+        wq16: CudaSlice<u16>,
+        wk16: CudaSlice<u16>,
+        wv16: CudaSlice<u16>,
+        wo16: CudaSlice<u16>,
+        /// The MoE layer's bf16 router and experts (written by AdamW).
+        moe: DeviceWeights,
+    }
+
+    /// The model on the device.
+    pub struct DeviceModel {
+        gpu: Arc<Gpu>,
+        cfg: ModelConfig,
+        call: CallConfig,
+        embed: Param,
+        pos: Option<Param>,
+        blocks: Vec<Block>,
+        norm_f: Param,
+        head: Param,
+        head16: CudaSlice<u16>,
+        adam_t: u64,
+        train: CudaSlice<u32>,
+        val: CudaSlice<u32>,
+        lens: (usize, usize),
+    }
+
+    impl std::fmt::Debug for DeviceModel {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("DeviceModel")
+                .field("cfg", &self.cfg)
+                .field("adam_t", &self.adam_t)
+                .finish()
+        }
+    }
+
+    /// A parameter's gradient: f32 (embeddings, gains, the router) or bf16
+    /// (the GEMMs' weight gradients).
+    enum Grad {
+        F32(CudaSlice<f32>),
+        Bf16(CudaSlice<u16>),
+    }
+
+    /// Query and key projections before their head norms, and the norms'
+    /// `1 / rms` per head row.
+    struct HeadNorms {
+        q: CudaSlice<u16>,
+        k: CudaSlice<u16>,
+        q_inv: CudaSlice<f32>,
+        k_inv: CudaSlice<f32>,
+    }
+
+    /// A timed span on the device (two events).
+    type Span = (kernels::gpu::Mark, kernels::gpu::Mark);
+
+    /// What the backward returns: every parameter's gradient, each
+    /// layer's figures and the MoE layers' spans.
+    type Backward = (Vec<Grad>, Vec<BackwardStats>, Vec<Span>);
+
+    /// Activations one block keeps for its backward.
+    struct Saved {
+        x_in: CudaSlice<f32>,
+        inv1: CudaSlice<f32>,
+        a: CudaSlice<u16>,
+        /// q/k projections before their head norms, and the norms' 1/rms.
+        qk_raw: Option<HeadNorms>,
+        q: CudaSlice<u16>,
+        k: CudaSlice<u16>,
+        v: CudaSlice<u16>,
+        p: CudaSlice<u16>,
+        attn: CudaSlice<u16>,
+        x_mid: CudaSlice<f32>,
+        inv2: CudaSlice<f32>,
+        moe: DeviceSaved,
+    }
+
+    /// One forward's state.
+    struct Forward {
+        n_seq: usize,
+        seq: usize,
+        tok: CudaSlice<u32>,
+        blocks: Vec<Saved>,
+        x_final: CudaSlice<f32>,
+        inv_f: CudaSlice<f32>,
+        hf: CudaSlice<u16>,
+        loss_sum: CudaSlice<f32>,
+        dlogits: CudaSlice<u16>,
+        aux_loss: f64,
+        moe_ms: Vec<Span>,
+        plans: Vec<layer::CallPlan>,
+    }
+
+    /// A parameter's master (0), first (1) or second (2) moment.
+    fn pick(p: &Param, which: usize) -> &CudaSlice<f32> {
+        match which {
+            0 => &p.p,
+            1 => &p.m,
+            _ => &p.v,
+        }
+    }
+
+    fn k(e: kernels::KernelError) -> ModelError {
+        ModelError::Kernel(e)
+    }
+
+    impl DeviceModel {
+        /// Uploads `model` and its optimizer state (f32) and both corpora.
+        pub fn new(
+            gpu: Arc<Gpu>,
+            cfg: &ModelConfig,
+            model: &Model<f32>,
+            adam: &AdamWState<f32>,
+            call: &CallConfig,
+            (train, val): (&[u32], &[u32]),
+        ) -> Result<Self, ModelError> {
+            check(cfg, None, 1)?;
+            crate::device_moe::check(&cfg.moe(), call)?;
+            let g = &*gpu;
+            let param =
+                |p: &[f32], m: &[f32], v: &[f32], decay: bool| -> Result<Param, ModelError> {
+                    Ok(Param {
+                        p: g.upload(p).map_err(k)?,
+                        m: g.upload(m).map_err(k)?,
+                        v: g.upload(v).map_err(k)?,
+                        decay,
+                    })
+                };
+            let (am, av) = (&adam.m, &adam.v);
+            let moe_cfg = cfg.moe();
+            let stack = |p: &Model<f32>, i: usize, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| {
+                p.blocks[i]
+                    .moe
+                    .experts
+                    .iter()
+                    .flat_map(|e| sel(e).iter().copied())
+                    .collect::<Vec<f32>>()
+            };
+            let mut blocks = Vec::with_capacity(cfg.n_layers);
+            for (i, b) in model.blocks.iter().enumerate() {
+                let (bm, bv) = (&am.blocks[i], &av.blocks[i]);
+                let norm = |p: &Vec<f32>,
+                            m: &Vec<f32>,
+                            v: &Vec<f32>|
+                 -> Result<Option<Param>, ModelError> {
+                    if p.is_empty() {
+                        Ok(None)
+                    } else {
+                        param(p, m, v, false).map(Some)
+                    }
+                };
+                let experts =
+                    |sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| -> Result<Param, ModelError> {
+                        param(
+                            &stack(model, i, sel),
+                            &stack(am, i, sel),
+                            &stack(av, i, sel),
+                            true,
+                        )
+                    };
+                let mut blk = Block {
+                    norm1: param(&b.norm1, &bm.norm1, &bv.norm1, false)?,
+                    wq: param(&b.wq, &bm.wq, &bv.wq, true)?,
+                    wk: param(&b.wk, &bm.wk, &bv.wk, true)?,
+                    wv: param(&b.wv, &bm.wv, &bv.wv, true)?,
+                    wo: param(&b.wo, &bm.wo, &bv.wo, true)?,
+                    q_norm: norm(&b.q_norm, &bm.q_norm, &bv.q_norm)?,
+                    k_norm: norm(&b.k_norm, &bm.k_norm, &bv.k_norm)?,
+                    norm2: param(&b.norm2, &bm.norm2, &bv.norm2, false)?,
+                    router: param(&b.moe.router, &bm.moe.router, &bv.moe.router, true)?,
+                    gate: experts(|e| &e.gate)?,
+                    up: experts(|e| &e.up)?,
+                    down: experts(|e| &e.down)?,
+                    wq16: g.zeros(b.wq.len()).map_err(k)?,
+                    wk16: g.zeros(b.wk.len()).map_err(k)?,
+                    wv16: g.zeros(b.wv.len()).map_err(k)?,
+                    wo16: g.zeros(b.wo.len()).map_err(k)?,
+                    moe: DeviceWeights::zeros(g, DeviceComm::Local, &moe_cfg)?,
+                };
+                if let Some(bias) = call.logit_bias(cfg.n_experts)? {
+                    let b32: Vec<f32> = bias.iter().map(|&x| x as f32).collect();
+                    layer::device::set_logit_bias(g, &moe_cfg, &mut blk.moe, &b32)?;
+                }
+                // The bf16 copies from the masters.
+                for (src, dst) in [
+                    (&blk.wq.p, &mut blk.wq16),
+                    (&blk.wk.p, &mut blk.wk16),
+                    (&blk.wv.p, &mut blk.wv16),
+                    (&blk.wo.p, &mut blk.wo16),
+                ] {
+                    g.to_bf16_into(src, dst, src.len()).map_err(k)?;
+                }
+                let [r16, g16, u16_, d16] = blk.moe.buffers_mut();
+                for (src, dst) in [
+                    (&blk.router.p, r16),
+                    (&blk.gate.p, g16),
+                    (&blk.up.p, u16_),
+                    (&blk.down.p, d16),
+                ] {
+                    g.to_bf16_into(src, dst, src.len()).map_err(k)?;
+                }
+                blocks.push(blk);
+            }
+            let head = param(&model.head, &am.head, &av.head, true)?;
+            let mut head16 = g.zeros::<u16>(model.head.len()).map_err(k)?;
+            g.to_bf16_into(&head.p, &mut head16, model.head.len())
+                .map_err(k)?;
+            Ok(Self {
+                embed: param(&model.embed, &am.embed, &av.embed, false)?,
+                pos: if model.pos.is_empty() {
+                    None
+                } else {
+                    Some(param(&model.pos, &am.pos, &av.pos, false)?)
+                },
+                blocks,
+                norm_f: param(&model.norm_f, &am.norm_f, &av.norm_f, false)?,
+                head,
+                head16,
+                adam_t: adam.t,
+                train: g.upload(train).map_err(k)?,
+                val: g.upload(val).map_err(k)?,
+                lens: (train.len(), val.len()),
+                cfg: *cfg,
+                call: call.clone(),
+                gpu,
+            })
+        }
+
+        /// The weights and optimizer state, on the host (checkpoints).
+        pub fn download(&self) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
+            let g = &*self.gpu;
+            let cfg = &self.cfg;
+            let mut out = [
+                Model::<f32>::zeros(cfg),
+                Model::zeros(cfg),
+                Model::zeros(cfg),
+            ];
+            let dl = |x: &CudaSlice<f32>, n: usize| g.download(x, n).map_err(k);
+            let (h, f) = (cfg.d_model, cfg.ffn);
+            for (which, model) in out.iter_mut().enumerate() {
+                let pick = |p| pick(p, which);
+                let n = model.embed.len();
+                model.embed = dl(pick(&self.embed), n)?;
+                if let Some(pos) = &self.pos {
+                    let n = model.pos.len();
+                    model.pos = dl(pick(pos), n)?;
+                }
+                for (mb, b) in model.blocks.iter_mut().zip(&self.blocks) {
+                    for (dst, src) in [
+                        (&mut mb.norm1, &b.norm1),
+                        (&mut mb.wq, &b.wq),
+                        (&mut mb.wk, &b.wk),
+                        (&mut mb.wv, &b.wv),
+                        (&mut mb.wo, &b.wo),
+                        (&mut mb.norm2, &b.norm2),
+                        (&mut mb.moe.router, &b.router),
+                    ] {
+                        let n = dst.len();
+                        *dst = dl(pick(src), n)?;
+                    }
+                    for (dst, src) in [(&mut mb.q_norm, &b.q_norm), (&mut mb.k_norm, &b.k_norm)] {
+                        if let Some(src) = src {
+                            let n = dst.len();
+                            *dst = dl(pick(src), n)?;
+                        }
+                    }
+                    let e = mb.moe.experts.len();
+                    let (gate, up, down) = (
+                        dl(pick(&b.gate), e * h * f)?,
+                        dl(pick(&b.up), e * h * f)?,
+                        dl(pick(&b.down), e * f * h)?,
+                    );
+                    for (i, ex) in mb.moe.experts.iter_mut().enumerate() {
+                        ex.gate = gate[i * h * f..(i + 1) * h * f].to_vec();
+                        ex.up = up[i * h * f..(i + 1) * h * f].to_vec();
+                        ex.down = down[i * f * h..(i + 1) * f * h].to_vec();
+                    }
+                }
+                let n = model.norm_f.len();
+                model.norm_f = dl(pick(&self.norm_f), n)?;
+                let n = model.head.len();
+                model.head = dl(pick(&self.head), n)?;
+            }
+            let [p, m, v] = out;
+            Ok((
+                p,
+                AdamWState {
+                    m,
+                    v,
+                    t: self.adam_t,
+                },
+            ))
+        }
+
+        fn starts(
+            &self,
+            starts: &[usize],
+            seq: usize,
+            val: bool,
+        ) -> Result<CudaSlice<u32>, ModelError> {
+            let len = if val { self.lens.1 } else { self.lens.0 };
+            let s: Vec<u32> = starts
+                .iter()
+                .map(|&s| {
+                    if s + seq < len {
+                        u32::try_from(s)
+                            .map_err(|_| ModelError::Batch(format!("window start {s} beyond u32")))
+                    } else {
+                        Err(ModelError::Batch(format!(
+                            "window {s}..{} outside the corpus of {len}",
+                            s + seq + 1
+                        )))
+                    }
+                })
+                .collect::<Result<_, _>>()?;
+            self.gpu.upload(&s).map_err(k)
+        }
+
+        fn set_bias(&mut self, expert_bias: &[Vec<f64>]) -> Result<(), ModelError> {
+            let moe_cfg = self.cfg.moe();
+            for (b, bias) in self.blocks.iter_mut().zip(expert_bias) {
+                if bias.is_empty() {
+                    continue;
+                }
+                let call = CallConfig {
+                    expert_bias: bias.clone(),
+                    ..self.call.clone()
+                };
+                if let Some(sb) = call.selection_bias(self.cfg.n_experts)? {
+                    let v: Vec<f32> = sb.iter().map(|&x| x as f32).collect();
+                    layer::device::set_selection_bias(&self.gpu, &moe_cfg, &mut b.moe, &v)?;
+                }
+            }
+            Ok(())
+        }
+
+        /// The forward on the windows at `starts` (of the training corpus,
+        /// or the validation one), through the loss and its logits'
+        /// gradient.
+        fn forward(&self, starts: &[usize], seq: usize, val: bool) -> Result<Forward, ModelError> {
+            let g = &*self.gpu;
+            let cfg = &self.cfg;
+            check(cfg, Some(seq), 1)?;
+            if seq > cfg.max_seq {
+                return Err(ModelError::Batch(format!(
+                    "sequences of {seq} exceed the model's {}",
+                    cfg.max_seq
+                )));
+            }
+            let n_seq = starts.len();
+            let n = n_seq * seq;
+            let (d, vocab) = (cfg.d_model, cfg.vocab);
+            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd) = (h * dh, kv * dh);
+            let eps = cfg.eps() as f32;
+            let theta = cfg.rope_theta.unwrap_or(0.0) as f32;
+            let scale = 1.0 / (dh as f32).sqrt();
+            let corpus = if val { &self.val } else { &self.train };
+            let st = self.starts(starts, seq, val)?;
+            // SAFETY: every window lies inside the corpus (checked above).
+            let (tok, tgt) = unsafe { g.batch_windows(corpus, &st, n_seq, seq) }.map_err(k)?;
+            // SAFETY: corpus tokens are below the corpus vocabulary, which
+            // the model's vocabulary covers (TrainConfig::model_config).
+            let mut x = unsafe { g.embed(&self.embed.p, &tok, n, d) }.map_err(k)?;
+            if let Some(pos) = &self.pos {
+                let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
+                let pd = g.upload(&p).map_err(k)?;
+                // SAFETY: positions are below seq ≤ max_seq, the table's rows.
+                unsafe { g.embed_add(&pos.p, &pd, &mut x, n, d) }.map_err(k)?;
+            }
+            let one = g.even_offsets(1, n).map_err(k)?;
+            let groups = n_seq * kv;
+            let rows_each = (h / kv) * seq;
+            let att = g.even_offsets(groups, rows_each).map_err(k)?;
+            let rows = n_seq * h * seq;
+            let moe_cfg = cfg.moe();
+            let mut blocks = Vec::with_capacity(self.blocks.len());
+            let mut aux_loss = 0.0;
+            let mut moe_ms = Vec::new();
+            let mut plans = Vec::new();
+            for b in &self.blocks {
+                let x_in = g.duplicate(&x).map_err(k)?;
+                let (a, inv1) = g.rmsnorm(&x, &b.norm1.p, n, eps).map_err(k)?;
+                let proj = |w: &CudaSlice<u16>, width: usize| {
+                    g.gemm_dev(GemmVariant::Forward, &one, 1, n, &a, w, d, width)
+                        .map_err(k)
+                };
+                let (mut qt, mut kt, vt) =
+                    (proj(&b.wq16, qd)?, proj(&b.wk16, kd)?, proj(&b.wv16, kd)?);
+                let mut qk_raw = None;
+                if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
+                    let (qo, q_inv) = g.rmsnorm_bf16(&qt, &qn.p, n * h, eps).map_err(k)?;
+                    let (ko, k_inv) = g.rmsnorm_bf16(&kt, &kn.p, n * kv, eps).map_err(k)?;
+                    qk_raw = Some(HeadNorms {
+                        q: std::mem::replace(&mut qt, qo),
+                        k: std::mem::replace(&mut kt, ko),
+                        q_inv,
+                        k_inv,
+                    });
+                }
+                let q = g.heads(&qt, (n_seq, seq, h, dh), theta, true).map_err(k)?;
+                let kk = g.heads(&kt, (n_seq, seq, kv, dh), theta, true).map_err(k)?;
+                let v = g.heads(&vt, (n_seq, seq, kv, dh), 0.0, true).map_err(k)?;
+                let s = g
+                    .gemm_dev(GemmVariant::DataGrad, &att, groups, rows, &q, &kk, seq, dh)
+                    .map_err(k)?;
+                let p = g.softmax_causal(&s, rows, seq, scale).map_err(k)?;
+                drop(s);
+                let c = g
+                    .gemm_dev(GemmVariant::Forward, &att, groups, rows, &p, &v, seq, dh)
+                    .map_err(k)?;
+                let attn = g.heads(&c, (n_seq, seq, h, dh), 0.0, false).map_err(k)?;
+                let o = g
+                    .gemm_dev(GemmVariant::Forward, &one, 1, n, &attn, &b.wo16, qd, d)
+                    .map_err(k)?;
+                g.add_into(&mut x, &o, n * d).map_err(k)?;
+                let x_mid = g.duplicate(&x).map_err(k)?;
+                let (m, inv2) = g.rmsnorm(&x, &b.norm2.p, n, eps).map_err(k)?;
+                let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+                let t0 = g.mark().map_err(k)?;
+                let sv =
+                    layer::device::forward(g, DeviceComm::Local, &moe_cfg, &b.moe, &m, &planner)?;
+                let t1 = g.mark().map_err(k)?;
+                moe_ms.push((t0, t1));
+                plans.push(match planner.take_last_plan() {
+                    Some(p) => p,
+                    None => layer::device_plan_call(&moe_cfg, &self.call, sv.routed_counts())?,
+                });
+                aux_loss += sv.aux_loss;
+                g.add_into(&mut x, &sv.y, n * d).map_err(k)?;
+                blocks.push(Saved {
+                    x_in,
+                    inv1,
+                    a,
+                    qk_raw,
+                    q,
+                    k: kk,
+                    v,
+                    p,
+                    attn,
+                    x_mid,
+                    inv2,
+                    moe: sv,
+                });
+            }
+            let (hf, inv_f) = g.rmsnorm(&x, &self.norm_f.p, n, eps).map_err(k)?;
+            let logits = g
+                .gemm_dev(
+                    GemmVariant::Forward,
+                    &one,
+                    1,
+                    n,
+                    &hf,
+                    &self.head16,
+                    d,
+                    vocab,
+                )
+                .map_err(k)?;
+            let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
+            // SAFETY: targets are corpus tokens, below the vocabulary.
+            let dlogits = unsafe {
+                g.cross_entropy(&logits, &tgt, &mut loss_sum, (n, vocab), 1.0 / n as f32)
+            }
+            .map_err(k)?;
+            Ok(Forward {
+                n_seq,
+                seq,
+                tok,
+                blocks,
+                x_final: x,
+                inv_f,
+                hf,
+                loss_sum,
+                dlogits,
+                aux_loss,
+                moe_ms,
+                plans,
+            })
+        }
+
+        /// Mean validation loss of the windows at `starts` (of the
+        /// validation corpus).
+        pub fn eval_loss(
+            &mut self,
+            starts: &[usize],
+            seq: usize,
+            expert_bias: &[Vec<f64>],
+        ) -> Result<f64, ModelError> {
+            self.set_bias(expert_bias)?;
+            let f = self.forward(starts, seq, true)?;
+            let l = self.gpu.download(&f.loss_sum, 1).map_err(k)?[0];
+            let loss = f64::from(l) / (starts.len() * seq) as f64;
+            if !loss.is_finite() {
+                return Err(ModelError::NonFinite("loss"));
+            }
+            Ok(loss)
+        }
+
+        /// The backward of `f`: every parameter's gradient, in the order of
+        /// [`Self::params`].
+        fn backward(&self, f: &Forward) -> Result<Backward, ModelError> {
+            let g = &*self.gpu;
+            let cfg = &self.cfg;
+            let (n_seq, seq) = (f.n_seq, f.seq);
+            let n = n_seq * seq;
+            let (d, vocab) = (cfg.d_model, cfg.vocab);
+            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd) = (h * dh, kv * dh);
+            let theta = cfg.rope_theta.unwrap_or(0.0) as f32;
+            let scale = 1.0 / (dh as f32).sqrt();
+            let one = g.even_offsets(1, n).map_err(k)?;
+            let groups = n_seq * kv;
+            let att = g.even_offsets(groups, (h / kv) * seq).map_err(k)?;
+            let rows = n_seq * h * seq;
+            let moe_cfg = cfg.moe();
+            let d_head = g
+                .gemm_dev(
+                    GemmVariant::WeightGrad,
+                    &one,
+                    1,
+                    n,
+                    &f.hf,
+                    &f.dlogits,
+                    d,
+                    vocab,
+                )
+                .map_err(k)?;
+            let dhf = g
+                .gemm_dev(
+                    GemmVariant::DataGrad,
+                    &one,
+                    1,
+                    n,
+                    &f.dlogits,
+                    &self.head16,
+                    d,
+                    vocab,
+                )
+                .map_err(k)?;
+            let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
+            let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
+            g.rmsnorm_backward(
+                &f.x_final,
+                &self.norm_f.p,
+                &f.inv_f,
+                &dhf,
+                &mut dx,
+                &mut d_norm_f,
+                n,
+            )
+            .map_err(k)?;
+            let mut block_grads: Vec<Vec<Grad>> = Vec::with_capacity(self.blocks.len());
+            let mut stats = Vec::with_capacity(self.blocks.len());
+            let mut moe_ms = Vec::new();
+            for (b, s) in self.blocks.iter().zip(&f.blocks).rev() {
+                // MoE branch.
+                let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
+                let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+                let t0 = g.mark().map_err(k)?;
+                let mg =
+                    layer::device::backward(g, DeviceComm::Local, &b.moe, &s.moe, &dxb, &planner)?;
+                let t1 = g.mark().map_err(k)?;
+                moe_ms.push((t0, t1));
+                stats.push(BackwardStats {
+                    expert_load: (0..cfg.n_experts)
+                        .map(|e| s.moe.routed_counts().iter().map(|c| u64::from(c[e])).sum())
+                        .collect(),
+                    routed_pairs: n * cfg.top_k,
+                    kept_pairs: mg.kept_pairs,
+                    kept: vec![],
+                    scores: vec![],
+                    pairs_per_rank: vec![mg.kept_pairs as u64],
+                    buffer_bytes: (mg.kept_pairs * 2 * d * 2) as u64,
+                    bytes_sent: mg.bytes_sent as u64,
+                    times: layer::StageTimes::default(),
+                });
+                let mut d_norm2 = g.zeros::<f32>(d).map_err(k)?;
+                g.rmsnorm_backward(
+                    &s.x_mid,
+                    &b.norm2.p,
+                    &s.inv2,
+                    &mg.dx,
+                    &mut dx,
+                    &mut d_norm2,
+                    n,
+                )
+                .map_err(k)?;
+                // Attention branch.
+                let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
+                let d_wo = g
+                    .gemm_dev(GemmVariant::WeightGrad, &one, 1, n, &s.attn, &dxb, qd, d)
+                    .map_err(k)?;
+                let dattn = g
+                    .gemm_dev(GemmVariant::DataGrad, &one, 1, n, &dxb, &b.wo16, qd, d)
+                    .map_err(k)?;
+                let dc = g.heads(&dattn, (n_seq, seq, h, dh), 0.0, true).map_err(k)?;
+                let dp = g
+                    .gemm_dev(
+                        GemmVariant::DataGrad,
+                        &att,
+                        groups,
+                        rows,
+                        &dc,
+                        &s.v,
+                        seq,
+                        dh,
+                    )
+                    .map_err(k)?;
+                let dv = g
+                    .gemm_dev(
+                        GemmVariant::WeightGrad,
+                        &att,
+                        groups,
+                        rows,
+                        &s.p,
+                        &dc,
+                        seq,
+                        dh,
+                    )
+                    .map_err(k)?;
+                let ds = g
+                    .softmax_causal_backward(&s.p, &dp, rows, seq, scale)
+                    .map_err(k)?;
+                drop(dp);
+                let dq = g
+                    .gemm_dev(GemmVariant::Forward, &att, groups, rows, &ds, &s.k, seq, dh)
+                    .map_err(k)?;
+                let dk = g
+                    .gemm_dev(
+                        GemmVariant::WeightGrad,
+                        &att,
+                        groups,
+                        rows,
+                        &ds,
+                        &s.q,
+                        seq,
+                        dh,
+                    )
+                    .map_err(k)?;
+                let mut dqt = g.heads(&dq, (n_seq, seq, h, dh), theta, false).map_err(k)?;
+                let mut dkt = g
+                    .heads(&dk, (n_seq, seq, kv, dh), theta, false)
+                    .map_err(k)?;
+                let dvt = g.heads(&dv, (n_seq, seq, kv, dh), 0.0, false).map_err(k)?;
+                let mut norms = Vec::new();
+                if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
+                    let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
+                    let mut d_kn = g.zeros::<f32>(dh).map_err(k)?;
+                    dqt = g
+                        .rmsnorm_bf16_backward(&raw.q, &qn.p, &raw.q_inv, &dqt, &mut d_qn, n * h)
+                        .map_err(k)?;
+                    dkt = g
+                        .rmsnorm_bf16_backward(&raw.k, &kn.p, &raw.k_inv, &dkt, &mut d_kn, n * kv)
+                        .map_err(k)?;
+                    norms = vec![Grad::F32(d_qn), Grad::F32(d_kn)];
+                }
+                let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
+                    g.gemm_dev(GemmVariant::WeightGrad, &one, 1, n, &s.a, dproj, d, width)
+                        .map_err(k)
+                };
+                let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
+                    g.gemm_dev(GemmVariant::DataGrad, &one, 1, n, dproj, w, d, width)
+                        .map_err(k)
+                };
+                let (d_wq, d_wk, d_wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
+                let da = g
+                    .add(
+                        &dgrad(&dqt, &b.wq16, qd)?,
+                        &dgrad(&dkt, &b.wk16, kd)?,
+                        n * d,
+                    )
+                    .map_err(k)?;
+                let da = g.add(&da, &dgrad(&dvt, &b.wv16, kd)?, n * d).map_err(k)?;
+                let mut d_norm1 = g.zeros::<f32>(d).map_err(k)?;
+                g.rmsnorm_backward(&s.x_in, &b.norm1.p, &s.inv1, &da, &mut dx, &mut d_norm1, n)
+                    .map_err(k)?;
+                let mut bg = vec![
+                    Grad::F32(d_norm1),
+                    Grad::Bf16(d_wq),
+                    Grad::Bf16(d_wk),
+                    Grad::Bf16(d_wv),
+                    Grad::Bf16(d_wo),
+                ];
+                bg.extend(norms);
+                bg.extend([
+                    Grad::F32(d_norm2),
+                    Grad::F32(mg.router),
+                    Grad::Bf16(mg.gate),
+                    Grad::Bf16(mg.up),
+                    Grad::Bf16(mg.down),
+                ]);
+                block_grads.push(bg);
+            }
+            block_grads.reverse();
+            stats.reverse();
+            let mut d_embed = g.zeros::<f32>(cfg.vocab * d).map_err(k)?;
+            // SAFETY: tokens below the vocabulary (the forward embedded them).
+            unsafe { g.embed_backward(&dx, &f.tok, &mut d_embed, n, d) }.map_err(k)?;
+            let mut grads = vec![Grad::F32(d_embed)];
+            if self.pos.is_some() {
+                let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
+                let mut d_pos = g.zeros::<f32>(cfg.max_seq * d).map_err(k)?;
+                // SAFETY: positions below seq ≤ max_seq.
+                unsafe { g.embed_backward(&dx, &g.upload(&p).map_err(k)?, &mut d_pos, n, d) }
+                    .map_err(k)?;
+                grads.push(Grad::F32(d_pos));
+            }
+            grads.extend(block_grads.into_iter().flatten());
+            grads.push(Grad::F32(d_norm_f));
+            grads.push(Grad::Bf16(d_head));
+            Ok((grads, stats, moe_ms))
+        }
+
+        /// Every parameter with the bf16 copy AdamW writes (if any), in
+        /// the order of the backward's gradients.
+        fn params(&mut self) -> Vec<(&mut Param, Option<&mut CudaSlice<u16>>)> {
+            let mut v: Vec<(&mut Param, Option<&mut CudaSlice<u16>>)> =
+                vec![(&mut self.embed, None)];
+            if let Some(p) = &mut self.pos {
+                v.push((p, None));
+            }
+            for b in &mut self.blocks {
+                let Block {
+                    norm1,
+                    wq,
+                    wk,
+                    wv,
+                    wo,
+                    q_norm,
+                    k_norm,
+                    norm2,
+                    router,
+                    gate,
+                    up,
+                    down,
+                    wq16,
+                    wk16,
+                    wv16,
+                    wo16,
+                    moe,
+                } = b;
+                v.push((norm1, None));
+                v.push((wq, Some(wq16)));
+                v.push((wk, Some(wk16)));
+                v.push((wv, Some(wv16)));
+                v.push((wo, Some(wo16)));
+                if let (Some(qn), Some(kn)) = (q_norm, k_norm) {
+                    v.push((qn, None));
+                    v.push((kn, None));
+                }
+                v.push((norm2, None));
+                let [r16, g16, u16_, d16] = moe.buffers_mut();
+                v.push((router, Some(r16)));
+                v.push((gate, Some(g16)));
+                v.push((up, Some(u16_)));
+                v.push((down, Some(d16)));
+            }
+            v.push((&mut self.norm_f, None));
+            v.push((&mut self.head, Some(&mut self.head16)));
+            v
+        }
+
+        /// One training step on the windows at `starts` of the training
+        /// corpus: forward, backward, clip and AdamW at `lr`.
+        pub fn train_step(
+            &mut self,
+            starts: &[usize],
+            seq: usize,
+            optim: &AdamWConfig,
+            lr: f64,
+            expert_bias: &[Vec<f64>],
+        ) -> Result<DeviceStep, ModelError> {
+            self.set_bias(expert_bias)?;
+            let g = self.gpu.clone();
+            let m0 = g.mark().map_err(k)?;
+            let f = self.forward(starts, seq, false)?;
+            let m1 = g.mark().map_err(k)?;
+            let (grads, stats, bwd_ms) = self.backward(&f)?;
+            let m2 = g.mark().map_err(k)?;
+            let mut ns = g.zeros::<f32>(1).map_err(k)?;
+            for gr in &grads {
+                match gr {
+                    Grad::F32(x) => g.sq_sum_into(x, x.len(), &mut ns),
+                    Grad::Bf16(x) => g.sq_sum_into(x, x.len(), &mut ns),
+                }
+                .map_err(k)?;
+            }
+            self.adam_t += 1;
+            let t = self.adam_t as i32;
+            let base = AdamHp {
+                lr: lr as f32,
+                beta1: optim.beta1 as f32,
+                beta2: optim.beta2 as f32,
+                eps: optim.eps as f32,
+                weight_decay: 0.0,
+                bc1: (1.0 - optim.beta1.powi(t)) as f32,
+                bc2: (1.0 - optim.beta2.powi(t)) as f32,
+                clip: optim.clip as f32,
+            };
+            let params = self.params();
+            if params.len() != grads.len() {
+                return Err(ModelError::Config(format!(
+                    "{} parameters but {} gradients",
+                    params.len(),
+                    grads.len()
+                )));
+            }
+            for ((p, copy), gr) in params.into_iter().zip(&grads) {
+                let hp = AdamHp {
+                    weight_decay: if p.decay {
+                        optim.weight_decay as f32
+                    } else {
+                        0.0
+                    },
+                    ..base
+                };
+                match gr {
+                    Grad::F32(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, &ns),
+                    Grad::Bf16(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, &ns),
+                }
+                .map_err(k)?;
+            }
+            let m3 = g.mark().map_err(k)?;
+            // The step's scalars (the one synchronisation of the step).
+            let norm_sq = g.download(&ns, 1).map_err(k)?[0];
+            let l = g.download(&f.loss_sum, 1).map_err(k)?[0];
+            let n = (f.n_seq * f.seq) as f64;
+            let loss = f64::from(l) / n;
+            if !(loss.is_finite() && norm_sq.is_finite()) {
+                return Err(ModelError::NonFinite("loss or gradient"));
+            }
+            let sum = |v: &[Span]| -> Result<f64, ModelError> {
+                v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
+            };
+            let (moe_f, moe_b) = (sum(&f.moe_ms)?, sum(&bwd_ms)?);
+            let moe_ms = moe_f + moe_b;
+            let split_ms = [
+                m1.ms_since(&m0).map_err(k)? - moe_f,
+                moe_f,
+                m2.ms_since(&m1).map_err(k)? - moe_b,
+                moe_b,
+                m3.ms_since(&m2).map_err(k)?,
+            ];
+            Ok(DeviceStep {
+                loss,
+                aux_loss: f.aux_loss,
+                grad_norm: f64::from(norm_sq).sqrt(),
+                moe_seconds: moe_ms / 1e3,
+                split_ms,
+                plans: f.plans,
+                stats,
+            })
+        }
+
+        /// Loss and every gradient of one batch, on the host (f32, in the
+        /// CPU model's shapes), without an update: the device tests hold
+        /// them to the CPU model's.
+        pub fn loss_and_grads(
+            &mut self,
+            starts: &[usize],
+            seq: usize,
+        ) -> Result<(f64, Model<f32>), ModelError> {
+            let f = self.forward(starts, seq, false)?;
+            let (grads, _, _) = self.backward(&f)?;
+            let g = self.gpu.clone();
+            let host: Vec<Vec<f32>> = grads
+                .iter()
+                .map(|gr| match gr {
+                    Grad::F32(x) => g.download(x, x.len()),
+                    Grad::Bf16(x) => g
+                        .download(x, x.len())
+                        .map(|v| v.into_iter().map(kernels::cpu::bf16_bits_to_f32).collect()),
+                })
+                .collect::<Result<_, _>>()
+                .map_err(k)?;
+            let cfg = self.cfg;
+            let (h, ff) = (cfg.d_model, cfg.ffn);
+            let mut m = Model::<f32>::zeros(&cfg);
+            let mut it = host.into_iter();
+            let mut next = |len: usize| -> Result<Vec<f32>, ModelError> {
+                let v = it
+                    .next()
+                    .ok_or(ModelError::Config("missing gradient".into()))?;
+                Ok(v[..len].to_vec())
+            };
+            m.embed = next(m.embed.len())?;
+            if self.pos.is_some() {
+                m.pos = next(m.pos.len())?;
+            }
+            for b in &mut m.blocks {
+                b.norm1 = next(b.norm1.len())?;
+                b.wq = next(b.wq.len())?;
+                b.wk = next(b.wk.len())?;
+                b.wv = next(b.wv.len())?;
+                b.wo = next(b.wo.len())?;
+                if cfg.qk_norm {
+                    b.q_norm = next(b.q_norm.len())?;
+                    b.k_norm = next(b.k_norm.len())?;
+                }
+                b.norm2 = next(b.norm2.len())?;
+                b.moe.router = next(b.moe.router.len())?;
+                let e = b.moe.experts.len();
+                let (gate, up, down) = (next(e * h * ff)?, next(e * h * ff)?, next(e * ff * h)?);
+                for (i, ex) in b.moe.experts.iter_mut().enumerate() {
+                    ex.gate = gate[i * h * ff..(i + 1) * h * ff].to_vec();
+                    ex.up = up[i * h * ff..(i + 1) * h * ff].to_vec();
+                    ex.down = down[i * ff * h..(i + 1) * ff * h].to_vec();
+                }
+            }
+            m.norm_f = next(m.norm_f.len())?;
+            m.head = next(m.head.len())?;
+            let l = g.download(&f.loss_sum, 1).map_err(k)?[0];
+            Ok((f64::from(l) / (starts.len() * seq) as f64, m))
+        }
+    }
+}
