@@ -149,10 +149,12 @@ struct TrainArgs {
     /// its peers before every rank stops with an error.
     #[arg(long, default_value_t = 300.0)]
     timeout_s: f64,
-    /// `cuda`: the MoE layers on the GPU (bf16; the dense parts stay on the
-    /// CPU; needs `--features cuda`): one rank runs the fused CUDA layer on
-    /// GPU 0; several ranks (`--ranks N`, or launched ranks on GPU
-    /// LOCAL_RANK) run their expert GEMMs as grouped kernels.
+    /// `cuda` (needs `--features cuda`): one rank trains the whole model on
+    /// GPU 0 (weights, optimizer, corpus and activations on the device;
+    /// bf16 compute, f32 masters); several ranks (`--ranks N`, or launched
+    /// ranks on GPU LOCAL_RANK) keep the dense parts on the CPU and run the
+    /// MoE layers on their GPU (`--executor device`: the device executor
+    /// over NCCL; otherwise the expert GEMMs as grouped kernels).
     #[arg(long, default_value = "cpu")]
     device: String,
 }

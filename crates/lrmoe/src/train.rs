@@ -566,15 +566,18 @@ impl RunOptions {
 }
 
 /// Byte and memory model the controller plans with (f32 rows).
-fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<RankBudget> {
+fn budgets(
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    placement: &Placement,
+    device_rows: bool,
+) -> Vec<RankBudget> {
     let ranks = cfg.moe.ranks;
     // The budgets are stated in the units the executor plans with: f32 rows
-    // on the host executor, bf16 rows on the device executor, so
+    // on the host executor, bf16 rows on the device executor (launched
+    // ranks with `executor = "device"`, or the device-resident model), so
     // `buffer_fraction` means the same share of pairs on both.
-    let element_bytes = match cfg.moe.executor {
-        Executor::Host => 4,
-        Executor::Device => 2,
-    };
+    let element_bytes = if device_rows { 2 } else { 4 };
     let cost = quota::CostModel::swiglu_expert(
         mcfg.d_model,
         mcfg.ffn,
@@ -596,7 +599,12 @@ fn budgets(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> Vec<
         .collect()
 }
 
-fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> CallConfig {
+fn call_config(
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    placement: &Placement,
+    device_rows: bool,
+) -> CallConfig {
     let base = CallConfig {
         hot_experts: cfg.moe.hot_experts,
         hot_bias: cfg.moe.hot_bias,
@@ -625,7 +633,7 @@ fn call_config(cfg: &TrainConfig, mcfg: &ModelConfig, placement: &Placement) -> 
                 Retention::Surplus(cfg.moe.buffer_fraction.min(1.0))
             } else {
                 Retention::Budgeted {
-                    budgets: budgets(cfg, mcfg, placement),
+                    budgets: budgets(cfg, mcfg, placement, device_rows),
                     policy: cfg.moe.policy,
                 }
             },
@@ -1179,16 +1187,22 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             .collect(),
         replicas: vec![],
     };
-    let call = call_config(cfg, &mcfg, &placement);
-    // On a GPU: one rank runs the device executor on its GPU (EP = 1);
-    // launched ranks with `moe.executor = "device"` run it over NCCL; other
-    // multi-rank runs (threads sharing GPU 0, or launched processes on the
-    // host executor) run the host layer's expert GEMMs as bf16 grouped
-    // kernels on their GPU.
-    let one_gpu = opts.gpu.is_some() && ranks == 1 && opts.transport.is_none();
-    let device_exec = one_gpu || cfg.moe.executor == Executor::Device;
+    let call = call_config(
+        cfg,
+        &mcfg,
+        &placement,
+        whole_gpu || cfg.moe.executor == Executor::Device,
+    );
+    // On a GPU: one rank trains the whole model on its GPU
+    // (`device_model`, its MoE layers through the device executor at
+    // EP = 1); launched ranks with `moe.executor = "device"` run the MoE
+    // layers through the device executor over NCCL (dense parts on the
+    // host); other multi-rank runs (threads sharing GPU 0, or launched
+    // processes on the host executor) run the host layer's expert GEMMs as
+    // bf16 grouped kernels on their GPU.
+    let device_exec = !whole_gpu && cfg.moe.executor == Executor::Device;
     let call = match &opts.gpu {
-        Some(gpu) if !device_exec => CallConfig {
+        Some(gpu) if !device_exec && !whole_gpu => CallConfig {
             experts: layer::ExpertBackend::Bf16(gpu.clone()),
             ..call
         },

@@ -209,3 +209,81 @@ fn a_hundred_steps_follow_the_cpu_loss_curve() {
         );
     }
 }
+
+/// A checkpoint's weights and moments (downloaded, uploaded into a new
+/// device model) continue training as the uninterrupted model does: the
+/// same losses and weights up to the order of the kernels' atomic sums.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn a_resumed_model_continues_as_the_uninterrupted_one() {
+    let gpu = Arc::new(lrmoe::kernels::gpu::Gpu::open(0).unwrap());
+    let optim_cfg = AdamWConfig::default();
+    let (_, cfg) = configs().remove(0);
+    let data = corpus(4000, cfg.vocab as u32);
+    let init = Model::<f32>::init(&cfg, 3);
+    let call = CallConfig::default();
+    let starts =
+        |step: usize| -> Vec<usize> { (0..8).map(|i| (step * 131 + i * 389) % 3900).collect() };
+    let mut straight = DeviceModel::new(
+        gpu.clone(),
+        &cfg,
+        &init,
+        &fresh_adam(&cfg),
+        &call,
+        (&data, &data),
+    )
+    .unwrap();
+    let mut first = DeviceModel::new(
+        gpu.clone(),
+        &cfg,
+        &init,
+        &fresh_adam(&cfg),
+        &call,
+        (&data, &data),
+    )
+    .unwrap();
+    let mut a = Vec::new();
+    let mut b = Vec::new();
+    for step in 0..6 {
+        let lr = optim::lr_at(&optim_cfg, step, 6);
+        a.push(
+            straight
+                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .unwrap()
+                .loss,
+        );
+    }
+    for step in 0..3 {
+        let lr = optim::lr_at(&optim_cfg, step, 6);
+        b.push(
+            first
+                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .unwrap()
+                .loss,
+        );
+    }
+    let (m, adam) = first.download().unwrap();
+    assert_eq!(adam.t, 3);
+    let mut resumed =
+        DeviceModel::new(gpu.clone(), &cfg, &m, &adam, &call, (&data, &data)).unwrap();
+    for step in 3..6 {
+        let lr = optim::lr_at(&optim_cfg, step, 6);
+        b.push(
+            resumed
+                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .unwrap()
+                .loss,
+        );
+    }
+    for (x, y) in a.iter().zip(&b) {
+        assert!((x - y).abs() <= 1e-3, "losses {a:?} vs {b:?}");
+    }
+    let (wa, _) = straight.download().unwrap();
+    let (wb, _) = resumed.download().unwrap();
+    for ((n, x), (_, y)) in wa.tensors().into_iter().zip(wb.tensors()) {
+        let num: f64 = x.iter().zip(y).map(|(p, q)| f64::from(p - q).powi(2)).sum();
+        let den: f64 = x.iter().map(|p| f64::from(*p).powi(2)).sum();
+        assert!((num / den.max(1e-30)).sqrt() <= 1e-3, "{n}");
+    }
+    println!("resume: losses {a:?} vs {b:?}");
+}

@@ -1,0 +1,43 @@
+#!/bin/bash
+# One H200: the device-resident model's tests, then qwen3-moe-mini and two
+# layers of the Qwen3-30B-A3B shape trained by lrmoe beside the PyTorch peer
+# (benches/torch_qwen3_moe.py), tokens/s, MFU and lrmoe's step split.
+# Build here and carry .device/:
+#   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
+#   cargo test --release -p lrmoe --features cuda --test gpu_model --no-run  # → .device/model-gpu-tests
+#   cargo test --release -p kernels --features cuda --test gpu_dense --no-run  # → .device/dense-gpu-tests
+#   cp benches/torch_qwen3_moe.py .device/
+set -u
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+.device/dense-gpu-tests --ignored --test-threads 1 2>&1 | grep -E "test result|panicked"
+.device/model-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "resume|qwen3|classic|test result|panicked"
+run() { # name config layers seq batch steps
+  cat > /tmp/$1.toml <<T
+steps = $6
+[data]
+seq_len = $4
+batch_size = $5
+[moe]
+mode = "full"
+[run]
+eval_every = 1000
+eval_batches = 1
+checkpoint_every = 0
+out_dir = "/tmp/run-$1"
+T
+  timeout 250 .device/lrmoe train --device cuda --model-config $2 --layers $3 --config /tmp/$1.toml --no-progress --force 2>&1 | tail -1
+  python3 - $1 $2 $3 $4 $5 <<'P'
+import json, sys
+name, cfgp, L, seq, batch = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+c = json.load(open(cfgp)); D,H,KV=c["hidden_size"],c["num_attention_heads"],c["num_key_value_heads"]; DH=c.get("head_dim",D//H)
+E,K,FF,V=c["num_experts"],c["num_experts_per_tok"],c["moe_intermediate_size"],c["vocab_size"]
+fwd = L*2*(D*H*DH*2 + D*KV*DH*2 + D*E + K*3*D*FF) + 2*D*V + L*2*2*seq*H*DH
+rows=[json.loads(l) for l in open(f'/tmp/run-{name}/metrics.jsonl')][10:]
+tp=sorted(r['tokens_per_s'] for r in rows)[len(rows)//2]
+sp=[sorted(r['device_ms'][i] for r in rows)[len(rows)//2] for i in range(5)]
+print(json.dumps({"ours": name, "tokens_per_s": tp, "mfu": 3*fwd*tp/989e12, "split_ms(dense_f,moe_f,dense_b,moe_b,opt)": [round(x,2) for x in sp], "loss_first": rows[0]['loss'], "loss_last": rows[-1]['loss']}))
+P
+  timeout 250 python3 .device/torch_qwen3_moe.py --config $2 --layers $3 --seq $4 --batch $5 --steps $6 2>&1 | tail -1
+}
+run mini examples/qwen3-moe-mini.config.json 4 512 32 60
+run a3b2 examples/qwen3-30b-a3b.config.json 2 2048 8 30
