@@ -24,10 +24,21 @@
 //! decay and global-norm clipping runs fused on the device, the clip
 //! factor read from the device's norm.
 //!
-//! Limits (errors, not silent fallbacks): one GPU (expert and data
-//! parallelism over several GPUs is not built yet); widths that are GEMM
-//! dimensions (`d_model`, heads × head_dim, `ffn`, the vocabulary, the
-//! sequence length, `head_dim`) must be multiples of 8; no micro-batching.
+//! Several GPUs (launched ranks, one GPU each, `--executor device`): the
+//! experts are sharded by expert parallelism (rank `r` holds the masters
+//! and moments of experts `r·E/W .. (r+1)·E/W`; the MoE layers exchange
+//! rows over NCCL inside `layer::device`), the dense weights and the router
+//! are replicated, their gradients summed over the ranks on the device
+//! (`layer::device::sum_over_ranks`; the router's is summed by the
+//! executor); the global norm counts the replicated gradients once. Each
+//! rank trains on its share of the batch; checkpoints gather the experts
+//! to every rank. **Not yet run on two GPUs** (no two-GPU machine in the
+//! session that wrote it); one GPU is the same code with `W = 1`.
+//!
+//! Limits (errors, not silent fallbacks): widths that are GEMM dimensions
+//! (`d_model`, heads × head_dim, `ffn`, the vocabulary, the sequence
+//! length, `head_dim`) must be multiples of 8; experts divide evenly over
+//! the ranks; no micro-batching.
 
 use layer::{BackwardStats, CallPlan};
 
@@ -64,9 +75,10 @@ pub struct DeviceStep {
 /// allocation (also without CUDA, so a bad configuration is named first).
 pub fn check(cfg: &ModelConfig, seq: Option<usize>, world: usize) -> Result<(), ModelError> {
     cfg.validate()?;
-    if world != 1 {
+    if world == 0 || cfg.n_experts % world != 0 {
         return Err(ModelError::Config(format!(
-            "the device-resident model runs on one GPU; {world} ranks need expert and data parallelism, which it does not have yet"
+            "the device-resident model shards experts in equal blocks: {} experts on {world} ranks",
+            cfg.n_experts
         )));
     }
     let dh = cfg.head_width();
@@ -101,22 +113,28 @@ pub use imp::DeviceModel;
 /// Without CUDA there is no device model: [`DeviceModel::new`] says so.
 #[cfg(not(feature = "cuda"))]
 #[derive(Debug)]
-pub struct DeviceModel(());
+pub struct DeviceModel<'a>(std::marker::PhantomData<&'a ()>);
 
 #[cfg(not(feature = "cuda"))]
-impl DeviceModel {
+fn no_cuda<T>() -> Result<T, ModelError> {
+    Err(ModelError::Kernel(
+        kernels::KernelError::NotCompiledWithCuda,
+    ))
+}
+
+#[cfg(not(feature = "cuda"))]
+impl DeviceModel<'_> {
     /// Always `NotCompiledWithCuda` in this build.
     pub fn new(
         _gpu: std::sync::Arc<kernels::gpu::Gpu>,
+        _comm: layer::device::DeviceComm<'_>,
         _cfg: &ModelConfig,
         _model: &Model<f32>,
         _adam: &AdamWState<f32>,
         _call: &CallConfig,
         _corpus: (&[u32], &[u32]),
     ) -> Result<Self, ModelError> {
-        Err(ModelError::Kernel(
-            kernels::KernelError::NotCompiledWithCuda,
-        ))
+        no_cuda()
     }
     /// See the CUDA build.
     pub fn train_step(
@@ -127,9 +145,7 @@ impl DeviceModel {
         _lr: f64,
         _expert_bias: &[Vec<f64>],
     ) -> Result<DeviceStep, ModelError> {
-        Err(ModelError::Kernel(
-            kernels::KernelError::NotCompiledWithCuda,
-        ))
+        no_cuda()
     }
     /// See the CUDA build.
     pub fn eval_loss(
@@ -138,15 +154,14 @@ impl DeviceModel {
         _seq: usize,
         _expert_bias: &[Vec<f64>],
     ) -> Result<f64, ModelError> {
-        Err(ModelError::Kernel(
-            kernels::KernelError::NotCompiledWithCuda,
-        ))
+        no_cuda()
     }
     /// See the CUDA build.
-    pub fn download(&self) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
-        Err(ModelError::Kernel(
-            kernels::KernelError::NotCompiledWithCuda,
-        ))
+    pub fn download<X: layer::Transport>(
+        &self,
+        _comm: &X,
+    ) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
+        no_cuda()
     }
 }
 
@@ -194,9 +209,14 @@ mod imp {
         moe: DeviceWeights,
     }
 
-    /// The model on the device.
-    pub struct DeviceModel {
+    /// The model on the device (this rank's share of it).
+    pub struct DeviceModel<'a> {
         gpu: Arc<Gpu>,
+        comm: DeviceComm<'a>,
+        /// This rank, the ranks, experts per rank.
+        rank: usize,
+        world: usize,
+        el: usize,
         cfg: ModelConfig,
         call: CallConfig,
         embed: Param,
@@ -211,7 +231,7 @@ mod imp {
         lens: (usize, usize),
     }
 
-    impl std::fmt::Debug for DeviceModel {
+    impl std::fmt::Debug for DeviceModel<'_> {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.debug_struct("DeviceModel")
                 .field("cfg", &self.cfg)
@@ -241,7 +261,7 @@ mod imp {
 
     /// What the backward returns: every parameter's gradient, each
     /// layer's figures and the MoE layers' spans.
-    type Backward = (Vec<Grad>, Vec<BackwardStats>, Vec<Span>);
+    type Backward = (Vec<(Share, Grad)>, Vec<BackwardStats>, Vec<Span>);
 
     /// Activations one block keeps for its backward.
     struct Saved {
@@ -289,17 +309,33 @@ mod imp {
         ModelError::Kernel(e)
     }
 
-    impl DeviceModel {
-        /// Uploads `model` and its optimizer state (f32) and both corpora.
+    /// Which gradients are summed over ranks and counted once in the norm.
+    #[derive(Clone, Copy, PartialEq)]
+    enum Share {
+        /// Replicated dense weights: summed over ranks here.
+        Dense,
+        /// The router: replicated, its gradient summed by the executor.
+        Router,
+        /// This rank's experts: local.
+        Expert,
+    }
+
+    impl<'a> DeviceModel<'a> {
+        /// Uploads `model` and its optimizer state (f32; this rank's block
+        /// of experts) and both corpora; `comm` reaches the other ranks
+        /// (`DeviceComm::Local` on one GPU).
         pub fn new(
             gpu: Arc<Gpu>,
+            comm: DeviceComm<'a>,
             cfg: &ModelConfig,
             model: &Model<f32>,
             adam: &AdamWState<f32>,
             call: &CallConfig,
             (train, val): (&[u32], &[u32]),
         ) -> Result<Self, ModelError> {
-            check(cfg, None, 1)?;
+            let (rank, world) = (comm.rank(), comm.world_size());
+            check(cfg, None, world)?;
+            let el = cfg.n_experts / world;
             crate::device_moe::check(&cfg.moe(), call)?;
             let g = &*gpu;
             let param =
@@ -314,9 +350,7 @@ mod imp {
             let (am, av) = (&adam.m, &adam.v);
             let moe_cfg = cfg.moe();
             let stack = |p: &Model<f32>, i: usize, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| {
-                p.blocks[i]
-                    .moe
-                    .experts
+                p.blocks[i].moe.experts[rank * el..(rank + 1) * el]
                     .iter()
                     .flat_map(|e| sel(e).iter().copied())
                     .collect::<Vec<f32>>()
@@ -360,7 +394,7 @@ mod imp {
                     wk16: g.zeros(b.wk.len()).map_err(k)?,
                     wv16: g.zeros(b.wv.len()).map_err(k)?,
                     wo16: g.zeros(b.wo.len()).map_err(k)?,
-                    moe: DeviceWeights::zeros(g, DeviceComm::Local, &moe_cfg)?,
+                    moe: DeviceWeights::zeros(g, comm, &moe_cfg)?,
                 };
                 if let Some(bias) = call.logit_bias(cfg.n_experts)? {
                     let b32: Vec<f32> = bias.iter().map(|&x| x as f32).collect();
@@ -408,11 +442,20 @@ mod imp {
                 cfg: *cfg,
                 call: call.clone(),
                 gpu,
+                comm,
+                rank,
+                world,
+                el,
             })
         }
 
-        /// The weights and optimizer state, on the host (checkpoints).
-        pub fn download(&self) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
+        /// The weights and optimizer state, on the host (checkpoints): a
+        /// collective over `comm` (the same ranks), every rank gets every
+        /// expert.
+        pub fn download<X: layer::Transport>(
+            &self,
+            comm: &X,
+        ) -> Result<(Model<f32>, AdamWState<f32>), ModelError> {
             let g = &*self.gpu;
             let cfg = &self.cfg;
             let mut out = [
@@ -449,12 +492,22 @@ mod imp {
                             *dst = dl(pick(src), n)?;
                         }
                     }
-                    let e = mb.moe.experts.len();
-                    let (gate, up, down) = (
-                        dl(pick(&b.gate), e * h * f)?,
-                        dl(pick(&b.up), e * h * f)?,
-                        dl(pick(&b.down), e * f * h)?,
-                    );
+                    let el = self.el;
+                    let mine: Vec<f32> = [
+                        dl(pick(&b.gate), el * h * f)?,
+                        dl(pick(&b.up), el * h * f)?,
+                        dl(pick(&b.down), el * f * h)?,
+                    ]
+                    .concat();
+                    let all = layer::transport::all_gather(comm, &mine)?;
+                    let (mut gate, mut up, mut down) = (Vec::new(), Vec::new(), Vec::new());
+                    for owner in &all {
+                        let (a, rest) = owner.split_at(el * h * f);
+                        let (b_, c) = rest.split_at(el * h * f);
+                        gate.extend_from_slice(a);
+                        up.extend_from_slice(b_);
+                        down.extend_from_slice(c);
+                    }
                     for (i, ex) in mb.moe.experts.iter_mut().enumerate() {
                         ex.gate = gate[i * h * f..(i + 1) * h * f].to_vec();
                         ex.up = up[i * h * f..(i + 1) * h * f].to_vec();
@@ -603,8 +656,7 @@ mod imp {
                 let (m, inv2) = g.rmsnorm(&x, &b.norm2.p, n, eps).map_err(k)?;
                 let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
                 let t0 = g.mark().map_err(k)?;
-                let sv =
-                    layer::device::forward(g, DeviceComm::Local, &moe_cfg, &b.moe, &m, &planner)?;
+                let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
                 let t1 = g.mark().map_err(k)?;
                 moe_ms.push((t0, t1));
                 plans.push(match planner.take_last_plan() {
@@ -644,7 +696,13 @@ mod imp {
             let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
             // SAFETY: targets are corpus tokens, below the vocabulary.
             let dlogits = unsafe {
-                g.cross_entropy(&logits, &tgt, &mut loss_sum, (n, vocab), 1.0 / n as f32)
+                g.cross_entropy(
+                    &logits,
+                    &tgt,
+                    &mut loss_sum,
+                    (n, vocab),
+                    1.0 / (n * self.world) as f32,
+                )
             }
             .map_err(k)?;
             Ok(Forward {
@@ -734,7 +792,7 @@ mod imp {
                 n,
             )
             .map_err(k)?;
-            let mut block_grads: Vec<Vec<Grad>> = Vec::with_capacity(self.blocks.len());
+            let mut block_grads: Vec<Vec<(Share, Grad)>> = Vec::with_capacity(self.blocks.len());
             let mut stats = Vec::with_capacity(self.blocks.len());
             let mut moe_ms = Vec::new();
             for (b, s) in self.blocks.iter().zip(&f.blocks).rev() {
@@ -742,8 +800,7 @@ mod imp {
                 let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
                 let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
                 let t0 = g.mark().map_err(k)?;
-                let mg =
-                    layer::device::backward(g, DeviceComm::Local, &b.moe, &s.moe, &dxb, &planner)?;
+                let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
                 let t1 = g.mark().map_err(k)?;
                 moe_ms.push((t0, t1));
                 stats.push(BackwardStats {
@@ -867,12 +924,14 @@ mod imp {
                     Grad::Bf16(d_wo),
                 ];
                 bg.extend(norms);
+                bg.push(Grad::F32(d_norm2));
+                let mut bg: Vec<(Share, Grad)> =
+                    bg.into_iter().map(|x| (Share::Dense, x)).collect();
                 bg.extend([
-                    Grad::F32(d_norm2),
-                    Grad::F32(mg.router),
-                    Grad::Bf16(mg.gate),
-                    Grad::Bf16(mg.up),
-                    Grad::Bf16(mg.down),
+                    (Share::Router, Grad::F32(mg.router)),
+                    (Share::Expert, Grad::Bf16(mg.gate)),
+                    (Share::Expert, Grad::Bf16(mg.up)),
+                    (Share::Expert, Grad::Bf16(mg.down)),
                 ]);
                 block_grads.push(bg);
             }
@@ -881,19 +940,55 @@ mod imp {
             let mut d_embed = g.zeros::<f32>(cfg.vocab * d).map_err(k)?;
             // SAFETY: tokens below the vocabulary (the forward embedded them).
             unsafe { g.embed_backward(&dx, &f.tok, &mut d_embed, n, d) }.map_err(k)?;
-            let mut grads = vec![Grad::F32(d_embed)];
+            let mut grads = vec![(Share::Dense, Grad::F32(d_embed))];
             if self.pos.is_some() {
                 let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
                 let mut d_pos = g.zeros::<f32>(cfg.max_seq * d).map_err(k)?;
                 // SAFETY: positions below seq ≤ max_seq.
                 unsafe { g.embed_backward(&dx, &g.upload(&p).map_err(k)?, &mut d_pos, n, d) }
                     .map_err(k)?;
-                grads.push(Grad::F32(d_pos));
+                grads.push((Share::Dense, Grad::F32(d_pos)));
             }
             grads.extend(block_grads.into_iter().flatten());
-            grads.push(Grad::F32(d_norm_f));
-            grads.push(Grad::Bf16(d_head));
+            grads.push((Share::Dense, Grad::F32(d_norm_f)));
+            grads.push((Share::Dense, Grad::Bf16(d_head)));
+            let grads = self.sum_dense(grads)?;
             Ok((grads, stats, moe_ms))
+        }
+
+        /// The replicated dense weights' gradients summed over the ranks
+        /// (as f32); the router's (summed by the executor) and this rank's
+        /// experts' as they are. One rank: unchanged.
+        fn sum_dense(&self, grads: Vec<(Share, Grad)>) -> Result<Vec<(Share, Grad)>, ModelError> {
+            if self.world == 1 {
+                return Ok(grads);
+            }
+            let g = &*self.gpu;
+            let mut dense = Vec::new();
+            let mut rest = Vec::with_capacity(grads.len());
+            for (share, gr) in grads {
+                match (share, gr) {
+                    (Share::Dense, Grad::F32(x)) => {
+                        rest.push(None);
+                        dense.push(x);
+                    }
+                    (Share::Dense, Grad::Bf16(x)) => {
+                        rest.push(None);
+                        dense.push(g.to_f32_dev(&x, x.len()).map_err(k)?);
+                    }
+                    other => rest.push(Some(other)),
+                }
+            }
+            let mut summed = layer::device::sum_over_ranks(g, self.comm, dense)?.into_iter();
+            rest.into_iter()
+                .map(|r| match r {
+                    Some(x) => Ok(x),
+                    None => summed
+                        .next()
+                        .map(|x| (Share::Dense, Grad::F32(x)))
+                        .ok_or(ModelError::Config("a summed gradient went missing".into())),
+                })
+                .collect()
         }
 
         /// Every parameter with the bf16 copy AdamW writes (if any), in
@@ -962,13 +1057,23 @@ mod imp {
             let m1 = g.mark().map_err(k)?;
             let (grads, stats, bwd_ms) = self.backward(&f)?;
             let m2 = g.mark().map_err(k)?;
+            // The global norm: replicated gradients (identical on every
+            // rank) counted by rank 0 only, each rank's experts by it.
             let mut ns = g.zeros::<f32>(1).map_err(k)?;
-            for gr in &grads {
+            for (share, gr) in &grads {
+                if *share != Share::Expert && self.rank != 0 {
+                    continue;
+                }
                 match gr {
                     Grad::F32(x) => g.sq_sum_into(x, x.len(), &mut ns),
                     Grad::Bf16(x) => g.sq_sum_into(x, x.len(), &mut ns),
                 }
                 .map_err(k)?;
+            }
+            if self.world > 1 {
+                ns = layer::device::sum_over_ranks(&g, self.comm, vec![ns])?
+                    .pop()
+                    .ok_or(ModelError::Config("the norm's sum went missing".into()))?;
             }
             self.adam_t += 1;
             let t = self.adam_t as i32;
@@ -990,7 +1095,7 @@ mod imp {
                     grads.len()
                 )));
             }
-            for ((p, copy), gr) in params.into_iter().zip(&grads) {
+            for ((p, copy), (_, gr)) in params.into_iter().zip(&grads) {
                 let hp = AdamHp {
                     weight_decay: if p.decay {
                         optim.weight_decay as f32
@@ -1037,9 +1142,11 @@ mod imp {
             })
         }
 
-        /// Loss and every gradient of one batch, on the host (f32, in the
-        /// CPU model's shapes), without an update: the device tests hold
-        /// them to the CPU model's.
+        /// This rank's loss and the gradients of one batch (this rank's
+        /// windows), on the host (f32, in the CPU model's shapes; the
+        /// dense ones summed over the ranks, the experts this rank's only,
+        /// others zero), without an update: the device tests hold them to
+        /// the CPU model's.
         pub fn loss_and_grads(
             &mut self,
             starts: &[usize],
@@ -1050,7 +1157,7 @@ mod imp {
             let g = self.gpu.clone();
             let host: Vec<Vec<f32>> = grads
                 .iter()
-                .map(|gr| match gr {
+                .map(|(_, gr)| match gr {
                     Grad::F32(x) => g.download(x, x.len()),
                     Grad::Bf16(x) => g
                         .download(x, x.len())
@@ -1084,9 +1191,10 @@ mod imp {
                 }
                 b.norm2 = next(b.norm2.len())?;
                 b.moe.router = next(b.moe.router.len())?;
-                let e = b.moe.experts.len();
-                let (gate, up, down) = (next(e * h * ff)?, next(e * h * ff)?, next(e * ff * h)?);
-                for (i, ex) in b.moe.experts.iter_mut().enumerate() {
+                let el = self.el;
+                let (gate, up, down) = (next(el * h * ff)?, next(el * h * ff)?, next(el * ff * h)?);
+                let own = &mut b.moe.experts[self.rank * el..(self.rank + 1) * el];
+                for (i, ex) in own.iter_mut().enumerate() {
                     ex.gate = gate[i * h * ff..(i + 1) * h * ff].to_vec();
                     ex.up = up[i * h * ff..(i + 1) * h * ff].to_vec();
                     ex.down = down[i * ff * h..(i + 1) * ff * h].to_vec();

@@ -1094,7 +1094,11 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
     // One GPU, one rank: the whole model resident on the device, its
     // vocabulary padded to a multiple of 8 unless the configuration sets it.
-    let whole_gpu = opts.gpu.is_some() && cfg.moe.ranks == 1 && opts.transport.is_none();
+    // Launched ranks with `--executor device`: the same, experts sharded
+    // over the ranks' GPUs, dense weights replicated.
+    let whole_gpu = opts.gpu.is_some()
+        && ((cfg.moe.ranks == 1 && opts.transport.is_none())
+            || (opts.transport.is_some() && cfg.moe.executor == Executor::Device));
     let corpus_vocab = if whole_gpu && cfg.model.vocab.is_none() {
         crate::device_model::padded_vocab(corpus.vocab.len())
     } else {
@@ -1103,7 +1107,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     let mcfg = cfg.model_config(corpus_vocab)?;
     crate::data::check_seq_len(&corpus, cfg.data.seq_len)?;
     if whole_gpu {
-        crate::device_model::check(&mcfg, Some(cfg.data.seq_len), 1)?;
+        crate::device_model::check(&mcfg, Some(cfg.data.seq_len), cfg.moe.ranks)?;
         if cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate) {
             return Err(TrainError::Config(
                 "moe.fit_budget needs micro-batches, which the device-resident model does not run yet".into(),
@@ -1243,6 +1247,10 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     let device_model = match (&opts.gpu, whole_gpu) {
         (Some(gpu), true) => Some(std::sync::Mutex::new(DeviceModel::new(
             gpu.clone(),
+            match opts.transport.as_deref() {
+                Some(t) => layer::device::DeviceComm::Nccl(t.comm()),
+                None => layer::device::DeviceComm::Local,
+            },
             &mcfg,
             &initial.model,
             &initial.adam,
@@ -1329,7 +1337,9 @@ struct StepGrads {
 
 /// The device model, its lock poisoned or not (a panic elsewhere leaves
 /// its buffers consistent: every update is one kernel per tensor).
-fn lock(m: &std::sync::Mutex<DeviceModel>) -> std::sync::MutexGuard<'_, DeviceModel> {
+fn lock<'m, 'a>(
+    m: &'m std::sync::Mutex<DeviceModel<'a>>,
+) -> std::sync::MutexGuard<'m, DeviceModel<'a>> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
@@ -1481,7 +1491,7 @@ fn rank_loop<X: Transport>(
     bar: Option<&indicatif::ProgressBar>,
     ckpt: &Path,
     stop: &crate::stop::StopFlag,
-    device_model: Option<&std::sync::Mutex<DeviceModel>>,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<Option<TrainSummary>, TrainError> {
     let me = comm.rank();
     let ranks = comm.world_size();
@@ -1552,7 +1562,8 @@ fn rank_loop<X: Transport>(
                 // down, scalars and counts come back.
                 let starts =
                     random_starts(corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
-                let st = lock(dm).train_step(&starts, seq, &cfg.optim, lr, &s.expert_bias)?;
+                let mine = &starts[me * per_rank..(me + 1) * per_rank];
+                let st = lock(dm).train_step(mine, seq, &cfg.optim, lr, &s.expert_bias)?;
                 let (kept_routed, busiest, expert_load) = tally(mcfg, &st.stats, me, ranks);
                 StepOut {
                     loss: st.loss,
@@ -1681,6 +1692,12 @@ fn rank_loop<X: Transport>(
         } else {
             None
         };
+        // The device model's weights come back before a checkpoint (a
+        // collective: every rank takes part, rank 0 writes).
+        let checkpoint_due = cfg.run.checkpoint_every > 0 && s.step % cfg.run.checkpoint_every == 0;
+        if let (true, Some(dm)) = (checkpoint_due, device_model) {
+            (s.model, s.adam) = lock(dm).download(comm)?;
+        }
         if let (0, Some(metrics)) = (me, metrics) {
             let m = StepMetrics {
                 step: s.step,
@@ -1708,10 +1725,7 @@ fn rank_loop<X: Transport>(
                     .map_or(String::new(), |e| format!(" val {:.3}", e.val_loss));
                 b.set_message(format!("loss {loss:.3}{last}"));
             }
-            if cfg.run.checkpoint_every > 0 && s.step % cfg.run.checkpoint_every == 0 {
-                if let Some(dm) = device_model {
-                    (s.model, s.adam) = lock(dm).download()?;
-                }
+            if checkpoint_due {
                 save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
                 tracing::debug!(step = s.step, "checkpoint written");
             }
@@ -1750,10 +1764,10 @@ fn rank_loop<X: Transport>(
             v
         }
     };
+    if let Some(dm) = device_model {
+        (s.model, s.adam) = lock(dm).download(comm)?;
+    }
     if me == 0 && metrics.is_some() {
-        if let Some(dm) = device_model {
-            (s.model, s.adam) = lock(dm).download()?;
-        }
         save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
     }
     Ok(Some(TrainSummary {
@@ -1781,7 +1795,7 @@ fn evaluate<X: Transport>(
     corpus: &Corpus,
     run: &MoeRun<'_>,
     model: &Model<f32>,
-    device_model: Option<&std::sync::Mutex<DeviceModel>>,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<f64, TrainError> {
     let (me, ranks) = (comm.rank(), comm.world_size());
     let seq = cfg.data.seq_len;
@@ -1797,9 +1811,11 @@ fn evaluate<X: Transport>(
                 i,
                 cfg.run.eval_batches,
             );
-            total += dm.eval_loss(&starts, seq, run.expert_bias)?;
+            let mine = &starts[me * per_rank..(me + 1) * per_rank];
+            total += dm.eval_loss(mine, seq, run.expert_bias)?;
         }
-        return Ok(total / cfg.run.eval_batches as f64);
+        drop(dm);
+        return mean_over_ranks(comm, total / cfg.run.eval_batches as f64);
     }
     for i in 0..cfg.run.eval_batches {
         let (x, y) = eval_batch(

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use lrmoe::data::windows;
 use lrmoe::device_model::DeviceModel;
+use lrmoe::layer::device::DeviceComm;
 use lrmoe::layer::{run_local, CallConfig};
 use lrmoe::model::{self, Model, ModelConfig, MoeRun};
 use lrmoe::optim::{self, AdamWConfig, AdamWState};
@@ -85,6 +86,18 @@ fn cpu_loss_and_grads(
     out.remove(0).unwrap()
 }
 
+/// One rank's checkpoint download (a collective over a group of one).
+trait DownloadHere {
+    fn download_here(&self) -> (Model<f32>, AdamWState<f32>);
+}
+impl DownloadHere for DeviceModel<'_> {
+    fn download_here(&self) -> (Model<f32>, AdamWState<f32>) {
+        run_local(1, Duration::from_secs(60), |t| self.download(t))
+            .remove(0)
+            .unwrap()
+    }
+}
+
 fn fresh_adam(cfg: &ModelConfig) -> AdamWState<f32> {
     AdamWState {
         m: Model::zeros(cfg),
@@ -105,6 +118,7 @@ fn every_gradient_matches_the_cpu_model() {
         let (cl, cg) = cpu_loss_and_grads(&cfg, &model, &data, &starts, seq);
         let mut dm = DeviceModel::new(
             gpu.clone(),
+            DeviceComm::Local,
             &cfg,
             &model,
             &fresh_adam(&cfg),
@@ -150,7 +164,7 @@ fn every_gradient_matches_the_cpu_model() {
             worst.1, worst.0
         );
         // The download is the upload (nothing trained yet).
-        let (back, _) = dm.download().unwrap();
+        let (back, _) = dm.download_here();
         assert_eq!(back, model, "{name}: weights round-trip");
     }
 }
@@ -170,6 +184,7 @@ fn a_hundred_steps_follow_the_cpu_loss_curve() {
         let mut adam = fresh_adam(&cfg);
         let mut dm = DeviceModel::new(
             gpu.clone(),
+            DeviceComm::Local,
             &cfg,
             &init,
             &fresh_adam(&cfg),
@@ -226,6 +241,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
         |step: usize| -> Vec<usize> { (0..8).map(|i| (step * 131 + i * 389) % 3900).collect() };
     let mut straight = DeviceModel::new(
         gpu.clone(),
+        DeviceComm::Local,
         &cfg,
         &init,
         &fresh_adam(&cfg),
@@ -235,6 +251,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
     .unwrap();
     let mut first = DeviceModel::new(
         gpu.clone(),
+        DeviceComm::Local,
         &cfg,
         &init,
         &fresh_adam(&cfg),
@@ -262,10 +279,18 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
                 .loss,
         );
     }
-    let (m, adam) = first.download().unwrap();
+    let (m, adam) = first.download_here();
     assert_eq!(adam.t, 3);
-    let mut resumed =
-        DeviceModel::new(gpu.clone(), &cfg, &m, &adam, &call, (&data, &data)).unwrap();
+    let mut resumed = DeviceModel::new(
+        gpu.clone(),
+        DeviceComm::Local,
+        &cfg,
+        &m,
+        &adam,
+        &call,
+        (&data, &data),
+    )
+    .unwrap();
     for step in 3..6 {
         let lr = optim::lr_at(&optim_cfg, step, 6);
         b.push(
@@ -278,8 +303,8 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
     for (x, y) in a.iter().zip(&b) {
         assert!((x - y).abs() <= 1e-3, "losses {a:?} vs {b:?}");
     }
-    let (wa, _) = straight.download().unwrap();
-    let (wb, _) = resumed.download().unwrap();
+    let (wa, _) = straight.download_here();
+    let (wb, _) = resumed.download_here();
     for ((n, x), (_, y)) in wa.tensors().into_iter().zip(wb.tensors()) {
         let num: f64 = x.iter().zip(y).map(|(p, q)| f64::from(p - q).powi(2)).sum();
         let den: f64 = x.iter().map(|p| f64::from(*p).powi(2)).sum();

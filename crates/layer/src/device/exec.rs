@@ -179,6 +179,26 @@ impl<T> Flight<T> {
     }
 }
 
+/// Sums every buffer over the ranks, in place: the sums start on the
+/// communicator's stream after the work enqueued on the compute stream so
+/// far, and the compute stream is ordered after them (the host does not
+/// wait). One rank: the buffers themselves. The device-resident model's
+/// data-parallel gradients.
+pub fn sum_over_ranks(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    bufs: Vec<CudaSlice<f32>>,
+) -> Result<Vec<CudaSlice<f32>>, LayerError> {
+    let flights = bufs
+        .into_iter()
+        .map(|b| comm.start_sum(gpu, b))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(flights
+        .into_iter()
+        .map(|f| f.finish().map(|(b, _)| b))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
 /// SMs the experts' GEMMs leave to an exchange running beside them on
 /// several ranks: `LRMOE_COMM_SMS` (read once per process), else 16 (NCCL's send/receive kernels
 /// must find free SMs, or they wait for the persistent GEMM to end).
