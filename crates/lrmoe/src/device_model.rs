@@ -67,8 +67,8 @@ pub struct DeviceStep {
     pub split_ms: [f64; 5],
     /// Each layer's plan.
     pub plans: Vec<CallPlan>,
-    /// Each layer's backward figures.
-    pub stats: Vec<BackwardStats>,
+    /// Each micro-batch's per-layer backward figures.
+    pub stats: Vec<Vec<BackwardStats>>,
 }
 
 /// The device model's limits on a configuration, checked before any
@@ -141,6 +141,7 @@ impl DeviceModel<'_> {
         &mut self,
         _starts: &[usize],
         _seq: usize,
+        _micro: usize,
         _optim: &AdamWConfig,
         _lr: f64,
         _expert_bias: &[Vec<f64>],
@@ -302,6 +303,14 @@ mod imp {
             0 => &p.p,
             1 => &p.m,
             _ => &p.v,
+        }
+    }
+
+    /// A gradient as f32 (bf16 widened on the device).
+    fn as_f32(g: &Gpu, gr: Grad) -> Result<CudaSlice<f32>, ModelError> {
+        match gr {
+            Grad::F32(x) => Ok(x),
+            Grad::Bf16(x) => g.to_f32_dev(&x, x.len()).map_err(k),
         }
     }
 
@@ -575,7 +584,16 @@ mod imp {
         /// The forward on the windows at `starts` (of the training corpus,
         /// or the validation one), through the loss and its logits'
         /// gradient.
-        fn forward(&self, starts: &[usize], seq: usize, val: bool) -> Result<Forward, ModelError> {
+        /// `total_tokens`: the tokens the loss is a mean over (this
+        /// forward's, over every rank and micro-batch of the step), the
+        /// scale of the logits' gradient.
+        fn forward(
+            &self,
+            starts: &[usize],
+            seq: usize,
+            val: bool,
+            total_tokens: usize,
+        ) -> Result<Forward, ModelError> {
             let g = &*self.gpu;
             let cfg = &self.cfg;
             check(cfg, Some(seq), 1)?;
@@ -701,7 +719,7 @@ mod imp {
                     &tgt,
                     &mut loss_sum,
                     (n, vocab),
-                    1.0 / (n * self.world) as f32,
+                    1.0 / total_tokens.max(1) as f32,
                 )
             }
             .map_err(k)?;
@@ -730,7 +748,7 @@ mod imp {
             expert_bias: &[Vec<f64>],
         ) -> Result<f64, ModelError> {
             self.set_bias(expert_bias)?;
-            let f = self.forward(starts, seq, true)?;
+            let f = self.forward(starts, seq, true, starts.len() * seq * self.world)?;
             let l = self.gpu.download(&f.loss_sum, 1).map_err(k)?[0];
             let loss = f64::from(l) / (starts.len() * seq) as f64;
             if !loss.is_finite() {
@@ -952,7 +970,6 @@ mod imp {
             grads.extend(block_grads.into_iter().flatten());
             grads.push((Share::Dense, Grad::F32(d_norm_f)));
             grads.push((Share::Dense, Grad::Bf16(d_head)));
-            let grads = self.sum_dense(grads)?;
             Ok((grads, stats, moe_ms))
         }
 
@@ -1042,20 +1059,76 @@ mod imp {
 
         /// One training step on the windows at `starts` of the training
         /// corpus: forward, backward, clip and AdamW at `lr`.
+        #[allow(clippy::too_many_arguments)]
         pub fn train_step(
             &mut self,
             starts: &[usize],
             seq: usize,
+            micro: usize,
             optim: &AdamWConfig,
             lr: f64,
             expert_bias: &[Vec<f64>],
         ) -> Result<DeviceStep, ModelError> {
+            if micro == 0 || starts.len() % micro != 0 {
+                return Err(ModelError::Batch(format!(
+                    "{} sequences do not split into {micro} micro-batches",
+                    starts.len()
+                )));
+            }
             self.set_bias(expert_bias)?;
             let g = self.gpu.clone();
-            let m0 = g.mark().map_err(k)?;
-            let f = self.forward(starts, seq, false)?;
-            let m1 = g.mark().map_err(k)?;
-            let (grads, stats, bwd_ms) = self.backward(&f)?;
+            let chunk = starts.len() / micro;
+            let total = starts.len() * seq * self.world;
+            // Micro-batches: each one's forward and backward, the gradients
+            // accumulated in f32 (their sum is the step's: every logits
+            // gradient is scaled by the step's token count).
+            let mut acc: Option<Vec<(Share, Grad)>> = None;
+            let (mut fwd_ms, mut bwd_ms_all, mut dense_ms) = (Vec::new(), Vec::new(), [0.0f64; 2]);
+            let mut stats = Vec::with_capacity(micro);
+            let mut plans = Vec::new();
+            let mut loss_sums = Vec::with_capacity(micro);
+            let mut aux_loss = 0.0;
+            for i in 0..micro {
+                let m0 = g.mark().map_err(k)?;
+                let f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
+                let m1 = g.mark().map_err(k)?;
+                let (grads, st, bwd_ms) = self.backward(&f)?;
+                let m2 = g.mark().map_err(k)?;
+                acc = Some(match acc {
+                    None if micro == 1 => grads,
+                    None => grads
+                        .into_iter()
+                        .map(|(sh, gr)| Ok((sh, Grad::F32(as_f32(&g, gr)?))))
+                        .collect::<Result<_, ModelError>>()?,
+                    Some(mut a) => {
+                        for ((_, to), (_, gr)) in a.iter_mut().zip(grads) {
+                            let add = as_f32(&g, gr)?;
+                            match to {
+                                Grad::F32(x) => g.add_f32(x, &add, add.len()).map_err(k)?,
+                                Grad::Bf16(_) => {
+                                    return Err(ModelError::Config("a bf16 accumulator".into()))
+                                }
+                            }
+                        }
+                        a
+                    }
+                });
+                let sum = |v: &[Span]| -> Result<f64, ModelError> {
+                    v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
+                };
+                dense_ms[0] += m1.ms_since(&m0).map_err(k)? - sum(&f.moe_ms)?;
+                dense_ms[1] += m2.ms_since(&m1).map_err(k)? - sum(&bwd_ms)?;
+                fwd_ms.extend(f.moe_ms);
+                bwd_ms_all.extend(bwd_ms);
+                stats.push(st);
+                if i == 0 {
+                    plans = f.plans;
+                }
+                aux_loss += f.aux_loss / micro as f64;
+                loss_sums.push(f.loss_sum);
+            }
+            let grads = self.sum_dense(acc.unwrap_or_default())?;
+            let bwd_ms = bwd_ms_all;
             let m2 = g.mark().map_err(k)?;
             // The global norm: replicated gradients (identical on every
             // rank) counted by rank 0 only, each rank's experts by it.
@@ -1113,31 +1186,32 @@ mod imp {
             let m3 = g.mark().map_err(k)?;
             // The step's scalars (the one synchronisation of the step).
             let norm_sq = g.download(&ns, 1).map_err(k)?[0];
-            let l = g.download(&f.loss_sum, 1).map_err(k)?[0];
-            let n = (f.n_seq * f.seq) as f64;
-            let loss = f64::from(l) / n;
+            let mut l = 0.0f64;
+            for ls in &loss_sums {
+                l += f64::from(g.download(ls, 1).map_err(k)?[0]);
+            }
+            let loss = l / (starts.len() * seq) as f64;
             if !(loss.is_finite() && norm_sq.is_finite()) {
                 return Err(ModelError::NonFinite("loss or gradient"));
             }
             let sum = |v: &[Span]| -> Result<f64, ModelError> {
                 v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
             };
-            let (moe_f, moe_b) = (sum(&f.moe_ms)?, sum(&bwd_ms)?);
-            let moe_ms = moe_f + moe_b;
+            let (moe_f, moe_b) = (sum(&fwd_ms)?, sum(&bwd_ms)?);
             let split_ms = [
-                m1.ms_since(&m0).map_err(k)? - moe_f,
+                dense_ms[0],
                 moe_f,
-                m2.ms_since(&m1).map_err(k)? - moe_b,
+                dense_ms[1],
                 moe_b,
                 m3.ms_since(&m2).map_err(k)?,
             ];
             Ok(DeviceStep {
                 loss,
-                aux_loss: f.aux_loss,
+                aux_loss,
                 grad_norm: f64::from(norm_sq).sqrt(),
-                moe_seconds: moe_ms / 1e3,
+                moe_seconds: (moe_f + moe_b) / 1e3,
                 split_ms,
-                plans: f.plans,
+                plans,
                 stats,
             })
         }
@@ -1152,8 +1226,9 @@ mod imp {
             starts: &[usize],
             seq: usize,
         ) -> Result<(f64, Model<f32>), ModelError> {
-            let f = self.forward(starts, seq, false)?;
+            let f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
             let (grads, _, _) = self.backward(&f)?;
+            let grads = self.sum_dense(grads)?;
             let g = self.gpu.clone();
             let host: Vec<Vec<f32>> = grads
                 .iter()

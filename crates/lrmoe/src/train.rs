@@ -1108,11 +1108,6 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     crate::data::check_seq_len(&corpus, cfg.data.seq_len)?;
     if whole_gpu {
         crate::device_model::check(&mcfg, Some(cfg.data.seq_len), cfg.moe.ranks)?;
-        if cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate) {
-            return Err(TrainError::Config(
-                "moe.fit_budget needs micro-batches, which the device-resident model does not run yet".into(),
-            ));
-        }
     } else {
         check_memory(cfg, &mcfg)?;
     }
@@ -1358,31 +1353,36 @@ struct StepOut {
 }
 
 /// Kept and routed pairs per layer, the most pairs rank `me` processed in
-/// one layer call, and the routed pairs per expert and layer, of one
-/// micro-batch's backward figures.
-fn tally(
-    mcfg: &ModelConfig,
-    stats: &[layer::BackwardStats],
-    me: usize,
-    ranks: usize,
-) -> (Vec<u64>, u64, Vec<Vec<u64>>) {
-    let mut kept_routed = vec![0u64; 2 * mcfg.n_layers];
-    let mut busiest = 0u64;
-    let mut expert_load = vec![vec![0u64; mcfg.n_experts]; mcfg.n_layers];
-    for (li, st) in stats.iter().enumerate() {
-        for (a, &b) in expert_load[li].iter_mut().zip(&st.expert_load) {
-            *a += b;
-        }
-        kept_routed[2 * li] += st.kept_pairs as u64;
-        kept_routed[2 * li + 1] += st.routed_pairs as u64;
-        let mine = if st.pairs_per_rank.len() == ranks {
-            st.pairs_per_rank[me]
-        } else {
-            st.pairs_per_rank.first().copied().unwrap_or(0)
-        };
-        busiest = busiest.max(mine);
+/// one layer call, and the routed pairs per expert and layer, summed over
+/// a step's micro-batches.
+struct Tally(Vec<u64>, u64, Vec<Vec<u64>>);
+
+impl Tally {
+    fn new(mcfg: &ModelConfig) -> Self {
+        Self(
+            vec![0; 2 * mcfg.n_layers],
+            0,
+            vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
+        )
     }
-    (kept_routed, busiest, expert_load)
+
+    /// Adds one micro-batch's per-layer backward figures.
+    fn add(&mut self, mcfg: &ModelConfig, stats: &[layer::BackwardStats], me: usize, ranks: usize) {
+        debug_assert_eq!(self.2.len(), mcfg.n_layers);
+        for (li, st) in stats.iter().enumerate() {
+            for (a, &b) in self.2[li].iter_mut().zip(&st.expert_load) {
+                *a += b;
+            }
+            self.0[2 * li] += st.kept_pairs as u64;
+            self.0[2 * li + 1] += st.routed_pairs as u64;
+            let mine = if st.pairs_per_rank.len() == ranks {
+                st.pairs_per_rank[me]
+            } else {
+                st.pairs_per_rank.first().copied().unwrap_or(0)
+            };
+            self.1 = self.1.max(mine);
+        }
+    }
 }
 
 /// `run` with the layers' balancing bias.
@@ -1430,9 +1430,7 @@ fn step_grads<X: Transport>(
     let chunk = sequences / micro * seq;
     let (mut loss, mut aux_loss, mut moe_seconds) = (0.0, 0.0, 0.0);
     let mut first: Option<(model::Cache<f32>, model::Gradients<f32>)> = None;
-    let mut kept_routed = vec![0u64; 2 * mcfg.n_layers];
-    let mut busiest = 0u64;
-    let mut expert_load = vec![vec![0u64; mcfg.n_experts]; mcfg.n_layers];
+    let mut tally = Tally::new(mcfg);
     for i in 0..micro {
         let r = i * chunk..(i + 1) * chunk;
         let (l, cache) =
@@ -1441,14 +1439,7 @@ fn step_grads<X: Transport>(
         loss += l / micro as f64;
         aux_loss += cache.aux_loss / micro as f64;
         moe_seconds += cache.moe_seconds + g.moe_seconds;
-        let (kr, b, load) = tally(mcfg, &g.moe_stats, me, ranks);
-        for (a, x) in kept_routed.iter_mut().zip(kr) {
-            *a += x;
-        }
-        busiest = busiest.max(b);
-        for (a, l) in expert_load.iter_mut().zip(load) {
-            a.iter_mut().zip(l).for_each(|(x, y)| *x += y);
-        }
+        tally.add(mcfg, &g.moe_stats, me, ranks);
         match &mut first {
             None => first = Some((cache, g)),
             Some((_, acc)) => {
@@ -1473,9 +1464,9 @@ fn step_grads<X: Transport>(
         moe_seconds,
         cache,
         grads,
-        kept_routed,
-        busiest,
-        expert_load,
+        kept_routed: tally.0,
+        busiest: tally.1,
+        expert_load: tally.2,
     })
 }
 
@@ -1563,15 +1554,19 @@ fn rank_loop<X: Transport>(
                 let starts =
                     random_starts(corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
                 let mine = &starts[me * per_rank..(me + 1) * per_rank];
-                let st = lock(dm).train_step(mine, seq, &cfg.optim, lr, &s.expert_bias)?;
-                let (kept_routed, busiest, expert_load) = tally(mcfg, &st.stats, me, ranks);
+                let st = lock(dm).train_step(mine, seq, micro, &cfg.optim, lr, &s.expert_bias)?;
+                let mut t = Tally::new(mcfg);
+                for m in &st.stats {
+                    t.add(mcfg, m, me, ranks);
+                }
+                let Tally(kept_routed, busiest, expert_load) = t;
                 StepOut {
                     loss: st.loss,
                     aux_loss: st.aux_loss,
                     moe_seconds: st.moe_seconds,
                     grad_norm: st.grad_norm,
                     plans: st.plans,
-                    stats: st.stats,
+                    stats: st.stats.into_iter().next().unwrap_or_default(),
                     kept_routed,
                     busiest,
                     expert_load,

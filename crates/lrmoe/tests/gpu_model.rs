@@ -203,7 +203,7 @@ fn a_hundred_steps_follow_the_cpu_loss_curve() {
             let (cl, g) = cpu_loss_and_grads(&cfg, &cpu, &data, &starts, seq);
             optim::step(&optim_cfg, &mut cpu, &g, &mut adam, lr);
             let dl = dm
-                .train_step(&starts, seq, &optim_cfg, lr, &[])
+                .train_step(&starts, seq, 1, &optim_cfg, lr, &[])
                 .unwrap()
                 .loss;
             worst = worst.max((cl - dl).abs());
@@ -265,7 +265,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
         let lr = optim::lr_at(&optim_cfg, step, 6);
         a.push(
             straight
-                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .train_step(&starts(step), 16, 1, &optim_cfg, lr, &[])
                 .unwrap()
                 .loss,
         );
@@ -274,7 +274,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
         let lr = optim::lr_at(&optim_cfg, step, 6);
         b.push(
             first
-                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .train_step(&starts(step), 16, 1, &optim_cfg, lr, &[])
                 .unwrap()
                 .loss,
         );
@@ -295,7 +295,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
         let lr = optim::lr_at(&optim_cfg, step, 6);
         b.push(
             resumed
-                .train_step(&starts(step), 16, &optim_cfg, lr, &[])
+                .train_step(&starts(step), 16, 1, &optim_cfg, lr, &[])
                 .unwrap()
                 .loss,
         );
@@ -311,4 +311,61 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
         assert!((num / den.max(1e-30)).sqrt() <= 1e-3, "{n}");
     }
     println!("resume: losses {a:?} vs {b:?}");
+}
+
+/// Micro-batches accumulate the whole batch's gradient: the same loss and
+/// gradient norm in one step, the same loss curve over 20.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn micro_batches_accumulate_the_whole_batch_gradient() {
+    let gpu = Arc::new(lrmoe::kernels::gpu::Gpu::open(0).unwrap());
+    let optim_cfg = AdamWConfig::default();
+    let (_, cfg) = configs().remove(0);
+    let data = corpus(4000, cfg.vocab as u32);
+    let init = Model::<f32>::init(&cfg, 5);
+    let call = CallConfig::default();
+    let new = || {
+        DeviceModel::new(
+            gpu.clone(),
+            DeviceComm::Local,
+            &cfg,
+            &init,
+            &fresh_adam(&cfg),
+            &call,
+            (&data, &data),
+        )
+        .unwrap()
+    };
+    let (mut one, mut four) = (new(), new());
+    let mut gap = 0.0f64;
+    for step in 0..20 {
+        let starts: Vec<usize> = (0..8).map(|i| (step * 113 + i * 401) % 3900).collect();
+        let lr = optim::lr_at(&optim_cfg, step, 20);
+        let a = one.train_step(&starts, 16, 1, &optim_cfg, lr, &[]).unwrap();
+        let b = four
+            .train_step(&starts, 16, 4, &optim_cfg, lr, &[])
+            .unwrap();
+        assert_eq!(b.stats.len(), 4, "one figure set per micro-batch");
+        if step == 0 {
+            assert!(
+                (a.loss - b.loss).abs() <= 1e-4 * a.loss,
+                "{} vs {}",
+                a.loss,
+                b.loss
+            );
+            let r = (a.grad_norm - b.grad_norm).abs() / a.grad_norm;
+            assert!(
+                r <= 1e-2,
+                "gradient norms {} vs {}",
+                a.grad_norm,
+                b.grad_norm
+            );
+        }
+        gap = gap.max((a.loss - b.loss).abs());
+    }
+    println!("micro-batches: largest loss gap over 20 steps {gap:.5}");
+    assert!(gap <= 0.02, "{gap}");
+    assert!(one
+        .train_step(&[1, 2, 3], 16, 2, &optim_cfg, 1e-3, &[])
+        .is_err());
 }

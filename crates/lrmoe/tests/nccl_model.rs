@@ -162,7 +162,7 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
         let (cl, g) = cpu(&cfg, &cpu_m, &data, &starts);
         optim::step(&optim_cfg, &mut cpu_m, &g, &mut adam, lr);
         let l = dm
-            .train_step(&starts[r * per..(r + 1) * per], 16, &optim_cfg, lr, &[])
+            .train_step(&starts[r * per..(r + 1) * per], 16, 1, &optim_cfg, lr, &[])
             .unwrap()
             .loss;
         let dl = all_gather(&t, &[l])

@@ -29,6 +29,7 @@ pub(crate) struct DenseFns {
     softmax: CudaFunction,
     softmax_bwd: CudaFunction,
     add_into: CudaFunction,
+    add_f32: CudaFunction,
     xent: CudaFunction,
     sq_f32: CudaFunction,
     sq_bf16: CudaFunction,
@@ -55,6 +56,7 @@ impl DenseFns {
             softmax: f("softmax_causal_fwd")?,
             softmax_bwd: f("softmax_causal_bwd")?,
             add_into: f("add_into_f32")?,
+            add_f32: f("add_f32")?,
             xent: f("cross_entropy")?,
             sq_f32: f("sq_sum_f32")?,
             sq_bf16: f("sq_sum_bf16")?,
@@ -523,6 +525,23 @@ impl Gpu {
         let mut l = self.stream.launch_builder(&self.dense.add_into);
         l.arg(x).arg(y).arg(&nl);
         // SAFETY: (f32*, u16*, long long); n entries each.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// `x[..n] += y[..n]` (f32; gradients accumulated over micro-batches).
+    pub fn add_f32(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        at_least("x", n, x.len())?;
+        at_least("y", n, y.len())?;
+        let nl = n as i64;
+        let mut l = self.stream.launch_builder(&self.dense.add_f32);
+        l.arg(x).arg(y).arg(&nl);
+        // SAFETY: (f32*, f32*, long long); n entries each.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(())
     }
