@@ -1184,7 +1184,9 @@ mod imp {
                 .map_err(k)?;
             }
             let m3 = g.mark().map_err(k)?;
-            // The step's scalars (the one synchronisation of the step).
+            // The step's scalars (the one synchronisation of the step; the
+            // sums over ranks first, with the communicator's deadline).
+            layer::device::settle(self.comm)?;
             let norm_sq = g.download(&ns, 1).map_err(k)?[0];
             let mut l = 0.0f64;
             for ls in &loss_sums {
@@ -1229,6 +1231,7 @@ mod imp {
             let f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
             let (grads, _, _) = self.backward(&f)?;
             let grads = self.sum_dense(grads)?;
+            layer::device::settle(self.comm)?;
             let g = self.gpu.clone();
             let host: Vec<Vec<f32>> = grads
                 .iter()

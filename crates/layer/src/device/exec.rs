@@ -199,6 +199,14 @@ pub fn sum_over_ranks(
         .collect::<Result<Vec<_>, _>>()?)
 }
 
+/// Waits, with the communicator's deadline, for every collective started
+/// so far: call it before the host waits on the compute stream after
+/// [`sum_over_ranks`], so a dead peer ends in an error, never a hang. One
+/// rank: nothing to wait for.
+pub fn settle(comm: DeviceComm<'_>) -> Result<(), LayerError> {
+    Ok(comm.settle()?)
+}
+
 /// SMs the experts' GEMMs leave to an exchange running beside them on
 /// several ranks: `LRMOE_COMM_SMS` (read once per process), else 16 (NCCL's send/receive kernels
 /// must find free SMs, or they wait for the persistent GEMM to end).
