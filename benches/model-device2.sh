@@ -30,3 +30,6 @@ python3 -c "
 import json
 r=[json.loads(l) for l in open('/tmp/run-mini2/metrics.jsonl')][10:]
 print('2 GPUs: median tokens/s', sorted(x['tokens_per_s'] for x in r)[len(r)//2], 'split', [sorted(x['device_ms'][i] for x in r)[len(r)//2] for i in range(5)])"
+# The PyTorch peer, expert parallel over the same two GPUs, same global batch.
+timeout 250 torchrun --nproc_per_node=2 .device/torch_qwen3_moe.py --config examples/qwen3-moe-mini.config.json \
+  --seq 512 --batch 64 --steps 60 2>&1 | grep peer

@@ -9,13 +9,24 @@ clipping at 1.0, on random windows of the same byte corpus.
 
   python3 benches/torch_qwen3_moe.py --config examples/qwen3-moe-mini.config.json \
       --seq 512 --batch 32 --steps 60 [--compile]
+  torchrun --nproc_per_node=2 benches/torch_qwen3_moe.py --config ... --batch 64
+
+Under torchrun (WORLD_SIZE > 1) the experts are sharded in contiguous
+blocks of E / world and the MoE layer dispatches rows with differentiable
+all_to_all_single as in ../shared/anchors/torch_ep_anchor.py (Megatron-Core's
+all-to-all dispatcher, simplified); dense weights and the router are
+replicated, their gradients all-reduced; `--batch` is the global batch,
+split over the ranks; the loss is the mean over every rank's tokens and the
+clip uses the global norm (replicated gradients counted once).
 
 Prints one JSON line: tokens/s (median step of the steps after 10 warm-ups,
 CUDA events), model FLOPs per token, MFU against the H200's 989 TFLOP/s
 dense bf16 peak, the first and last losses.
 """
-import argparse, json, math, time
+import argparse, json, math, os, time
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dnn
 import torch.nn.functional as F
 
 ap = argparse.ArgumentParser()
@@ -33,6 +44,12 @@ D, H, KV = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
 DH = c.get("head_dim", D // H)
 E, K, FF = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
 V, EPS, THETA = c["vocab_size"], c.get("rms_norm_eps", 1e-6), c.get("rope_theta", 1e4)
+WORLD = int(os.environ.get("WORLD_SIZE", "1"))
+RANK = int(os.environ.get("RANK", "0"))
+if WORLD > 1:
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", RANK)))
+    dist.init_process_group("nccl")
+EL = E // WORLD
 dev = "cuda"
 torch.manual_seed(0)
 
@@ -51,7 +68,7 @@ class Block(torch.nn.Module):
         s.wq, s.wk, s.wv = p(D, H * DH, fan=D), p(D, KV * DH, fan=D), p(D, KV * DH, fan=D)
         s.wo = p(H * DH, D, fan=H * DH)
         s.router = p(D, E, fan=D)
-        s.gate, s.up, s.down = p(E, D, FF, fan=D), p(E, D, FF, fan=D), p(E, FF, D, fan=FF)
+        s.gate, s.up, s.down = p(EL, D, FF, fan=D), p(EL, D, FF, fan=D), p(EL, FF, D, fan=FF)
 
     def forward(s, x, cos, sin):
         B, T, _ = x.shape
@@ -74,11 +91,29 @@ class Block(torch.nn.Module):
         g = g / g.sum(-1, keepdim=True)
         flat = idx.reshape(-1)
         order = flat.argsort(stable=True)
-        offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+        per_expert = torch.bincount(flat, minlength=E)
         xs = m.index_select(0, order // K)
         dt = xs.dtype
-        h = F.silu(torch._grouped_mm(xs, s.gate.to(dt), offs=offs)) * torch._grouped_mm(xs, s.up.to(dt), offs=offs)
-        y = torch._grouped_mm(h, s.down.to(dt), offs=offs) * g.reshape(-1)[order].unsqueeze(1).to(dt)
+        experts = lambda xe, offs: torch._grouped_mm(
+            F.silu(torch._grouped_mm(xe, s.gate.to(dt), offs=offs)) * torch._grouped_mm(xe, s.up.to(dt), offs=offs),
+            s.down.to(dt), offs=offs)
+        if WORLD == 1:
+            o = experts(xs, per_expert.cumsum(0).to(torch.int32))
+        else:
+            send_rank = per_expert.view(WORLD, EL).sum(1)
+            recv_expert = torch.empty(WORLD * EL, device=x.device, dtype=per_expert.dtype)
+            dist.all_to_all_single(recv_expert, per_expert)
+            recv_expert = recv_expert.view(WORLD, EL)
+            ins, outs = send_rank.tolist(), recv_expert.sum(1).tolist()
+            xr = dnn.all_to_all_single(torch.empty(sum(outs), D, device=x.device, dtype=dt), xs,
+                                       output_split_sizes=outs, input_split_sizes=ins)
+            le = torch.repeat_interleave(torch.arange(EL, device=x.device).repeat(WORLD), recv_expert.reshape(-1))
+            reg = le.argsort(stable=True)
+            oe = experts(xr.index_select(0, reg), recv_expert.sum(0).cumsum(0).to(torch.int32))
+            back = torch.zeros_like(oe).index_copy(0, reg, oe)
+            o = dnn.all_to_all_single(torch.empty(xs.shape[0], D, device=x.device, dtype=dt), back,
+                                      output_split_sizes=ins, input_split_sizes=outs)
+        y = o * g.reshape(-1)[order].unsqueeze(1).to(dt)
         y = torch.zeros(B * T, D, device=x.device, dtype=y.dtype).index_add_(0, order // K, y)
         return x + y.view(B, T, D)
 
@@ -103,7 +138,15 @@ class Model(torch.nn.Module):
         return F.cross_entropy(logits.float().view(-1, V), tgt.view(-1))
 
 
+torch.manual_seed(0)
 model = Model().to(dev)
+torch.manual_seed(1 + RANK)  # each rank's own experts
+for b in model.blocks:
+    for w, fan in ((b.gate, D), (b.up, D), (b.down, FF)):
+        with torch.no_grad():
+            w.uniform_(-1, 1).div_(math.sqrt(fan))
+expert_params = [p for b in model.blocks for p in (b.gate, b.up, b.down)]
+dense_params = [p for p in model.parameters() if all(p is not q for q in expert_params)]
 decay = [p for n, p in model.named_parameters() if p.dim() > 1 and n != "emb"]
 rest = [p for n, p in model.named_parameters() if not (p.dim() > 1 and n != "emb")]
 opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
@@ -111,15 +154,34 @@ opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest
 step_fn = torch.compile(model) if a.compile else model
 data = torch.tensor(list(open(a.corpus, "rb").read()), dtype=torch.long, device=dev) % V
 gen = torch.Generator(device=dev).manual_seed(1)
+PER = a.batch // WORLD
 
 
 def step():
-    starts = torch.randint(0, data.numel() - a.seq - 1, (a.batch,), device=dev, generator=gen)
+    starts = torch.randint(0, data.numel() - a.seq - 1, (a.batch,), device=dev, generator=gen)[RANK * PER:(RANK + 1) * PER]
     ix = starts[:, None] + torch.arange(a.seq, device=dev)[None]
     with torch.autocast("cuda", dtype=torch.bfloat16):
         loss = step_fn(data[ix], data[ix + 1])
     loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    if WORLD == 1:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+    else:
+        # The loss is the mean over every rank's tokens: dense gradients
+        # averaged over ranks, experts' (which saw every rank's rows) / W.
+        dense = [p.grad for p in dense_params if p.grad is not None]
+        flat = torch.cat([d.reshape(-1) for d in dense])
+        dist.all_reduce(flat)
+        flat /= WORLD
+        off = 0
+        for d in dense:
+            d.copy_(flat[off:off + d.numel()].view_as(d)); off += d.numel()
+        ex = [p.grad for p in expert_params if p.grad is not None]
+        torch._foreach_div_(ex, WORLD)
+        sq = torch.stack([e.float().pow(2).sum() for e in ex]).sum()
+        dist.all_reduce(sq)
+        norm = (sq + flat.float().pow(2).sum()).sqrt()
+        scale = torch.clamp(1.0 / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(dense + ex, scale)
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss
@@ -133,14 +195,22 @@ for i in range(a.steps):
     e.record()
     torch.cuda.synchronize()
     times.append(s.elapsed_time(e) / 1e3)
-    losses.append(loss.item())
+    if WORLD > 1:
+        l = loss.detach().clone()
+        dist.all_reduce(l)
+        losses.append(l.item() / WORLD)
+    else:
+        losses.append(loss.item())
 t = sorted(times[10:])[len(times[10:]) // 2]
-tok = a.batch * a.seq
+tok = a.batch * a.seq  # over every rank
 # Model FLOPs per token (forward; training = 3×): projections, router,
 # the k experts' SwiGLU, LM head, and attention's QKᵀ and PV over the full
 # sequence (what the lrmoe kernels compute; causal FLOPs are half).
 fwd = L * 2 * (D * H * DH * 2 + D * KV * DH * 2 + D * E + K * 3 * D * FF) + 2 * D * V + L * 2 * 2 * a.seq * H * DH
 flops = 3 * fwd
-print(json.dumps({"peer": "pytorch" + ("-compile" if a.compile else ""), "layers": L, "seq": a.seq, "batch": a.batch,
+if RANK == 0:
+  print(json.dumps({"peer": "pytorch" + ("-compile" if a.compile else ""), "gpus": WORLD, "layers": L, "seq": a.seq, "batch": a.batch,
                   "step_ms": t * 1e3, "tokens_per_s": tok / t, "flops_per_token": flops,
-                  "mfu": flops * tok / t / 989e12, "loss_first": losses[0], "loss_last": losses[-1]}))
+                  "mfu": flops * tok / t / 989e12 / WORLD, "loss_first": losses[0], "loss_last": losses[-1]}))
+if WORLD > 1:
+    dist.destroy_process_group()
