@@ -6,9 +6,12 @@
 //! * [`plan`]: a planning problem → controller → redistribution → one
 //!   JSON-serialisable [`plan::PlanReport`];
 //! * [`model`], [`optim`], [`data`], [`train`], [`compare`]: the MoE
-//!   transformer LM (CPU dense parts; MoE layers on the CPU layer over a
-//!   transport, or through the layer crate's device executor on one GPU or
-//!   on launched ranks' GPUs through [`device_moe`]),
+//!   transformer LM (the classic or the Qwen3-MoE block; CPU dense parts,
+//!   MoE layers on the CPU layer over a transport or through the layer
+//!   crate's device executor on launched ranks' GPUs via [`device_moe`]) —
+//!   and [`device_model`], the same model resident on the GPU (one, or
+//!   launched ranks with experts sharded), held to [`model`] by device
+//!   tests,
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
 //! * [`hf_config`]: a Hugging Face Qwen3-MoE `config.json` → the model
