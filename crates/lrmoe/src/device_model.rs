@@ -345,7 +345,8 @@ mod imp {
             let (rank, world) = (comm.rank(), comm.world_size());
             check(cfg, None, world)?;
             let el = cfg.n_experts / world;
-            crate::device_moe::check(&cfg.moe(), call)?;
+            layer::check_device_call(call)?;
+            layer::check_device_shape(&cfg.moe())?;
             let g = &*gpu;
             let param =
                 |p: &[f32], m: &[f32], v: &[f32], decay: bool| -> Result<Param, ModelError> {

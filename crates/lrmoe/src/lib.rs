@@ -7,11 +7,11 @@
 //!   JSON-serialisable [`plan::PlanReport`];
 //! * [`model`], [`optim`], [`data`], [`train`], [`compare`]: the MoE
 //!   transformer LM (the classic or the Qwen3-MoE block; CPU dense parts,
-//!   MoE layers on the CPU layer over a transport or through the layer
-//!   crate's device executor on launched ranks' GPUs via [`device_moe`]) —
-//!   and [`device_model`], the same model resident on the GPU (one, or
-//!   launched ranks with experts sharded), held to [`model`] by device
-//!   tests,
+//!   MoE layers on the CPU layer over a transport, their expert GEMMs
+//!   optionally on the GPU) — and [`device_model`], the same model
+//!   resident on the GPU (one, or launched ranks with experts sharded; its
+//!   MoE layers through the layer crate's device executor), held to
+//!   [`model`] by device tests,
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
 //! * [`hf_config`]: a Hugging Face Qwen3-MoE `config.json` → the model
@@ -50,7 +50,6 @@ pub use redistribute;
 pub mod compare;
 pub mod data;
 pub mod device_model;
-pub mod device_moe;
 pub mod errline;
 pub mod fsutil;
 pub mod hf_config;

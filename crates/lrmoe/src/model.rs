@@ -428,31 +428,7 @@ struct BlockCache<T> {
     attn: Vec<T>,
     x_mid: Vec<T>,
     inv2: Vec<T>,
-    moe: MoeState<T>,
-}
-
-/// The MoE layer's saved state: the host executor's, or the device
-/// executor's.
-enum MoeState<T> {
-    Cpu(Saved<T>),
-    Device(crate::device_moe::DeviceSavedHost),
-}
-
-impl<T> MoeState<T> {
-    fn plan(&self) -> &CallPlan {
-        match self {
-            Self::Cpu(s) => &s.plan,
-            Self::Device(g) => &g.plan,
-        }
-    }
-    /// The layer's auxiliary load-balancing loss on this rank (the GPU
-    /// layers refuse a nonzero coefficient).
-    fn aux_loss(&self) -> f64 {
-        match self {
-            Self::Cpu(s) => s.aux_loss(),
-            Self::Device(s) => s.aux_loss(),
-        }
-    }
+    moe: Saved<T>,
 }
 
 /// Activations of one forward, for [`backward`].
@@ -476,7 +452,7 @@ impl<T> Cache<T> {
     /// The controller's plan of each block's MoE call (routing, quotas,
     /// replicas).
     pub fn moe_plans(&self) -> impl Iterator<Item = &CallPlan> {
-        self.blocks.iter().map(|b| b.moe.plan())
+        self.blocks.iter().map(|b| &b.moe.plan)
     }
 }
 
@@ -487,9 +463,6 @@ pub struct MoeRun<'a> {
     pub placement: &'a Placement,
     /// Backward planning.
     pub backward: &'a CallConfig,
-    /// Run the MoE layers through the device executor on this rank's GPU
-    /// (one GPU: EP = 1; launched ranks: NCCL) instead of the host one.
-    pub device: Option<crate::device_moe::DeviceRun<'a>>,
     /// Each layer's auxiliary-loss-free balancing bias
     /// (`CallConfig::expert_bias`); empty: none.
     pub expert_bias: &'a [Vec<f64>],
@@ -682,23 +655,7 @@ pub fn forward<T: Real, X: Transport>(
             }
             _ => run.backward,
         };
-        let (y, moe) = match run.device {
-            Some(dev) => {
-                if dev.comm.world_size() != comm.world_size() {
-                    return Err(ModelError::Config(format!(
-                        "the device executor spans {} ranks, the model {}",
-                        dev.comm.world_size(),
-                        comm.world_size()
-                    )));
-                }
-                let (y, s) = crate::device_moe::forward(dev, &cfg.moe(), call, &b.moe, &m)?;
-                (y, MoeState::Device(s))
-            }
-            None => {
-                let (y, s) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
-                (y, MoeState::Cpu(s))
-            }
-        };
+        let (y, moe) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
         moe_seconds += clock.elapsed().as_secs_f64();
         for (xv, yv) in x.iter_mut().zip(&y) {
             *xv += *yv;
@@ -838,19 +795,8 @@ pub fn backward<T: Real, X: Transport>(
         let gb = &mut g.blocks[li];
         // MoE branch: x = x_mid + moe(norm2(x_mid)).
         let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) = match (&c.moe, run.device) {
-            (MoeState::Cpu(s), _) => {
-                layer::backward(comm, &cfg.moe(), run.backward, &b.moe, s, &dx)?
-            }
-            (MoeState::Device(s), Some(dev)) => {
-                crate::device_moe::backward(dev, comm, &cfg.moe(), s, &dx)?
-            }
-            (MoeState::Device(_), None) => {
-                return Err(ModelError::Config(
-                    "a device forward needs the device for its backward".into(),
-                ))
-            }
-        };
+        let (dm, moe_grads, st) =
+            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
         moe_seconds += clock.elapsed().as_secs_f64();
         gb.moe = moe_grads;
         stats.push(st);
@@ -1034,7 +980,6 @@ mod tests {
         let run = MoeRun {
             placement: &placement,
             backward: bwd,
-            device: None,
             expert_bias: &[],
         };
         let per = tokens.len() / ranks;
@@ -1270,7 +1215,6 @@ mod tests {
         let run = MoeRun {
             placement: &placement,
             backward: &bwd,
-            device: None,
             expert_bias: &[],
         };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {

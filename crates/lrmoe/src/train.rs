@@ -1192,51 +1192,30 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         &placement,
         whole_gpu || cfg.moe.executor == Executor::Device,
     );
-    // On a GPU: one rank trains the whole model on its GPU
-    // (`device_model`, its MoE layers through the device executor at
-    // EP = 1); launched ranks with `moe.executor = "device"` run the MoE
-    // layers through the device executor over NCCL (dense parts on the
-    // host); other multi-rank runs (threads sharing GPU 0, or launched
-    // processes on the host executor) run the host layer's expert GEMMs as
-    // bf16 grouped kernels on their GPU.
-    let device_exec = !whole_gpu && cfg.moe.executor == Executor::Device;
+    // On a GPU: one rank, or launched ranks with `moe.executor =
+    // "device"` (one GPU each), train the whole model on the GPUs
+    // (`device_model`, its MoE layers through the device executor); other
+    // multi-rank runs (threads sharing GPU 0, or launched processes on the
+    // host executor) keep the dense parts on the CPU and run the host
+    // layer's expert GEMMs as bf16 grouped kernels on their GPU.
+    if cfg.moe.executor == Executor::Device && !whole_gpu {
+        return Err(TrainError::Config(if opts.gpu.is_none() {
+            "moe.executor = \"device\" needs --device cuda (one GPU per rank)".into()
+        } else {
+            "moe.executor = \"device\" on several ranks runs under `lrmoe launch` (one GPU per rank)"
+                .into()
+        }));
+    }
     let call = match &opts.gpu {
-        Some(gpu) if !device_exec && !whole_gpu => CallConfig {
+        Some(gpu) if !whole_gpu => CallConfig {
             experts: layer::ExpertBackend::Bf16(gpu.clone()),
             ..call
         },
         _ => call,
     };
-    let device = if !device_exec {
-        None
-    } else {
-        let Some(gpu) = opts.gpu.as_deref() else {
-            return Err(TrainError::Config(
-                "moe.executor = \"device\" needs --device cuda (one GPU per rank)".into(),
-            ));
-        };
-        crate::device_moe::check(&mcfg.moe(), &call)?;
-        let comm = match opts.transport.as_deref() {
-            Some(t) => layer::device::DeviceComm::Nccl(t.comm()),
-            None if ranks == 1 => layer::device::DeviceComm::Local,
-            None => {
-                return Err(TrainError::Config(
-                    "moe.executor = \"device\" on several ranks runs under `lrmoe launch` (one GPU per rank)".into(),
-                ))
-            }
-        };
-        if mcfg.n_experts % ranks != 0 {
-            return Err(TrainError::Config(format!(
-                "the device executor owns experts in equal blocks: model.n_experts = {} on {ranks} ranks",
-                mcfg.n_experts
-            )));
-        }
-        Some(crate::device_moe::DeviceRun { gpu, comm })
-    };
     let run = MoeRun {
         placement: &placement,
         backward: &call,
-        device,
         expert_bias: &[],
     };
     let device_model = match (&opts.gpu, whole_gpu) {
@@ -1865,7 +1844,6 @@ mod tests {
         let run = MoeRun {
             placement: &placement,
             backward: &call,
-            device: None,
             expert_bias: &[],
         };
         let seq = 8;

@@ -75,7 +75,6 @@ fn cpu_loss_and_grads(
     let run = MoeRun {
         placement: &placement,
         backward: &call,
-        device: None,
         expert_bias: &[],
     };
     let mut out = run_local(1, Duration::from_secs(60), |t| {

@@ -60,7 +60,6 @@ fn cpu(cfg: &ModelConfig, m: &Model<f32>, data: &[u32], starts: &[usize]) -> (f6
     let run = MoeRun {
         placement: &placement,
         backward: &call,
-        device: None,
         expert_bias: &[],
     };
     run_local(1, Duration::from_secs(60), |t| {
