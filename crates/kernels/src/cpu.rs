@@ -61,7 +61,20 @@ pub enum Op {
     T,
 }
 
-fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
+/// An index `got` that must be below `bound`.
+pub(crate) fn below(what: &'static str, bound: usize, got: usize) -> Result<(), KernelError> {
+    if got < bound {
+        Ok(())
+    } else {
+        Err(KernelError::Shape {
+            what,
+            expected: bound,
+            got,
+        })
+    }
+}
+
+pub(crate) fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
     if expected == got {
         Ok(())
     } else {
@@ -268,12 +281,8 @@ pub fn gather_rows_reference(
     let mut out = Vec::with_capacity(idx.len() * width);
     for &i in idx {
         let i = i as usize;
-        if width > 0 && i >= rows {
-            return Err(KernelError::Shape {
-                what: "idx (row out of range)",
-                expected: rows,
-                got: i,
-            });
+        if width > 0 {
+            below("idx (row out of range)", rows, i)?;
         }
         out.extend_from_slice(&src[i * width..(i + 1) * width]);
     }

@@ -10,20 +10,8 @@
 //! `[n_seq, heads, seq, dh]` bf16; scores and probabilities `[rows, seq]`
 //! bf16 where row `r` is the query at position `r % seq`.
 
-use crate::cpu::{bf16_bits_to_f32, f32_to_bf16_bits as to_bf16_bits};
+use crate::cpu::{below, bf16_bits_to_f32, check, f32_to_bf16_bits as to_bf16_bits};
 use crate::KernelError;
-
-fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(KernelError::Shape {
-            what,
-            expected,
-            got,
-        })
-    }
-}
 
 /// `x[i] = table[tok[i]]` (rows of `d`).
 pub fn embed_reference(table: &[f32], tok: &[u32], d: usize) -> Result<Vec<f32>, KernelError> {
@@ -31,13 +19,7 @@ pub fn embed_reference(table: &[f32], tok: &[u32], d: usize) -> Result<Vec<f32>,
     let mut x = Vec::with_capacity(tok.len() * d);
     for &t in tok {
         let t = t as usize;
-        if t >= vocab {
-            return Err(KernelError::Shape {
-                what: "token (below the vocabulary)",
-                expected: vocab,
-                got: t,
-            });
-        }
+        below("token (below the vocabulary)", vocab, t)?;
         x.extend_from_slice(&table[t * d..(t + 1) * d]);
     }
     Ok(x)
@@ -207,13 +189,7 @@ pub fn cross_entropy_reference(
         .zip(target)
     {
         let t = t as usize;
-        if t >= v {
-            return Err(KernelError::Shape {
-                what: "target (below the vocabulary)",
-                expected: v,
-                got: t,
-            });
-        }
+        below("target (below the vocabulary)", v, t)?;
         let x: Vec<f32> = lr.iter().map(|&b| bf16_bits_to_f32(b)).collect();
         let m = x.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
         let s: f32 = x.iter().map(|&a| (a - m).exp()).sum();

@@ -285,17 +285,7 @@ mod imp {
         KernelError::Cuda(format!("{e:?}"))
     }
 
-    fn check(what: &'static str, expected: usize, got: usize) -> Result<(), KernelError> {
-        if expected == got {
-            Ok(())
-        } else {
-            Err(KernelError::Shape {
-                what,
-                expected,
-                got,
-            })
-        }
-    }
+    use crate::cpu::check;
 
     /// `got` holds at least `expected` elements (device buffers may be
     /// longer than the rows a call uses).

@@ -12,6 +12,9 @@ use kernels::cpu::{
     router_topk_reference, select_top_reference, swiglu_backward_bf16_reference,
     swiglu_bf16_reference, unpack_rows_reference, DROPPED,
 };
+mod common;
+
+use common::{seed, Rng};
 use kernels::gpu::Gpu;
 use kernels::KernelError;
 
@@ -23,29 +26,6 @@ fn gpu() -> Gpu {
 #[test]
 fn without_the_feature_opening_a_gpu_is_a_typed_error() {
     assert_eq!(Gpu::open(0).unwrap_err(), KernelError::NotCompiledWithCuda);
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bf16(&mut self, n: usize) -> Vec<u16> {
-        (0..n)
-            .map(|_| (((self.next() % 40001) as f32 / 10000.0 - 2.0).to_bits() >> 16) as u16)
-            .collect()
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1
 }
 
 #[test]

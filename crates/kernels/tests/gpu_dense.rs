@@ -6,43 +6,18 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
-use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits, GemmVariant};
+use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
 use kernels::dense::*;
 use kernels::gpu::Gpu;
+
+mod common;
+
+use common::{seed, Rng};
 
 fn gpu() -> Gpu {
     let g = Gpu::open(0).expect("a CUDA device (run with --ignored on the GPU machine)");
     g.set_poison(true);
     g
-}
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn f32s(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| ((self.next() % 20001) as f32 / 10000.0 - 1.0) * scale)
-            .collect()
-    }
-    fn bf16(&mut self, n: usize, scale: f32) -> Vec<u16> {
-        self.f32s(n, scale)
-            .into_iter()
-            .map(f32_to_bf16_bits)
-            .collect()
-    }
-}
-
-fn seed() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64
-        | 1
 }
 
 /// ‖a − b‖ / ‖b‖.
@@ -110,7 +85,7 @@ fn rmsnorm_forward_and_backward_match_the_twins() {
         assert!(max_ulps(&y, &wy) <= 1, "rmsnorm y ({rows}×{d})");
         assert!(rel(&inv, &winv) < 1e-6, "rmsnorm inv");
         // Backward into preset accumulators.
-        let dy = r.bf16(rows * d, 1.0);
+        let dy = r.bf16s(rows * d, 1.0);
         let (dx0, dw0) = (r.f32s(rows * d, 1.0), r.f32s(d, 1.0));
         let (mut dxd, mut dwd) = (g.upload(&dx0).unwrap(), g.upload(&dw0).unwrap());
         let invd = g.upload(&winv).unwrap();
@@ -132,7 +107,7 @@ fn rmsnorm_forward_and_backward_match_the_twins() {
         let e = rel(&g.download(&dwd, d).unwrap(), &want_dw);
         assert!(e < 1e-4, "dw relative error {e} ({rows}×{d})");
         // bf16 input (head norms): same math on the widened input.
-        let xb = r.bf16(rows * d, 3.0);
+        let xb = r.bf16s(rows * d, 3.0);
         let xbd = g.upload(&xb).unwrap();
         let (y, inv) = g.rmsnorm_bf16(&xbd, &wd, rows, 1e-5).unwrap();
         let (wy, winv) = rmsnorm_reference(&wide(&xb), &w, 1e-5);
@@ -158,7 +133,7 @@ fn head_layout_and_rope_match_the_twin() {
     let mut r = Rng(seed());
     for &(n_seq, seq, heads, dh) in &[(1, 1, 1, 2), (2, 48, 4, 64), (3, 130, 2, 128)] {
         let n = n_seq * seq * heads * dh;
-        let x = r.bf16(n, 2.0);
+        let x = r.bf16s(n, 2.0);
         let xd = g.upload(&x).unwrap();
         for (theta, to_heads) in [(0.0, true), (0.0, false), (1e6, true), (1e4, false)] {
             let got = g
@@ -186,7 +161,7 @@ fn causal_softmax_forward_and_backward_match_the_twins() {
     let g = gpu();
     let mut r = Rng(seed());
     for &(rows, seq) in &[(1, 1), (96, 48), (4096, 512), (130, 1000)] {
-        let s = r.bf16(rows * seq, 8.0);
+        let s = r.bf16s(rows * seq, 8.0);
         let scale = 0.125;
         let p = g
             .softmax_causal(&g.upload(&s).unwrap(), rows, seq, scale)
@@ -199,7 +174,7 @@ fn causal_softmax_forward_and_backward_match_the_twins() {
             p.iter().zip(&want).all(|(a, b)| (*a == 0) == (*b == 0)),
             "mask"
         );
-        let dp = r.bf16(rows * seq, 1.0);
+        let dp = r.bf16s(rows * seq, 1.0);
         let ds = g
             .softmax_causal_backward(
                 &g.upload(&want).unwrap(),
@@ -221,7 +196,7 @@ fn fused_cross_entropy_matches_the_twin() {
     let g = gpu();
     let mut r = Rng(seed());
     for &(n, v) in &[(1, 2), (512, 256), (64, 151_936)] {
-        let logits = r.bf16(n * v, 6.0);
+        let logits = r.bf16s(n * v, 6.0);
         let target: Vec<u32> = (0..n).map(|_| (r.next() % v as u64) as u32).collect();
         let mut loss = g.upload(&[0.5f32]).unwrap();
         let inv_n = 1.0 / n as f32;
@@ -254,7 +229,7 @@ fn gradient_norm_and_adamw_match_the_twins() {
     let mut r = Rng(seed());
     let n = 100_003;
     let gf = r.f32s(n, 0.1);
-    let gb = r.bf16(n, 0.1);
+    let gb = r.bf16s(n, 0.1);
     let mut ns = g.upload(&[0f32]).unwrap();
     g.sq_sum_into(&g.upload(&gf).unwrap(), n, &mut ns).unwrap();
     g.sq_sum_into(&g.upload(&gb).unwrap(), n, &mut ns).unwrap();
@@ -337,8 +312,8 @@ fn attention_products_as_grouped_gemms() {
     let (n_seq, kv, group, seq, dh) = (2, 2, 3, 40, 64);
     let groups = n_seq * kv;
     let rows_each = group * seq;
-    let q = r.bf16(groups * rows_each * dh, 1.0);
-    let k = r.bf16(groups * seq * dh, 1.0);
+    let q = r.bf16s(groups * rows_each * dh, 1.0);
+    let k = r.bf16s(groups * seq * dh, 1.0);
     let off = g.even_offsets(groups, rows_each).unwrap();
     let s = g
         .gemm_dev(
@@ -368,8 +343,8 @@ fn attention_products_as_grouped_gemms() {
             }
         }
     }
-    let p = r.bf16(groups * rows_each * seq, 1.0);
-    let dc = r.bf16(groups * rows_each * dh, 1.0);
+    let p = r.bf16s(groups * rows_each * seq, 1.0);
+    let dc = r.bf16s(groups * rows_each * dh, 1.0);
     let dv = g
         .gemm_dev(
             GemmVariant::WeightGrad,

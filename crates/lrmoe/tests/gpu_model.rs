@@ -10,79 +10,33 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lrmoe::data::windows;
+mod common;
+
+use common::{configs, corpus, cpu_loss_and_grads, fresh_adam, rel};
 use lrmoe::device_model::DeviceModel;
 use lrmoe::layer::device::DeviceComm;
 use lrmoe::layer::{run_local, CallConfig};
-use lrmoe::model::{self, Model, ModelConfig, MoeRun};
+use lrmoe::model::{Model, ModelConfig};
 use lrmoe::optim::{self, AdamWConfig, AdamWState};
-use lrmoe::quota::Placement;
 
-fn configs() -> Vec<(&'static str, ModelConfig)> {
-    let classic = ModelConfig {
-        vocab: 40,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        ffn: 16,
-        n_experts: 8,
-        top_k: 2,
-        renormalize: true,
-        max_seq: 16,
-        ..ModelConfig::small(40)
-    };
-    let qwen3 = ModelConfig {
-        n_kv_heads: Some(2),
-        head_dim: Some(16),
-        rope_theta: Some(10_000.0),
-        qk_norm: true,
-        rms_eps: Some(1e-6),
-        ..classic
-    };
-    vec![("qwen3", qwen3), ("classic", classic)]
-}
-
-fn corpus(n: usize, vocab: u32) -> Vec<u32> {
-    // A learnable sequence: mostly a repeating pattern, some noise.
-    let mut s = 12345u64;
-    (0..n)
-        .map(|i| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            if (s >> 60) == 0 {
-                ((s >> 33) % u64::from(vocab)) as u32
-            } else {
-                (i as u32 * 7 + (i as u32 / 5)) % vocab
-            }
-        })
-        .collect()
-}
-
-fn cpu_loss_and_grads(
+/// A device model on one GPU (default call) over `data` as both corpora.
+fn one_gpu<'a>(
+    gpu: &Arc<lrmoe::kernels::gpu::Gpu>,
     cfg: &ModelConfig,
     m: &Model<f32>,
+    adam: &AdamWState<f32>,
     data: &[u32],
-    starts: &[usize],
-    seq: usize,
-) -> (f64, Model<f32>) {
-    let (tok, tgt) = windows(data, starts, seq);
-    let placement = Placement {
-        owner: vec![0; cfg.n_experts],
-        replicas: vec![],
-    };
-    let call = CallConfig::default();
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-    };
-    let mut out = run_local(1, Duration::from_secs(60), |t| {
-        let (l, c) = model::forward(t, cfg, m, &run, &tok, &tgt, seq)?;
-        let g = model::backward(t, cfg, m, &run, &c, seq)?;
-        Ok::<_, model::ModelError>((l, g.grads))
-    });
-    out.remove(0).unwrap()
+) -> DeviceModel<'a> {
+    DeviceModel::new(
+        gpu.clone(),
+        DeviceComm::Local,
+        cfg,
+        m,
+        adam,
+        &CallConfig::default(),
+        (data, data),
+    )
+    .unwrap()
 }
 
 /// One rank's checkpoint download (a collective over a group of one).
@@ -97,14 +51,6 @@ impl DownloadHere for DeviceModel<'_> {
     }
 }
 
-fn fresh_adam(cfg: &ModelConfig) -> AdamWState<f32> {
-    AdamWState {
-        m: Model::zeros(cfg),
-        v: Model::zeros(cfg),
-        t: 0,
-    }
-}
-
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn every_gradient_matches_the_cpu_model() {
@@ -115,27 +61,13 @@ fn every_gradient_matches_the_cpu_model() {
         let starts = [3, 101, 777, 1500, 2222, 3001, 5, 64];
         let seq = 16;
         let (cl, cg) = cpu_loss_and_grads(&cfg, &model, &data, &starts, seq);
-        let mut dm = DeviceModel::new(
-            gpu.clone(),
-            DeviceComm::Local,
-            &cfg,
-            &model,
-            &fresh_adam(&cfg),
-            &CallConfig::default(),
-            (&data, &data),
-        )
-        .unwrap();
+        let mut dm = one_gpu(&gpu, &cfg, &model, &fresh_adam(&cfg), &data);
         let (dl, dg) = dm.loss_and_grads(&starts, seq).unwrap();
         println!("{name}: loss cpu {cl:.5} device {dl:.5}");
         assert!((cl - dl).abs() <= 1e-2 * cl, "{name}: loss {cl} vs {dl}");
         // Every tensor within bf16 tolerance, except that one expert's
         // gradient may differ when a near-tied router choice flips under
         // bf16 rounding: each layer's experts are held to it together.
-        let rel = |a: &[f32], b: &[f32]| -> f64 {
-            let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-            let den: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
-            (num / den.max(1e-30)).sqrt()
-        };
         let mut worst = (String::new(), 0.0f64);
         let mut experts: std::collections::BTreeMap<String, (Vec<f32>, Vec<f32>)> =
             Default::default();
@@ -181,16 +113,7 @@ fn a_hundred_steps_follow_the_cpu_loss_curve() {
         let init = Model::<f32>::init(&cfg, 11);
         let mut cpu = init.clone();
         let mut adam = fresh_adam(&cfg);
-        let mut dm = DeviceModel::new(
-            gpu.clone(),
-            DeviceComm::Local,
-            &cfg,
-            &init,
-            &fresh_adam(&cfg),
-            &CallConfig::default(),
-            (&data, &data),
-        )
-        .unwrap();
+        let mut dm = one_gpu(&gpu, &cfg, &init, &fresh_adam(&cfg), &data);
         let seq = 16;
         let mut worst = 0.0f64;
         let (mut first, mut last) = ((0.0, 0.0), (0.0, 0.0));
@@ -235,29 +158,10 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
     let (_, cfg) = configs().remove(0);
     let data = corpus(4000, cfg.vocab as u32);
     let init = Model::<f32>::init(&cfg, 3);
-    let call = CallConfig::default();
     let starts =
         |step: usize| -> Vec<usize> { (0..8).map(|i| (step * 131 + i * 389) % 3900).collect() };
-    let mut straight = DeviceModel::new(
-        gpu.clone(),
-        DeviceComm::Local,
-        &cfg,
-        &init,
-        &fresh_adam(&cfg),
-        &call,
-        (&data, &data),
-    )
-    .unwrap();
-    let mut first = DeviceModel::new(
-        gpu.clone(),
-        DeviceComm::Local,
-        &cfg,
-        &init,
-        &fresh_adam(&cfg),
-        &call,
-        (&data, &data),
-    )
-    .unwrap();
+    let mut straight = one_gpu(&gpu, &cfg, &init, &fresh_adam(&cfg), &data);
+    let mut first = one_gpu(&gpu, &cfg, &init, &fresh_adam(&cfg), &data);
     let mut a = Vec::new();
     let mut b = Vec::new();
     for step in 0..6 {
@@ -280,16 +184,7 @@ fn a_resumed_model_continues_as_the_uninterrupted_one() {
     }
     let (m, adam) = first.download_here();
     assert_eq!(adam.t, 3);
-    let mut resumed = DeviceModel::new(
-        gpu.clone(),
-        DeviceComm::Local,
-        &cfg,
-        &m,
-        &adam,
-        &call,
-        (&data, &data),
-    )
-    .unwrap();
+    let mut resumed = one_gpu(&gpu, &cfg, &m, &adam, &data);
     for step in 3..6 {
         let lr = optim::lr_at(&optim_cfg, step, 6);
         b.push(
@@ -322,19 +217,7 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
     let (_, cfg) = configs().remove(0);
     let data = corpus(4000, cfg.vocab as u32);
     let init = Model::<f32>::init(&cfg, 5);
-    let call = CallConfig::default();
-    let new = || {
-        DeviceModel::new(
-            gpu.clone(),
-            DeviceComm::Local,
-            &cfg,
-            &init,
-            &fresh_adam(&cfg),
-            &call,
-            (&data, &data),
-        )
-        .unwrap()
-    };
+    let new = || one_gpu(&gpu, &cfg, &init, &fresh_adam(&cfg), &data);
     let (mut one, mut four) = (new(), new());
     let mut gap = 0.0f64;
     for step in 0..20 {

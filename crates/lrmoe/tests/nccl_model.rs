@@ -16,66 +16,15 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use lrmoe::data::windows;
+mod common;
+
+use common::{configs, corpus, cpu_loss_and_grads, fresh_adam, rel};
 use lrmoe::device_model::DeviceModel;
 use lrmoe::layer::device::DeviceComm;
 use lrmoe::layer::transport::all_gather;
-use lrmoe::layer::{run_local, CallConfig, DistEnv, NcclTransport, Transport};
-use lrmoe::model::{self, Model, ModelConfig, MoeRun};
-use lrmoe::optim::{self, AdamWConfig, AdamWState};
-use lrmoe::quota::Placement;
-
-fn cfg() -> ModelConfig {
-    ModelConfig {
-        vocab: 40,
-        d_model: 32,
-        n_layers: 2,
-        n_heads: 4,
-        ffn: 16,
-        n_experts: 8,
-        top_k: 2,
-        renormalize: true,
-        max_seq: 16,
-        n_kv_heads: Some(2),
-        head_dim: Some(16),
-        rope_theta: Some(10_000.0),
-        qk_norm: true,
-        rms_eps: Some(1e-6),
-    }
-}
-
-fn corpus(n: usize, vocab: u32) -> Vec<u32> {
-    (0..n as u32)
-        .map(|i| (i * 7 + i / 5 + (i * i) % 3) % vocab)
-        .collect()
-}
-
-fn cpu(cfg: &ModelConfig, m: &Model<f32>, data: &[u32], starts: &[usize]) -> (f64, Model<f32>) {
-    let (tok, tgt) = windows(data, starts, 16);
-    let placement = Placement {
-        owner: vec![0; cfg.n_experts],
-        replicas: vec![],
-    };
-    let call = CallConfig::default();
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-    };
-    run_local(1, Duration::from_secs(60), |t| {
-        let (l, c) = model::forward(t, cfg, m, &run, &tok, &tgt, 16)?;
-        let g = model::backward(t, cfg, m, &run, &c, 16)?;
-        Ok::<_, model::ModelError>((l, g.grads))
-    })
-    .remove(0)
-    .unwrap()
-}
-
-fn rel(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| f64::from(x - y).powi(2)).sum();
-    let den: f64 = a.iter().map(|x| f64::from(*x).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
+use lrmoe::layer::{CallConfig, DistEnv, NcclTransport, Transport};
+use lrmoe::model::Model;
+use lrmoe::optim::{self, AdamWConfig};
 
 #[test]
 #[ignore = "needs ≥ 2 GPUs: run under lrmoe launch on the device"]
@@ -86,15 +35,11 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
     let t = NcclTransport::connect(&env, Duration::from_secs(120)).unwrap();
     let gpu = Arc::new(lrmoe::kernels::gpu::Gpu::open(env.local_rank).unwrap());
     let (r, w) = (t.rank(), t.world_size());
-    let cfg = cfg();
+    let (_, cfg) = configs().remove(0);
     let el = cfg.n_experts / w;
-    let data = corpus(4000, 40);
+    let data = corpus(4000, cfg.vocab as u32);
     let model = Model::<f32>::init(&cfg, 7);
-    let zeros = || AdamWState {
-        m: Model::zeros(&cfg),
-        v: Model::zeros(&cfg),
-        t: 0,
-    };
+    let zeros = || fresh_adam(&cfg);
     let starts: Vec<usize> = (0..8).map(|i| 3 + i * 431).collect();
     let per = starts.len() / w;
     let mine = &starts[r * per..(r + 1) * per];
@@ -116,7 +61,7 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
         .map(|v| v[0])
         .sum::<f64>()
         / w as f64;
-    let (cl, cg) = cpu(&cfg, &model, &data, &starts);
+    let (cl, cg) = cpu_loss_and_grads(&cfg, &model, &data, &starts, 16);
     assert!((cl - dl).abs() <= 1e-2 * cl, "rank {r}: loss {cl} vs {dl}");
     let mut experts = (Vec::new(), Vec::new());
     for ((n, a), (_, b)) in cg.tensors().into_iter().zip(dg.tensors()) {
@@ -158,7 +103,7 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
     for step in 0..30 {
         let starts: Vec<usize> = (0..8).map(|i| (step * 97 + i * 431) % 3900).collect();
         let lr = optim::lr_at(&optim_cfg, step, 30);
-        let (cl, g) = cpu(&cfg, &cpu_m, &data, &starts);
+        let (cl, g) = cpu_loss_and_grads(&cfg, &cpu_m, &data, &starts, 16);
         optim::step(&optim_cfg, &mut cpu_m, &g, &mut adam, lr);
         let l = dm
             .train_step(&starts[r * per..(r + 1) * per], 16, 1, &optim_cfg, lr, &[])

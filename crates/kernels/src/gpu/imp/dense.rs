@@ -519,14 +519,7 @@ impl Gpu {
         y: &CudaSlice<u16>,
         n: usize,
     ) -> Result<(), KernelError> {
-        at_least("x", n, x.len())?;
-        at_least("y", n, y.len())?;
-        let nl = n as i64;
-        let mut l = self.stream.launch_builder(&self.dense.add_into);
-        l.arg(x).arg(y).arg(&nl);
-        // SAFETY: (f32*, u16*, long long); n entries each.
-        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
-        Ok(())
+        self.accumulate(&self.dense.add_into, x, y, n)
     }
 
     /// `x[..n] += y[..n]` (f32; gradients accumulated over micro-batches).
@@ -536,12 +529,24 @@ impl Gpu {
         y: &CudaSlice<f32>,
         n: usize,
     ) -> Result<(), KernelError> {
+        self.accumulate(&self.dense.add_f32, x, y, n)
+    }
+
+    /// Launches an accumulating kernel `(f32* x, const Y* y, long long n)`.
+    fn accumulate<Y: cudarc::driver::DeviceRepr>(
+        &self,
+        f: &CudaFunction,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<Y>,
+        n: usize,
+    ) -> Result<(), KernelError> {
         at_least("x", n, x.len())?;
         at_least("y", n, y.len())?;
         let nl = n as i64;
-        let mut l = self.stream.launch_builder(&self.dense.add_f32);
+        let mut l = self.stream.launch_builder(f);
         l.arg(x).arg(y).arg(&nl);
-        // SAFETY: (f32*, f32*, long long); n entries each.
+        // SAFETY: (f32*, Y*, long long), Y the kernel's element type (the
+        // callers pair each kernel with its type); n entries each.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(())
     }
