@@ -44,16 +44,19 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
     let per = starts.len() / w;
     let mine = &starts[r * per..(r + 1) * per];
     let call = CallConfig::default();
-    let mut dm = DeviceModel::new(
-        gpu.clone(),
-        DeviceComm::Nccl(t.comm()),
-        &cfg,
-        &model,
-        &zeros(),
-        &call,
-        (&data, &data),
-    )
-    .unwrap();
+    let new_model = || {
+        DeviceModel::new(
+            gpu.clone(),
+            DeviceComm::Nccl(t.comm()),
+            &cfg,
+            &model,
+            &zeros(),
+            &call,
+            (&data, &data),
+        )
+        .unwrap()
+    };
+    let mut dm = new_model();
     let (dl, dg) = dm.loss_and_grads(mine, 16).unwrap();
     let dl = all_gather(&t, &[dl])
         .unwrap()
@@ -88,16 +91,7 @@ fn launched_ranks_train_the_device_model_like_the_cpu_model() {
         warmup: 5,
         ..AdamWConfig::default()
     };
-    let mut dm = DeviceModel::new(
-        gpu,
-        DeviceComm::Nccl(t.comm()),
-        &cfg,
-        &model,
-        &zeros(),
-        &call,
-        (&data, &data),
-    )
-    .unwrap();
+    let mut dm = new_model();
     let (mut cpu_m, mut adam) = (model.clone(), zeros());
     let mut worst = 0.0f64;
     for step in 0..30 {
