@@ -65,6 +65,10 @@ pub struct DeviceStep {
     /// loss), MoE forward, dense backward, MoE backward, optimizer (norm,
     /// clip, AdamW). One GPU: no communication.
     pub split_ms: [f64; 5],
+    /// Device memory in use after the step (bytes, `cuMemGetInfo`: the
+    /// stream-ordered pool keeps freed memory, so this is the step's peak
+    /// reservation plus the context).
+    pub device_bytes: u64,
     /// Each layer's plan.
     pub plans: Vec<CallPlan>,
     /// Each micro-batch's per-layer backward figures.
@@ -1214,6 +1218,7 @@ mod imp {
                 grad_norm: f64::from(norm_sq).sqrt(),
                 moe_seconds: (moe_f + moe_b) / 1e3,
                 split_ms,
+                device_bytes: g.used_bytes().map_err(k)?,
                 plans,
                 stats,
             })

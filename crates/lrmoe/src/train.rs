@@ -1036,6 +1036,10 @@ struct StepMetrics {
     /// forward, MoE forward, dense backward, MoE backward, optimizer.
     #[serde(skip_serializing_if = "Option::is_none")]
     device_ms: Option<[f64; 5]>,
+    /// The device-resident model's device memory in use after the step
+    /// (the pool's peak reservation plus the context), bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    device_mem_bytes: Option<u64>,
     layers: Vec<LayerMetrics>,
 }
 
@@ -1329,6 +1333,7 @@ struct StepOut {
     busiest: u64,
     expert_load: Vec<Vec<u64>>,
     device_ms: Option<[f64; 5]>,
+    device_mem_bytes: Option<u64>,
 }
 
 /// Kept and routed pairs per layer, the most pairs rank `me` processed in
@@ -1526,6 +1531,7 @@ fn rank_loop<X: Transport>(
             busiest,
             expert_load,
             device_ms,
+            device_mem_bytes,
         } = match device_model {
             Some(dm) => {
                 // The whole model on this GPU: only the windows' starts go
@@ -1550,6 +1556,7 @@ fn rank_loop<X: Transport>(
                     busiest,
                     expert_load,
                     device_ms: Some(st.split_ms),
+                    device_mem_bytes: Some(st.device_bytes),
                 }
             }
             None => {
@@ -1580,6 +1587,7 @@ fn rank_loop<X: Transport>(
                     busiest: sg.busiest,
                     expert_load: sg.expert_load,
                     device_ms: None,
+                    device_mem_bytes: None,
                 }
             }
         };
@@ -1685,6 +1693,7 @@ fn rank_loop<X: Transport>(
                 micro_batches: step_micro,
                 val_loss,
                 device_ms,
+                device_mem_bytes,
                 layers,
             };
             let line = serde_json::to_string(&m).unwrap_or_default() + "\n";
