@@ -1,6 +1,6 @@
 //! Bounded fuzzing of every parser, in CI: the plan problem, the training
-//! TOML, the replay traces (EPLB, Megatron, metrics), checkpoints and
-//! tensor files. Each target mutates the seed files under
+//! TOML, the Hugging Face `config.json` reader, the replay traces (EPLB,
+//! Megatron, metrics), checkpoints and tensor files. Each target mutates the seed files under
 //! `tests/fuzz-corpus/<target>/` and asserts: no panic, and either an error
 //! or an output whose invariants hold (pairs conserved, routes only to an
 //! expert's instances, kept ≤ routed, kept fraction ≤ 1, ranks within
@@ -151,6 +151,7 @@ fn input(target: &'static str) -> impl Strategy<Value = Vec<u8>> {
                 "megatron",
                 "metrics",
                 "checkpoint",
+                "hf-config",
             ]
             .into_iter()
             .map(|t| (t, seeds(t)))
@@ -242,6 +243,24 @@ proptest! {
                 prop_assert!(cfg.run.max_minutes.is_none_or(|m| m.is_finite() && m > 0.0));
                 prop_assert!(cfg.data.val_fraction > 0.0 && cfg.data.val_fraction < 0.5);
             }
+        }
+    }
+
+    #[test]
+    fn hf_configs(bytes in input("hf-config")) {
+        let text = String::from_utf8_lossy(&bytes);
+        if let Ok(hf) = lrmoe::hf_config::parse(&text) {
+            // What it reads is a model section the trainer accepts or
+            // refuses with an error, never a panic.
+            let m = hf.model;
+            prop_assert!(m.d_model > 0 && m.n_layers > 0 && m.n_heads > 0);
+            prop_assert!(m.qk_norm && m.rope_theta.is_some_and(|t| t.is_finite() && t > 0.0));
+            let cfg = lrmoe::train::TrainConfig {
+                model: m,
+                ..Default::default()
+            };
+            let _ = cfg.model_config(65);
+            let _ = hf.warning();
         }
     }
 
@@ -345,6 +364,14 @@ fn every_seed_parses_cleanly() {
     for b in seeds("train-toml") {
         let cfg = lrmoe::train::TrainConfig::from_toml(std::str::from_utf8(&b).unwrap()).unwrap();
         cfg.validate().unwrap();
+    }
+    for b in seeds("hf-config") {
+        let hf = lrmoe::hf_config::parse(std::str::from_utf8(&b).unwrap()).unwrap();
+        let cfg = lrmoe::train::TrainConfig {
+            model: hf.model,
+            ..Default::default()
+        };
+        cfg.model_config(65).unwrap();
     }
     let cfg = lrmoe::train::TrainConfig::from_toml(
         &std::fs::read_to_string(corpus_dir("train-toml").join("tiny.toml")).unwrap(),
