@@ -290,6 +290,12 @@ mod imp {
         n_seq: usize,
         seq: usize,
         tok: CudaSlice<u32>,
+        /// Each token's position (learned positions only).
+        pos_idx: Option<CudaSlice<u32>>,
+        /// Group offsets of the one-group projections and of attention
+        /// (one group per sequence and key/value head).
+        one: CudaSlice<i32>,
+        att: CudaSlice<i32>,
         blocks: Vec<Saved>,
         x_final: CudaSlice<f32>,
         inv_f: CudaSlice<f32>,
@@ -369,6 +375,11 @@ mod imp {
                     .flat_map(|e| sel(e).iter().copied())
                     .collect::<Vec<f32>>()
             };
+            // The forced hot-expert workload's router logit bias, the same
+            // for every layer.
+            let logit_bias: Option<Vec<f32>> = call
+                .logit_bias(cfg.n_experts)?
+                .map(|b| b.iter().map(|&x| x as f32).collect());
             let mut blocks = Vec::with_capacity(cfg.n_layers);
             for (i, b) in model.blocks.iter().enumerate() {
                 let (bm, bv) = (&am.blocks[i], &av.blocks[i]);
@@ -410,9 +421,8 @@ mod imp {
                     wo16: g.zeros(b.wo.len()).map_err(k)?,
                     moe: DeviceWeights::zeros(g, comm, &moe_cfg)?,
                 };
-                if let Some(bias) = call.logit_bias(cfg.n_experts)? {
-                    let b32: Vec<f32> = bias.iter().map(|&x| x as f32).collect();
-                    layer::device::set_logit_bias(g, &moe_cfg, &mut blk.moe, &b32)?;
+                if let Some(b32) = &logit_bias {
+                    layer::device::set_logit_bias(g, &moe_cfg, &mut blk.moe, b32)?;
                 }
                 // The bf16 copies from the masters.
                 for (src, dst) in [
@@ -623,12 +633,16 @@ mod imp {
             // SAFETY: corpus tokens are below the corpus vocabulary, which
             // the model's vocabulary covers (TrainConfig::model_config).
             let mut x = unsafe { g.embed(&self.embed.p, &tok, n, d) }.map_err(k)?;
-            if let Some(pos) = &self.pos {
-                let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
-                let pd = g.upload(&p).map_err(k)?;
-                // SAFETY: positions are below seq ≤ max_seq, the table's rows.
-                unsafe { g.embed_add(&pos.p, &pd, &mut x, n, d) }.map_err(k)?;
-            }
+            let pos_idx = match &self.pos {
+                Some(pos) => {
+                    let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
+                    let pd = g.upload(&p).map_err(k)?;
+                    // SAFETY: positions are below seq ≤ max_seq, the table's rows.
+                    unsafe { g.embed_add(&pos.p, &pd, &mut x, n, d) }.map_err(k)?;
+                    Some(pd)
+                }
+                None => None,
+            };
             let one = g.even_offsets(1, n).map_err(k)?;
             let groups = n_seq * kv;
             let rows_each = (h / kv) * seq;
@@ -732,6 +746,9 @@ mod imp {
                 n_seq,
                 seq,
                 tok,
+                pos_idx,
+                one,
+                att,
                 blocks,
                 x_final: x,
                 inv_f,
@@ -774,15 +791,14 @@ mod imp {
             let (qd, kd) = (h * dh, kv * dh);
             let theta = cfg.rope_theta.unwrap_or(0.0) as f32;
             let scale = 1.0 / (dh as f32).sqrt();
-            let one = g.even_offsets(1, n).map_err(k)?;
+            let (one, att) = (&f.one, &f.att);
             let groups = n_seq * kv;
-            let att = g.even_offsets(groups, (h / kv) * seq).map_err(k)?;
             let rows = n_seq * h * seq;
             let moe_cfg = cfg.moe();
             let d_head = g
                 .gemm_dev(
                     GemmVariant::WeightGrad,
-                    &one,
+                    one,
                     1,
                     n,
                     &f.hf,
@@ -794,7 +810,7 @@ mod imp {
             let dhf = g
                 .gemm_dev(
                     GemmVariant::DataGrad,
-                    &one,
+                    one,
                     1,
                     n,
                     &f.dlogits,
@@ -853,28 +869,19 @@ mod imp {
                 // Attention branch.
                 let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
                 let d_wo = g
-                    .gemm_dev(GemmVariant::WeightGrad, &one, 1, n, &s.attn, &dxb, qd, d)
+                    .gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.attn, &dxb, qd, d)
                     .map_err(k)?;
                 let dattn = g
-                    .gemm_dev(GemmVariant::DataGrad, &one, 1, n, &dxb, &b.wo16, qd, d)
+                    .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
                     .map_err(k)?;
                 let dc = g.heads(&dattn, (n_seq, seq, h, dh), 0.0, true).map_err(k)?;
                 let dp = g
-                    .gemm_dev(
-                        GemmVariant::DataGrad,
-                        &att,
-                        groups,
-                        rows,
-                        &dc,
-                        &s.v,
-                        seq,
-                        dh,
-                    )
+                    .gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, &s.v, seq, dh)
                     .map_err(k)?;
                 let dv = g
                     .gemm_dev(
                         GemmVariant::WeightGrad,
-                        &att,
+                        att,
                         groups,
                         rows,
                         &s.p,
@@ -888,12 +895,12 @@ mod imp {
                     .map_err(k)?;
                 drop(dp);
                 let dq = g
-                    .gemm_dev(GemmVariant::Forward, &att, groups, rows, &ds, &s.k, seq, dh)
+                    .gemm_dev(GemmVariant::Forward, att, groups, rows, &ds, &s.k, seq, dh)
                     .map_err(k)?;
                 let dk = g
                     .gemm_dev(
                         GemmVariant::WeightGrad,
-                        &att,
+                        att,
                         groups,
                         rows,
                         &ds,
@@ -920,11 +927,11 @@ mod imp {
                     norms = vec![Grad::F32(d_qn), Grad::F32(d_kn)];
                 }
                 let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
-                    g.gemm_dev(GemmVariant::WeightGrad, &one, 1, n, &s.a, dproj, d, width)
+                    g.gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.a, dproj, d, width)
                         .map_err(k)
                 };
                 let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
-                    g.gemm_dev(GemmVariant::DataGrad, &one, 1, n, dproj, w, d, width)
+                    g.gemm_dev(GemmVariant::DataGrad, one, 1, n, dproj, w, d, width)
                         .map_err(k)
                 };
                 let (d_wq, d_wk, d_wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
@@ -964,12 +971,10 @@ mod imp {
             // SAFETY: tokens below the vocabulary (the forward embedded them).
             unsafe { g.embed_backward(&dx, &f.tok, &mut d_embed, n, d) }.map_err(k)?;
             let mut grads = vec![(Share::Dense, Grad::F32(d_embed))];
-            if self.pos.is_some() {
-                let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
+            if let Some(pd) = &f.pos_idx {
                 let mut d_pos = g.zeros::<f32>(cfg.max_seq * d).map_err(k)?;
                 // SAFETY: positions below seq ≤ max_seq.
-                unsafe { g.embed_backward(&dx, &g.upload(&p).map_err(k)?, &mut d_pos, n, d) }
-                    .map_err(k)?;
+                unsafe { g.embed_backward(&dx, pd, &mut d_pos, n, d) }.map_err(k)?;
                 grads.push((Share::Dense, Grad::F32(d_pos)));
             }
             grads.extend(block_grads.into_iter().flatten());
