@@ -643,32 +643,56 @@ fn a_hot_expert_bias_skews_routing_and_keeps_gradients_exact() {
     );
     assert!(skewed[0] > plain[0]);
     // Finite differences through the biased router (f64).
-    let r = run(&cfg, &hot, &params, &x, &dy, 2).unwrap();
-    let loss = |p: &MoeParams<f64>, x: &[f64]| -> f64 {
-        let y = run(&cfg, &hot, p, x, &dy, 1).unwrap().y;
-        y.iter().zip(&dy).map(|(a, b)| a * b).sum()
-    };
-    let eps = 1e-6;
-    for i in [0, 7, 23] {
-        let (mut p1, mut p2) = (params.clone(), params.clone());
-        p1.router[i] += eps;
-        p2.router[i] -= eps;
-        let numeric = (loss(&p1, &x) - loss(&p2, &x)) / (2.0 * eps);
-        assert!((r.grads.router[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()));
-    }
-    for i in [0, 5, 17] {
-        let (mut x1, mut x2) = (x.clone(), x.clone());
-        x1[i] += eps;
-        x2[i] -= eps;
-        let numeric = (loss(&params, &x1) - loss(&params, &x2)) / (2.0 * eps);
-        assert!((r.dx[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()));
-    }
+    assert_fd_through_router(&cfg, &hot, &params, &x, &dy, true);
     let bad = CallConfig {
         hot_experts: 9,
         hot_bias: 1.0,
         ..CallConfig::default()
     };
     assert!(run(&cfg, &bad, &params, &x, &dy, 1).is_err());
+}
+
+/// Central finite differences of `Σ y·dy` (f64, one rank) against the
+/// two-rank layer's router gradient at a few entries and, with `input`,
+/// its input gradient.
+fn assert_fd_through_router(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    params: &MoeParams<f64>,
+    x: &[f64],
+    dy: &[f64],
+    input: bool,
+) {
+    let r = run(cfg, call, params, x, dy, 2).unwrap();
+    let loss = |p: &MoeParams<f64>, x: &[f64]| -> f64 {
+        let y = run(cfg, call, p, x, dy, 1).unwrap().y;
+        y.iter().zip(dy).map(|(a, b)| a * b).sum()
+    };
+    let eps = 1e-6;
+    for i in [0, 7, 23] {
+        let (mut p1, mut p2) = (params.clone(), params.clone());
+        p1.router[i] += eps;
+        p2.router[i] -= eps;
+        let numeric = (loss(&p1, x) - loss(&p2, x)) / (2.0 * eps);
+        assert!(
+            (r.grads.router[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+            "router[{i}]: {} vs {numeric}",
+            r.grads.router[i]
+        );
+    }
+    if input {
+        for i in [0, 5, 17] {
+            let (mut x1, mut x2) = (x.to_vec(), x.to_vec());
+            x1[i] += eps;
+            x2[i] -= eps;
+            let numeric = (loss(params, &x1) - loss(params, &x2)) / (2.0 * eps);
+            assert!(
+                (r.dx[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
+                "dx[{i}]: {} vs {numeric}",
+                r.dx[i]
+            );
+        }
+    }
 }
 
 #[test]
@@ -750,23 +774,7 @@ fn the_balancing_bias_moves_the_choice_but_not_the_gates_or_gradients() {
     assert_eq!(load, skewed, "the stats report the call's load");
     // The layer with the bias equals a reference that routes to the same
     // experts with unbiased gates: check through finite differences.
-    let r = run(&cfg, &biased, &params, &x, &dy, 2).unwrap();
-    let loss = |p: &MoeParams<f64>, x: &[f64]| -> f64 {
-        let y = run(&cfg, &biased, p, x, &dy, 1).unwrap().y;
-        y.iter().zip(&dy).map(|(a, b)| a * b).sum()
-    };
-    let eps = 1e-6;
-    for i in [0, 7, 23] {
-        let (mut p1, mut p2) = (params.clone(), params.clone());
-        p1.router[i] += eps;
-        p2.router[i] -= eps;
-        let numeric = (loss(&p1, &x) - loss(&p2, &x)) / (2.0 * eps);
-        assert!(
-            (r.grads.router[i] - numeric).abs() <= 1e-6 * (1.0 + numeric.abs()),
-            "router[{i}]: {} vs {numeric}",
-            r.grads.router[i]
-        );
-    }
+    assert_fd_through_router(&cfg, &biased, &params, &x, &dy, false);
     // A wrong-length or non-finite bias is refused.
     for bad in [vec![0.5; cfg.n_experts + 1], vec![f64::NAN; cfg.n_experts]] {
         let call = CallConfig {
