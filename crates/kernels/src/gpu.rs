@@ -461,6 +461,12 @@ mod imp {
         }
     }
 
+    /// A grouped GEMM's workspace and the SM count it was sized for.
+    struct GemmWorkspace {
+        buf: CudaSlice<u8>,
+        sms: i32,
+    }
+
     /// Warps per block of the row kernels.
     const THREADS: u32 = 256;
 
@@ -1441,18 +1447,20 @@ mod imp {
             d: &mut CudaSlice<u16>,
             h: usize,
             f: usize,
-            ws: &mut CudaSlice<u8>,
+            ws: &mut GemmWorkspace,
         ) -> Result<(), KernelError> {
             use cudarc::driver::{DevicePtr, DevicePtrMut};
-            let ws_len = ws.len();
-            let sms = self.gemm_sms();
+            let ws_len = ws.buf.len();
+            // The SM count the workspace was sized for (the reserve may
+            // change meanwhile on another thread sharing this `Gpu`).
+            let sms = ws.sms;
             let (g, hh, ff) = (dim("groups", groups)?, dim("h", h)?, dim("f", f)?);
             self.ctx.bind_to_thread().map_err(cuda)?;
             let (po, _o) = offsets.device_ptr(&self.stream);
             let (pa, _a) = a.device_ptr(&self.stream);
             let (pb, _b) = b.device_ptr(&self.stream);
             let (pd, _d) = d.device_ptr_mut(&self.stream);
-            let (pw, _w) = ws.device_ptr_mut(&self.stream);
+            let (pw, _w) = ws.buf.device_ptr_mut(&self.stream);
             // SAFETY: 1. the function is the library's `lrmoe_grouped_gemm`
             // with the declared C signature; 2. every pointer is a live
             // device allocation of the sizes `gemm_shapes` checked (offsets
@@ -1498,20 +1506,22 @@ mod imp {
                 .store(sms, std::sync::atomic::Ordering::Relaxed);
         }
 
+        /// A grouped GEMM's workspace for the SM count of now, which the
+        /// launch then uses.
         fn gemm_workspace(
             &self,
             variant: GemmVariant,
             groups: usize,
-        ) -> Result<CudaSlice<u8>, KernelError> {
+        ) -> Result<GemmWorkspace, KernelError> {
+            let sms = self.gemm_sms();
             // SAFETY: a pure query of the library (declared C signature).
             let bytes = unsafe {
-                (self.gemm.workspace)(
-                    variant_code(variant),
-                    dim("groups", groups)?,
-                    self.gemm_sms(),
-                )
+                (self.gemm.workspace)(variant_code(variant), dim("groups", groups)?, sms)
             };
-            self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda)
+            Ok(GemmWorkspace {
+                buf: self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda)?,
+                sms,
+            })
         }
 
         /// Grouped GEMM on bf16 bits (f32 accumulation, bf16 out); see

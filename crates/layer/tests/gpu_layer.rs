@@ -19,6 +19,8 @@ use layer::device::{self, DeviceComm};
 use layer::{run_local, CallConfig, DevicePlanner, ExpertWeights, MoeConfig, MoeParams};
 use quota::Placement;
 
+mod common;
+
 struct Rng(u64);
 impl Rng {
     fn next(&mut self) -> u64 {
@@ -395,5 +397,26 @@ fn gpu_expert_backend_matches_the_cpu_twins() {
             assert!(gk < t * cfg.top_k, "{what}: nothing was dropped");
         }
         eprintln!("{what}: GPU expert backend matches the twins (kept {gk})");
+    }
+}
+
+/// The multi-rank device executor — every exchange, replica, sum and plan
+/// of the NCCL path — on 2 and 4 in-process ranks sharing this one GPU
+/// (`DeviceComm::Staged`: buffers staged through the host), against EP = 1
+/// and the host executor: the suite `nccl.rs` runs over NCCL.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn device_executor_on_in_process_ranks_matches_ep1_and_the_host() {
+    let gpu = Gpu::open(0).unwrap();
+    for world in [2, 4] {
+        let results = run_local(world, Duration::from_secs(600), |t| {
+            common::device_executor_suite(&gpu, DeviceComm::Staged(t), t);
+            Ok::<_, layer::LayerError>(())
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            if let Err(e) = r {
+                panic!("EP = {world}, rank {rank}: {e}");
+            }
+        }
     }
 }

@@ -96,8 +96,8 @@ struct TrainArgs {
     /// Backward mode of the MoE layers.
     #[arg(long, value_enum)]
     mode: Option<lrmoe::train::Mode>,
-    /// Where the MoE layers run: the host executor, or (launched ranks with
-    /// --device cuda) the device expert-parallel executor.
+    /// Where the MoE layers run: the host executor, or (with --device cuda)
+    /// the device expert-parallel executor and the whole model on the GPUs.
     #[arg(long, value_enum)]
     executor: Option<lrmoe::train::Executor>,
     /// In-process expert-parallel ranks.
@@ -151,10 +151,12 @@ struct TrainArgs {
     timeout_s: f64,
     /// `cuda` (needs `--features cuda`): one rank trains the whole model on
     /// GPU 0 (weights, optimizer, corpus and activations on the device;
-    /// bf16 compute, f32 masters); several ranks (`--ranks N`, or launched
-    /// ranks on GPU LOCAL_RANK) keep the dense parts on the CPU and run the
-    /// MoE layers on their GPU (`--executor device`: the device executor
-    /// over NCCL; otherwise the expert GEMMs as grouped kernels).
+    /// bf16 compute, f32 masters). Several ranks with `--executor device`
+    /// do the same per rank: launched ranks on GPU LOCAL_RANK over NCCL, or
+    /// in-process ranks (`--ranks N`) sharing GPU 0 with their exchanges
+    /// staged through the host (slow; for checking). Several ranks on the
+    /// host executor keep the dense parts on the CPU and run the expert
+    /// GEMMs as grouped kernels on their GPU.
     #[arg(long, default_value = "cpu")]
     device: String,
 }

@@ -188,8 +188,11 @@ pub enum Executor {
     /// cuda` runs the device executor (EP = 1) either way.
     #[default]
     Host,
-    /// The layer crate's device executor (`--device cuda`; launched ranks
-    /// or one GPU): the whole layer on each rank's GPU — routing, the
+    /// The layer crate's device executor (`--device cuda`): the whole
+    /// model on the GPUs — one rank; launched ranks, one GPU each; or
+    /// in-process ranks (`--ranks N`) sharing one GPU with their exchanges
+    /// staged through the host (for checking a plan, not for speed). Each
+    /// layer on each rank's GPU: routing, the
     /// controller's plan from routed counts, replicas, selection,
     /// redistribution, NCCL all-to-alls of packed kept rows.
     Device,
@@ -1095,14 +1098,27 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     cfg.validate()?;
     // Shapes first: a bad config should not wait for the corpus.
     cfg.model_config(1)?;
+    if cfg.moe.executor == Executor::Device && opts.gpu.is_none() {
+        return Err(TrainError::Config(
+            "moe.executor = \"device\" needs --device cuda".into(),
+        ));
+    }
     let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
     // One GPU, one rank: the whole model resident on the device, its
     // vocabulary padded to a multiple of 8 unless the configuration sets it.
     // Launched ranks with `--executor device`: the same, experts sharded
     // over the ranks' GPUs, dense weights replicated.
+    // In-process ranks with `--executor device`: one device model per rank
+    // thread, all on this one GPU, their collectives staged through the
+    // host (`DeviceComm::Staged`: the multi-rank path's plan and exchanges,
+    // not its speed).
+    let staged = opts.gpu.is_some()
+        && opts.transport.is_none()
+        && cfg.moe.ranks > 1
+        && cfg.moe.executor == Executor::Device;
     let whole_gpu = opts.gpu.is_some()
         && ((cfg.moe.ranks == 1 && opts.transport.is_none())
-            || (opts.transport.is_some() && cfg.moe.executor == Executor::Device));
+            || cfg.moe.executor == Executor::Device);
     let corpus_vocab = if whole_gpu && cfg.model.vocab.is_none() {
         crate::device_model::padded_vocab(corpus.vocab.len())
     } else {
@@ -1202,14 +1218,6 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     // multi-rank runs (threads sharing GPU 0, or launched processes on the
     // host executor) keep the dense parts on the CPU and run the host
     // layer's expert GEMMs as bf16 grouped kernels on their GPU.
-    if cfg.moe.executor == Executor::Device && !whole_gpu {
-        return Err(TrainError::Config(if opts.gpu.is_none() {
-            "moe.executor = \"device\" needs --device cuda (one GPU per rank)".into()
-        } else {
-            "moe.executor = \"device\" on several ranks runs under `lrmoe launch` (one GPU per rank)"
-                .into()
-        }));
-    }
     let call = match &opts.gpu {
         Some(gpu) if !whole_gpu => CallConfig {
             experts: layer::ExpertBackend::Bf16(gpu.clone()),
@@ -1222,20 +1230,24 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         backward: &call,
         expert_bias: &[],
     };
-    let device_model = match (&opts.gpu, whole_gpu) {
-        (Some(gpu), true) => Some(std::sync::Mutex::new(DeviceModel::new(
-            gpu.clone(),
-            match opts.transport.as_deref() {
-                Some(t) => layer::device::DeviceComm::Nccl(t.comm()),
-                None => layer::device::DeviceComm::Local,
-            },
+    let device_model = match opts.transport.as_deref() {
+        _ if !whole_gpu || staged => None,
+        Some(t) => Some(new_device_model(
+            opts,
+            layer::device::DeviceComm::Nccl(t.comm()),
             &mcfg,
-            &initial.model,
-            &initial.adam,
+            &initial,
             &call,
-            (&corpus.train, &corpus.val),
-        )?)),
-        _ => None,
+            &corpus,
+        )?),
+        None => Some(new_device_model(
+            opts,
+            layer::device::DeviceComm::Local,
+            &mcfg,
+            &initial,
+            &call,
+            &corpus,
+        )?),
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
@@ -1265,19 +1277,38 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             device_model.as_ref(),
         )],
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
-            rank_loop(
-                comm,
-                cfg,
-                &mcfg,
-                &corpus,
-                &run,
-                &initial,
-                metrics.as_ref(),
-                bar.as_ref(),
-                &ckpt,
-                &opts.stop,
-                device_model.as_ref(),
-            )
+            // A macro, not a closure: the two device models borrow for
+            // different lifetimes.
+            macro_rules! loop_with {
+                ($dm:expr) => {
+                    rank_loop(
+                        comm,
+                        cfg,
+                        &mcfg,
+                        &corpus,
+                        &run,
+                        &initial,
+                        metrics.as_ref(),
+                        bar.as_ref(),
+                        &ckpt,
+                        &opts.stop,
+                        $dm,
+                    )
+                };
+            }
+            if staged {
+                let own = new_device_model(
+                    opts,
+                    layer::device::DeviceComm::Staged(comm),
+                    &mcfg,
+                    &initial,
+                    &call,
+                    &corpus,
+                )?;
+                loop_with!(Some(&own))
+            } else {
+                loop_with!(device_model.as_ref())
+            }
         }),
     };
     if bar.is_some() {
@@ -1311,6 +1342,30 @@ struct StepGrads {
     /// Routed pairs per expert and layer over every rank, summed over the
     /// micro-batches.
     expert_load: Vec<Vec<u64>>,
+}
+
+/// The device model of one rank (`comm`), from the run's first state.
+fn new_device_model<'c>(
+    opts: &RunOptions,
+    comm: layer::device::DeviceComm<'c>,
+    mcfg: &ModelConfig,
+    initial: &State,
+    call: &CallConfig,
+    corpus: &Corpus,
+) -> Result<std::sync::Mutex<DeviceModel<'c>>, TrainError> {
+    let gpu = opts
+        .gpu
+        .as_ref()
+        .ok_or_else(|| TrainError::Config("the device model needs --device cuda".into()))?;
+    Ok(std::sync::Mutex::new(DeviceModel::new(
+        gpu.clone(),
+        comm,
+        mcfg,
+        &initial.model,
+        &initial.adam,
+        call,
+        (&corpus.train, &corpus.val),
+    )?))
 }
 
 /// The device model, its lock poisoned or not (a panic elsewhere leaves

@@ -251,3 +251,23 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
         .train_step(&[1, 2, 3], 16, 2, &optim_cfg, 1e-3, &[])
         .is_err());
 }
+
+/// The device model on 2 in-process ranks sharing this GPU
+/// (`DeviceComm::Staged`): experts sharded by expert parallelism, dense
+/// gradients summed over ranks, each rank on its share of the windows —
+/// the test `nccl_model.rs` runs over NCCL on two GPUs, here with every
+/// exchange staged through the host.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn two_ranks_on_one_gpu_train_like_the_cpu_model() {
+    let gpu = Arc::new(lrmoe::kernels::gpu::Gpu::open(0).unwrap());
+    let results = run_local(2, Duration::from_secs(600), |t| {
+        common::ranks_train_like_the_cpu_model(gpu.clone(), DeviceComm::Staged(t), t);
+        Ok::<_, lrmoe::layer::LayerError>(())
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        if let Err(e) = r {
+            panic!("rank {rank}: {e}");
+        }
+    }
+}

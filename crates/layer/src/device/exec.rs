@@ -19,6 +19,7 @@ impl DeviceComm<'_> {
         match self {
             Self::Local => Ok(vec![local.to_vec()]),
             Self::Nccl(c) => c.all_gather_host(local),
+            Self::Staged(t) => t.all_gather_bytes(local).map_err(staged),
         }
     }
 
@@ -45,7 +46,7 @@ impl DeviceComm<'_> {
     /// An all-to-all of the compute stream's `send` (`send_counts` elements
     /// to each rank, `recv_counts` from each): the compute stream is
     /// drained first, the communicator's after. One rank: `send` itself.
-    fn exchange<T: kernels::gpu::DeviceRepr>(
+    fn exchange<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
         &self,
         gpu: &Gpu,
         send: CudaSlice<T>,
@@ -54,6 +55,19 @@ impl DeviceComm<'_> {
     ) -> Result<CudaSlice<T>, KernelError> {
         match self {
             Self::Local => Ok(send),
+            Self::Staged(t) => {
+                let total: usize = send_counts.iter().sum();
+                let host = gpu.download_range(&send, 0, total)?;
+                let (got, counts) =
+                    crate::transport::all_to_all(*t, &host, send_counts).map_err(staged)?;
+                if counts != recv_counts {
+                    return Err(KernelError::Comm(format!(
+                        "rank {}: received {counts:?} elements, the plan says {recv_counts:?}",
+                        t.rank()
+                    )));
+                }
+                gpu.upload(&got)
+            }
             #[cfg(feature = "nccl")]
             Self::Nccl(c) => {
                 let total: usize = recv_counts.iter().sum();
@@ -77,7 +91,7 @@ impl DeviceComm<'_> {
     /// (b, off, n)`, `recv_parts[s] = (off, n)` into `recv` from rank `s`;
     /// the message to self never travels (its counts are zero: the caller
     /// moves those rows itself). One rank: nothing to do.
-    fn start<T: kernels::gpu::DeviceRepr>(
+    fn start<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
         &self,
         gpu: &Gpu,
         sends: Vec<CudaSlice<T>>,
@@ -87,6 +101,44 @@ impl DeviceComm<'_> {
     ) -> Result<Flight<T>, KernelError> {
         match self {
             Self::Local => Ok(Flight::Here(recv, sends)),
+            Self::Staged(t) => {
+                let (rank, world) = (t.rank(), t.world_size());
+                if send_parts.len() != world || recv_parts.len() != world {
+                    return Err(KernelError::Shape {
+                        what: "all-to-all parts (one per rank)",
+                        expected: world,
+                        got: send_parts.len().min(recv_parts.len()),
+                    });
+                }
+                let mut host = Vec::new();
+                let mut counts = Vec::with_capacity(world);
+                for (d, &(b, off, n)) in send_parts.iter().enumerate() {
+                    if n > 0 && d != rank {
+                        let buf = sends.get(b).ok_or(KernelError::Shape {
+                            what: "all-to-all send buffer",
+                            expected: b + 1,
+                            got: sends.len(),
+                        })?;
+                        host.extend(gpu.download_range(buf, off, n)?);
+                    }
+                    counts.push(if d == rank { 0 } else { n });
+                }
+                let (got, got_counts) =
+                    crate::transport::all_to_all(*t, &host, &counts).map_err(staged)?;
+                let mut recv = recv;
+                let mut at = 0;
+                for (s, (&(off, n), &c)) in recv_parts.iter().zip(&got_counts).enumerate() {
+                    let want = if s == rank { 0 } else { n };
+                    if c != want {
+                        return Err(KernelError::Comm(format!(
+                            "rank {rank}: {c} elements from rank {s}, the plan says {want}"
+                        )));
+                    }
+                    gpu.upload_range(&got[at..at + c], &mut recv, off)?;
+                    at += c;
+                }
+                Ok(Flight::Here(recv, sends))
+            }
             #[cfg(feature = "nccl")]
             Self::Nccl(c) => Ok(Flight::Away(
                 c.start_all_to_all(gpu, sends, send_parts, recv, recv_parts)?,
@@ -102,7 +154,7 @@ impl DeviceComm<'_> {
     /// A timed mark on the communicator's stream (none on one rank).
     fn mark(&self) -> Result<Option<Mark>, KernelError> {
         match self {
-            Self::Local => Ok(None),
+            Self::Local | Self::Staged(_) => Ok(None),
             #[cfg(feature = "nccl")]
             Self::Nccl(c) => Ok(Some(c.mark()?)),
             #[cfg(not(feature = "nccl"))]
@@ -114,6 +166,13 @@ impl DeviceComm<'_> {
     fn start_sum(&self, gpu: &Gpu, buf: CudaSlice<f32>) -> Result<Flight<f32>, KernelError> {
         match self {
             Self::Local => Ok(Flight::Here(buf, Vec::new())),
+            Self::Staged(t) => {
+                let mut buf = buf;
+                let mut host = gpu.download_range(&buf, 0, buf.len())?;
+                t.all_reduce_sum_f32(&mut host).map_err(staged)?;
+                gpu.upload_range(&host, &mut buf, 0)?;
+                Ok(Flight::Here(buf, Vec::new()))
+            }
             #[cfg(feature = "nccl")]
             Self::Nccl(c) => Ok(Flight::Away(c.start_all_reduce_sum_f32(gpu, buf)?)),
             #[cfg(not(feature = "nccl"))]
@@ -130,12 +189,23 @@ impl DeviceComm<'_> {
     /// never a hang.
     fn settle(&self) -> Result<(), KernelError> {
         match self {
-            Self::Local => Ok(()),
+            // The staged collectives are done when they return.
+            Self::Local | Self::Staged(_) => Ok(()),
             #[cfg(feature = "nccl")]
             Self::Nccl(c) => c.synchronize(),
             #[cfg(not(feature = "nccl"))]
             Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
         }
+    }
+}
+
+/// A host transport's error as the device operations report it.
+fn staged(e: crate::TransportError) -> KernelError {
+    match e {
+        crate::TransportError::Timeout { rank, timeout_ms } => {
+            KernelError::CommTimeout { rank, timeout_ms }
+        }
+        other => KernelError::Comm(other.to_string()),
     }
 }
 
@@ -210,8 +280,9 @@ pub fn settle(comm: DeviceComm<'_>) -> Result<(), LayerError> {
 /// SMs the experts' GEMMs leave to an exchange running beside them on
 /// several ranks: `LRMOE_COMM_SMS` (read once per process), else 16 (NCCL's send/receive kernels
 /// must find free SMs, or they wait for the persistent GEMM to end).
-fn comm_sms(world: usize) -> u32 {
-    if world == 1 {
+fn comm_sms(comm: DeviceComm<'_>) -> u32 {
+    // One rank or staged collectives: nothing runs beside the GEMMs.
+    if !matches!(comm, DeviceComm::Nccl(_)) || comm.world_size() == 1 {
         return 0;
     }
     static SMS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
@@ -227,8 +298,8 @@ fn comm_sms(world: usize) -> u32 {
 struct Overlap<'a>(&'a Gpu);
 
 impl<'a> Overlap<'a> {
-    fn new(gpu: &'a Gpu, world: usize) -> Self {
-        gpu.set_gemm_sm_reserve(comm_sms(world));
+    fn new(gpu: &'a Gpu, comm: DeviceComm<'_>) -> Self {
+        gpu.set_gemm_sm_reserve(comm_sms(comm));
         Self(gpu)
     }
 }
@@ -271,7 +342,7 @@ fn packed_parts(
 /// rank `s`); the own rows are copied on the compute stream when
 /// `copy_own` (else their region stays unwritten). One rank: every row is
 /// its own, and `send` is handed through as the received rows.
-fn exchange_rows<T: kernels::gpu::DeviceRepr>(
+fn exchange_rows<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
     send: CudaSlice<T>,
@@ -884,7 +955,7 @@ pub fn forward(
     laps.sent(gpu, comm, "x out")?;
     let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
         (0..world).map(|_| None).collect();
-    let overlap = Overlap::new(gpu, world);
+    let overlap = Overlap::new(gpu, comm);
     {
         let xs = fl.outgoing()?;
         let (a, m) = (soff[rank] * h, lay.send[rank] * h);
@@ -1461,7 +1532,7 @@ pub fn backward(
     };
     let dx_fl = exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?;
     laps.sent(gpu, comm, "dX back")?;
-    let overlap = Overlap::new(gpu, world);
+    let overlap = Overlap::new(gpu, comm);
     let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;
     laps.lap(gpu, "experts bwd")?;
     let dx_rows = dx_fl.finish()?.0;

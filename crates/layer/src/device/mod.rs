@@ -58,6 +58,7 @@
 use kernels::comm::NcclComm;
 
 use crate::plan::EpPlan;
+use crate::Transport;
 #[cfg(not(feature = "cuda"))]
 use crate::{DevicePlanner, LayerError, MoeConfig};
 
@@ -66,14 +67,22 @@ mod exec;
 #[cfg(feature = "cuda")]
 pub use exec::*;
 
-/// How this rank reaches the others: alone (one GPU, EP = 1) or through
-/// an NCCL communicator.
+/// How this rank reaches the others: alone (one GPU, EP = 1), through an
+/// NCCL communicator, or through any host [`Transport`].
 #[derive(Clone, Copy)]
 pub enum DeviceComm<'a> {
     /// One rank: collectives are identities.
     Local,
     /// A launched group's communicator.
     Nccl(&'a NcclComm),
+    /// Collectives over a host [`Transport`], every device buffer staged
+    /// through host memory and every collective waited for by the host (no
+    /// overlap, no speed): in-process ranks sharing one GPU
+    /// ([`crate::run_local`]) run the multi-rank executor — every exchange,
+    /// replica and sum of the NCCL path's plan — where only one GPU is at
+    /// hand, for tests and for debugging a plan. Results equal the NCCL
+    /// path's up to the order of the f32 sums.
+    Staged(&'a dyn Transport),
 }
 
 impl std::fmt::Debug for DeviceComm<'_> {
@@ -86,6 +95,12 @@ impl std::fmt::Debug for DeviceComm<'_> {
                 c.rank(),
                 c.world_size()
             ),
+            Self::Staged(t) => write!(
+                f,
+                "DeviceComm::Staged(rank {} of {})",
+                t.rank(),
+                t.world_size()
+            ),
         }
     }
 }
@@ -96,6 +111,7 @@ impl DeviceComm<'_> {
         match self {
             Self::Local => 0,
             Self::Nccl(c) => c.rank(),
+            Self::Staged(t) => t.rank(),
         }
     }
 
@@ -104,6 +120,7 @@ impl DeviceComm<'_> {
         match self {
             Self::Local => 1,
             Self::Nccl(c) => c.world_size(),
+            Self::Staged(t) => t.world_size(),
         }
     }
 }

@@ -103,6 +103,40 @@ impl Gpu {
         self.stream.memcpy_dtod(src, dst).map_err(cuda)
     }
 
+    /// `n` elements of `src` from element `off`, on the host (waits for the
+    /// compute stream).
+    pub fn download_range<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        src: &CudaSlice<T>,
+        off: usize,
+        n: usize,
+    ) -> Result<Vec<T>, KernelError> {
+        at_least("download range", off + n, src.len())?;
+        let mut host = vec![T::default(); n];
+        if n > 0 {
+            self.stream
+                .memcpy_dtoh(&src.slice(off..off + n), &mut host)
+                .map_err(cuda)?;
+            self.sync()?;
+        }
+        Ok(host)
+    }
+
+    /// Writes `host` into `dst` from element `off`, on the compute stream.
+    pub fn upload_range<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+        dst: &mut CudaSlice<T>,
+        off: usize,
+    ) -> Result<(), KernelError> {
+        at_least("upload range", off + host.len(), dst.len())?;
+        if host.is_empty() {
+            return Ok(());
+        }
+        let mut view = dst.slice_mut(off..off + host.len());
+        self.stream.memcpy_htod(host, &mut view).map_err(cuda)
+    }
+
     /// bf16 bits to f32, `n` values (twin: [`crate::cpu::bf16_bits_to_f32`]).
     pub fn to_f32_dev(&self, x: &CudaSlice<u16>, n: usize) -> Result<CudaSlice<f32>, KernelError> {
         at_least("values", n, x.len())?;
