@@ -124,7 +124,9 @@
 //! The host executor ([`forward`], [`backward`]) runs on CPU rows over any
 //! [`Transport`]. The device executor ([`device`], feature `cuda`) runs the
 //! same plan on device buffers: one GPU is EP = 1
-//! ([`device::DeviceComm::Local`]), several GPUs exchange over NCCL. Both
+//! ([`device::DeviceComm::Local`]), several GPUs exchange over NCCL, and
+//! in-process ranks sharing one GPU exchange through any host
+//! [`Transport`] ([`device::DeviceComm::Staged`], for tests). Both
 //! follow [`CallPlan`] from [`plan_call`] (the device executor through
 //! [`DevicePlanner`], which resolves it into an [`EpPlan`]), select per
 //! expert as above, redistribute kept pairs with `redistribute`, and move
