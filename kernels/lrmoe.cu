@@ -618,15 +618,53 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
     int lane = threadIdx.x & 31;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int n_warps = (gridDim.x * blockDim.x) >> 5;
+    bool vec = ((reinterpret_cast<uintptr_t>(dy) | reinterpret_cast<uintptr_t>(o)) & 15) == 0 && (h & 7) == 0;
     for (int r = warp; r < t; r += n_warps) {
         const float* p = probs + static_cast<size_t>(r) * e;
+        const uint16_t* dyr = dy + static_cast<size_t>(r) * h;
         float dgv[LRMOE_MAX_TOP_K];  // k <= LRMOE_MAX_TOP_K (checked by the wrapper)
+        // The k dot products <dy_r, o_pair> in one pass over dy_r: each
+        // 16-byte chunk of dy_r is loaded once, beside the same chunk of up
+        // to eight pair rows (eight loads in flight per lane).
+        for (int j0 = 0; j0 < k; j0 += 8) {
+            int m = min(8, k - j0);
+            const uint16_t* src[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj)
+                src[jj] = o + static_cast<size_t>(row[static_cast<size_t>(r) * k + j0 + min(jj, m - 1)]) * h;
+            float acc[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) acc[jj] = 0.f;
+            if (vec) {
+                const uint4* u = reinterpret_cast<const uint4*>(dyr);
+                int nv = h >> 3;
+                for (int i = lane; i < nv; i += 32) {
+                    uint4 a = __ldg(u + i);
+                    uint4 w[8];
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj)
+                        if (jj < m) w[jj] = __ldg(reinterpret_cast<const uint4*>(src[jj]) + i);
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj)
+                        if (jj < m) acc[jj] += bf16_dot8(a, w[jj]);
+                }
+            } else {
+                for (int i = lane; i < h; i += 32) {
+                    float a = __uint_as_float(static_cast<uint32_t>(dyr[i]) << 16);
+#pragma unroll
+                    for (int jj = 0; jj < 8; ++jj)
+                        if (jj < m) acc[jj] = fmaf(a, __uint_as_float(static_cast<uint32_t>(src[jj][i]) << 16), acc[jj]);
+                }
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+                float v = warp_sum(acc[jj]);
+                if (jj < m) dgv[j0 + jj] = v;
+            }
+        }
         float dot_g = 0.f, s = 0.f;
         for (int j = 0; j < k; ++j) {
-            uint32_t rr = row[static_cast<size_t>(r) * k + j];
-            float acc = row_dot(dy + static_cast<size_t>(r) * h, o + static_cast<size_t>(rr) * h, h, lane);
-            dgv[j] = acc;
-            dot_g += acc * gates[static_cast<size_t>(r) * k + j];
+            dot_g += dgv[j] * gates[static_cast<size_t>(r) * k + j];
             s += p[idx[static_cast<size_t>(r) * k + j]];
         }
         // dp is nonzero only on the k selected experts (plus the auxiliary
@@ -648,6 +686,17 @@ extern "C" __global__ void router_backward(const uint16_t* __restrict__ dy, cons
                     dpi += renormalize ? (dgv[j] - dot_g) / s : dgv[j];
             dlogits[static_cast<size_t>(r) * e + i] = to_bf(p[i] * (dpi - dot_p));
         }
+    }
+}
+
+// Column sums of a row-major [g, n] bf16 matrix in f32: out[c] = sum_r
+// x[r, c], rows in order (deterministic). The router weight gradient's
+// token groups (split over the reduction dimension) summed.
+extern "C" __global__ void col_sum_bf16(const uint16_t* __restrict__ x, float* __restrict__ out, int g, int n) {
+    for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < n; c += gridDim.x * blockDim.x) {
+        float s = 0.f;
+        for (int r = 0; r < g; ++r) s += __uint_as_float(static_cast<uint32_t>(x[static_cast<size_t>(r) * n + c]) << 16);
+        out[c] = s;
     }
 }
 

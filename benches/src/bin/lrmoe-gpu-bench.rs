@@ -175,5 +175,14 @@ fn main() -> anyhow::Result<()> {
         "Top-q selection, 128 experts × 131072 pairs (Zipf 0.8 counts, half of each expert kept): median {:.1} µs (target ≤ 100 µs)",
         t.ms * 1e3
     );
+    for (h, e) in [(2048, 128), (4096, 64)] {
+        println!();
+        println!("The router backward's parts, 16384 tokens, top-8, E{e} H{h} (median ms):");
+        println!();
+        println!("| part | ms |\n|---|---|");
+        for (name, ms) in gpu.bench_router_backward(16384, h, e, 8)? {
+            println!("| {name} | {ms:.3} |");
+        }
+    }
     Ok(())
 }

@@ -574,6 +574,25 @@ pub fn priority_weights_reference(
     w
 }
 
+/// Column sums of a row-major `g × n` bf16 matrix in f32, rows added in
+/// order (twin of `Gpu::col_sum_bf16`).
+pub fn col_sum_bf16_reference(x: &[u16], g: usize, n: usize) -> Result<Vec<f32>, KernelError> {
+    if x.len() != g * n {
+        return Err(KernelError::Shape {
+            what: "matrix (g × n)",
+            expected: g * n,
+            got: x.len(),
+        });
+    }
+    let mut out = vec![0f32; n];
+    for row in x.chunks_exact(n.max(1)).take(g) {
+        for (o, &b) in out.iter_mut().zip(row) {
+            *o += bf16_bits_to_f32(b);
+        }
+    }
+    Ok(out)
+}
+
 /// CPU twin of `bf16_to_f32_bias` ([`crate::gpu::Gpu::logits_bias_f32`]):
 /// bf16 logits of `bias.len()` columns plus a per-column bias, f32.
 pub fn logits_bias_reference(logits: &[u16], bias: &[f32]) -> Vec<f32> {

@@ -397,6 +397,7 @@ mod imp {
         f_mul_f32: CudaFunction,
         f_router_bwd: CudaFunction,
         f_col_mean: CudaFunction,
+        f_col_sum: CudaFunction,
         f_row_sq: CudaFunction,
         f_scores_norms: CudaFunction,
         f_fill: CudaFunction,
@@ -511,6 +512,7 @@ mod imp {
                 f_mul_f32: module.load_function("mul_f32").map_err(cuda)?,
                 f_router_bwd: module.load_function("router_backward").map_err(cuda)?,
                 f_col_mean: module.load_function("col_mean_f32").map_err(cuda)?,
+                f_col_sum: module.load_function("col_sum_bf16").map_err(cuda)?,
                 f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
                 f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
                 f_fill: module.load_function("fill_u32").map_err(cuda)?,
@@ -1373,6 +1375,80 @@ mod imp {
                 ms,
                 bytes: (3 * n * 2) as f64,
             })
+        }
+
+        /// The router backward's parts at `t` tokens × top-`k` of `e`
+        /// experts, width `h` (median ms each): the dlogits kernel, the
+        /// router weight gradient `xᵀ·dlogits` as one GEMM group and
+        /// split over 8 token groups (partial outputs, not summed), and the
+        /// input gradient `dlogits·Wᵀ`. Bytes: the pair rows and dy read.
+        pub fn bench_router_backward(
+            &self,
+            t: usize,
+            h: usize,
+            e: usize,
+            k: usize,
+        ) -> Result<Vec<(&'static str, f64)>, KernelError> {
+            let rows = t * k;
+            let o = self.upload(&random_bf16(rows * h, 21))?;
+            let dy = self.upload(&random_bf16(t * h, 22))?;
+            let x = self.upload(&random_bf16(t * h, 23))?;
+            let router = self.upload(&random_bf16(h * e, 24))?;
+            let row = self.upload(&permutation(rows, 25))?;
+            let probs = self.upload(&vec![1.0f32 / e as f32; t * e])?;
+            let idx: Vec<u32> = (0..rows)
+                .map(|i| ((i % k) * (e / k.max(1))) as u32)
+                .collect();
+            let idx = self.upload(&idx)?;
+            let gates = self.upload(&vec![1.0f32 / k as f32; rows])?;
+            let mut dl = self.poisoned::<u16>(t * e)?;
+            let (t_i, h_i, e_i, k_i) = (
+                dim("tokens", t)?,
+                dim("hidden", h)?,
+                dim("experts", e)?,
+                dim("top_k", k)?,
+            );
+            let null = 0u64;
+            let mut out = Vec::new();
+            {
+                let ms = self.time(20, || {
+                    let mut l = self.stream.launch_builder(&self.f_router_bwd);
+                    l.arg(&dy)
+                        .arg(&o)
+                        .arg(&row)
+                        .arg(&probs)
+                        .arg(&idx)
+                        .arg(&gates);
+                    l.arg(&null).arg(&mut dl);
+                    l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&1i32);
+                    // SAFETY: as in `router_backward`: matching signature,
+                    // row a permutation of the t·k rows of o, idx < e, no
+                    // auxiliary term.
+                    unsafe { l.launch(self.rows_config(t)) }
+                        .map(|_| ())
+                        .map_err(cuda)
+                })?;
+                out.push(("dlogits kernel", ms));
+            }
+            let one = self.upload(&[0i32, t_i])?;
+            let split: Vec<i32> = (0..=8).map(|g| (g * t / 8) as i32).collect();
+            let split = self.upload(&split)?;
+            let ms = self.time(20, || {
+                self.gemm(GemmVariant::WeightGrad, &one, 1, &x, &dl, h * e, h, e)
+                    .map(|_| ())
+            })?;
+            out.push(("router weight gradient (1 group)", ms));
+            let ms = self.time(20, || {
+                self.gemm(GemmVariant::WeightGrad, &split, 8, &x, &dl, 8 * h * e, h, e)
+                    .map(|_| ())
+            })?;
+            out.push(("router weight gradient (8 token groups)", ms));
+            let ms = self.time(20, || {
+                self.gemm(GemmVariant::DataGrad, &one, 1, &dl, &router, t * h, h, e)
+                    .map(|_| ())
+            })?;
+            out.push(("router input gradient", ms));
+            Ok(out)
         }
 
         /// Combine of `t` tokens × `k` pairs of width `h`; bytes = expert rows

@@ -583,3 +583,29 @@ fn column_means_match_the_cpu_twin() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn column_sums_of_bf16_match_the_cpu_twin() {
+    // The router weight gradient's token groups summed: column sums of a
+    // g × n bf16 matrix in f32, rows in order — bit-equal to the twin.
+    let g = gpu();
+    g.set_poison(true);
+    let mut rng = Rng(seed());
+    for &(rows, n) in &[(0usize, 8usize), (1, 1), (8, 262_144), (3, 1001)] {
+        let x: Vec<u16> = (0..rows * n)
+            .map(|_| kernels::cpu::f32_to_bf16_bits((rng.next() % 20_001) as f32 / 10_000.0 - 1.0))
+            .collect();
+        let got = g
+            .download(&g.col_sum_bf16(&g.upload(&x).unwrap(), rows, n).unwrap(), n)
+            .unwrap();
+        let want = kernels::cpu::col_sum_bf16_reference(&x, rows, n).unwrap();
+        assert_eq!(got, want, "({rows}, {n})");
+    }
+    g.set_poison(false);
+    assert!(matches!(
+        g.col_sum_bf16(&g.upload(&[0u16; 10]).unwrap(), 4, 4),
+        Err(KernelError::Shape { .. })
+    ));
+}

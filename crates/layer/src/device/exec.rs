@@ -1357,7 +1357,7 @@ pub fn backward(
     );
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
     // forward's p returned rows).
-    let (g_router, dx_router) = unsafe {
+    let (router, dx_router) = unsafe {
         gpu.router_backward(
             &sv.routed,
             sv.aux_dp.as_ref(),
@@ -1369,7 +1369,6 @@ pub fn backward(
             h,
         )
     }?;
-    let router = gpu.to_f32_dev(&g_router, h * e)?;
     comm.settle()?;
     let (flag, mine) = (flag.wait()?[0], mine.wait()?);
     if flag != 0 {
