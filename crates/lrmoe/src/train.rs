@@ -1262,40 +1262,28 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         b
     });
 
+    // A macro, not a closure: the device models borrow for different
+    // lifetimes (one per in-process rank when staged).
+    macro_rules! loop_with {
+        ($comm:expr, $dm:expr) => {
+            rank_loop(
+                $comm,
+                cfg,
+                &mcfg,
+                &corpus,
+                &run,
+                &initial,
+                metrics.as_ref(),
+                bar.as_ref(),
+                &ckpt,
+                &opts.stop,
+                $dm,
+            )
+        };
+    }
     let results = match &opts.transport {
-        Some(t) => vec![rank_loop(
-            t.as_ref(),
-            cfg,
-            &mcfg,
-            &corpus,
-            &run,
-            &initial,
-            metrics.as_ref(),
-            bar.as_ref(),
-            &ckpt,
-            &opts.stop,
-            device_model.as_ref(),
-        )],
+        Some(t) => vec![loop_with!(t.as_ref(), device_model.as_ref())],
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
-            // A macro, not a closure: the two device models borrow for
-            // different lifetimes.
-            macro_rules! loop_with {
-                ($dm:expr) => {
-                    rank_loop(
-                        comm,
-                        cfg,
-                        &mcfg,
-                        &corpus,
-                        &run,
-                        &initial,
-                        metrics.as_ref(),
-                        bar.as_ref(),
-                        &ckpt,
-                        &opts.stop,
-                        $dm,
-                    )
-                };
-            }
             if staged {
                 let own = new_device_model(
                     opts,
@@ -1305,9 +1293,9 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
                     &call,
                     &corpus,
                 )?;
-                loop_with!(Some(&own))
+                loop_with!(comm, Some(&own))
             } else {
-                loop_with!(device_model.as_ref())
+                loop_with!(comm, device_model.as_ref())
             }
         }),
     };
