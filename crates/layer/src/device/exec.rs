@@ -1261,100 +1261,135 @@ pub fn backward(
         });
     }
     let mut laps = Laps::new(gpu)?;
-    // Scores of this source's pairs (expert-major), all-gathered.
+    // Scores of this source's pairs (expert-major).
     let dy_sq = gpu.row_sq(dy, t, h)?;
     // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
     // h_sq holds p entries.
-    let mut scores =
+    let scores =
         unsafe { gpu.scores_from_norms(&sv.routed.gates, &dy_sq, &sv.h_sq, &sv.src, n, k) }?;
-    if n < p {
-        // Every source contributes p slots to the gather; only its first n
-        // are routed rows (gperm never points past them).
-        let mut padded = gpu.zeros::<f32>(p)?;
-        if n > 0 {
-            gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
-        }
-        scores = padded;
-    }
-    let all = if world == 1 {
-        scores
-    } else {
-        // Every other rank gets the one buffer whole; their p each land
-        // rank-major.
-        let sp: Vec<_> = (0..world)
-            .map(|d| (0, 0, if d == rank { 0 } else { p }))
-            .collect();
-        let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
-        // SAFETY: the exchange writes every other rank's p scores, the
-        // copy below the own ones.
-        let mut fl = comm.start(
-            gpu,
-            vec![scores],
-            &sp,
-            unsafe { gpu.uninit(world * p) }?,
-            &rp,
-        )?;
-        laps.sent(gpu, comm, "scores")?;
-        let (sends, recv) = fl.buffers_mut()?;
-        copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
-        fl.finish()?.0
-    };
-    laps.lap(gpu, "scores+gather")?;
-    // The same per-expert selection on every rank, over every source's pairs.
-    let n_all = n_g;
-    let g_scores = if sv.gperm_identity {
-        all
-    } else {
-        // SAFETY: gperm holds n_g indices into the W·p gathered scores.
-        unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
-    };
-    let qd = gpu.upload(&sv.plan.quotas)?;
-    let god = gpu.upload(&sv.goffsets)?;
-    // Top-q by score, or priority sampling: top-q by key, weights from the
-    // threshold (the key kept at q + 1 but not at q).
-    let keys = match sv.plan.priority_seed {
-        Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
-        None => None,
-    };
-    let by = keys.as_ref().unwrap_or(&g_scores);
     let mut err = gpu.upload(&[0u32])?;
-    let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
+    // The selection flags exactly min(q_e, n_e) rows of expert e's segment
+    // (its contract, device-tested against `select_top_reference`) when no
+    // score is non-finite (checked below): the kept pairs per expert.
+    let global: Vec<u32> = sv
+        .plan
+        .quotas
+        .iter()
+        .zip(sv.goffsets.windows(2))
+        .map(|(&q, w)| q.min(w[1] - w[0]))
+        .collect();
+    // Every pair kept — each expert's quota covers its pairs over every
+    // source (full retention, or a budget that does not bind): no score
+    // crosses ranks, nothing is selected and every rank already knows the
+    // kept counts (the forward's). The local top-q at q = n still checks
+    // every score (a non-finite dy is an error) and flags every row; every
+    // rule's weight is then 1 (priority sampling's threshold is 0).
+    let keep_all = sv
+        .plan
+        .quotas
+        .iter()
+        .zip(sv.goffsets.windows(2))
+        .all(|(&q, w)| q >= w[1] - w[0]);
+    let (mask, kept_g, pair_weight, mine) = if keep_all {
+        let own: Vec<u32> = sv.offsets.windows(2).map(|w| w[1] - w[0]).collect();
+        let (seg, quotas) = (gpu.upload(&sv.offsets)?, gpu.upload(&own)?);
         // SAFETY: the selection writes a flag for every row.
-        let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
-        // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
-        // length of the scores, ids and flags; quotas holds E.
-        unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut err, e) }?;
-        Ok(kept)
-    };
-    let kept_g = select(&qd)?;
-    let pair_weight = match &keys {
-        Some(rho) => {
-            let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
-            let kept_g1 = select(&gpu.upload(&more)?)?;
-            // SAFETY: goffsets partitions the n_g rows every buffer holds.
-            let wt = unsafe {
-                gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
-            }?;
-            // This source's pairs: global row → expert-major row → pair.
-            // SAFETY: gidx maps this source's n rows into the n_g global
-            // rows; dst maps each pair to one of the p rows.
-            let w_pair = unsafe {
-                let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
-                gpu.gather32(&w_rows, &sv.dst, p)
-            }?;
-            Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
+        let mut kept = unsafe { gpu.uninit::<u8>(n) }?;
+        // SAFETY: offsets are this source's E + 1 ascending expert offsets
+        // ending at n, the length of the scores, ids (src) and flags;
+        // quotas holds E.
+        unsafe { gpu.launch_select(&scores, &sv.src, &seg, &quotas, &mut kept, &mut err, e) }?;
+        laps.lap(gpu, "scores+gather")?;
+        (kept, None, None, None)
+    } else {
+        let mut scores = scores;
+        if n < p {
+            // Every source contributes p slots to the gather; only its first n
+            // are routed rows (gperm never points past them).
+            let mut padded = gpu.zeros::<f32>(p)?;
+            if n > 0 {
+                gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
+            }
+            scores = padded;
         }
-        None => None,
+        let all = if world == 1 {
+            scores
+        } else {
+            // Every other rank gets the one buffer whole; their p each land
+            // rank-major.
+            let sp: Vec<_> = (0..world)
+                .map(|d| (0, 0, if d == rank { 0 } else { p }))
+                .collect();
+            let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
+            // SAFETY: the exchange writes every other rank's p scores, the
+            // copy below the own ones.
+            let mut fl = comm.start(
+                gpu,
+                vec![scores],
+                &sp,
+                unsafe { gpu.uninit(world * p) }?,
+                &rp,
+            )?;
+            laps.sent(gpu, comm, "scores")?;
+            let (sends, recv) = fl.buffers_mut()?;
+            copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
+            fl.finish()?.0
+        };
+        laps.lap(gpu, "scores+gather")?;
+        // The same per-expert selection on every rank, over every source's pairs.
+        let n_all = n_g;
+        let g_scores = if sv.gperm_identity {
+            all
+        } else {
+            // SAFETY: gperm holds n_g indices into the W·p gathered scores.
+            unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
+        };
+        let qd = gpu.upload(&sv.plan.quotas)?;
+        let god = gpu.upload(&sv.goffsets)?;
+        // Top-q by score, or priority sampling: top-q by key, weights from the
+        // threshold (the key kept at q + 1 but not at q).
+        let keys = match sv.plan.priority_seed {
+            Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
+            None => None,
+        };
+        let by = keys.as_ref().unwrap_or(&g_scores);
+        let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
+            // SAFETY: the selection writes a flag for every row.
+            let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
+            // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
+            // length of the scores, ids and flags; quotas holds E.
+            unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut err, e) }?;
+            Ok(kept)
+        };
+        let kept_g = select(&qd)?;
+        let pair_weight = match &keys {
+            Some(rho) => {
+                let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
+                let kept_g1 = select(&gpu.upload(&more)?)?;
+                // SAFETY: goffsets partitions the n_g rows every buffer holds.
+                let wt = unsafe {
+                    gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
+                }?;
+                // This source's pairs: global row → expert-major row → pair.
+                // SAFETY: gidx maps this source's n rows into the n_g global
+                // rows; dst maps each pair to one of the p rows.
+                let w_pair = unsafe {
+                    let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
+                    gpu.gather32(&w_rows, &sv.dst, p)
+                }?;
+                Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
+            }
+            None => None,
+        };
+        // SAFETY: gidx maps this source's n rows into the n_g flags.
+        let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
+        let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
+        // The host needs the kept counts to plan; the router's backward
+        // (complete and local) keeps the device busy meanwhile.
+        let mine = gpu.download_later(&mine_d, e)?;
+        (mask, Some(kept_g), pair_weight, Some(mine))
     };
-    // SAFETY: gidx maps this source's n rows into the n_g flags.
-    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
-    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
-    // The host needs the kept counts to plan; the router's backward
-    // (complete and local) keeps the device busy meanwhile.
-    let (flag, mine) = (
-        gpu.download_later(&err, 1)?,
-        gpu.download_later(&mine_d, e)?,
-    );
+    let flag = gpu.download_later(&err, 1)?;
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
     // forward's p returned rows).
     let (router, dx_router) = unsafe {
@@ -1370,31 +1405,29 @@ pub fn backward(
         )
     }?;
     comm.settle()?;
-    let (flag, mine) = (flag.wait()?[0], mine.wait()?);
-    if flag != 0 {
+    if flag.wait()?[0] != 0 {
         return Err(LayerError::NonFinite(
             "a LRM score of the device backward (non-finite dy?)",
         ));
     }
-    let kept = comm.all_gather_counts(&mine)?;
-    // The selection flags exactly min(q_e, n_e) rows of expert e's segment
-    // (its contract, device-tested against `select_top_reference`) when no
-    // score is non-finite (checked above): the kept pairs per expert.
-    let global: Vec<u32> = sv
-        .plan
-        .quotas
-        .iter()
-        .zip(sv.goffsets.windows(2))
-        .map(|(&q, w)| q.min(w[1] - w[0]))
-        .collect();
-    for (ex, &g) in global.iter().enumerate() {
-        let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
-        if sum != u64::from(g) {
-            return Err(LayerError::Kernel(KernelError::Comm(format!(
-                "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
-            ))));
+    let kept = match mine {
+        None => sv.counts_all.clone(),
+        Some(mine) => {
+            let kept = comm.all_gather_counts(&mine.wait()?)?;
+            // The selection flags exactly min(q_e, n_e) rows of expert e's segment
+            // (its contract, device-tested against `select_top_reference`) when no
+            // score is non-finite (checked above): the kept pairs per expert.
+            for (ex, &g) in global.iter().enumerate() {
+                let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
+                if sum != u64::from(g) {
+                    return Err(LayerError::Kernel(KernelError::Comm(format!(
+                        "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
+                    ))));
+                }
+            }
+            kept
         }
-    }
+    };
     laps.lap(gpu, "select + router")?;
     // Redistribution of the kept pairs over the instances.
     let split = planner.backward(&sv.plan, &kept)?;
@@ -1474,13 +1507,20 @@ pub fn backward(
             // masked by its slice of the global selection: the kept rows in
             // the order the sources sent their g·δ rows.
             let (lo, hi) = own.global;
-            // SAFETY: the copy writes all hi - lo flags.
-            let mut m = unsafe { gpu.uninit::<u8>(hi - lo) }?;
-            if hi > lo {
-                let v = kept_g.slice(lo..hi);
-                let mut to = m.slice_mut(0..hi - lo);
-                gpu.copy(&v, &mut to)?;
-            }
+            // Every row when every pair is kept.
+            let m = match &kept_g {
+                None => None,
+                Some(kept_g) => {
+                    // SAFETY: the copy writes all hi - lo flags.
+                    let mut m = unsafe { gpu.uninit::<u8>(hi - lo) }?;
+                    if hi > lo {
+                        let v = kept_g.slice(lo..hi);
+                        let mut to = m.slice_mut(0..hi - lo);
+                        gpu.copy(&v, &mut to)?;
+                    }
+                    Some(m)
+                }
+            };
             let kb: Vec<u32> = global[rank * el..(rank + 1) * el].to_vec();
             let kb = exclusive_scan(&kb);
             if kb[el] as usize != n_r {
@@ -1498,7 +1538,7 @@ pub fn backward(
             unsafe {
                 let (_, rows) = gpu.group(
                     &own.expert,
-                    Some(&m),
+                    m.as_ref(),
                     Some(&own.offsets),
                     &kb[..el],
                     hi - lo,

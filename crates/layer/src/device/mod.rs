@@ -25,7 +25,10 @@
 //! LRMoE backward: the router gradient is complete and local (each source
 //! kept its pairs' outputs; it runs while the host plans), then summed over
 //! ranks beside the kept rows' exchange. Each source forms its
-//! pairs' LRM scores `g²·‖δ‖²·‖h‖²`; the scores are all-gathered and every
+//! pairs' LRM scores `g²·‖δ‖²·‖h‖²`; unless every quota covers all of its
+//! expert's pairs (then every pair is kept: the scores are only checked
+//! for non-finite values, nothing crosses ranks and the kept counts are the
+//! forward's), the scores are all-gathered and every
 //! rank makes the same per-expert selection over every source's pairs (the
 //! crate doc's `Selection::PerExpert`; ties to the lower source, then the
 //! lower pair). The kept counts per (source, expert) go to the planner's
