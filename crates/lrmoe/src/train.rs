@@ -1230,24 +1230,18 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         backward: &call,
         expert_bias: &[],
     };
-    let device_model = match opts.transport.as_deref() {
-        _ if !whole_gpu || staged => None,
-        Some(t) => Some(new_device_model(
-            opts,
-            layer::device::DeviceComm::Nccl(t.comm()),
-            &mcfg,
-            &initial,
-            &call,
-            &corpus,
-        )?),
-        None => Some(new_device_model(
-            opts,
-            layer::device::DeviceComm::Local,
-            &mcfg,
-            &initial,
-            &call,
-            &corpus,
-        )?),
+    // One device model for this process's rank (staged in-process ranks
+    // build theirs in their threads).
+    let device_model = if whole_gpu && !staged {
+        let comm = match opts.transport.as_deref() {
+            Some(t) => layer::device::DeviceComm::Nccl(t.comm()),
+            None => layer::device::DeviceComm::Local,
+        };
+        Some(new_device_model(
+            opts, comm, &mcfg, &initial, &call, &corpus,
+        )?)
+    } else {
+        None
     };
     let bar = (opts.progress && opts.writes()).then(|| {
         let b = indicatif::ProgressBar::new(cfg.steps as u64);
