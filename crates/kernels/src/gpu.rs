@@ -1410,26 +1410,24 @@ mod imp {
             );
             let null = 0u64;
             let mut out = Vec::new();
-            {
-                let ms = self.time(20, || {
-                    let mut l = self.stream.launch_builder(&self.f_router_bwd);
-                    l.arg(&dy)
-                        .arg(&o)
-                        .arg(&row)
-                        .arg(&probs)
-                        .arg(&idx)
-                        .arg(&gates);
-                    l.arg(&null).arg(&mut dl);
-                    l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&1i32);
-                    // SAFETY: as in `router_backward`: matching signature,
-                    // row a permutation of the t·k rows of o, idx < e, no
-                    // auxiliary term.
-                    unsafe { l.launch(self.rows_config(t)) }
-                        .map(|_| ())
-                        .map_err(cuda)
-                })?;
-                out.push(("dlogits kernel", ms));
-            }
+            let ms = self.time(20, || {
+                let mut l = self.stream.launch_builder(&self.f_router_bwd);
+                l.arg(&dy)
+                    .arg(&o)
+                    .arg(&row)
+                    .arg(&probs)
+                    .arg(&idx)
+                    .arg(&gates);
+                l.arg(&null).arg(&mut dl);
+                l.arg(&t_i).arg(&h_i).arg(&e_i).arg(&k_i).arg(&1i32);
+                // SAFETY: as in `router_backward`: matching signature,
+                // row a permutation of the t·k rows of o, idx < e, no
+                // auxiliary term.
+                unsafe { l.launch(self.rows_config(t)) }
+                    .map(|_| ())
+                    .map_err(cuda)
+            })?;
+            out.push(("dlogits kernel", ms));
             let one = self.upload(&[0i32, t_i])?;
             let split: Vec<i32> = (0..=8).map(|g| (g * t / 8) as i32).collect();
             let split = self.upload(&split)?;
