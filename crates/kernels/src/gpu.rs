@@ -31,7 +31,7 @@ impl Timing {
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
 pub use imp::{
-    dense::GradElem,
+    dense::{AttnSaved, AttnShape, GradElem},
     ops::{ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };

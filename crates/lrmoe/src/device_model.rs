@@ -176,7 +176,7 @@ mod imp {
 
     use kernels::cpu::GemmVariant;
     use kernels::dense::AdamHp;
-    use kernels::gpu::{CudaSlice, Gpu};
+    use kernels::gpu::{AttnSaved, AttnShape, CudaSlice, Gpu};
     use layer::device::{DeviceComm, DeviceSaved, DeviceWeights};
     use layer::{BackwardStats, CallConfig, DevicePlanner, ExpertWeights};
 
@@ -275,10 +275,7 @@ mod imp {
         a: CudaSlice<u16>,
         /// q/k projections before their head norms, and the norms' 1/rms.
         qk_raw: Option<HeadNorms>,
-        q: CudaSlice<u16>,
-        k: CudaSlice<u16>,
-        v: CudaSlice<u16>,
-        p: CudaSlice<u16>,
+        att: AttnSaved,
         attn: CudaSlice<u16>,
         x_mid: CudaSlice<f32>,
         inv2: CudaSlice<f32>,
@@ -321,6 +318,18 @@ mod imp {
         match gr {
             Grad::F32(x) => Ok(x),
             Grad::Bf16(x) => g.to_f32_dev(&x, x.len()).map_err(k),
+        }
+    }
+
+    /// The attention shape of a batch of `n_seq` windows of `seq` tokens.
+    fn attn_shape(cfg: &ModelConfig, n_seq: usize, seq: usize) -> AttnShape {
+        AttnShape {
+            n_seq,
+            seq,
+            heads: cfg.n_heads,
+            kv_heads: cfg.kv_heads(),
+            head_dim: cfg.head_width(),
+            theta: cfg.rope_theta.unwrap_or(0.0) as f32,
         }
     }
 
@@ -624,8 +633,6 @@ mod imp {
             let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
             let (qd, kd) = (h * dh, kv * dh);
             let eps = cfg.eps() as f32;
-            let theta = cfg.rope_theta.unwrap_or(0.0) as f32;
-            let scale = 1.0 / (dh as f32).sqrt();
             let corpus = if val { &self.val } else { &self.train };
             let st = self.starts(starts, seq, val)?;
             // SAFETY: every window lies inside the corpus (checked above).
@@ -644,10 +651,10 @@ mod imp {
                 None => None,
             };
             let one = g.even_offsets(1, n).map_err(k)?;
-            let groups = n_seq * kv;
-            let rows_each = (h / kv) * seq;
-            let att = g.even_offsets(groups, rows_each).map_err(k)?;
-            let rows = n_seq * h * seq;
+            let shape = attn_shape(cfg, n_seq, seq);
+            let att = g
+                .even_offsets(shape.groups(), shape.rows_each())
+                .map_err(k)?;
             let moe_cfg = cfg.moe();
             let mut blocks = Vec::with_capacity(self.blocks.len());
             let mut aux_loss = 0.0;
@@ -673,18 +680,9 @@ mod imp {
                         k_inv,
                     });
                 }
-                let q = g.heads(&qt, (n_seq, seq, h, dh), theta, true).map_err(k)?;
-                let kk = g.heads(&kt, (n_seq, seq, kv, dh), theta, true).map_err(k)?;
-                let v = g.heads(&vt, (n_seq, seq, kv, dh), 0.0, true).map_err(k)?;
-                let s = g
-                    .gemm_dev(GemmVariant::DataGrad, &att, groups, rows, &q, &kk, seq, dh)
+                let (attn, att_saved) = g
+                    .attention_forward(shape, &att, (&qt, &kt, &vt))
                     .map_err(k)?;
-                let p = g.softmax_causal(&s, rows, seq, scale).map_err(k)?;
-                drop(s);
-                let c = g
-                    .gemm_dev(GemmVariant::Forward, &att, groups, rows, &p, &v, seq, dh)
-                    .map_err(k)?;
-                let attn = g.heads(&c, (n_seq, seq, h, dh), 0.0, false).map_err(k)?;
                 let o = g
                     .gemm_dev(GemmVariant::Forward, &one, 1, n, &attn, &b.wo16, qd, d)
                     .map_err(k)?;
@@ -707,10 +705,7 @@ mod imp {
                     inv1,
                     a,
                     qk_raw,
-                    q,
-                    k: kk,
-                    v,
-                    p,
+                    att: att_saved,
                     attn,
                     x_mid,
                     inv2,
@@ -789,11 +784,7 @@ mod imp {
             let (d, vocab) = (cfg.d_model, cfg.vocab);
             let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
             let (qd, kd) = (h * dh, kv * dh);
-            let theta = cfg.rope_theta.unwrap_or(0.0) as f32;
-            let scale = 1.0 / (dh as f32).sqrt();
             let (one, att) = (&f.one, &f.att);
-            let groups = n_seq * kv;
-            let rows = n_seq * h * seq;
             let moe_cfg = cfg.moe();
             let d_head = g
                 .gemm_dev(
@@ -819,6 +810,7 @@ mod imp {
                     vocab,
                 )
                 .map_err(k)?;
+            let shape = attn_shape(cfg, n_seq, seq);
             let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
             let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
             g.rmsnorm_backward(
@@ -874,46 +866,9 @@ mod imp {
                 let dattn = g
                     .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
                     .map_err(k)?;
-                let dc = g.heads(&dattn, (n_seq, seq, h, dh), 0.0, true).map_err(k)?;
-                let dp = g
-                    .gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, &s.v, seq, dh)
+                let (mut dqt, mut dkt, dvt) = g
+                    .attention_backward(shape, att, &s.att, &dattn)
                     .map_err(k)?;
-                let dv = g
-                    .gemm_dev(
-                        GemmVariant::WeightGrad,
-                        att,
-                        groups,
-                        rows,
-                        &s.p,
-                        &dc,
-                        seq,
-                        dh,
-                    )
-                    .map_err(k)?;
-                let ds = g
-                    .softmax_causal_backward(&s.p, &dp, rows, seq, scale)
-                    .map_err(k)?;
-                drop(dp);
-                let dq = g
-                    .gemm_dev(GemmVariant::Forward, att, groups, rows, &ds, &s.k, seq, dh)
-                    .map_err(k)?;
-                let dk = g
-                    .gemm_dev(
-                        GemmVariant::WeightGrad,
-                        att,
-                        groups,
-                        rows,
-                        &ds,
-                        &s.q,
-                        seq,
-                        dh,
-                    )
-                    .map_err(k)?;
-                let mut dqt = g.heads(&dq, (n_seq, seq, h, dh), theta, false).map_err(k)?;
-                let mut dkt = g
-                    .heads(&dk, (n_seq, seq, kv, dh), theta, false)
-                    .map_err(k)?;
-                let dvt = g.heads(&dv, (n_seq, seq, kv, dh), 0.0, false).map_err(k)?;
                 let mut norms = Vec::new();
                 if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
                     let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;

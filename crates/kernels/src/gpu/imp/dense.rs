@@ -682,3 +682,102 @@ impl Gpu {
         Ok(())
     }
 }
+
+/// One causal grouped-query attention call's shape: `n_seq` sequences of
+/// `seq` tokens, `heads` query heads sharing `kv_heads` key/value heads of
+/// width `head_dim`, rotary embeddings with base `theta` (0: none).
+#[derive(Debug, Clone, Copy)]
+pub struct AttnShape {
+    /// Sequences.
+    pub n_seq: usize,
+    /// Tokens per sequence.
+    pub seq: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Key/value heads (divides `heads`).
+    pub kv_heads: usize,
+    /// Head width.
+    pub head_dim: usize,
+    /// RoPE base (0: no rotation).
+    pub theta: f32,
+}
+
+impl AttnShape {
+    /// GEMM groups: one per sequence and key/value head.
+    pub fn groups(&self) -> usize {
+        self.n_seq * self.kv_heads
+    }
+
+    /// Query rows per group (the heads sharing one key/value head).
+    pub fn rows_each(&self) -> usize {
+        self.heads / self.kv_heads.max(1) * self.seq
+    }
+}
+
+/// What [`Gpu::attention_forward`] keeps for the backward: head-major
+/// queries and keys (rotated), values, and the causal probabilities
+/// (`n_seq · heads · seq × seq`).
+pub struct AttnSaved {
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    p: CudaSlice<u16>,
+}
+
+impl Gpu {
+    /// Causal grouped-query attention on token-major projections (`q`:
+    /// tokens × heads·head_dim, `k`, `v`: tokens × kv_heads·head_dim):
+    /// head layouts with RoPE, scores `QKᵀ` as grouped GEMMs (`att`: the
+    /// group offsets of [`AttnShape::groups`] groups of
+    /// [`AttnShape::rows_each`] rows, [`Gpu::even_offsets`]), the causal
+    /// softmax (scale `1/√head_dim`), `PV`; the output token-major. Its
+    /// reference is the CPU model's attention (the device model's tests).
+    pub fn attention_forward(
+        &self,
+        s: AttnShape,
+        att: &CudaSlice<i32>,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+    ) -> Result<(CudaSlice<u16>, AttnSaved), KernelError> {
+        let (n_seq, seq, h, kv, dh) = (s.n_seq, s.seq, s.heads, s.kv_heads, s.head_dim);
+        let (groups, rows) = (s.groups(), n_seq * h * seq);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let q = self.heads(q, (n_seq, seq, h, dh), s.theta, true)?;
+        let k = self.heads(k, (n_seq, seq, kv, dh), s.theta, true)?;
+        let v = self.heads(v, (n_seq, seq, kv, dh), 0.0, true)?;
+        let sc = self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &q, &k, seq, dh)?;
+        let p = self.softmax_causal(&sc, rows, seq, scale)?;
+        drop(sc);
+        let c = self.gemm_dev(GemmVariant::Forward, att, groups, rows, &p, &v, seq, dh)?;
+        let out = self.heads(&c, (n_seq, seq, h, dh), 0.0, false)?;
+        Ok((out, AttnSaved { q, k, v, p }))
+    }
+
+    /// The backward of [`Gpu::attention_forward`] from the output's
+    /// gradient (token-major): the gradients of the token-major `q`, `k`,
+    /// `v` projections (rotations undone).
+    #[allow(clippy::type_complexity)]
+    pub fn attention_backward(
+        &self,
+        s: AttnShape,
+        att: &CudaSlice<i32>,
+        saved: &AttnSaved,
+        dout: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let (n_seq, seq, h, kv, dh) = (s.n_seq, s.seq, s.heads, s.kv_heads, s.head_dim);
+        let (groups, rows) = (s.groups(), n_seq * h * seq);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let AttnSaved { q, k, v, p } = saved;
+        let dc = self.heads(dout, (n_seq, seq, h, dh), 0.0, true)?;
+        let dp = self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, v, seq, dh)?;
+        let dv = self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, p, &dc, seq, dh)?;
+        let ds = self.softmax_causal_backward(p, &dp, rows, seq, scale)?;
+        drop(dp);
+        let dq = self.gemm_dev(GemmVariant::Forward, att, groups, rows, &ds, k, seq, dh)?;
+        let dk = self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, &ds, q, seq, dh)?;
+        Ok((
+            self.heads(&dq, (n_seq, seq, h, dh), s.theta, false)?,
+            self.heads(&dk, (n_seq, seq, kv, dh), s.theta, false)?,
+            self.heads(&dv, (n_seq, seq, kv, dh), 0.0, false)?,
+        ))
+    }
+}
