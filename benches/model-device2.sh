@@ -3,13 +3,13 @@
 # experts sharded, dense weights replicated, gradients summed over NCCL.
 # Build here and carry .device/ (NCCL from the driver machine's PyPI wheel
 # as in benches/dist-replicas.sh):
-#   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/lrmoe-nccl
+#   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/lrmoe
 #   cargo test --release -p lrmoe --features nccl --test nccl_model --no-run  # → .device/model-nccl-tests
 #   cp benches/torch_qwen3_moe.py .device/
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name --format=csv,noheader
-.device/lrmoe-nccl launch --nproc 2 --exec .device/model-nccl-tests -- --ignored --test-threads=1 --nocapture 2>&1 | grep -E "rank|test result|panicked"
+.device/lrmoe launch --nproc 2 --exec .device/model-nccl-tests -- --ignored --test-threads=1 --nocapture 2>&1 | grep -E "rank|test result|panicked"
 cat > /tmp/m2.toml <<'T'
 steps = 60
 [data]
@@ -24,7 +24,7 @@ eval_batches = 1
 checkpoint_every = 0
 out_dir = "/tmp/run-mini2"
 T
-timeout 250 .device/lrmoe-nccl launch --nproc 2 -- train --device cuda --model-config examples/qwen3-moe-mini.config.json \
+timeout 250 .device/lrmoe launch --nproc 2 -- train --device cuda --model-config examples/qwen3-moe-mini.config.json \
   --config /tmp/m2.toml --no-progress --force 2>&1 | tail -2
 python3 -c "
 import json
