@@ -332,3 +332,390 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
         y[i] = to_bf(x[i]);
 }
+
+// ---------------------------------------------------------------------------
+// Fused causal grouped-query attention (FlashAttention-2's algorithm: Dao,
+// 2023), bf16 tensor cores through WMMA (16 × 16 × 16, f32 accumulate).
+// Head-major inputs: q [n_seq, heads, seq, DH], k and v [n_seq, kv, seq,
+// DH]; query head hq reads key/value head hq / (heads / kv). Scores are
+// s = scale · q·k; the kernels work in base 2 (sl = scale · log2 e), so the
+// forward's row statistic is lse2 = log2 Σ_{j ≤ i} 2^(sl·q·k_j) and the
+// probabilities p = 2^(sl·q·k − lse2). No seq × seq matrix is stored.
+// Blocks of 64 queries or keys, 4 warps of 16 rows each; rows past seq
+// are zero-filled and never written. Twins: crate::dense::
+// flash_attention_reference / flash_attention_backward_reference.
+#include <mma.h>
+
+namespace fa {
+constexpr int B = 64;      // queries or keys per block
+constexpr int WARPS = 4;   // 16 rows each
+// Shared-memory row strides, padded by 16 bytes so that the rows of a tile
+// fall in different banks (unpadded 128- or 256-byte rows make every
+// fragment load an 8-way bank conflict).
+template <int DH> constexpr int LT = DH + 8;   // bf16 tiles [B][DH]
+constexpr int LS = B + 4;                      // f32 rows of 64 scores
+constexpr int LP = B + 8;                      // bf16 rows of 64 probabilities
+constexpr int LS16 = 16 + 4;                   // f32 rows of 16 scores
+constexpr int LP16 = 16 + 8;                   // bf16 rows of 16
+using namespace nvcuda;
+using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
+using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
+using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
+using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+__device__ __forceinline__ const __nv_bfloat16* bfp(const uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
+
+// rows [row0, row0 + 64) of a [seq, DH] head into a padded smem tile, zero
+// past seq.
+template <int DH>
+__device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int row0, int seq) {
+    constexpr int V = DH / 8;  // 16-byte vectors per row
+    for (int i = threadIdx.x; i < B * V; i += blockDim.x) {
+        int r = i / V, c = i % V;
+        uint4 x = make_uint4(0, 0, 0, 0);
+        if (row0 + r < seq) x = reinterpret_cast<const uint4*>(src + (long long)(row0 + r) * DH)[c];
+        reinterpret_cast<uint4*>(dst + r * LT<DH>)[c] = x;
+    }
+}
+
+// A 16 × DH f32 accumulator set (DH / 16 fragments) to bf16 rows of out
+// (row0 + r < seq only), staged through a warp's 16 × 16 f32 scratch.
+template <int DH>
+__device__ __forceinline__ void store_rows(Acc* acc, float* scratch, uint16_t* out, int row0, int seq) {
+    int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int n = 0; n < DH / 16; n++) {
+        wmma::store_matrix_sync(scratch, acc[n], 16, wmma::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32) {
+            int r = e >> 4, c = e & 15;
+            if (row0 + r < seq) out[(long long)(row0 + r) * DH + n * 16 + c] = to_bf(scratch[e]);
+        }
+        __syncwarp();
+    }
+}
+}  // namespace fa
+
+// Shared memory: K, V tiles; per warp 16 × 64 scores (f32; the bf16
+// probabilities overwrite them) and the 16 × DH f32 output accumulator.
+template <int DH>
+__device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                          const uint16_t* __restrict__ v, uint16_t* __restrict__ o, float* __restrict__ lse2,
+                          int seq, int heads, int kv, float sl) {
+    using namespace fa;
+    constexpr int L = LT<DH>, LO = DH + 4;
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
+    uint16_t* Vs = Ks + B * L;                         // [B][L]
+    float* S = reinterpret_cast<float*>(Vs + B * L);   // [WARPS][16][LS]
+    float* O = S + WARPS * 16 * LS;                    // [WARPS][16][LO]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
+    const uint16_t* Q = q + (long long)bh * seq * DH;
+    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
+    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
+    float* Sw = S + warp * 16 * LS;
+    uint16_t* Pw = reinterpret_cast<uint16_t*>(Sw);  // [16][LP] over the scores
+    float* Ow = O + warp * 16 * LO;
+    int row0 = qb * B + warp * 16;
+    // This warp's queries as A fragments (staged through Ks).
+    load_tile<DH>(Ks, Q, qb * B, seq);
+    __syncthreads();
+    FragA qf[DH / 16];
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) wmma::load_matrix_sync(qf[kk], bfp(Ks + warp * 16 * L + kk * 16), L);
+    for (int e = lane; e < 16 * LO; e += 32) Ow[e] = 0.f;
+    __syncthreads();
+    int rr = lane >> 1, half = lane & 1, qpos = row0 + rr;
+    float m = -INFINITY, l = 0.f;
+    for (int j = 0; j <= qb; j++) {
+        load_tile<DH>(Ks, K, j * B, seq);
+        load_tile<DH>(Vs, Vg, j * B, seq);
+        __syncthreads();
+        // S = Q Kᵀ (16 × 64)
+#pragma unroll
+        for (int n = 0; n < B / 16; n++) {
+            Acc acc;
+            wmma::fill_fragment(acc, 0.f);
+#pragma unroll
+            for (int kk = 0; kk < DH / 16; kk++) {
+                FragBT kf;
+                wmma::load_matrix_sync(kf, bfp(Ks + n * 16 * L + kk * 16), L);
+                wmma::mma_sync(acc, qf[kk], kf, acc);
+            }
+            wmma::store_matrix_sync(Sw + n * 16, acc, LS, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // Online softmax: two lanes per row, 32 columns each.
+        float s[32];
+        float mx = -INFINITY;
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            int key = j * B + half * 32 + c;
+            float x = Sw[rr * LS + half * 32 + c] * sl;
+            s[c] = (key <= qpos && key < seq) ? x : -INFINITY;
+            mx = fmaxf(mx, s[c]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        float mn = fmaxf(m, mx);
+        float base = mn == -INFINITY ? 0.f : mn;
+        float alpha = exp2f(m - base), sum = 0.f;
+        __syncwarp();
+#pragma unroll
+        for (int c = 0; c < 32; c++) {
+            float p = exp2f(s[c] - base);
+            sum += p;
+            Pw[rr * LP + half * 32 + c] = to_bf(p);
+        }
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        l = l * alpha + sum;
+        m = mn;
+        if (alpha != 1.f)
+            for (int c = half * (DH / 2); c < (half + 1) * (DH / 2); c++) Ow[rr * LO + c] *= alpha;
+        __syncwarp();
+        // O += P V
+#pragma unroll
+        for (int n = 0; n < DH / 16; n++) {
+            Acc acc;
+            wmma::load_matrix_sync(acc, Ow + n * 16, LO, wmma::mem_row_major);
+#pragma unroll
+            for (int kk = 0; kk < B / 16; kk++) {
+                FragA pf;
+                FragB vf;
+                wmma::load_matrix_sync(pf, bfp(Pw + kk * 16), LP);
+                wmma::load_matrix_sync(vf, bfp(Vs + kk * 16 * L + n * 16), L);
+                wmma::mma_sync(acc, pf, vf, acc);
+            }
+            wmma::store_matrix_sync(Ow + n * 16, acc, LO, wmma::mem_row_major);
+        }
+        __syncthreads();
+    }
+    if (qpos < seq) {
+        float inv = 1.f / l;
+        uint16_t* orow = o + ((long long)bh * seq + qpos) * DH;
+        for (int c = half * (DH / 2); c < (half + 1) * (DH / 2); c++) orow[c] = to_bf(Ow[rr * LO + c] * inv);
+        if (half == 0) lse2[(long long)bh * seq + qpos] = m + log2f(l);
+    }
+}
+
+// D[row] = Σ_d dO[row, d] · O[row, d] (head-major rows), one warp per row.
+extern "C" __global__ void flash_bwd_dot(const uint16_t* __restrict__ dout, const uint16_t* __restrict__ out,
+                                         float* __restrict__ d, long long rows, int dh) {
+    int lane = threadIdx.x & 31;
+    long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        float s = 0.f;
+        for (int c = lane; c < dh; c += 32) s = fmaf(bf(dout[r * dh + c]), bf(out[r * dh + c]), s);
+        s = warp_sum(s);
+        if (lane == 0) d[r] = s;
+    }
+}
+
+// dK, dV for one block of 64 keys of one (sequence, kv head): every query
+// block at or after it, every query head of the group; each warp owns 16
+// keys and accumulates their dK, dV rows in registers (no atomics).
+template <int DH>
+__device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                             const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
+                             const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dk,
+                             uint16_t* __restrict__ dv, int seq, int heads, int kv, float sl, float scale) {
+    using namespace fa;
+    constexpr int L = LT<DH>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
+    uint16_t* Vs = Ks + B * L;
+    uint16_t* Qs = Vs + B * L;
+    uint16_t* Gs = Qs + B * L;                            // dO
+    float* Ls = reinterpret_cast<float*>(Gs + B * L);     // [B] lse2
+    float* Ds = Ls + B;                                   // [B] D
+    float* S = Ds + B;                                    // [WARPS][B][LS16]
+    float* G = S + WARPS * B * LS16;                      // [WARPS][B][LS16] dP
+    uint16_t* P = reinterpret_cast<uint16_t*>(G + WARPS * B * LS16);  // [WARPS][B][LP16]
+    uint16_t* dS = P + WARPS * B * LP16;                              // [WARPS][B][LP16]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int kb = blockIdx.x, bk = blockIdx.y, b = bk / kv, hk = bk % kv, group = heads / kv;
+    const uint16_t* K = k + (long long)bk * seq * DH;
+    const uint16_t* Vg = v + (long long)bk * seq * DH;
+    float* Sw = S + warp * B * LS16;
+    float* Gw = G + warp * B * LS16;
+    uint16_t* Pw = P + warp * B * LP16;
+    uint16_t* dSw = dS + warp * B * LP16;
+    load_tile<DH>(Ks, K, kb * B, seq);
+    load_tile<DH>(Vs, Vg, kb * B, seq);
+    Acc dka[DH / 16], dva[DH / 16];
+#pragma unroll
+    for (int n = 0; n < DH / 16; n++) {
+        wmma::fill_fragment(dka[n], 0.f);
+        wmma::fill_fragment(dva[n], 0.f);
+    }
+    int key0 = kb * B + warp * 16;
+    const uint16_t* Kw = Ks + warp * 16 * L;
+    const uint16_t* Vw = Vs + warp * 16 * L;
+    int nqb = (seq + B - 1) / B;
+    for (int hq = hk * group; hq < (hk + 1) * group; hq++) {
+        long long bh = (long long)b * heads + hq;
+        for (int qb = kb; qb < nqb; qb++) {
+            __syncthreads();
+            load_tile<DH>(Qs, q + bh * seq * DH, qb * B, seq);
+            load_tile<DH>(Gs, dout + bh * seq * DH, qb * B, seq);
+            for (int i = threadIdx.x; i < B; i += blockDim.x) {
+                int r = qb * B + i;
+                Ls[i] = r < seq ? lse2[bh * seq + r] : 0.f;
+                Ds[i] = r < seq ? dd[bh * seq + r] : 0.f;
+            }
+            __syncthreads();
+            // S = Q Kwᵀ and dP = dO Vwᵀ (64 × 16 each)
+#pragma unroll
+            for (int mq = 0; mq < B / 16; mq++) {
+                Acc sa, ga;
+                wmma::fill_fragment(sa, 0.f);
+                wmma::fill_fragment(ga, 0.f);
+#pragma unroll
+                for (int kk = 0; kk < DH / 16; kk++) {
+                    FragA af;
+                    FragBT bf_;
+                    wmma::load_matrix_sync(af, bfp(Qs + mq * 16 * L + kk * 16), L);
+                    wmma::load_matrix_sync(bf_, bfp(Kw + kk * 16), L);
+                    wmma::mma_sync(sa, af, bf_, sa);
+                    wmma::load_matrix_sync(af, bfp(Gs + mq * 16 * L + kk * 16), L);
+                    wmma::load_matrix_sync(bf_, bfp(Vw + kk * 16), L);
+                    wmma::mma_sync(ga, af, bf_, ga);
+                }
+                wmma::store_matrix_sync(Sw + mq * 16 * LS16, sa, LS16, wmma::mem_row_major);
+                wmma::store_matrix_sync(Gw + mq * 16 * LS16, ga, LS16, wmma::mem_row_major);
+            }
+            __syncwarp();
+            for (int e = lane; e < B * 16; e += 32) {
+                int r = e >> 4, c = e & 15, qpos = qb * B + r, key = key0 + c;
+                float p = (key <= qpos && qpos < seq && key < seq) ? exp2f(Sw[r * LS16 + c] * sl - Ls[r]) : 0.f;
+                Pw[r * LP16 + c] = to_bf(p);
+                dSw[r * LP16 + c] = to_bf(p * (Gw[r * LS16 + c] - Ds[r]) * scale);
+            }
+            __syncwarp();
+            // dV += Pᵀ dO, dK += dSᵀ Q (16 keys × DH)
+#pragma unroll
+            for (int kk = 0; kk < B / 16; kk++) {
+                FragAT pt, st;
+                wmma::load_matrix_sync(pt, bfp(Pw + kk * 16 * LP16), LP16);
+                wmma::load_matrix_sync(st, bfp(dSw + kk * 16 * LP16), LP16);
+#pragma unroll
+                for (int n = 0; n < DH / 16; n++) {
+                    FragB gf, qf;
+                    wmma::load_matrix_sync(gf, bfp(Gs + kk * 16 * L + n * 16), L);
+                    wmma::mma_sync(dva[n], pt, gf, dva[n]);
+                    wmma::load_matrix_sync(qf, bfp(Qs + kk * 16 * L + n * 16), L);
+                    wmma::mma_sync(dka[n], st, qf, dka[n]);
+                }
+            }
+        }
+    }
+    __syncwarp();
+    store_rows<DH>(dka, Sw, dk + (long long)bk * seq * DH, key0, seq);
+    store_rows<DH>(dva, Sw, dv + (long long)bk * seq * DH, key0, seq);
+}
+
+// dQ for one block of 64 queries of one (sequence, head): every key block
+// at or before it; each warp owns 16 queries.
+template <int DH>
+__device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
+                            const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
+                            const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dq,
+                            int seq, int heads, int kv, float sl, float scale) {
+    using namespace fa;
+    constexpr int L = LT<DH>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
+    uint16_t* Vs = Ks + B * L;
+    float* S = reinterpret_cast<float*>(Vs + B * L);   // [WARPS][16][LS]
+    float* G = S + WARPS * 16 * LS;                    // [WARPS][16][LS] dP
+    uint16_t* dS = reinterpret_cast<uint16_t*>(G + WARPS * 16 * LS);  // [WARPS][16][LP]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
+    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
+    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
+    float* Sw = S + warp * 16 * LS;
+    float* Gw = G + warp * 16 * LS;
+    uint16_t* dSw = dS + warp * 16 * LP;
+    int row0 = qb * B + warp * 16;
+    load_tile<DH>(Ks, q + (long long)bh * seq * DH, qb * B, seq);
+    load_tile<DH>(Vs, dout + (long long)bh * seq * DH, qb * B, seq);
+    __syncthreads();
+    FragA qf[DH / 16], gf[DH / 16];
+#pragma unroll
+    for (int kk = 0; kk < DH / 16; kk++) {
+        wmma::load_matrix_sync(qf[kk], bfp(Ks + warp * 16 * L + kk * 16), L);
+        wmma::load_matrix_sync(gf[kk], bfp(Vs + warp * 16 * L + kk * 16), L);
+    }
+    Acc dqa[DH / 16];
+#pragma unroll
+    for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(dqa[n], 0.f);
+    int rr = lane >> 1, half = lane & 1, qpos = row0 + rr;
+    float ls = qpos < seq ? lse2[(long long)bh * seq + qpos] : 0.f;
+    float dr = qpos < seq ? dd[(long long)bh * seq + qpos] : 0.f;
+    for (int j = 0; j <= qb; j++) {
+        __syncthreads();
+        load_tile<DH>(Ks, K, j * B, seq);
+        load_tile<DH>(Vs, Vg, j * B, seq);
+        __syncthreads();
+#pragma unroll
+        for (int n = 0; n < B / 16; n++) {
+            Acc sa, ga;
+            wmma::fill_fragment(sa, 0.f);
+            wmma::fill_fragment(ga, 0.f);
+#pragma unroll
+            for (int kk = 0; kk < DH / 16; kk++) {
+                FragBT bf_;
+                wmma::load_matrix_sync(bf_, bfp(Ks + n * 16 * L + kk * 16), L);
+                wmma::mma_sync(sa, qf[kk], bf_, sa);
+                wmma::load_matrix_sync(bf_, bfp(Vs + n * 16 * L + kk * 16), L);
+                wmma::mma_sync(ga, gf[kk], bf_, ga);
+            }
+            wmma::store_matrix_sync(Sw + n * 16, sa, LS, wmma::mem_row_major);
+            wmma::store_matrix_sync(Gw + n * 16, ga, LS, wmma::mem_row_major);
+        }
+        __syncwarp();
+        // two lanes per row, 32 columns each
+        for (int c = half * 32; c < half * 32 + 32; c++) {
+            int key = j * B + c;
+            float p = (key <= qpos && qpos < seq && key < seq) ? exp2f(Sw[rr * LS + c] * sl - ls) : 0.f;
+            dSw[rr * LP + c] = to_bf(p * (Gw[rr * LS + c] - dr) * scale);
+        }
+        __syncwarp();
+        // dQ += dS K (16 × DH)
+#pragma unroll
+        for (int kk = 0; kk < B / 16; kk++) {
+            FragA sf;
+            wmma::load_matrix_sync(sf, bfp(dSw + kk * 16), LP);
+#pragma unroll
+            for (int n = 0; n < DH / 16; n++) {
+                FragB kf;
+                wmma::load_matrix_sync(kf, bfp(Ks + kk * 16 * L + n * 16), L);
+                wmma::mma_sync(dqa[n], sf, kf, dqa[n]);
+            }
+        }
+    }
+    __syncwarp();
+    store_rows<DH>(dqa, Sw, dq + (long long)bh * seq * DH, row0, seq);
+}
+
+#define LRMOE_FLASH(DH)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128) flash_fwd_##DH(                                                  \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse2, int seq, int heads,         \
+        int kv, float sl) {                                                                                            \
+        flash_fwd<DH>(q, k, v, o, lse2, seq, heads, kv, sl);                                                           \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_kv_##DH(                                               \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
+        const float* dd, uint16_t* dk, uint16_t* dv, int seq, int heads, int kv, float sl, float scale) {             \
+        flash_bwd_kv<DH>(q, k, v, dout, lse2, dd, dk, dv, seq, heads, kv, sl, scale);                                  \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_q_##DH(                                                \
+        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
+        const float* dd, uint16_t* dq, int seq, int heads, int kv, float sl, float scale) {                           \
+        flash_bwd_q<DH>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                       \
+    }
+LRMOE_FLASH(16)
+LRMOE_FLASH(32)
+LRMOE_FLASH(64)
+LRMOE_FLASH(128)

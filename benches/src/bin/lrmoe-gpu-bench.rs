@@ -119,6 +119,16 @@ fn main() -> anyhow::Result<()> {
                 peer.map_or("-".into(), |p| format!("{:.2}", tflops / p)),
             );
         }
+        // The weight gradient at r = 0.25: a quarter of each group's rows
+        // (K of the product), the same h × f outputs.
+        let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
+        let rows: u32 = quarter.iter().sum();
+        let (t, tflops) =
+            gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, &quarter, h, f)?;
+        println!(
+            "| wgrad, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",
+            t.ms
+        );
     }
     println!();
     println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");

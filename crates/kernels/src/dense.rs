@@ -172,6 +172,174 @@ pub fn softmax_causal_backward_reference(
     ds
 }
 
+/// Head-major attention dimensions `(n_seq, seq, heads, kv_heads, head_dim)`.
+pub type AttnDims = (usize, usize, usize, usize, usize);
+
+fn check_attn(
+    (n_seq, seq, heads, kv, dh): AttnDims,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+) -> Result<(), KernelError> {
+    if kv == 0 || heads % kv != 0 {
+        return Err(KernelError::Shape {
+            what: "kv_heads (a divisor of heads)",
+            expected: heads,
+            got: kv,
+        });
+    }
+    check("q", n_seq * heads * seq * dh, q.len())?;
+    check("k", n_seq * kv * seq * dh, k.len())?;
+    check("v", n_seq * kv * seq * dh, v.len())
+}
+
+/// The causal probabilities of one query row `i` of head `(b, hq)` against
+/// its key/value head: `p_j = exp(scale·q_i·k_j − lse)` for `j ≤ i`, and lse.
+fn attn_row(
+    (_, seq, heads, kv, dh): AttnDims,
+    q: &[f64],
+    k: &[f64],
+    (b, hq, i): (usize, usize, usize),
+    scale: f64,
+) -> (Vec<f64>, f64) {
+    let hk = hq / (heads / kv);
+    let qr = &q[((b * heads + hq) * seq + i) * dh..][..dh];
+    let kb = &k[(b * kv + hk) * seq * dh..];
+    let s: Vec<f64> = (0..=i)
+        .map(|j| {
+            scale
+                * qr.iter()
+                    .zip(&kb[j * dh..(j + 1) * dh])
+                    .map(|(a, c)| a * c)
+                    .sum::<f64>()
+        })
+        .collect();
+    let m = s.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+    let lse = m + s.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+    (s.iter().map(|x| (x - lse).exp()).collect(), lse)
+}
+
+fn widen(x: &[u16]) -> Vec<f64> {
+    x.iter().map(|&b| f64::from(bf16_bits_to_f32(b))).collect()
+}
+
+/// Causal grouped-query attention in f64 (scale `1/√head_dim`): the
+/// output and each row's natural-log normaliser.
+fn attention_f64(dims: AttnDims, q: &[f64], k: &[f64], v: &[f64]) -> (Vec<f64>, Vec<f64>) {
+    let (n_seq, seq, heads, kv, dh) = dims;
+    let scale = 1.0 / (dh as f64).sqrt();
+    let mut o = vec![0f64; n_seq * heads * seq * dh];
+    let mut lse = vec![0f64; n_seq * heads * seq];
+    for b in 0..n_seq {
+        for hq in 0..heads {
+            let vb = &v[(b * kv + hq / (heads / kv)) * seq * dh..];
+            for i in 0..seq {
+                let (p, l) = attn_row(dims, q, k, (b, hq, i), scale);
+                let row = (b * heads + hq) * seq + i;
+                for (c, out) in o[row * dh..(row + 1) * dh].iter_mut().enumerate() {
+                    *out = p
+                        .iter()
+                        .enumerate()
+                        .map(|(j, pj)| pj * vb[j * dh + c])
+                        .sum();
+                }
+                lse[row] = l;
+            }
+        }
+    }
+    (o, lse)
+}
+
+/// The backward of [`attention_f64`] from the output's gradient.
+#[allow(clippy::type_complexity)]
+fn attention_backward_f64(
+    dims: AttnDims,
+    (q, k, v): (&[f64], &[f64], &[f64]),
+    g: &[f64],
+) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (n_seq, seq, heads, kv, dh) = dims;
+    let scale = 1.0 / (dh as f64).sqrt();
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f64; q.len()],
+        vec![0f64; k.len()],
+        vec![0f64; v.len()],
+    );
+    for b in 0..n_seq {
+        for hq in 0..heads {
+            let kvh = (b * kv + hq / (heads / kv)) * seq * dh;
+            for i in 0..seq {
+                let (p, _) = attn_row(dims, q, k, (b, hq, i), scale);
+                let row = ((b * heads + hq) * seq + i) * dh;
+                let gr = &g[row..row + dh];
+                let dp: Vec<f64> = (0..=i)
+                    .map(|j| {
+                        gr.iter()
+                            .zip(&v[kvh + j * dh..][..dh])
+                            .map(|(a, c)| a * c)
+                            .sum()
+                    })
+                    .collect();
+                let d: f64 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+                for j in 0..=i {
+                    let ds = p[j] * (dp[j] - d) * scale;
+                    for c in 0..dh {
+                        dv[kvh + j * dh + c] += p[j] * gr[c];
+                        dq[row + c] += ds * k[kvh + j * dh + c];
+                        dk[kvh + j * dh + c] += ds * q[row + c];
+                    }
+                }
+            }
+        }
+    }
+    (dq, dk, dv)
+}
+
+fn narrow(x: Vec<f64>) -> Vec<f32> {
+    x.into_iter().map(|v| v as f32).collect()
+}
+
+/// Twin of the fused attention forward (`flash_fwd_*`): causal
+/// grouped-query attention on head-major bf16 `q`, `k`, `v` with scale
+/// `1/√head_dim`, exact in f64. Returns the output (head-major, f32) and
+/// each row's `log2 Σ_j exp(scale·q·k_j)` (the kernel's `lse2`). The
+/// kernel rounds the probabilities to bf16 for its `P·V` product.
+pub fn flash_attention_reference(
+    dims: AttnDims,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+) -> Result<(Vec<f32>, Vec<f32>), KernelError> {
+    check_attn(dims, q, k, v)?;
+    let (o, lse) = attention_f64(dims, &widen(q), &widen(k), &widen(v));
+    Ok((
+        narrow(o),
+        lse.into_iter()
+            .map(|l| (l / std::f64::consts::LN_2) as f32)
+            .collect(),
+    ))
+}
+
+/// Twin of the fused attention backward (`flash_bwd_dot`, `flash_bwd_kv_*`,
+/// `flash_bwd_q_*`): the gradients of head-major `q`, `k`, `v` from the
+/// output's gradient `dout` (head-major bf16), exact in f64 (`D = Σ p·dP`
+/// from the exact probabilities; the kernels take `D = dO·O` with the
+/// forward's bf16 output and round `P` and `dS` to bf16 for their products).
+#[allow(clippy::type_complexity)]
+pub fn flash_attention_backward_reference(
+    dims: AttnDims,
+    q: &[u16],
+    k: &[u16],
+    v: &[u16],
+    dout: &[u16],
+) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), KernelError> {
+    check_attn(dims, q, k, v)?;
+    let (n_seq, seq, heads, _, dh) = dims;
+    check("dout", n_seq * heads * seq * dh, dout.len())?;
+    let (dq, dk, dv) =
+        attention_backward_f64(dims, (&widen(q), &widen(k), &widen(v)), &widen(dout));
+    Ok((narrow(dq), narrow(dk), narrow(dv)))
+}
+
 /// Fused cross-entropy of bf16 logits rows of `v`: the summed loss (f64)
 /// and `dlogits = bf16((softmax − onehot) · inv_n)`.
 pub fn cross_entropy_reference(
@@ -253,6 +421,56 @@ pub fn adamw_reference(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn attention_twin_gradients_match_finite_differences() {
+        // 2 sequences of 5, 4 query heads on 2 key/value heads, width 4.
+        let dims = (2, 5, 4, 2, 4);
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let mut st = 7u64;
+        let mut rnd = |n: usize| -> Vec<f64> {
+            (0..n)
+                .map(|_| {
+                    st = st
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
+                    ((st >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+                })
+                .collect()
+        };
+        let (q, k, v) = (
+            rnd(n_seq * heads * seq * dh),
+            rnd(n_seq * kv * seq * dh),
+            rnd(n_seq * kv * seq * dh),
+        );
+        let w = rnd(q.len());
+        let loss = |q: &[f64], k: &[f64], v: &[f64]| -> f64 {
+            let (o, _) = attention_f64(dims, q, k, v);
+            o.iter().zip(&w).map(|(a, b)| a * b).sum()
+        };
+        let (dq, dk, dv) = attention_backward_f64(dims, (&q, &k, &v), &w);
+        let eps = 1e-6;
+        for (which, grad) in [(0, &dq), (1, &dk), (2, &dv)] {
+            for i in (0..grad.len()).step_by(7) {
+                let mut t = [q.clone(), k.clone(), v.clone()];
+                t[which][i] += eps;
+                let up = loss(&t[0], &t[1], &t[2]);
+                t[which][i] -= 2.0 * eps;
+                let dn = loss(&t[0], &t[1], &t[2]);
+                let fd = (up - dn) / (2.0 * eps);
+                assert!(
+                    (fd - grad[i]).abs() < 1e-6,
+                    "tensor {which} [{i}]: {fd} vs {}",
+                    grad[i]
+                );
+            }
+        }
+        // Key 0 of a causal row 0 gets probability 1: its output is v_0.
+        let (o, lse) = attention_f64(dims, &q, &k, &v);
+        assert!((o[0] - v[0]).abs() < 1e-12);
+        assert!(lse.iter().all(|l| l.is_finite()));
+        assert!(flash_attention_reference((1, 2, 3, 2, 4), &[0; 24], &[0; 16], &[0; 16]).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -374,3 +374,74 @@ fn attention_products_as_grouped_gemms() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn fused_attention_forward_and_backward_match_the_twins() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    // (n_seq, seq, heads, kv_heads, head_dim): every head width the
+    // kernels have, sequences not a multiple of the 64-row blocks, one of a
+    // single token, grouped and plain heads.
+    for dims in [
+        (2, 100, 4, 2, 16),
+        (1, 130, 2, 1, 32),
+        (2, 64, 4, 2, 64),
+        (3, 70, 6, 3, 64),
+        (1, 150, 4, 1, 128),
+        (1, 1, 2, 2, 64),
+    ] {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let nq = n_seq * heads * seq * dh;
+        let nk = n_seq * kv * seq * dh;
+        let (q, k, v, dout) = (
+            r.bf16s(nq, 2.0),
+            r.bf16s(nk, 2.0),
+            r.bf16s(nk, 1.0),
+            r.bf16s(nq, 1.0),
+        );
+        let (qd, kd, vd) = (
+            g.upload(&q).unwrap(),
+            g.upload(&k).unwrap(),
+            g.upload(&v).unwrap(),
+        );
+        let (o, lse2) = g.flash_attention_forward(dims, &qd, &kd, &vd).unwrap();
+        let (o_want, lse_want) = flash_attention_reference(dims, &q, &k, &v).unwrap();
+        let o_got = g.download(&o, nq).unwrap();
+        let lse_got = g.download(&lse2, n_seq * heads * seq).unwrap();
+        // P is rounded to bf16 for P·V and the output to bf16: ≤ 1% in norm.
+        let e = rel(&wide(&o_got), &o_want);
+        assert!(e <= 1e-2, "{dims:?}: output off by {e:.2e}");
+        let lse_err = lse_got
+            .iter()
+            .zip(&lse_want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(lse_err <= 2e-3, "{dims:?}: lse2 off by {lse_err:.2e}");
+        let (dq, dk, dv) = g
+            .flash_attention_backward(
+                dims,
+                (&qd, &kd, &vd),
+                (&o, &lse2),
+                &g.upload(&dout).unwrap(),
+            )
+            .unwrap();
+        let (dq_w, dk_w, dv_w) =
+            flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
+        // P and dS are rounded to bf16 for the products, D comes from the
+        // bf16 output, the gradients are bf16: ≤ 2% in norm.
+        for (name, got, want, n) in [
+            ("dq", &dq, &dq_w, nq),
+            ("dk", &dk, &dk_w, nk),
+            ("dv", &dv, &dv_w, nk),
+        ] {
+            let e = rel(&wide(&g.download(got, n).unwrap()), want);
+            assert!(e <= 2e-2, "{dims:?}: {name} off by {e:.2e}");
+        }
+    }
+    // A head width without kernels is an error, not a launch.
+    let z = g.upload(&[0u16; 48]).unwrap();
+    assert!(g
+        .flash_attention_forward((1, 1, 1, 1, 48), &z, &z, &z)
+        .is_err());
+}

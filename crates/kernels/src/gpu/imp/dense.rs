@@ -36,6 +36,22 @@ pub(crate) struct DenseFns {
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
     to_bf16: CudaFunction,
+    /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
+    flash: Vec<(usize, [CudaFunction; 3])>,
+    flash_dot: CudaFunction,
+    /// Attention through the fused kernels where the head width has them
+    /// (`LRMOE_ATTENTION=fused`): no `seq × seq` probabilities are kept,
+    /// at a cost in time (measured 2026-12-01 on one H200: forward 0.89×
+    /// to 1.55×, forward + backward 1.35× to 2.6× the materialised path's
+    /// time, `docs/benchmarks.md`). The materialised path is the default.
+    use_flash: bool,
+}
+
+/// Dynamic shared memory of the fused attention kernels for head width
+/// `dh`: forward, dK/dV, dQ (layouts in `kernels/dense.cu`).
+fn flash_smem(dh: usize) -> [u32; 3] {
+    let dh = dh as u32;
+    [512 * dh + 20480, 512 * dh + 70144, 256 * dh + 46080]
 }
 
 impl DenseFns {
@@ -63,7 +79,32 @@ impl DenseFns {
             adam_f32: f("adamw_f32")?,
             adam_bf16: f("adamw_bf16")?,
             to_bf16: f("f32_to_bf16")?,
+            flash: [16usize, 32, 64, 128]
+                .into_iter()
+                .map(|dh| {
+                    let fns = [
+                        f(&format!("flash_fwd_{dh}"))?,
+                        f(&format!("flash_bwd_kv_{dh}"))?,
+                        f(&format!("flash_bwd_q_{dh}"))?,
+                    ];
+                    for (func, bytes) in fns.iter().zip(flash_smem(dh)) {
+                        func.set_attribute(
+                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                            bytes as i32,
+                        )
+                        .map_err(cuda)?;
+                    }
+                    Ok((dh, fns))
+                })
+                .collect::<Result<_, KernelError>>()?,
+            flash_dot: f("flash_bwd_dot")?,
+            use_flash: std::env::var("LRMOE_ATTENTION")
+                .is_ok_and(|v| v.eq_ignore_ascii_case("fused")),
         })
+    }
+
+    fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 3]> {
+        self.flash.iter().find(|(d, _)| *d == dh).map(|(_, f)| f)
     }
 }
 
@@ -715,13 +756,31 @@ impl AttnShape {
 }
 
 /// What [`Gpu::attention_forward`] keeps for the backward: head-major
-/// queries and keys (rotated), values, and the causal probabilities
-/// (`n_seq · heads · seq × seq`).
+/// queries and keys (rotated), values, and either the fused forward's
+/// output and per-row `log2` normalisers or, on the materialised path, the
+/// causal probabilities (`n_seq · heads · seq × seq`).
 pub struct AttnSaved {
     q: CudaSlice<u16>,
     k: CudaSlice<u16>,
     v: CudaSlice<u16>,
-    p: CudaSlice<u16>,
+    rest: Kept,
+}
+
+/// The rest of what the backward reads: the probabilities (materialised
+/// path) or the fused forward's output and row statistics.
+enum Kept {
+    Probs(CudaSlice<u16>),
+    Fused {
+        o: CudaSlice<u16>,
+        lse2: CudaSlice<f32>,
+    },
+}
+
+impl AttnSaved {
+    /// Whether the fused kernels computed it (no `seq × seq` matrix kept).
+    pub fn fused(&self) -> bool {
+        matches!(self.rest, Kept::Fused { .. })
+    }
 }
 
 impl Gpu {
@@ -744,12 +803,33 @@ impl Gpu {
         let q = self.heads(q, (n_seq, seq, h, dh), s.theta, true)?;
         let k = self.heads(k, (n_seq, seq, kv, dh), s.theta, true)?;
         let v = self.heads(v, (n_seq, seq, kv, dh), 0.0, true)?;
+        if self.dense.use_flash && self.dense.flash_fns(dh).is_some() {
+            let (o, lse2) = self.flash_attention_forward((n_seq, seq, h, kv, dh), &q, &k, &v)?;
+            let out = self.heads(&o, (n_seq, seq, h, dh), 0.0, false)?;
+            return Ok((
+                out,
+                AttnSaved {
+                    q,
+                    k,
+                    v,
+                    rest: Kept::Fused { o, lse2 },
+                },
+            ));
+        }
         let sc = self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &q, &k, seq, dh)?;
         let p = self.softmax_causal(&sc, rows, seq, scale)?;
         drop(sc);
         let c = self.gemm_dev(GemmVariant::Forward, att, groups, rows, &p, &v, seq, dh)?;
         let out = self.heads(&c, (n_seq, seq, h, dh), 0.0, false)?;
-        Ok((out, AttnSaved { q, k, v, p }))
+        Ok((
+            out,
+            AttnSaved {
+                q,
+                k,
+                v,
+                rest: Kept::Probs(p),
+            },
+        ))
     }
 
     /// The backward of [`Gpu::attention_forward`] from the output's
@@ -766,8 +846,24 @@ impl Gpu {
         let (n_seq, seq, h, kv, dh) = (s.n_seq, s.seq, s.heads, s.kv_heads, s.head_dim);
         let (groups, rows) = (s.groups(), n_seq * h * seq);
         let scale = 1.0 / (dh as f32).sqrt();
-        let AttnSaved { q, k, v, p } = saved;
+        let AttnSaved { q, k, v, rest } = saved;
         let dc = self.heads(dout, (n_seq, seq, h, dh), 0.0, true)?;
+        let p = match rest {
+            Kept::Probs(p) => p,
+            Kept::Fused { o, lse2 } => {
+                let (dq, dk, dv) = self.flash_attention_backward(
+                    (n_seq, seq, h, kv, dh),
+                    (q, k, v),
+                    (o, lse2),
+                    &dc,
+                )?;
+                return Ok((
+                    self.heads(&dq, (n_seq, seq, h, dh), s.theta, false)?,
+                    self.heads(&dk, (n_seq, seq, kv, dh), s.theta, false)?,
+                    self.heads(&dv, (n_seq, seq, kv, dh), 0.0, false)?,
+                ));
+            }
+        };
         let dp = self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, v, seq, dh)?;
         let dv = self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, p, &dc, seq, dh)?;
         let ds = self.softmax_causal_backward(p, &dp, rows, seq, scale)?;
@@ -779,5 +875,161 @@ impl Gpu {
             self.heads(&dk, (n_seq, seq, kv, dh), s.theta, false)?,
             self.heads(&dv, (n_seq, seq, kv, dh), 0.0, false)?,
         ))
+    }
+}
+
+impl Gpu {
+    /// Whether the fused attention kernels exist for head width `dh`
+    /// (16, 32, 64, 128).
+    pub fn flash_attention_supports(&self, dh: usize) -> bool {
+        self.dense.flash_fns(dh).is_some()
+    }
+
+    fn flash_launch(
+        &self,
+        dims: crate::dense::AttnDims,
+        which: usize,
+    ) -> Result<(&CudaFunction, LaunchConfig), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let fns = self.dense.flash_fns(dh).ok_or(KernelError::Shape {
+            what: "head_dim of the fused attention (16, 32, 64 or 128)",
+            expected: 64,
+            got: dh,
+        })?;
+        if kv == 0 || heads % kv != 0 {
+            return Err(KernelError::Shape {
+                what: "kv_heads (a divisor of heads)",
+                expected: heads,
+                got: kv,
+            });
+        }
+        let y = n_seq * if which == 1 { kv } else { heads };
+        if y > 65535 {
+            return Err(KernelError::Shape {
+                what: "sequences × heads of one attention call (at most 65535)",
+                expected: 65535,
+                got: y,
+            });
+        }
+        Ok((
+            &fns[which],
+            LaunchConfig {
+                grid_dim: (seq.div_ceil(64) as u32, y as u32, 1),
+                block_dim: (128, 1, 1),
+                shared_mem_bytes: flash_smem(dh)[which],
+            },
+        ))
+    }
+
+    /// Fused causal grouped-query attention on head-major bf16 `q`
+    /// (`[n_seq, heads, seq, dh]`), `k`, `v` (`[n_seq, kv, seq, dh]`),
+    /// scale `1/√dh`: the output (head-major bf16) and each row's
+    /// `log2 Σ_j exp(scale·q·k_j)` (f32), with no score matrix in memory.
+    /// Twin: [`crate::dense::flash_attention_reference`].
+    pub fn flash_attention_forward(
+        &self,
+        dims: crate::dense::AttnDims,
+        q: &CudaSlice<u16>,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let (f, cfg) = self.flash_launch(dims, 0)?;
+        at_least("q", n_seq * heads * seq * dh, q.len())?;
+        at_least("k", n_seq * kv * seq * dh, k.len())?;
+        at_least("v", n_seq * kv * seq * dh, v.len())?;
+        let rows = n_seq * heads * seq;
+        // SAFETY: uninitialised outputs; the kernel writes every row < seq
+        // of every head (each query block of each head is one block).
+        let mut o = unsafe { self.uninit::<u16>(rows * dh) }?;
+        // SAFETY: as above, one entry per row.
+        let mut lse2 = unsafe { self.uninit::<f32>(rows) }?;
+        if rows > 0 {
+            let (sq, h, g) = (dim("seq", seq)?, dim("heads", heads)?, dim("kv_heads", kv)?);
+            let sl = std::f32::consts::LOG2_E / (dh as f32).sqrt();
+            let mut l = self.stream.launch_builder(f);
+            l.arg(q)
+                .arg(k)
+                .arg(v)
+                .arg(&mut o)
+                .arg(&mut lse2)
+                .arg(&sq)
+                .arg(&h)
+                .arg(&g)
+                .arg(&sl);
+            // SAFETY: (u16*×3, u16*, f32*, int×3, float); sizes checked;
+            // dynamic shared memory as the kernel's layout needs (its
+            // maximum set at load).
+            unsafe { l.launch(cfg) }.map_err(cuda)?;
+        }
+        Ok((o, lse2))
+    }
+
+    /// Backward of [`Gpu::flash_attention_forward`] from the output's
+    /// gradient `dout` (head-major): `dq`, `dk`, `dv` (head-major bf16),
+    /// recomputing the probabilities from `lse2`; dK/dV per key block
+    /// (every query head of the group in one block, no atomics), dQ per
+    /// query block. Twin: [`crate::dense::flash_attention_backward_reference`].
+    #[allow(clippy::type_complexity)]
+    pub fn flash_attention_backward(
+        &self,
+        dims: crate::dense::AttnDims,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        dout: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let (fkv, ckv) = self.flash_launch(dims, 1)?;
+        let (fq, cq) = self.flash_launch(dims, 2)?;
+        let rows = n_seq * heads * seq;
+        at_least("q", rows * dh, q.len())?;
+        at_least("k", n_seq * kv * seq * dh, k.len())?;
+        at_least("v", n_seq * kv * seq * dh, v.len())?;
+        at_least("o", rows * dh, o.len())?;
+        at_least("dout", rows * dh, dout.len())?;
+        at_least("lse2", rows, lse2.len())?;
+        // SAFETY: uninitialised outputs; every row < seq is written.
+        let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
+        // SAFETY: every key row < seq is written (one block per 64 keys).
+        let mut dk = unsafe { self.uninit::<u16>(n_seq * kv * seq * dh) }?;
+        // SAFETY: as dk.
+        let mut dv = unsafe { self.uninit::<u16>(n_seq * kv * seq * dh) }?;
+        if rows == 0 {
+            return Ok((dq, dk, dv));
+        }
+        // SAFETY: flash_bwd_dot writes every row's entry.
+        let mut d = unsafe { self.uninit::<f32>(rows) }?;
+        let (rl, dhi) = (rows as i64, dim("head_dim", dh)?);
+        let mut l = self.stream.launch_builder(&self.dense.flash_dot);
+        l.arg(dout).arg(o).arg(&mut d).arg(&rl).arg(&dhi);
+        // SAFETY: (u16*, u16*, f32*, long long, int); rows × dh each.
+        unsafe { l.launch(self.warp_rows(rows, 0)) }.map_err(cuda)?;
+        let (sq, h, g) = (dim("seq", seq)?, dim("heads", heads)?, dim("kv_heads", kv)?);
+        let scale = 1.0 / (dh as f32).sqrt();
+        let sl = std::f32::consts::LOG2_E * scale;
+        let mut l = self.stream.launch_builder(fkv);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(dout)
+            .arg(lse2)
+            .arg(&d)
+            .arg(&mut dk)
+            .arg(&mut dv);
+        l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
+        // SAFETY: (u16*×4, f32*×2, u16*×2, int×3, float×2); sizes checked.
+        unsafe { l.launch(ckv) }.map_err(cuda)?;
+        let mut l = self.stream.launch_builder(fq);
+        l.arg(q)
+            .arg(k)
+            .arg(v)
+            .arg(dout)
+            .arg(lse2)
+            .arg(&d)
+            .arg(&mut dq);
+        l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
+        // SAFETY: (u16*×4, f32*×2, u16*, int×3, float×2); sizes checked.
+        unsafe { l.launch(cq) }.map_err(cuda)?;
+        Ok((dq, dk, dv))
     }
 }
