@@ -239,6 +239,14 @@ struct ReplayArgs {
     /// Replicas each rank may host.
     #[arg(long, default_value_t = 2)]
     replica_slots: usize,
+    /// Share of the memory left after placement that replicas may use
+    /// (`lrmoe train` gives its replicas 1.0).
+    #[arg(long, default_value_t = 0.5)]
+    replica_memory_fraction: f64,
+    /// Bytes per element of rows, weights and gradients (2: bf16 as on the
+    /// GPUs; 4: f32 as the host executor's buffers).
+    #[arg(long, default_value_t = 2)]
+    element_bytes: u64,
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
@@ -276,15 +284,21 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     if !(a.budget_mib.is_finite() && a.budget_mib > 0.0) {
         anyhow::bail!("--budget-mib must be positive");
     }
+    if !(0.0..=1.0).contains(&a.replica_memory_fraction) {
+        anyhow::bail!("--replica-memory-fraction must be in [0, 1]");
+    }
+    if a.element_bytes == 0 {
+        anyhow::bail!("--element-bytes must be positive");
+    }
     let cfg = rp::ReplayConfig {
         hidden: a.hidden,
         ffn: a.ffn,
-        element_bytes: 2,
+        element_bytes: a.element_bytes,
         memory_budget_bytes: (a.budget_mib * (1 << 20) as f64) as u64,
         link_bytes_per_s: lrmoe::quota::H200_LINK_BYTES_PER_S,
         flops_per_s: lrmoe::quota::H200_FLOPS_PER_S,
         replica_slots_per_rank: a.replica_slots,
-        replica_memory_fraction: 0.5,
+        replica_memory_fraction: a.replica_memory_fraction,
         policy: match a.policy {
             PolicyArg::Uniform => quota::Policy::Uniform,
             PolicyArg::Maxmin => quota::Policy::Maxmin,

@@ -1206,12 +1206,18 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             .collect(),
         replicas: vec![],
     };
-    let call = call_config(
-        cfg,
-        &mcfg,
-        &placement,
-        whole_gpu || cfg.moe.executor == Executor::Device,
-    );
+    let device_rows = whole_gpu || cfg.moe.executor == Executor::Device;
+    let call = call_config(cfg, &mcfg, &placement, device_rows);
+    if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
+        // The per-rank budget in the units the executor plans with, for
+        // `lrmoe replay --budget-mib` on this run's metrics.jsonl.
+        let b = budgets(cfg, &mcfg, &placement, device_rows);
+        tracing::info!(
+            rank0_budget_bytes = b.first().map_or(0, |r| r.memory_bytes),
+            element_bytes = if device_rows { 2 } else { 4 },
+            "per-rank memory budget of one layer call"
+        );
+    }
     // On a GPU: one rank, or launched ranks with `moe.executor =
     // "device"` (one GPU each), train the whole model on the GPUs
     // (`device_model`, its MoE layers through the device executor); other

@@ -54,6 +54,29 @@ fn non_finite_settings_are_refused() {
 }
 
 #[test]
+fn replica_share_and_element_size_are_checked() {
+    let out = tmp("knobs").join("out");
+    let o = out.to_str().unwrap();
+    let base = ["--synthetic", "hot-experts", "--steps", "2", "--out", o];
+    for (flag, needle) in [
+        ("--replica-memory-fraction=1.5", "--replica-memory-fraction"),
+        ("--replica-memory-fraction=NaN", "--replica-memory-fraction"),
+        ("--element-bytes=0", "--element-bytes"),
+    ] {
+        let mut args = base.to_vec();
+        args.push(flag);
+        let (ok, err) = replay(&args);
+        assert!(!ok, "{flag}");
+        one_line(&err, &[needle]);
+    }
+    // Valid settings run.
+    let mut args = base.to_vec();
+    args.extend(["--element-bytes", "4", "--replica-memory-fraction", "1.0"]);
+    let (ok, err) = replay(&args);
+    assert!(ok, "{err}");
+}
+
+#[test]
 fn ragged_megatron_rows_name_their_line() {
     let dir = tmp("mg");
     let f = dir.join("trace.jsonl");
