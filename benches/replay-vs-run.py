@@ -36,6 +36,7 @@ row = 2 * a.hidden * a.element_bytes  # [x | g·δ] per kept pair
 print(f"budget {a.budget_bytes / 2**20:.2f} MiB per rank and layer call; row {row} B\n")
 print("| strategy (run mode) | steps | measured peak pairs/rank: mean / max | replay predicted: mean / max | predicted ÷ measured (mean of steps) | measured micro-batches (mean) | replay: steps within budget | executor's buffer bytes ÷ replay's (per micro-batch) |")
 print("|---|---|---|---|---|---|---|---|")
+notes = []
 for mode, strat in [("full", "Fixed"), ("replicate", "Replication"), ("lrmoe", "Lrmoe")]:
     m = os.path.join(a.run, mode, "metrics.jsonl")
     if not os.path.exists(m):
@@ -79,6 +80,12 @@ for mode, strat in [("full", "Fixed"), ("replicate", "Replication"), ("lrmoe", "
     if not meas:
         continue
     preds = [int(pred[i]["buffer_bytes"]) / row for i in range(len(rows)) if i in pred]
+    dev = [r["device_mem_bytes"] for r in rows if r.get("device_mem_bytes")]
+    if dev:
+        notes.append(f"{mode}: device memory in use after a step, max {max(dev) / 2**20:.0f} MiB")
     print(f"| {strat} ({mode}) | {len(meas)} | {sum(meas)/len(meas):.0f} / {max(meas)} | {sum(preds)/len(preds):.0f} / {max(preds):.0f} | "
           f"{sum(ratio)/len(ratio):.3f} | {sum(micro)/len(micro):.2f} | {fits} of {len(meas)} | "
           f"{min(bytes_ratio):.2f}–{max(bytes_ratio):.2f} |")
+if notes:
+    print()
+    print("; ".join(notes))
