@@ -2,8 +2,9 @@
 # One H200: the fused attention kernels (kernels/dense.cu flash_*) against
 # their CPU twins and the device model's tests, then attention alone and
 # the whole device model with the fused kernels (LRMOE_ATTENTION=fused) and
-# with the materialised scores (the default), beside PyTorch's SDPA, in one
-# call. The device model's tests run on both paths.
+# with the materialised scores (LRMOE_ATTENTION=materialized), beside
+# PyTorch's SDPA, in one call. The device model's tests run on both paths.
+# (Unset, the fused kernels run up to head width 64.)
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-attn-bench  # → .device/
@@ -21,7 +22,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 echo "== attention alone (median device ms)"
 echo "fused:"; LRMOE_ATTENTION=fused timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
-echo "materialised:"; timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
+echo "materialised:"; LRMOE_ATTENTION=materialized timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
 echo "SDPA:"; timeout 120 python3 .device/torch_attention.py 2>&1 | tail -4
 mini() { # tag config layers seq batch steps
   cat > /tmp/$1.toml <<T
@@ -47,7 +48,7 @@ print('$1', 'tokens/s', round(sorted(x['tokens_per_s'] for x in t)[len(t)//2]), 
 echo "== whole model (lrmoe train --device cuda), median of steps 11+"
 for rep in 1 2; do
   LRMOE_ATTENTION=fused mini mini-fused examples/qwen3-moe-mini.config.json 4 512 32 60
-  mini mini-mat examples/qwen3-moe-mini.config.json 4 512 32 60
+  LRMOE_ATTENTION=materialized mini mini-mat examples/qwen3-moe-mini.config.json 4 512 32 60
 done
 LRMOE_ATTENTION=fused mini a3b-fused examples/qwen3-30b-a3b.config.json 2 2048 8 30
-mini a3b-mat examples/qwen3-30b-a3b.config.json 2 2048 8 30
+LRMOE_ATTENTION=materialized mini a3b-mat examples/qwen3-30b-a3b.config.json 2 2048 8 30

@@ -353,13 +353,8 @@ constexpr int WARPS = 4;   // 16 rows each
 // fall in different banks (unpadded 128- or 256-byte rows make every
 // fragment load an 8-way bank conflict).
 template <int DH> constexpr int LT = DH + 8;   // bf16 tiles [B][DH]
-constexpr int LS = B + 4;                      // f32 rows of 64 scores
-constexpr int LP = B + 8;                      // bf16 rows of 64 probabilities
-constexpr int LS16 = 16 + 4;                   // f32 rows of 16 scores
-constexpr int LP16 = 16 + 8;                   // bf16 rows of 16
 using namespace nvcuda;
 using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-using FragAT = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
 using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
 using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
 using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
@@ -379,124 +374,129 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
     }
 }
 
-// A 16 × DH f32 accumulator set (DH / 16 fragments) to bf16 rows of out
-// (row0 + r < seq only), staged through a warp's 16 × 16 f32 scratch.
+// The element layout of a 16 × 16 accumulator and of a bf16 A fragment
+// (the same: the mma.sync m16n8k16 register layout, which WMMA uses on
+// sm_80 and later; the device test against the CPU twin checks it):
+// element i of lane l sits at row l/4 + 8·((i/2) mod 2), column
+// 2·(l mod 4) + (i mod 2) + 8·(i/4).
+__device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
+__device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
+static_assert(Acc::num_elements == 8 && FragA::num_elements == 8, "16x16x16 fragments of 8 elements");
+
+// A 16 × DH accumulator set (DH / 16 fragments) to bf16 rows row0 + r of
+// out (those below seq), rows g and g + 8 of the lane scaled by mul0, mul1.
 template <int DH>
-__device__ __forceinline__ void store_rows(Acc* acc, float* scratch, uint16_t* out, int row0, int seq) {
+__device__ __forceinline__ void store_acc(const Acc* acc, uint16_t* out, int row0, int seq, float mul0, float mul1) {
     int lane = threadIdx.x & 31;
 #pragma unroll
-    for (int n = 0; n < DH / 16; n++) {
-        wmma::store_matrix_sync(scratch, acc[n], 16, wmma::mem_row_major);
-        __syncwarp();
-        for (int e = lane; e < 256; e += 32) {
-            int r = e >> 4, c = e & 15;
-            if (row0 + r < seq) out[(long long)(row0 + r) * DH + n * 16 + c] = to_bf(scratch[e]);
+    for (int n = 0; n < DH / 16; n++)
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+            int r = (i >> 1) & 1, row = row0 + frag_row(lane, i);
+            float mul = r ? mul1 : mul0;
+            if (row < seq) {
+                uint32_t pair = (uint32_t)to_bf(acc[n].x[i] * mul) | ((uint32_t)to_bf(acc[n].x[i + 1] * mul) << 16);
+                *reinterpret_cast<uint32_t*>(out + (long long)row * DH + n * 16 + frag_col(lane, i)) = pair;
+            }
         }
-        __syncwarp();
-    }
 }
 }  // namespace fa
 
-// Shared memory: K, V tiles; per warp 16 × 64 scores (f32; the bf16
-// probabilities overwrite them) and the 16 × DH f32 output accumulator.
+// Register-resident forward: each warp keeps its 16 rows' scores, the
+// bf16 probabilities and the output accumulator in registers (the
+// accumulator's element layout, frag_row / frag_col); only the K and V
+// tiles go through shared memory.
 template <int DH>
 __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, uint16_t* __restrict__ o, float* __restrict__ lse2,
                           int seq, int heads, int kv, float sl) {
     using namespace fa;
-    constexpr int L = LT<DH>, LO = DH + 4;
+    constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
     uint16_t* Vs = Ks + B * L;                         // [B][L]
-    float* S = reinterpret_cast<float*>(Vs + B * L);   // [WARPS][16][LS]
-    float* O = S + WARPS * 16 * LS;                    // [WARPS][16][LO]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
-    const uint16_t* Q = q + (long long)bh * seq * DH;
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    float* Sw = S + warp * 16 * LS;
-    uint16_t* Pw = reinterpret_cast<uint16_t*>(Sw);  // [16][LP] over the scores
-    float* Ow = O + warp * 16 * LO;
     int row0 = qb * B + warp * 16;
-    // This warp's queries as A fragments (staged through Ks).
-    load_tile<DH>(Ks, Q, qb * B, seq);
+    load_tile<DH>(Ks, q + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
     FragA qf[DH / 16];
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) wmma::load_matrix_sync(qf[kk], bfp(Ks + warp * 16 * L + kk * 16), L);
-    for (int e = lane; e < 16 * LO; e += 32) Ow[e] = 0.f;
-    __syncthreads();
-    int rr = lane >> 1, half = lane & 1, qpos = row0 + rr;
-    float m = -INFINITY, l = 0.f;
+    Acc oacc[DH / 16];
+#pragma unroll
+    for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(oacc[n], 0.f);
+    int qpos[2] = {row0 + frag_row(lane, 0), row0 + frag_row(lane, 2)};
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int j = 0; j <= qb; j++) {
+        __syncthreads();
         load_tile<DH>(Ks, K, j * B, seq);
         load_tile<DH>(Vs, Vg, j * B, seq);
         __syncthreads();
-        // S = Q Kᵀ (16 × 64)
+        Acc sa[B / 16];
+        float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int n = 0; n < B / 16; n++) {
-            Acc acc;
-            wmma::fill_fragment(acc, 0.f);
+            wmma::fill_fragment(sa[n], 0.f);
 #pragma unroll
             for (int kk = 0; kk < DH / 16; kk++) {
                 FragBT kf;
                 wmma::load_matrix_sync(kf, bfp(Ks + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(acc, qf[kk], kf, acc);
+                wmma::mma_sync(sa[n], qf[kk], kf, sa[n]);
             }
-            wmma::store_matrix_sync(Sw + n * 16, acc, LS, wmma::mem_row_major);
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                int r = (i >> 1) & 1, key = j * B + n * 16 + frag_col(lane, i);
+                float x = (key <= qpos[r] && key < seq) ? sa[n].x[i] * sl : -INFINITY;
+                sa[n].x[i] = x;
+                mx[r] = fmaxf(mx[r], x);
+            }
         }
-        __syncwarp();
-        // Online softmax: two lanes per row, 32 columns each.
-        float s[32];
-        float mx = -INFINITY;
+        float base[2], alpha[2];
 #pragma unroll
-        for (int c = 0; c < 32; c++) {
-            int key = j * B + half * 32 + c;
-            float x = Sw[rr * LS + half * 32 + c] * sl;
-            s[c] = (key <= qpos && key < seq) ? x : -INFINITY;
-            mx = fmaxf(mx, s[c]);
+        for (int r = 0; r < 2; r++) {
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+            mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+            float mn = fmaxf(m[r], mx[r]);
+            base[r] = mn == -INFINITY ? 0.f : mn;
+            alpha[r] = exp2f(m[r] - base[r]);
+            l[r] *= alpha[r];
+            m[r] = mn;
         }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        float mn = fmaxf(m, mx);
-        float base = mn == -INFINITY ? 0.f : mn;
-        float alpha = exp2f(m - base), sum = 0.f;
-        __syncwarp();
+        FragA pf[B / 16];
 #pragma unroll
-        for (int c = 0; c < 32; c++) {
-            float p = exp2f(s[c] - base);
-            sum += p;
-            Pw[rr * LP + half * 32 + c] = to_bf(p);
-        }
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        l = l * alpha + sum;
-        m = mn;
-        if (alpha != 1.f)
-            for (int c = half * (DH / 2); c < (half + 1) * (DH / 2); c++) Ow[rr * LO + c] *= alpha;
-        __syncwarp();
-        // O += P V
+        for (int n = 0; n < B / 16; n++)
 #pragma unroll
-        for (int n = 0; n < DH / 16; n++) {
-            Acc acc;
-            wmma::load_matrix_sync(acc, Ow + n * 16, LO, wmma::mem_row_major);
+            for (int i = 0; i < 8; i++) {
+                int r = (i >> 1) & 1;
+                float p = exp2f(sa[n].x[i] - base[r]);
+                l[r] += p;
+                pf[n].x[i] = __float2bfloat16_rn(p);
+            }
 #pragma unroll
-            for (int kk = 0; kk < B / 16; kk++) {
-                FragA pf;
+        for (int n = 0; n < DH / 16; n++)
+#pragma unroll
+            for (int i = 0; i < 8; i++) oacc[n].x[i] *= alpha[(i >> 1) & 1];
+#pragma unroll
+        for (int kk = 0; kk < B / 16; kk++)
+#pragma unroll
+            for (int n = 0; n < DH / 16; n++) {
                 FragB vf;
-                wmma::load_matrix_sync(pf, bfp(Pw + kk * 16), LP);
                 wmma::load_matrix_sync(vf, bfp(Vs + kk * 16 * L + n * 16), L);
-                wmma::mma_sync(acc, pf, vf, acc);
+                wmma::mma_sync(oacc[n], pf[kk], vf, oacc[n]);
             }
-            wmma::store_matrix_sync(Ow + n * 16, acc, LO, wmma::mem_row_major);
-        }
-        __syncthreads();
     }
-    if (qpos < seq) {
-        float inv = 1.f / l;
-        uint16_t* orow = o + ((long long)bh * seq + qpos) * DH;
-        for (int c = half * (DH / 2); c < (half + 1) * (DH / 2); c++) orow[c] = to_bf(Ow[rr * LO + c] * inv);
-        if (half == 0) lse2[(long long)bh * seq + qpos] = m + log2f(l);
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+        l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
+    store_acc<DH>(oacc, o + (long long)bh * seq * DH, row0, seq, 1.f / l[0], 1.f / l[1]);
+    if ((lane & 3) == 0)
+        for (int r = 0; r < 2; r++)
+            if (qpos[r] < seq) lse2[(long long)bh * seq + qpos[r]] = m[r] + log2f(l[r]);
 }
 
 // D[row] = Σ_d dO[row, d] · O[row, d] (head-major rows), one warp per row.
@@ -514,7 +514,9 @@ extern "C" __global__ void flash_bwd_dot(const uint16_t* __restrict__ dout, cons
 
 // dK, dV for one block of 64 keys of one (sequence, kv head): every query
 // block at or after it, every query head of the group; each warp owns 16
-// keys and accumulates their dK, dV rows in registers (no atomics).
+// keys. It works on the transposed products (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ), so
+// Pᵀ and dSᵀ are A operands straight from the accumulators' registers; dK
+// and dV stay in registers (no atomics).
 template <int DH>
 __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                              const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
@@ -526,23 +528,13 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
     uint16_t* Vs = Ks + B * L;
     uint16_t* Qs = Vs + B * L;
-    uint16_t* Gs = Qs + B * L;                            // dO
-    float* Ls = reinterpret_cast<float*>(Gs + B * L);     // [B] lse2
-    float* Ds = Ls + B;                                   // [B] D
-    float* S = Ds + B;                                    // [WARPS][B][LS16]
-    float* G = S + WARPS * B * LS16;                      // [WARPS][B][LS16] dP
-    uint16_t* P = reinterpret_cast<uint16_t*>(G + WARPS * B * LS16);  // [WARPS][B][LP16]
-    uint16_t* dS = P + WARPS * B * LP16;                              // [WARPS][B][LP16]
+    uint16_t* Gs = Qs + B * L;                          // dO
+    float* Ls = reinterpret_cast<float*>(Gs + B * L);   // [B] lse2
+    float* Ds = Ls + B;                                 // [B] D
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kb = blockIdx.x, bk = blockIdx.y, b = bk / kv, hk = bk % kv, group = heads / kv;
-    const uint16_t* K = k + (long long)bk * seq * DH;
-    const uint16_t* Vg = v + (long long)bk * seq * DH;
-    float* Sw = S + warp * B * LS16;
-    float* Gw = G + warp * B * LS16;
-    uint16_t* Pw = P + warp * B * LP16;
-    uint16_t* dSw = dS + warp * B * LP16;
-    load_tile<DH>(Ks, K, kb * B, seq);
-    load_tile<DH>(Vs, Vg, kb * B, seq);
+    load_tile<DH>(Ks, k + (long long)bk * seq * DH, kb * B, seq);
+    load_tile<DH>(Vs, v + (long long)bk * seq * DH, kb * B, seq);
     Acc dka[DH / 16], dva[DH / 16];
 #pragma unroll
     for (int n = 0; n < DH / 16; n++) {
@@ -550,6 +542,7 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
         wmma::fill_fragment(dva[n], 0.f);
     }
     int key0 = kb * B + warp * 16;
+    int key[2] = {key0 + frag_row(lane, 0), key0 + frag_row(lane, 2)};
     const uint16_t* Kw = Ks + warp * 16 * L;
     const uint16_t* Vw = Vs + warp * 16 * L;
     int nqb = (seq + B - 1) / B;
@@ -565,58 +558,50 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
                 Ds[i] = r < seq ? dd[bh * seq + r] : 0.f;
             }
             __syncthreads();
-            // S = Q Kwᵀ and dP = dO Vwᵀ (64 × 16 each)
+            // One 16-query chunk at a time: Sᵀ and dPᵀ, then Pᵀ and dSᵀ into
+            // dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
 #pragma unroll
-            for (int mq = 0; mq < B / 16; mq++) {
+            for (int nq = 0; nq < B / 16; nq++) {
                 Acc sa, ga;
                 wmma::fill_fragment(sa, 0.f);
                 wmma::fill_fragment(ga, 0.f);
-#pragma unroll
+#pragma unroll 2
                 for (int kk = 0; kk < DH / 16; kk++) {
                     FragA af;
-                    FragBT bf_;
-                    wmma::load_matrix_sync(af, bfp(Qs + mq * 16 * L + kk * 16), L);
-                    wmma::load_matrix_sync(bf_, bfp(Kw + kk * 16), L);
-                    wmma::mma_sync(sa, af, bf_, sa);
-                    wmma::load_matrix_sync(af, bfp(Gs + mq * 16 * L + kk * 16), L);
-                    wmma::load_matrix_sync(bf_, bfp(Vw + kk * 16), L);
-                    wmma::mma_sync(ga, af, bf_, ga);
+                    FragBT bt;
+                    wmma::load_matrix_sync(af, bfp(Kw + kk * 16), L);
+                    wmma::load_matrix_sync(bt, bfp(Qs + nq * 16 * L + kk * 16), L);
+                    wmma::mma_sync(sa, af, bt, sa);
+                    wmma::load_matrix_sync(af, bfp(Vw + kk * 16), L);
+                    wmma::load_matrix_sync(bt, bfp(Gs + nq * 16 * L + kk * 16), L);
+                    wmma::mma_sync(ga, af, bt, ga);
                 }
-                wmma::store_matrix_sync(Sw + mq * 16 * LS16, sa, LS16, wmma::mem_row_major);
-                wmma::store_matrix_sync(Gw + mq * 16 * LS16, ga, LS16, wmma::mem_row_major);
-            }
-            __syncwarp();
-            for (int e = lane; e < B * 16; e += 32) {
-                int r = e >> 4, c = e & 15, qpos = qb * B + r, key = key0 + c;
-                float p = (key <= qpos && qpos < seq && key < seq) ? exp2f(Sw[r * LS16 + c] * sl - Ls[r]) : 0.f;
-                Pw[r * LP16 + c] = to_bf(p);
-                dSw[r * LP16 + c] = to_bf(p * (Gw[r * LS16 + c] - Ds[r]) * scale);
-            }
-            __syncwarp();
-            // dV += Pᵀ dO, dK += dSᵀ Q (16 keys × DH)
+                FragA pt, st;
 #pragma unroll
-            for (int kk = 0; kk < B / 16; kk++) {
-                FragAT pt, st;
-                wmma::load_matrix_sync(pt, bfp(Pw + kk * 16 * LP16), LP16);
-                wmma::load_matrix_sync(st, bfp(dSw + kk * 16 * LP16), LP16);
+                for (int i = 0; i < 8; i++) {
+                    int c = nq * 16 + frag_col(lane, i), qpos = qb * B + c, kr = key[(i >> 1) & 1];
+                    float p = (kr <= qpos && qpos < seq && kr < seq) ? exp2f(sa.x[i] * sl - Ls[c]) : 0.f;
+                    pt.x[i] = __float2bfloat16_rn(p);
+                    st.x[i] = __float2bfloat16_rn(p * (ga.x[i] - Ds[c]) * scale);
+                }
 #pragma unroll
                 for (int n = 0; n < DH / 16; n++) {
-                    FragB gf, qf;
-                    wmma::load_matrix_sync(gf, bfp(Gs + kk * 16 * L + n * 16), L);
-                    wmma::mma_sync(dva[n], pt, gf, dva[n]);
-                    wmma::load_matrix_sync(qf, bfp(Qs + kk * 16 * L + n * 16), L);
-                    wmma::mma_sync(dka[n], st, qf, dka[n]);
+                    FragB bf_;
+                    wmma::load_matrix_sync(bf_, bfp(Gs + nq * 16 * L + n * 16), L);
+                    wmma::mma_sync(dva[n], pt, bf_, dva[n]);
+                    wmma::load_matrix_sync(bf_, bfp(Qs + nq * 16 * L + n * 16), L);
+                    wmma::mma_sync(dka[n], st, bf_, dka[n]);
                 }
             }
         }
     }
-    __syncwarp();
-    store_rows<DH>(dka, Sw, dk + (long long)bk * seq * DH, key0, seq);
-    store_rows<DH>(dva, Sw, dv + (long long)bk * seq * DH, key0, seq);
+    store_acc<DH>(dka, dk + (long long)bk * seq * DH, key0, seq, 1.f, 1.f);
+    store_acc<DH>(dva, dv + (long long)bk * seq * DH, key0, seq, 1.f, 1.f);
 }
 
 // dQ for one block of 64 queries of one (sequence, head): every key block
-// at or before it; each warp owns 16 queries.
+// at or before it; each warp owns 16 queries, its scores, dP and dS in
+// registers.
 template <int DH>
 __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                             const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
@@ -627,16 +612,10 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
     uint16_t* Vs = Ks + B * L;
-    float* S = reinterpret_cast<float*>(Vs + B * L);   // [WARPS][16][LS]
-    float* G = S + WARPS * 16 * LS;                    // [WARPS][16][LS] dP
-    uint16_t* dS = reinterpret_cast<uint16_t*>(G + WARPS * 16 * LS);  // [WARPS][16][LP]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    float* Sw = S + warp * 16 * LS;
-    float* Gw = G + warp * 16 * LS;
-    uint16_t* dSw = dS + warp * 16 * LP;
     int row0 = qb * B + warp * 16;
     load_tile<DH>(Ks, q + (long long)bh * seq * DH, qb * B, seq);
     load_tile<DH>(Vs, dout + (long long)bh * seq * DH, qb * B, seq);
@@ -650,14 +629,19 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     Acc dqa[DH / 16];
 #pragma unroll
     for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(dqa[n], 0.f);
-    int rr = lane >> 1, half = lane & 1, qpos = row0 + rr;
-    float ls = qpos < seq ? lse2[(long long)bh * seq + qpos] : 0.f;
-    float dr = qpos < seq ? dd[(long long)bh * seq + qpos] : 0.f;
+    int qpos[2] = {row0 + frag_row(lane, 0), row0 + frag_row(lane, 2)};
+    float ls[2], dr[2];
+#pragma unroll
+    for (int r = 0; r < 2; r++) {
+        ls[r] = qpos[r] < seq ? lse2[(long long)bh * seq + qpos[r]] : 0.f;
+        dr[r] = qpos[r] < seq ? dd[(long long)bh * seq + qpos[r]] : 0.f;
+    }
     for (int j = 0; j <= qb; j++) {
         __syncthreads();
         load_tile<DH>(Ks, K, j * B, seq);
         load_tile<DH>(Vs, Vg, j * B, seq);
         __syncthreads();
+        // One 16-key chunk at a time: S and dP, then dS into dQ += dS K.
 #pragma unroll
         for (int n = 0; n < B / 16; n++) {
             Acc sa, ga;
@@ -665,38 +649,28 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
             wmma::fill_fragment(ga, 0.f);
 #pragma unroll
             for (int kk = 0; kk < DH / 16; kk++) {
-                FragBT bf_;
-                wmma::load_matrix_sync(bf_, bfp(Ks + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(sa, qf[kk], bf_, sa);
-                wmma::load_matrix_sync(bf_, bfp(Vs + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(ga, gf[kk], bf_, ga);
+                FragBT bt;
+                wmma::load_matrix_sync(bt, bfp(Ks + n * 16 * L + kk * 16), L);
+                wmma::mma_sync(sa, qf[kk], bt, sa);
+                wmma::load_matrix_sync(bt, bfp(Vs + n * 16 * L + kk * 16), L);
+                wmma::mma_sync(ga, gf[kk], bt, ga);
             }
-            wmma::store_matrix_sync(Sw + n * 16, sa, LS, wmma::mem_row_major);
-            wmma::store_matrix_sync(Gw + n * 16, ga, LS, wmma::mem_row_major);
-        }
-        __syncwarp();
-        // two lanes per row, 32 columns each
-        for (int c = half * 32; c < half * 32 + 32; c++) {
-            int key = j * B + c;
-            float p = (key <= qpos && qpos < seq && key < seq) ? exp2f(Sw[rr * LS + c] * sl - ls) : 0.f;
-            dSw[rr * LP + c] = to_bf(p * (Gw[rr * LS + c] - dr) * scale);
-        }
-        __syncwarp();
-        // dQ += dS K (16 × DH)
+            FragA dsf;
 #pragma unroll
-        for (int kk = 0; kk < B / 16; kk++) {
-            FragA sf;
-            wmma::load_matrix_sync(sf, bfp(dSw + kk * 16), LP);
+            for (int i = 0; i < 8; i++) {
+                int r = (i >> 1) & 1, key = j * B + n * 16 + frag_col(lane, i);
+                float p = (key <= qpos[r] && qpos[r] < seq && key < seq) ? exp2f(sa.x[i] * sl - ls[r]) : 0.f;
+                dsf.x[i] = __float2bfloat16_rn(p * (ga.x[i] - dr[r]) * scale);
+            }
 #pragma unroll
-            for (int n = 0; n < DH / 16; n++) {
+            for (int d = 0; d < DH / 16; d++) {
                 FragB kf;
-                wmma::load_matrix_sync(kf, bfp(Ks + kk * 16 * L + n * 16), L);
-                wmma::mma_sync(dqa[n], sf, kf, dqa[n]);
+                wmma::load_matrix_sync(kf, bfp(Ks + n * 16 * L + d * 16), L);
+                wmma::mma_sync(dqa[d], dsf, kf, dqa[d]);
             }
         }
     }
-    __syncwarp();
-    store_rows<DH>(dqa, Sw, dq + (long long)bh * seq * DH, row0, seq);
+    store_acc<DH>(dqa, dq + (long long)bh * seq * DH, row0, seq, 1.f, 1.f);
 }
 
 #define LRMOE_FLASH(DH)                                                                                                \

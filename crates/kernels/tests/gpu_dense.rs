@@ -429,14 +429,34 @@ fn fused_attention_forward_and_backward_match_the_twins() {
         let (dq_w, dk_w, dv_w) =
             flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
         // P and dS are rounded to bf16 for the products, D comes from the
-        // bf16 output, the gradients are bf16: ≤ 2% in norm.
+        // bf16 output, the gradients are bf16: ≤ 2% in norm, with a floor
+        // where the exact gradient is zero (a single key: dS = P·(dP − D)
+        // cancels, and only rounding remains).
         for (name, got, want, n) in [
             ("dq", &dq, &dq_w, nq),
             ("dk", &dk, &dk_w, nk),
             ("dv", &dv, &dv_w, nk),
         ] {
-            let e = rel(&wide(&g.download(got, n).unwrap()), want);
-            assert!(e <= 2e-2, "{dims:?}: {name} off by {e:.2e}");
+            let got = wide(&g.download(got, n).unwrap());
+            let diff = got
+                .iter()
+                .zip(want.iter())
+                .map(|(a, b)| f64::from(a - b).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            let norm = want
+                .iter()
+                .map(|b| f64::from(*b).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            assert!(
+                got.iter().all(|x| x.is_finite()),
+                "{dims:?}: {name} not finite"
+            );
+            assert!(
+                diff <= 2e-2 * norm.max(1e-2 * (n as f64).sqrt()),
+                "{dims:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
+            );
         }
     }
     // A head width without kernels is an error, not a launch.

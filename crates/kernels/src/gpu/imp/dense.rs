@@ -39,19 +39,29 @@ pub(crate) struct DenseFns {
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
     flash: Vec<(usize, [CudaFunction; 3])>,
     flash_dot: CudaFunction,
-    /// Attention through the fused kernels where the head width has them
-    /// (`LRMOE_ATTENTION=fused`): no `seq × seq` probabilities are kept,
-    /// at a cost in time (measured 2026-12-01 on one H200: forward 0.89×
-    /// to 1.55×, forward + backward 1.35× to 2.6× the materialised path's
-    /// time, `docs/benchmarks.md`). The materialised path is the default.
-    use_flash: bool,
+    /// Which attention path runs (`LRMOE_ATTENTION`): `fused` — the fused
+    /// kernels wherever the head width has them; `materialized` — scores
+    /// and probabilities as grouped GEMMs and softmax kernels; unset — the
+    /// fused kernels up to head width 64, where they are the faster of the
+    /// two, and the materialised path at 128, where their backward is
+    /// slower (one H200, 2026-12-01: `docs/benchmarks.md`, session 7).
+    /// The fused path keeps no `seq × seq` probabilities.
+    attention: AttnPath,
+}
+
+/// The attention path of [`DenseFns::attention`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AttnPath {
+    Auto,
+    Fused,
+    Materialized,
 }
 
 /// Dynamic shared memory of the fused attention kernels for head width
 /// `dh`: forward, dK/dV, dQ (layouts in `kernels/dense.cu`).
 fn flash_smem(dh: usize) -> [u32; 3] {
     let dh = dh as u32;
-    [512 * dh + 20480, 512 * dh + 70144, 256 * dh + 46080]
+    [256 * dh + 2048, 512 * dh + 4608, 256 * dh + 2048]
 }
 
 impl DenseFns {
@@ -98,9 +108,22 @@ impl DenseFns {
                 })
                 .collect::<Result<_, KernelError>>()?,
             flash_dot: f("flash_bwd_dot")?,
-            use_flash: std::env::var("LRMOE_ATTENTION")
-                .is_ok_and(|v| v.eq_ignore_ascii_case("fused")),
+            attention: match std::env::var("LRMOE_ATTENTION") {
+                Ok(v) if v.eq_ignore_ascii_case("fused") => AttnPath::Fused,
+                Ok(v) if v.eq_ignore_ascii_case("materialized") => AttnPath::Materialized,
+                _ => AttnPath::Auto,
+            },
         })
+    }
+
+    /// Whether attention of head width `dh` runs through the fused kernels.
+    fn fused_attention(&self, dh: usize) -> bool {
+        self.flash_fns(dh).is_some()
+            && match self.attention {
+                AttnPath::Fused => true,
+                AttnPath::Materialized => false,
+                AttnPath::Auto => dh <= 64,
+            }
     }
 
     fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 3]> {
@@ -803,7 +826,7 @@ impl Gpu {
         let q = self.heads(q, (n_seq, seq, h, dh), s.theta, true)?;
         let k = self.heads(k, (n_seq, seq, kv, dh), s.theta, true)?;
         let v = self.heads(v, (n_seq, seq, kv, dh), 0.0, true)?;
-        if self.dense.use_flash && self.dense.flash_fns(dh).is_some() {
+        if self.dense.fused_attention(dh) {
             let (o, lse2) = self.flash_attention_forward((n_seq, seq, h, kv, dh), &q, &k, &v)?;
             let out = self.heads(&o, (n_seq, seq, h, dh), 0.0, false)?;
             return Ok((
