@@ -1,15 +1,16 @@
 //! `lrmoe-attn-bench`: the device model's causal grouped-query attention
-//! (`Gpu::attention_forward` / `attention_backward`) — scores materialised
-//! by grouped GEMMs (one group per sequence and
-//! key/value head), the causal softmax kernels, the RoPE head layouts —
-//! forward and forward + backward, at the shapes of qwen3-moe-mini and of
-//! Qwen3-30B-A3B. Its peer, `benches/torch_attention.py` (PyTorch's fused
-//! `scaled_dot_product_attention`), runs in the same device call: whether
-//! a fused (flash) attention kernel would pay is read off the two.
+//! (`Gpu::attention_forward` / `attention_backward`: the fused kernels or
+//! scores materialised by grouped GEMMs, one group per sequence and
+//! key/value head, as `LRMOE_ATTENTION` picks; the RoPE head layouts
+//! included), forward and forward + backward, at the shapes of
+//! qwen3-moe-mini and of Qwen3-30B-A3B. Its peer,
+//! `benches/torch_attention.py` (PyTorch's fused
+//! `scaled_dot_product_attention`), runs in the same device call
+//! (`benches/attention-device.sh` runs both paths and the peer).
 //!
 //! Prints one JSON line per shape: median device ms of the forward and of
-//! forward + backward (10 runs after 3 warm-ups, CUDA events), and the
-//! bytes of the materialised probabilities the forward keeps.
+//! forward + backward (10 runs after 3 warm-ups, CUDA events), the path
+//! taken, and the bytes of probabilities the forward keeps (0 when fused).
 
 use kernels::cpu::random_bf16;
 use kernels::gpu::{AttnShape, Gpu};
@@ -60,13 +61,18 @@ fn main() -> anyhow::Result<()> {
             Ok(ts[ts.len() / 2])
         };
         let (fwd, fwd_bwd) = (time(false)?, time(true)?);
+        let fused = gpu
+            .attention_forward(shape, &att, (&qt, &kt, &vt))?
+            .1
+            .fused();
         println!(
             "{}",
             serde_json::json!({
                 "ours": name,
                 "batch": n_seq, "seq": seq, "heads": h, "kv_heads": kv, "head_dim": dh,
                 "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
-                "saved_probs_bytes": rows * seq * 2,
+                "path": if fused { "fused" } else { "materialised" },
+                "saved_probs_bytes": if fused { 0 } else { rows * seq * 2 },
             })
         );
     }
