@@ -347,8 +347,7 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __
 #include <mma.h>
 
 namespace fa {
-constexpr int B = 64;      // queries or keys per block
-constexpr int WARPS = 4;   // 16 rows each
+constexpr int B = 64;  // queries or keys per block: 4 warps of 16 rows
 // Shared-memory row strides, padded by 16 bytes so that the rows of a tile
 // fall in different banks (unpadded 128- or 256-byte rows make every
 // fragment load an 8-way bank conflict).
@@ -372,6 +371,27 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
         if (row0 + r < seq) x = reinterpret_cast<const uint4*>(src + (long long)(row0 + r) * DH)[c];
         reinterpret_cast<uint4*>(dst + r * LT<DH>)[c] = x;
     }
+}
+
+// The same rows copied asynchronously (cp.async, 16 bytes each; rows past
+// seq zero-filled by a source size of 0): the next tile loads while the
+// current one is used. cp_async_wait<N> waits for all but the last N
+// committed groups.
+template <int DH>
+__device__ __forceinline__ void load_tile_async(uint16_t* dst, const uint16_t* src, int row0, int seq) {
+    constexpr int V = DH / 8;
+    for (int i = threadIdx.x; i < B * V; i += blockDim.x) {
+        int r = i / V, c = i % V;
+        bool in = row0 + r < seq;
+        const uint16_t* from = in ? src + (long long)(row0 + r) * DH + c * 8 : src;
+        unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * LT<DH> + c * 8));
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from), "r"(in ? 16 : 0));
+    }
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 // The element layout of a 16 × 16 accumulator and of a bf16 A fragment
@@ -413,27 +433,38 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
     using namespace fa;
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
-    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
-    uint16_t* Vs = Ks + B * L;                         // [B][L]
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
     int row0 = qb * B + warp * 16;
-    load_tile<DH>(Ks, q + (long long)bh * seq * DH, qb * B, seq);
+    load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
     FragA qf[DH / 16];
 #pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) wmma::load_matrix_sync(qf[kk], bfp(Ks + warp * 16 * L + kk * 16), L);
+    for (int kk = 0; kk < DH / 16; kk++) wmma::load_matrix_sync(qf[kk], bfp(tiles + warp * 16 * L + kk * 16), L);
+    __syncthreads();
+    load_tile_async<DH>(tiles, K, 0, seq);
+    load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
+    cp_async_commit();
     Acc oacc[DH / 16];
 #pragma unroll
     for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(oacc[n], 0.f);
     int qpos[2] = {row0 + frag_row(lane, 0), row0 + frag_row(lane, 2)};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int j = 0; j <= qb; j++) {
-        __syncthreads();
-        load_tile<DH>(Ks, K, j * B, seq);
-        load_tile<DH>(Vs, Vg, j * B, seq);
+        const uint16_t* Ks = tiles + (j & 1) * 2 * B * L;
+        const uint16_t* Vs = Ks + B * L;
+        if (j < qb) {
+            uint16_t* next = tiles + ((j + 1) & 1) * 2 * B * L;
+            load_tile_async<DH>(next, K, (j + 1) * B, seq);
+            load_tile_async<DH>(next + B * L, Vg, (j + 1) * B, seq);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
         Acc sa[B / 16];
         float mx[2] = {-INFINITY, -INFINITY};
@@ -487,6 +518,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
                 wmma::load_matrix_sync(vf, bfp(Vs + kk * 16 * L + n * 16), L);
                 wmma::mma_sync(oacc[n], pf[kk], vf, oacc[n]);
             }
+        __syncthreads();
     }
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -527,10 +559,8 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
     uint16_t* Vs = Ks + B * L;
-    uint16_t* Qs = Vs + B * L;
-    uint16_t* Gs = Qs + B * L;                          // dO
-    float* Ls = reinterpret_cast<float*>(Gs + B * L);   // [B] lse2
-    float* Ds = Ls + B;                                 // [B] D
+    uint16_t* QG = Vs + B * L;                           // 2 stages × {Q, dO} × [B][L]
+    float* LD = reinterpret_cast<float*>(QG + 4 * B * L);  // 2 stages × {lse2, D} × [B]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int kb = blockIdx.x, bk = blockIdx.y, b = bk / kv, hk = bk % kv, group = heads / kv;
     load_tile<DH>(Ks, k + (long long)bk * seq * DH, kb * B, seq);
@@ -545,55 +575,72 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     int key[2] = {key0 + frag_row(lane, 0), key0 + frag_row(lane, 2)};
     const uint16_t* Kw = Ks + warp * 16 * L;
     const uint16_t* Vw = Vs + warp * 16 * L;
-    int nqb = (seq + B - 1) / B;
-    for (int hq = hk * group; hq < (hk + 1) * group; hq++) {
-        long long bh = (long long)b * heads + hq;
-        for (int qb = kb; qb < nqb; qb++) {
-            __syncthreads();
-            load_tile<DH>(Qs, q + bh * seq * DH, qb * B, seq);
-            load_tile<DH>(Gs, dout + bh * seq * DH, qb * B, seq);
-            for (int i = threadIdx.x; i < B; i += blockDim.x) {
-                int r = qb * B + i;
-                Ls[i] = r < seq ? lse2[bh * seq + r] : 0.f;
-                Ds[i] = r < seq ? dd[bh * seq + r] : 0.f;
-            }
-            __syncthreads();
-            // One 16-query chunk at a time: Sᵀ and dPᵀ, then Pᵀ and dSᵀ into
-            // dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
+    // Every (query head of the group, query block at or after this key
+    // block) in turn; the next one's tiles load while this one computes.
+    int per_head = (seq + B - 1) / B - kb, total = group * per_head;
+    auto issue = [&](int it, int st) {
+        long long bh = (long long)b * heads + hk * group + it / per_head;
+        int qb = kb + it % per_head;
+        uint16_t* dst = QG + st * 2 * B * L;
+        load_tile_async<DH>(dst, q + bh * seq * DH, qb * B, seq);
+        load_tile_async<DH>(dst + B * L, dout + bh * seq * DH, qb * B, seq);
+        cp_async_commit();
+        for (int i = threadIdx.x; i < B; i += blockDim.x) {
+            int r = qb * B + i;
+            LD[st * 2 * B + i] = r < seq ? lse2[bh * seq + r] : 0.f;
+            LD[st * 2 * B + B + i] = r < seq ? dd[bh * seq + r] : 0.f;
+        }
+    };
+    issue(0, 0);
+    for (int it = 0; it < total; it++) {
+        int stage = it & 1, qb = kb + it % per_head;
+        if (it + 1 < total) {
+            issue(it + 1, stage ^ 1);
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint16_t* Qs = QG + stage * 2 * B * L;
+        const uint16_t* Gs = Qs + B * L;
+        const float* Ls = LD + stage * 2 * B;
+        const float* Ds = Ls + B;
+        // One 16-query chunk at a time: Sᵀ and dPᵀ, then Pᵀ and dSᵀ into
+        // dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
 #pragma unroll
-            for (int nq = 0; nq < B / 16; nq++) {
-                Acc sa, ga;
-                wmma::fill_fragment(sa, 0.f);
-                wmma::fill_fragment(ga, 0.f);
+        for (int nq = 0; nq < B / 16; nq++) {
+            Acc sa, ga;
+            wmma::fill_fragment(sa, 0.f);
+            wmma::fill_fragment(ga, 0.f);
 #pragma unroll 2
-                for (int kk = 0; kk < DH / 16; kk++) {
-                    FragA af;
-                    FragBT bt;
-                    wmma::load_matrix_sync(af, bfp(Kw + kk * 16), L);
-                    wmma::load_matrix_sync(bt, bfp(Qs + nq * 16 * L + kk * 16), L);
-                    wmma::mma_sync(sa, af, bt, sa);
-                    wmma::load_matrix_sync(af, bfp(Vw + kk * 16), L);
-                    wmma::load_matrix_sync(bt, bfp(Gs + nq * 16 * L + kk * 16), L);
-                    wmma::mma_sync(ga, af, bt, ga);
-                }
-                FragA pt, st;
+            for (int kk = 0; kk < DH / 16; kk++) {
+                FragA af;
+                FragBT bt;
+                wmma::load_matrix_sync(af, bfp(Kw + kk * 16), L);
+                wmma::load_matrix_sync(bt, bfp(Qs + nq * 16 * L + kk * 16), L);
+                wmma::mma_sync(sa, af, bt, sa);
+                wmma::load_matrix_sync(af, bfp(Vw + kk * 16), L);
+                wmma::load_matrix_sync(bt, bfp(Gs + nq * 16 * L + kk * 16), L);
+                wmma::mma_sync(ga, af, bt, ga);
+            }
+            FragA pt, st;
 #pragma unroll
-                for (int i = 0; i < 8; i++) {
-                    int c = nq * 16 + frag_col(lane, i), qpos = qb * B + c, kr = key[(i >> 1) & 1];
-                    float p = (kr <= qpos && qpos < seq && kr < seq) ? exp2f(sa.x[i] * sl - Ls[c]) : 0.f;
-                    pt.x[i] = __float2bfloat16_rn(p);
-                    st.x[i] = __float2bfloat16_rn(p * (ga.x[i] - Ds[c]) * scale);
-                }
+            for (int i = 0; i < 8; i++) {
+                int c = nq * 16 + frag_col(lane, i), qpos = qb * B + c, kr = key[(i >> 1) & 1];
+                float p = (kr <= qpos && qpos < seq && kr < seq) ? exp2f(sa.x[i] * sl - Ls[c]) : 0.f;
+                pt.x[i] = __float2bfloat16_rn(p);
+                st.x[i] = __float2bfloat16_rn(p * (ga.x[i] - Ds[c]) * scale);
+            }
 #pragma unroll
-                for (int n = 0; n < DH / 16; n++) {
-                    FragB bf_;
-                    wmma::load_matrix_sync(bf_, bfp(Gs + nq * 16 * L + n * 16), L);
-                    wmma::mma_sync(dva[n], pt, bf_, dva[n]);
-                    wmma::load_matrix_sync(bf_, bfp(Qs + nq * 16 * L + n * 16), L);
-                    wmma::mma_sync(dka[n], st, bf_, dka[n]);
-                }
+            for (int n = 0; n < DH / 16; n++) {
+                FragB bf_;
+                wmma::load_matrix_sync(bf_, bfp(Gs + nq * 16 * L + n * 16), L);
+                wmma::mma_sync(dva[n], pt, bf_, dva[n]);
+                wmma::load_matrix_sync(bf_, bfp(Qs + nq * 16 * L + n * 16), L);
+                wmma::mma_sync(dka[n], st, bf_, dka[n]);
             }
         }
+        __syncthreads();
     }
     store_acc<DH>(dka, dk + (long long)bk * seq * DH, key0, seq, 1.f, 1.f);
     store_acc<DH>(dva, dv + (long long)bk * seq * DH, key0, seq, 1.f, 1.f);
@@ -610,22 +657,25 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     using namespace fa;
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
-    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
-    uint16_t* Vs = Ks + B * L;
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
     int row0 = qb * B + warp * 16;
-    load_tile<DH>(Ks, q + (long long)bh * seq * DH, qb * B, seq);
-    load_tile<DH>(Vs, dout + (long long)bh * seq * DH, qb * B, seq);
+    load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
+    load_tile<DH>(tiles + B * L, dout + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
     FragA qf[DH / 16], gf[DH / 16];
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) {
-        wmma::load_matrix_sync(qf[kk], bfp(Ks + warp * 16 * L + kk * 16), L);
-        wmma::load_matrix_sync(gf[kk], bfp(Vs + warp * 16 * L + kk * 16), L);
+        wmma::load_matrix_sync(qf[kk], bfp(tiles + warp * 16 * L + kk * 16), L);
+        wmma::load_matrix_sync(gf[kk], bfp(tiles + B * L + warp * 16 * L + kk * 16), L);
     }
+    __syncthreads();
+    load_tile_async<DH>(tiles, K, 0, seq);
+    load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
+    cp_async_commit();
     Acc dqa[DH / 16];
 #pragma unroll
     for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(dqa[n], 0.f);
@@ -637,9 +687,17 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
         dr[r] = qpos[r] < seq ? dd[(long long)bh * seq + qpos[r]] : 0.f;
     }
     for (int j = 0; j <= qb; j++) {
-        __syncthreads();
-        load_tile<DH>(Ks, K, j * B, seq);
-        load_tile<DH>(Vs, Vg, j * B, seq);
+        const uint16_t* Ks = tiles + (j & 1) * 2 * B * L;
+        const uint16_t* Vs = Ks + B * L;
+        if (j < qb) {
+            uint16_t* next = tiles + ((j + 1) & 1) * 2 * B * L;
+            load_tile_async<DH>(next, K, (j + 1) * B, seq);
+            load_tile_async<DH>(next + B * L, Vg, (j + 1) * B, seq);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
         __syncthreads();
         // One 16-key chunk at a time: S and dP, then dS into dQ += dS K.
 #pragma unroll
@@ -669,6 +727,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
                 wmma::mma_sync(dqa[d], dsf, kf, dqa[d]);
             }
         }
+        __syncthreads();
     }
     store_acc<DH>(dqa, dq + (long long)bh * seq * DH, row0, seq, 1.f, 1.f);
 }

@@ -61,7 +61,7 @@ enum AttnPath {
 /// `dh`: forward, dK/dV, dQ (layouts in `kernels/dense.cu`).
 fn flash_smem(dh: usize) -> [u32; 3] {
     let dh = dh as u32;
-    [256 * dh + 2048, 512 * dh + 4608, 256 * dh + 2048]
+    [512 * (dh + 8), 768 * (dh + 8) + 1024, 512 * (dh + 8)]
 }
 
 impl DenseFns {
