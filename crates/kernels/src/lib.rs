@@ -32,9 +32,11 @@
 //!   RMSNorm forward/backward (f32 residual or bf16 head rows), the
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy, gradient squared norms and the fused AdamW update
-//!   (clip read on the device). `Gpu` runs them on device buffers
-//!   (`gpu/imp/dense.rs`); attention's products are the grouped GEMM with
-//!   one group per (sequence, key/value head).
+//!   (clip read on the device), and fused causal grouped-query attention
+//!   (FlashAttention-2's forward and backward, twins in f64). `Gpu` runs
+//!   them on device buffers (`gpu/imp/dense.rs`); attention runs fused, or
+//!   materialised as the grouped GEMM with one group per (sequence,
+//!   key/value head) and the causal softmax kernels.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins
