@@ -871,28 +871,23 @@ impl Gpu {
         let scale = 1.0 / (dh as f32).sqrt();
         let AttnSaved { q, k, v, rest } = saved;
         let dc = self.heads(dout, (n_seq, seq, h, dh), 0.0, true)?;
-        let p = match rest {
-            Kept::Probs(p) => p,
+        let (dq, dk, dv) = match rest {
             Kept::Fused { o, lse2 } => {
-                let (dq, dk, dv) = self.flash_attention_backward(
-                    (n_seq, seq, h, kv, dh),
-                    (q, k, v),
-                    (o, lse2),
-                    &dc,
-                )?;
-                return Ok((
-                    self.heads(&dq, (n_seq, seq, h, dh), s.theta, false)?,
-                    self.heads(&dk, (n_seq, seq, kv, dh), s.theta, false)?,
-                    self.heads(&dv, (n_seq, seq, kv, dh), 0.0, false)?,
-                ));
+                self.flash_attention_backward((n_seq, seq, h, kv, dh), (q, k, v), (o, lse2), &dc)?
+            }
+            Kept::Probs(p) => {
+                let dp =
+                    self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, v, seq, dh)?;
+                let dv =
+                    self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, p, &dc, seq, dh)?;
+                let ds = self.softmax_causal_backward(p, &dp, rows, seq, scale)?;
+                drop(dp);
+                let dq = self.gemm_dev(GemmVariant::Forward, att, groups, rows, &ds, k, seq, dh)?;
+                let dk =
+                    self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, &ds, q, seq, dh)?;
+                (dq, dk, dv)
             }
         };
-        let dp = self.gemm_dev(GemmVariant::DataGrad, att, groups, rows, &dc, v, seq, dh)?;
-        let dv = self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, p, &dc, seq, dh)?;
-        let ds = self.softmax_causal_backward(p, &dp, rows, seq, scale)?;
-        drop(dp);
-        let dq = self.gemm_dev(GemmVariant::Forward, att, groups, rows, &ds, k, seq, dh)?;
-        let dk = self.gemm_dev(GemmVariant::WeightGrad, att, groups, rows, &ds, q, seq, dh)?;
         Ok((
             self.heads(&dq, (n_seq, seq, h, dh), s.theta, false)?,
             self.heads(&dk, (n_seq, seq, kv, dh), s.theta, false)?,
@@ -902,12 +897,6 @@ impl Gpu {
 }
 
 impl Gpu {
-    /// Whether the fused attention kernels exist for head width `dh`
-    /// (16, 32, 64, 128).
-    pub fn flash_attention_supports(&self, dh: usize) -> bool {
-        self.dense.flash_fns(dh).is_some()
-    }
-
     fn flash_launch(
         &self,
         dims: crate::dense::AttnDims,
