@@ -496,6 +496,22 @@ extern "C" __global__ void kept_counts(const uint32_t* __restrict__ key, const u
     if (threadIdx.x == 0) counts[blockIdx.x] = acc;
 }
 
+// Runs expanded: out[dst + i] = src + i * step for each [dst, src, n] triple
+// of `runs` (ascending dst, tiling 0..len; checked on the host). One thread
+// per entry finds its run by binary search over the runs' starts.
+extern "C" __global__ void expand_runs(const uint32_t* __restrict__ runs, int n_runs, uint32_t step,
+                                       uint32_t* __restrict__ out, int len) {
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < len; j += gridDim.x * blockDim.x) {
+        int lo = 0, hi = n_runs - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (runs[3 * mid] <= static_cast<uint32_t>(j)) lo = mid;
+            else hi = mid - 1;
+        }
+        out[j] = runs[3 * lo + 1] + (static_cast<uint32_t>(j) - runs[3 * lo]) * step;
+    }
+}
+
 // Byte gather: out[j] = src[idx[j]].
 extern "C" __global__ void gather_u8(const uint8_t* __restrict__ src, const uint32_t* __restrict__ idx,
                                      uint8_t* __restrict__ out, int n) {

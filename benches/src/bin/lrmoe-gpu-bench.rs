@@ -3,7 +3,9 @@
 //!
 //! Usage: `lrmoe-gpu-bench [anchors.json]` where the optional file holds the
 //! JSON object printed on the `SINGLE` line of `torch_anchors.py`, run in the
-//! same device call.
+//! same device call. `LRMOE_GPU_TABLES` (e.g. `layer`) picks tables by
+//! name: `kernels` (copy, row kernels, GEMMs), `layer`, `select`,
+//! `router`; all by default.
 
 use kernels::gpu::Gpu;
 
@@ -18,180 +20,191 @@ fn main() -> anyhow::Result<()> {
         None => serde_json::Value::Null,
     };
     let gpu = Gpu::open(0)?;
-    let copy = gpu.bench_copy(2 << 30)?;
-    println!(
-        "copy (device to device, 2 GiB): {:.3} ms, {:.0} GB/s read+write",
-        copy.ms,
-        copy.gbps()
-    );
-    if let Some(t) = anchor(&anchors, "copy_GBps_rw") {
-        println!("torch copy_ (same run): {t:.0} GB/s read+write");
-    }
-    println!();
-    println!("| kernel | shape | median ms | GB/s | / copy | torch peer GB/s | / torch |");
-    println!("|---|---|---|---|---|---|---|");
-    for (key, n, d_in, d_out) in [
-        (
-            "E128_H2048_F768_rows131072",
-            131072usize,
-            768usize,
-            2048usize,
-        ),
-        ("E64_H4096_F1536_rows131072", 131072, 1536, 4096),
-    ] {
-        let t = gpu.bench_scores(n, d_in, d_out)?;
-        let peer = anchor(&anchors, &format!("rownorm_{key}_GBps"));
+    let tables =
+        std::env::var("LRMOE_GPU_TABLES").unwrap_or_else(|_| "kernels,layer,select,router".into());
+    let table = |name: &str| tables.split(',').any(|t| t.trim() == name);
+    if table("kernels") {
+        let copy = gpu.bench_copy(2 << 30)?;
         println!(
-            "| LRM scores (bf16 in, f32 out; bytes read) | {n} × ({d_in} + {d_out}) | {:.3} | {:.0} | {:.2} | {} | {} |",
-            t.ms,
-            t.gbps(),
-            t.gbps() / copy.gbps(),
-            peer.map_or("-".into(), |p| format!("{p:.0} (row norms of one {n} × {d_out} matrix)")),
-            peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+            "copy (device to device, 2 GiB): {:.3} ms, {:.0} GB/s read+write",
+            copy.ms,
+            copy.gbps()
         );
-    }
-    for (key, n, width) in [
-        ("E128_H2048_F768_rows131072", 131072usize, 2048usize),
-        ("E64_H4096_F1536_rows131072", 131072, 4096),
-    ] {
-        let peer = anchor(&anchors, &format!("gather_{key}_GBps_rw"));
-        let t = gpu.bench_gather(n, width)?;
-        println!(
-            "| pack (row gather, random permutation; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
-            t.ms,
-            t.gbps(),
-            t.gbps() / copy.gbps(),
-            peer.map_or("-".into(), |p| format!("{p:.0} (index_select)")),
-            peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
-        );
-        for dropped in [0usize, 50] {
-            let t = gpu.bench_unpack(n, width, dropped)?;
+        if let Some(t) = anchor(&anchors, "copy_GBps_rw") {
+            println!("torch copy_ (same run): {t:.0} GB/s read+write");
+        }
+        println!();
+        println!("| kernel | shape | median ms | GB/s | / copy | torch peer GB/s | / torch |");
+        println!("|---|---|---|---|---|---|---|");
+        for (key, n, d_in, d_out) in [
+            (
+                "E128_H2048_F768_rows131072",
+                131072usize,
+                768usize,
+                2048usize,
+            ),
+            ("E64_H4096_F1536_rows131072", 131072, 1536, 4096),
+        ] {
+            let t = gpu.bench_scores(n, d_in, d_out)?;
+            let peer = anchor(&anchors, &format!("rownorm_{key}_GBps"));
             println!(
-                "| unpack (row scatter, {dropped}% dropped rows zero-filled; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
+                "| LRM scores (bf16 in, f32 out; bytes read) | {n} × ({d_in} + {d_out}) | {:.3} | {:.0} | {:.2} | {} | {} |",
+                t.ms,
+                t.gbps(),
+                t.gbps() / copy.gbps(),
+                peer.map_or("-".into(), |p| format!("{p:.0} (row norms of one {n} × {d_out} matrix)")),
+                peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+            );
+        }
+        for (key, n, width) in [
+            ("E128_H2048_F768_rows131072", 131072usize, 2048usize),
+            ("E64_H4096_F1536_rows131072", 131072, 4096),
+        ] {
+            let peer = anchor(&anchors, &format!("gather_{key}_GBps_rw"));
+            let t = gpu.bench_gather(n, width)?;
+            println!(
+                "| pack (row gather, random permutation; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
                 t.ms,
                 t.gbps(),
                 t.gbps() / copy.gbps(),
                 peer.map_or("-".into(), |p| format!("{p:.0} (index_select)")),
                 peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
             );
+            for dropped in [0usize, 50] {
+                let t = gpu.bench_unpack(n, width, dropped)?;
+                println!(
+                    "| unpack (row scatter, {dropped}% dropped rows zero-filled; read+write) | {n} × {width} | {:.3} | {:.0} | {:.2} | {} | {} |",
+                    t.ms,
+                    t.gbps(),
+                    t.gbps() / copy.gbps(),
+                    peer.map_or("-".into(), |p| format!("{p:.0} (index_select)")),
+                    peer.map_or("-".into(), |p| format!("{:.2}", t.gbps() / p)),
+                );
+            }
         }
-    }
-    let t = gpu.bench_swiglu(131072 * 768)?;
-    println!(
-        "| SwiGLU forward (bf16; read a, b + write h) | 131072 × 768 | {:.3} | {:.0} | {:.2} | - | - |",
-        t.ms,
-        t.gbps(),
-        t.gbps() / copy.gbps()
-    );
-    let t = gpu.bench_combine(16384, 2048, 8)?;
-    println!(
-        "| combine (weighted sum of top-8 rows; read + write) | 16384 tokens × 8 × 2048 | {:.3} | {:.0} | {:.2} | - | - |",
-        t.ms,
-        t.gbps(),
-        t.gbps() / copy.gbps()
-    );
-    println!();
-    println!("| grouped GEMM (bf16, f32 acc) | shape | median ms | TFLOP/s | torch._grouped_mm TFLOP/s | / torch |");
-    println!("|---|---|---|---|---|---|");
-    for (key, e, h, f) in [
-        ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
-        ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
-    ] {
-        // The anchors' skewed counts: Zipf(0.8) shares of 131072 rows.
-        let w: Vec<f64> = (1..=e).map(|i| (i as f64).powf(-0.8)).collect();
-        let total: f64 = w.iter().sum();
-        let mut counts: Vec<u32> = w
-            .iter()
-            .map(|x| (x / total * 131072.0).floor() as u32)
-            .collect();
-        counts[0] += 131072 - counts.iter().sum::<u32>();
-        for (variant, name) in [
-            (kernels::cpu::GemmVariant::Forward, "fwd"),
-            (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
-            (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
+        let t = gpu.bench_swiglu(131072 * 768)?;
+        println!(
+            "| SwiGLU forward (bf16; read a, b + write h) | 131072 × 768 | {:.3} | {:.0} | {:.2} | - | - |",
+            t.ms,
+            t.gbps(),
+            t.gbps() / copy.gbps()
+        );
+        let t = gpu.bench_combine(16384, 2048, 8)?;
+        println!(
+            "| combine (weighted sum of top-8 rows; read + write) | 16384 tokens × 8 × 2048 | {:.3} | {:.0} | {:.2} | - | - |",
+            t.ms,
+            t.gbps(),
+            t.gbps() / copy.gbps()
+        );
+        println!();
+        println!("| grouped GEMM (bf16, f32 acc) | shape | median ms | TFLOP/s | torch._grouped_mm TFLOP/s | / torch |");
+        println!("|---|---|---|---|---|---|");
+        for (key, e, h, f) in [
+            ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
+            ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
         ] {
-            let (t, tflops) = gpu.bench_grouped_gemm(variant, &counts, h, f)?;
-            let peer = anchor(&anchors, &format!("grouped_mm_{name}_{key}_tflops"));
+            // The anchors' skewed counts: Zipf(0.8) shares of 131072 rows.
+            let w: Vec<f64> = (1..=e).map(|i| (i as f64).powf(-0.8)).collect();
+            let total: f64 = w.iter().sum();
+            let mut counts: Vec<u32> = w
+                .iter()
+                .map(|x| (x / total * 131072.0).floor() as u32)
+                .collect();
+            counts[0] += 131072 - counts.iter().sum::<u32>();
+            for (variant, name) in [
+                (kernels::cpu::GemmVariant::Forward, "fwd"),
+                (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
+                (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
+            ] {
+                let (t, tflops) = gpu.bench_grouped_gemm(variant, &counts, h, f)?;
+                let peer = anchor(&anchors, &format!("grouped_mm_{name}_{key}_tflops"));
+                println!(
+                    "| {name} | {e} experts, hidden {h}, ffn {f}, 131072 rows | {:.3} | {tflops:.0} | {} | {} |",
+                    t.ms,
+                    peer.map_or("-".into(), |p| format!("{p:.0}")),
+                    peer.map_or("-".into(), |p| format!("{:.2}", tflops / p)),
+                );
+            }
+            // The weight gradient at r = 0.25: a quarter of each group's rows
+            // (K of the product), the same h × f outputs.
+            let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
+            let rows: u32 = quarter.iter().sum();
+            let (t, tflops) =
+                gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, &quarter, h, f)?;
             println!(
-                "| {name} | {e} experts, hidden {h}, ffn {f}, 131072 rows | {:.3} | {tflops:.0} | {} | {} |",
-                t.ms,
-                peer.map_or("-".into(), |p| format!("{p:.0}")),
-                peer.map_or("-".into(), |p| format!("{:.2}", tflops / p)),
+                "| wgrad, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",
+                t.ms
             );
         }
-        // The weight gradient at r = 0.25: a quarter of each group's rows
-        // (K of the product), the same h × f outputs.
-        let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
-        let rows: u32 = quarter.iter().sum();
-        let (t, tflops) =
-            gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, &quarter, h, f)?;
+        println!();
+    }
+    if table("layer") {
+        println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");
+        println!();
+        println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | fwd+bwd peak MiB | kept pairs |");
+        println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+        for (key, e, h, f) in [
+            ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
+            ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
+        ] {
+            let cfg = layer::MoeConfig {
+                hidden: h,
+                ffn: f,
+                n_experts: e,
+                top_k: 8,
+                renormalize: true,
+            };
+            let rs = [1.0, 0.75, 0.5, 0.25];
+            let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
+            let labelled: Vec<(f64, &layer::DevicePlanner)> =
+                rs.iter().copied().zip(planners.iter()).collect();
+            let rows = layer::device::bench(
+                &gpu,
+                layer::device::DeviceComm::Local,
+                &cfg,
+                16384,
+                &labelled,
+                0.0,
+                10,
+            )?;
+            let fwd = rows[0].forward_ms;
+            let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
+            let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));
+            let full = rows[0].backward_ms;
+            for r in &rows {
+                println!(
+                    "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
+                    tf.map_or("-".into(), |v| format!("{v:.2}")),
+                    tf.map_or("-".into(), |v| format!("{:.2}", v / fwd)),
+                    r.retention,
+                    r.backward_ms,
+                    r.backward_ms / full,
+                    r.retention + 0.1,
+                    tb.map_or("-".into(), |v| format!("{v:.2}")),
+                    tb.map_or("-".into(), |v| format!("{:.2}", v / r.backward_ms)),
+                    r.peak_bytes as f64 / (1 << 20) as f64,
+                    r.kept_total
+                );
+            }
+        }
+    }
+    if table("select") {
+        let t = gpu.bench_select(128, 131072)?;
+        println!();
         println!(
-            "| wgrad, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",
-            t.ms
+            "Top-q selection, 128 experts × 131072 pairs (Zipf 0.8 counts, half of each expert kept): median {:.1} µs (target ≤ 100 µs)",
+            t.ms * 1e3
         );
     }
-    println!();
-    println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");
-    println!();
-    println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | fwd+bwd peak MiB | kept pairs |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for (key, e, h, f) in [
-        ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
-        ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
-    ] {
-        let cfg = layer::MoeConfig {
-            hidden: h,
-            ffn: f,
-            n_experts: e,
-            top_k: 8,
-            renormalize: true,
-        };
-        let rs = [1.0, 0.75, 0.5, 0.25];
-        let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
-        let labelled: Vec<(f64, &layer::DevicePlanner)> =
-            rs.iter().copied().zip(planners.iter()).collect();
-        let rows = layer::device::bench(
-            &gpu,
-            layer::device::DeviceComm::Local,
-            &cfg,
-            16384,
-            &labelled,
-            0.0,
-            10,
-        )?;
-        let fwd = rows[0].forward_ms;
-        let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
-        let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));
-        let full = rows[0].backward_ms;
-        for r in &rows {
-            println!(
-                "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
-                tf.map_or("-".into(), |v| format!("{v:.2}")),
-                tf.map_or("-".into(), |v| format!("{:.2}", v / fwd)),
-                r.retention,
-                r.backward_ms,
-                r.backward_ms / full,
-                r.retention + 0.1,
-                tb.map_or("-".into(), |v| format!("{v:.2}")),
-                tb.map_or("-".into(), |v| format!("{:.2}", v / r.backward_ms)),
-                r.peak_bytes as f64 / (1 << 20) as f64,
-                r.kept_total
-            );
-        }
-    }
-    let t = gpu.bench_select(128, 131072)?;
-    println!();
-    println!(
-        "Top-q selection, 128 experts × 131072 pairs (Zipf 0.8 counts, half of each expert kept): median {:.1} µs (target ≤ 100 µs)",
-        t.ms * 1e3
-    );
-    for (h, e) in [(2048, 128), (4096, 64)] {
-        println!();
-        println!("The router backward's parts, 16384 tokens, top-8, E{e} H{h} (median ms):");
-        println!();
-        println!("| part | ms |\n|---|---|");
-        for (name, ms) in gpu.bench_router_backward(16384, h, e, 8)? {
-            println!("| {name} | {ms:.3} |");
+    if table("router") {
+        for (h, e) in [(2048, 128), (4096, 64)] {
+            println!();
+            println!("The router backward's parts, 16384 tokens, top-8, E{e} H{h} (median ms):");
+            println!();
+            println!("| part | ms |\n|---|---|");
+            for (name, ms) in gpu.bench_router_backward(16384, h, e, 8)? {
+                println!("| {name} | {ms:.3} |");
+            }
         }
     }
     Ok(())

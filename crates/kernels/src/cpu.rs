@@ -302,6 +302,43 @@ pub fn gather_u8_reference(src: &[u8], idx: &[u32]) -> Result<Vec<u8>, KernelErr
         .collect()
 }
 
+/// Checks that `runs` (`[dst, src, n]` triples, flattened) are non-empty,
+/// ascending by `dst` and tile `0..len` exactly, and that no entry
+/// `src + i·step` overflows `u32`.
+pub fn check_runs(runs: &[u32], step: u32, len: usize) -> Result<(), KernelError> {
+    let bad = |got| KernelError::Shape {
+        what: "runs ([dst, src, n] triples tiling 0..len)",
+        expected: len,
+        got,
+    };
+    if runs.len() % 3 != 0 || len > i32::MAX as usize || (len > 0 && runs.is_empty()) {
+        return Err(bad(runs.len()));
+    }
+    let mut at = 0usize;
+    for r in runs.chunks_exact(3) {
+        let (dst, src, n) = (r[0] as usize, u64::from(r[1]), u64::from(r[2]));
+        if dst != at || n == 0 || src + (n - 1) * u64::from(step) > u64::from(u32::MAX) {
+            return Err(bad(dst));
+        }
+        at += n as usize;
+    }
+    if at != len {
+        return Err(bad(at));
+    }
+    Ok(())
+}
+
+/// CPU twin of `expand_runs`: entry `dst + i` of each run `[dst, src, n]`
+/// is `src + i·step` (runs as [`check_runs`] demands).
+pub fn expand_runs_reference(runs: &[u32], step: u32, len: usize) -> Result<Vec<u32>, KernelError> {
+    check_runs(runs, step, len)?;
+    let mut out = Vec::with_capacity(len);
+    for r in runs.chunks_exact(3) {
+        out.extend((0..r[2]).map(|i| r[1] + i * step));
+    }
+    Ok(out)
+}
+
 /// CPU twin of `kept_counts`: `counts[b] = #{p : key[p] == b && keep[p] != 0}`
 /// for `b < groups` (other keys are not counted).
 pub fn kept_counts_reference(
@@ -744,6 +781,29 @@ mod tests {
 
     /// GEMM against its naive twin, every transpose, fresh inputs, poisoned
     /// outputs, including zero-size dimensions and the parallel path.
+    #[test]
+    fn runs_expand_and_bad_runs_are_refused() {
+        assert_eq!(
+            expand_runs_reference(&[0, 7, 2, 2, 0, 3], 1, 5).unwrap(),
+            vec![7, 8, 0, 1, 2]
+        );
+        assert_eq!(
+            expand_runs_reference(&[0, 4, 2, 2, 9, 1], 0, 3).unwrap(),
+            vec![4, 4, 9]
+        );
+        assert!(expand_runs_reference(&[], 1, 0).unwrap().is_empty());
+        for (runs, len) in [
+            (&[0u32, 0, 2][..], 3usize),
+            (&[0, 0, 2, 3, 0, 1][..], 4),
+            (&[0, 0, 0][..], 0),
+            (&[1, 0, 2][..], 2),
+            (&[0, u32::MAX, 2][..], 2),
+            (&[0, 0][..], 2),
+        ] {
+            assert!(expand_runs_reference(runs, 1, len).is_err(), "{runs:?}");
+        }
+    }
+
     #[test]
     fn matmul_matches_reference() {
         let shapes = [

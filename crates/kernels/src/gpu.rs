@@ -65,6 +65,15 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    pub fn expand_runs(
+        &self,
+        _runs: &[u32],
+        _step: u32,
+        _len: usize,
+    ) -> Result<Vec<u32>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn kept_counts(
         &self,
         _key: &[u32],
@@ -403,6 +412,7 @@ mod imp {
         f_fill: CudaFunction,
         f_kept_counts: CudaFunction,
         f_gather_u8: CudaFunction,
+        f_expand_runs: CudaFunction,
         dense: dense::DenseFns,
         /// Fill every output buffer with 0xFF bytes before its kernel runs
         /// (device tests: a kernel that skips an element is caught).
@@ -518,6 +528,7 @@ mod imp {
                 f_fill: module.load_function("fill_u32").map_err(cuda)?,
                 f_kept_counts: module.load_function("kept_counts").map_err(cuda)?,
                 f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
+                f_expand_runs: module.load_function("expand_runs").map_err(cuda)?,
                 dense: dense::DenseFns::load(&ctx, DENSE_FATBIN)?,
                 poison: std::sync::atomic::AtomicBool::new(false),
                 _module: module,
@@ -734,6 +745,45 @@ mod imp {
             self.download(&out, idx.len() * width)
         }
 
+        /// A map given as runs, expanded on the device: entry `dst + i` of
+        /// each run `[dst, src, n]` (flattened triples, host) is
+        /// `src + i·step`, `len` entries (twin:
+        /// [`crate::cpu::expand_runs_reference`]). Only the triples cross
+        /// to the device, so a plan of `O(runs)` on the host becomes a map
+        /// of any length without the host touching each entry.
+        pub fn expand_runs_dev(
+            &self,
+            runs: &[u32],
+            step: u32,
+            len: usize,
+        ) -> Result<CudaSlice<u32>, KernelError> {
+            crate::cpu::check_runs(runs, step, len)?;
+            // SAFETY: the kernel writes each of the len entries (the runs
+            // tile 0..len, checked above).
+            let mut out = unsafe { self.uninit::<u32>(len) }?;
+            if len > 0 {
+                let rd = self.upload(runs)?;
+                let (nr, ln) = (dim("runs", runs.len() / 3)?, dim("len", len)?);
+                let mut l = self.stream.launch_builder(&self.f_expand_runs);
+                l.arg(&rd).arg(&nr).arg(&step).arg(&mut out).arg(&ln);
+                // SAFETY: (u32*, int, u32, u32*, int); the triples tile
+                // 0..len ascending (checked), out holds len.
+                unsafe { l.launch(self.elementwise_config(len)) }.map_err(cuda)?;
+            }
+            Ok(out)
+        }
+
+        /// [`Gpu::expand_runs_dev`] with the result on the host.
+        pub fn expand_runs(
+            &self,
+            runs: &[u32],
+            step: u32,
+            len: usize,
+        ) -> Result<Vec<u32>, KernelError> {
+            let d = self.expand_runs_dev(runs, step, len)?;
+            self.download(&d, len)
+        }
+
         /// `out[j] = src[idx[j]]` on bytes (host slices; see `gather_u8_dev`).
         pub fn gather_u8(&self, src: &[u8], idx: &[u32]) -> Result<Vec<u8>, KernelError> {
             if let Some(&bad) = idx.iter().find(|&&i| i as usize >= src.len()) {
@@ -761,7 +811,8 @@ mod imp {
             idx: &CudaSlice<u32>,
             n: usize,
         ) -> Result<CudaSlice<u8>, KernelError> {
-            let mut out = self.poisoned::<u8>(n)?;
+            // SAFETY: the kernel writes all n entries.
+            let mut out = unsafe { self.uninit::<u8>(n) }?;
             if n > 0 {
                 let n_i = dim("n", n)?;
                 let mut l = self.stream.launch_builder(&self.f_gather_u8);
@@ -796,7 +847,8 @@ mod imp {
             groups: usize,
         ) -> Result<CudaSlice<u32>, KernelError> {
             at_least("keys and flags", n, key.len().min(keep.len()))?;
-            let mut out = self.poisoned::<u32>(groups)?;
+            // SAFETY: one block per group writes its count.
+            let mut out = unsafe { self.uninit::<u32>(groups) }?;
             if groups > 0 {
                 let n_i = dim("n", n)?;
                 let grid = u32::try_from(groups).map_err(|_| KernelError::Shape {

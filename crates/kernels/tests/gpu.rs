@@ -523,6 +523,56 @@ fn device_resident_expert_chain_matches_its_composition() {
     ));
 }
 
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn expanded_runs_match_the_cpu_twin() {
+    use kernels::cpu::expand_runs_reference;
+    let g = gpu();
+    g.set_poison(true);
+    let mut rng = Rng(seed());
+    for &(len, pieces, step) in &[
+        (1usize, 1usize, 1u32),
+        (131_072, 1, 1),
+        (131_072, 128, 0),
+        (131_072, 1024, 1),
+        (70_001, 37, 1),
+        (5, 5, 0),
+    ] {
+        // Random cut points (distinct, sorted), random sources.
+        let mut cuts: Vec<usize> = (0..pieces - 1)
+            .map(|_| 1 + (rng.next() % (len as u64 - 1).max(1)) as usize)
+            .filter(|&c| c < len)
+            .collect();
+        cuts.push(0);
+        cuts.push(len);
+        cuts.sort_unstable();
+        cuts.dedup();
+        let mut runs = Vec::new();
+        for w in cuts.windows(2) {
+            let src = (rng.next() % 1_000_000) as u32;
+            runs.extend([w[0] as u32, src, (w[1] - w[0]) as u32]);
+        }
+        assert_eq!(
+            g.expand_runs(&runs, step, len).unwrap(),
+            expand_runs_reference(&runs, step, len).unwrap(),
+            "expand_runs, len = {len}, {} runs, step {step}",
+            runs.len() / 3
+        );
+    }
+    assert!(g.expand_runs(&[], 1, 0).unwrap().is_empty());
+    // Runs that leave a gap or overlap are refused before any launch.
+    assert!(matches!(
+        g.expand_runs(&[0, 0, 2, 3, 0, 1], 1, 4),
+        Err(KernelError::Shape { .. })
+    ));
+    assert!(matches!(
+        g.expand_runs(&[0, 0, 2], 1, 3),
+        Err(KernelError::Shape { .. })
+    ));
+    g.set_poison(false);
+}
+
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn byte_gather_and_kept_counts_match_the_cpu_twins() {

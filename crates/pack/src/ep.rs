@@ -11,8 +11,116 @@
 //! Sources hold consecutive token ranges, so without replicas the
 //! expert-major order is the single-GPU order on the concatenated tokens
 //! (selection ties break alike).
+//!
+//! Every map these plans hold is a [`Runs`]: blocks of consecutive rows
+//! (one per source, expert and destination at most), so a plan costs the
+//! host `O(E·W²)` whatever the row count, and a device executor expands
+//! the runs it needs on the device ([`Runs::flat`] is what it uploads).
 
-use crate::{invert, receive_plan, PackError};
+use crate::PackError;
+
+/// A map of `0..len` onto `u32` given as runs: entry `dst + i` of the run
+/// `[dst, src, n]` holds `src + i·step` (`step` 1: a permutation's runs;
+/// `step` 0: segment keys). The runs are ascending by `dst`, non-empty and
+/// tile `0..len`; adjacent runs that continue each other are merged, so
+/// the identity is one run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Runs {
+    /// Entries of the map.
+    pub len: usize,
+    /// 1 for permutations, 0 for segment keys.
+    pub step: u32,
+    /// `[dst, src, n]` triples.
+    pub runs: Vec<[u32; 3]>,
+}
+
+impl Runs {
+    /// An empty map with the given step; grow it with [`Runs::push`].
+    pub fn new(step: u32) -> Self {
+        Self {
+            len: 0,
+            step,
+            runs: Vec::new(),
+        }
+    }
+
+    /// The identity of `0..n`.
+    pub fn identity(n: usize) -> Self {
+        let mut r = Self::new(1);
+        r.push(0, n);
+        r
+    }
+
+    /// Appends `n` entries `src, src + step, …` at the end.
+    pub fn push(&mut self, src: u32, n: usize) {
+        if n == 0 {
+            return;
+        }
+        let dst = self.len as u32;
+        self.len += n;
+        if let Some(last) = self.runs.last_mut() {
+            if last[0] + last[2] == dst && last[1] + last[2] * self.step == src {
+                last[2] += n as u32;
+                return;
+            }
+        }
+        self.runs.push([dst, src, n as u32]);
+    }
+
+    /// Whether this is the identity of `0..len` (the empty map is).
+    pub fn is_identity(&self) -> bool {
+        self.len == 0 || (self.step == 1 && self.runs.len() == 1 && self.runs[0][1] == 0)
+    }
+
+    /// Every entry, in order (`len` values).
+    pub fn expand(&self) -> Vec<u32> {
+        let mut v = Vec::with_capacity(self.len);
+        for &[_, src, n] in &self.runs {
+            v.extend((0..n).map(|i| src + i * self.step));
+        }
+        v
+    }
+
+    /// The triples flattened (`3 × runs`), as a device executor uploads them.
+    pub fn flat(&self) -> Vec<u32> {
+        self.runs.iter().flatten().copied().collect()
+    }
+
+    /// The inverse permutation (`step` 1 and a permutation of `0..len`;
+    /// an error otherwise).
+    pub fn inverse(&self) -> Result<Runs, PackError> {
+        let bad = PackError::Shape {
+            what: "a permutation's runs",
+            expected: self.len,
+            got: self.runs.iter().map(|r| r[2] as usize).sum(),
+        };
+        if self.step != 1 {
+            return Err(bad);
+        }
+        let mut by_src = self.runs.clone();
+        by_src.sort_unstable_by_key(|r| r[1]);
+        let mut inv = Runs::new(1);
+        for [dst, src, n] in by_src {
+            if src as usize != inv.len {
+                return Err(bad);
+            }
+            inv.push(dst, n as usize);
+        }
+        if inv.len != self.len {
+            return Err(bad);
+        }
+        Ok(inv)
+    }
+
+    /// Segment keys: `sizes[k]` entries of `k` each.
+    pub fn segments(sizes: impl IntoIterator<Item = usize>) -> Self {
+        let mut r = Self::new(0);
+        for (k, n) in sizes.into_iter().enumerate() {
+            r.push(k as u32, n);
+        }
+        r
+    }
+}
 
 /// Experts per rank under contiguous ownership: `experts / world`, which
 /// must divide evenly (both positive).
@@ -34,10 +142,10 @@ pub struct OwnerLayout {
     /// Rows from each source.
     pub from: Vec<usize>,
     /// Expert-major row `j` ← source-major row `perm[j]` (the receive
-    /// plan's `order`).
-    pub perm: Vec<u32>,
+    /// plan's `order`, [`crate::receive_plan`]).
+    pub perm: Runs,
     /// Source-major row `i` ← expert-major row `inv[i]` (the inverse).
-    pub inv: Vec<u32>,
+    pub inv: Runs,
     /// Expert-major group offsets, `E_l + 1` entries.
     pub offsets: Vec<u32>,
     /// Rows per local expert over all sources.
@@ -73,9 +181,9 @@ pub struct InstanceLayout {
     /// Rows this source sends each rank.
     pub send: Vec<usize>,
     /// Send row `j` ← this source's expert-major row `send_order[j]`.
-    pub send_order: Vec<u32>,
+    pub send_order: Runs,
     /// Expert-major row `i` → send row `send_inv[i]` (the inverse).
-    pub send_inv: Vec<u32>,
+    pub send_inv: Runs,
     /// This rank as an instance host: rows from each source, regrouped by
     /// local instance (`per_expert`/`offsets` over `local[me]`).
     pub recv: OwnerLayout,
@@ -141,35 +249,54 @@ pub fn instance_layout(
         }
     }
     let mut send = vec![0usize; world];
-    let mut send_order = Vec::with_capacity(at);
+    let mut send_order = Runs::new(1);
     for (d, l) in local.iter().enumerate() {
         for &e in l {
             let c = mine[e][d] as usize;
-            send_order.extend((cut[e][d]..cut[e][d] + c).map(|i| i as u32));
+            send_order.push(cut[e][d] as u32, c);
             send[d] += c;
         }
     }
-    let send_inv = invert(&send_order, at)?;
-    // Instance side.
+    if send_order.len != at || at >= crate::DROPPED as usize {
+        return Err(shape("rows this source sends", at, send_order.len));
+    }
+    let send_inv = send_order.inverse()?;
+    // Instance side: each source's rows arrive grouped by local instance;
+    // expert-major is instance, then source.
     let blocks: Vec<Vec<usize>> = split
         .iter()
         .map(|row| local[me].iter().map(|&e| row[e][me] as usize).collect())
         .collect();
-    let plan = receive_plan(&blocks, local[me].len())?;
+    let groups = local[me].len();
+    let chunks: Vec<Vec<u32>> = blocks
+        .iter()
+        .map(|b| group_offsets(b.iter().copied()))
+        .collect();
+    let from: Vec<usize> = blocks.iter().map(|b| b.iter().sum()).collect();
+    let starts = group_offsets(from.iter().copied());
+    let mut perm = Runs::new(1);
+    let mut per_expert = Vec::with_capacity(groups);
+    for g in 0..groups {
+        let before = perm.len;
+        for (s, b) in blocks.iter().enumerate() {
+            perm.push(starts[s] + chunks[s][g], b[g]);
+        }
+        per_expert.push((perm.len - before) as u32);
+    }
+    if perm.len >= crate::DROPPED as usize {
+        return Err(PackError::TooManyRows { rows: perm.len });
+    }
     Ok(InstanceLayout {
         send,
         send_order,
         send_inv,
         recv: OwnerLayout {
-            inv: invert(&plan.order, plan.order.len())?,
-            per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
-            from: plan.recv_counts,
-            perm: plan.order,
-            offsets: group_offsets(plan.group_sizes.iter().copied()),
-            chunks: blocks
-                .iter()
-                .map(|b| group_offsets(b.iter().copied()))
-                .collect(),
+            inv: perm.inverse()?,
+            offsets: group_offsets(per_expert.iter().map(|&g| g as usize)),
+            per_expert,
+            from,
+            perm,
+            chunks,
         },
     })
 }
@@ -188,17 +315,6 @@ pub fn local_experts(instances: &[Vec<usize>], world: usize) -> Vec<Vec<usize>> 
     local
 }
 
-/// Segment `k` of `sizes[k]` rows: each row's segment, and the segments'
-/// offsets (`sizes.len() + 1` entries).
-pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) {
-    let (mut key, mut off) = (Vec::new(), vec![0u32]);
-    for (k, n) in sizes.into_iter().enumerate() {
-        key.extend(std::iter::repeat_n(k as u32, n));
-        off.push(key.len() as u32);
-    }
-    (key, off)
-}
-
 /// The global expert-major order of every source's pairs (expert, then
 /// source, then the source's expert-major order) that the device
 /// executor's per-expert selection runs in, for source `rank` with `p`
@@ -208,9 +324,9 @@ pub fn segments(sizes: impl IntoIterator<Item = usize>) -> (Vec<u32>, Vec<u32>) 
 pub struct GlobalOrder {
     /// Global row → index into the all-gathered scores (`s·p + row`);
     /// within an expert it increases with (source, row): the tie rule.
-    pub perm: Vec<u32>,
+    pub perm: Runs,
     /// This source's expert-major rows → their global rows.
-    pub mine: Vec<u32>,
+    pub mine: Runs,
     /// The experts' offsets in the global order (`E + 1`).
     pub offsets: Vec<u32>,
 }
@@ -249,24 +365,21 @@ pub fn global_order(
         }
         bases.push(b);
     }
-    let mut perm = Vec::with_capacity(world * p);
-    let mut mine = vec![0u32; bases.get(rank).map_or(0, |b| b[experts] as usize)];
+    let mut perm = Runs::new(1);
+    // This source's expert-major rows are its runs in expert order.
+    let mut mine = Runs::new(1);
     let mut offsets = Vec::with_capacity(experts + 1);
     for e in 0..experts {
-        offsets.push(perm.len() as u32);
+        offsets.push(perm.len as u32);
         for s in 0..world {
             let (lo, n) = (bases[s][e], counts_all[s][e]);
             if s == rank {
-                let at = perm.len() as u32;
-                for i in 0..n {
-                    mine[(lo + i) as usize] = at + i;
-                }
+                mine.push(perm.len as u32, n as usize);
             }
-            let off = (s * p) as u32;
-            perm.extend(off + lo..off + lo + n);
+            perm.push((s * p) as u32 + lo, n as usize);
         }
     }
-    offsets.push(perm.len() as u32);
+    offsets.push(perm.len as u32);
     Ok(GlobalOrder {
         perm,
         mine,
@@ -362,6 +475,15 @@ mod tests {
     use crate::{invert, receive_plan};
     use proptest::prelude::*;
 
+    /// A map's canonical runs, entry by entry.
+    fn runs_of(v: &[u32]) -> Runs {
+        let mut r = Runs::new(1);
+        for &x in v {
+            r.push(x, 1);
+        }
+        r
+    }
+
     /// The owner-only layout, written directly (the oracle of
     /// [`instance_layout`] without replicas): owner `rank`'s layout from every source's routed counts per global
     /// expert (`counts_all[s][e]`).
@@ -385,10 +507,10 @@ mod tests {
             .collect::<Result<_, _>>()?;
         let plan = receive_plan(&blocks, per_rank)?;
         Ok(OwnerLayout {
-            inv: invert(&plan.order, plan.order.len())?,
+            inv: runs_of(&invert(&plan.order, plan.order.len())?),
             per_expert: plan.group_sizes.iter().map(|&g| g as u32).collect(),
             from: plan.recv_counts,
-            perm: plan.order,
+            perm: runs_of(&plan.order),
             offsets: group_offsets(plan.group_sizes.iter().copied()),
             chunks: blocks
                 .iter()
@@ -412,19 +534,14 @@ mod tests {
         let l = owner_layout(&counts, 1, 2).unwrap();
         assert_eq!(l.from, vec![3, 3]);
         // Source-major: s0e2 s0e2 s0e3 | s1e2 s1e3 s1e3 → rows 0..6.
-        assert_eq!(l.perm, vec![0, 1, 3, 2, 4, 5]);
+        let (perm, inv) = (l.perm.expand(), l.inv.expand());
+        assert_eq!(perm, vec![0, 1, 3, 2, 4, 5]);
         assert_eq!(l.offsets, vec![0, 3, 6]);
         assert_eq!(l.per_expert, vec![3, 3]);
-        for (i, &j) in l.inv.iter().enumerate() {
-            assert_eq!(l.perm[j as usize] as usize, i);
+        for (i, &j) in inv.iter().enumerate() {
+            assert_eq!(perm[j as usize] as usize, i);
         }
         assert!(owner_layout(&counts, 2, 2).is_err());
-    }
-
-    #[test]
-    fn segments_label_rows() {
-        assert_eq!(segments([2, 0, 1]), (vec![0, 0, 2], vec![0, 2, 2, 3]));
-        assert_eq!(segments([]), (vec![], vec![0]));
     }
 
     #[test]
@@ -438,13 +555,14 @@ mod tests {
         let split = vec![vec![vec![2, 1], vec![0, 2]], vec![vec![0, 1], vec![0, 1]]];
         let l0 = instance_layout(&split, &local, 0).unwrap();
         assert_eq!(l0.send, vec![2, 3]);
-        assert_eq!(l0.send_order, vec![0, 1, 2, 3, 4]);
+        assert_eq!(l0.send_order.expand(), vec![0, 1, 2, 3, 4]);
+        assert!(l0.send_order.is_identity());
         assert_eq!(l0.recv.from, vec![2, 0]);
         let l1 = instance_layout(&split, &local, 1).unwrap();
         assert_eq!(l1.send, vec![0, 2]);
         // Rank 1 receives s0: [e0, e1, e1], s1: [e0, e1]; regrouped e0 then e1.
         assert_eq!(l1.recv.from, vec![3, 2]);
-        assert_eq!(l1.recv.perm, vec![0, 3, 1, 2, 4]);
+        assert_eq!(l1.recv.perm.expand(), vec![0, 3, 1, 2, 4]);
         assert_eq!(l1.recv.offsets, vec![0, 2, 5]);
         // A split to a rank without the expert is refused.
         let bad = vec![vec![vec![0, 0], vec![1, 0]], vec![vec![0, 0], vec![0, 0]]];
@@ -502,13 +620,14 @@ mod tests {
             for (s, row_counts) in counts.iter().enumerate() {
                 let l = instance_layout(&split, &local, s).unwrap();
                 let n: usize = row_counts.iter().map(|&c| c as usize).sum();
-                prop_assert_eq!(l.send_order.len(), n);
-                for (i, &j) in l.send_inv.iter().enumerate() {
-                    prop_assert_eq!(l.send_order[j as usize] as usize, i);
+                let (send_order, send_inv) = (l.send_order.expand(), l.send_inv.expand());
+                prop_assert_eq!(send_order.len(), n);
+                for (i, &j) in send_inv.iter().enumerate() {
+                    prop_assert_eq!(send_order[j as usize] as usize, i);
                 }
                 let mut at = 0;
                 for (d, &c) in l.send.iter().enumerate() {
-                    for &row in &l.send_order[at..at + c] {
+                    for &row in &send_order[at..at + c] {
                         // The expert of an expert-major row.
                         let mut e = 0; let mut acc = row_counts[0];
                         while row >= acc { e += 1; acc += row_counts[e]; }
@@ -523,7 +642,7 @@ mod tests {
                 prop_assert_eq!(l.recv.from.iter().sum::<usize>(), recv.len());
                 // Regrouped: experts ascending, sources ascending within.
                 let regrouped: Vec<(usize, usize)> =
-                    l.recv.perm.iter().map(|&i| (recv[i as usize].1, recv[i as usize].0)).collect();
+                    l.recv.perm.expand().iter().map(|&i| (recv[i as usize].1, recv[i as usize].0)).collect();
                 let mut sorted = regrouped.clone();
                 sorted.sort();
                 prop_assert_eq!(&regrouped, &sorted);
@@ -565,14 +684,15 @@ mod tests {
         ) {
             for rank in 0..world {
                 let l = owner_layout(&counts, rank, per_rank).unwrap();
-                let n = l.perm.len();
+                let (perm, inv) = (l.perm.expand(), l.inv.expand());
+                let n = perm.len();
                 let mut seen = vec![false; n];
-                for &p in &l.perm {
+                for &p in &perm {
                     prop_assert!(!seen[p as usize]);
                     seen[p as usize] = true;
                 }
-                for (i, &j) in l.inv.iter().enumerate() {
-                    prop_assert_eq!(l.perm[j as usize] as usize, i);
+                for (i, &j) in inv.iter().enumerate() {
+                    prop_assert_eq!(perm[j as usize] as usize, i);
                 }
                 // Source-major position of (source s, local expert e, k-th row).
                 let mut start = vec![vec![0usize; per_rank]; world];
@@ -590,7 +710,7 @@ mod tests {
                         want.extend((row[e]..row[e] + c).map(|i| i as u32));
                     }
                 }
-                prop_assert_eq!(&l.perm, &want);
+                prop_assert_eq!(&perm, &want);
                 prop_assert_eq!(*l.offsets.last().unwrap() as usize, n);
                 prop_assert_eq!(l.from.iter().sum::<usize>(), n);
             }
@@ -603,12 +723,64 @@ mod tests {
         let g = global_order(&counts, 1, 3).unwrap();
         assert_eq!(g.offsets, vec![0, 3, 5, 6]);
         // Expert 0: source 0 rows 0, 1, then source 1 row 0 (at 3 + 0).
-        assert_eq!(g.perm, vec![0, 1, 3, 4, 5, 2]);
+        assert_eq!(g.perm.expand(), vec![0, 1, 3, 4, 5, 2]);
         // Source 1's expert-major rows 0, 1, 2 sit at 2, 3, 4.
-        assert_eq!(g.mine, vec![2, 3, 4]);
+        assert_eq!(g.mine.expand(), vec![2, 3, 4]);
         assert!(global_order(&counts, 1, 2).is_err());
         assert!(global_order(&counts, 2, 3).is_err());
         assert!(global_order(&[vec![1, 0], vec![1]], 0, 3).is_err());
+    }
+
+    #[test]
+    fn runs_merge_expand_and_invert() {
+        let mut r = Runs::new(1);
+        r.push(3, 2);
+        r.push(5, 1);
+        r.push(0, 3);
+        r.push(9, 0);
+        assert_eq!(r.runs, vec![[0, 3, 3], [3, 0, 3]]);
+        assert_eq!(r.expand(), vec![3, 4, 5, 0, 1, 2]);
+        assert_eq!(r.inverse().unwrap().expand(), vec![3, 4, 5, 0, 1, 2]);
+        assert!(!r.is_identity());
+        assert!(Runs::identity(5).is_identity() && Runs::identity(0).is_identity());
+        assert_eq!(Runs::identity(4).runs, vec![[0, 0, 4]]);
+        let keys = Runs::segments([2, 0, 1]);
+        assert_eq!(keys.expand(), vec![0, 0, 2]);
+        assert!(Runs::segments([]).expand().is_empty());
+        assert!(keys.inverse().is_err());
+        let mut gap = Runs::new(1);
+        gap.push(1, 2);
+        assert!(gap.inverse().is_err());
+        assert_eq!(r.flat(), vec![0, 3, 3, 3, 0, 3]);
+    }
+
+    proptest! {
+        /// A shuffled block permutation's runs expand to it, invert to its
+        /// inverse and are canonical (equal maps, equal runs).
+        #[test]
+        fn runs_of_block_permutations_invert(
+            sizes in prop::collection::vec(0usize..6, 0..8),
+            seed in any::<u64>(),
+        ) {
+            let mut order: Vec<usize> = (0..sizes.len()).collect();
+            let mut state = seed | 1;
+            for i in (1..order.len()).rev() {
+                state ^= state << 13; state ^= state >> 7; state ^= state << 17;
+                order.swap(i, (state % (i as u64 + 1)) as usize);
+            }
+            let starts = group_offsets(sizes.iter().copied());
+            let mut r = Runs::new(1);
+            let mut dense = Vec::new();
+            for &b in &order {
+                r.push(starts[b], sizes[b]);
+                dense.extend(starts[b]..starts[b] + sizes[b] as u32);
+            }
+            prop_assert_eq!(&r.expand(), &dense);
+            prop_assert_eq!(&r, &runs_of(&dense));
+            let inv = r.inverse().unwrap();
+            prop_assert_eq!(inv.expand(), invert(&dense, dense.len()).unwrap());
+            prop_assert_eq!(r.is_identity(), dense.iter().enumerate().all(|(i, &x)| x as usize == i));
+        }
     }
 
     #[test]
@@ -649,19 +821,21 @@ mod tests {
                 let g = global_order(&counts, r, p).unwrap();
                 prop_assert_eq!(&g.perm, &first.perm);
                 prop_assert_eq!(&g.offsets, &first.offsets);
-                for (row, &at) in g.mine.iter().enumerate() {
-                    prop_assert_eq!(g.perm[at as usize] as usize, r * p + row);
+                let perm = g.perm.expand();
+                for (row, &at) in g.mine.expand().iter().enumerate() {
+                    prop_assert_eq!(perm[at as usize] as usize, r * p + row);
                 }
             }
-            let mut seen = first.perm.clone();
+            let fp = first.perm.expand();
+            let mut seen = fp.clone();
             seen.sort_unstable();
             seen.dedup();
-            prop_assert_eq!(seen.len(), first.perm.len());
+            prop_assert_eq!(seen.len(), fp.len());
             for e in 0..4 {
                 let (lo, hi) = (first.offsets[e] as usize, first.offsets[e + 1] as usize);
                 let routed: u32 = counts.iter().map(|c| c[e]).sum();
                 prop_assert_eq!(hi - lo, routed as usize);
-                prop_assert!(first.perm[lo..hi].windows(2).all(|w| w[0] < w[1]));
+                prop_assert!(fp[lo..hi].windows(2).all(|w| w[0] < w[1]));
             }
         }
 

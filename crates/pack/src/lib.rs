@@ -37,7 +37,9 @@
 //! exchange under a split of rows over expert instances (owner and
 //! replicas): what each source sends where, in which order, and how each
 //! instance regroups what it receives (with the inverse permutation and
-//! group offsets a device executor uploads).
+//! group offsets a device executor uploads). Its maps are [`ep::Runs`]:
+//! blocks of consecutive rows, so the host's work grows with experts and
+//! ranks, not with rows; the device expands them.
 //!
 //! ## Row movement
 //!

@@ -4,7 +4,8 @@ use kernels::cpu::{fan_in_scaled, random_bf16};
 use kernels::gpu::{CudaSlice, Gpu, Mark, Routed};
 use kernels::KernelError;
 use pack::ep::{
-    experts_per_rank, global_order, instance_layout, local_experts, replica_traffic, InstanceLayout,
+    experts_per_rank, global_order, instance_layout, local_experts, replica_traffic,
+    InstanceLayout, Runs,
 };
 
 use crate::moe::MoeConfig;
@@ -521,10 +522,14 @@ pub struct DeviceGrads {
 /// compute stream's mark where it was started and the communicator
 /// stream's mark where it ended. Nothing is synchronised until the log, so
 /// overlapping phases show as overlapping intervals (device ms from the
-/// call's start).
+/// call's start); beside each compute mark, the host's ms from the call's
+/// start when it enqueued the mark (a host far ahead of the device is
+/// never waited on; a device mark close behind the host's is a device
+/// that waited for the host).
 struct Laps {
     start: Option<Mark>,
-    compute: Vec<(&'static str, Mark)>,
+    host0: std::time::Instant,
+    compute: Vec<(&'static str, Mark, f64)>,
     comm: Vec<(&'static str, Mark, Mark)>,
 }
 
@@ -534,13 +539,15 @@ impl Laps {
         let on = *ON.get_or_init(|| std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"));
         Ok(Self {
             start: if on { Some(gpu.mark()?) } else { None },
+            host0: std::time::Instant::now(),
             compute: Vec::new(),
             comm: Vec::new(),
         })
     }
     fn lap(&mut self, gpu: &Gpu, name: &'static str) -> Result<(), KernelError> {
         if self.start.is_some() {
-            self.compute.push((name, gpu.mark()?));
+            let host = self.host0.elapsed().as_secs_f64() * 1e3;
+            self.compute.push((name, gpu.mark()?, host));
         }
         Ok(())
     }
@@ -564,9 +571,9 @@ impl Laps {
         };
         let mut parts = Vec::new();
         let mut at = 0.0;
-        for (n, m) in &self.compute {
+        for (n, m, host) in &self.compute {
             let t = m.ms_since(t0)?;
-            parts.push(format!("{n} {at:.2}-{t:.2}"));
+            parts.push(format!("{n} {at:.2}-{t:.2} (host {host:.2})"));
             at = t;
         }
         let mut comm = Vec::new();
@@ -611,8 +618,9 @@ fn exclusive_scan<T: Copy + Default + std::ops::Add<Output = T>>(counts: &[T]) -
     v
 }
 
-fn is_identity(v: &[u32]) -> bool {
-    v.iter().enumerate().all(|(i, &x)| x as usize == i)
+/// A `pack::ep` map expanded on the device (only its runs cross).
+fn expand(gpu: &Gpu, map: &Runs) -> Result<CudaSlice<u32>, LayerError> {
+    Ok(gpu.expand_runs_dev(&map.flat(), map.step, map.len)?)
 }
 
 fn check_len(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
@@ -635,15 +643,15 @@ fn check_len(what: &str, expected: usize, got: usize) -> Result<(), LayerError> 
 fn permute_rows(
     gpu: &Gpu,
     rows: CudaSlice<u16>,
-    perm: &[u32],
+    perm: &Runs,
     width: usize,
 ) -> Result<CudaSlice<u16>, LayerError> {
-    if is_identity(perm) {
+    if perm.is_identity() {
         return Ok(rows);
     }
-    let n = perm.len();
+    let n = perm.len;
     check_at_least("rows to permute", n * width, rows.len())?;
-    let pd = gpu.upload(perm)?;
+    let pd = expand(gpu, perm)?;
     // SAFETY: perm is a permutation of 0..n (a `pack::ep` layout) and rows
     // holds n rows (checked above).
     Ok(unsafe { gpu.gather_scaled(&rows, &pd, 1, None, n, width) }?)
@@ -654,16 +662,16 @@ fn permute_rows(
 fn permute4<T: kernels::gpu::DeviceRepr + kernels::gpu::ValidAsZeroBits>(
     gpu: &Gpu,
     vals: CudaSlice<T>,
-    perm: &[u32],
+    perm: &Runs,
 ) -> Result<CudaSlice<T>, LayerError> {
-    if is_identity(perm) {
+    if perm.is_identity() {
         return Ok(vals);
     }
-    check_at_least("values to permute", perm.len(), vals.len())?;
-    let pd = gpu.upload(perm)?;
-    // SAFETY: perm is a permutation of 0..perm.len() (a `pack::ep` layout)
+    check_at_least("values to permute", perm.len, vals.len())?;
+    let pd = expand(gpu, perm)?;
+    // SAFETY: perm is a permutation of 0..perm.len (a `pack::ep` layout)
     // over as many values (checked above).
-    Ok(unsafe { gpu.gather32(&vals, &pd, perm.len()) }?)
+    Ok(unsafe { gpu.gather32(&vals, &pd, perm.len) }?)
 }
 
 fn check_at_least(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
@@ -928,10 +936,10 @@ pub fn forward(
     laps.lap(gpu, "replica weights")?;
     // Source: rows destination-major.
     let reordered;
-    let pair_of_send = if is_identity(&lay.send_order) {
+    let pair_of_send = if lay.send_order.is_identity() {
         &src
     } else {
-        let send_order = gpu.upload(&lay.send_order)?;
+        let send_order = expand(gpu, &lay.send_order)?;
         // SAFETY: send_order is a permutation of the n grouped rows.
         reordered = unsafe { gpu.gather32(&src, &send_order, n) }?;
         &reordered
@@ -1034,15 +1042,15 @@ pub fn forward(
     // zero row (their output, and their router gradient term, are zero).
     let (row_of_pair, o) = match &dst_fwd {
         None => {
-            let send_inv = gpu.upload(&lay.send_inv)?;
+            let send_inv = expand(gpu, &lay.send_inv)?;
             // SAFETY: dst maps every pair to its grouped row (< n = p, no
             // drops); send_inv is a permutation of 0..n.
             (unsafe { gpu.gather32(&send_inv, &dst, p) }?, o)
         }
         Some(dst_fwd) => {
             let mut ext = lay.send_inv.clone();
-            ext.push(n as u32);
-            let send_inv = gpu.upload(&ext)?;
+            ext.push(n as u32, 1);
+            let send_inv = expand(gpu, &ext)?;
             let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
             if n > 0 {
                 gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
@@ -1064,17 +1072,17 @@ pub fn forward(
         offsets: goffsets,
         ..
     } = global_order(&counts_all, rank, p)?;
-    let (expert_of_row, _) = pack::ep::segments(counts.iter().map(|&c| c as usize));
+    let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
     let owned_rows = if keep_rows {
-        let (key, _) = pack::ep::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
+        let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
         Some(OwnedRows {
             x: xr,
-            perm: if is_identity(&lay.recv.perm) {
+            perm: if lay.recv.perm.is_identity() {
                 None
             } else {
-                Some(gpu.upload(&lay.recv.perm)?)
+                Some(expand(gpu, &lay.recv.perm)?)
             },
-            expert: gpu.upload(&key)?,
+            expert: expand(gpu, &key)?,
             offsets: gpu.upload(&lay.recv.offsets)?,
             global: (
                 goffsets[rank * el] as usize,
@@ -1099,11 +1107,11 @@ pub fn forward(
         row_of_pair,
         o,
         h_sq,
-        expert_of_row: gpu.upload(&expert_of_row)?,
+        expert_of_row: expand(gpu, &expert_of_row)?,
         offsets: base,
-        gperm_identity: is_identity(&gperm),
-        gperm: gpu.upload(&gperm)?,
-        gidx: gpu.upload(&gidx)?,
+        gperm_identity: gperm.is_identity(),
+        gperm: expand(gpu, &gperm)?,
+        gidx: expand(gpu, &gidx)?,
         goffsets,
         counts_all,
         plan,
@@ -1480,7 +1488,7 @@ pub fn backward(
     laps.lap(gpu, "pack")?;
     // Kept rows travel; the router gradient's sum over ranks follows on
     // the communicator's stream.
-    let n_r = lay.recv.perm.len();
+    let n_r = lay.recv.perm.len;
     let travel =
         |rows: CudaSlice<u16>| exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true);
     // x rows travel only where a kept pair may change instance.
@@ -1578,7 +1586,7 @@ pub fn backward(
     drop(overlap);
     laps.lap(gpu, "a2a dX")?;
     // Source: scatter-add the kept pairs' dX into the tokens.
-    let kinv = gpu.upload(&lay.send_inv)?;
+    let kinv = expand(gpu, &lay.send_inv)?;
     // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place maps those
     // to kept positions (< n_k) or DROPPED, kinv is a permutation of the
     // n_k kept rows: row is a row of dx_rows or DROPPED for every pair.
