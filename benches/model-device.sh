@@ -5,11 +5,11 @@
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo test --release -p lrmoe --features cuda --test gpu_model --no-run  # → .device/model-gpu-tests
-#   cargo test --release -p kernels --features cuda --test gpu_dense --no-run  # → .device/dense-gpu-tests
+#   cargo test --release -p kernels --features cuda --test gpu_dense --no-run  # → .device/dense-tests
 #   cp benches/torch_qwen3_moe.py .device/
 set -u
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-.device/dense-gpu-tests --ignored --test-threads 1 2>&1 | grep -E "test result|panicked"
+.device/dense-tests --ignored --test-threads 1 2>&1 | grep -E "test result|panicked"
 .device/model-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "resume|qwen3|classic|test result|panicked"
 run() { # name config layers seq batch steps
   cat > /tmp/$1.toml <<T
