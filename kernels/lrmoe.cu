@@ -470,30 +470,36 @@ extern "C" __global__ void group_by_expert(const uint32_t* __restrict__ expert, 
     }
 }
 
-// Pairs per expert: counts[e] = #{p : expert[p] == e}. One block per expert.
-extern "C" __global__ void expert_counts(const uint32_t* __restrict__ expert, uint32_t* __restrict__ counts, int n) {
-    __shared__ uint32_t acc;
-    if (threadIdx.x == 0) acc = 0;
-    __syncthreads();
-    uint32_t c = 0;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) c += expert[p] == blockIdx.x;
-    atomicAdd(&acc, c);
-    __syncthreads();
-    if (threadIdx.x == 0) counts[blockIdx.x] = acc;
-}
-
-// Kept rows per key: counts[b] = #{p : key[p] == b && keep[p] != 0}. One
-// block per key (the keys here are ranks: few).
-extern "C" __global__ void kept_counts(const uint32_t* __restrict__ key, const uint8_t* __restrict__ keep,
-                                       uint32_t* __restrict__ counts, int n) {
-    __shared__ uint32_t acc;
-    if (threadIdx.x == 0) acc = 0;
-    __syncthreads();
-    uint32_t c = 0;
-    for (int p = threadIdx.x; p < n; p += blockDim.x) c += key[p] == blockIdx.x && keep[p] != 0;
-    atomicAdd(&acc, c);
-    __syncthreads();
-    if (threadIdx.x == 0) counts[blockIdx.x] = acc;
+// Rows per key: counts[b] += #{p : key[p] == b && (keep == null || keep[p] != 0)}
+// for b < groups (other keys are not counted; counts zeroed by the caller).
+// Grid-stride over the rows; each block counts into shared bins (global ones
+// when `shared_bins` is 0: too many groups for shared memory), lanes with the
+// same key add once per warp (sorted keys, as expert-major rows have, would
+// otherwise serialise 32 atomics on one bin), and each block adds its bins
+// into counts. Integer adds: the result does not depend on the order.
+extern "C" __global__ void key_counts(const uint32_t* __restrict__ key, const uint8_t* __restrict__ keep,
+                                      uint32_t* __restrict__ counts, int n, int groups, int shared_bins) {
+    extern __shared__ uint32_t bins[];
+    uint32_t* to = shared_bins ? bins : counts;
+    if (shared_bins) {
+        for (int b = threadIdx.x; b < groups; b += blockDim.x) bins[b] = 0;
+        __syncthreads();
+    }
+    int lane = threadIdx.x & 31;
+    // The loop bound is warp-uniform, so every lane takes part in the match.
+    for (int base = blockIdx.x * blockDim.x; base < n; base += gridDim.x * blockDim.x) {
+        int p = base + threadIdx.x;
+        uint32_t k = p < n ? key[p] : 0xFFFFFFFFu;
+        bool counted = p < n && k < static_cast<uint32_t>(groups) && (keep == nullptr || keep[p] != 0);
+        uint32_t tag = counted ? k : 0xFFFFFFFFu;
+        unsigned peers = __match_any_sync(0xFFFFFFFFu, tag);
+        if (counted && lane == __ffs(peers) - 1) atomicAdd(&to[k], static_cast<uint32_t>(__popc(peers)));
+    }
+    if (shared_bins) {
+        __syncthreads();
+        for (int b = threadIdx.x; b < groups; b += blockDim.x)
+            if (bins[b]) atomicAdd(&counts[b], bins[b]);
+    }
 }
 
 // Runs expanded: out[dst + i] = src + i * step for each [dst, src, n] triple

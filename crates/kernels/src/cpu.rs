@@ -339,7 +339,7 @@ pub fn expand_runs_reference(runs: &[u32], step: u32, len: usize) -> Result<Vec<
     Ok(out)
 }
 
-/// CPU twin of `kept_counts`: `counts[b] = #{p : key[p] == b && keep[p] != 0}`
+/// CPU twin of `key_counts` with flags (`Gpu::kept_counts`): `counts[b] = #{p : key[p] == b && keep[p] != 0}`
 /// for `b < groups` (other keys are not counted).
 pub fn kept_counts_reference(
     key: &[u32],

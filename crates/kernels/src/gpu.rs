@@ -395,7 +395,6 @@ mod imp {
         combine: CudaFunction,
         gemm: GemmLib,
         f_group: CudaFunction,
-        f_counts: CudaFunction,
         f_gather_scaled: CudaFunction,
         f_gather32: CudaFunction,
         f_add: CudaFunction,
@@ -410,7 +409,7 @@ mod imp {
         f_row_sq: CudaFunction,
         f_scores_norms: CudaFunction,
         f_fill: CudaFunction,
-        f_kept_counts: CudaFunction,
+        f_key_counts: CudaFunction,
         f_gather_u8: CudaFunction,
         f_expand_runs: CudaFunction,
         dense: dense::DenseFns,
@@ -511,7 +510,6 @@ mod imp {
                 combine: module.load_function("combine_bf16").map_err(cuda)?,
                 gemm: load_gemm()?,
                 f_group: module.load_function("group_by_expert").map_err(cuda)?,
-                f_counts: module.load_function("expert_counts").map_err(cuda)?,
                 f_gather_scaled: module.load_function("gather_scaled_u16").map_err(cuda)?,
                 f_gather32: module.load_function("gather_32").map_err(cuda)?,
                 f_add: module.load_function("add_bf16").map_err(cuda)?,
@@ -526,7 +524,7 @@ mod imp {
                 f_row_sq: module.load_function("row_sq_norms_bf16").map_err(cuda)?,
                 f_scores_norms: module.load_function("scores_from_norms").map_err(cuda)?,
                 f_fill: module.load_function("fill_u32").map_err(cuda)?,
-                f_kept_counts: module.load_function("kept_counts").map_err(cuda)?,
+                f_key_counts: module.load_function("key_counts").map_err(cuda)?,
                 f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
                 f_expand_runs: module.load_function("expand_runs").map_err(cuda)?,
                 dense: dense::DenseFns::load(&ctx, DENSE_FATBIN)?,
@@ -847,28 +845,56 @@ mod imp {
             groups: usize,
         ) -> Result<CudaSlice<u32>, KernelError> {
             at_least("keys and flags", n, key.len().min(keep.len()))?;
-            // SAFETY: one block per group writes its count.
-            let mut out = unsafe { self.uninit::<u32>(groups) }?;
-            if groups > 0 {
-                let n_i = dim("n", n)?;
-                let grid = u32::try_from(groups).map_err(|_| KernelError::Shape {
-                    what: "groups",
-                    expected: u32::MAX as usize,
-                    got: groups,
-                })?;
-                let mut l = self.stream.launch_builder(&self.f_kept_counts);
-                l.arg(key).arg(keep).arg(&mut out).arg(&n_i);
-                // SAFETY: (u32*, u8*, u32*, int); key and keep hold n, out one
-                // entry per block (groups).
-                unsafe {
-                    l.launch(LaunchConfig {
-                        grid_dim: (grid, 1, 1),
-                        block_dim: (256, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-                }
+            // SAFETY: key and keep hold n entries (checked above).
+            unsafe { self.key_counts(key, Some(keep), n, groups) }
+        }
+
+        /// Rows per key on the device, `groups` counts: `#{p < n : key[p]
+        /// == b}` and, with `keep`, `keep[p] != 0` (keys at or above
+        /// `groups` are not counted). One grid-stride pass with shared
+        /// bins and one atomic per warp and key.
+        ///
+        /// # Safety
+        ///
+        /// 1. `key` (and `keep`) hold at least `n` entries.
+        pub(crate) unsafe fn key_counts(
+            &self,
+            key: &CudaSlice<u32>,
+            keep: Option<&CudaSlice<u8>>,
+            n: usize,
+            groups: usize,
+        ) -> Result<CudaSlice<u32>, KernelError> {
+            let mut out = self
+                .stream
+                .alloc_zeros::<u32>(groups.max(1))
                 .map_err(cuda)?;
+            if groups == 0 || n == 0 {
+                return Ok(out);
             }
+            let (n_i, g_i) = (dim("n", n)?, dim("groups", groups)?);
+            // Shared bins up to the default 48 KiB of shared memory.
+            let shared = groups <= 12 * 1024;
+            let shared_i = i32::from(shared);
+            let blocks = n.div_ceil(256).clamp(1, (self.n_sms * 4) as usize) as u32;
+            let null: u64 = 0;
+            let mut l = self.stream.launch_builder(&self.f_key_counts);
+            l.arg(key);
+            match keep {
+                Some(k) => l.arg(k),
+                None => l.arg(&null),
+            };
+            l.arg(&mut out).arg(&n_i).arg(&g_i).arg(&shared_i);
+            // SAFETY: (u32*, u8* or null, u32*, int, int, int); key (and
+            // keep) hold n (the caller's promise), out holds groups zeroed
+            // counts; the shared bins hold groups u32 when used.
+            unsafe {
+                l.launch(LaunchConfig {
+                    grid_dim: (blocks, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: if shared { (groups * 4) as u32 } else { 0 },
+                })
+            }
+            .map_err(cuda)?;
             Ok(out)
         }
 

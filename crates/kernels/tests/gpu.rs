@@ -579,7 +579,18 @@ fn byte_gather_and_kept_counts_match_the_cpu_twins() {
     use kernels::cpu::{gather_u8_reference, kept_counts_reference};
     let g = gpu();
     let mut rng = Rng(seed());
-    for &(n, groups) in &[(1usize, 1usize), (1000, 2), (131_072, 8), (70_001, 3)] {
+    // (rows, groups, keys sorted as expert-major rows are); 20 000 groups
+    // count in global memory (too many for shared bins).
+    for &(n, groups, sorted) in &[
+        (1usize, 1usize, false),
+        (1000, 2, false),
+        (131_072, 8, false),
+        (70_001, 3, false),
+        (131_072, 128, true),
+        (131_072, 128, false),
+        (50_000, 20_000, false),
+        (50_000, 20_000, true),
+    ] {
         let src: Vec<u8> = (0..n).map(|_| (rng.next() % 256) as u8).collect();
         let idx: Vec<u32> = (0..n).map(|_| (rng.next() % n as u64) as u32).collect();
         assert_eq!(
@@ -588,14 +599,17 @@ fn byte_gather_and_kept_counts_match_the_cpu_twins() {
             "gather_u8, n = {n}"
         );
         // Keys include some beyond the groups (not counted).
-        let key: Vec<u32> = (0..n)
+        let mut key: Vec<u32> = (0..n)
             .map(|_| (rng.next() % (groups as u64 + 1)) as u32)
             .collect();
+        if sorted {
+            key.sort_unstable();
+        }
         let keep: Vec<u8> = (0..n).map(|_| u8::from(rng.next() % 3 != 0)).collect();
         assert_eq!(
             g.kept_counts(&key, &keep, groups).unwrap(),
             kept_counts_reference(&key, &keep, groups).unwrap(),
-            "kept_counts, n = {n}, groups = {groups}"
+            "kept_counts, n = {n}, groups = {groups}, sorted {sorted}"
         );
     }
     assert!(matches!(

@@ -580,23 +580,8 @@ impl Gpu {
             )?;
         }
         // Counts (the call's one host sync), offsets, stable grouping.
-        // SAFETY: uninitialised output; the kernel or GEMM launched next
-        // writes every element before anything reads it.
-        let mut counts_d = unsafe { self.uninit::<u32>(e) }?;
-        {
-            let n_i = dim("pairs", p)?;
-            let mut l = self.stream.launch_builder(&self.f_counts);
-            l.arg(&idx).arg(&mut counts_d).arg(&n_i);
-            // SAFETY: (u32*, u32*, int); one block per expert writes counts[e].
-            unsafe {
-                l.launch(LaunchConfig {
-                    grid_dim: (e as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: 0,
-                })
-            }
-            .map_err(cuda)?;
-        }
+        // SAFETY: idx holds p = t · k expert ids.
+        let counts_d = unsafe { self.key_counts(&idx, None, p, e) }?;
         let counts = self.download(&counts_d, e)?;
         Ok(Routed {
             probs,
