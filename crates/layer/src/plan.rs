@@ -747,6 +747,14 @@ impl DevicePlanner {
         Ok(out)
     }
 
+    /// Whether every call of this planner keeps each expert on its owner
+    /// alone (no replica slots): then a call's forward split is its routed
+    /// counts, known before the controller runs, so an executor can send
+    /// the rows first and plan while the experts compute.
+    pub fn owners_only(&self) -> bool {
+        self.call.replica_slots_per_rank == 0
+    }
+
     /// The backward's split of the kept pairs (`kept[s][e]`, after
     /// selection) over the plan's instances, `[source][expert][rank]`,
     /// under the plan's caps ([`CallConfig::solver`]).

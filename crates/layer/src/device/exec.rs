@@ -618,6 +618,25 @@ fn exclusive_scan<T: Copy + Default + std::ops::Add<Output = T>>(counts: &[T]) -
     v
 }
 
+/// The split of a call whose experts live on their owners alone:
+/// `split[s][e][e / el] = counts_all[s][e]` (what the exact solver gives
+/// for one instance per expert).
+fn owners_split(counts_all: &[Vec<u32>], el: usize, world: usize) -> Vec<Vec<Vec<u32>>> {
+    counts_all
+        .iter()
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .map(|(e, &c)| {
+                    let mut cell = vec![0u32; world];
+                    cell[e / el] = c;
+                    cell
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// A `pack::ep` map expanded on the device (only its runs cross).
 fn expand(gpu: &Gpu, map: &Runs) -> Result<CudaSlice<u32>, LayerError> {
     Ok(gpu.expand_runs_dev(&map.flat(), map.step, map.len)?)
@@ -925,14 +944,37 @@ pub fn forward(
     // Rows reaching an expert (p without dropping), grouped by expert.
     let base = exclusive_scan(&counts);
     let n = base[e] as usize;
-    // Everyone's counts, then the plan every rank follows.
+    // Everyone's counts, then the plan every rank follows. Without replica
+    // slots (alike on every rank) the split is the routed counts, each
+    // expert's to its owner: the rows go out now and the controller (the
+    // backward's quotas) runs on the host while the experts compute.
     let counts_all = comm.all_gather_counts(&counts)?;
-    let plan = planner.forward(&counts_all)?;
-    check_plan(&plan, &counts_all, el)?;
-    let local = local_experts(&plan.instances, world);
-    let lay = instance_layout(&plan.forward, &local, rank)?;
+    let early = if planner.owners_only() {
+        None
+    } else {
+        let plan = planner.forward(&counts_all)?;
+        check_plan(&plan, &counts_all, el)?;
+        Some(plan)
+    };
+    let owner_split = match &early {
+        Some(_) => Vec::new(),
+        None => owners_split(&counts_all, el, world),
+    };
+    let (split, local) = match &early {
+        Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
+        None => (
+            &owner_split,
+            (0..world)
+                .map(|r| (r * el..(r + 1) * el).collect())
+                .collect(),
+        ),
+    };
+    let lay = instance_layout(split, &local, rank)?;
     laps.lap(gpu, "counts+plan")?;
-    let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, &plan, &local, el)?;
+    let (weights, w_bytes) = match &early {
+        Some(plan) => replica_weights(gpu, comm, cfg, w, plan, &local, el)?,
+        None => (None, 0),
+    };
     laps.lap(gpu, "replica weights")?;
     // Source: rows destination-major.
     let reordered;
@@ -958,7 +1000,9 @@ pub fn forward(
     let wts = (gate_l, up_l, down_l);
     // Without replicas (decided from the plan, so alike on every rank)
     // owners keep their forward rows (source-major) for the backward.
-    let keep_rows = plan.instances.iter().all(|i| i.len() == 1);
+    let keep_rows = early
+        .as_ref()
+        .is_none_or(|plan| plan.instances.iter().all(|i| i.len() == 1));
     let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
     laps.sent(gpu, comm, "x out")?;
     let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
@@ -975,6 +1019,20 @@ pub fn forward(
             (h, f),
         )?);
     }
+    // The controller, while the experts compute (owners only).
+    let plan = match early {
+        Some(plan) => plan,
+        None => {
+            let plan = planner.forward(&counts_all)?;
+            check_plan(&plan, &counts_all, el)?;
+            if plan.forward != owner_split {
+                return Err(LayerError::Config(
+                    "the controller placed replicas though the planner has no replica slots".into(),
+                ));
+            }
+            plan
+        }
+    };
     laps.lap(gpu, "experts (own rows)")?;
     // One rank: its rows are the ones it sent itself.
     let xr = fl.finish()?.0;
