@@ -367,21 +367,31 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, const f
 //   o:     device, [n_rows, h] bf16 bits (expert outputs, any order)
 //   row:   device, [t, k] u32 (row of o for each pair, or DROPPED)
 //   gates: device, [t, k] f32, or null for all-ones (a plain scatter-add)
+//   base:  device, [t, h] bf16 bits added in f32 before the one rounding, or
+//          null (so a scatter-add onto another gradient is one pass)
 //   y:     device, [t, h] bf16 bits
 extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const uint32_t* __restrict__ row,
-                                        const float* __restrict__ gates, uint16_t* __restrict__ y, int t, int h,
-                                        int k) {
+                                        const float* __restrict__ gates, const uint16_t* __restrict__ base,
+                                        uint16_t* __restrict__ y, int t, int h, int k) {
     int lane = threadIdx.x & 31;
     int warp = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int n_warps = (gridDim.x * blockDim.x) >> 5;
     // 16-byte path: each lane owns 8 consecutive columns per step.
-    bool vec = (h & 7) == 0 && ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(y)) & 15) == 0;
+    bool vec = (h & 7) == 0 &&
+               ((reinterpret_cast<uintptr_t>(o) | reinterpret_cast<uintptr_t>(y) | reinterpret_cast<uintptr_t>(base)) &
+                15) == 0;
     for (int r = warp; r < t; r += n_warps) {
         const uint32_t* rr = row + static_cast<size_t>(r) * k;
         const float* gg = gates ? gates + static_cast<size_t>(r) * k : nullptr;
         if (vec) {
             for (int c = lane * 8; c < h; c += 256) {
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+                if (base) {
+                    uint4 u = __ldg(reinterpret_cast<const uint4*>(base + static_cast<size_t>(r) * h + c));
+                    const uint16_t* p = reinterpret_cast<const uint16_t*>(&u);
+#pragma unroll
+                    for (int q = 0; q < 8; ++q) acc[q] = bf(p[q]);
+                }
                 for (int j = 0; j < k; ++j) {
                     uint32_t src = rr[j];
                     if (src == DROPPED) continue;
@@ -399,7 +409,7 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
             }
         } else {
             for (int c = lane; c < h; c += 32) {
-                float acc = 0.f;
+                float acc = base ? bf(base[static_cast<size_t>(r) * h + c]) : 0.f;
                 for (int j = 0; j < k; ++j) {
                     uint32_t src = rr[j];
                     if (src != DROPPED) acc = fmaf(gg ? gg[j] : 1.f, bf(o[static_cast<size_t>(src) * h + c]), acc);

@@ -649,11 +649,27 @@ pub fn combine_bf16_reference(
     gates: &[f32],
     k: usize,
 ) -> Result<Vec<u16>, KernelError> {
+    combine_onto_bf16_reference(None, o, h, row, gates, k)
+}
+
+/// CPU twin of `combine_bf16` with a base: `y[t] = base[t] + Σ_j gates[t,
+/// j] · o[row[t, j]]`, summed in f32 from `base` and rounded once.
+pub fn combine_onto_bf16_reference(
+    base: Option<&[u16]>,
+    o: &[u16],
+    h: usize,
+    row: &[u32],
+    gates: &[f32],
+    k: usize,
+) -> Result<Vec<u16>, KernelError> {
     let t = check_combine(o, h, row, gates, k)?;
+    if let Some(b) = base {
+        check("base", t * h, b.len())?;
+    }
     let mut y = Vec::with_capacity(t * h);
     for r in 0..t {
         for c in 0..h {
-            let mut acc = 0f32;
+            let mut acc = base.map_or(0f32, |b| bf16_bits_to_f32(b[r * h + c]));
             for j in 0..k {
                 let src = row[r * k + j];
                 if src != DROPPED {
@@ -781,6 +797,23 @@ mod tests {
 
     /// GEMM against its naive twin, every transpose, fresh inputs, poisoned
     /// outputs, including zero-size dimensions and the parallel path.
+    #[test]
+    fn combine_onto_a_base_adds_it_once() {
+        let bits = |v: &[f32]| v.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>();
+        let o = bits(&[1.0, 2.0, 3.0, 4.0]);
+        let base = bits(&[0.5, -1.0]);
+        // Token 0: rows 1 and dropped; h = 2.
+        let row = [1, DROPPED];
+        let gates = [2.0, 9.0];
+        let plain = combine_bf16_reference(&o, 2, &row, &gates, 2).unwrap();
+        assert_eq!(plain, bits(&[6.0, 8.0]));
+        let onto = combine_onto_bf16_reference(Some(&base), &o, 2, &row, &gates, 2).unwrap();
+        assert_eq!(onto, bits(&[6.5, 7.0]));
+        let only = combine_onto_bf16_reference(Some(&base), &o, 2, &[DROPPED; 2], &gates, 2);
+        assert_eq!(only.unwrap(), base);
+        assert!(combine_onto_bf16_reference(Some(&base[..1]), &o, 2, &row, &gates, 2).is_err());
+    }
+
     #[test]
     fn runs_expand_and_bad_runs_are_refused() {
         assert_eq!(

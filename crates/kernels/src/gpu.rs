@@ -190,6 +190,18 @@ impl Gpu {
     ) -> Result<Vec<u16>, KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
+    /// See the CUDA build.
+    pub fn combine_onto_bf16(
+        &self,
+        _base: Option<&[u16]>,
+        _o: &[u16],
+        _h: usize,
+        _row: &[u32],
+        _gates: &[f32],
+        _k: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -1412,22 +1424,42 @@ mod imp {
             gates: &[f32],
             k: usize,
         ) -> Result<Vec<u16>, KernelError> {
+            self.combine_onto_bf16(None, o, h, row, gates, k)
+        }
+
+        /// [`Gpu::combine_bf16`] added onto `base` (`t × h`, bf16 bits) in
+        /// f32 before the one rounding (twin:
+        /// [`crate::cpu::combine_onto_bf16_reference`]).
+        pub fn combine_onto_bf16(
+            &self,
+            base: Option<&[u16]>,
+            o: &[u16],
+            h: usize,
+            row: &[u32],
+            gates: &[f32],
+            k: usize,
+        ) -> Result<Vec<u16>, KernelError> {
             let t = crate::cpu::check_combine(o, h, row, gates, k)?;
+            if let Some(b) = base {
+                check("base", t * h, b.len())?;
+            }
             let (od, rd, gd) = (self.upload(o)?, self.upload(row)?, self.upload(gates)?);
+            let bd = base.map(|b| self.upload(b)).transpose()?;
+            let null: u64 = 0;
             let mut y = self.poisoned::<u16>(t * h)?;
             if t > 0 && h > 0 {
                 let (t_i, h_i, k_i) = (dim("tokens", t)?, dim("hidden", h)?, dim("top_k", k)?);
                 let mut l = self.stream.launch_builder(&self.combine);
-                l.arg(&od)
-                    .arg(&rd)
-                    .arg(&gd)
-                    .arg(&mut y)
-                    .arg(&t_i)
-                    .arg(&h_i)
-                    .arg(&k_i);
-                // SAFETY: 1. (u16*, u32*, f32*, u16*, int, int, int)
-                // matches; 2. every row index is DROPPED or < rows of o
-                // (checked above), y holds t·h elements; 3. y aliases nothing.
+                l.arg(&od).arg(&rd).arg(&gd);
+                match &bd {
+                    Some(b) => l.arg(b),
+                    None => l.arg(&null),
+                };
+                l.arg(&mut y).arg(&t_i).arg(&h_i).arg(&k_i);
+                // SAFETY: 1. (u16*, u32*, f32*, u16* or null, u16*, int,
+                // int, int) matches; 2. every row index is DROPPED or < rows
+                // of o (checked above), base and y hold t·h elements; 3. y
+                // aliases nothing.
                 unsafe { l.launch(self.rows_config(t)) }.map_err(cuda)?;
             }
             self.download(&y, t * h)
@@ -1536,11 +1568,13 @@ mod imp {
             let gates = self.upload(&vec![0.25f32; rows])?;
             let mut y = self.poisoned::<u16>(t * h)?;
             let (t_i, h_i, k_i) = (dim("tokens", t)?, dim("hidden", h)?, dim("top_k", k)?);
+            let null: u64 = 0;
             let ms = self.time(20, || {
                 let mut l = self.stream.launch_builder(&self.combine);
                 l.arg(&o)
                     .arg(&row)
                     .arg(&gates)
+                    .arg(&null)
                     .arg(&mut y)
                     .arg(&t_i)
                     .arg(&h_i)

@@ -8,9 +8,9 @@
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
 use kernels::cpu::{
-    bf16_bits_to_f32, combine_bf16_reference, gather_rows_reference, lrm_scores_reference,
-    router_topk_reference, select_top_reference, swiglu_backward_bf16_reference,
-    swiglu_bf16_reference, unpack_rows_reference, DROPPED,
+    bf16_bits_to_f32, combine_bf16_reference, combine_onto_bf16_reference, gather_rows_reference,
+    lrm_scores_reference, router_topk_reference, select_top_reference,
+    swiglu_backward_bf16_reference, swiglu_bf16_reference, unpack_rows_reference, DROPPED,
 };
 mod common;
 
@@ -359,9 +359,32 @@ fn combine_matches_the_cpu_twin() {
             .collect();
         let y = g.combine_bf16(&o, h, &row, &gates, k).unwrap();
         let want = combine_bf16_reference(&o, h, &row, &gates, k).unwrap();
+        // Onto a base (the router's dX in the backward's scatter).
+        let base = rng.bf16(t * h);
+        let yb = g
+            .combine_onto_bf16(Some(&base), &o, h, &row, &gates, k)
+            .unwrap();
+        let wantb = combine_onto_bf16_reference(Some(&base), &o, h, &row, &gates, k).unwrap();
         if t > 0 {
             assert!(rel_bf16(&y, &want) <= 1e-2, "combine ({t}, {h}, {k})");
+            assert!(
+                rel_bf16(&yb, &wantb) <= 1e-2,
+                "combine onto ({t}, {h}, {k})"
+            );
+            assert_ne!(yb, y, "the base is added ({t}, {h}, {k})");
         }
+        assert!(
+            g.combine_onto_bf16(
+                Some(&base[..base.len().saturating_sub(1)]),
+                &o,
+                h,
+                &row,
+                &gates,
+                k
+            )
+            .is_err()
+                || t * h == 0
+        );
     }
 }
 

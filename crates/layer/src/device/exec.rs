@@ -1121,7 +1121,8 @@ pub fn forward(
     let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
     // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
     // zero row when pairs were dropped).
-    let y = unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), (tokens, h, k)) }?;
+    let y =
+        unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), None, (tokens, h, k)) }?;
     laps.lap(gpu, "combine")?;
     // The global expert-major order the backward's selection runs in.
     let pack::ep::GlobalOrder {
@@ -1648,11 +1649,11 @@ pub fn backward(
     // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place maps those
     // to kept positions (< n_k) or DROPPED, kinv is a permutation of the
     // n_k kept rows: row is a row of dx_rows or DROPPED for every pair.
-    let dx_experts = unsafe {
+    // One pass: the router's dX plus every kept pair's row of its token.
+    let dx = unsafe {
         let row = gpu.gather32(&kinv, &gpu.gather32(&place, &sv.dst, p)?, p)?;
-        gpu.combine_rows(&dx_rows, &row, None, (t, h, k))
+        gpu.combine_rows(&dx_rows, &row, None, Some(&dx_router), (t, h, k))
     }?;
-    let dx = gpu.add(&dx_router, &dx_experts, t * h)?;
     let router = router_fl.finish()?.0;
     laps.lap(gpu, "scatter")?;
     let ((gate, up, down), g_bytes) =

@@ -430,9 +430,10 @@ impl Gpu {
         self.binary(&self.swiglu_fwd, a, b, n)
     }
 
-    /// `y[t] = Σ_k gate[t·K + k] · o[row[t·K + k]]` over `tokens` tokens
-    /// (rows of `hidden` bf16; no gates: a plain sum; `DROPPED` rows add
-    /// nothing). Twin: [`crate::cpu::combine_bf16_reference`].
+    /// `y[t] = base[t] + Σ_k gate[t·K + k] · o[row[t·K + k]]` over
+    /// `tokens` tokens (rows of `hidden` bf16; no gates: a plain sum; no
+    /// base: zero; `DROPPED` rows add nothing), summed in f32 and rounded
+    /// once. Twin: [`crate::cpu::combine_onto_bf16_reference`].
     ///
     /// # Safety
     ///
@@ -443,8 +444,12 @@ impl Gpu {
         o: &CudaSlice<u16>,
         row: &CudaSlice<u32>,
         gates: Option<&CudaSlice<f32>>,
+        base: Option<&CudaSlice<u16>>,
         (tokens, hidden, top_k): (usize, usize, usize),
     ) -> Result<CudaSlice<u16>, KernelError> {
+        if let Some(b) = base {
+            at_least("base", tokens * hidden, b.len())?;
+        }
         // SAFETY: uninitialised output; the kernel or GEMM launched next
         // writes every element before anything reads it.
         let mut y = unsafe { self.uninit::<u16>(tokens * hidden) }?;
@@ -458,6 +463,10 @@ impl Gpu {
         l.arg(o).arg(row);
         match gates {
             Some(g) => l.arg(g),
+            None => l.arg(&null),
+        };
+        match base {
+            Some(b) => l.arg(b),
             None => l.arg(&null),
         };
         l.arg(&mut y).arg(&t).arg(&h).arg(&k);
