@@ -157,14 +157,14 @@ __global__ void setup(Arrays<G> r, int groups, const int* __restrict__ offsets, 
 }
 
 template <class G>
-static typename G::Gemm::Arguments arguments(Arrays<G> r, int groups, int sm_count) {
+static typename G::Gemm::Arguments arguments(Arrays<G> r, int groups, int sm_count, float beta) {
     cutlass::KernelHardwareInfo hw;
     hw.device_id = 0;
     hw.sm_count = sm_count;
     typename G::Gemm::Arguments args;
     decltype(args.epilogue.thread) fusion;
     fusion.alpha = 1.f;
-    fusion.beta = 0.f;
+    fusion.beta = beta;
     fusion.alpha_ptr = nullptr;
     fusion.beta_ptr = nullptr;
     fusion.alpha_ptr_array = nullptr;
@@ -182,12 +182,12 @@ static typename G::Gemm::Arguments arguments(Arrays<G> r, int groups, int sm_cou
 template <class G>
 static size_t workspace_bytes(int groups, int sm_count) {
     Arrays<G> r = carve<G>(nullptr, groups);
-    return arrays_bytes<G>(groups) + align256(G::Gemm::get_workspace_size(arguments<G>(r, groups, sm_count)));
+    return arrays_bytes<G>(groups) + align256(G::Gemm::get_workspace_size(arguments<G>(r, groups, sm_count, 0.f)));
 }
 
 template <class G, int V>
-static int run(int groups, const int* offsets, const void* a, const void* b, void* d, int h, int f, int sm_count,
-               void* workspace, size_t ws_bytes, cudaStream_t stream) {
+static int run(int groups, const int* offsets, const void* a, const void* b, void* d, float beta, int h, int f,
+               int sm_count, void* workspace, size_t ws_bytes, cudaStream_t stream) {
     if (groups <= 0) return 0;
     if (ws_bytes < workspace_bytes<G>(groups, sm_count)) return 1;
     char* ws = static_cast<char*>(workspace);
@@ -196,7 +196,7 @@ static int run(int groups, const int* offsets, const void* a, const void* b, voi
                                                            static_cast<const Element*>(b), static_cast<Element*>(d), h,
                                                            f);
     if (cudaGetLastError() != cudaSuccess) return 2;
-    auto args = arguments<G>(r, groups, sm_count);
+    auto args = arguments<G>(r, groups, sm_count, beta);
     typename G::Gemm gemm;
     if (gemm.can_implement(args) != cutlass::Status::kSuccess) return 3;
     if (gemm.initialize(args, ws + arrays_bytes<G>(groups), stream) != cutlass::Status::kSuccess) return 4;
@@ -218,19 +218,20 @@ size_t lrmoe_grouped_gemm_workspace(int variant, int groups, int sm_count) {
     }
 }
 
-// Runs `variant` on `stream`. Pointers are device pointers: offsets [groups+1]
-// i32; a, b, d bf16 as in the header; workspace of at least
-// lrmoe_grouped_gemm_workspace bytes. Returns 0, or a nonzero code:
+// Runs `variant` on `stream`: D = A·B, or D = A·B + D (summed in f32, one
+// rounding) when beta is 1 (beta is 0 or 1). Pointers are device pointers:
+// offsets [groups+1] i32; a, b, d bf16 as in the header; workspace of at
+// least lrmoe_grouped_gemm_workspace bytes. Returns 0, or a nonzero code:
 // 1 workspace too small, 2 setup launch failed, 3 CUTLASS cannot implement
 // (alignment: h and f must be multiples of 8), 4 initialize, 5 run, 6 launch
 // error, 7 unknown variant.
-int lrmoe_grouped_gemm(int variant, int groups, const int* offsets, const void* a, const void* b, void* d, int h,
-                       int f, int sm_count, void* workspace, size_t ws_bytes, void* stream) {
+int lrmoe_grouped_gemm(int variant, int groups, const int* offsets, const void* a, const void* b, void* d, float beta,
+                       int h, int f, int sm_count, void* workspace, size_t ws_bytes, void* stream) {
     cudaStream_t s = static_cast<cudaStream_t>(stream);
     switch (variant) {
-        case 0: return run<Fwd, 0>(groups, offsets, a, b, d, h, f, sm_count, workspace, ws_bytes, s);
-        case 1: return run<Dgrad, 1>(groups, offsets, a, b, d, h, f, sm_count, workspace, ws_bytes, s);
-        case 2: return run<Wgrad, 2>(groups, offsets, a, b, d, h, f, sm_count, workspace, ws_bytes, s);
+        case 0: return run<Fwd, 0>(groups, offsets, a, b, d, beta, h, f, sm_count, workspace, ws_bytes, s);
+        case 1: return run<Dgrad, 1>(groups, offsets, a, b, d, beta, h, f, sm_count, workspace, ws_bytes, s);
+        case 2: return run<Wgrad, 2>(groups, offsets, a, b, d, beta, h, f, sm_count, workspace, ws_bytes, s);
         default: return 7;
     }
 }

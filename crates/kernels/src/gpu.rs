@@ -180,6 +180,20 @@ impl Gpu {
         Err(KernelError::NotCompiledWithCuda)
     }
     /// See the CUDA build.
+    #[allow(clippy::too_many_arguments)]
+    pub fn grouped_gemm_onto_bf16(
+        &self,
+        _variant: crate::cpu::GemmVariant,
+        _offsets: &[i32],
+        _a: &[u16],
+        _b: &[u16],
+        _base: &[u16],
+        _h: usize,
+        _f: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn combine_bf16(
         &self,
         _o: &[u16],
@@ -240,6 +254,7 @@ mod imp {
         *const std::ffi::c_void,
         *const std::ffi::c_void,
         *mut std::ffi::c_void,
+        f32,
         i32,
         i32,
         i32,
@@ -1631,6 +1646,7 @@ mod imp {
             a: &A,
             b: &B,
             d: &mut CudaSlice<u16>,
+            onto: bool,
             h: usize,
             f: usize,
             ws: &mut GemmWorkspace,
@@ -1651,7 +1667,8 @@ mod imp {
             // with the declared C signature; 2. every pointer is a live
             // device allocation of the sizes `gemm_shapes` checked (offsets
             // has groups + 1 entries, the workspace the size the library
-            // asked for); 3. the stream belongs to the current context.
+            // asked for; with `onto`, d holds the base it is added onto);
+            // 3. the stream belongs to the current context.
             let rc = unsafe {
                 (self.gemm.run)(
                     variant_code(variant),
@@ -1660,6 +1677,7 @@ mod imp {
                     pa as *const std::ffi::c_void,
                     pb as *const std::ffi::c_void,
                     pd as *mut std::ffi::c_void,
+                    if onto { 1.0 } else { 0.0 },
                     hh,
                     ff,
                     sms,
@@ -1730,7 +1748,36 @@ mod imp {
             let mut d = self.poisoned::<u16>(nd)?;
             if groups > 0 && nd > 0 {
                 let mut ws = self.gemm_workspace(variant, groups)?;
-                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, h, f, &mut ws)?;
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, false, h, f, &mut ws)?;
+            }
+            self.download(&d, nd)
+        }
+
+        /// [`Gpu::grouped_gemm_bf16`] added onto `base` (the output's shape):
+        /// `base + A·B` summed in f32 in the GEMM's epilogue and rounded
+        /// once (twin: [`crate::grouped::CpuTwins`]'
+        /// `grouped_gemm_onto`).
+        #[allow(clippy::too_many_arguments)]
+        pub fn grouped_gemm_onto_bf16(
+            &self,
+            variant: GemmVariant,
+            offsets: &[i32],
+            a: &[u16],
+            b: &[u16],
+            base: &[u16],
+            h: usize,
+            f: usize,
+        ) -> Result<Vec<u16>, KernelError> {
+            let (na, nb, nd) = Self::gemm_shapes(variant, offsets, h, f)?;
+            check("a", na, a.len())?;
+            check("b", nb, b.len())?;
+            check("base", nd, base.len())?;
+            let groups = offsets.len().saturating_sub(1);
+            let (od, ad, bd) = (self.upload(offsets)?, self.upload(a)?, self.upload(b)?);
+            let mut d = self.upload(base)?;
+            if groups > 0 && nd > 0 {
+                let mut ws = self.gemm_workspace(variant, groups)?;
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, true, h, f, &mut ws)?;
             }
             self.download(&d, nd)
         }
@@ -1756,7 +1803,7 @@ mod imp {
             let mut d = self.poisoned::<u16>(nd)?;
             let mut ws = self.gemm_workspace(variant, groups)?;
             let ms = self.time(20, || {
-                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, h, f, &mut ws)
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, false, h, f, &mut ws)
             })?;
             let rows = offsets.last().copied().unwrap_or(0) as f64;
             let flops = 2.0 * rows * h as f64 * f as f64;

@@ -34,6 +34,19 @@ pub trait GroupedOps: Send + Sync {
         h: usize,
         f: usize,
     ) -> Result<Vec<u16>, KernelError>;
+    /// [`GroupedOps::grouped_gemm`] added onto `base` (the output's shape):
+    /// `base + A·B`, summed in f32 and rounded to bf16 once.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_gemm_onto(
+        &self,
+        variant: GemmVariant,
+        offsets: &[i32],
+        a: &[u16],
+        b: &[u16],
+        base: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<Vec<u16>, KernelError>;
     /// `silu(a) ⊙ b`.
     fn swiglu(&self, a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError>;
     /// `(∂/∂a, ∂/∂b)` of `silu(a) ⊙ b` given its output gradient.
@@ -140,14 +153,6 @@ pub fn compose_forward<O: GroupedOps + ?Sized>(
     Ok((o, h_sq))
 }
 
-/// `a + b` element-wise in f32, rounded to bf16 (the `add_bf16` kernel).
-fn add_bf16(a: &[u16], b: &[u16]) -> Vec<u16> {
-    a.iter()
-        .zip(b)
-        .map(|(&p, &q)| f32_to_bf16_bits(bf16_bits_to_f32(p) + bf16_bits_to_f32(q)))
-        .collect()
-}
-
 /// [`GroupedOps::experts_backward`] composed of the primitives: recomputes
 /// the kept rows' `a = x·W_gate`, `b = x·W_up` and `h`, then
 /// `dW_down = hᵀ·d`, `dh = d·W_downᵀ`, the SwiGLU backward, `dW_gate`,
@@ -170,13 +175,8 @@ pub fn compose_backward<O: GroupedOps + ?Sized>(
     let gate = ops.grouped_gemm(GemmVariant::WeightGrad, offsets, x, &da, hd, f)?;
     let up = ops.grouped_gemm(GemmVariant::WeightGrad, offsets, x, &db, hd, f)?;
     let dx1 = ops.grouped_gemm(GemmVariant::DataGrad, offsets, &da, w.gate, hd, f)?;
-    let dx2 = ops.grouped_gemm(GemmVariant::DataGrad, offsets, &db, w.up, hd, f)?;
-    Ok(ExpertGrads {
-        dx: add_bf16(&dx1, &dx2),
-        gate,
-        up,
-        down,
-    })
+    let dx = ops.grouped_gemm_onto(GemmVariant::DataGrad, offsets, &db, w.up, &dx1, hd, f)?;
+    Ok(ExpertGrads { dx, gate, up, down })
 }
 
 /// The CPU twins of the CUDA kernels.
@@ -196,6 +196,24 @@ impl GroupedOps for CpuTwins {
         Ok(grouped_gemm_reference(variant, offsets, a, b, h, f)?
             .into_iter()
             .map(f32_to_bf16_bits)
+            .collect())
+    }
+    fn grouped_gemm_onto(
+        &self,
+        variant: GemmVariant,
+        offsets: &[i32],
+        a: &[u16],
+        b: &[u16],
+        base: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        let acc = grouped_gemm_reference(variant, offsets, a, b, h, f)?;
+        crate::cpu::check("base", acc.len(), base.len())?;
+        Ok(acc
+            .into_iter()
+            .zip(base)
+            .map(|(x, &c)| f32_to_bf16_bits(x + bf16_bits_to_f32(c)))
             .collect())
     }
     fn swiglu(&self, a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError> {
@@ -225,6 +243,18 @@ impl GroupedOps for Gpu {
         f: usize,
     ) -> Result<Vec<u16>, KernelError> {
         self.grouped_gemm_bf16(variant, offsets, a, b, h, f)
+    }
+    fn grouped_gemm_onto(
+        &self,
+        variant: GemmVariant,
+        offsets: &[i32],
+        a: &[u16],
+        b: &[u16],
+        base: &[u16],
+        h: usize,
+        f: usize,
+    ) -> Result<Vec<u16>, KernelError> {
+        self.grouped_gemm_onto_bf16(variant, offsets, a, b, base, h, f)
     }
     fn swiglu(&self, a: &[u16], b: &[u16]) -> Result<Vec<u16>, KernelError> {
         self.swiglu_bf16(a, b)

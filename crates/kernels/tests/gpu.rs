@@ -392,6 +392,7 @@ fn combine_matches_the_cpu_twin() {
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn grouped_gemm_matches_the_cpu_twin() {
     use kernels::cpu::{grouped_gemm_reference, GemmVariant};
+    use kernels::grouped::GroupedOps;
     let g = gpu();
     let mut rng = Rng(seed());
     for &(e, h, f, max_rows) in &[(4, 64, 128, 300), (8, 128, 64, 90), (3, 256, 768, 700)] {
@@ -437,6 +438,20 @@ fn grouped_gemm_matches_the_cpu_twin() {
                 rel <= 1e-2,
                 "{variant:?} ({e}, {h}, {f}, counts {counts:?}): relative error {rel}"
             );
+            // Added onto a base in the epilogue (the data gradient's second
+            // half in the experts' backward): against the twin's f32 sum.
+            let base = rng.bf16(want.len());
+            let onto = g
+                .grouped_gemm_onto_bf16(variant, &offsets, &a, &b, &base, h, f)
+                .unwrap();
+            let twin = kernels::grouped::CpuTwins
+                .grouped_gemm_onto(variant, &offsets, &a, &b, &base, h, f)
+                .unwrap();
+            let r = rel_bf16(&onto, &twin);
+            assert!(r <= 1e-2, "{variant:?} onto a base: relative error {r}");
+            if !want.is_empty() {
+                assert_ne!(onto, got, "{variant:?}: the base is added");
+            }
         }
     }
 }

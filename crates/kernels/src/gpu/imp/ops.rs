@@ -193,7 +193,31 @@ impl Gpu {
         // writes every element before anything reads it.
         let mut d = unsafe { self.uninit::<u16>(out_len) }?;
         let mut ws = self.gemm_workspace(variant, groups)?;
-        self.launch_gemm(variant, groups, offsets, a, b, &mut d, h, f, &mut ws)?;
+        self.launch_gemm(variant, groups, offsets, a, b, &mut d, false, h, f, &mut ws)?;
+        Ok(d)
+    }
+
+    /// [`Gpu::gemm`] added onto `d` (which holds the base, `out_len`
+    /// elements): `d + A·B`, summed in f32 in the epilogue and rounded once.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm_onto<A: DevicePtr<u16>, B: DevicePtr<u16>>(
+        &self,
+        variant: GemmVariant,
+        offsets: &CudaSlice<i32>,
+        groups: usize,
+        a: &A,
+        b: &B,
+        mut d: CudaSlice<u16>,
+        out_len: usize,
+        h: usize,
+        f: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        if out_len == 0 {
+            return Ok(d);
+        }
+        at_least("base", out_len, d.len())?;
+        let mut ws = self.gemm_workspace(variant, groups)?;
+        self.launch_gemm(variant, groups, offsets, a, b, &mut d, true, h, f, &mut ws)?;
         Ok(d)
     }
 
@@ -845,9 +869,11 @@ impl Gpu {
             l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
             // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
             unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+            // dX = da·W_gateᵀ, then db·W_upᵀ added onto it in the second
+            // GEMM's epilogue (no separate pass over the rows).
             let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
-            let dx2 = self.gemm(GemmVariant::DataGrad, &od, e, &db, wu, rows * h, h, f)?;
-            (self.add(&dx1, &dx2, rows * h)?, Some((hh, da, db)))
+            let dx = self.gemm_onto(GemmVariant::DataGrad, &od, e, &db, wu, dx1, rows * h, h, f)?;
+            (dx, Some((hh, da, db)))
         };
         Ok((
             dx,
