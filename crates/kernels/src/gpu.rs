@@ -1740,17 +1740,7 @@ mod imp {
             h: usize,
             f: usize,
         ) -> Result<Vec<u16>, KernelError> {
-            let (na, nb, nd) = Self::gemm_shapes(variant, offsets, h, f)?;
-            check("a", na, a.len())?;
-            check("b", nb, b.len())?;
-            let groups = offsets.len().saturating_sub(1);
-            let (od, ad, bd) = (self.upload(offsets)?, self.upload(a)?, self.upload(b)?);
-            let mut d = self.poisoned::<u16>(nd)?;
-            if groups > 0 && nd > 0 {
-                let mut ws = self.gemm_workspace(variant, groups)?;
-                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, false, h, f, &mut ws)?;
-            }
-            self.download(&d, nd)
+            self.grouped_gemm_host(variant, offsets, a, b, None, h, f)
         }
 
         /// [`Gpu::grouped_gemm_bf16`] added onto `base` (the output's shape):
@@ -1768,16 +1758,38 @@ mod imp {
             h: usize,
             f: usize,
         ) -> Result<Vec<u16>, KernelError> {
+            self.grouped_gemm_host(variant, offsets, a, b, Some(base), h, f)
+        }
+
+        /// The host-slice grouped GEMM: into a poisoned output, or onto
+        /// `base` when given.
+        #[allow(clippy::too_many_arguments)]
+        fn grouped_gemm_host(
+            &self,
+            variant: GemmVariant,
+            offsets: &[i32],
+            a: &[u16],
+            b: &[u16],
+            base: Option<&[u16]>,
+            h: usize,
+            f: usize,
+        ) -> Result<Vec<u16>, KernelError> {
             let (na, nb, nd) = Self::gemm_shapes(variant, offsets, h, f)?;
             check("a", na, a.len())?;
             check("b", nb, b.len())?;
-            check("base", nd, base.len())?;
+            if let Some(base) = base {
+                check("base", nd, base.len())?;
+            }
             let groups = offsets.len().saturating_sub(1);
             let (od, ad, bd) = (self.upload(offsets)?, self.upload(a)?, self.upload(b)?);
-            let mut d = self.upload(base)?;
+            let mut d = match base {
+                Some(base) => self.upload(base)?,
+                None => self.poisoned::<u16>(nd)?,
+            };
             if groups > 0 && nd > 0 {
                 let mut ws = self.gemm_workspace(variant, groups)?;
-                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, true, h, f, &mut ws)?;
+                let onto = base.is_some();
+                self.launch_gemm(variant, groups, &od, &ad, &bd, &mut d, onto, h, f, &mut ws)?;
             }
             self.download(&d, nd)
         }

@@ -183,18 +183,10 @@ impl Gpu {
         h: usize,
         f: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
-        if out_len == 0 {
-            // No rows (forward and data gradient): nothing to compute.
-            // SAFETY: uninitialised output; the kernel or GEMM launched next
-            // writes every element before anything reads it.
-            return unsafe { self.uninit::<u16>(0) };
-        }
-        // SAFETY: uninitialised output; the kernel or GEMM launched next
-        // writes every element before anything reads it.
-        let mut d = unsafe { self.uninit::<u16>(out_len) }?;
-        let mut ws = self.gemm_workspace(variant, groups)?;
-        self.launch_gemm(variant, groups, offsets, a, b, &mut d, false, h, f, &mut ws)?;
-        Ok(d)
+        // SAFETY: uninitialised output (one element when there are no
+        // rows: nothing to compute); the GEMM writes every element.
+        let d = unsafe { self.uninit::<u16>(out_len) }?;
+        self.gemm_into(variant, offsets, groups, (a, b), d, false, out_len, (h, f))
     }
 
     /// [`Gpu::gemm`] added onto `d` (which holds the base, `out_len`
@@ -207,17 +199,35 @@ impl Gpu {
         groups: usize,
         a: &A,
         b: &B,
-        mut d: CudaSlice<u16>,
+        d: CudaSlice<u16>,
         out_len: usize,
         h: usize,
         f: usize,
     ) -> Result<CudaSlice<u16>, KernelError> {
+        self.gemm_into(variant, offsets, groups, (a, b), d, true, out_len, (h, f))
+    }
+
+    /// The grouped GEMM into `d` (`out_len` elements; its base when
+    /// `onto`); no launch when there is no output.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_into<A: DevicePtr<u16>, B: DevicePtr<u16>>(
+        &self,
+        variant: GemmVariant,
+        offsets: &CudaSlice<i32>,
+        groups: usize,
+        (a, b): (&A, &B),
+        mut d: CudaSlice<u16>,
+        onto: bool,
+        out_len: usize,
+        (h, f): (usize, usize),
+    ) -> Result<CudaSlice<u16>, KernelError> {
         if out_len == 0 {
+            // No rows (forward and data gradient): nothing to compute.
             return Ok(d);
         }
-        at_least("base", out_len, d.len())?;
+        at_least("output", out_len, d.len())?;
         let mut ws = self.gemm_workspace(variant, groups)?;
-        self.launch_gemm(variant, groups, offsets, a, b, &mut d, true, h, f, &mut ws)?;
+        self.launch_gemm(variant, groups, offsets, a, b, &mut d, onto, h, f, &mut ws)?;
         Ok(d)
     }
 
