@@ -7,8 +7,10 @@
 # (32 sequences × 512 tokens: 16 per rank). One device call per seed list.
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/
 # Usage: SEEDS="0 1" TARGET=1.45 STEPS=900 bash benches/mini-compare2.sh
-# Then, on the CPU: `lrmoe replay --lrmoe-metrics <run>/metrics.jsonl` puts
-# replay's predicted buffers beside the measured ones (docs/benchmarks.md).
+# Then, on the CPU: `python3 benches/replay-vs-run.py lrmoe RUN --budget-bytes B
+# --element-bytes 2 --hidden 512 --ffn 256 --tile-trim 0.0625` (the GPU
+# executors trim quotas to whole GEMM tiles, `moe.tile_trim`) puts replay's
+# predicted buffers beside the measured ones (docs/benchmarks.md).
 set -uo pipefail
 OUT=${OUT:-/tmp/lrmoe-out}
 mkdir -p "$OUT"

@@ -8,7 +8,7 @@ and the micro-batches the run split its steps into. A micro-batched step
 logs its first micro-batch: its loads and peak are scaled by the count.
 
   python3 benches/replay-vs-run.py LRMOE_BIN RUN_DIR --budget-bytes B \\
-      --element-bytes 4 --ranks 2 --hidden 128 --ffn 256 [--slots 1]
+      --element-bytes 4 --ranks 2 --hidden 128 --ffn 256 [--slots 1] [--tile-trim 0.0625]
 
 RUN_DIR is the --out of `lrmoe train --compare`; B and the element size
 are what the run logged ("per-rank memory budget of one layer call").
@@ -30,6 +30,8 @@ ap.add_argument("--hidden", type=int, default=128)
 ap.add_argument("--ffn", type=int, default=256)
 ap.add_argument("--slots", type=int, default=1)
 ap.add_argument("--buffer-fraction", type=float, default=0.6)
+# The run's moe.tile_trim on the GPU executors (0 for the host executor).
+ap.add_argument("--tile-trim", type=float, default=0.0)
 a = ap.parse_args()
 
 row = 2 * a.hidden * a.element_bytes  # [x | g·δ] per kept pair
@@ -55,7 +57,8 @@ for mode, strat in [("full", "Fixed"), ("replicate", "Replication"), ("lrmoe", "
             f.write(json.dumps(r) + "\n")
     subprocess.run([a.lrmoe, "replay", "--lrmoe-metrics", scaled, "--ranks", str(a.ranks), "--hidden", str(a.hidden),
                     "--ffn", str(a.ffn), "--budget-mib", str(a.budget_bytes / 2**20), "--replica-slots", str(a.slots),
-                    "--replica-memory-fraction", "1.0", "--element-bytes", str(a.element_bytes), "--out", out],
+                    "--replica-memory-fraction", "1.0", "--element-bytes", str(a.element_bytes),
+                    "--tile-trim", str(a.tile_trim), "--out", out],
                    check=True, stdout=subprocess.DEVNULL)
     pred = {int(r["step"]): r for r in csv.DictReader(open(os.path.join(out, "replay.csv"))) if r["strategy"] == strat}
     # Measured: the busiest rank's pairs in any layer; a micro-batched step

@@ -595,6 +595,7 @@ fn replay_table() {
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: quota::Policy::Maxmin,
+            tile_trim: 0.0,
         };
         let t = Instant::now();
         let r = replay(&trace, &cfg).expect("replay runs");

@@ -5,12 +5,26 @@
 //! JSON object printed on the `SINGLE` line of `torch_anchors.py`, run in the
 //! same device call. `LRMOE_GPU_TABLES` (e.g. `layer`) picks tables by
 //! name: `kernels` (copy, row kernels, GEMMs), `layer`, `select`,
-//! `router`; all by default.
+//! `router`, `wgrad` (the E128 weight gradient alone, to profile); all but
+//! `wgrad` by default.
 
 use kernels::gpu::Gpu;
 
 fn anchor(anchors: &serde_json::Value, key: &str) -> Option<f64> {
     anchors.get(key).and_then(serde_json::Value::as_f64)
+}
+
+/// The anchors' skewed group sizes: Zipf(0.8) shares of `rows` over `e`
+/// groups (the first takes the rounding remainder).
+fn zipf_counts(e: usize, rows: u32) -> Vec<u32> {
+    let w: Vec<f64> = (1..=e).map(|i| (i as f64).powf(-0.8)).collect();
+    let total: f64 = w.iter().sum();
+    let mut counts: Vec<u32> = w
+        .iter()
+        .map(|x| (x / total * f64::from(rows)).floor() as u32)
+        .collect();
+    counts[0] += rows - counts.iter().sum::<u32>();
+    counts
 }
 
 fn main() -> anyhow::Result<()> {
@@ -103,14 +117,7 @@ fn main() -> anyhow::Result<()> {
             ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
             ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
         ] {
-            // The anchors' skewed counts: Zipf(0.8) shares of 131072 rows.
-            let w: Vec<f64> = (1..=e).map(|i| (i as f64).powf(-0.8)).collect();
-            let total: f64 = w.iter().sum();
-            let mut counts: Vec<u32> = w
-                .iter()
-                .map(|x| (x / total * 131072.0).floor() as u32)
-                .collect();
-            counts[0] += 131072 - counts.iter().sum::<u32>();
+            let counts = zipf_counts(e, 131072);
             for (variant, name) in [
                 (kernels::cpu::GemmVariant::Forward, "fwd"),
                 (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
@@ -125,16 +132,21 @@ fn main() -> anyhow::Result<()> {
                     peer.map_or("-".into(), |p| format!("{:.2}", tflops / p)),
                 );
             }
-            // The weight gradient at r = 0.25: a quarter of each group's rows
-            // (K of the product), the same h × f outputs.
+            // The GEMMs at r = 0.25: a quarter of each group's rows (the
+            // weight gradient: K of the product, the same h × f outputs).
             let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
             let rows: u32 = quarter.iter().sum();
-            let (t, tflops) =
-                gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, &quarter, h, f)?;
-            println!(
-                "| wgrad, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",
-                t.ms
-            );
+            for (variant, name) in [
+                (kernels::cpu::GemmVariant::Forward, "fwd"),
+                (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
+                (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
+            ] {
+                let (t, tflops) = gpu.bench_grouped_gemm(variant, &quarter, h, f)?;
+                println!(
+                    "| {name}, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",
+                    t.ms
+                );
+            }
         }
         println!();
     }
@@ -155,9 +167,22 @@ fn main() -> anyhow::Result<()> {
                 renormalize: true,
             };
             let rs = [1.0, 0.75, 0.5, 0.25];
-            let planners = lrmoe_benches::ratio_planners(&cfg, &rs);
-            let labelled: Vec<(f64, &layer::DevicePlanner)> =
-                rs.iter().copied().zip(planners.iter()).collect();
+            // The same retentions with the quotas trimmed to whole GEMM
+            // tiles, as device training runs them (`moe.tile_trim`).
+            let planners: Vec<layer::DevicePlanner> = lrmoe_benches::ratio_planners(&cfg, &rs)
+                .into_iter()
+                .chain(
+                    lrmoe_benches::ratio_planners(&cfg, &rs[1..])
+                        .into_iter()
+                        .map(|p| p.tile_aligned(layer::TileAlign::DEVICE)),
+                )
+                .collect();
+            let labelled: Vec<(f64, &layer::DevicePlanner)> = rs
+                .iter()
+                .chain(&rs[1..])
+                .copied()
+                .zip(planners.iter())
+                .collect();
             let rows = layer::device::bench(
                 &gpu,
                 layer::device::DeviceComm::Local,
@@ -171,12 +196,16 @@ fn main() -> anyhow::Result<()> {
             let tf = anchor(&anchors, &format!("moe_layer_{key}_fwd_ms"));
             let tb = anchor(&anchors, &format!("moe_layer_{key}_bwd_ms"));
             let full = rows[0].backward_ms;
-            for r in &rows {
+            for (i, r) in rows.iter().enumerate() {
+                let label = if i >= rs.len() {
+                    format!("{} tile-trimmed", r.retention)
+                } else {
+                    r.retention.to_string()
+                };
                 println!(
-                    "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
+                    "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {label} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
                     tf.map_or("-".into(), |v| format!("{v:.2}")),
                     tf.map_or("-".into(), |v| format!("{:.2}", v / fwd)),
-                    r.retention,
                     r.backward_ms,
                     r.backward_ms / full,
                     r.retention + 0.1,
@@ -186,6 +215,20 @@ fn main() -> anyhow::Result<()> {
                     r.kept_total
                 );
             }
+        }
+    }
+    if table("wgrad") {
+        // Only the E128 weight gradient, at a quarter of the rows and at all
+        // rows (Zipf(0.8) counts as above): a short run to profile.
+        let counts = zipf_counts(128, 131072);
+        let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
+        for (name, c) in [("¼ rows", &quarter), ("all rows", &counts)] {
+            let (t, tflops) =
+                gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, c, 2048, 768)?;
+            println!(
+                "wgrad E128 H2048 F768, {name}: {:.3} ms, {tflops:.0} TFLOP/s",
+                t.ms
+            );
         }
     }
     if table("select") {

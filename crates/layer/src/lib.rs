@@ -160,6 +160,7 @@ pub use moe::{
 pub use plan::{
     check_device_call, check_device_shape, check_plan, check_split, device_plan_call,
     device_quotas, plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection,
+    TileAlign,
 };
 pub use transport::{run_local, LocalTransport, Transport, TransportError};
 

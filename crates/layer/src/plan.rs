@@ -88,6 +88,10 @@ pub struct CallConfig {
     /// form. Empty: none. The trainer updates it between steps
     /// (`moe.expert_bias_rate`).
     pub expert_bias: Vec<f64>,
+    /// Binding quotas trimmed to whole GEMM tiles where that drops little
+    /// (see [`quota::align_to_tiles`]); `None`: quotas as the controller
+    /// made them.
+    pub tile_align: Option<TileAlign>,
 }
 
 impl CallConfig {
@@ -160,8 +164,27 @@ impl Default for CallConfig {
             rule_seed: 0,
             aux_loss_coeff: 0.0,
             expert_bias: Vec::new(),
+            tile_align: None,
         }
     }
+}
+
+/// Tile alignment of the backward's quotas ([`CallConfig::tile_align`]).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct TileAlign {
+    /// Rows of one block of the expert GEMMs (128 on the device).
+    pub rows: u64,
+    /// Largest share of an expert's quota that may be dropped to align it.
+    pub max_drop: f64,
+}
+
+impl TileAlign {
+    /// The device executor's grouped GEMM blocks (128 rows); at most 1/16
+    /// of a quota dropped.
+    pub const DEVICE: Self = Self {
+        rows: 128,
+        max_drop: 1.0 / 16.0,
+    };
 }
 
 /// Which pairs compete for an expert's quota (see the crate doc,
@@ -340,6 +363,10 @@ pub fn plan_call<T>(
             (p.quotas.per_source().to_vec(), Some(caps))
         }
     };
+    let mut kept = kept;
+    if let (Some(a), false) = (bwd.tile_align, matches!(bwd.retention, Retention::Full)) {
+        quota::align_to_tiles(&mut kept, &routed, a.rows, a.max_drop)?;
+    }
     // Per-expert selection may take an expert's quota from any source, which
     // a per-source send budget cannot allow; with unlimited sends only the
     // per-expert totals bind (the controller's own flow network is then one
@@ -641,6 +668,13 @@ impl DevicePlanner {
             last: std::sync::Mutex::new(None),
             fixed: None,
         }
+    }
+
+    /// The same planner with its binding quotas trimmed to whole GEMM
+    /// tiles ([`CallConfig::tile_align`]).
+    pub fn tile_aligned(mut self, align: TileAlign) -> Self {
+        self.call.tile_align = Some(align);
+        self
     }
 
     /// The call's capacity factor (the capacity-factor baseline), if any.

@@ -1242,3 +1242,44 @@ fn the_auxiliary_balancing_loss_gradient_matches_finite_differences() {
     let (params, x, dy) = setup(&cfg, 4, 1);
     assert!(run(&cfg, &bad, &params, &x, &dy, 1).is_err());
 }
+
+#[test]
+fn tile_aligned_quotas_drop_small_remainders_of_binding_quotas_only() {
+    let cfg = cfg(false);
+    // Two sources, four experts: 1040, 1000, 300 and 50 routed pairs.
+    let routed = vec![vec![520u32, 500, 150, 25], vec![520, 500, 150, 25]];
+    let q = |retention, tile_align| {
+        device_quotas(
+            &cfg,
+            &CallConfig {
+                retention,
+                tile_align,
+                ..CallConfig::default()
+            },
+            &routed,
+        )
+    };
+    let a = Some(TileAlign::DEVICE);
+    // r = 0.25: 260, 250, 75, 13 → 256 (drops 4 ≤ 260/16), 250 (remainder
+    // 122 too large), 75 and 13 (below one tile).
+    assert_eq!(
+        q(Retention::Ratio(0.25), None).unwrap(),
+        vec![260, 250, 75, 13]
+    );
+    assert_eq!(
+        q(Retention::Ratio(0.25), a).unwrap(),
+        vec![256, 250, 75, 13]
+    );
+    // Quotas that keep every routed pair are never trimmed.
+    assert_eq!(q(Retention::Full, a).unwrap(), vec![1040, 1000, 300, 50]);
+    assert_eq!(
+        q(Retention::Ratio(1.0), a).unwrap(),
+        vec![1040, 1000, 300, 50]
+    );
+    // A bad fraction is an error, not a silent no-op.
+    let bad = Some(TileAlign {
+        rows: 128,
+        max_drop: f64::NAN,
+    });
+    assert!(q(Retention::Ratio(0.25), bad).is_err());
+}

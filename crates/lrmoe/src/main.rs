@@ -250,6 +250,11 @@ struct ReplayArgs {
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
+    /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
+    /// most this share of a quota, as `moe.tile_trim` does on the GPU
+    /// executors (0: off, as the host executor runs).
+    #[arg(long, default_value_t = 0.0)]
+    tile_trim: f64,
     /// Output folder for replay.json, replay.csv and the memory and time charts (SVG and PNG).
     #[arg(long, default_value = "runs/replay")]
     out: PathBuf,
@@ -290,6 +295,9 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     if a.element_bytes == 0 {
         anyhow::bail!("--element-bytes must be positive");
     }
+    if !(0.0..=1.0).contains(&a.tile_trim) {
+        anyhow::bail!("--tile-trim must be in [0, 1]");
+    }
     let cfg = rp::ReplayConfig {
         hidden: a.hidden,
         ffn: a.ffn,
@@ -303,6 +311,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             PolicyArg::Uniform => quota::Policy::Uniform,
             PolicyArg::Maxmin => quota::Policy::Maxmin,
         },
+        tile_trim: a.tile_trim,
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;

@@ -574,6 +574,10 @@ pub struct ReplayConfig {
     pub replica_memory_fraction: f64,
     /// LRMoE quota policy.
     pub policy: Policy,
+    /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
+    /// most this share of a quota (`quota::align_to_tiles`; 0: off).
+    #[serde(default)]
+    pub tile_trim: f64,
 }
 
 impl ReplayConfig {
@@ -778,7 +782,8 @@ fn replay_step(
         };
         let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
         let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
-        let kept = plan.quotas.per_source().to_vec();
+        let mut kept = plan.quotas.per_source().to_vec();
+        quota::align_to_tiles(&mut kept, counts, 128, cfg.tile_trim).map_err(qerr)?;
         let routes = solve(&problem(&kept, &plan.placement, Some(caps)), step, layer)?;
         lrm.push((plan.placement, routes));
     }
@@ -1056,6 +1061,7 @@ mod tests {
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: Policy::Maxmin,
+            tile_trim: 0.0,
         }
     }
 
@@ -1129,6 +1135,33 @@ mod tests {
         assert!(l.mean_kept_fraction < 1.0 && l.mean_kept_fraction > 0.0);
         assert!(s(Strategy::Replication).max_straggler <= s(Strategy::Fixed).max_straggler);
         assert_eq!(r.steps.len(), 15);
+    }
+
+    #[test]
+    fn tile_trim_only_lowers_lrmoe_s_kept_pairs() {
+        let trace = hot(5);
+        let plain = replay(&trace, &cfg(8)).unwrap();
+        let trimmed = replay(
+            &trace,
+            &ReplayConfig {
+                tile_trim: 1.0,
+                ..cfg(8)
+            },
+        )
+        .unwrap();
+        for (a, b) in plain.summary.iter().zip(&trimmed.summary) {
+            if a.strategy == Strategy::Lrmoe {
+                assert!(b.mean_kept_fraction <= a.mean_kept_fraction);
+                assert!(b.total_bytes <= a.total_bytes && b.fits);
+            } else {
+                assert_eq!(a, b, "tile trimming touched {:?}", a.strategy);
+            }
+        }
+        let bad = ReplayConfig {
+            tile_trim: 2.0,
+            ..cfg(8)
+        };
+        assert!(replay(&trace, &bad).is_err());
     }
 
     #[test]

@@ -259,6 +259,12 @@ pub struct MoeSection {
     /// capacity factor (its per-rank buffers then equal the budget);
     /// `lrmoe` fits by its quotas.
     pub fit_budget: bool,
+    /// On bf16 device rows (the GPU executors), an LRMoE quota that binds
+    /// and exceeds a whole number of the grouped GEMM's 128-row blocks by at
+    /// most this share of itself is trimmed to whole blocks: the last,
+    /// nearly empty block would cost a full block of work in each of the
+    /// backward's five data GEMMs (see `quota::align_to_tiles`). 0 = off.
+    pub tile_trim: f64,
 }
 
 impl Default for MoeSection {
@@ -283,6 +289,7 @@ impl Default for MoeSection {
             aux_loss_coeff: 0.0,
             expert_bias_rate: 0.0,
             fit_budget: false,
+            tile_trim: layer::TileAlign::DEVICE.max_drop,
         }
     }
 }
@@ -410,6 +417,12 @@ impl TrainConfig {
             return bad(format!(
                 "moe.expert_bias_rate = {} must be finite and ≥ 0",
                 self.moe.expert_bias_rate
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.moe.tile_trim) {
+            return bad(format!(
+                "moe.tile_trim = {} must be in [0, 1]",
+                self.moe.tile_trim
             ));
         }
         if lrm_score::Rule::from_name(&self.moe.selection_rule).is_none() {
@@ -644,6 +657,10 @@ fn call_config(
             replica_memory_fraction: 1.0,
             rule,
             rule_seed: cfg.seed,
+            tile_align: (device_rows && cfg.moe.tile_trim > 0.0).then_some(layer::TileAlign {
+                max_drop: cfg.moe.tile_trim,
+                ..layer::TileAlign::DEVICE
+            }),
             ..base
         },
     }

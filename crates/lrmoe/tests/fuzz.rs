@@ -313,6 +313,7 @@ fn check_trace(t: &lrmoe::replay::Trace) -> Result<(), TestCaseError> {
         replica_slots_per_rank: 1,
         replica_memory_fraction: 0.5,
         policy: lrmoe::quota::Policy::Maxmin,
+        tile_trim: 0.0,
     };
     if let Ok(r) = lrmoe::replay::replay(t, &cfg) {
         for f in &r.steps {

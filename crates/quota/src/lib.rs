@@ -71,6 +71,13 @@
 //! its budget leaves after owned experts. Replicas cost buffer memory, so
 //! [`plan`] trades them off through that fraction.
 //!
+//! ## Tile alignment ([`align_to_tiles`])
+//!
+//! The expert GEMMs pad each expert's rows to whole `tile`-row blocks, so a
+//! quota of `t·tile + rem` pays a block of work for `rem` rows. Optionally,
+//! a binding quota whose remainder is at most `max_drop` of it is trimmed to
+//! `t·tile` (never up, so every budget still holds).
+//!
 //! ## Not here
 //!
 //! No I/O, no CUDA, no choice of *which* pairs are kept (`lrm-score`) and no
@@ -969,6 +976,80 @@ impl Ord for OrdF64 {
     fn cmp(&self, other: &Self) -> std::cmp::Ordering {
         self.0.total_cmp(&other.0)
     }
+}
+
+/// Trims each binding quota down to a whole number of GEMM tiles when that
+/// drops little: the expert GEMMs pad every expert's rows up to a multiple
+/// of their `tile`-row blocks, so an expert keeping `t·tile + rem` pairs
+/// pays a whole block of work for its last `rem` rows. Where expert `e`'s
+/// quota binds (`q_e < n_e`, its routed pairs) and `0 < rem ≤ max_drop·q_e`
+/// with `q_e ≥ tile`, its quota becomes `q_e − rem`; the pairs come off the
+/// last sources first (`kept[s][e]`, highest `s` first). Quotas that keep
+/// every routed pair, or below one tile, are left alone, and no quota ever
+/// grows, so every budget the quotas met still holds. Returns the pairs
+/// dropped. With replicas the kept pairs of an expert are split over its
+/// instances afterwards, so only the expert's total is aligned.
+///
+/// `kept` and `routed` are `[source][expert]`; `tile = 0` or `max_drop =
+/// 0` changes nothing.
+pub fn align_to_tiles(
+    kept: &mut [Vec<u64>],
+    routed: &[Vec<u64>],
+    tile: u64,
+    max_drop: f64,
+) -> Result<u64, QuotaError> {
+    if !(0.0..=1.0).contains(&max_drop) {
+        return Err(QuotaError::BadFraction {
+            field: "max_drop",
+            value: max_drop,
+        });
+    }
+    if kept.len() != routed.len() {
+        return Err(QuotaError::Shape {
+            what: "kept (sources)",
+            expected: routed.len(),
+            got: kept.len(),
+        });
+    }
+    let experts = routed.first().map_or(0, Vec::len);
+    for (k, r) in kept.iter().zip(routed) {
+        for (what, got) in [("routed (experts)", r.len()), ("kept (experts)", k.len())] {
+            if got != experts {
+                return Err(QuotaError::Shape {
+                    what,
+                    expected: experts,
+                    got,
+                });
+            }
+        }
+        if k.iter().zip(r).any(|(k, r)| k > r) {
+            return Err(QuotaError::Shape {
+                what: "kept pairs above the routed pairs of a cell",
+                expected: r.iter().sum::<u64>() as usize,
+                got: k.iter().sum::<u64>() as usize,
+            });
+        }
+    }
+    if tile == 0 || max_drop == 0.0 {
+        return Ok(0);
+    }
+    let mut dropped = 0u64;
+    for e in 0..experts {
+        let q: u64 = kept.iter().map(|row| row[e]).sum();
+        let n: u64 = routed.iter().map(|row| row[e]).sum();
+        let rem = q % tile;
+        if q >= n || q < tile || rem == 0 || rem as f64 > max_drop * q as f64 {
+            continue;
+        }
+        let mut left = rem;
+        for row in kept.iter_mut().rev() {
+            let take = left.min(row[e]);
+            row[e] -= take;
+            left -= take;
+        }
+        dropped += rem;
+    }
+    Ok(dropped)
 }
 
 /// Replica plan, then quotas for it: the controller's whole decision.

@@ -551,3 +551,100 @@ fn the_swiglu_expert_cost_model_counts_rows_and_three_matrices() {
     let huge = CostModel::swiglu_expert(usize::MAX, usize::MAX, 8, 1.0, 1.0);
     assert_eq!(huge.instance_bytes(), u64::MAX);
 }
+
+/// Random `[source][expert]` routed counts and kept counts below them.
+fn kept_strategy() -> impl Strategy<Value = (Vec<Vec<u64>>, Vec<Vec<u64>>)> {
+    (1usize..4, 1usize..6)
+        .prop_flat_map(|(s, e)| {
+            prop::collection::vec(prop::collection::vec((0u64..700, 0.0f64..=1.0), e), s)
+        })
+        .prop_map(|cells| {
+            let routed = cells
+                .iter()
+                .map(|row| row.iter().map(|&(n, _)| n).collect())
+                .collect();
+            let kept = cells
+                .iter()
+                .map(|row| row.iter().map(|&(n, f)| (n as f64 * f) as u64).collect())
+                .collect();
+            (routed, kept)
+        })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn tile_alignment_only_trims_small_remainders_of_binding_quotas(
+        (routed, kept) in kept_strategy(),
+        tile in prop_oneof![Just(0u64), 1u64..200],
+        max_drop in prop_oneof![Just(0.0f64), Just(1.0), 0.0f64..0.5],
+    ) {
+        let mut out = kept.clone();
+        let dropped = align_to_tiles(&mut out, &routed, tile, max_drop).unwrap();
+        let col = |m: &[Vec<u64>], e: usize| -> u64 { m.iter().map(|r| r[e]).sum() };
+        let mut total = 0;
+        for e in 0..routed[0].len() {
+            let (q, q2, n) = (col(&kept, e), col(&out, e), col(&routed, e));
+            // Never more, cell by cell.
+            for (a, b) in kept.iter().zip(&out) {
+                prop_assert!(b[e] <= a[e]);
+            }
+            total += q - q2;
+            if q2 != q {
+                // Only binding quotas of at least one tile, down to a whole
+                // number of tiles, by at most max_drop of the quota.
+                prop_assert!(q < n && q >= tile && tile > 0);
+                prop_assert_eq!(q2 % tile, 0);
+                prop_assert_eq!(q2, q - q % tile);
+                prop_assert!((q - q2) as f64 <= max_drop * q as f64);
+                // Taken from the last sources first: a source loses pairs only
+                // if every later source is down to zero for this expert.
+                let changed: Vec<bool> = kept.iter().zip(&out).map(|(a, b)| b[e] != a[e]).collect();
+                if let Some(first) = changed.iter().position(|&c| c) {
+                    for later in &out[first + 1..] {
+                        prop_assert_eq!(later[e], 0);
+                    }
+                }
+            } else if tile > 0 && q < n && q >= tile && q % tile != 0 {
+                // Left alone only when the remainder is too large to drop.
+                prop_assert!((q % tile) as f64 > max_drop * q as f64);
+            }
+        }
+        prop_assert_eq!(dropped, total);
+        // Aligning again changes nothing.
+        let mut again = out.clone();
+        prop_assert_eq!(align_to_tiles(&mut again, &routed, tile, max_drop).unwrap(), 0);
+        prop_assert_eq!(again, out);
+    }
+}
+
+#[test]
+fn tile_alignment_refuses_bad_input() {
+    let routed = vec![vec![300u64, 10]];
+    let mut kept = vec![vec![260u64, 10]];
+    assert!(matches!(
+        align_to_tiles(&mut kept, &routed, 128, 1.5),
+        Err(QuotaError::BadFraction { .. })
+    ));
+    assert!(matches!(
+        align_to_tiles(&mut kept, &routed, 128, f64::NAN),
+        Err(QuotaError::BadFraction { .. })
+    ));
+    assert!(matches!(
+        align_to_tiles(&mut kept, &[vec![300u64]], 128, 0.1),
+        Err(QuotaError::Shape { .. })
+    ));
+    let mut over = vec![vec![301u64, 10]];
+    assert!(matches!(
+        align_to_tiles(&mut over, &routed, 128, 0.1),
+        Err(QuotaError::Shape { .. })
+    ));
+    // Nothing was changed by the refused calls; a good one trims 260 to 256.
+    assert_eq!(kept, vec![vec![260, 10]]);
+    assert_eq!(
+        align_to_tiles(&mut kept, &routed, 128, 1.0 / 16.0).unwrap(),
+        4
+    );
+    assert_eq!(kept, vec![vec![256, 10]]);
+}

@@ -1631,6 +1631,7 @@ pub fn backward(
     // gradients are computed.
     let (dxk, rest) =
         gpu.experts_backward_data(&lay.recv.offsets, &xk, &dk, (gate_l, up_l, down_l), (h, f))?;
+    laps.lap(gpu, "experts dX")?;
     let dx_src = if n_r > 0 {
         permute_rows(gpu, dxk, &lay.recv.inv, h)?
     } else {
@@ -1640,7 +1641,7 @@ pub fn backward(
     laps.sent(gpu, comm, "dX back")?;
     let overlap = Overlap::new(gpu, comm);
     let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;
-    laps.lap(gpu, "experts bwd")?;
+    laps.lap(gpu, "experts dW")?;
     let dx_rows = dx_fl.finish()?.0;
     drop(overlap);
     laps.lap(gpu, "a2a dX")?;
