@@ -47,6 +47,17 @@ fn main() -> anyhow::Result<()> {
         if let Some(t) = anchor(&anchors, "copy_GBps_rw") {
             println!("torch copy_ (same run): {t:.0} GB/s read+write");
         }
+        // Rows that are only written (an unpack's dropped rows) move at the
+        // device's write-only rate: with the kept rows at copy speed, an
+        // unpack that drops half its rows can reach at most this share of
+        // the copy's bandwidth.
+        let zero = gpu.bench_memset(1 << 30)?;
+        let bound = 1.5 / (1.0 + 0.5 * copy.gbps() / zero.gbps());
+        println!(
+            "zero fill (memset, 1 GiB, write only): {:.0} GB/s = {:.2}× copy; unpack with 50% dropped rows is bounded by {bound:.2}× copy",
+            zero.gbps(),
+            zero.gbps() / copy.gbps()
+        );
         println!();
         println!("| kernel | shape | median ms | GB/s | / copy | torch peer GB/s | / torch |");
         println!("|---|---|---|---|---|---|---|");

@@ -1888,6 +1888,17 @@ mod imp {
             })
         }
 
+        /// Zero fill of `bytes` (`cuMemsetD8Async`, write only): the
+        /// bandwidth of rows that are only written (bytes = written).
+        pub fn bench_memset(&self, bytes: usize) -> Result<Timing, KernelError> {
+            let mut dst = self.poisoned::<u16>(bytes / 2)?;
+            let ms = self.time(20, || self.stream.memset_zeros(&mut dst).map_err(cuda))?;
+            Ok(Timing {
+                ms,
+                bytes: bytes as f64,
+            })
+        }
+
         /// LRM scores over `n` random rows; bytes = rows read.
         pub fn bench_scores(
             &self,
