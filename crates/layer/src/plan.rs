@@ -304,7 +304,7 @@ pub fn plan_call<T>(
             .map(|s| per_expert.iter().map(|col| col[s]).collect())
             .collect()
     };
-    let (kept, caps) = match &bwd.retention {
+    let (mut kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
         Retention::Surplus(f) => {
             if !(0.0..=1.0).contains(f) {
@@ -363,8 +363,9 @@ pub fn plan_call<T>(
             (p.quotas.per_source().to_vec(), Some(caps))
         }
     };
-    let mut kept = kept;
-    if let (Some(a), false) = (bwd.tile_align, matches!(bwd.retention, Retention::Full)) {
+    // Quotas that keep every routed pair (full retention) never bind, so
+    // alignment leaves them whole.
+    if let Some(a) = bwd.tile_align {
         quota::align_to_tiles(&mut kept, &routed, a.rows, a.max_drop)?;
     }
     // Per-expert selection may take an expert's quota from any source, which

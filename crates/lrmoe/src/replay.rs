@@ -783,7 +783,13 @@ fn replay_step(
         let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
         let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
         let mut kept = plan.quotas.per_source().to_vec();
-        quota::align_to_tiles(&mut kept, counts, 128, cfg.tile_trim).map_err(qerr)?;
+        quota::align_to_tiles(
+            &mut kept,
+            counts,
+            layer::TileAlign::DEVICE.rows,
+            cfg.tile_trim,
+        )
+        .map_err(qerr)?;
         let routes = solve(&problem(&kept, &plan.placement, Some(caps)), step, layer)?;
         lrm.push((plan.placement, routes));
     }
