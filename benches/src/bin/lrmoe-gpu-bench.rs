@@ -5,8 +5,9 @@
 //! JSON object printed on the `SINGLE` line of `torch_anchors.py`, run in the
 //! same device call. `LRMOE_GPU_TABLES` (e.g. `layer`) picks tables by
 //! name: `kernels` (copy, row kernels, GEMMs), `layer`, `select`,
-//! `router`, `wgrad` (the E128 weight gradient alone, to profile); all but
-//! `wgrad` by default.
+//! `router`, `wgrad` (the E128 weight gradient alone, to profile),
+//! `wgrad-groups` (the same work in fewer, larger groups); all but the
+//! last two by default.
 
 use kernels::gpu::Gpu;
 
@@ -240,6 +241,27 @@ fn main() -> anyhow::Result<()> {
                 "wgrad E128 H2048 F768, {name}: {:.3} ms, {tflops:.0} TFLOP/s",
                 t.ms
             );
+        }
+    }
+    if table("wgrad-groups") {
+        // The same weight-gradient work (E·h·f outputs, K rows per group)
+        // cut into fewer, larger groups: 48, 192 and 768 output tiles per
+        // group. A CTA's next tile is 132 tiles on, so with small groups
+        // nearly every tile starts a new group.
+        for k in [256u32, 1024] {
+            for (e, h, f) in [
+                (128usize, 2048usize, 768usize),
+                (32, 4096, 1536),
+                (8, 8192, 3072),
+            ] {
+                let counts = vec![k; e];
+                let (t, tflops) =
+                    gpu.bench_grouped_gemm(kernels::cpu::GemmVariant::WeightGrad, &counts, h, f)?;
+                println!(
+                    "wgrad {e} groups × {h} × {f}, K = {k}: {:.3} ms, {tflops:.0} TFLOP/s",
+                    t.ms
+                );
+            }
         }
     }
     if table("select") {
