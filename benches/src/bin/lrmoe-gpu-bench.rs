@@ -28,6 +28,13 @@ fn zipf_counts(e: usize, rows: u32) -> Vec<u32> {
     counts
 }
 
+/// The grouped GEMM's three variants and their table names.
+const GEMM_VARIANTS: [(kernels::cpu::GemmVariant, &str); 3] = [
+    (kernels::cpu::GemmVariant::Forward, "fwd"),
+    (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
+    (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
+];
+
 fn main() -> anyhow::Result<()> {
     lrmoe_benches::init_process();
     let anchors: serde_json::Value = match std::env::args().nth(1) {
@@ -130,11 +137,7 @@ fn main() -> anyhow::Result<()> {
             ("E64_H4096_F1536_rows131072", 64, 4096, 1536),
         ] {
             let counts = zipf_counts(e, 131072);
-            for (variant, name) in [
-                (kernels::cpu::GemmVariant::Forward, "fwd"),
-                (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
-                (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
-            ] {
+            for (variant, name) in GEMM_VARIANTS {
                 let (t, tflops) = gpu.bench_grouped_gemm(variant, &counts, h, f)?;
                 let peer = anchor(&anchors, &format!("grouped_mm_{name}_{key}_tflops"));
                 println!(
@@ -148,11 +151,7 @@ fn main() -> anyhow::Result<()> {
             // weight gradient: K of the product, the same h × f outputs).
             let quarter: Vec<u32> = counts.iter().map(|c| c / 4).collect();
             let rows: u32 = quarter.iter().sum();
-            for (variant, name) in [
-                (kernels::cpu::GemmVariant::Forward, "fwd"),
-                (kernels::cpu::GemmVariant::DataGrad, "dgrad"),
-                (kernels::cpu::GemmVariant::WeightGrad, "wgrad"),
-            ] {
+            for (variant, name) in GEMM_VARIANTS {
                 let (t, tflops) = gpu.bench_grouped_gemm(variant, &quarter, h, f)?;
                 println!(
                     "| {name}, ¼ rows | {e} experts, hidden {h}, ffn {f}, {rows} rows | {:.3} | {tflops:.0} | - | - |",

@@ -540,9 +540,10 @@ pub fn router_topk_reference(
 }
 
 /// Checks a combine's shapes (`gates` and `row` hold `t · k` entries, `o`
-/// whole rows of `h`, every row index in range or [`DROPPED`]) and returns
-/// `t`.
+/// whole rows of `h`, every row index in range or [`DROPPED`], a `base` of
+/// `t × h` when given) and returns `t`.
 pub(crate) fn check_combine(
+    base: Option<&[u16]>,
     o: &[u16],
     h: usize,
     row: &[u32],
@@ -560,6 +561,9 @@ pub(crate) fn check_combine(
             expected: rows,
             got: bad as usize,
         });
+    }
+    if let Some(b) = base {
+        check("base", t * h, b.len())?;
     }
     Ok(t)
 }
@@ -662,10 +666,7 @@ pub fn combine_onto_bf16_reference(
     gates: &[f32],
     k: usize,
 ) -> Result<Vec<u16>, KernelError> {
-    let t = check_combine(o, h, row, gates, k)?;
-    if let Some(b) = base {
-        check("base", t * h, b.len())?;
-    }
+    let t = check_combine(base, o, h, row, gates, k)?;
     let mut y = Vec::with_capacity(t * h);
     for r in 0..t {
         for c in 0..h {

@@ -1454,10 +1454,7 @@ mod imp {
             gates: &[f32],
             k: usize,
         ) -> Result<Vec<u16>, KernelError> {
-            let t = crate::cpu::check_combine(o, h, row, gates, k)?;
-            if let Some(b) = base {
-                check("base", t * h, b.len())?;
-            }
+            let t = crate::cpu::check_combine(base, o, h, row, gates, k)?;
             let (od, rd, gd) = (self.upload(o)?, self.upload(row)?, self.upload(gates)?);
             let bd = base.map(|b| self.upload(b)).transpose()?;
             let null: u64 = 0;
