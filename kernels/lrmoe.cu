@@ -384,28 +384,59 @@ extern "C" __global__ void combine_bf16(const uint16_t* __restrict__ o, const ui
         const uint32_t* rr = row + static_cast<size_t>(r) * k;
         const float* gg = gates ? gates + static_cast<size_t>(r) * k : nullptr;
         if (vec) {
-            for (int c = lane * 8; c < h; c += 256) {
+            // The loop bounds are warp-uniform (the shuffles below need the
+            // whole warp); lanes past h only skip their loads and stores.
+            for (int c0 = 0; c0 < h; c0 += 256) {
+                int c = c0 + lane * 8;
+                bool act = c < h;
                 float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-                if (base) {
+                if (base && act) {
                     uint4 u = __ldg(reinterpret_cast<const uint4*>(base + static_cast<size_t>(r) * h + c));
                     const uint16_t* p = reinterpret_cast<const uint16_t*>(&u);
 #pragma unroll
                     for (int q = 0; q < 8; ++q) acc[q] = bf(p[q]);
                 }
-                for (int j = 0; j < k; ++j) {
-                    uint32_t src = rr[j];
-                    if (src == DROPPED) continue;
-                    float g = gg ? gg[j] : 1.f;
-                    uint4 u = __ldg(reinterpret_cast<const uint4*>(o + static_cast<size_t>(src) * h + c));
-                    const uint16_t* p = reinterpret_cast<const uint16_t*>(&u);
+                // Lane l holds pair j0 + l; the pair rows that are not
+                // DROPPED are visited in order, four loads in flight per lane
+                // (a backward that keeps few pairs per token would otherwise
+                // wait on one row at a time). The sum's order is pair order.
+                for (int j0 = 0; j0 < k; j0 += 32) {
+                    int j = j0 + lane;
+                    uint32_t my_src = j < k ? rr[j] : DROPPED;
+                    float my_g = (gg && j < k) ? gg[j] : 1.f;
+                    unsigned m = __ballot_sync(0xffffffffu, my_src != DROPPED);
+                    while (m) {
+                        uint32_t s[4];
+                        float g4[4];
 #pragma unroll
-                    for (int q = 0; q < 8; ++q) acc[q] = fmaf(g, bf(p[q]), acc[q]);
+                        for (int q = 0; q < 4; ++q) {
+                            int l = m ? __ffs(m) - 1 : 0;
+                            s[q] = m ? __shfl_sync(0xffffffffu, my_src, l) : DROPPED;
+                            g4[q] = __shfl_sync(0xffffffffu, my_g, l);
+                            m &= m - 1;
+                        }
+                        uint4 u[4];
+#pragma unroll
+                        for (int q = 0; q < 4; ++q)
+                            if (act && s[q] != DROPPED)
+                                u[q] = __ldg(reinterpret_cast<const uint4*>(o + static_cast<size_t>(s[q]) * h + c));
+#pragma unroll
+                        for (int q = 0; q < 4; ++q) {
+                            if (act && s[q] != DROPPED) {
+                                const uint16_t* p = reinterpret_cast<const uint16_t*>(&u[q]);
+#pragma unroll
+                                for (int e = 0; e < 8; ++e) acc[e] = fmaf(g4[q], bf(p[e]), acc[e]);
+                            }
+                        }
+                    }
                 }
-                uint4 out;
-                uint16_t* po = reinterpret_cast<uint16_t*>(&out);
+                if (act) {
+                    uint4 out;
+                    uint16_t* po = reinterpret_cast<uint16_t*>(&out);
 #pragma unroll
-                for (int q = 0; q < 8; ++q) po[q] = to_bf(acc[q]);
-                *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * h + c) = out;
+                    for (int q = 0; q < 8; ++q) po[q] = to_bf(acc[q]);
+                    *reinterpret_cast<uint4*>(y + static_cast<size_t>(r) * h + c) = out;
+                }
             }
         } else {
             for (int c = lane; c < h; c += 32) {

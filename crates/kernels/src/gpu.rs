@@ -565,12 +565,17 @@ mod imp {
             })
         }
 
-        /// A grid of warps-per-row kernels: enough blocks to fill the chip.
+        /// The grid of the warp-per-row kernels: one warp per row, no cap.
+        /// The block scheduler then hands out rows as warps finish, where a
+        /// capped grid (16 blocks per SM, grid-stride) fixed each warp's
+        /// rows up front and waited for the unluckiest when rows differ in
+        /// cost (an unpack's kept and dropped rows, a combine's tokens with
+        /// more or fewer kept pairs). Unpack of 131 072 rows on one H200,
+        /// alternating in one call: half dropped 0.89 → 0.91× copy, none
+        /// dropped 0.92 → 0.94×.
         fn rows_config(&self, rows: usize) -> LaunchConfig {
             let warps_per_block = (THREADS / 32) as usize;
-            let blocks = rows
-                .div_ceil(warps_per_block)
-                .clamp(1, (self.n_sms * 16) as usize) as u32;
+            let blocks = rows.div_ceil(warps_per_block).clamp(1, i32::MAX as usize) as u32;
             LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (THREADS, 1, 1),
@@ -1719,10 +1724,13 @@ mod imp {
             let bytes = unsafe {
                 (self.gemm.workspace)(variant_code(variant), dim("groups", groups)?, sms)
             };
-            Ok(GemmWorkspace {
-                buf: self.stream.alloc_zeros::<u8>(bytes.max(1)).map_err(cuda)?,
-                sms,
-            })
+            // Not zeroed (one memset launch less per GEMM): the library's
+            // setup kernel writes every per-group array and CUTLASS's
+            // `initialize` prepares its own part on the stream. The device
+            // tests run with poisoned buffers, this one included.
+            // SAFETY: nothing reads the workspace before those writes.
+            let buf = unsafe { self.uninit::<u8>(bytes) }?;
+            Ok(GemmWorkspace { buf, sms })
         }
 
         /// Grouped GEMM on bf16 bits (f32 accumulation, bf16 out); see
