@@ -188,9 +188,10 @@ extern "C" __global__ void unpack_rows_u16(const uint16_t* __restrict__ packed, 
 //   quotas:  device, [n_experts] u32
 //   kept:    device, [n_pairs] u8 (1 kept, 0 dropped)
 //   error:   device, [1] u32, set to 1 if a score is NaN or infinite
-// One block per expert. The q-th best pair is found by an 8-pass radix
-// select over the 64-bit key (score bits << 32 | ~id), whose order is the
-// tie rule itself, so exactly min(q, n) pairs are kept.
+// One block per expert. The q-th best pair is found by a radix select over
+// the 64-bit key (score bits << 32 | ~id), 8 bits per pass, whose order is
+// the tie rule itself, so exactly min(q, n) pairs are kept. It stops as soon
+// as the bucket holding the threshold is kept whole (at most eight passes).
 __device__ __forceinline__ unsigned long long select_key(float s, uint32_t id) {
     // Non-negative floats order like their bit patterns; -0.0 maps to +0.0.
     uint32_t b = __float_as_uint(s) & 0x7fffffffu;
@@ -203,6 +204,7 @@ extern "C" __global__ void select_top_q(const float* __restrict__ scores, const 
     __shared__ uint32_t hist[256];
     __shared__ unsigned long long prefix;
     __shared__ uint32_t remaining;
+    __shared__ int done;
     int e = blockIdx.x;
     uint32_t lo = offsets[e], hi = offsets[e + 1];
     uint32_t n = hi - lo;
@@ -218,6 +220,7 @@ extern "C" __global__ void select_top_q(const float* __restrict__ scores, const 
     if (threadIdx.x == 0) {
         prefix = 0ull;
         remaining = q;
+        done = 0;
     }
     unsigned long long mask = 0ull;
     for (int shift = 56; shift >= 0; shift -= 8) {
@@ -238,12 +241,19 @@ extern "C" __global__ void select_top_q(const float* __restrict__ scores, const 
             }
             remaining = need - above;
             prefix = p | (static_cast<unsigned long long>(b) << shift);
+            // Every key left in the threshold's bucket is kept: the kept
+            // keys are then exactly those whose digits so far are at least
+            // the prefix's, and the lower digits cannot change the set
+            // (usually after two passes rather than eight).
+            done = hist[b] == need - above;
         }
         mask |= 255ull << shift;
         __syncthreads();
+        if (done) break;
     }
     unsigned long long t = prefix;
-    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x) kept[i] = select_key(scores[i], ids[i]) >= t ? 1 : 0;
+    for (uint32_t i = lo + threadIdx.x; i < hi; i += blockDim.x)
+        kept[i] = (select_key(scores[i], ids[i]) & mask) >= t ? 1 : 0;
 }
 
 __device__ __forceinline__ float bf(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }

@@ -134,8 +134,12 @@ fn bad_shapes_are_errors_not_launches() {
 fn top_q_selection_matches_the_cpu_twin() {
     let g = gpu();
     let mut rng = Rng(seed());
-    for &(n_experts, n_pairs) in &[(1, 0), (3, 1), (8, 100), (128, 131072), (16, 40000)] {
-        // Random segment sizes (some empty), scores from a small set so ties are common.
+    // Scores from a small set (ties common: the selection runs through the
+    // ids' digits) or continuous (the threshold's bucket is usually kept
+    // whole after two digits, and the selection stops there).
+    let cases = [(1, 0), (3, 1), (8, 100), (128, 131072), (16, 40000)];
+    for (&(n_experts, n_pairs), ties) in cases.iter().flat_map(|c| [(c, true), (c, false)]) {
+        // Random segment sizes (some empty).
         let mut cuts: Vec<u32> = (0..n_experts - 1)
             .map(|_| (rng.next() % (n_pairs as u64 + 1)) as u32)
             .collect();
@@ -144,7 +148,13 @@ fn top_q_selection_matches_the_cpu_twin() {
         offsets.extend(cuts);
         offsets.push(n_pairs as u32);
         let scores: Vec<f32> = (0..n_pairs)
-            .map(|_| (rng.next() % 50) as f32 * 0.25)
+            .map(|_| {
+                if ties {
+                    (rng.next() % 50) as f32 * 0.25
+                } else {
+                    (rng.next() % (1 << 24)) as f32 * 1e-3
+                }
+            })
             .collect();
         let mut ids: Vec<u32> = (0..n_pairs as u32).collect();
         for i in (1..ids.len()).rev() {
@@ -160,7 +170,7 @@ fn top_q_selection_matches_the_cpu_twin() {
         assert_eq!(
             got,
             select_top_reference(&scores, &ids, &offsets, &quotas).unwrap(),
-            "({n_experts}, {n_pairs})"
+            "({n_experts}, {n_pairs}, ties {ties})"
         );
     }
     assert!(g.select_top(&[f32::NAN], &[0], &[0, 1], &[1]).is_err());
