@@ -575,7 +575,11 @@ mod imp {
         /// dropped 0.92 → 0.94×.
         fn rows_config(&self, rows: usize) -> LaunchConfig {
             let warps_per_block = (THREADS / 32) as usize;
-            let blocks = rows.div_ceil(warps_per_block).clamp(1, i32::MAX as usize) as u32;
+            // The kernels index threads in `int` (block × threads): past
+            // 2³¹ threads the grid stops growing and the warps loop over
+            // the rows instead.
+            let max_blocks = i32::MAX as usize / THREADS as usize;
+            let blocks = rows.div_ceil(warps_per_block).clamp(1, max_blocks) as u32;
             LaunchConfig {
                 grid_dim: (blocks, 1, 1),
                 block_dim: (THREADS, 1, 1),
