@@ -565,14 +565,14 @@ mod imp {
             })
         }
 
-        /// The grid of the warp-per-row kernels: one warp per row, no cap.
-        /// The block scheduler then hands out rows as warps finish, where a
-        /// capped grid (16 blocks per SM, grid-stride) fixed each warp's
-        /// rows up front and waited for the unluckiest when rows differ in
-        /// cost (an unpack's kept and dropped rows, a combine's tokens with
-        /// more or fewer kept pairs). Unpack of 131 072 rows on one H200,
-        /// alternating in one call: half dropped 0.89 → 0.91× copy, none
-        /// dropped 0.92 → 0.94×.
+        /// The grid of the warp-per-row kernels: one warp per row (up to
+        /// 2³¹ threads). The block scheduler then hands out rows as warps
+        /// finish, where a capped grid (16 blocks per SM, grid-stride) fixed
+        /// each warp's rows up front and waited for the unluckiest when rows
+        /// differ in cost (an unpack's kept and dropped rows, a combine's
+        /// tokens with more or fewer kept pairs). Unpack of 131 072 rows on
+        /// one H200, alternating in one call: half dropped 0.89 → 0.91×
+        /// copy, none dropped 0.92 → 0.94×.
         fn rows_config(&self, rows: usize) -> LaunchConfig {
             let warps_per_block = (THREADS / 32) as usize;
             // The kernels index threads in `int` (block × threads): past
