@@ -28,19 +28,19 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#define COMMA ,
-
 using namespace cute;
 
 using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
 using Element = cutlass::bfloat16_t;
 using Accum = float;
 constexpr int Align = 8;
+// The wider epilogue sub-tile (see below).
+using Epi128x64 = Shape<_128, _64>;
 
 // One concrete configuration per variant, at namespace scope (the host
 // compiler rejects the builders' dependent types inside a class template).
-#define LRMOE_GROUPED_GEMM(NAME, LAYOUT_A, LAYOUT_B, ELEMENT_C, EPI_TILE, EPI_SCHEDULE)                            \
-    namespace NAME {                                                                                                   \
+#define LRMOE_GROUPED_GEMM(NAME, LAYOUT_A, LAYOUT_B, ELEMENT_C, EPI_TILE)                                              \
+    namespace NAME##_cfg {                                                                                             \
     using LayoutA = LAYOUT_A;                                                                                          \
     using LayoutB = LAYOUT_B;                                                                                          \
     using LayoutD = cutlass::layout::RowMajor;                                                                         \
@@ -49,7 +49,7 @@ constexpr int Align = 8;
     using ClusterShape = Shape<_1, _1, _1>;                                                                            \
     using CollectiveEpilogue = cutlass::epilogue::collective::CollectiveBuilder<                                       \
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape, EPI_TILE, Accum, Accum,          \
-        ElementC, LayoutD*, Align, Element, LayoutD*, Align, EPI_SCHEDULE,                                             \
+        ElementC, LayoutD*, Align, Element, LayoutD*, Align, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative, \
         cutlass::epilogue::fusion::LinearCombination<Element, Accum, ElementC>>::CollectiveOp;                         \
     using CollectiveMainloop = cutlass::gemm::collective::CollectiveBuilder<                                           \
         cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA*, Align, Element, LayoutB*, Align,       \
@@ -63,12 +63,12 @@ constexpr int Align = 8;
     using StrideB = typename Gemm::GemmKernel::InternalStrideB;                                                        \
     using StrideD = typename Gemm::GemmKernel::InternalStrideD;                                                        \
     }                                                                                                                  \
-    struct NAME##_t {                                                                                                  \
-        using Gemm = NAME::Gemm;                                                                                       \
-        using StrideA = NAME::StrideA;                                                                                 \
-        using StrideB = NAME::StrideB;                                                                                 \
-        using StrideD = NAME::StrideD;                                                                                 \
-        using ElementC = NAME::ElementC;                                                                               \
+    struct NAME {                                                                                                      \
+        using Gemm = NAME##_cfg::Gemm;                                                                                 \
+        using StrideA = NAME##_cfg::StrideA;                                                                           \
+        using StrideB = NAME##_cfg::StrideB;                                                                           \
+        using StrideD = NAME##_cfg::StrideD;                                                                           \
+        using ElementC = NAME##_cfg::ElementC;                                                                         \
     };
 
 // Epilogue tiles: the data gradient and the weight gradient store their
@@ -81,21 +81,12 @@ constexpr int Align = 8;
 // gradient reads no C (void C alone changes nothing; it frees the shared
 // memory the wider sub-tile needs); the weight gradient added onto a base
 // keeps CUTLASS's default.
-LRMOE_GROUPED_GEMM(fwd_cfg, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Element,
-                     cutlass::epilogue::collective::EpilogueTileAuto,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-LRMOE_GROUPED_GEMM(dgrad_cfg, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Element, Shape<_128 COMMA _64>,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-LRMOE_GROUPED_GEMM(wgrad_cfg, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, void, Shape<_128 COMMA _64>,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-LRMOE_GROUPED_GEMM(wgrad_onto_cfg, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Element,
-                     cutlass::epilogue::collective::EpilogueTileAuto,
-                     cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative)
-
-using Fwd = fwd_cfg_t;
-using Dgrad = dgrad_cfg_t;
-using Wgrad = wgrad_cfg_t;
-using WgradOnto = wgrad_onto_cfg_t;
+LRMOE_GROUPED_GEMM(Fwd, cutlass::layout::RowMajor, cutlass::layout::RowMajor, Element,
+                   cutlass::epilogue::collective::EpilogueTileAuto)
+LRMOE_GROUPED_GEMM(Dgrad, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, Element, Epi128x64)
+LRMOE_GROUPED_GEMM(Wgrad, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, void, Epi128x64)
+LRMOE_GROUPED_GEMM(WgradOnto, cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, Element,
+                   cutlass::epilogue::collective::EpilogueTileAuto)
 
 // Per-group arrays carved from the caller's workspace.
 template <class G>
