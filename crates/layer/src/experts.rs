@@ -153,11 +153,14 @@ pub(crate) fn backward<'a, T: Real + 'a>(
                 let doe = &dos[start * hd..(start + rows) * hd];
                 let (a, b, h) = expert_hidden(cfg, w, xe)?;
                 matmul(&mut g.down, &h, Op::T, doe, Op::N, (f, rows, hd), true)?;
-                let mut dh = vec![T::zero(); rows * f];
+                // `dh` overwrites `h`, read for the last time above: at most
+                // five `ffn`-wide intermediates live at once.
+                let mut dh = h;
                 matmul(&mut dh, doe, Op::N, &w.down, Op::T, (rows, hd, f), false)?;
                 let mut da = vec![T::zero(); rows * f];
                 let mut db = vec![T::zero(); rows * f];
                 swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
+                drop((a, b, dh));
                 matmul(&mut g.gate, xe, Op::T, &da, Op::N, (hd, rows, f), true)?;
                 matmul(&mut g.up, xe, Op::T, &db, Op::N, (hd, rows, f), true)?;
                 let dxe = &mut dx[start * hd..(start + rows) * hd];

@@ -233,7 +233,9 @@ pub struct BackwardStats {
     /// Routed pairs per expert over every rank (the call's expert load,
     /// after capacity dropping).
     pub expert_load: Vec<u64>,
-    /// Bytes of this rank's backward token buffers.
+    /// Peak bytes of this rank's pair-sized backward buffers live at once
+    /// (packed, received and regrouped rows, `dX` replies, one expert's
+    /// intermediates; the transport's own copies excluded).
     pub buffer_bytes: u64,
     /// Bytes this rank sent to other ranks during the backward exchange.
     pub bytes_sent: u64,
@@ -560,6 +562,36 @@ fn aux_loss<T: Real>(
     Ok((loss, dp))
 }
 
+/// Elements of pair-sized buffers the host backward holds at its peak, for
+/// `sent` packed rows, `received` rows, the largest expert group `largest`
+/// and widths `hidden`, `ffn`: the largest of its stages — the dispatch
+/// (packed `[x | g·δ]` rows, the received ones as bytes and as values), the
+/// regroup (received rows and the GEMM operands `x`, `g·δ`; never above the
+/// dispatch), the expert GEMMs (operands, `dX` and one expert's five
+/// `ffn`-wide intermediates on the CPU backend), the reply (`dX` and its
+/// source order) and the return (the reply, the returned rows as bytes and
+/// as values). The transport's own copies inside a collective are not
+/// counted (`tests/host_memory.rs` measures the rest).
+pub(crate) fn host_backward_peak_rows(
+    sent: usize,
+    received: usize,
+    largest: usize,
+    hidden: usize,
+    ffn: usize,
+) -> u64 {
+    let (s, r, l) = (sent as u64, received as u64, largest as u64);
+    let (h, f) = (hidden as u64, ffn as u64);
+    [
+        2 * h * s + 4 * h * r,
+        3 * h * r + 5 * f * l,
+        2 * h * r,
+        h * r + 2 * h * s,
+    ]
+    .into_iter()
+    .max()
+    .unwrap_or(0)
+}
+
 /// Runs the LRMoE backward for output gradient `dy` (`n_tokens × hidden`).
 /// Returns this rank's input gradient, the gradients of every weight summed
 /// over all ranks (identical on every rank), and this rank's figures.
@@ -669,12 +701,16 @@ pub fn backward<T: Real, X: Transport>(
     let (routes, pairs_per_rank) = agreed_routes(comm, &problem, bwd.solver)?;
     times.redistribute = clock.elapsed().as_secs_f64();
 
-    // Pack [x | g·δ] rows of kept pairs and exchange only those.
+    // Pack [x | g·δ] rows of kept pairs and exchange only those. Every
+    // pair-sized buffer is dropped as soon as the next stage has read it, so
+    // the rank's peak is the largest stage, not the sum (`buffer_bytes`).
     let clock = Instant::now();
     let (send_plan, recv_plan) =
         exchange_plans(me, n_ranks, e_n, &routes, &saved.expert_of_pair, &kept)?;
     let w2 = 2 * hd;
-    let mut packed = vec![T::zero(); send_plan.packed_rows() * w2];
+    let n_sent = send_plan.packed_rows();
+    let n_recv = recv_plan.order.len();
+    let mut packed = vec![T::zero(); n_sent * w2];
     for (row, &p) in packed.chunks_exact_mut(w2).zip(&send_plan.gather) {
         let (p, t) = (p as usize, p as usize / k);
         row[..hd].copy_from_slice(&saved.x[t * hd..(t + 1) * hd]);
@@ -689,22 +725,32 @@ pub fn backward<T: Real, X: Transport>(
     let sent_before = comm.bytes_sent();
     let counts: Vec<usize> = send_plan.send_counts.iter().map(|c| c * w2).collect();
     let (recv, _) = all_to_all(comm, &packed, &counts)?;
+    drop(packed);
     times.exchange += clock.elapsed().as_secs_f64();
 
+    // Regroup by expert straight into the GEMM operands.
     let clock = Instant::now();
-    let n_recv = recv_plan.order.len();
-    let mut grouped = vec![T::zero(); n_recv * w2];
-    pack::gather_rows(&recv, w2, &recv_plan.order, &mut grouped)?;
+    shape("received rows".into(), n_recv * w2, recv.len())?;
     let mut xs = vec![T::zero(); n_recv * hd];
     let mut dos = vec![T::zero(); n_recv * hd];
-    for ((row, xr), dr) in grouped
-        .chunks_exact(w2)
+    for (position, ((&src, xr), dr)) in recv_plan
+        .order
+        .iter()
         .zip(xs.chunks_exact_mut(hd))
         .zip(dos.chunks_exact_mut(hd))
+        .enumerate()
     {
+        let Some(row) = recv.get(src as usize * w2..(src as usize + 1) * w2) else {
+            return Err(LayerError::Pack(pack::PackError::IndexOutOfRange {
+                position,
+                index: src,
+                rows: n_recv,
+            }));
+        };
         xr.copy_from_slice(&row[..hd]);
         dr.copy_from_slice(&row[hd..]);
     }
+    drop(recv);
     times.pack += clock.elapsed().as_secs_f64();
 
     // Expert GEMMs on the compacted rows only.
@@ -720,6 +766,7 @@ pub fn backward<T: Real, X: Transport>(
         &dos,
         &mut grads,
     )?;
+    drop((xs, dos));
     times.gemm = clock.elapsed().as_secs_f64();
 
     // Return dX rows to their sources and scatter-add.
@@ -727,10 +774,12 @@ pub fn backward<T: Real, X: Transport>(
     let back_order = pack::invert(&recv_plan.order, n_recv)?;
     let mut reply = vec![T::zero(); n_recv * hd];
     pack::gather_rows(&dx_grouped, hd, &back_order, &mut reply)?;
+    drop(dx_grouped);
     times.pack += clock.elapsed().as_secs_f64();
     let clock = Instant::now();
     let counts: Vec<usize> = recv_plan.recv_counts.iter().map(|c| c * hd).collect();
     let (returned, _) = all_to_all(comm, &reply, &counts)?;
+    drop(reply);
     let bytes_sent = comm.bytes_sent() - sent_before;
     times.exchange += clock.elapsed().as_secs_f64();
     let clock = Instant::now();
@@ -751,16 +800,7 @@ pub fn backward<T: Real, X: Transport>(
     reduce_gradients(comm, cfg, &saved.plan.placement, &mut grads)?;
     times.reduce = clock.elapsed().as_secs_f64();
 
-    let n_sent = send_plan.packed_rows() as u64;
-    let n_recv = n_recv as u64;
-    // packed + recv + grouped (2H each), xs + dos + dx_grouped + reply (H),
-    // returned (H per sent row), and one expert's a, b, h, dh, da, db (F).
-    let buffer_bytes = size
-        * (n_sent * 2 * hd as u64
-            + n_recv * (2 + 2) * hd as u64
-            + n_recv * 4 * hd as u64
-            + n_sent * hd as u64
-            + largest as u64 * 6 * f as u64);
+    let buffer_bytes = size * host_backward_peak_rows(n_sent, n_recv, largest, hd, f);
     let stats = BackwardStats {
         expert_load: (0..cfg.n_experts)
             .map(|e| saved.plan.routed.iter().map(|r| r[e]).sum())
