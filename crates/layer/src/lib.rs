@@ -109,8 +109,14 @@
 //! gradient.
 //!
 //! Backward buffers (packed rows, received rows, per-expert intermediates,
-//! returned `dX`) are sized by the kept pairs, not the routed ones;
-//! [`BackwardStats::buffer_bytes`] reports them per rank.
+//! returned `dX`) are sized by the kept pairs, not the routed ones, and the
+//! host executor drops each as soon as the next stage has read it;
+//! [`BackwardStats::buffer_bytes`] reports the peak of those live at once
+//! per rank (`tests/host_memory.rs` holds it to the measured peak). That
+//! peak is about six `hidden`-wide rows per kept pair (packed, received as
+//! bytes and as values), where the controller's budget counts two
+//! (`quota::CostModel::row_bytes`): the budget bounds the pairs, not yet
+//! the executor's bytes.
 //!
 //! ## Not here
 //!

@@ -843,6 +843,9 @@ mod imp {
                     kept: vec![],
                     scores: vec![],
                     pairs_per_rank: vec![mg.kept_pairs as u64],
+                    // The kept `[x | g·δ]` bf16 rows, the controller's unit;
+                    // the executor's real device bytes are the step's
+                    // `device_mem_bytes` (the host executor reports its peak).
                     buffer_bytes: (mg.kept_pairs * 2 * d * 2) as u64,
                     bytes_sent: mg.bytes_sent as u64,
                     times: layer::StageTimes::default(),
