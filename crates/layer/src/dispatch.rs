@@ -86,8 +86,12 @@ pub(crate) fn replica_pairs(placement: &Placement) -> Vec<(usize, usize)> {
     v
 }
 
-fn flat<T: Real>(w: &ExpertWeights<T>) -> impl Iterator<Item = T> + '_ {
-    w.gate.iter().chain(&w.up).chain(&w.down).copied()
+/// Appends `gate`, `up`, `down` to `out` (slice copies, not an element
+/// iterator: these are whole experts' gradients on every call).
+fn extend_flat<T: Real>(out: &mut Vec<T>, w: &ExpertWeights<T>) {
+    out.extend_from_slice(&w.gate);
+    out.extend_from_slice(&w.up);
+    out.extend_from_slice(&w.down);
 }
 
 fn unflat<T: Real>(cfg: &MoeConfig, v: &[T]) -> ExpertWeights<T> {
@@ -121,7 +125,7 @@ pub(crate) fn copy_replicas<T: Real, X: Transport>(
     for (d, count) in counts.iter_mut().enumerate() {
         for &(e, r) in &pairs {
             if r == d && placement.owner[e] == me {
-                send.extend(flat(&params.experts[e]));
+                extend_flat(&mut send, &params.experts[e]);
                 *count += size;
             }
         }
@@ -161,7 +165,7 @@ pub(crate) fn reduce_gradients<T: Real, X: Transport>(
     for (d, count) in counts.iter_mut().enumerate() {
         for &(e, r) in &pairs {
             if r == me && placement.owner[e] == d {
-                send.extend(flat(&grads.experts[e]));
+                extend_flat(&mut send, &grads.experts[e]);
                 *count += size;
             }
         }
@@ -187,7 +191,10 @@ pub(crate) fn reduce_gradients<T: Real, X: Transport>(
     }
     // The owners' sums to every rank.
     let owned = |s: usize| (0..cfg.n_experts).filter(move |&e| placement.owner[e] == s);
-    let mine: Vec<T> = owned(me).flat_map(|e| flat(&grads.experts[e])).collect();
+    let mut mine: Vec<T> = Vec::with_capacity(owned(me).count() * size);
+    for e in owned(me) {
+        extend_flat(&mut mine, &grads.experts[e]);
+    }
     let all = all_gather(comm, &mine)?;
     for (s, part) in all.iter().enumerate() {
         let experts: Vec<usize> = owned(s).collect();
