@@ -498,6 +498,51 @@ mod imp {
         }
     }
 
+    /// Reads (`reset` false) or resets to the bytes in use (`reset` true) the
+    /// high-water mark of the device's stream-ordered pool, and returns the
+    /// pool's bytes in use now and its high-water mark.
+    fn pool_usage(ctx: &Arc<CudaContext>, reset: bool) -> Result<(u64, u64), KernelError> {
+        use cudarc::driver::sys;
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let (mut current, mut high, mut zero): (u64, u64, u64) = (0, 0, 0);
+        ctx.bind_to_thread().map_err(cuda)?;
+        // SAFETY: driver calls on the context's own device with valid
+        // out-pointers; both usage attributes are u64, and the high-water
+        // mark may only be set to zero (which resets it to the bytes in use).
+        let r = unsafe {
+            let mut r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
+            if r == sys::CUresult::CUDA_SUCCESS && reset {
+                r = sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                );
+            }
+            if r == sys::CUresult::CUDA_SUCCESS {
+                r = sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
+                    (&mut current as *mut u64).cast(),
+                );
+            }
+            if r == sys::CUresult::CUDA_SUCCESS {
+                r = sys::cuMemPoolGetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut high as *mut u64).cast(),
+                );
+            }
+            r
+        };
+        if r == sys::CUresult::CUDA_SUCCESS {
+            Ok((current, high))
+        } else {
+            Err(KernelError::Cuda(format!(
+                "memory pool query failed: {r:?}"
+            )))
+        }
+    }
+
     /// A grouped GEMM's workspace and the SM count it was sized for.
     struct GemmWorkspace {
         buf: CudaSlice<u8>,
@@ -1853,6 +1898,21 @@ mod imp {
             let (free1, _) = cudarc::driver::result::mem_get_info().map_err(cuda)?;
             drop(held);
             Ok(free0.saturating_sub(free1) as u64)
+        }
+
+        /// Starts a peak measurement of the device's stream-ordered pool:
+        /// resets its high-water mark to the bytes in use and returns them.
+        /// [`Gpu::pool_peak_bytes`] then says the most held at once since.
+        /// Buffers count from their allocation to their free, both in the
+        /// host's call order; the pool is the device's, so the figure covers
+        /// every thread that allocates on it meanwhile.
+        pub fn pool_reset_peak(&self) -> Result<u64, KernelError> {
+            Ok(pool_usage(&self.ctx, true)?.0)
+        }
+
+        /// The pool's high-water mark since [`Gpu::pool_reset_peak`], bytes.
+        pub fn pool_peak_bytes(&self) -> Result<u64, KernelError> {
+            Ok(pool_usage(&self.ctx, false)?.1)
         }
 
         /// Waits for the stream, then hands the pool's freed memory back to

@@ -728,3 +728,43 @@ fn column_sums_of_bf16_match_the_cpu_twin() {
         Err(KernelError::Shape { .. })
     ));
 }
+
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn the_pool_peak_counts_buffers_held_at_once() {
+    // Two buffers held together, then (their frees done) a third alone: the
+    // peak above the reset is the pair's bytes (the pool may round each
+    // allocation up), not the sum of all three; a new reset starts from
+    // what is in use.
+    let g = gpu();
+    let mib = 1usize << 20;
+    let base = g.pool_reset_peak().unwrap();
+    {
+        let a = g.zeros::<u8>(64 * mib).unwrap();
+        let b = g.zeros::<u8>(32 * mib).unwrap();
+        drop((a, b));
+        g.sync().unwrap();
+        let c = g.zeros::<u8>(16 * mib).unwrap();
+        drop(c);
+    }
+    g.sync().unwrap();
+    let peak = g.pool_peak_bytes().unwrap() - base;
+    assert!(
+        peak >= 96 * mib as u64 && peak < 100 * mib as u64,
+        "peak {peak} B for 96 MiB held at once"
+    );
+    let held = g.zeros::<u8>(8 * mib).unwrap();
+    let now = g.pool_reset_peak().unwrap();
+    assert!(
+        now >= base + 8 * mib as u64,
+        "in use {now} B after an 8 MiB buffer, {base} B before"
+    );
+    drop(held);
+    g.sync().unwrap();
+    assert_eq!(
+        g.pool_peak_bytes().unwrap(),
+        now,
+        "nothing allocated since the reset"
+    );
+}

@@ -830,9 +830,20 @@ mod imp {
                 // MoE branch.
                 let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
                 let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+                // One rank per GPU: the pool's peak during the call is this
+                // layer's backward (ranks staged through one GPU share the
+                // pool, so they report the kept rows instead, below).
+                let pool_base = match self.comm {
+                    layer::device::DeviceComm::Staged(_) => None,
+                    _ => Some(g.pool_reset_peak().map_err(k)?),
+                };
                 let t0 = g.mark().map_err(k)?;
                 let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
                 let t1 = g.mark().map_err(k)?;
+                let pool_peak = pool_base
+                    .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
+                    .transpose()
+                    .map_err(k)?;
                 moe_ms.push((t0, t1));
                 stats.push(BackwardStats {
                     expert_load: (0..cfg.n_experts)
@@ -843,10 +854,11 @@ mod imp {
                     kept: vec![],
                     scores: vec![],
                     pairs_per_rank: vec![mg.kept_pairs as u64],
-                    // The kept `[x | g·δ]` bf16 rows, the controller's unit;
-                    // the executor's real device bytes are the step's
-                    // `device_mem_bytes` (the host executor reports its peak).
-                    buffer_bytes: (mg.kept_pairs * 2 * d * 2) as u64,
+                    // The most device memory the backward call held above
+                    // what was in use when it started (its pool's peak);
+                    // staged ranks: the kept `[x | g·δ]` bf16 rows, the
+                    // controller's unit.
+                    buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
                     bytes_sent: mg.bytes_sent as u64,
                     times: layer::StageTimes::default(),
                 });
