@@ -879,6 +879,11 @@ impl Gpu {
             l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
             // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
             unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+            // a, b and dh are read for the last time above: freed now (in
+            // stream order, after that kernel), they never share the pool
+            // with dX. The peak per row is then x, d and the six `f`-wide
+            // rows of this kernel, not those and dX as well.
+            drop((a, b, dh));
             // dX = da·W_gateᵀ, then db·W_upᵀ added onto it in the second
             // GEMM's epilogue (no separate pass over the rows).
             let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
@@ -921,8 +926,12 @@ impl Gpu {
             let z = || self.stream.alloc_zeros::<u16>(ew.max(1)).map_err(cuda);
             return Ok((z()?, z()?, z()?));
         };
+        // Each input freed (in stream order) once its last GEMM is queued,
+        // so each gradient's output replaces an input of `f`-wide rows.
         let g_down = self.gemm(GemmVariant::WeightGrad, &od, e, &hh, dd, ew, f, h)?;
+        drop(hh);
         let g_gate = self.gemm(GemmVariant::WeightGrad, &od, e, xd, &da, ew, h, f)?;
+        drop(da);
         let g_up = self.gemm(GemmVariant::WeightGrad, &od, e, xd, &db, ew, h, f)?;
         Ok((g_gate, g_up, g_down))
     }
