@@ -164,7 +164,7 @@ fn main() -> anyhow::Result<()> {
     if table("layer") {
         println!("MoE layer on one GPU (EP = 1, bf16), 16384 tokens, top-8, renormalised; random router (PyTorch's peer skews its router with a bias).");
         println!();
-        println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | fwd+bwd peak MiB | kept pairs |");
+        println!("| shape | ours fwd ms | torch fwd ms | fwd speed-up | retention | ours bwd ms | bwd(r) / bwd(1) | target r + 0.1 | torch bwd ms | bwd speed-up | fwd+bwd peak MiB (reserved / in buffers) | kept pairs |");
         println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
         for (key, e, h, f) in [
             ("E128_H2048_F768_rows131072", 128usize, 2048usize, 768usize),
@@ -214,7 +214,7 @@ fn main() -> anyhow::Result<()> {
                     r.retention.to_string()
                 };
                 println!(
-                    "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {label} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} | {} |",
+                    "| E{e} H{h} F{f} | {fwd:.2} | {} | {} | {label} | {:.2} | {:.2} | {:.2} | {} | {} | {:.0} / {:.0} | {} |",
                     tf.map_or("-".into(), |v| format!("{v:.2}")),
                     tf.map_or("-".into(), |v| format!("{:.2}", v / fwd)),
                     r.backward_ms,
@@ -223,6 +223,7 @@ fn main() -> anyhow::Result<()> {
                     tb.map_or("-".into(), |v| format!("{v:.2}")),
                     tb.map_or("-".into(), |v| format!("{:.2}", v / r.backward_ms)),
                     r.peak_bytes as f64 / (1 << 20) as f64,
+                    r.peak_used_bytes as f64 / (1 << 20) as f64,
                     r.kept_total
                 );
             }

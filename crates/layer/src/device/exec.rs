@@ -1858,8 +1858,12 @@ pub struct BenchRow {
     /// Bytes this rank sent in the backward.
     pub bytes_sent: usize,
     /// Peak device memory of one forward + backward above what was in use
-    /// before it (bytes, by `cuMemGetInfo` after trimming the pool).
+    /// before it (bytes, by `cuMemGetInfo` after trimming the pool: what
+    /// the pool reserved, fragmentation included).
     pub peak_bytes: u64,
+    /// The same call's most bytes held at once in buffers (the pool's
+    /// high-water mark of memory in use, `Gpu::pool_peak_bytes`).
+    pub peak_used_bytes: u64,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -1923,10 +1927,12 @@ pub fn bench(
     for &(label, planner) in planners {
         gpu.trim_pool()?;
         let before = gpu.used_bytes()?;
+        let in_use = gpu.pool_reset_peak()?;
         let sv = forward(gpu, comm, cfg, &w, &x, planner)?;
         let last = backward(gpu, comm, &w, &sv, &dy, planner)?;
         gpu.sync()?;
         let peak = gpu.used_bytes()?.saturating_sub(before);
+        let peak_used = gpu.pool_peak_bytes()?.saturating_sub(in_use);
         drop(last);
         drop(sv);
         let fwd = timed(&mut || forward(gpu, comm, cfg, &w, &x, planner).map(|_| ()))?;
@@ -1941,6 +1947,7 @@ pub fn bench(
             kept_total: last.kept_total,
             bytes_sent: last.bytes_sent,
             peak_bytes: peak,
+            peak_used_bytes: peak_used,
         });
     }
     Ok(rows)
