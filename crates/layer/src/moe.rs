@@ -730,26 +730,9 @@ pub fn backward<T: Real, X: Transport>(
 
     // Regroup by expert straight into the GEMM operands.
     let clock = Instant::now();
-    shape("received rows".into(), n_recv * w2, recv.len())?;
     let mut xs = vec![T::zero(); n_recv * hd];
     let mut dos = vec![T::zero(); n_recv * hd];
-    for (position, ((&src, xr), dr)) in recv_plan
-        .order
-        .iter()
-        .zip(xs.chunks_exact_mut(hd))
-        .zip(dos.chunks_exact_mut(hd))
-        .enumerate()
-    {
-        let Some(row) = recv.get(src as usize * w2..(src as usize + 1) * w2) else {
-            return Err(LayerError::Pack(pack::PackError::IndexOutOfRange {
-                position,
-                index: src,
-                rows: n_recv,
-            }));
-        };
-        xr.copy_from_slice(&row[..hd]);
-        dr.copy_from_slice(&row[hd..]);
-    }
+    pack::gather_rows_split(&recv, (hd, hd), &recv_plan.order, &mut xs, &mut dos)?;
     drop(recv);
     times.pack += clock.elapsed().as_secs_f64();
 

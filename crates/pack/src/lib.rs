@@ -43,7 +43,8 @@
 //!
 //! ## Row movement
 //!
-//! [`gather_rows`] and [`unpack_rows`] move `width`-element rows of any
+//! [`gather_rows`], [`gather_rows_split`] (a gather that also splits each
+//! row into two outputs) and [`unpack_rows`] move `width`-element rows of any
 //! `Copy` type (`f32`, `half::bf16`), rayon-parallel over output rows, with
 //! every output row written exactly once (no atomics, no `unsafe`).
 //! **Unpack writes zero into dropped rows** — the documented value for
@@ -361,13 +362,7 @@ pub fn gather_rows<T: Copy + Send + Sync>(
     }
     let rows = src.len() / width;
     shape("src", rows * width, src.len())?;
-    if let Some((position, &index)) = idx.iter().enumerate().find(|(_, &i)| i as usize >= rows) {
-        return Err(PackError::IndexOutOfRange {
-            position,
-            index,
-            rows,
-        });
-    }
+    indices_below(idx, rows)?;
     let rows_per_task = (16384 / width.max(1)).max(1);
     out.par_chunks_mut(width * rows_per_task)
         .zip(idx.par_chunks(rows_per_task))
@@ -378,6 +373,58 @@ pub fn gather_rows<T: Copy + Send + Sync>(
             }
         });
     Ok(())
+}
+
+/// [`gather_rows`] that also splits each row: row `idx[j]` of `src`
+/// (`left + right` elements wide) goes to row `j` of `out_left` (its first
+/// `left` elements) and of `out_right` (the rest) — a regroup of
+/// concatenated operands (`[x | g·δ]`) into separate ones, with no
+/// regrouped copy between.
+pub fn gather_rows_split<T: Copy + Send + Sync>(
+    src: &[T],
+    (left, right): (usize, usize),
+    idx: &[u32],
+    out_left: &mut [T],
+    out_right: &mut [T],
+) -> Result<(), PackError> {
+    shape("out_left", idx.len() * left, out_left.len())?;
+    shape("out_right", idx.len() * right, out_right.len())?;
+    let width = left + right;
+    // One side empty: a plain gather into the other.
+    if left == 0 {
+        return gather_rows(src, width, idx, out_right);
+    }
+    if right == 0 {
+        return gather_rows(src, width, idx, out_left);
+    }
+    let rows = src.len() / width;
+    shape("src", rows * width, src.len())?;
+    indices_below(idx, rows)?;
+    let rows_per_task = (16384 / width).max(1);
+    out_left
+        .par_chunks_mut(left * rows_per_task)
+        .zip(out_right.par_chunks_mut(right * rows_per_task))
+        .zip(idx.par_chunks(rows_per_task))
+        .for_each(|((l, r), ids)| {
+            for (j, &i) in ids.iter().enumerate() {
+                let row = &src[i as usize * width..(i as usize + 1) * width];
+                l[j * left..(j + 1) * left].copy_from_slice(&row[..left]);
+                r[j * right..(j + 1) * right].copy_from_slice(&row[left..]);
+            }
+        });
+    Ok(())
+}
+
+/// Every index below `rows`, or the first that is not.
+fn indices_below(idx: &[u32], rows: usize) -> Result<(), PackError> {
+    match idx.iter().enumerate().find(|(_, &i)| i as usize >= rows) {
+        Some((position, &index)) => Err(PackError::IndexOutOfRange {
+            position,
+            index,
+            rows,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// Scatters packed rows back: `out[i] = packed[inverse[i]]`, and `zero` in

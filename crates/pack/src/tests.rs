@@ -107,6 +107,43 @@ proptest! {
     }
 
     #[test]
+    fn split_gather_equals_gather_then_split(
+        rows in 0usize..40,
+        left in 0usize..6,
+        right in 0usize..6,
+        picks in prop::collection::vec(any::<u32>(), 0..60),
+    ) {
+        let width = left + right;
+        let src: Vec<f32> = (0..rows * width).map(|i| i as f32 + 0.25).collect();
+        let idx: Vec<u32> = if rows == 0 { vec![] } else { picks.iter().map(|&p| p % rows as u32).collect() };
+        let mut whole = vec![f32::NAN; idx.len() * width];
+        gather_rows(&src, width, &idx, &mut whole).unwrap();
+        let (mut l, mut r) = (vec![f32::NAN; idx.len() * left], vec![f32::NAN; idx.len() * right]);
+        gather_rows_split(&src, (left, right), &idx, &mut l, &mut r).unwrap();
+        for j in 0..idx.len() {
+            prop_assert_eq!(&l[j * left..(j + 1) * left], &whole[j * width..j * width + left]);
+            prop_assert_eq!(&r[j * right..(j + 1) * right], &whole[j * width + left..(j + 1) * width]);
+        }
+        if rows > 0 && width > 0 {
+            // An index past the rows is an error naming it; outputs of the
+            // wrong length are shape errors.
+            let mut bad = idx.clone();
+            bad.push(rows as u32);
+            let (mut l2, mut r2) = (vec![0.0; bad.len() * left], vec![0.0; bad.len() * right]);
+            prop_assert_eq!(
+                gather_rows_split(&src, (left, right), &bad, &mut l2, &mut r2),
+                Err(PackError::IndexOutOfRange { position: idx.len(), index: rows as u32, rows })
+            );
+            let mut short = vec![0.0; (bad.len() * left).saturating_sub(1)];
+            if left > 0 {
+                let got = gather_rows_split(&src, (left, right), &bad, &mut short, &mut r2);
+                let refused = matches!(got, Err(PackError::Shape { what: "out_left", .. }));
+                prop_assert!(refused, "a short left output: {:?}", got);
+            }
+        }
+    }
+
+    #[test]
     fn plans_are_deterministic_and_receivers_regroup_by_expert(c in case_strategy()) {
         let p = check(&c);
         prop_assert_eq!(&p, &plan(&c.expert, &c.kept, &c.routes, c.n_ranks, c.n_experts).unwrap());
