@@ -6,7 +6,7 @@
 //! experts' instances: a source's rows grouped by expert go out
 //! destination-major in one variable all-to-all, and each instance
 //! regroups what it receives by local expert with the same
-//! [`receive_plan`] as any receiver, plus what a device executor uploads
+//! [`receive_plan`](crate::receive_plan) as any receiver, plus what a device executor uploads
 //! (the inverse permutation and the group offsets, [`OwnerLayout`]).
 //! Sources hold consecutive token ranges, so without replicas the
 //! expert-major order is the single-GPU order on the concatenated tokens
@@ -175,7 +175,7 @@ fn group_offsets(sizes: impl IntoIterator<Item = usize>) -> Vec<u32> {
 /// are cut in rank order: the first `split[s][e][0]` to rank 0, the next
 /// to rank 1, and so on. They go out destination-major, and within a
 /// destination in the order of its `local` list, which is also the order
-/// the instance regroups them in ([`receive_plan`]).
+/// the instance regroups them in ([`receive_plan`](crate::receive_plan)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InstanceLayout {
     /// Rows this source sends each rank.
