@@ -471,75 +471,73 @@ mod imp {
 
     fn pool_set(ctx: &Arc<CudaContext>, op: PoolOp) -> Result<(), KernelError> {
         use cudarc::driver::sys;
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        let pool = default_pool(ctx)?;
         let mut keep: u64 = u64::MAX;
-        ctx.bind_to_thread().map_err(cuda)?;
-        // SAFETY: driver calls on the context's own device with valid
-        // out-pointers; the release threshold attribute takes a u64.
-        let r = unsafe {
-            let r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-            if r != sys::CUresult::CUDA_SUCCESS {
-                r
-            } else {
-                match op {
-                    PoolOp::KeepFreed => sys::cuMemPoolSetAttribute(
-                        pool,
-                        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-                        (&mut keep as *mut u64).cast(),
-                    ),
-                    PoolOp::Trim => sys::cuMemPoolTrimTo(pool, 0),
-                }
+        // SAFETY: driver calls on the device's own pool; the release
+        // threshold attribute takes a u64.
+        pool_call(unsafe {
+            match op {
+                PoolOp::KeepFreed => sys::cuMemPoolSetAttribute(
+                    pool,
+                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                    (&mut keep as *mut u64).cast(),
+                ),
+                PoolOp::Trim => sys::cuMemPoolTrimTo(pool, 0),
             }
-        };
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok(())
-        } else {
-            Err(KernelError::Cuda(format!("memory pool call failed: {r:?}")))
-        }
+        })
     }
 
     /// Reads (`reset` false) or resets to the bytes in use (`reset` true) the
     /// high-water mark of the device's stream-ordered pool, and returns the
     /// pool's bytes in use now and its high-water mark.
     fn pool_usage(ctx: &Arc<CudaContext>, reset: bool) -> Result<(u64, u64), KernelError> {
+        use cudarc::driver::sys::{self, CUmemPool_attribute as A};
+        let pool = default_pool(ctx)?;
+        if reset {
+            let mut zero: u64 = 0;
+            // SAFETY: the device's own pool; the high-water mark is a u64
+            // that may only be set to zero (which resets it to the bytes
+            // in use).
+            pool_call(unsafe {
+                sys::cuMemPoolSetAttribute(
+                    pool,
+                    A::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                    (&mut zero as *mut u64).cast(),
+                )
+            })?;
+        }
+        let get = |attr: A| -> Result<u64, KernelError> {
+            let mut v: u64 = 0;
+            // SAFETY: the device's own pool; both usage attributes are u64.
+            pool_call(unsafe {
+                sys::cuMemPoolGetAttribute(pool, attr, (&mut v as *mut u64).cast())
+            })?;
+            Ok(v)
+        };
+        let current = get(A::CU_MEMPOOL_ATTR_USED_MEM_CURRENT)?;
+        let high = get(A::CU_MEMPOOL_ATTR_USED_MEM_HIGH)?;
+        Ok((current, high))
+    }
+
+    /// The default stream-ordered memory pool of `ctx`'s device.
+    fn default_pool(
+        ctx: &Arc<CudaContext>,
+    ) -> Result<cudarc::driver::sys::CUmemoryPool, KernelError> {
         use cudarc::driver::sys;
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        let (mut current, mut high, mut zero): (u64, u64, u64) = (0, 0, 0);
         ctx.bind_to_thread().map_err(cuda)?;
-        // SAFETY: driver calls on the context's own device with valid
-        // out-pointers; both usage attributes are u64, and the high-water
-        // mark may only be set to zero (which resets it to the bytes in use).
-        let r = unsafe {
-            let mut r = sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device());
-            if r == sys::CUresult::CUDA_SUCCESS && reset {
-                r = sys::cuMemPoolSetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&mut zero as *mut u64).cast(),
-                );
-            }
-            if r == sys::CUresult::CUDA_SUCCESS {
-                r = sys::cuMemPoolGetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_CURRENT,
-                    (&mut current as *mut u64).cast(),
-                );
-            }
-            if r == sys::CUresult::CUDA_SUCCESS {
-                r = sys::cuMemPoolGetAttribute(
-                    pool,
-                    sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_USED_MEM_HIGH,
-                    (&mut high as *mut u64).cast(),
-                );
-            }
-            r
-        };
-        if r == sys::CUresult::CUDA_SUCCESS {
-            Ok((current, high))
+        // SAFETY: a driver query on the context's own device with a valid
+        // out-pointer.
+        pool_call(unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()) })?;
+        Ok(pool)
+    }
+
+    /// A memory-pool driver call's result as a `KernelError`.
+    fn pool_call(r: cudarc::driver::sys::CUresult) -> Result<(), KernelError> {
+        if r == cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            Ok(())
         } else {
-            Err(KernelError::Cuda(format!(
-                "memory pool query failed: {r:?}"
-            )))
+            Err(KernelError::Cuda(format!("memory pool call failed: {r:?}")))
         }
     }
 

@@ -406,10 +406,14 @@ pub fn gather_rows_split<T: Copy + Send + Sync>(
         .zip(out_right.par_chunks_mut(right * rows_per_task))
         .zip(idx.par_chunks(rows_per_task))
         .for_each(|((l, r), ids)| {
-            for (j, &i) in ids.iter().enumerate() {
+            for ((dl, dr), &i) in l
+                .chunks_exact_mut(left)
+                .zip(r.chunks_exact_mut(right))
+                .zip(ids)
+            {
                 let row = &src[i as usize * width..(i as usize + 1) * width];
-                l[j * left..(j + 1) * left].copy_from_slice(&row[..left]);
-                r[j * right..(j + 1) * right].copy_from_slice(&row[left..]);
+                dl.copy_from_slice(&row[..left]);
+                dr.copy_from_slice(&row[left..]);
             }
         });
     Ok(())
