@@ -569,8 +569,8 @@ fn aux_loss<T: Real>(
 /// regroup (received rows and the GEMM operands `x`, `g·δ`; never above the
 /// dispatch), the expert GEMMs (operands, `dX` and one expert's five
 /// `ffn`-wide intermediates on the CPU backend), the reply (`dX` and its
-/// source order) and the return (the reply, the returned rows as bytes and
-/// as values). The transport's own copies inside a collective are not
+/// source order; never above the GEMMs) and the return (the reply, the
+/// returned rows as bytes and as values). The transport's own copies inside a collective are not
 /// counted (`tests/host_memory.rs` measures the rest).
 pub(crate) fn host_backward_peak_rows(
     sent: usize,
@@ -584,7 +584,6 @@ pub(crate) fn host_backward_peak_rows(
     [
         2 * h * s + 4 * h * r,
         3 * h * r + 5 * f * l,
-        2 * h * r,
         h * r + 2 * h * s,
     ]
     .into_iter()
