@@ -42,19 +42,43 @@ pub struct Corpus {
 /// Smallest corpus accepted, in bytes.
 pub const MIN_CORPUS_BYTES: usize = 4096;
 
-/// Loads a text corpus and splits off the last `val_fraction` as validation.
-pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> {
+/// The default corpus, built into the binary so that `lrmoe train` runs
+/// from any folder: Shakespeare's plays and poems (public domain; packaging
+/// CC-BY 2.5 by the Open Knowledge Foundation, see `data/README.md`).
+pub const SHAKESPEARE: &[u8] = include_bytes!("../data/shakespeare.txt");
+
+/// The name [`load_corpus`] gives the built-in corpus in messages.
+pub const SHAKESPEARE_NAME: &str = "the built-in Shakespeare corpus";
+
+/// Loads the text corpus at `path` (`None`: the built-in [`SHAKESPEARE`])
+/// and splits off the last `val_fraction` as validation.
+pub fn load_corpus(path: Option<&Path>, val_fraction: f64) -> Result<Corpus, DataError> {
+    match path {
+        None => corpus_from_bytes(SHAKESPEARE, SHAKESPEARE_NAME, val_fraction),
+        Some(path) => {
+            let bytes = std::fs::read(path).map_err(|error| DataError::Read {
+                path: path.display().to_string(),
+                error,
+            })?;
+            corpus_from_bytes(&bytes, &path.display().to_string(), val_fraction)
+        }
+    }
+}
+
+/// Tokenises `bytes` (named `name` in errors) and splits off the last
+/// `val_fraction` as validation.
+pub fn corpus_from_bytes(
+    bytes: &[u8],
+    name: &str,
+    val_fraction: f64,
+) -> Result<Corpus, DataError> {
     if !(val_fraction > 0.0 && val_fraction < 0.5) {
         return Err(DataError::Setting(format!(
             "data.val_fraction = {val_fraction} must be in (0, 0.5)"
         )));
     }
-    let bytes = std::fs::read(path).map_err(|error| DataError::Read {
-        path: path.display().to_string(),
-        error,
-    })?;
     let corrupted = |reason: String| DataError::Corrupted {
-        path: path.display().to_string(),
+        path: name.to_string(),
         reason,
     };
     if bytes.len() < MIN_CORPUS_BYTES {
@@ -68,7 +92,7 @@ pub fn load_corpus(path: &Path, val_fraction: f64) -> Result<Corpus, DataError> 
             "NUL byte at offset {pos} (binary data?)"
         )));
     }
-    if let Err(e) = std::str::from_utf8(&bytes) {
+    if let Err(e) = std::str::from_utf8(bytes) {
         return Err(corrupted(format!("not UTF-8 text ({e})")));
     }
     let mut present = [false; 256];
@@ -198,8 +222,9 @@ mod tests {
 
     #[test]
     fn shipped_corpus_loads_and_beats_nothing_yet() {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
-        let c = load_corpus(&path, 0.1).unwrap();
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare.txt");
+        let c = load_corpus(Some(&path), 0.1).unwrap();
+        assert_eq!(load_corpus(None, 0.1).unwrap(), c, "the built-in corpus is the file");
         assert!(c.vocab.len() > 60 && c.vocab.len() < 128);
         assert!(c.val.len() > 400_000);
         let u = unigram_baseline(&c);
@@ -211,20 +236,20 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("lrmoe-data-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         assert!(matches!(
-            load_corpus(&dir.join("nope.txt"), 0.1),
+            load_corpus(Some(&dir.join("nope.txt")), 0.1),
             Err(DataError::Read { .. })
         ));
         let small = dir.join("small.txt");
         std::fs::write(&small, "tiny").unwrap();
         assert!(matches!(
-            load_corpus(&small, 0.1),
+            load_corpus(Some(&small), 0.1),
             Err(DataError::Corrupted { .. })
         ));
         let bin = dir.join("bin.txt");
         let mut b = vec![b'a'; 5000];
         b[10] = 0;
         std::fs::write(&bin, &b).unwrap();
-        let e = load_corpus(&bin, 0.1).unwrap_err().to_string();
+        let e = load_corpus(Some(&bin), 0.1).unwrap_err().to_string();
         assert!(e.contains("NUL byte at offset 10"), "{e}");
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -23,6 +23,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Plan one layer call: quotas, replicas and the redistribution, as JSON.
+    #[command(allow_negative_numbers = true)]
     Plan {
         /// Planning problem (JSON; schema in docs/formats.md).
         #[arg(long)]
@@ -33,25 +34,30 @@ enum Command {
         /// Quota policy (overrides the problem file's).
         #[arg(long, value_enum)]
         policy: Option<PolicyArg>,
-        /// Time limit of the ILP solver, milliseconds.
-        #[arg(long, default_value_t = 2000)]
+        /// Time limit of the ILP solver, milliseconds (≥ 1).
+        #[arg(long, default_value_t = 2000, value_parser = at_least_u64::<1>)]
         ilp_time_limit_ms: u64,
         /// Write the plan here (atomically) instead of standard output.
         #[arg(long)]
         out: Option<PathBuf>,
     },
-    /// Train the MoE language model on the CPU (defaults: ~4 minutes on 2
-    /// cores). Under `lrmoe launch` each process is one rank and the ranks
-    /// talk over NCCL (needs `--features nccl`).
+    /// Train the MoE language model: by default on the CPU, on the built-in
+    /// Shakespeare corpus, 3000 steps into runs/default (about 5 minutes on
+    /// 2 idle cores). Under `lrmoe launch` each process is one rank and the
+    /// ranks talk over NCCL (needs `--features nccl`).
+    #[command(allow_negative_numbers = true)]
     Train(TrainArgs),
     /// Start this node's ranks, one process per GPU, with RANK, WORLD_SIZE,
     /// LOCAL_RANK, MASTER_ADDR and MASTER_PORT set; e.g.
     /// `lrmoe launch --nproc 2 -- train --ranks 2`.
+    #[command(allow_negative_numbers = true)]
     Launch(LaunchArgs),
     /// Replay routing traces: memory and backward time of fixed ownership,
     /// replication and LRMoE under one per-rank budget.
+    #[command(allow_negative_numbers = true)]
     Replay(ReplayArgs),
     /// One MoE layer's forward and LRMoE backward from safetensors files.
+    #[command(allow_negative_numbers = true)]
     LayerGrad {
         /// Layer weights: router, experts.{e}.{gate,up,down}.
         #[arg(long)]
@@ -62,11 +68,11 @@ enum Command {
         /// Output file (written atomically).
         #[arg(long)]
         out: PathBuf,
-        /// Kept share of each expert's pairs in the backward.
-        #[arg(long, default_value_t = 1.0)]
+        /// Kept share of each expert's pairs in the backward, in [0, 1].
+        #[arg(long, default_value_t = 1.0, value_parser = fraction)]
         retention: f64,
-        /// Experts per token.
-        #[arg(long, default_value_t = 2)]
+        /// Experts per token (≥ 1).
+        #[arg(long, default_value_t = 2, value_parser = at_least::<1>)]
         top_k: usize,
         /// Renormalise the top-k routing weights.
         #[arg(long)]
@@ -74,103 +80,116 @@ enum Command {
     },
 }
 
+/// `lrmoe train`. Flags override the `--config` file, which overrides the
+/// defaults shown; `docs/formats.md` lists every configuration field.
 #[derive(clap::Args)]
 struct TrainArgs {
-    /// TOML configuration (every field optional; flags below override it).
-    #[arg(long)]
+    /// TOML configuration; every field optional (docs/formats.md).
+    #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
-    /// A Hugging Face Qwen3-MoE config.json: the model's shape (replaces the
-    /// configuration's model section; flags below override it).
-    #[arg(long)]
+    /// A Hugging Face Qwen3-MoE config.json giving the model's shape, in
+    /// place of the configuration's [model] section (a configuration that
+    /// also has one is refused).
+    #[arg(long, value_name = "FILE")]
     model_config: Option<PathBuf>,
-    /// Transformer blocks (overrides model.n_layers, e.g. a few layers of a
-    /// published shape).
-    #[arg(long)]
+    /// Transformer blocks [default: model.n_layers, 2].
+    #[arg(long, value_name = "N", value_parser = at_least::<1>)]
     layers: Option<usize>,
-    /// Optimizer steps.
-    #[arg(long)]
+    /// Optimizer steps [default: steps, 3000].
+    #[arg(long, value_name = "N", value_parser = at_least::<1>)]
     steps: Option<usize>,
-    /// Seed.
-    #[arg(long)]
+    /// Seed of the initial weights, the batches and the sampling rules
+    /// [default: seed, 0].
+    #[arg(long, value_name = "N", value_parser = whole_u64)]
     seed: Option<u64>,
-    /// Backward mode of the MoE layers.
-    #[arg(long, value_enum)]
-    mode: Option<lrmoe::train::Mode>,
-    /// Where the MoE layers run: the host executor, or (with --device cuda)
-    /// the device expert-parallel executor and the whole model on the GPUs.
-    #[arg(long, value_enum)]
-    executor: Option<lrmoe::train::Executor>,
-    /// In-process expert-parallel ranks.
-    #[arg(long)]
-    ranks: Option<usize>,
-    /// Which pairs the LRMoE backward keeps within each quota: top_q,
-    /// random_q, proportional or priority (moe.selection_rule).
-    #[arg(long)]
-    selection_rule: Option<String>,
-    /// Per-rank backward buffer as a share of the average routed pairs per
-    /// rank, LRMoE mode (moe.buffer_fraction).
-    #[arg(long)]
-    buffer_fraction: Option<f64>,
-    /// Hold every mode to LRMoE's per-rank token-buffer budget: full and
-    /// replicate split steps into micro-batches, capacity uses
-    /// buffer_fraction as its factor (moe.fit_budget).
-    #[arg(long)]
-    fit_budget: bool,
-    /// Output folder (metrics.jsonl, checkpoint.safetensors, reports).
-    #[arg(long)]
-    out: Option<PathBuf>,
-    /// Text corpus.
-    #[arg(long)]
+    /// Text corpus, UTF-8 [default: data.corpus, or the built-in
+    /// Shakespeare corpus].
+    #[arg(long, value_name = "FILE")]
     corpus: Option<PathBuf>,
-    /// Stop at the first evaluation at or below this validation loss.
-    #[arg(long)]
-    target_val_loss: Option<f64>,
-    /// Stop after this much training time, in minutes (default: no cap).
-    #[arg(long)]
-    max_minutes: Option<f64>,
-    /// Continue from the checkpoint in the output folder.
-    #[arg(long, conflicts_with = "force")]
+    /// Output folder: metrics.jsonl, checkpoint.safetensors, reports
+    /// [default: run.out_dir, runs/default].
+    #[arg(long, value_name = "DIR")]
+    out: Option<PathBuf>,
+    /// Continue the run in the output folder from its checkpoint.
+    #[arg(long, conflicts_with = "force", help_heading = "Run")]
     resume: bool,
     /// Start over in an output folder that holds an earlier run (its
     /// checkpoint and metrics are replaced).
-    #[arg(long)]
+    #[arg(long, help_heading = "Run")]
     force: bool,
-    /// Train full, LRMoE and capacity-factor backwards to the same target
-    /// validation loss and write a comparison table and plot.
-    #[arg(long)]
-    compare: bool,
-    /// Modes the comparison trains (comma-separated; default all four).
-    #[arg(long, value_enum, value_delimiter = ',')]
-    modes: Option<Vec<lrmoe::train::Mode>>,
+    /// Stop at the first evaluation at or below this validation loss, in
+    /// nats per token (> 0) [default: run.target_val_loss, none].
+    #[arg(long, value_name = "LOSS", value_parser = positive, help_heading = "Run")]
+    target_val_loss: Option<f64>,
+    /// Stop after this much training time, in minutes, (0, 525600]
+    /// [default: run.max_minutes, no cap].
+    #[arg(long, value_name = "MIN", value_parser = minutes, help_heading = "Run")]
+    max_minutes: Option<f64>,
+    /// Write no checkpoint, neither periodic nor final (the run cannot be
+    /// resumed) [default: run.checkpoint, true].
+    #[arg(long, help_heading = "Run")]
+    no_checkpoint: bool,
     /// No progress bar.
-    #[arg(long)]
+    #[arg(long, help_heading = "Run")]
     no_progress: bool,
-    /// Launched ranks: seconds a collective (or the rendezvous) may wait for
-    /// its peers before every rank stops with an error.
-    #[arg(long, default_value_t = 300.0)]
-    timeout_s: f64,
-    /// `cuda` (needs `--features cuda`): one rank trains the whole model on
-    /// GPU 0 (weights, optimizer, corpus and activations on the device;
-    /// bf16 compute, f32 masters). Several ranks with `--executor device`
-    /// do the same per rank: launched ranks on GPU LOCAL_RANK over NCCL, or
-    /// in-process ranks (`--ranks N`) sharing GPU 0 with their exchanges
-    /// staged through the host (slow; for checking). Several ranks on the
-    /// host executor keep the dense parts on the CPU and run the expert
-    /// GEMMs as grouped kernels on their GPU.
-    #[arg(long, default_value = "cpu")]
+    /// Backward of the MoE layers [default: moe.mode, lrmoe].
+    #[arg(long, value_enum, help_heading = "MoE backward")]
+    mode: Option<lrmoe::train::Mode>,
+    /// Which pairs the LRMoE backward keeps within each quota: priority,
+    /// top_q, random_q or proportional [default: moe.selection_rule,
+    /// priority].
+    #[arg(long, value_name = "RULE", help_heading = "MoE backward")]
+    selection_rule: Option<String>,
+    /// Each rank's backward buffer, as a share of the average routed pairs
+    /// per rank, in (0, ranks]: 1 holds the average, `ranks` every pair of
+    /// a step on one rank [default: moe.buffer_fraction, 0.6].
+    #[arg(long, value_name = "F", value_parser = positive, help_heading = "MoE backward")]
+    buffer_fraction: Option<f64>,
+    /// Hold every mode to LRMoE's per-rank buffer: full and replicate split
+    /// steps into micro-batches, capacity uses the buffer fraction as its
+    /// factor [default: moe.fit_budget, false].
+    #[arg(long, help_heading = "MoE backward")]
+    fit_budget: bool,
+    /// Train several modes to the same --target-val-loss, one after the
+    /// other into <out>/<mode>, and write a comparison table and plot.
+    #[arg(long, help_heading = "Comparison")]
+    compare: bool,
+    /// Modes --compare trains, comma-separated [default: full, replicate,
+    /// lrmoe, capacity].
+    #[arg(long, value_enum, value_delimiter = ',', help_heading = "Comparison")]
+    modes: Option<Vec<lrmoe::train::Mode>>,
+    /// Where the model trains: `cpu`, or `cuda` (a build with `--features
+    /// cuda`): the whole model on GPU 0, bf16 compute and f32 masters.
+    #[arg(long, value_name = "DEVICE", default_value = "cpu", help_heading = "Where it runs")]
     device: String,
+    /// Expert-parallel ranks in this process [default: moe.ranks, 2 on the
+    /// CPU, 1 with --device cuda; launched ranks: WORLD_SIZE].
+    #[arg(long, value_name = "N", value_parser = at_least::<1>, help_heading = "Where it runs")]
+    ranks: Option<usize>,
+    /// Executor of the MoE layers with several ranks: `host` (rows
+    /// exchanged through host memory) or `device` (with --device cuda: the
+    /// whole model per rank on the GPU, exchanges over NCCL, or staged
+    /// through the host for in-process ranks) [default: moe.executor,
+    /// host].
+    #[arg(long, value_enum, help_heading = "Where it runs")]
+    executor: Option<lrmoe::train::Executor>,
+    /// Launched ranks (`lrmoe launch`): seconds a collective or the
+    /// rendezvous may wait for its peers before every rank stops with an
+    /// error, in (0, 86400].
+    #[arg(long, value_name = "S", default_value_t = 300.0, value_parser = seconds, help_heading = "Where it runs")]
+    timeout_s: f64,
 }
 
 #[derive(clap::Args)]
 struct LaunchArgs {
-    /// Processes (GPUs) on this node.
-    #[arg(long)]
+    /// Processes (GPUs) on this node (≥ 1).
+    #[arg(long, value_parser = at_least::<1>)]
     nproc: usize,
-    /// Nodes in the job.
-    #[arg(long, default_value_t = 1)]
+    /// Nodes in the job (≥ 1).
+    #[arg(long, default_value_t = 1, value_parser = at_least::<1>)]
     nnodes: usize,
     /// This node's index.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = at_least::<0>)]
     node_rank: usize,
     /// Rank 0's host.
     #[arg(long, default_value = "127.0.0.1")]
@@ -181,82 +200,85 @@ struct LaunchArgs {
     /// Run this program instead of lrmoe (e.g. a test binary).
     #[arg(long)]
     exec: Option<PathBuf>,
-    /// Seconds the other ranks get to stop on their own after one fails.
-    #[arg(long, default_value_t = 10.0)]
+    /// Seconds the other ranks get to stop on their own after one fails,
+    /// in [0, 86400].
+    #[arg(long, default_value_t = 10.0, value_parser = grace_seconds)]
     grace_s: f64,
     /// Arguments of each rank (after `--`).
     #[arg(last = true)]
     args: Vec<String>,
 }
 
+/// `lrmoe replay`: exactly one source of routing loads is required.
 #[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("source").required(true).multiple(false)))]
 struct ReplayArgs {
     /// deepseek-ai/EPLB load matrix [layers][experts] (JSON).
-    #[arg(long, group = "source")]
+    #[arg(long, value_name = "FILE", group = "source")]
     eplb: Option<PathBuf>,
     /// Megatron-Core router traces (JSON lines with step, layer, rank, top_indices).
-    #[arg(long, group = "source")]
+    #[arg(long, value_name = "FILE", group = "source")]
     megatron: Option<PathBuf>,
     /// `lrmoe train`'s metrics.jsonl.
-    #[arg(long, group = "source")]
+    #[arg(long, value_name = "FILE", group = "source")]
     lrmoe_metrics: Option<PathBuf>,
     /// A synthetic workload.
     #[arg(long, value_enum, group = "source")]
     synthetic: Option<lrmoe::replay::Workload>,
-    /// Experts per layer (Megatron traces and synthetic workloads).
-    #[arg(long, default_value_t = 128)]
+    /// Experts per layer (Megatron traces and synthetic workloads; ≥ 1).
+    #[arg(long, default_value_t = 128, value_parser = at_least::<1>)]
     experts: usize,
-    /// Ranks (GPUs).
-    #[arg(long, default_value_t = 8)]
+    /// Ranks (GPUs; ≥ 1).
+    #[arg(long, default_value_t = 8, value_parser = at_least::<1>)]
     ranks: usize,
-    /// Synthetic: steps.
-    #[arg(long, default_value_t = 100)]
+    /// Synthetic: steps (≥ 1).
+    #[arg(long, default_value_t = 100, value_parser = at_least::<1>)]
     steps: usize,
-    /// Synthetic: MoE layers.
-    #[arg(long, default_value_t = 4)]
+    /// Synthetic: MoE layers (≥ 1).
+    #[arg(long, default_value_t = 4, value_parser = at_least::<1>)]
     layers: usize,
-    /// Synthetic: tokens per rank per step.
-    #[arg(long, default_value_t = 16384)]
+    /// Synthetic: tokens per rank per step (≥ 1).
+    #[arg(long, default_value_t = 16384, value_parser = at_least::<1>)]
     tokens: usize,
-    /// Synthetic: experts per token.
-    #[arg(long, default_value_t = 8)]
+    /// Synthetic: experts per token (≥ 1).
+    #[arg(long, default_value_t = 8, value_parser = at_least::<1>)]
     top_k: usize,
-    /// Synthetic: Zipf exponent of the hot workloads.
-    #[arg(long, default_value_t = 1.2)]
+    /// Synthetic: Zipf exponent of the hot workloads (≥ 0).
+    #[arg(long, default_value_t = 1.2, value_parser = non_negative)]
     zipf: f64,
     /// Synthetic: seed.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = whole_u64)]
     seed: u64,
-    /// Model width.
-    #[arg(long, default_value_t = 2048)]
+    /// Model width (≥ 1).
+    #[arg(long, default_value_t = 2048, value_parser = at_least::<1>)]
     hidden: usize,
-    /// Expert FFN width.
-    #[arg(long, default_value_t = 768)]
+    /// Expert FFN width (≥ 1).
+    #[arg(long, default_value_t = 768, value_parser = at_least::<1>)]
     ffn: usize,
-    /// Per-rank memory budget for one layer call, MiB.
-    #[arg(long, default_value_t = 1024.0)]
+    /// Per-rank memory budget for one layer call, MiB (> 0).
+    #[arg(long, default_value_t = 1024.0, value_parser = positive)]
     budget_mib: f64,
     /// Replicas each rank may host.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = at_least::<0>)]
     replica_slots: usize,
-    /// Share of the memory left after placement that replicas may use
-    /// (`lrmoe train` gives its replicas 1.0).
-    #[arg(long, default_value_t = 0.5)]
+    /// Share of the memory left after placement that replicas may use, in
+    /// [0, 1] (`lrmoe train` gives its replicas 1.0).
+    #[arg(long, default_value_t = 0.5, value_parser = fraction)]
     replica_memory_fraction: f64,
     /// Bytes per element of rows, weights and gradients (2: bf16 as on the
     /// GPUs; 4: f32 as the host executor's buffers).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = at_least_u64::<1>)]
     element_bytes: u64,
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
     /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
-    /// most this share of a quota, as `moe.tile_trim` does on the GPU
-    /// executors (0: off, as the host executor runs).
-    #[arg(long, default_value_t = 0.0)]
+    /// most this share of a quota, in [0, 1], as `moe.tile_trim` does on
+    /// the GPU executors (0: off, as the host executor runs).
+    #[arg(long, default_value_t = 0.0, value_parser = fraction)]
     tile_trim: f64,
     /// Output folder for replay.json, replay.csv and the memory and time charts (SVG and PNG).
-    #[arg(long, default_value = "runs/replay")]
+    #[arg(long, value_name = "DIR", default_value = "runs/replay")]
     out: PathBuf,
     /// `cuda`: also allocate each strategy's modelled peak on GPU 0 and
     /// report the measured memory beside the model (needs `--features cuda`).
@@ -266,14 +288,20 @@ struct ReplayArgs {
 
 fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     use lrmoe::replay as rp;
+    // The GPU is opened before anything is computed or written, so a build
+    // or machine without one fails with nothing left behind.
+    let gpu = match a.device.as_str() {
+        "cpu" => None,
+        "cuda" => Some(lrmoe::kernels::gpu::Gpu::open(0)?),
+        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
+    };
     let trace = if let Some(p) = &a.eplb {
         rp::load_eplb(p, a.ranks)?
     } else if let Some(p) = &a.megatron {
         rp::load_megatron(p, a.experts)?
     } else if let Some(p) = &a.lrmoe_metrics {
         rp::load_lrmoe_metrics(p, a.ranks)?
-    } else {
-        let workload = a.synthetic.unwrap_or(rp::Workload::HotExperts);
+    } else if let Some(workload) = a.synthetic {
         rp::synthetic(&rp::Synthetic {
             workload,
             steps: a.steps,
@@ -285,19 +313,9 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             zipf: a.zipf,
             seed: a.seed,
         })?
+    } else {
+        anyhow::bail!("no routing source: give one of --eplb, --megatron, --lrmoe-metrics, --synthetic");
     };
-    if !(a.budget_mib.is_finite() && a.budget_mib > 0.0) {
-        anyhow::bail!("--budget-mib must be positive");
-    }
-    if !(0.0..=1.0).contains(&a.replica_memory_fraction) {
-        anyhow::bail!("--replica-memory-fraction must be in [0, 1]");
-    }
-    if a.element_bytes == 0 {
-        anyhow::bail!("--element-bytes must be positive");
-    }
-    if !(0.0..=1.0).contains(&a.tile_trim) {
-        anyhow::bail!("--tile-trim must be in [0, 1]");
-    }
     let cfg = rp::ReplayConfig {
         hidden: a.hidden,
         ffn: a.ffn,
@@ -316,38 +334,52 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;
     print!("{}", rp::table(&report));
-    match a.device.as_str() {
-        "cpu" => {}
-        "cuda" => {
-            let gpu = lrmoe::kernels::gpu::Gpu::open(0)?;
-            println!("\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|");
-            for c in rp::check_on_device(&gpu, &report)? {
-                println!(
-                    "| {:?} | {:.1} | {:.1} | {:.4} |",
-                    c.strategy,
-                    c.modelled_bytes as f64 / (1 << 20) as f64,
-                    c.measured_bytes as f64 / (1 << 20) as f64,
-                    c.ratio
-                );
-            }
+    if let Some(gpu) = &gpu {
+        println!("\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|");
+        for c in rp::check_on_device(gpu, &report)? {
+            println!(
+                "| {:?} | {:.1} | {:.1} | {:.4} |",
+                c.strategy,
+                c.modelled_bytes as f64 / (1 << 20) as f64,
+                c.measured_bytes as f64 / (1 << 20) as f64,
+                c.ratio
+            );
         }
-        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
     }
     println!("wrote {}", files.join(", "));
     Ok(())
 }
 
-fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
-    let mut cfg = match &a.config {
+/// The run's configuration: defaults, then the `--config` file, then the
+/// flags. Also says where `moe.ranks` came from (`None`: its default), so
+/// that a default may adapt to the device but a setting is never replaced.
+fn train_config(
+    a: &TrainArgs,
+) -> anyhow::Result<(lrmoe::train::TrainConfig, Option<&'static str>)> {
+    let (mut cfg, text) = match &a.config {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read {}", path.display()))?;
-            lrmoe::train::TrainConfig::from_toml(&text)
-                .with_context(|| format!("{}", path.display()))?
+            let cfg = lrmoe::train::TrainConfig::from_toml(&text)
+                .with_context(|| format!("{}", path.display()))?;
+            (cfg, text)
         }
-        None => lrmoe::train::TrainConfig::default(),
+        None => (lrmoe::train::TrainConfig::default(), String::new()),
+    };
+    let ranks_from = if a.ranks.is_some() {
+        Some("--ranks")
+    } else if lrmoe::train::toml_sets(&text, "moe", Some("ranks")) {
+        Some("the configuration's moe.ranks")
+    } else {
+        None
     };
     if let Some(path) = &a.model_config {
+        if lrmoe::train::toml_sets(&text, "model", None) {
+            anyhow::bail!(
+                "--model-config {} and the configuration's [model] section both set the model's shape: keep one",
+                path.display()
+            );
+        }
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("cannot read {}", path.display()))?;
         let hf = lrmoe::hf_config::parse(&text).with_context(|| format!("{}", path.display()))?;
@@ -387,7 +419,7 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
         cfg.run.out_dir = v.clone();
     }
     if let Some(v) = &a.corpus {
-        cfg.data.corpus = v.clone();
+        cfg.data.corpus = Some(v.clone());
     }
     if let Some(v) = a.target_val_loss {
         cfg.run.target_val_loss = Some(v);
@@ -395,22 +427,22 @@ fn train_config(a: &TrainArgs) -> anyhow::Result<lrmoe::train::TrainConfig> {
     if let Some(v) = a.max_minutes {
         cfg.run.max_minutes = Some(v);
     }
-    Ok(cfg)
+    if a.no_checkpoint {
+        cfg.run.checkpoint = false;
+    }
+    Ok((cfg, ranks_from))
 }
 
 fn train(a: &TrainArgs) -> anyhow::Result<()> {
-    let mut cfg = train_config(a)?;
+    let (mut cfg, ranks_from) = train_config(a)?;
     let dist = lrmoe::layer::DistEnv::from_env()?;
     let transport = match dist.clone() {
         None => None,
         Some(env) => {
-            if !(a.timeout_s.is_finite() && a.timeout_s > 0.0 && a.timeout_s <= 86_400.0) {
-                anyhow::bail!("--timeout-s must be a number of seconds in (0, 86400]");
-            }
-            if a.ranks.is_some_and(|r| r != env.world) {
+            if let Some(from) = ranks_from.filter(|_| cfg.moe.ranks != env.world) {
                 anyhow::bail!(
-                    "--ranks {} disagrees with WORLD_SIZE = {}",
-                    a.ranks.unwrap_or(0),
+                    "{from} = {} disagrees with WORLD_SIZE = {} (launched ranks take their number from the launcher)",
+                    cfg.moe.ranks,
                     env.world
                 );
             }
@@ -433,7 +465,9 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
     let gpu = match a.device.as_str() {
         "cpu" => None,
         "cuda" => {
-            if a.ranks.is_none() && transport.is_none() {
+            // One GPU trains the whole model as one rank unless ranks were
+            // asked for (then they share GPU 0, as documented).
+            if ranks_from.is_none() && transport.is_none() {
                 cfg.moe.ranks = 1;
             }
             let ordinal = dist.as_ref().map_or(0, |d| d.local_rank);
@@ -574,9 +608,102 @@ fn run(cli: Cli) -> anyhow::Result<()> {
     }
 }
 
+// Value parsers: a flag's value out of range is refused by clap with the
+// flag's name and the range (`invalid value '-5' for '--steps <N>':
+// expected a whole number ≥ 1`). Negative numbers reach them because the
+// subcommands allow negative numbers as values.
+
+/// A whole number ≥ `MIN`.
+fn at_least<const MIN: usize>(s: &str) -> Result<usize, String> {
+    match s.trim().parse::<usize>() {
+        Ok(v) if v >= MIN => Ok(v),
+        _ => Err(format!("expected a whole number ≥ {MIN}")),
+    }
+}
+
+/// A whole number ≥ `MIN` (64-bit).
+fn at_least_u64<const MIN: u64>(s: &str) -> Result<u64, String> {
+    match s.trim().parse::<u64>() {
+        Ok(v) if v >= MIN => Ok(v),
+        _ => Err(format!("expected a whole number ≥ {MIN}")),
+    }
+}
+
+/// A whole number in [0, 2^64).
+fn whole_u64(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<u64>()
+        .map_err(|_| "expected a whole number in [0, 18446744073709551615]".into())
+}
+
+/// A finite number inside `ok`, described by `range`.
+fn number_in(s: &str, ok: impl Fn(f64) -> bool, range: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && ok(v) => Ok(v),
+        _ => Err(format!("expected a number {range}")),
+    }
+}
+
+fn positive(s: &str) -> Result<f64, String> {
+    number_in(s, |v| v > 0.0, "> 0")
+}
+
+fn non_negative(s: &str) -> Result<f64, String> {
+    number_in(s, |v| v >= 0.0, "≥ 0")
+}
+
+fn fraction(s: &str) -> Result<f64, String> {
+    number_in(s, |v| (0.0..=1.0).contains(&v), "in [0, 1]")
+}
+
+fn minutes(s: &str) -> Result<f64, String> {
+    number_in(
+        s,
+        |v| v > 0.0 && v <= lrmoe::train::MAX_MINUTES,
+        "of minutes in (0, 525600]",
+    )
+}
+
+fn seconds(s: &str) -> Result<f64, String> {
+    number_in(s, |v| v > 0.0 && v <= 86_400.0, "of seconds in (0, 86400]")
+}
+
+fn grace_seconds(s: &str) -> Result<f64, String> {
+    number_in(s, |v| (0.0..=86_400.0).contains(&v), "of seconds in [0, 86400]")
+}
+
+/// Parses the command line; a usage error is one line, as every other
+/// error is (`--help` and `--version` print as clap draws them).
+fn parse_cli() -> Result<Cli, ExitCode> {
+    match Cli::try_parse() {
+        Ok(cli) => Ok(cli),
+        Err(e) if !e.use_stderr() => {
+            let _ = e.print();
+            Err(ExitCode::SUCCESS)
+        }
+        Err(e) => {
+            // clap's message up to its usage block, on one line.
+            let text = e.to_string();
+            let message: Vec<&str> = text
+                .lines()
+                .map(str::trim)
+                .take_while(|l| !l.starts_with("Usage:") && !l.starts_with("For more information"))
+                .filter(|l| !l.is_empty())
+                .collect();
+            let message = message.join(" ");
+            let message = message.strip_prefix("error: ").unwrap_or(&message);
+            eprintln!("lrmoe: {message} (see --help)");
+            Err(ExitCode::from(2))
+        }
+    }
+}
+
 fn main() -> ExitCode {
     lrmoe::keep_freed_memory();
-    let cli = Cli::parse();
+    let cli = match parse_cli() {
+        Ok(cli) => cli,
+        Err(code) => return code,
+    };
     tracing_subscriber::fmt()
         .with_writer(lrmoe::progress::make_writer)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use safetensors::tensor::{Dtype, TensorView};
 
-use crate::fsutil::write_atomic;
+use crate::fsutil::write_atomic_with;
 
 /// Errors of tensor files.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +58,8 @@ pub enum TensorFileError {
 /// A tensor to write: name, shape, data (row-major f32).
 pub type NamedTensor<'a> = (String, Vec<usize>, &'a [f32]);
 
-/// Writes tensors and string metadata atomically.
+/// Writes tensors and string metadata atomically, streaming each tensor's
+/// bytes to the file (no copy of the whole file in memory).
 pub fn save(
     path: &Path,
     tensors: &[NamedTensor<'_>],
@@ -76,12 +77,33 @@ pub fn save(
                 .map_err(|e| fmt(e.to_string()))
         })
         .collect::<Result<_, _>>()?;
-    let bytes = safetensors::serialize(views, Some(metadata)).map_err(|e| fmt(e.to_string()))?;
-    write_atomic(path, &bytes).map_err(|error| TensorFileError::Write {
+    write_atomic_with(path, |tmp| {
+        safetensors::serialize_to_file(views, Some(metadata), tmp).map_err(|e| match e {
+            safetensors::SafeTensorError::IoError(io) => io,
+            other => std::io::Error::other(other.to_string()),
+        })
+    })
+    .map_err(|error| TensorFileError::Write {
         path: path.display().to_string(),
         error,
     })
 }
+
+/// Bytes [`save`] writes for `tensors` of these element counts, at most:
+/// the f32 data, and a header of at most `HEADER_BYTES_PER_TENSOR` per
+/// tensor beside the metadata's `metadata_bytes`.
+pub fn saved_bytes_bound(elements: impl IntoIterator<Item = usize>, metadata_bytes: usize) -> u64 {
+    let (mut n, mut data) = (0u64, 0u64);
+    for e in elements {
+        n += 1;
+        data += 4 * e as u64;
+    }
+    data + n * HEADER_BYTES_PER_TENSOR + 2 * metadata_bytes as u64 + 4096
+}
+
+/// Header bytes one tensor takes at most (name up to 128 bytes, dtype,
+/// shape of up to 4 dimensions, offsets).
+const HEADER_BYTES_PER_TENSOR: u64 = 320;
 
 /// The little-endian bytes of `data` (safetensors is little-endian, as is
 /// every host this crate builds for).

@@ -157,8 +157,9 @@ impl Default for ModelSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DataSection {
-    /// Text corpus.
-    pub corpus: PathBuf,
+    /// Text corpus (UTF-8, at least 4 KiB). `None` (the default): the
+    /// built-in Shakespeare corpus ([`crate::data::SHAKESPEARE`]).
+    pub corpus: Option<PathBuf>,
     /// Held-out share at the end of the corpus.
     pub val_fraction: f64,
     /// Tokens per sequence.
@@ -170,7 +171,7 @@ pub struct DataSection {
 impl Default for DataSection {
     fn default() -> Self {
         Self {
-            corpus: PathBuf::from("data/shakespeare.txt"),
+            corpus: None,
             val_fraction: 0.1,
             seq_len: 64,
             batch_size: 32,
@@ -306,6 +307,9 @@ pub struct RunSection {
     pub eval_batches: usize,
     /// Steps between checkpoints (0: only at the end).
     pub checkpoint_every: usize,
+    /// Write checkpoints at all (`false`: neither periodic nor final; the
+    /// run cannot be resumed).
+    pub checkpoint: bool,
     /// Stop at the first evaluation at or below this validation loss.
     pub target_val_loss: Option<f64>,
     /// Stop after this much training wall time (minutes; `None`: no cap).
@@ -321,6 +325,7 @@ impl Default for RunSection {
             eval_every: 100,
             eval_batches: 8,
             checkpoint_every: 500,
+            checkpoint: true,
             target_val_loss: None,
             max_minutes: None,
         }
@@ -361,6 +366,20 @@ impl Default for TrainConfig {
     }
 }
 
+/// Whether the TOML `text` sets `key` of `[section]` (`None`: any key of
+/// it). Text that does not parse sets nothing (its error comes from
+/// [`TrainConfig::from_toml`]).
+pub fn toml_sets(text: &str, section: &str, key: Option<&str>) -> bool {
+    let Ok(table) = text.parse::<toml::Table>() else {
+        return false;
+    };
+    match (table.get(section).and_then(toml::Value::as_table), key) {
+        (Some(t), Some(k)) => t.contains_key(k),
+        (Some(t), None) => !t.is_empty(),
+        (None, _) => false,
+    }
+}
+
 /// The largest accepted `run.max_minutes`: one year.
 pub const MAX_MINUTES: f64 = 525_600.0;
 
@@ -378,10 +397,18 @@ impl TrainConfig {
     }
 
     /// Rejects settings that cannot work.
+    ///
+    /// `steps` must be at least 1, `run.target_val_loss` positive (a
+    /// validation loss is never below 0) and `moe.buffer_fraction` in
+    /// `(0, moe.ranks]`: 1 budgets the average routed pairs per rank,
+    /// `moe.ranks` every pair of a step on one rank, and no more can arrive.
     pub fn validate(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Config(m));
         if self.moe.ranks == 0 {
             return bad("moe.ranks must be at least 1".into());
+        }
+        if self.steps == 0 {
+            return bad("steps = 0: a run trains at least one step".into());
         }
         if self.data.batch_size == 0 || self.data.batch_size % self.moe.ranks != 0 {
             return bad(format!(
@@ -432,8 +459,12 @@ impl TrainConfig {
                 lrm_score::Rule::ALL.map(|r| r.name()).join(", ")
             ));
         }
-        if self.moe.buffer_fraction.is_nan() || self.moe.buffer_fraction <= 0.0 {
-            return bad("moe.buffer_fraction must be positive".into());
+        let bf = self.moe.buffer_fraction;
+        if !(bf.is_finite() && bf > 0.0 && bf <= self.moe.ranks as f64) {
+            return bad(format!(
+                "moe.buffer_fraction = {bf} must be in (0, moe.ranks = {}]: the share of the average routed pairs per rank one rank's backward buffer holds (1: the average; moe.ranks: every pair of a step)",
+                self.moe.ranks
+            ));
         }
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return bad("optim.lr must be positive".into());
@@ -464,8 +495,10 @@ impl TrainConfig {
             }
         }
         if let Some(t) = self.run.target_val_loss {
-            if !t.is_finite() {
-                return bad(format!("run.target_val_loss = {t} must be finite"));
+            if !(t.is_finite() && t > 0.0) {
+                return bad(format!(
+                    "run.target_val_loss = {t} must be a positive number of nats per token (a validation loss is never below 0)"
+                ));
             }
         }
         if !(self.data.val_fraction > 0.0 && self.data.val_fraction < 0.5) {
@@ -677,55 +710,86 @@ struct State {
     moe_s: f64,
     /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
     expert_bias: Vec<Vec<f64>>,
+    /// The run's kept fractions and buffers so far (not in the checkpoint:
+    /// a resumed run reads them back from `metrics.jsonl`).
+    logged: Logged,
+}
+
+/// Sums over the layer calls a run has logged, for its summary.
+#[derive(Debug, Clone, Copy, Default)]
+struct Logged {
+    kept_sum: f64,
+    kept_n: usize,
+    max_buffer: u64,
+}
+
+impl Logged {
+    fn add(&mut self, kept_fraction: f64, buffer_bytes: u64) {
+        self.kept_sum += kept_fraction;
+        self.kept_n += 1;
+        self.max_buffer = self.max_buffer.max(buffer_bytes);
+    }
+
+    /// The mean kept fraction (1 where no layer call was logged).
+    fn mean_kept(&self) -> f64 {
+        if self.kept_n > 0 {
+            self.kept_sum / self.kept_n as f64
+        } else {
+            1.0
+        }
+    }
+
+    /// The sums over the steps in `metrics.jsonl` (empty where it is
+    /// missing; lines that do not parse are skipped).
+    fn read(path: &Path) -> Self {
+        let mut t = Self::default();
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return t;
+        };
+        for line in text.lines() {
+            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+                continue;
+            };
+            for l in v["layers"].as_array().into_iter().flatten() {
+                if let Some(k) = l["kept_fraction"].as_f64() {
+                    t.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
+                }
+            }
+        }
+        t
+    }
 }
 
 const CHECKPOINT: &str = "checkpoint.safetensors";
 
-fn shapes(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+/// The checkpoint shape of the model tensor `name` holding `len` values.
+fn shape_of(cfg: &ModelConfig, name: &str, len: usize) -> Vec<usize> {
     let (d, v, f) = (cfg.d_model, cfg.vocab, cfg.ffn);
     let (qd, kd) = (
         cfg.n_heads * cfg.head_width(),
         cfg.kv_heads() * cfg.head_width(),
     );
-    let z = Model::<f32>::zeros(cfg);
-    z.tensors()
-        .iter()
-        .map(|(name, t)| {
-            let shape = match name.rsplit('.').next().unwrap_or("") {
-                "embed" => vec![v, d],
-                "pos" => vec![cfg.max_seq, d],
-                "head" => vec![d, v],
-                "router" => vec![d, cfg.n_experts],
-                "gate" | "up" => vec![d, f],
-                "down" => vec![f, d],
-                "wq" => vec![d, qd],
-                "wk" | "wv" => vec![d, kd],
-                "wo" => vec![qd, d],
-                _ => vec![t.len()],
-            };
-            (name.clone(), shape)
-        })
-        .collect()
+    match name.rsplit('.').next().unwrap_or("") {
+        "embed" => vec![v, d],
+        "pos" => vec![cfg.max_seq, d],
+        "head" => vec![d, v],
+        "router" => vec![d, cfg.n_experts],
+        "gate" | "up" => vec![d, f],
+        "down" => vec![f, d],
+        "wq" => vec![d, qd],
+        "wk" | "wv" => vec![d, kd],
+        "wo" => vec![qd, d],
+        _ => vec![len],
+    }
 }
 
-fn save_checkpoint(
-    path: &Path,
+/// The checkpoint's metadata beside the tensors.
+fn checkpoint_meta(
     cfg: &TrainConfig,
     mcfg: &ModelConfig,
     corpus: &Corpus,
     s: &State,
-) -> Result<(), TrainError> {
-    let shapes = shapes(mcfg);
-    let mut tensors = Vec::new();
-    for (prefix, m) in [
-        ("model.", &s.model),
-        ("adam.m.", &s.adam.m),
-        ("adam.v.", &s.adam.v),
-    ] {
-        for ((name, t), (_, shape)) in m.tensors().into_iter().zip(&shapes) {
-            tensors.push((format!("{prefix}{name}"), shape.clone(), t.as_slice()));
-        }
-    }
+) -> HashMap<String, String> {
     let mut meta = HashMap::new();
     meta.insert("format".into(), "lrmoe-checkpoint-1".into());
     meta.insert("step".into(), s.step.to_string());
@@ -750,7 +814,64 @@ fn save_checkpoint(
         serde_json::to_string(&s.evals).unwrap_or_default(),
     );
     meta.insert("config".into(), toml::to_string(cfg).unwrap_or_default());
-    tensorfile::save(path, &tensors, meta)?;
+    meta
+}
+
+/// Bytes the checkpoint of state `s` takes on disk, at most (its final
+/// evaluation curve may add a few hundred bytes; the bound's slack covers
+/// them).
+fn checkpoint_bytes(cfg: &TrainConfig, mcfg: &ModelConfig, corpus: &Corpus, s: &State) -> u64 {
+    let meta: usize = checkpoint_meta(cfg, mcfg, corpus, s)
+        .iter()
+        .map(|(k, v)| k.len() + v.len() + 8)
+        .sum();
+    let lens: Vec<usize> = s.model.tensors().iter().map(|(_, t)| t.len()).collect();
+    tensorfile::saved_bytes_bound(lens.iter().chain(&lens).chain(&lens).copied(), meta)
+        + 64 * 1024
+}
+
+/// Free bytes on the file system that holds `dir` (or its nearest existing
+/// ancestor); `None` where it cannot be read.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("."));
+    let existing = if existing.as_os_str().is_empty() {
+        Path::new(".")
+    } else {
+        existing
+    };
+    let st = nix::sys::statvfs::statvfs(existing).ok()?;
+    Some((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
+}
+
+fn save_checkpoint(
+    path: &Path,
+    cfg: &TrainConfig,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+    s: &State,
+) -> Result<(), TrainError> {
+    let mut tensors = Vec::new();
+    for (prefix, m) in [
+        ("model.", &s.model),
+        ("adam.m.", &s.adam.m),
+        ("adam.v.", &s.adam.v),
+    ] {
+        for (name, t) in m.tensors() {
+            let shape = shape_of(mcfg, &name, t.len());
+            tensors.push((format!("{prefix}{name}"), shape, t.as_slice()));
+        }
+    }
+    let clock = Instant::now();
+    tensorfile::save(path, &tensors, checkpoint_meta(cfg, mcfg, corpus, s))?;
+    let secs = clock.elapsed().as_secs_f64();
+    let bytes = std::fs::metadata(path).map_or(0, |m| m.len());
+    tracing::debug!(
+        step = s.step,
+        mib = bytes >> 20,
+        seconds = secs,
+        mib_per_s = bytes as f64 / (1u64 << 20) as f64 / secs.max(1e-9),
+        "checkpoint written"
+    );
     Ok(())
 }
 
@@ -808,11 +929,11 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
             mcfg.n_experts, mcfg.n_layers
         )));
     }
-    let shapes = shapes(mcfg);
     let mut take = |prefix: &str| -> Result<Model<f32>, TrainError> {
         let mut m = Model::<f32>::zeros(mcfg);
-        for ((name, t), (_, shape)) in m.tensors_mut().into_iter().zip(&shapes) {
-            *t = f.take(&format!("{prefix}{name}"), shape)?;
+        for (name, t) in m.tensors_mut() {
+            let shape = shape_of(mcfg, &name, t.len());
+            *t = f.take(&format!("{prefix}{name}"), &shape)?;
         }
         Ok(m)
     };
@@ -846,6 +967,7 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         wall_s,
         moe_s,
         expert_bias,
+        logged: Logged::default(),
     })
 }
 
@@ -882,6 +1004,71 @@ fn differences<T: Serialize>(saved: &T, configured: &T) -> String {
             .collect::<Vec<_>>()
             .join(", "),
         _ => String::from("unreadable"),
+    }
+}
+
+/// Refuses an output folder the run cannot use, before anything is
+/// created or written: a file in its place, an earlier run without
+/// `--resume` or `--force` (the hint says which of them can work), or
+/// `--resume` with no checkpoint to continue.
+fn check_out_dir(dir: &Path, opts: &RunOptions) -> Result<(), TrainError> {
+    let refuse = |m: String| Err(TrainError::Config(m));
+    if dir.exists() && !dir.is_dir() {
+        return refuse(format!(
+            "the output folder {} is a file, not a folder: choose another --out (run.out_dir)",
+            dir.display()
+        ));
+    }
+    let (ckpt, metrics) = (dir.join(CHECKPOINT), dir.join("metrics.jsonl"));
+    if opts.resume && !ckpt.exists() {
+        let hint = if metrics.exists() {
+            "its earlier run left no checkpoint: pass --force instead of --resume to start over"
+        } else {
+            "drop --resume to start a new run"
+        };
+        return refuse(format!(
+            "--resume: {} holds no checkpoint to continue ({hint})",
+            dir.display()
+        ));
+    }
+    if !opts.resume && !opts.force {
+        if ckpt.exists() {
+            return refuse(format!(
+                "{} holds an earlier run ({}): pass --resume to continue it or --force to start over",
+                dir.display(),
+                ckpt.display()
+            ));
+        }
+        if metrics.exists() {
+            return refuse(format!(
+                "{} holds the metrics of an earlier run that left no checkpoint ({}): pass --force to start over",
+                dir.display(),
+                metrics.display()
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Says how large each checkpoint write is, and refuses a run whose
+/// checkpoint cannot fit on the output folder's disk (it would fail only
+/// after training).
+fn check_checkpoint_room(dir: &Path, bytes: u64) -> Result<(), TrainError> {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let free = free_bytes(dir);
+    tracing::info!(
+        checkpoint_gib = gib(bytes),
+        free_gib = free.map(gib),
+        "checkpoint size (each write; --no-checkpoint writes none)"
+    );
+    match free {
+        Some(free) if free < bytes => Err(TrainError::Config(format!(
+            "the checkpoint needs {:.2} GiB and {}'s disk has {:.2} GiB free: free space, choose another --out, or pass --no-checkpoint (run.checkpoint = false)",
+            gib(bytes),
+            dir.display(),
+            gib(free)
+        ))),
+        _ => Ok(()),
     }
 }
 
@@ -1120,7 +1307,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             "moe.executor = \"device\" needs --device cuda".into(),
         ));
     }
-    let corpus = load_corpus(&cfg.data.corpus, cfg.data.val_fraction)?;
+    let corpus = load_corpus(cfg.data.corpus.as_deref(), cfg.data.val_fraction)?;
     // One GPU, one rank: the whole model resident on the device, its
     // vocabulary padded to a multiple of 8 unless the configuration sets it.
     // Launched ranks with `--executor device`: the same, experts sharded
@@ -1149,22 +1336,14 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         check_memory(cfg, &mcfg)?;
     }
     let unigram = unigram_baseline(&corpus);
-    std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
     let ckpt = cfg.run.out_dir.join(CHECKPOINT);
     let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
     if opts.writes() {
+        check_out_dir(&cfg.run.out_dir, opts)?;
+        std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
         remove_orphans(&cfg.run.out_dir)?;
-        if !opts.resume && !opts.force {
-            if let Some(found) = [&ckpt, &metrics_path].into_iter().find(|p| p.exists()) {
-                return Err(TrainError::Config(format!(
-                    "{} holds an earlier run ({}): pass --resume to continue it or --force to start over",
-                    cfg.run.out_dir.display(),
-                    found.display()
-                )));
-            }
-        }
     }
-    let initial = if opts.resume {
+    let mut initial = if opts.resume {
         let s = load_checkpoint(&ckpt, &mcfg, &corpus)?;
         tracing::info!(step = s.step, path = %ckpt.display(), "resumed");
         s
@@ -1183,8 +1362,18 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             wall_s: 0.0,
             moe_s: 0.0,
             expert_bias: Vec::new(),
+            logged: Logged::default(),
         }
     };
+    if opts.writes() {
+        if cfg.run.checkpoint {
+            check_checkpoint_room(&cfg.run.out_dir, checkpoint_bytes(cfg, &mcfg, &corpus, &initial))?;
+        } else if opts.force && ckpt.exists() {
+            // A checkpoint of the replaced run would pair with this run's
+            // metrics on a later --resume.
+            std::fs::remove_file(&ckpt).map_err(io_err(&ckpt))?;
+        }
+    }
     tracing::info!(
         params = initial.model.n_params(),
         vocab = mcfg.vocab,
@@ -1204,6 +1393,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     }
     if opts.writes() && opts.resume {
         truncate_metrics(&metrics_path, initial.step)?;
+        initial.logged = Logged::read(&metrics_path);
     }
     let metrics = if opts.writes() {
         let f = std::fs::OpenOptions::new()
@@ -1541,15 +1731,13 @@ fn rank_loop<X: Transport>(
         wall_s: initial.wall_s,
         moe_s: initial.moe_s,
         expert_bias: initial.expert_bias.clone(),
+        logged: initial.logged,
     };
     let rate = cfg.moe.expert_bias_rate;
     if rate > 0.0 && s.expert_bias.is_empty() {
         s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
     }
     let max_s = cfg.run.max_minutes.map(|m| m * 60.0);
-    let mut kept_sum = 0.0;
-    let mut kept_n = 0usize;
-    let mut max_buffer = 0u64;
     let mut reached = s
         .evals
         .iter()
@@ -1696,9 +1884,7 @@ fn rank_loop<X: Transport>(
             })
             .collect();
         for l in &layers {
-            kept_sum += l.kept_fraction;
-            kept_n += 1;
-            max_buffer = max_buffer.max(l.buffer_bytes);
+            s.logged.add(l.kept_fraction, l.buffer_bytes);
         }
 
         let val_loss = if s.step % cfg.run.eval_every == 0 || s.step == cfg.steps {
@@ -1736,7 +1922,9 @@ fn rank_loop<X: Transport>(
         };
         // The device model's weights come back before a checkpoint (a
         // collective: every rank takes part, rank 0 writes).
-        let checkpoint_due = cfg.run.checkpoint_every > 0 && s.step % cfg.run.checkpoint_every == 0;
+        let checkpoint_due = cfg.run.checkpoint
+            && cfg.run.checkpoint_every > 0
+            && s.step % cfg.run.checkpoint_every == 0;
         if let (true, Some(dm)) = (checkpoint_due, device_model) {
             (s.model, s.adam) = lock(dm).download(comm)?;
         }
@@ -1770,7 +1958,6 @@ fn rank_loop<X: Transport>(
             }
             if checkpoint_due {
                 save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
-                tracing::debug!(step = s.step, "checkpoint written");
             }
         }
         reason = crate::stop::decide(
@@ -1807,10 +1994,10 @@ fn rank_loop<X: Transport>(
             v
         }
     };
-    if let Some(dm) = device_model {
+    if let (true, Some(dm)) = (cfg.run.checkpoint, device_model) {
         (s.model, s.adam) = lock(dm).download(comm)?;
     }
-    if me == 0 && metrics.is_some() {
+    if me == 0 && metrics.is_some() && cfg.run.checkpoint {
         save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
     }
     Ok(Some(TrainSummary {
@@ -1820,12 +2007,8 @@ fn rank_loop<X: Transport>(
         final_val_loss: final_val,
         unigram_val_loss: f64::NAN,
         reached_target: reached,
-        mean_kept_fraction: if kept_n > 0 {
-            kept_sum / kept_n as f64
-        } else {
-            1.0
-        },
-        max_buffer_bytes: max_buffer,
+        mean_kept_fraction: s.logged.mean_kept(),
+        max_buffer_bytes: s.logged.max_buffer,
         stop_reason: reason,
     }))
 }

@@ -216,8 +216,7 @@ fn check_plan(p: &lrmoe::plan::Problem, r: &lrmoe::plan::PlanReport) -> Result<(
 fn shakespeare() -> &'static lrmoe::data::Corpus {
     static C: OnceLock<lrmoe::data::Corpus> = OnceLock::new();
     C.get_or_init(|| {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt");
-        lrmoe::data::load_corpus(&path, 0.1).unwrap()
+        lrmoe::data::load_corpus(None, 0.1).unwrap()
     })
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 fn corpus() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data/shakespeare.txt")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare.txt")
 }
 
 fn tmp(name: &str) -> PathBuf {
