@@ -118,7 +118,7 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         };
         let _ = writeln!(
             t,
-            "| {:?} | {reached} | {wall} | {moe} | {steps} | {:.4} | {:.3} | {:.1} |",
+            "| {} | {reached} | {wall} | {moe} | {steps} | {:.4} | {:.3} | {:.1} |",
             r.mode,
             r.final_val_loss,
             r.mean_kept_fraction,
@@ -138,7 +138,7 @@ fn plot(
     let series: Vec<crate::plots::Series> = runs
         .iter()
         .map(|r| crate::plots::Series {
-            name: format!("{:?}", r.mode),
+            name: r.mode.to_string(),
             points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect(),
         })
         .collect();

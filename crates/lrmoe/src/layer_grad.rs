@@ -36,13 +36,6 @@ pub struct Options {
     pub retention: f64,
 }
 
-fn shape_of(f: &tensorfile::Loaded, name: &str) -> Result<Vec<usize>, LayerGradError> {
-    f.tensors
-        .get(name)
-        .map(|(s, _)| s.clone())
-        .ok_or_else(|| LayerGradError::Inconsistent(format!("tensor {name} is missing")))
-}
-
 fn dims2(shape: &[usize], name: &str) -> Result<(usize, usize), LayerGradError> {
     match shape {
         [a, b] => Ok((*a, *b)),
@@ -61,9 +54,9 @@ pub fn run(
 ) -> Result<(), LayerGradError> {
     let mut w = tensorfile::load(weights)?;
     let mut x = tensorfile::load(inputs)?;
-    let (hidden, n_experts) = dims2(&shape_of(&w, "router")?, "router")?;
-    let (_, ffn) = dims2(&shape_of(&w, "experts.0.gate")?, "experts.0.gate")?;
-    let (n_tok, xh) = dims2(&shape_of(&x, "x")?, "x")?;
+    let (hidden, n_experts) = dims2(w.shape("router")?, "router")?;
+    let (_, ffn) = dims2(w.shape("experts.0.gate")?, "experts.0.gate")?;
+    let (n_tok, xh) = dims2(x.shape("x")?, "x")?;
     if xh != hidden {
         return Err(LayerGradError::Inconsistent(format!(
             "x has width {xh}, the router expects {hidden}"

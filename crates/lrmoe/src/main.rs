@@ -88,8 +88,8 @@ struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     config: Option<PathBuf>,
     /// A Hugging Face Qwen3-MoE config.json giving the model's shape, in
-    /// place of the configuration's [model] section (a configuration that
-    /// also has one is refused).
+    /// place of the configuration's [model] section (with a warning where
+    /// the configuration has one).
     #[arg(long, value_name = "FILE")]
     model_config: Option<PathBuf>,
     /// Transformer blocks [default: model.n_layers, 2].
@@ -374,9 +374,10 @@ fn train_config(
         None
     };
     if let Some(path) = &a.model_config {
+        // A flag overrides the file, as every flag does; it says so.
         if lrmoe::train::toml_sets(&text, "model", None) {
-            anyhow::bail!(
-                "--model-config {} and the configuration's [model] section both set the model's shape: keep one",
+            tracing::warn!(
+                "--model-config {} replaces the configuration's [model] section",
                 path.display()
             );
         }
@@ -439,14 +440,12 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
     let transport = match dist.clone() {
         None => None,
         Some(env) => {
-            if let Some(from) = ranks_from.filter(|_| cfg.moe.ranks != env.world) {
-                anyhow::bail!(
-                    "{from} = {} disagrees with WORLD_SIZE = {} (launched ranks take their number from the launcher)",
-                    cfg.moe.ranks,
-                    env.world
-                );
-            }
-            cfg.moe.ranks = env.world;
+            cfg.moe.ranks = lrmoe::train::resolve_ranks(
+                cfg.moe.ranks,
+                ranks_from,
+                Some(env.world),
+                a.device == "cuda",
+            )?;
             let t =
                 lrmoe::layer::NcclTransport::connect(&env, Duration::from_secs_f64(a.timeout_s))?;
             tracing::info!(
@@ -465,10 +464,8 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
     let gpu = match a.device.as_str() {
         "cpu" => None,
         "cuda" => {
-            // One GPU trains the whole model as one rank unless ranks were
-            // asked for (then they share GPU 0, as documented).
-            if ranks_from.is_none() && transport.is_none() {
-                cfg.moe.ranks = 1;
+            if transport.is_none() {
+                cfg.moe.ranks = lrmoe::train::resolve_ranks(cfg.moe.ranks, ranks_from, None, true)?;
             }
             let ordinal = dist.as_ref().map_or(0, |d| d.local_rank);
             Some(std::sync::Arc::new(lrmoe::kernels::gpu::Gpu::open(

@@ -219,10 +219,15 @@ fn check_matrix(field: &str, m: &[Vec<u64>], rows: usize, cols: usize) -> Result
 /// Validates dimensions and the either/or fields before any planning.
 pub fn validate(p: &Problem) -> Result<(), PlanError> {
     let (n_ranks, n_experts) = (p.n_ranks, p.placement.owner.len());
-    if n_ranks == 0 && n_experts > 0 {
+    // An empty problem is a malformed one (a file cut short, a generator
+    // that wrote nothing), not a layer call with nothing to plan.
+    if n_ranks == 0 {
+        return Err(invalid("n_ranks", "must be at least 1"));
+    }
+    if n_experts == 0 {
         return Err(invalid(
-            "n_ranks",
-            "must be at least 1 when there are experts",
+            "placement.owner",
+            "names no expert: give each expert's owning rank",
         ));
     }
     for (e, &r) in p.placement.owner.iter().enumerate() {

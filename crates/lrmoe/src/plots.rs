@@ -210,24 +210,53 @@ impl Chart for LineChart<'_> {
             .y_label_area_size(64)
             .build_cartesian_2d(x_lo..x_hi, y_lo..y_hi)
             .map_err(|e| e.to_string())?;
-        chart
-            .configure_mesh()
-            .x_desc(labels.x)
+        // Steps and other counts are labelled as whole numbers ("10", not
+        // "10.0").
+        let whole_x = series
+            .iter()
+            .flat_map(|s| s.points.iter().filter(finite))
+            .all(|p| p.0.fract() == 0.0);
+        // Fractional ticks of a whole-number axis stay unlabelled.
+        let whole_label = |v: &f64| {
+            if v.fract() == 0.0 {
+                format!("{v:.0}")
+            } else {
+                String::new()
+            }
+        };
+        let mut mesh = chart.configure_mesh();
+        mesh.x_desc(labels.x)
             .y_desc(labels.y)
-            .label_style(("sans-serif", 13))
-            .draw()
-            .map_err(|e| e.to_string())?;
+            .label_style(("sans-serif", 13));
+        if whole_x {
+            mesh.x_label_formatter(&whole_label);
+        }
+        mesh.draw().map_err(|e| e.to_string())?;
         for (i, s) in series.iter().enumerate() {
             let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(
-                    s.points.iter().filter(finite).copied(),
+            let points = s.points.iter().filter(finite).copied();
+            // A series identical to an earlier one is drawn dashed over it,
+            // so that neither hides the other.
+            let repeats = series[..i].iter().any(|o| o.points == s.points);
+            let drawn = if repeats {
+                chart.draw_series(DashedLineSeries::new(
+                    points,
+                    10,
+                    8,
                     color.stroke_width(2),
                 ))
+            } else {
+                chart.draw_series(LineSeries::new(points, color.stroke_width(2)))
+            };
+            drawn
                 .map_err(|e| e.to_string())?
                 .label(s.name.as_str())
                 .legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    if repeats {
+                        PathElement::new(vec![(x, y), (x + 7, y)], color.stroke_width(2))
+                    } else {
+                        PathElement::new(vec![(x, y), (x + 18, y)], color.stroke_width(2))
+                    }
                 });
         }
         if let Some(r) = reference {
@@ -410,7 +439,7 @@ mod tests {
         let d = dir("lines");
         let s = vec![Series {
             name: "full".into(),
-            points: vec![(0.0, 3.0), (10.0, 2.5), (20.0, 2.1), (f64::NAN, 1.0)],
+            points: vec![(0.0, 3.0), (10.0, 2.5), (20.5, 2.1), (f64::NAN, 1.0)],
         }];
         let r = Reference {
             y: 2.0,
@@ -453,7 +482,7 @@ mod tests {
                 parts: vec![100.0, 0.0, 400.0],
             },
             Bar {
-                label: "Lrmoe".into(),
+                label: "LRMoE".into(),
                 parts: vec![100.0, 50.0, 200.0],
             },
         ];
@@ -472,13 +501,34 @@ mod tests {
         let svg = std::fs::read_to_string(&files[0]).expect("svg");
         for needle in [
             "Fixed",
-            "Lrmoe",
+            "LRMoE",
             "placement",
             "token buffers",
             "budget 450 MiB",
         ] {
             assert!(svg.contains(needle), "{needle}");
         }
+    }
+
+    #[test]
+    fn step_axes_are_whole_and_identical_series_both_show() {
+        let d = dir("steps");
+        let a = Series {
+            name: "full".into(),
+            points: vec![(0.0, 3.0), (10.0, 2.5), (20.0, 2.1)],
+        };
+        let b = Series {
+            name: "lrmoe".into(),
+            ..a.clone()
+        };
+        let files = lines(&d.join("c"), L, &[a, b], None).expect("draws");
+        let svg = std::fs::read_to_string(&files[0]).expect("svg");
+        let texts: Vec<&str> = svg.lines().map(str::trim).collect();
+        assert!(texts.contains(&"10") && !texts.contains(&"10.0"), "{svg}");
+        // The repeated series is drawn in dashes: more than one path of its
+        // colour.
+        let second = "stroke=\"#D62728\"";
+        assert!(svg.matches(second).count() > 3, "{svg}");
     }
 
     #[test]

@@ -604,6 +604,16 @@ pub enum Strategy {
     Lrmoe,
 }
 
+impl std::fmt::Display for Strategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Fixed => "Fixed",
+            Self::Replication => "Replication",
+            Self::Lrmoe => "LRMoE",
+        })
+    }
+}
+
 /// One strategy at one step: peaks over ranks and layers.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize)]
 pub struct StepFigures {
@@ -922,7 +932,7 @@ pub fn table(r: &Report) -> String {
     );
     for s in &r.summary {
         t += &format!(
-            "| {:?} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.3} | {:.2} | {:.3} |\n",
+            "| {} | {:.1} | {:.1} | {:.1} | {:.1} | {} | {:.3} | {:.2} | {:.3} |\n",
             s.strategy,
             mib(s.placement_bytes),
             mib(s.replica_bytes),
@@ -934,10 +944,12 @@ pub fn table(r: &Report) -> String {
             s.mean_kept_fraction
         );
     }
-    t += &format!(
-        "\nLRMoE peak memory vs fixed ownership: {:.1}% less.\n",
-        100.0 * r.lrmoe_memory_saving
-    );
+    let saving = 100.0 * r.lrmoe_memory_saving;
+    t += &if saving >= 0.0 {
+        format!("\nLRMoE peak memory vs fixed ownership: {saving:.1}% less.\n")
+    } else {
+        format!("\nLRMoE peak memory vs fixed ownership: {:.1}% more.\n", -saving)
+    };
     t
 }
 
@@ -1007,7 +1019,7 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
                 .iter()
                 .filter_map(|&s| of(s).next())
                 .map(|f| crate::plots::Bar {
-                    label: format!("{:?}", f.strategy),
+                    label: f.strategy.to_string(),
                     parts: values(f),
                 })
                 .collect();
@@ -1016,7 +1028,7 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
             let series: Vec<crate::plots::Series> = strategies
                 .iter()
                 .map(|&s| crate::plots::Series {
-                    name: format!("{s:?}"),
+                    name: s.to_string(),
                     points: of(s)
                         .map(|f| (f.step as f64, values(f).iter().sum()))
                         .collect(),
@@ -1055,6 +1067,18 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_summary_says_more_when_lrmoe_holds_more() {
+        let report = |saving| Report {
+            steps: vec![],
+            summary: vec![],
+            lrmoe_memory_saving: saving,
+        };
+        assert!(table(&report(0.25)).contains("25.0% less."));
+        let more = table(&report(-0.107));
+        assert!(more.contains("10.7% more.") && !more.contains('−') && !more.contains("-10"));
+    }
 
     fn cfg(budget_mib: u64) -> ReplayConfig {
         ReplayConfig {

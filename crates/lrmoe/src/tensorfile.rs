@@ -125,7 +125,8 @@ pub struct Loaded {
 }
 
 impl Loaded {
-    /// Takes tensor `name`, checking its shape.
+    /// Takes tensor `name`, checking its shape and that every value is
+    /// finite.
     pub fn take(&mut self, name: &str, shape: &[usize]) -> Result<Vec<f32>, TensorFileError> {
         let err = |reason: String| TensorFileError::Tensor {
             path: self.path.clone(),
@@ -139,7 +140,22 @@ impl Loaded {
         if s != shape {
             return Err(err(format!("shape {s:?}, expected {shape:?}")));
         }
+        if let Some(i) = data.iter().position(|v| !v.is_finite()) {
+            return Err(err(format!("non-finite value {} at element {i}", data[i])));
+        }
         Ok(data)
+    }
+
+    /// The shape of tensor `name`, if the file has it.
+    pub fn shape(&self, name: &str) -> Result<&[usize], TensorFileError> {
+        self.tensors
+            .get(name)
+            .map(|(s, _)| s.as_slice())
+            .ok_or_else(|| TensorFileError::Tensor {
+                path: self.path.clone(),
+                name: name.to_string(),
+                reason: "missing".into(),
+            })
     }
 
     /// Metadata value `key`.

@@ -87,6 +87,17 @@ pub enum Mode {
     Replicate,
 }
 
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Full => "Full",
+            Self::Lrmoe => "LRMoE",
+            Self::Capacity => "Capacity",
+            Self::Replicate => "Replicate",
+        })
+    }
+}
+
 /// Model shape (the vocabulary comes from the corpus).
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -366,6 +377,44 @@ impl Default for TrainConfig {
     }
 }
 
+/// The number of ranks a run has: `configured` (`moe.ranks` after the
+/// flags), set explicitly by `set_by` (`None`: it is the default), for
+/// launched ranks (`world`: WORLD_SIZE) or on a GPU (`gpu`). A default
+/// adapts — one rank per GPU, WORLD_SIZE when launched — but an explicit
+/// setting is used as it is, or refused where it cannot hold.
+pub fn resolve_ranks(
+    configured: usize,
+    set_by: Option<&str>,
+    world: Option<usize>,
+    gpu: bool,
+) -> Result<usize, TrainError> {
+    match (world, set_by) {
+        (Some(w), Some(from)) if configured != w => Err(TrainError::Config(format!(
+            "{from} = {configured} disagrees with WORLD_SIZE = {w} (launched ranks take their number from the launcher)"
+        ))),
+        (Some(w), _) => Ok(w),
+        (None, None) if gpu => Ok(1),
+        (None, _) => Ok(configured),
+    }
+}
+
+/// A TOML error on one line: where (line and column, 1-based), what, and
+/// the offending line's text (the parser's own message draws a `^` marker
+/// under it over several lines, which a one-line error cannot keep).
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let message = e.message().trim().replace('\n', " ");
+    let Some(span) = e.span() else {
+        return message;
+    };
+    let start = span.start.min(text.len());
+    let before = &text[..start];
+    let line = before.matches('\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let column = before[line_start..].chars().count() + 1;
+    let source = text[line_start..].lines().next().unwrap_or("").trim();
+    format!("line {line}, column {column}: {message} (in `{source}`)")
+}
+
 /// Whether the TOML `text` sets `key` of `[section]` (`None`: any key of
 /// it). Text that does not parse sets nothing (its error comes from
 /// [`TrainConfig::from_toml`]).
@@ -386,11 +435,11 @@ pub const MAX_MINUTES: f64 = 525_600.0;
 impl TrainConfig {
     /// Parses TOML, naming the offending key on error.
     pub fn from_toml(text: &str) -> Result<Self, TrainError> {
-        let cfg: Self = toml::from_str(text)
-            .map_err(|e| TrainError::Config(e.to_string().replace('\n', " ")))?;
+        let cfg: Self =
+            toml::from_str(text).map_err(|e| TrainError::Config(toml_error(text, &e)))?;
         // Sections must be tables: serde would also read one from an array.
         let input: toml::Value =
-            toml::from_str(text).map_err(|e| TrainError::Config(e.to_string()))?;
+            toml::from_str(text).map_err(|e| TrainError::Config(toml_error(text, &e)))?;
         let input = serde_json::to_value(input).map_err(|e| TrainError::Config(e.to_string()))?;
         crate::strict::check_value(&input, &cfg).map_err(|e| TrainError::Config(e.to_string()))?;
         Ok(cfg)
@@ -943,21 +992,6 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         v: take("adam.v.")?,
         t: adam_t,
     };
-    for (prefix, m) in [
-        ("model.", &model),
-        ("adam.m.", &adam.m),
-        ("adam.v.", &adam.v),
-    ] {
-        for (name, t) in m.tensors() {
-            if let Some(i) = t.iter().position(|v| !v.is_finite()) {
-                return Err(TrainError::Checkpoint(TensorFileError::Tensor {
-                    path: path.display().to_string(),
-                    name: format!("{prefix}{name}"),
-                    reason: format!("non-finite value {} at element {i}", t[i]),
-                }));
-            }
-        }
-    }
     Ok(State {
         model,
         adam,
@@ -2069,6 +2103,39 @@ fn evaluate<X: Transport>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn configured_ranks_are_kept_defaults_adapt() {
+        let from = Some("the configuration's moe.ranks");
+        // --device cuda: the default becomes one rank, a setting stays.
+        assert_eq!(resolve_ranks(2, None, None, true).unwrap(), 1);
+        assert_eq!(resolve_ranks(8, from, None, true).unwrap(), 8);
+        assert_eq!(resolve_ranks(8, from, None, false).unwrap(), 8);
+        assert_eq!(resolve_ranks(2, None, None, false).unwrap(), 2);
+        // Launched: the default follows WORLD_SIZE; a setting must agree.
+        assert_eq!(resolve_ranks(2, None, Some(4), false).unwrap(), 4);
+        assert_eq!(resolve_ranks(4, from, Some(4), true).unwrap(), 4);
+        let e = resolve_ranks(8, from, Some(2), false).unwrap_err().to_string();
+        assert!(
+            e.contains("the configuration's moe.ranks = 8 disagrees with WORLD_SIZE = 2"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_checkpoint_that_cannot_fit_is_refused_with_the_way_out() {
+        let dir = std::env::temp_dir();
+        check_checkpoint_room(&dir, 1024).unwrap();
+        let e = check_checkpoint_room(&dir, u64::MAX / 2)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("GiB free") && e.contains("--no-checkpoint") && e.contains("--out"),
+            "{e}"
+        );
+        // A folder yet to be made is measured on its nearest ancestor.
+        assert!(free_bytes(&dir.join("not/yet/made")).is_some_and(|b| b > 0));
+    }
 
     /// Micro-batches accumulate the whole batch's gradient (the exact
     /// backward, two in-process ranks): the same gradients within f32

@@ -109,7 +109,40 @@ fn layer_grad_writes_every_gradient_and_the_kept_mask() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
-    assert!(err.contains("tensor router is missing"), "{err}");
+    let bad = dir.join("bad.safetensors").display().to_string();
+    assert!(
+        err.contains(&format!("{bad}: tensor router: missing")),
+        "the missing tensor and its file are named: {err}"
+    );
+
+    // A NaN in the inputs names the file, the tensor and the element.
+    let mut dy_nan = dy.clone();
+    dy_nan[5] = f32::NAN;
+    tensorfile::save(
+        &dir.join("nan.safetensors"),
+        &[
+            ("x".into(), vec![t, h], x.as_slice()),
+            ("dy".into(), vec![t, h], dy_nan.as_slice()),
+        ],
+        HashMap::new(),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["layer-grad", "--weights"])
+        .arg(dir.join("w.safetensors"))
+        .arg("--inputs")
+        .arg(dir.join("nan.safetensors"))
+        .arg("--out")
+        .arg(dir.join("o.safetensors"))
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+    assert!(
+        err.contains("nan.safetensors: tensor dy: non-finite value NaN at element 5"),
+        "{err}"
+    );
 
     // An output that cannot be written says write, not read.
     let blocker = dir.join("not-a-dir");

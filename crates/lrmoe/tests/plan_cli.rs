@@ -132,6 +132,29 @@ fn negative_and_fractional_counts_name_the_field() {
 }
 
 #[test]
+fn empty_problems_are_refused() {
+    check_error(
+        r#"{"n_ranks":0,"placement":{"owner":[]},"kept_counts":[]}"#,
+        &["n_ranks", "at least 1"],
+    );
+    check_error(
+        r#"{"n_ranks":2,"placement":{"owner":[]},"kept_counts":[[],[]]}"#,
+        &["placement.owner", "no expert"],
+    );
+}
+
+#[test]
+fn negative_limits_name_the_flag_and_range() {
+    let (ok, _, stderr) = plan(KEPT_OK, &["--ilp-time-limit-ms", "-1"]);
+    assert!(!ok);
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains("--ilp-time-limit-ms") && stderr.contains("≥ 1"),
+        "{stderr}"
+    );
+}
+
+#[test]
 fn an_expert_with_no_instance_is_named() {
     check_error(
         r#"{"n_ranks": 2, "placement": {"owner": [0, 7]}, "kept_counts": [[1, 1], [1, 1]]}"#,

@@ -364,7 +364,7 @@ fn bad_time_caps_are_one_line_errors() {
             "--no-progress",
         ]);
         assert!(!ok, "{v}");
-        one_line_error(&err, "run.max_minutes");
+        one_line_error(&err, "--max-minutes");
     }
 }
 
@@ -673,6 +673,10 @@ fn a_qwen3_config_json_trains_and_resumes_exactly() {
         warn.contains("not used by the model: torch_dtype"),
         "{warn}"
     );
+    assert!(
+        warn.contains("replaces the configuration's [model] section"),
+        "the flag's override of the file is said: {warn}"
+    );
     let (b, _) = run("qwen3-resumed", Some("4"), true);
     let ta = model_tensors(&a.join("out/checkpoint.safetensors"));
     assert_eq!(ta, model_tensors(&b.join("out/checkpoint.safetensors")));
@@ -726,4 +730,248 @@ fn config_json_errors_are_one_line_and_name_the_field() {
     assert!(!ok);
     one_line_error(&err, "nonexistent.json");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The summary line's mean kept fraction.
+fn summary_kept(stdout: &str) -> f64 {
+    let at = stdout.find("mean kept fraction ").unwrap() + "mean kept fraction ".len();
+    stdout[at..].split_whitespace().next().unwrap().parse().unwrap()
+}
+
+/// The mean of every logged layer call's kept fraction in `metrics.jsonl`.
+fn logged_kept(dir: &Path) -> f64 {
+    let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+    let kept: Vec<f64> = text
+        .lines()
+        .flat_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["layers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|l| l["kept_fraction"].as_f64().unwrap())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    kept.iter().sum::<f64>() / kept.len() as f64
+}
+
+#[test]
+fn the_summary_kept_fraction_is_the_whole_runs_after_a_resume() {
+    let dir = tmp("kept");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    let (ok, first, err) = lrmoe(&["train", "--config", c, "--steps", "3", "--no-progress"]);
+    assert!(ok, "{err}");
+    assert!(summary_kept(&first) < 0.95, "the tiny run drops pairs: {first}");
+    // Three more steps: the summary covers all six.
+    let (ok, second, err) = lrmoe(&["train", "--config", c, "--resume", "--no-progress"]);
+    assert!(ok, "{err}");
+    assert!((summary_kept(&second) - logged_kept(&dir)).abs() < 6e-4, "{second}");
+    // A resume that trains no step reports the run's, not 1.000.
+    let (ok, third, err) = lrmoe(&["train", "--config", c, "--resume", "--no-progress"]);
+    assert!(ok, "{err}");
+    assert!(third.starts_with("steps 6"), "{third}");
+    assert!((summary_kept(&third) - logged_kept(&dir)).abs() < 6e-4, "{third}");
+    assert_eq!(summary_kept(&third), summary_kept(&second));
+}
+
+#[test]
+fn negative_numbers_after_a_space_name_the_flag_and_its_range() {
+    let dir = tmp("negative");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    for (flag, value, range) in [
+        ("--buffer-fraction", "-0.5", "> 0"),
+        ("--steps", "-5", "≥ 1"),
+        ("--max-minutes", "-1", "(0, 525600]"),
+        ("--target-val-loss", "-1", "> 0"),
+        ("--seed", "-3", "whole number"),
+    ] {
+        let (ok, _, err) = lrmoe(&["train", "--config", c, flag, value]);
+        assert!(!ok, "{flag} {value}");
+        one_line_error(&err, flag);
+        assert!(err.contains(range) && !err.contains("unexpected argument"), "{err}");
+    }
+    let (ok, _, err) = lrmoe(&[
+        "layer-grad", "--weights", "w", "--inputs", "x", "--out", "o", "--retention", "-1",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "--retention");
+    assert!(err.contains("[0, 1]"), "{err}");
+    assert!(!dir.join("out").exists(), "nothing created");
+}
+
+#[test]
+fn nonsense_settings_are_refused_before_anything_is_written() {
+    let dir = tmp("nonsense");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--steps", "0"]);
+    assert!(!ok);
+    one_line_error(&err, "--steps");
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--buffer-fraction", "3"]);
+    assert!(!ok);
+    one_line_error(&err, "moe.buffer_fraction = 3 must be in (0, moe.ranks = 2]");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let bad = dir.join("bad.toml");
+    for (from, to, needle) in [
+        ("steps = 6", "steps = 0", "steps = 0"),
+        (
+            "checkpoint_every = 2",
+            "checkpoint_every = 2\ntarget_val_loss = -1.0",
+            "run.target_val_loss = -1",
+        ),
+    ] {
+        std::fs::write(&bad, text.replace(from, to)).unwrap();
+        let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap()]);
+        assert!(!ok, "{to}");
+        one_line_error(&err, needle);
+    }
+    assert!(!dir.join("out").exists(), "no folder, no checkpoint");
+}
+
+#[test]
+fn refusal_hints_point_the_way_that_works() {
+    let dir = tmp("hints");
+    let cfg = tiny_config(&dir, "");
+    let c = cfg.to_str().unwrap();
+    // A folder with only the metrics of a run that left no checkpoint.
+    std::fs::create_dir_all(dir.join("out")).unwrap();
+    std::fs::write(dir.join("out/metrics.jsonl"), "{\"step\":1}\n").unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c]);
+    assert!(!ok);
+    one_line_error(&err, "left no checkpoint");
+    assert!(err.contains("--force") && !err.contains("--resume"), "{err}");
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--resume"]);
+    assert!(!ok);
+    one_line_error(&err, "no checkpoint to continue");
+    assert!(err.contains("--force"), "{err}");
+    // --resume into a new folder creates nothing.
+    let fresh = dir.join("fresh");
+    let (ok, _, err) = lrmoe(&[
+        "train", "--config", c, "--out", fresh.to_str().unwrap(), "--resume",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "drop --resume");
+    assert!(!fresh.exists(), "no empty folder left behind");
+    // An output "folder" that is a file.
+    let file = dir.join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", c, "--out", file.to_str().unwrap()]);
+    assert!(!ok);
+    one_line_error(&err, "is a file, not a folder");
+    assert!(!err.contains("os error"), "{err}");
+}
+
+#[test]
+fn train_help_shows_the_defaults_it_runs_with() {
+    let (ok, help, err) = lrmoe(&["train", "--help"]);
+    assert!(ok, "{err}");
+    let d = lrmoe::train::TrainConfig::default();
+    for needle in [
+        format!("[default: steps, {}]", d.steps),
+        format!("[default: seed, {}]", d.seed),
+        format!("[default: run.out_dir, {}]", d.run.out_dir.display()),
+        format!("[default: moe.buffer_fraction, {}]", d.moe.buffer_fraction),
+        format!("[default: model.n_layers, {}]", d.model.n_layers),
+        format!("[default: moe.ranks, {} on the CPU", d.moe.ranks),
+        format!("[default: moe.selection_rule, {}]", d.moe.selection_rule),
+        "built-in Shakespeare corpus".to_string(),
+        "Where it runs:".to_string(),
+    ] {
+        assert!(help.contains(&needle), "help lacks {needle:?}:\n{help}");
+    }
+    let modes: Vec<String> = lrmoe::compare::MODES
+        .iter()
+        .map(|m| format!("{m:?}").to_lowercase())
+        .collect();
+    assert!(
+        help.contains(&format!("[default: {}]", modes.join(", "))),
+        "--modes names its {} default modes:\n{help}",
+        modes.len()
+    );
+    assert!(!help.contains("three"), "{help}");
+}
+
+#[test]
+fn the_main_job_runs_from_any_folder_without_a_checkpoint_if_asked() {
+    // A folder with no data/ in it: the built-in corpus.
+    let dir = tmp("anywhere");
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["train", "--steps", "2", "--no-progress", "--no-checkpoint"])
+        .current_dir(&dir)
+        .env("LRMOE_LOG", "warn")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("unigram baseline 3.3"), "{stdout}");
+    assert!(dir.join("runs/default/metrics.jsonl").exists());
+    assert!(!dir.join("runs/default/checkpoint.safetensors").exists());
+    // Without a checkpoint the folder can only be started over.
+    let (ok, _, err) = lrmoe(&[
+        "train", "--out", dir.join("runs/default").to_str().unwrap(), "--steps", "1",
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "--force");
+}
+
+#[test]
+fn the_checkpoint_size_is_said_before_training() {
+    let dir = tmp("ckptsize");
+    let cfg = tiny_config(&dir, "");
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["train", "--config", cfg.to_str().unwrap(), "--steps", "1", "--no-progress"])
+        .env("LRMOE_LOG", "info")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err.lines().find(|l| l.contains("checkpoint size")).unwrap_or_else(|| panic!("{err}"));
+    assert!(line.contains("checkpoint_gib") && line.contains("free_gib"), "{line}");
+    let said: f64 = line
+        .split("checkpoint_gib=")
+        .nth(1)
+        .and_then(|v| v.split_whitespace().next())
+        .unwrap()
+        .parse()
+        .unwrap();
+    let real = std::fs::metadata(dir.join("out/checkpoint.safetensors")).unwrap().len() as f64
+        / (1u64 << 30) as f64;
+    assert!(said >= real && said < real + 0.001, "said {said} GiB, wrote {real}");
+}
+
+#[test]
+fn configured_settings_are_honoured_or_refused_never_replaced() {
+    let dir = tmp("configured");
+    let cfg = tiny_config(&dir, "");
+    // Launched ranks: a configured moe.ranks that is not WORLD_SIZE.
+    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(["train", "--config", cfg.to_str().unwrap(), "--no-progress"])
+        .env("LRMOE_LOG", "warn")
+        .env("RANK", "0")
+        .env("WORLD_SIZE", "3")
+        .env("LOCAL_RANK", "0")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "29999")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    one_line_error(&err, "the configuration's moe.ranks = 2 disagrees with WORLD_SIZE = 3");
+}
+
+#[test]
+fn toml_errors_say_line_and_column_on_one_line() {
+    let dir = tmp("tomlerr");
+    let cfg = tiny_config(&dir, "");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, text.replace("seq_len = 16", "seq_len = \"x\"")).unwrap();
+    let (ok, _, err) = lrmoe(&["train", "--config", bad.to_str().unwrap()]);
+    assert!(!ok);
+    let line = text.lines().position(|l| l == "seq_len = 16").unwrap() + 1;
+    one_line_error(&err, &format!("line {line}, column 11: invalid type"));
+    assert!(err.contains("(in `seq_len = \"x\"`)") && !err.contains('^'), "{err}");
 }
