@@ -67,11 +67,7 @@ pub fn load_corpus(path: Option<&Path>, val_fraction: f64) -> Result<Corpus, Dat
 
 /// Tokenises `bytes` (named `name` in errors) and splits off the last
 /// `val_fraction` as validation.
-pub fn corpus_from_bytes(
-    bytes: &[u8],
-    name: &str,
-    val_fraction: f64,
-) -> Result<Corpus, DataError> {
+pub fn corpus_from_bytes(bytes: &[u8], name: &str, val_fraction: f64) -> Result<Corpus, DataError> {
     if !(val_fraction > 0.0 && val_fraction < 0.5) {
         return Err(DataError::Setting(format!(
             "data.val_fraction = {val_fraction} must be in (0, 0.5)"
@@ -224,7 +220,11 @@ mod tests {
     fn shipped_corpus_loads_and_beats_nothing_yet() {
         let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/shakespeare.txt");
         let c = load_corpus(Some(&path), 0.1).unwrap();
-        assert_eq!(load_corpus(None, 0.1).unwrap(), c, "the built-in corpus is the file");
+        assert_eq!(
+            load_corpus(None, 0.1).unwrap(),
+            c,
+            "the built-in corpus is the file"
+        );
         assert!(c.vocab.len() > 60 && c.vocab.len() < 128);
         assert!(c.val.len() > 400_000);
         let u = unigram_baseline(&c);

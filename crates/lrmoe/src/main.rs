@@ -160,7 +160,12 @@ struct TrainArgs {
     modes: Option<Vec<lrmoe::train::Mode>>,
     /// Where the model trains: `cpu`, or `cuda` (a build with `--features
     /// cuda`): the whole model on GPU 0, bf16 compute and f32 masters.
-    #[arg(long, value_name = "DEVICE", default_value = "cpu", help_heading = "Where it runs")]
+    #[arg(
+        long,
+        value_name = "DEVICE",
+        default_value = "cpu",
+        help_heading = "Where it runs"
+    )]
     device: String,
     /// Expert-parallel ranks in this process [default: moe.ranks, 2 on the
     /// CPU, 1 with --device cuda; launched ranks: WORLD_SIZE].
@@ -314,7 +319,9 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             seed: a.seed,
         })?
     } else {
-        anyhow::bail!("no routing source: give one of --eplb, --megatron, --lrmoe-metrics, --synthetic");
+        anyhow::bail!(
+            "no routing source: give one of --eplb, --megatron, --lrmoe-metrics, --synthetic"
+        );
     };
     let cfg = rp::ReplayConfig {
         hidden: a.hidden,
@@ -335,7 +342,9 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;
     print!("{}", rp::table(&report));
     if let Some(gpu) = &gpu {
-        println!("\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|");
+        println!(
+            "\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|"
+        );
         for c in rp::check_on_device(gpu, &report)? {
             println!(
                 "| {:?} | {:.1} | {:.1} | {:.4} |",
@@ -666,7 +675,11 @@ fn seconds(s: &str) -> Result<f64, String> {
 }
 
 fn grace_seconds(s: &str) -> Result<f64, String> {
-    number_in(s, |v| (0.0..=86_400.0).contains(&v), "of seconds in [0, 86400]")
+    number_in(
+        s,
+        |v| (0.0..=86_400.0).contains(&v),
+        "of seconds in [0, 86400]",
+    )
 }
 
 /// Parses the command line; a usage error is one line, as every other

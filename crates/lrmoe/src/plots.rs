@@ -239,12 +239,7 @@ impl Chart for LineChart<'_> {
             // so that neither hides the other.
             let repeats = series[..i].iter().any(|o| o.points == s.points);
             let drawn = if repeats {
-                chart.draw_series(DashedLineSeries::new(
-                    points,
-                    10,
-                    8,
-                    color.stroke_width(2),
-                ))
+                chart.draw_series(DashedLineSeries::new(points, 10, 8, color.stroke_width(2)))
             } else {
                 chart.draw_series(LineSeries::new(points, color.stroke_width(2)))
             };

@@ -948,7 +948,10 @@ pub fn table(r: &Report) -> String {
     t += &if saving >= 0.0 {
         format!("\nLRMoE peak memory vs fixed ownership: {saving:.1}% less.\n")
     } else {
-        format!("\nLRMoE peak memory vs fixed ownership: {:.1}% more.\n", -saving)
+        format!(
+            "\nLRMoE peak memory vs fixed ownership: {:.1}% more.\n",
+            -saving
+        )
     };
     t
 }

@@ -875,14 +875,16 @@ fn checkpoint_bytes(cfg: &TrainConfig, mcfg: &ModelConfig, corpus: &Corpus, s: &
         .map(|(k, v)| k.len() + v.len() + 8)
         .sum();
     let lens: Vec<usize> = s.model.tensors().iter().map(|(_, t)| t.len()).collect();
-    tensorfile::saved_bytes_bound(lens.iter().chain(&lens).chain(&lens).copied(), meta)
-        + 64 * 1024
+    tensorfile::saved_bytes_bound(lens.iter().chain(&lens).chain(&lens).copied(), meta) + 64 * 1024
 }
 
 /// Free bytes on the file system that holds `dir` (or its nearest existing
 /// ancestor); `None` where it cannot be read.
 fn free_bytes(dir: &Path) -> Option<u64> {
-    let existing = dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("."));
+    let existing = dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("."));
     let existing = if existing.as_os_str().is_empty() {
         Path::new(".")
     } else {
@@ -1401,7 +1403,10 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     };
     if opts.writes() {
         if cfg.run.checkpoint {
-            check_checkpoint_room(&cfg.run.out_dir, checkpoint_bytes(cfg, &mcfg, &corpus, &initial))?;
+            check_checkpoint_room(
+                &cfg.run.out_dir,
+                checkpoint_bytes(cfg, &mcfg, &corpus, &initial),
+            )?;
         } else if opts.force && ckpt.exists() {
             // A checkpoint of the replaced run would pair with this run's
             // metrics on a later --resume.
@@ -2115,7 +2120,9 @@ mod tests {
         // Launched: the default follows WORLD_SIZE; a setting must agree.
         assert_eq!(resolve_ranks(2, None, Some(4), false).unwrap(), 4);
         assert_eq!(resolve_ranks(4, from, Some(4), true).unwrap(), 4);
-        let e = resolve_ranks(8, from, Some(2), false).unwrap_err().to_string();
+        let e = resolve_ranks(8, from, Some(2), false)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("the configuration's moe.ranks = 8 disagrees with WORLD_SIZE = 2"),
             "{e}"

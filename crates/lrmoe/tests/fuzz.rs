@@ -215,9 +215,7 @@ fn check_plan(p: &lrmoe::plan::Problem, r: &lrmoe::plan::PlanReport) -> Result<(
 
 fn shakespeare() -> &'static lrmoe::data::Corpus {
     static C: OnceLock<lrmoe::data::Corpus> = OnceLock::new();
-    C.get_or_init(|| {
-        lrmoe::data::load_corpus(None, 0.1).unwrap()
-    })
+    C.get_or_init(|| lrmoe::data::load_corpus(None, 0.1).unwrap())
 }
 
 proptest! {

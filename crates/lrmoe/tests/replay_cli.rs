@@ -76,7 +76,10 @@ fn a_source_is_required() {
     let out = tmp("nosource").join("out");
     let (ok, err) = replay(&["--out", out.to_str().unwrap()]);
     assert!(!ok);
-    one_line(&err, &["--eplb", "--megatron", "--lrmoe-metrics", "--synthetic"]);
+    one_line(
+        &err,
+        &["--eplb", "--megatron", "--lrmoe-metrics", "--synthetic"],
+    );
     assert!(!out.exists(), "nothing written");
 }
 

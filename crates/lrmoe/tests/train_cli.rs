@@ -735,7 +735,12 @@ fn config_json_errors_are_one_line_and_name_the_field() {
 /// The summary line's mean kept fraction.
 fn summary_kept(stdout: &str) -> f64 {
     let at = stdout.find("mean kept fraction ").unwrap() + "mean kept fraction ".len();
-    stdout[at..].split_whitespace().next().unwrap().parse().unwrap()
+    stdout[at..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap()
 }
 
 /// The mean of every logged layer call's kept fraction in `metrics.jsonl`.
@@ -763,16 +768,25 @@ fn the_summary_kept_fraction_is_the_whole_runs_after_a_resume() {
     let c = cfg.to_str().unwrap();
     let (ok, first, err) = lrmoe(&["train", "--config", c, "--steps", "3", "--no-progress"]);
     assert!(ok, "{err}");
-    assert!(summary_kept(&first) < 0.95, "the tiny run drops pairs: {first}");
+    assert!(
+        summary_kept(&first) < 0.95,
+        "the tiny run drops pairs: {first}"
+    );
     // Three more steps: the summary covers all six.
     let (ok, second, err) = lrmoe(&["train", "--config", c, "--resume", "--no-progress"]);
     assert!(ok, "{err}");
-    assert!((summary_kept(&second) - logged_kept(&dir)).abs() < 6e-4, "{second}");
+    assert!(
+        (summary_kept(&second) - logged_kept(&dir)).abs() < 6e-4,
+        "{second}"
+    );
     // A resume that trains no step reports the run's, not 1.000.
     let (ok, third, err) = lrmoe(&["train", "--config", c, "--resume", "--no-progress"]);
     assert!(ok, "{err}");
     assert!(third.starts_with("steps 6"), "{third}");
-    assert!((summary_kept(&third) - logged_kept(&dir)).abs() < 6e-4, "{third}");
+    assert!(
+        (summary_kept(&third) - logged_kept(&dir)).abs() < 6e-4,
+        "{third}"
+    );
     assert_eq!(summary_kept(&third), summary_kept(&second));
 }
 
@@ -791,10 +805,21 @@ fn negative_numbers_after_a_space_name_the_flag_and_its_range() {
         let (ok, _, err) = lrmoe(&["train", "--config", c, flag, value]);
         assert!(!ok, "{flag} {value}");
         one_line_error(&err, flag);
-        assert!(err.contains(range) && !err.contains("unexpected argument"), "{err}");
+        assert!(
+            err.contains(range) && !err.contains("unexpected argument"),
+            "{err}"
+        );
     }
     let (ok, _, err) = lrmoe(&[
-        "layer-grad", "--weights", "w", "--inputs", "x", "--out", "o", "--retention", "-1",
+        "layer-grad",
+        "--weights",
+        "w",
+        "--inputs",
+        "x",
+        "--out",
+        "o",
+        "--retention",
+        "-1",
     ]);
     assert!(!ok);
     one_line_error(&err, "--retention");
@@ -812,7 +837,10 @@ fn nonsense_settings_are_refused_before_anything_is_written() {
     one_line_error(&err, "--steps");
     let (ok, _, err) = lrmoe(&["train", "--config", c, "--buffer-fraction", "3"]);
     assert!(!ok);
-    one_line_error(&err, "moe.buffer_fraction = 3 must be in (0, moe.ranks = 2]");
+    one_line_error(
+        &err,
+        "moe.buffer_fraction = 3 must be in (0, moe.ranks = 2]",
+    );
     let text = std::fs::read_to_string(&cfg).unwrap();
     let bad = dir.join("bad.toml");
     for (from, to, needle) in [
@@ -842,7 +870,10 @@ fn refusal_hints_point_the_way_that_works() {
     let (ok, _, err) = lrmoe(&["train", "--config", c]);
     assert!(!ok);
     one_line_error(&err, "left no checkpoint");
-    assert!(err.contains("--force") && !err.contains("--resume"), "{err}");
+    assert!(
+        err.contains("--force") && !err.contains("--resume"),
+        "{err}"
+    );
     let (ok, _, err) = lrmoe(&["train", "--config", c, "--resume"]);
     assert!(!ok);
     one_line_error(&err, "no checkpoint to continue");
@@ -850,7 +881,12 @@ fn refusal_hints_point_the_way_that_works() {
     // --resume into a new folder creates nothing.
     let fresh = dir.join("fresh");
     let (ok, _, err) = lrmoe(&[
-        "train", "--config", c, "--out", fresh.to_str().unwrap(), "--resume",
+        "train",
+        "--config",
+        c,
+        "--out",
+        fresh.to_str().unwrap(),
+        "--resume",
     ]);
     assert!(!ok);
     one_line_error(&err, "drop --resume");
@@ -905,13 +941,21 @@ fn the_main_job_runs_from_any_folder_without_a_checkpoint_if_asked() {
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("unigram baseline 3.3"), "{stdout}");
     assert!(dir.join("runs/default/metrics.jsonl").exists());
     assert!(!dir.join("runs/default/checkpoint.safetensors").exists());
     // Without a checkpoint the folder can only be started over.
     let (ok, _, err) = lrmoe(&[
-        "train", "--out", dir.join("runs/default").to_str().unwrap(), "--steps", "1",
+        "train",
+        "--out",
+        dir.join("runs/default").to_str().unwrap(),
+        "--steps",
+        "1",
     ]);
     assert!(!ok);
     one_line_error(&err, "--force");
@@ -922,14 +966,27 @@ fn the_checkpoint_size_is_said_before_training() {
     let dir = tmp("ckptsize");
     let cfg = tiny_config(&dir, "");
     let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
-        .args(["train", "--config", cfg.to_str().unwrap(), "--steps", "1", "--no-progress"])
+        .args([
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--steps",
+            "1",
+            "--no-progress",
+        ])
         .env("LRMOE_LOG", "info")
         .output()
         .unwrap();
     assert!(out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    let line = err.lines().find(|l| l.contains("checkpoint size")).unwrap_or_else(|| panic!("{err}"));
-    assert!(line.contains("checkpoint_gib") && line.contains("free_gib"), "{line}");
+    let line = err
+        .lines()
+        .find(|l| l.contains("checkpoint size"))
+        .unwrap_or_else(|| panic!("{err}"));
+    assert!(
+        line.contains("checkpoint_gib") && line.contains("free_gib"),
+        "{line}"
+    );
     let said: f64 = line
         .split("checkpoint_gib=")
         .nth(1)
@@ -937,9 +994,14 @@ fn the_checkpoint_size_is_said_before_training() {
         .unwrap()
         .parse()
         .unwrap();
-    let real = std::fs::metadata(dir.join("out/checkpoint.safetensors")).unwrap().len() as f64
+    let real = std::fs::metadata(dir.join("out/checkpoint.safetensors"))
+        .unwrap()
+        .len() as f64
         / (1u64 << 30) as f64;
-    assert!(said >= real && said < real + 0.001, "said {said} GiB, wrote {real}");
+    assert!(
+        said >= real && said < real + 0.001,
+        "said {said} GiB, wrote {real}"
+    );
 }
 
 #[test]
@@ -959,7 +1021,10 @@ fn configured_settings_are_honoured_or_refused_never_replaced() {
         .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
-    one_line_error(&err, "the configuration's moe.ranks = 2 disagrees with WORLD_SIZE = 3");
+    one_line_error(
+        &err,
+        "the configuration's moe.ranks = 2 disagrees with WORLD_SIZE = 3",
+    );
 }
 
 #[test]
@@ -973,5 +1038,8 @@ fn toml_errors_say_line_and_column_on_one_line() {
     assert!(!ok);
     let line = text.lines().position(|l| l == "seq_len = 16").unwrap() + 1;
     one_line_error(&err, &format!("line {line}, column 11: invalid type"));
-    assert!(err.contains("(in `seq_len = \"x\"`)") && !err.contains('^'), "{err}");
+    assert!(
+        err.contains("(in `seq_len = \"x\"`)") && !err.contains('^'),
+        "{err}"
+    );
 }
