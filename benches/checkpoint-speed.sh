@@ -2,8 +2,8 @@
 # The final checkpoint's write speed against the disk's, in one run (issue
 # 28): `lrmoe train` writes the checkpoint of a model with SIZE_M million
 # parameters (default ~100 M: 1.2 GB of weights and AdamW moments) after one
-# step, its debug log gives the write time; `dd` then writes the same number
-# of bytes to the same folder with an fsync at the end, as the checkpoint
+# step, its debug log gives the write time; `dd` then copies the checkpoint
+# (from the page cache) to the same folder with an fsync at the end, as the checkpoint
 # writer does. Runs on the CPU; needs only a release build:
 #   cargo build --release -p lrmoe
 #   bash benches/checkpoint-speed.sh [folder on the disk to measure]
@@ -31,20 +31,28 @@ eval_every = 1
 eval_batches = 1
 out_dir = "$DIR/run"
 T
-LRMOE_LOG=lrmoe=debug $L train --config "$DIR/ckpt.toml" --no-progress --force 2> "$DIR/log" >/dev/null
-line=$(grep "checkpoint written" "$DIR/log" | tail -1)
-bytes=$(stat -c %s "$DIR/run/checkpoint.safetensors")
-secs=$(echo "$line" | sed -E 's/.*seconds=([0-9.e-]+).*/\1/')
-sync
-dd_out=$( { dd if=/dev/zero of="$DIR/dd.bin" bs=16M count=$(( (bytes + 16777215) / 16777216 )) conv=fsync 2>&1; } | tail -1)
-dd_secs=$(echo "$dd_out" | sed -E 's/.*copied, ([0-9.]+) s.*/\1/')
-rm -f "$DIR/dd.bin"
-python3 - "$bytes" "$secs" "$dd_secs" <<'P'
+rm -f "$DIR/rounds"
+for round in $(seq "${ROUNDS:-3}"); do
+  # Freed blocks of an earlier run slow the next writes for a while: start
+  # from an empty folder on a settled disk, and let it settle before dd too.
+  rm -rf "$DIR/run" "$DIR/dd.bin"; sync; sleep 3
+  LRMOE_LOG=lrmoe=debug $L train --config "$DIR/ckpt.toml" --no-progress --force 2> "$DIR/log" >/dev/null
+  line=$(grep "checkpoint written" "$DIR/log" | tail -1)
+  bytes=$(stat -c %s "$DIR/run/checkpoint.safetensors")
+  secs=$(echo "$line" | sed -E 's/.*seconds=([0-9.e-]+).*/\1/')
+  sync; sleep 3
+  cat "$DIR/run/checkpoint.safetensors" > /dev/null  # in the page cache: dd then measures the writes
+  dd_out=$( { dd if="$DIR/run/checkpoint.safetensors" of="$DIR/dd.bin" bs=16M conv=fsync 2>&1; } | tail -1)
+  dd_secs=$(echo "$dd_out" | sed -E 's/.*copied, ([0-9.]+) s.*/\1/')
+  rm -f "$DIR/dd.bin"
+  echo "$bytes $secs $dd_secs" >> "$DIR/rounds"
+done
+python3 - "$DIR/rounds" <<'P'
 import sys
-b, s, d = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-mib = b / 2**20
-print("| what | MiB | seconds | MiB/s | ratio to dd |")
-print("|---|---|---|---|---|")
-print(f"| lrmoe checkpoint (streamed, fsync) | {mib:.0f} | {s:.2f} | {mib/s:.0f} | {d/s:.2f} |")
-print(f"| dd, same bytes, conv=fsync | {mib:.0f} | {d:.2f} | {mib/d:.0f} | 1.00 |")
+print("| round | MiB | lrmoe s | lrmoe MiB/s | dd s | dd MiB/s | lrmoe speed / dd speed |")
+print("|---|---|---|---|---|---|---|")
+for i, line in enumerate(open(sys.argv[1]), 1):
+    b, s, d = line.split()
+    mib, s, d = int(b) / 2**20, float(s), float(d)
+    print(f"| {i} | {mib:.0f} | {s:.2f} | {mib/s:.0f} | {d:.2f} | {mib/d:.0f} | {d/s:.2f} |")
 P
