@@ -1,12 +1,16 @@
 #!/bin/bash
 # The final checkpoint's write speed against the disk's, in one run (issue
-# 28): `lrmoe train` writes the checkpoint of a model with SIZE_M million
-# parameters (default ~100 M: 1.2 GB of weights and AdamW moments) after one
-# step, its debug log gives the write time; `dd` then copies the checkpoint
-# (from the page cache) to the same folder with an fsync at the end, as the checkpoint
-# writer does. Runs on the CPU; needs only a release build:
+# 28): `lrmoe train` writes the checkpoint of a ~100 M-parameter model
+# (1.2 GB of weights and AdamW moments) after one step, its debug log gives
+# the write time; `dd` then copies the checkpoint (from the page cache) to
+# the same folder with an fsync at the end, as the checkpoint writer does.
+# ROUNDS (default 3) alternate the two. Runs on the CPU; needs only a
+# release build:
 #   cargo build --release -p lrmoe
-#   bash benches/checkpoint-speed.sh [folder on the disk to measure]
+#   ROUNDS=3 bash benches/checkpoint-speed.sh [folder on the disk to measure]
+# The library-level A/B (the old serialise-then-write against the streamed
+# writer and a raw write, same tensors, same run):
+#   cargo run --release -p lrmoe --example checkpoint_write -- DIR 1024 6
 set -eu
 L=${LRMOE:-target/release/lrmoe}
 DIR=${1:-$(mktemp -d)}
