@@ -6,7 +6,7 @@
 use kernels::cpu::Real;
 use quota::Placement;
 
-use crate::moe::{ExpertWeights, MoeConfig, MoeParams};
+use crate::config::{ExpertWeights, MoeConfig, MoeParams};
 use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport, TransportError};
 use crate::LayerError;
 

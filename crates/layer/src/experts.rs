@@ -9,10 +9,10 @@
 
 use std::sync::Arc;
 
-use kernels::cpu::{bf16_bits_to_f32, from_bf16, matmul, swiglu_backward, to_bf16, Op, Real};
+use kernels::cpu::{bf16_bits_to_f32, from_bf16, matmul, swiglu, swiglu_backward, to_bf16, Op, Real};
 use kernels::grouped::{GroupedOps, StackedExperts};
 
-use crate::moe::{expert_hidden, ExpertWeights, MoeConfig, MoeParams};
+use crate::config::{ExpertWeights, MoeConfig, MoeParams};
 use crate::LayerError;
 
 /// Where the experts' GEMMs run.
@@ -197,4 +197,24 @@ pub(crate) fn backward<'a, T: Real + 'a>(
             Ok(from_bf16(&r.dx))
         }
     }
+}
+
+/// `(a, b, h)` of one expert on rows `x` (`rows × hidden`): `a = x·W_gate`,
+/// `b = x·W_up`, `h = silu(a) ⊙ b`. The forward and the backward's
+/// recomputation share it.
+#[allow(clippy::type_complexity)]
+fn expert_hidden<T: Real>(
+    cfg: &MoeConfig,
+    w: &ExpertWeights<T>,
+    x: &[T],
+) -> Result<(Vec<T>, Vec<T>, Vec<T>), LayerError> {
+    let (hd, f) = (cfg.hidden, cfg.ffn);
+    let rows = x.len() / hd;
+    let mut a = vec![T::zero(); rows * f];
+    let mut b = vec![T::zero(); rows * f];
+    let mut h = vec![T::zero(); rows * f];
+    matmul(&mut a, x, Op::N, &w.gate, Op::N, (rows, hd, f), false)?;
+    matmul(&mut b, x, Op::N, &w.up, Op::N, (rows, hd, f), false)?;
+    swiglu(&a, &b, &mut h)?;
+    Ok((a, b, h))
 }

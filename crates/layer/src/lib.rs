@@ -149,6 +149,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+mod config;
 pub mod device;
 mod dispatch;
 pub mod dist;
@@ -160,9 +161,8 @@ pub mod transport;
 
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
-pub use moe::{
-    backward, forward, BackwardStats, ExpertWeights, MoeConfig, MoeParams, Saved, StageTimes,
-};
+pub use config::{ExpertWeights, MoeConfig, MoeParams};
+pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};
 pub use plan::{
     check_device_call, check_device_shape, check_plan, check_split, device_plan_call,
     device_quotas, plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection,

@@ -2,158 +2,16 @@
 
 use std::time::Instant;
 
-use kernels::cpu::{matmul, swiglu, Op, Real};
+use kernels::cpu::{matmul, Op, Real};
 use quota::Placement;
 use serde::Serialize;
 
+use crate::config::{shape, ExpertWeights, MoeConfig, MoeParams};
 use crate::dispatch::{agreed_routes, copy_replicas, exchange_plans, reduce_gradients};
 use crate::plan::{plan_call, CallConfig, CallPlan, Selection};
-use crate::router::{capacity_mask, softmax_rows, top_k};
+use crate::router::{aux_loss_terms, capacity_mask, softmax_rows, top_k};
 use crate::transport::{all_gather, all_to_all, Transport};
 use crate::LayerError;
-
-/// Shape of the layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
-pub struct MoeConfig {
-    /// Model width.
-    pub hidden: usize,
-    /// Expert FFN width.
-    pub ffn: usize,
-    /// Number of experts.
-    pub n_experts: usize,
-    /// Experts per token.
-    pub top_k: usize,
-    /// Renormalise the top-k routing weights to sum to one.
-    pub renormalize: bool,
-}
-
-impl MoeConfig {
-    /// Rejects shapes that cannot work.
-    pub fn validate(&self) -> Result<(), LayerError> {
-        if self.n_experts == 0 {
-            return Err(LayerError::Config("n_experts must be at least 1".into()));
-        }
-        if self.top_k == 0 || self.top_k > self.n_experts {
-            return Err(LayerError::Config(format!(
-                "top_k = {} must be in 1..={} (n_experts)",
-                self.top_k, self.n_experts
-            )));
-        }
-        if self.hidden == 0 || self.ffn == 0 {
-            return Err(LayerError::Config(
-                "hidden and ffn must be at least 1".into(),
-            ));
-        }
-        Ok(())
-    }
-}
-
-/// One expert's SwiGLU weights, row-major.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExpertWeights<T> {
-    /// `hidden × ffn`.
-    pub gate: Vec<T>,
-    /// `hidden × ffn`.
-    pub up: Vec<T>,
-    /// `ffn × hidden`.
-    pub down: Vec<T>,
-}
-
-/// All weights of the layer (or their gradients, same shapes).
-#[derive(Debug, Clone, PartialEq)]
-pub struct MoeParams<T> {
-    /// Router, `hidden × n_experts`.
-    pub router: Vec<T>,
-    /// Experts.
-    pub experts: Vec<ExpertWeights<T>>,
-}
-
-impl<T: Real> MoeParams<T> {
-    /// Zeros of the configured shapes.
-    pub fn zeros(cfg: &MoeConfig) -> Self {
-        let (h, f) = (cfg.hidden, cfg.ffn);
-        Self {
-            router: vec![T::zero(); h * cfg.n_experts],
-            experts: (0..cfg.n_experts)
-                .map(|_| ExpertWeights {
-                    gate: vec![T::zero(); h * f],
-                    up: vec![T::zero(); h * f],
-                    down: vec![T::zero(); f * h],
-                })
-                .collect(),
-        }
-    }
-
-    /// Seeded initialisation: uniform in `±1/√fan_in`.
-    pub fn init(cfg: &MoeConfig, seed: u64) -> Self {
-        let mut p = Self::zeros(cfg);
-        let mut state = seed ^ 0x9E37_79B9_7F4A_7C15;
-        let mut fill = |v: &mut [T], fan_in: usize| {
-            let scale = 1.0 / (fan_in as f64).sqrt();
-            for x in v.iter_mut() {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let u = (state >> 11) as f64 / (1u64 << 53) as f64;
-                *x = T::of((2.0 * u - 1.0) * scale);
-            }
-        };
-        fill(&mut p.router, cfg.hidden);
-        for e in &mut p.experts {
-            fill(&mut e.gate, cfg.hidden);
-            fill(&mut e.up, cfg.hidden);
-            fill(&mut e.down, cfg.ffn);
-        }
-        p
-    }
-
-    /// Checks every tensor's length against `cfg`.
-    pub fn validate(&self, cfg: &MoeConfig) -> Result<(), LayerError> {
-        let (h, f) = (cfg.hidden, cfg.ffn);
-        shape("router".into(), h * cfg.n_experts, self.router.len())?;
-        shape("experts".into(), cfg.n_experts, self.experts.len())?;
-        for (i, e) in self.experts.iter().enumerate() {
-            shape(format!("experts[{i}].gate"), h * f, e.gate.len())?;
-            shape(format!("experts[{i}].up"), h * f, e.up.len())?;
-            shape(format!("experts[{i}].down"), f * h, e.down.len())?;
-        }
-        Ok(())
-    }
-
-    /// Every tensor with its name, mutably (for optimizers and checkpoints).
-    pub fn tensors_mut(&mut self) -> Vec<(String, &mut Vec<T>)> {
-        let mut v = vec![("router".to_string(), &mut self.router)];
-        for (i, e) in self.experts.iter_mut().enumerate() {
-            v.push((format!("experts.{i}.gate"), &mut e.gate));
-            v.push((format!("experts.{i}.up"), &mut e.up));
-            v.push((format!("experts.{i}.down"), &mut e.down));
-        }
-        v
-    }
-
-    /// Every tensor with its name.
-    pub fn tensors(&self) -> Vec<(String, &Vec<T>)> {
-        let mut v = vec![("router".to_string(), &self.router)];
-        for (i, e) in self.experts.iter().enumerate() {
-            v.push((format!("experts.{i}.gate"), &e.gate));
-            v.push((format!("experts.{i}.up"), &e.up));
-            v.push((format!("experts.{i}.down"), &e.down));
-        }
-        v
-    }
-}
-
-pub(crate) fn shape(what: String, expected: usize, got: usize) -> Result<(), LayerError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(LayerError::Shape {
-            what,
-            expected,
-            got,
-        })
-    }
-}
 
 /// What the forward keeps for the backward (on the source rank).
 #[derive(Debug, Clone)]
@@ -322,7 +180,20 @@ pub fn forward<T: Real, X: Transport>(
     }
 
     // The auxiliary load-balancing loss on this rank's tokens.
-    let (aux, aux_dp) = aux_loss(bwd.aux_loss_coeff, &probs, &expert_of_pair, e_n, n_ranks)?;
+    let n_tok = probs.len() / e_n.max(1);
+    let mut counts = vec![0u64; e_n];
+    for &e in &expert_of_pair {
+        counts[e as usize] += 1;
+    }
+    let (aux, aux_dp) = aux_loss_terms(bwd.aux_loss_coeff, &counts, n_tok, n_ranks, || {
+        let mut mean_p = vec![0f64; e_n];
+        for row in probs.chunks_exact(e_n) {
+            for (m, &v) in mean_p.iter_mut().zip(row) {
+                *m += v.wide() / n_tok as f64;
+            }
+        }
+        Ok(mean_p)
+    })?;
 
     // Capacity dropping (baseline only), counts and the call's plan.
     let active = capacity_mask(bwd.capacity_factor, &expert_of_pair, e_n)?;
@@ -410,26 +281,6 @@ pub fn forward<T: Real, X: Transport>(
             plan,
         },
     ))
-}
-
-/// `(a, b, h)` of one expert on rows `x` (`rows × hidden`): `a = x·W_gate`,
-/// `b = x·W_up`, `h = silu(a) ⊙ b`. The forward and the backward's
-/// recomputation share it.
-#[allow(clippy::type_complexity)]
-pub(crate) fn expert_hidden<T: Real>(
-    cfg: &MoeConfig,
-    w: &ExpertWeights<T>,
-    x: &[T],
-) -> Result<(Vec<T>, Vec<T>, Vec<T>), LayerError> {
-    let (hd, f) = (cfg.hidden, cfg.ffn);
-    let rows = x.len() / hd;
-    let mut a = vec![T::zero(); rows * f];
-    let mut b = vec![T::zero(); rows * f];
-    let mut h = vec![T::zero(); rows * f];
-    matmul(&mut a, x, Op::N, &w.gate, Op::N, (rows, hd, f), false)?;
-    matmul(&mut b, x, Op::N, &w.up, Op::N, (rows, hd, f), false)?;
-    swiglu(&a, &b, &mut h)?;
-    Ok((a, b, h))
 }
 
 /// The kept pairs of this rank (`[n_pairs]`) and the kept pairs of every
@@ -522,44 +373,6 @@ fn select_kept<T: Real, X: Transport>(
         }
     }
     Ok((kept, cells, weight))
-}
-
-/// The Switch/GShard auxiliary loss `α · E · Σ_e f_e · P_e` on this rank's
-/// `probs` (`T × E`) and routed pairs, and `∂(loss / world) / ∂p_{t,e} =
-/// α · E · f_e / (T · world)` (the routing shares `f` are constants).
-fn aux_loss<T: Real>(
-    alpha: f64,
-    probs: &[T],
-    expert_of_pair: &[u32],
-    e_n: usize,
-    world: usize,
-) -> Result<(f64, Vec<f64>), LayerError> {
-    if !(alpha.is_finite() && alpha >= 0.0) {
-        return Err(LayerError::Config(format!(
-            "aux_loss_coeff {alpha} must be finite and ≥ 0"
-        )));
-    }
-    let n_tok = probs.len() / e_n.max(1);
-    if alpha == 0.0 || n_tok == 0 || expert_of_pair.is_empty() {
-        return Ok((0.0, Vec::new()));
-    }
-    let mut f = vec![0f64; e_n];
-    for &e in expert_of_pair {
-        f[e as usize] += 1.0 / expert_of_pair.len() as f64;
-    }
-    let mut mean_p = vec![0f64; e_n];
-    for row in probs.chunks_exact(e_n) {
-        for (m, &v) in mean_p.iter_mut().zip(row) {
-            *m += v.wide() / n_tok as f64;
-        }
-    }
-    let scale = alpha * e_n as f64;
-    let loss = scale * f.iter().zip(&mean_p).map(|(a, b)| a * b).sum::<f64>();
-    let dp = f
-        .iter()
-        .map(|&fe| scale * fe / (n_tok as f64 * world as f64))
-        .collect();
-    Ok((loss, dp))
 }
 
 /// Elements of pair-sized buffers the host backward holds at its peak, for

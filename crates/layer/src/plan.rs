@@ -12,7 +12,7 @@
 use quota::{CostModel, Placement, Policy, RankBudget};
 use serde::Serialize;
 
-use crate::moe::{shape, MoeConfig};
+use crate::config::{shape, MoeConfig};
 use crate::LayerError;
 
 /// How many pairs the backward keeps.
@@ -708,20 +708,8 @@ impl DevicePlanner {
         let n_ranks = counts.len();
         if instances.iter().all(|i| i.len() == 1) {
             // One instance per expert: nothing to choose (the caps were
-            // honoured by the quotas); every pair goes to its owner.
-            let mut split = vec![vec![vec![0u32; n_ranks]; instances.len()]; n_ranks];
-            for (s, row) in counts.iter().enumerate() {
-                for (e, &c) in row.iter().enumerate() {
-                    let owner = instances[e].first().copied().unwrap_or(0);
-                    if owner >= n_ranks {
-                        return Err(LayerError::Config(format!(
-                            "expert {e}'s owner {owner} is not a rank"
-                        )));
-                    }
-                    split[s][e][owner] = c;
-                }
-            }
-            return Ok(split);
+            // honoured by the quotas).
+            return owners_split(counts, |e| instances[e][0], n_ranks);
         }
         let problem = redistribute::Problem {
             n_ranks,
@@ -810,4 +798,34 @@ pub fn device_quotas(
     routed: &[Vec<u32>],
 ) -> Result<Vec<u32>, LayerError> {
     Ok(device_plan_call(cfg, call, routed)?.device_quotas())
+}
+
+/// The split `[source][expert][rank]` of a call whose experts each have one
+/// instance, `owner(e)`: every pair goes to its expert's owner (what the
+/// exact solver gives for one instance per expert). The one-instance rule
+/// of every executor.
+pub(crate) fn owners_split(
+    counts: &[Vec<u32>],
+    owner: impl Fn(usize) -> usize,
+    n_ranks: usize,
+) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
+    counts
+        .iter()
+        .map(|row| {
+            row.iter()
+                .enumerate()
+                .map(|(e, &c)| {
+                    let o = owner(e);
+                    if o >= n_ranks {
+                        return Err(LayerError::Config(format!(
+                            "expert {e}'s owner {o} is not a rank"
+                        )));
+                    }
+                    let mut cell = vec![0u32; n_ranks];
+                    cell[o] = c;
+                    Ok(cell)
+                })
+                .collect()
+        })
+        .collect()
 }

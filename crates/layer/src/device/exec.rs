@@ -8,7 +8,7 @@ use pack::ep::{
     InstanceLayout, Runs,
 };
 
-use crate::moe::MoeConfig;
+use crate::config::MoeConfig;
 use crate::plan::{check_device_shape, check_plan, check_split, DevicePlanner, EpPlan};
 use crate::LayerError;
 
@@ -618,25 +618,6 @@ fn exclusive_scan<T: Copy + Default + std::ops::Add<Output = T>>(counts: &[T]) -
     v
 }
 
-/// The split of a call whose experts live on their owners alone:
-/// `split[s][e][e / el] = counts_all[s][e]` (what the exact solver gives
-/// for one instance per expert).
-fn owners_split(counts_all: &[Vec<u32>], el: usize, world: usize) -> Vec<Vec<Vec<u32>>> {
-    counts_all
-        .iter()
-        .map(|row| {
-            row.iter()
-                .enumerate()
-                .map(|(e, &c)| {
-                    let mut cell = vec![0u32; world];
-                    cell[e / el] = c;
-                    cell
-                })
-                .collect()
-        })
-        .collect()
-}
-
 /// A `pack::ep` map expanded on the device (only its runs cross).
 fn expand(gpu: &Gpu, map: &Runs) -> Result<CudaSlice<u32>, LayerError> {
     Ok(gpu.expand_runs_dev(&map.flat(), map.step, map.len)?)
@@ -924,7 +905,7 @@ pub fn forward(
     // The capacity-factor baseline: each expert takes its first
     // ⌈factor · p / E⌉ pairs of this source (pair order); the others reach
     // no expert, in the forward or the backward.
-    let cap = capacity(planner.capacity_factor(), p, e)?;
+    let cap = crate::router::expert_capacity(planner.capacity_factor(), p, e)?;
     let Capped {
         counts,
         src,
@@ -958,7 +939,7 @@ pub fn forward(
     };
     let owner_split = match &early {
         Some(_) => Vec::new(),
-        None => owners_split(&counts_all, el, world),
+        None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
     };
     let (split, local) = match &early {
         Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
@@ -1184,51 +1165,25 @@ pub fn forward(
     })
 }
 
-/// The Switch/GShard auxiliary loss `α · E · Σ_e f_e · P_e` of this rank's
-/// routing (`f_e`: share of its routed pairs at `e`, `P_e`: mean router
-/// probability of `e`) and its gradient with respect to each token's
-/// probability of `e`, `α · E · f_e / (T · W)` (the host executor's form:
-/// the ranks' losses are summed into the model's); `(0, None)` when off.
+/// The auxiliary loss and its per-expert probability gradient on the
+/// device (`crate::router::aux_loss_terms`, `P_e` by a column mean on the
+/// GPU); `(0, None)` when off.
 fn aux_terms(
     gpu: &Gpu,
     alpha: f64,
     r: &Routed,
     world: usize,
 ) -> Result<(f64, Option<CudaSlice<f32>>), LayerError> {
-    if !(alpha.is_finite() && alpha >= 0.0) {
-        return Err(LayerError::Config(format!(
-            "aux_loss_coeff {alpha} must be finite and ≥ 0"
-        )));
-    }
-    let (t, e, p) = (r.tokens, r.experts, r.tokens * r.top_k);
-    if alpha == 0.0 || t == 0 {
+    let counts: Vec<u64> = r.counts.iter().map(|&c| u64::from(c)).collect();
+    let (loss, dp) = crate::router::aux_loss_terms(alpha, &counts, r.tokens, world, || {
+        let mean_p = gpu.download(&gpu.col_mean(&r.probs, r.tokens, r.experts)?, r.experts)?;
+        Ok(mean_p.into_iter().map(f64::from).collect())
+    })?;
+    if dp.is_empty() {
         return Ok((0.0, None));
     }
-    let mean_p = gpu.download(&gpu.col_mean(&r.probs, t, e)?, e)?;
-    let f: Vec<f64> = r.counts.iter().map(|&c| f64::from(c) / p as f64).collect();
-    let scale = alpha * e as f64;
-    let loss = scale
-        * f.iter()
-            .zip(&mean_p)
-            .map(|(a, &b)| a * f64::from(b))
-            .sum::<f64>();
-    let dp: Vec<f32> = f
-        .iter()
-        .map(|&fe| (scale * fe / (t as f64 * world as f64)) as f32)
-        .collect();
+    let dp: Vec<f32> = dp.into_iter().map(|v| v as f32).collect();
     Ok((loss, Some(gpu.upload(&dp)?)))
-}
-
-/// The per-expert capacity `⌈factor · p / E⌉` of a source with `p` pairs,
-/// if the call has a capacity factor (the host executor's rule).
-fn capacity(factor: Option<f64>, p: usize, e: usize) -> Result<Option<usize>, LayerError> {
-    match factor {
-        None => Ok(None),
-        Some(f) if f.is_finite() && f > 0.0 => Ok(Some((f * p as f64 / e as f64).ceil() as usize)),
-        Some(f) => Err(LayerError::Config(format!(
-            "capacity factor {f} must be positive"
-        ))),
-    }
 }
 
 /// The rows that reach an expert under a capacity, and their index maps.
