@@ -10,9 +10,8 @@
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-attn-bench  # → .device/
 #   cargo test --release -p kernels --features cuda --test gpu_dense --no-run  # → .device/dense-tests
 #   cargo test --release -p lrmoe --features cuda --test gpu_model --no-run    # → .device/model-gpu-tests
-#   cp benches/torch_attention.py .device/
-set -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. "$(dirname "$0")/lib.sh"
+gpu_info
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   timeout 300 .device/dense-tests --ignored --test-threads=1 2>&1 | grep -E "test result|panicked|off by" | head
   for a in materialized fused; do
@@ -23,7 +22,7 @@ fi
 echo "== attention alone (median device ms)"
 echo "fused:"; LRMOE_ATTENTION=fused timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
 echo "materialised:"; LRMOE_ATTENTION=materialized timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
-echo "SDPA:"; timeout 120 python3 .device/torch_attention.py 2>&1 | tail -4
+echo "SDPA:"; timeout 120 python3 benches/torch_attention.py 2>&1 | tail -4
 mini() { # tag config layers seq batch steps
   cat > /tmp/$1.toml <<T
 steps = $6

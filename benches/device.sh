@@ -6,16 +6,14 @@
 #   cargo test -p kernels --features cuda --release --no-run   (test binary)
 #   cargo test -p layer --features cuda --release --no-run     (test binary)
 # then:  bash benches/device.sh   (with $OUT set by the device tool)
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+. "$(dirname "$0")/lib.sh"
+gpu_info
 echo "== device tests (kernels vs CPU twins)"
 .device/kernels-gpu-tests --ignored --test-threads=1 2>&1 | tee "$OUT/tests.log"
 echo "== device test (GPU layer vs CPU layer)"
 .device/layer-gpu-tests --ignored 2>&1 | tee -a "$OUT/tests.log"
 echo "== torch anchors"
-python3 .device/torch_anchors.py 2>&1 | tee "$OUT/anchors.log"
+python3 benches/torch_anchors.py 2>&1 | tee "$OUT/anchors.log"
 grep '^SINGLE ' "$OUT/anchors.log" | sed 's/^SINGLE //' > "$OUT/anchors.json"
 echo "== lrmoe kernels"
 .device/lrmoe-gpu-bench "$OUT/anchors.json" 2>&1 | tee "$OUT/bench.md"

@@ -6,10 +6,7 @@
 # DEVICE=cuda runs each rank's expert GEMMs on its GPU (bf16 grouped kernels);
 # with EXECUTOR=device (and DEVICE=cuda) the whole MoE layer runs on the GPUs
 # through the device EP executor. MODES and CONFIG override the defaults.
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 timeout 590 .device/lrmoe launch --nproc 2 -- train --config "${CONFIG:-benches/hot-compare.toml}" \
   --compare --modes "${MODES:-full,replicate,lrmoe}" --target-val-loss "${TARGET:-2.0}" \
   --max-minutes "${MINUTES:-2.5}" --device "${DEVICE:-cpu}" --executor "${EXECUTOR:-host}" \

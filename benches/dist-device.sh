@@ -8,19 +8,15 @@
 #   cargo build --release -p lrmoe-benches --features nccl --bin lrmoe-dist-bench
 #   cargo test --release -p layer --features nccl --no-run   (tests/nccl.rs)
 # then:  bash benches/dist-device.sh   (with $OUT set by the device tool)
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-# NVLink multicast stays off on shared machines (KINDS.md).
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 L=.device/lrmoe
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu_info
 nvidia-smi topo -m > "$OUT/topo.txt" 2>&1
 echo "== NCCL transport tests (2 processes)"
 timeout 300 $L launch --nproc 2 --exec .device/layer-nccl-tests -- --ignored --test-threads=1 --nocapture 2>&1 | tee "$OUT/nccl-tests.log"
 echo "rc=${PIPESTATUS[0]}"
 echo "== torch all_to_all_single (torchrun)"
-timeout 300 python3 -m torch.distributed.run --nproc_per_node=2 .device/torch_anchors.py > "$OUT/dist-anchors.log" 2>&1
+timeout 300 python3 -m torch.distributed.run --nproc_per_node=2 benches/torch_anchors.py > "$OUT/dist-anchors.log" 2>&1
 grep '^DIST ' "$OUT/dist-anchors.log" | sed 's/^DIST //' > "$OUT/dist-anchors.json"
 cat "$OUT/dist-anchors.json"
 echo "== lrmoe-dist-bench"

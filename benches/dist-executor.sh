@@ -4,10 +4,7 @@
 # the GPUs) and through the device EP executor, same config, seed and
 # steps: validation losses side by side, step time. Binary built here and
 # carried in .device/:  cargo build --release -p lrmoe --features nccl
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 L=.device/lrmoe
 STEPS=${STEPS:-300}
 printf '[moe]\nreplica_slots_per_rank = 0\n[run]\neval_every = 100\n' > "$OUT/norep.toml"

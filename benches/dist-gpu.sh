@@ -10,12 +10,9 @@
 #   cargo build --release -p lrmoe --features nccl
 #   cargo test --release -p layer --features nccl --no-run   (gpu_layer, nccl)
 #   cargo test --release -p kernels --features cuda --no-run (gpu)
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 L=.device/lrmoe
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu_info
 echo "== device tests"
 timeout 300 .device/kernels-gpu-tests --ignored --test-threads=1 > "$OUT/tests.log" 2>&1
 echo "kernels rc=$?  $(grep 'test result' "$OUT/tests.log" | tail -1)"

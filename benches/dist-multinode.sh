@@ -5,10 +5,7 @@
 # network transport (sockets on loopback) as across hosts. Runs the NCCL
 # tests and a short launched training run with the experts on the GPUs.
 # Binaries as for benches/dist-gpu.sh.
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 export NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo NCCL_DEBUG=INFO
 L=.device/lrmoe
 two_nodes() { # $1: log name, rest: launcher arguments after the node flags

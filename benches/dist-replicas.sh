@@ -15,13 +15,9 @@
 #   cargo build --release -p lrmoe-benches --features nccl --bin lrmoe-dist-bench
 #   cargo test --release -p layer --features nccl --no-run    (gpu_layer, nccl)
 #   cargo test --release -p kernels --features cuda --no-run  (gpu)
-# plus ../shared/anchors/torch_ep_anchor.py copied in.
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 L=.device/lrmoe
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+gpu_info
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   echo "== device tests"
   if [ "${ONE_GPU_TESTS:-1}" = 1 ]; then  # 0: only the NCCL suite (the one-GPU suites ran elsewhere)
@@ -37,7 +33,7 @@ fi
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   echo "== PyTorch EP peer (same run)"
   for hot in 0.0 2.0; do
-    timeout 300 python3 -m torch.distributed.run --nproc_per_node=2 .device/torch_ep_anchor.py --hot $hot 2>&1 | grep '^EP ' | tee -a "$OUT/ep-anchor.log"
+    timeout 300 python3 -m torch.distributed.run --nproc_per_node=2 benches/torch_ep_anchor.py --hot $hot 2>&1 | grep '^EP ' | tee -a "$OUT/ep-anchor.log"
   done
   echo "== lrmoe-dist-bench"
   timeout 300 $L launch --nproc 2 --exec .device/lrmoe-dist-bench 2>&1 | grep -v "^\s*$" | grep -E "^\||^Expert|^Hot|rror" | tee "$OUT/dist-bench.md"

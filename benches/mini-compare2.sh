@@ -11,10 +11,7 @@
 # --element-bytes 2 --hidden 512 --ffn 256 --tile-trim 0.0625` (the GPU
 # executors trim quotas to whole GEMM tiles, `moe.tile_trim`) puts replay's
 # predicted buffers beside the measured ones (docs/benchmarks.md).
-set -uo pipefail
-OUT=${OUT:-/tmp/lrmoe-out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+. "$(dirname "$0")/lib.sh"
 for seed in ${SEEDS:-0 1}; do
   S=$(date +%s)
   timeout "${LIMIT:-280}" .device/lrmoe launch --nproc 2 -- train --device cuda --executor device \

@@ -12,9 +12,8 @@
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo test --release -p lrmoe --features cuda --test gpu_model --no-run  # → .device/model-gpu-tests
 #   cargo test --release -p kernels --features cuda --test gpu_dense --no-run  # → .device/dense-tests
-#   cp benches/torch_qwen3_moe.py .device/
-set -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. "$(dirname "$0")/lib.sh"
+gpu_info
 if [ "${TESTS:-0}" = 1 ]; then
   .device/dense-tests --ignored --test-threads 1 2>&1 | grep -E "test result|panicked"
   .device/model-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "resume|qwen3|classic|test result|panicked"
@@ -51,7 +50,7 @@ print(json.dumps({"ours": name, "tokens_per_s": tp, "mfu": 3*fwd*tp/989e12, "spl
 P
   for prec in master bf16; do
     for comp in "" --compile; do
-      timeout 300 python3 .device/torch_qwen3_moe.py --config $2 --layers $3 --seq $4 --batch $5 --steps $6 \
+      timeout 300 python3 benches/torch_qwen3_moe.py --config $2 --layers $3 --seq $4 --batch $5 --steps $6 \
         --precision $prec $comp 2>&1 | tail -1
     done
   done

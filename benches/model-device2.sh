@@ -5,10 +5,8 @@
 # as in benches/dist-replicas.sh):
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/lrmoe
 #   cargo test --release -p lrmoe --features nccl --test nccl_model --no-run  # → .device/model-nccl-tests
-#   cp benches/torch_qwen3_moe.py .device/
-set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-nvidia-smi --query-gpu=name --format=csv,noheader
+. "$(dirname "$0")/lib.sh"
+gpu_info
 .device/lrmoe launch --nproc 2 --exec .device/model-nccl-tests -- --ignored --test-threads=1 --nocapture 2>&1 | grep -E "rank|test result|panicked"
 cat > /tmp/m2.toml <<'T'
 steps = 60
@@ -31,5 +29,5 @@ import json
 r=[json.loads(l) for l in open('/tmp/run-mini2/metrics.jsonl')][10:]
 print('2 GPUs: median tokens/s', sorted(x['tokens_per_s'] for x in r)[len(r)//2], 'split', [sorted(x['device_ms'][i] for x in r)[len(r)//2] for i in range(5)])"
 # The PyTorch peer, expert parallel over the same two GPUs, same global batch.
-timeout 250 torchrun --nproc_per_node=2 .device/torch_qwen3_moe.py --config examples/qwen3-moe-mini.config.json \
+timeout 250 torchrun --nproc_per_node=2 benches/torch_qwen3_moe.py --config examples/qwen3-moe-mini.config.json \
   --seq 512 --batch 64 --steps 60 2>&1 | grep peer

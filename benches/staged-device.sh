@@ -7,8 +7,8 @@
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo test --release -p layer --features cuda --test gpu_layer --no-run   # → .device/layer-gpu-tests
 #   cargo test --release -p lrmoe --features cuda --test gpu_model --no-run   # → .device/model-gpu-tests
-set -u
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+. "$(dirname "$0")/lib.sh"
+gpu_info
 time .device/layer-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "EP = |staged.*(binding|capacity|priority)|test result|panicked|FAILED|^test " | tail -40
 time .device/model-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "rank|test result|panicked|FAILED|^test " | head -40
 for r in 1 2; do

@@ -25,7 +25,7 @@ every weight at every op and ran 4-5x slower; it is not a fair peer.)
 
 Under torchrun (WORLD_SIZE > 1) the experts are sharded in contiguous
 blocks of E / world and the MoE layer dispatches rows with differentiable
-all_to_all_single as in ../shared/anchors/torch_ep_anchor.py (Megatron-Core's
+all_to_all_single as in benches/torch_ep_anchor.py (Megatron-Core's
 all-to-all dispatcher, simplified); dense weights and the router are
 replicated, their gradients all-reduced; `--batch` is the global batch,
 split over the ranks; the loss is the mean over every rank's tokens and the

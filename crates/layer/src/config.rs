@@ -150,4 +150,3 @@ pub(crate) fn shape(what: String, expected: usize, got: usize) -> Result<(), Lay
         })
     }
 }
-

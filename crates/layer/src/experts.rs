@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
-use kernels::cpu::{bf16_bits_to_f32, from_bf16, matmul, swiglu, swiglu_backward, to_bf16, Op, Real};
+use kernels::cpu::{
+    bf16_bits_to_f32, from_bf16, matmul, swiglu, swiglu_backward, to_bf16, Op, Real,
+};
 use kernels::grouped::{GroupedOps, StackedExperts};
 
 use crate::config::{ExpertWeights, MoeConfig, MoeParams};

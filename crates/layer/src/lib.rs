@@ -159,9 +159,9 @@ mod plan;
 mod router;
 pub mod transport;
 
+pub use config::{ExpertWeights, MoeConfig, MoeParams};
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
-pub use config::{ExpertWeights, MoeConfig, MoeParams};
 pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};
 pub use plan::{
     check_device_call, check_device_shape, check_plan, check_split, device_plan_call,
