@@ -749,6 +749,7 @@ fn call_config(
 }
 
 /// The training state a checkpoint holds.
+#[derive(Clone)]
 struct State {
     model: Model<f32>,
     adam: AdamWState<f32>,
@@ -1332,6 +1333,75 @@ fn mean_over_ranks<X: Transport>(comm: &X, x: f64) -> Result<f64, TrainError> {
     Ok(all.iter().map(|v| v[0]).sum::<f64>() / all.len() as f64)
 }
 
+/// The run folder and the state training starts from: the folder checked
+/// (and made), the checkpoint resumed or a fresh model, the room for the
+/// checkpoint checked, and — on the rank that writes — `metrics.jsonl`
+/// opened (cut back to the checkpoint's step on a resume, the run's kept
+/// fractions read back from it).
+fn open_run(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+) -> Result<(State, Option<std::sync::Mutex<File>>), TrainError> {
+    let dir = &cfg.run.out_dir;
+    let ckpt = dir.join(CHECKPOINT);
+    let metrics_path = dir.join("metrics.jsonl");
+    if opts.writes() {
+        check_out_dir(dir, opts)?;
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        remove_orphans(dir)?;
+    }
+    let mut initial = if opts.resume {
+        let s = load_checkpoint(&ckpt, mcfg, corpus)?;
+        tracing::info!(step = s.step, path = %ckpt.display(), "resumed");
+        s
+    } else {
+        fresh_state(cfg, mcfg)
+    };
+    if !opts.writes() {
+        return Ok((initial, None));
+    }
+    if cfg.run.checkpoint {
+        check_checkpoint_room(dir, checkpoint_bytes(cfg, mcfg, corpus, &initial))?;
+    } else if opts.force && ckpt.exists() {
+        // A checkpoint of the replaced run would pair with this run's
+        // metrics on a later --resume.
+        std::fs::remove_file(&ckpt).map_err(io_err(&ckpt))?;
+    }
+    if opts.resume {
+        truncate_metrics(&metrics_path, initial.step)?;
+        initial.logged = Logged::read(&metrics_path);
+    }
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(opts.resume)
+        .write(true)
+        .truncate(!opts.resume)
+        .open(&metrics_path)
+        .map_err(io_err(&metrics_path))?;
+    Ok((initial, Some(std::sync::Mutex::new(f))))
+}
+
+/// A new run's state: the seeded model, zero moments, step 0.
+fn fresh_state(cfg: &TrainConfig, mcfg: &ModelConfig) -> State {
+    State {
+        model: Model::<f32>::init(mcfg, cfg.seed),
+        adam: AdamWState {
+            m: Model::zeros(mcfg),
+            v: Model::zeros(mcfg),
+            t: 0,
+        },
+        step: 0,
+        rng: SplitMix(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD),
+        evals: Vec::new(),
+        wall_s: 0.0,
+        moe_s: 0.0,
+        expert_bias: Vec::new(),
+        logged: Logged::default(),
+    }
+}
+
 /// Trains with `cfg`; returns rank 0's summary (every launched rank gets
 /// the same figures).
 pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
@@ -1371,56 +1441,6 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     } else {
         check_memory(cfg, &mcfg)?;
     }
-    let unigram = unigram_baseline(&corpus);
-    let ckpt = cfg.run.out_dir.join(CHECKPOINT);
-    let metrics_path = cfg.run.out_dir.join("metrics.jsonl");
-    if opts.writes() {
-        check_out_dir(&cfg.run.out_dir, opts)?;
-        std::fs::create_dir_all(&cfg.run.out_dir).map_err(io_err(&cfg.run.out_dir))?;
-        remove_orphans(&cfg.run.out_dir)?;
-    }
-    let mut initial = if opts.resume {
-        let s = load_checkpoint(&ckpt, &mcfg, &corpus)?;
-        tracing::info!(step = s.step, path = %ckpt.display(), "resumed");
-        s
-    } else {
-        let model = Model::<f32>::init(&mcfg, cfg.seed);
-        State {
-            adam: AdamWState {
-                m: Model::zeros(&mcfg),
-                v: Model::zeros(&mcfg),
-                t: 0,
-            },
-            model,
-            step: 0,
-            rng: SplitMix(cfg.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xABCD),
-            evals: Vec::new(),
-            wall_s: 0.0,
-            moe_s: 0.0,
-            expert_bias: Vec::new(),
-            logged: Logged::default(),
-        }
-    };
-    if opts.writes() {
-        if cfg.run.checkpoint {
-            check_checkpoint_room(
-                &cfg.run.out_dir,
-                checkpoint_bytes(cfg, &mcfg, &corpus, &initial),
-            )?;
-        } else if opts.force && ckpt.exists() {
-            // A checkpoint of the replaced run would pair with this run's
-            // metrics on a later --resume.
-            std::fs::remove_file(&ckpt).map_err(io_err(&ckpt))?;
-        }
-    }
-    tracing::info!(
-        params = initial.model.n_params(),
-        vocab = mcfg.vocab,
-        mode = ?cfg.moe.mode,
-        ranks = cfg.moe.ranks,
-        unigram_val_loss = unigram,
-        "training"
-    );
     let ranks = cfg.moe.ranks;
     if let Some(t) = &opts.transport {
         if t.world_size() != ranks {
@@ -1430,22 +1450,17 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             )));
         }
     }
-    if opts.writes() && opts.resume {
-        truncate_metrics(&metrics_path, initial.step)?;
-        initial.logged = Logged::read(&metrics_path);
-    }
-    let metrics = if opts.writes() {
-        let f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(opts.resume)
-            .write(true)
-            .truncate(!opts.resume)
-            .open(&metrics_path)
-            .map_err(io_err(&metrics_path))?;
-        Some(std::sync::Mutex::new(f))
-    } else {
-        None
-    };
+    let unigram = unigram_baseline(&corpus);
+    let ckpt = cfg.run.out_dir.join(CHECKPOINT);
+    let (initial, metrics) = open_run(cfg, opts, &mcfg, &corpus)?;
+    tracing::info!(
+        params = initial.model.n_params(),
+        vocab = mcfg.vocab,
+        mode = ?cfg.moe.mode,
+        ranks,
+        unigram_val_loss = unigram,
+        "training"
+    );
     let placement = Placement {
         owner: (0..mcfg.n_experts)
             .map(|e| e * ranks / mcfg.n_experts)
@@ -1508,27 +1523,18 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         b
     });
 
-    // A macro, not a closure: the device models borrow for different
-    // lifetimes (one per in-process rank when staged).
-    macro_rules! loop_with {
-        ($comm:expr, $dm:expr) => {
-            rank_loop(
-                $comm,
-                cfg,
-                &mcfg,
-                &corpus,
-                &run,
-                &initial,
-                metrics.as_ref(),
-                bar.as_ref(),
-                &ckpt,
-                &opts.stop,
-                $dm,
-            )
-        };
-    }
+    let lp = Loop {
+        cfg,
+        mcfg: &mcfg,
+        corpus: &corpus,
+        run: &run,
+        metrics: metrics.as_ref(),
+        bar: bar.as_ref(),
+        ckpt: &ckpt,
+        stop: &opts.stop,
+    };
     let results = match &opts.transport {
-        Some(t) => vec![loop_with!(t.as_ref(), device_model.as_ref())],
+        Some(t) => vec![rank_loop(t.as_ref(), &lp, &initial, device_model.as_ref())],
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
             if staged {
                 let own = new_device_model(
@@ -1539,9 +1545,9 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
                     &call,
                     &corpus,
                 )?;
-                loop_with!(comm, Some(&own))
+                rank_loop(comm, &lp, &initial, Some(&own))
             } else {
-                loop_with!(comm, device_model.as_ref())
+                rank_loop(comm, &lp, &initial, device_model.as_ref())
             }
         }),
     };
@@ -1744,36 +1750,40 @@ fn step_grads<X: Transport>(
 }
 
 #[allow(clippy::too_many_arguments)]
+/// What every step of one rank's loop reads: the run's settings, its data
+/// and where it writes (rank 0 only: `metrics`, `bar`).
+struct Loop<'a> {
+    cfg: &'a TrainConfig,
+    mcfg: &'a ModelConfig,
+    corpus: &'a Corpus,
+    run: &'a MoeRun<'a>,
+    metrics: Option<&'a std::sync::Mutex<File>>,
+    bar: Option<&'a indicatif::ProgressBar>,
+    ckpt: &'a Path,
+    stop: &'a crate::stop::StopFlag,
+}
+
+/// Figures every rank agrees on after a step (one all-gather): the mean
+/// loss, the slowest rank's step time, whether any rank saw a signal.
+struct Agreed {
+    loss: f64,
+    step_s: f64,
+    any_signal: bool,
+}
+
+/// One rank's training: steps until the collective stop — data, forward,
+/// backward, optimizer ([`train_step`]), the agreed figures, the balancing
+/// bias, the next step's micro-batches, evaluation, metrics and checkpoint
+/// — then the final evaluation and checkpoint ([`finish`]).
 fn rank_loop<X: Transport>(
     comm: &X,
-    cfg: &TrainConfig,
-    mcfg: &ModelConfig,
-    corpus: &Corpus,
-    run: &MoeRun<'_>,
+    lp: &Loop<'_>,
     initial: &State,
-    metrics: Option<&std::sync::Mutex<File>>,
-    bar: Option<&indicatif::ProgressBar>,
-    ckpt: &Path,
-    stop: &crate::stop::StopFlag,
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<Option<TrainSummary>, TrainError> {
-    let me = comm.rank();
-    let ranks = comm.world_size();
-    let seq = cfg.data.seq_len;
-    let per_rank = cfg.data.batch_size / ranks;
-    let mut s = State {
-        model: initial.model.clone(),
-        adam: initial.adam.clone(),
-        step: initial.step,
-        rng: initial.rng,
-        evals: initial.evals.clone(),
-        wall_s: initial.wall_s,
-        moe_s: initial.moe_s,
-        expert_bias: initial.expert_bias.clone(),
-        logged: initial.logged,
-    };
-    let rate = cfg.moe.expert_bias_rate;
-    if rate > 0.0 && s.expert_bias.is_empty() {
+    let (cfg, mcfg) = (lp.cfg, lp.mcfg);
+    let mut s = initial.clone();
+    if cfg.moe.expert_bias_rate > 0.0 && s.expert_bias.is_empty() {
         s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
     }
     let max_s = cfg.run.max_minutes.map(|m| m * 60.0);
@@ -1788,242 +1798,311 @@ fn rank_loop<X: Transport>(
     // after the same step.
     let mut reason =
         crate::stop::decide(s.step, cfg.steps, reached.is_some(), s.wall_s, max_s, false);
-    // Micro-batches of the next step (`moe.fit_budget` in full and
-    // replicate modes: decided from the previous step's busiest rank, the
-    // same on every rank).
-    let splits = cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate);
-    let divisor_from = |need: usize| {
-        (need.max(1)..=per_rank)
-            .find(|m| per_rank % m == 0)
-            .unwrap_or(per_rank)
-    };
-    // Before any routing is seen, the worst case: every rank's pairs on one.
-    let mut micro = if splits {
-        divisor_from((ranks as f64 / cfg.moe.buffer_fraction).ceil() as usize)
-    } else {
-        1
-    };
+    let mut micro = first_micro_batches(cfg, comm.world_size());
     while reason.is_none() {
         let clock = Instant::now();
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
-        let step_micro = micro;
-        let StepOut {
-            loss,
-            aux_loss,
-            moe_seconds,
-            grad_norm,
-            plans,
-            stats,
-            kept_routed,
-            busiest,
-            expert_load,
-            device_ms,
-            device_mem_bytes,
-        } = match device_model {
-            Some(dm) => {
-                // The whole model on this GPU: only the windows' starts go
-                // down, scalars and counts come back.
-                let starts =
-                    random_starts(corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
-                let mine = &starts[me * per_rank..(me + 1) * per_rank];
-                let st = lock(dm).train_step(mine, seq, micro, &cfg.optim, lr, &s.expert_bias)?;
-                let mut t = Tally::new(mcfg);
-                for m in &st.stats {
-                    t.add(mcfg, m, me, ranks);
-                }
-                let Tally(kept_routed, busiest, expert_load) = t;
-                StepOut {
-                    loss: st.loss,
-                    aux_loss: st.aux_loss,
-                    moe_seconds: st.moe_seconds,
-                    grad_norm: st.grad_norm,
-                    plans: st.plans,
-                    stats: st.stats.into_iter().next().unwrap_or_default(),
-                    kept_routed,
-                    busiest,
-                    expert_load,
-                    device_ms: Some(st.split_ms),
-                    device_mem_bytes: Some(st.device_bytes),
-                }
-            }
-            None => {
-                let (tokens, targets) =
-                    random_batch(&corpus.train, cfg.data.batch_size, seq, &mut s.rng);
-                let lo = me * per_rank * seq;
-                let hi = lo + per_rank * seq;
-                let step_run = biased(run, &s.expert_bias);
-                let sg = step_grads(
-                    comm,
-                    mcfg,
-                    &s.model,
-                    &step_run,
-                    (&tokens[lo..hi], &targets[lo..hi]),
-                    seq,
-                    micro,
-                )?;
-                let grad_norm =
-                    adamw_step(&cfg.optim, &mut s.model, &sg.grads.grads, &mut s.adam, lr);
-                StepOut {
-                    loss: sg.loss,
-                    aux_loss: sg.aux_loss,
-                    moe_seconds: sg.moe_seconds,
-                    grad_norm,
-                    plans: sg.cache.moe_plans().cloned().collect(),
-                    stats: sg.grads.moe_stats,
-                    kept_routed: sg.kept_routed,
-                    busiest: sg.busiest,
-                    expert_load: sg.expert_load,
-                    device_ms: None,
-                    device_mem_bytes: None,
-                }
-            }
-        };
-        // One gather carries the loss, this rank's step time and whether it
-        // saw a signal; the step's wall time is the slowest rank's.
-        let local_s = clock.elapsed().as_secs_f64();
-        let signal = if stop.is_raised() { 1.0 } else { 0.0 };
-        let views = all_gather(comm, &[loss, local_s, signal])?;
-        let loss = views.iter().map(|v| v[0]).sum::<f64>() / views.len() as f64;
-        let step_s = views.iter().map(|v| v[1]).fold(0.0, f64::max);
-        let any_signal = views.iter().any(|v| v[2] > 0.0);
-        s.wall_s += step_s;
-        s.moe_s += moe_seconds;
+        let out = train_step(comm, lp, &mut s, micro, lr, device_model)?;
+        let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
+        s.wall_s += agreed.step_s;
+        s.moe_s += out.moe_seconds;
         s.step += 1;
         // The balancing bias follows the step's loads (all ranks' pairs,
         // the same on every rank): experts above the mean are chosen less.
-        if rate > 0.0 {
-            update_expert_bias(&mut s.expert_bias, &expert_load, rate);
+        if cfg.moe.expert_bias_rate > 0.0 {
+            update_expert_bias(
+                &mut s.expert_bias,
+                &out.expert_load,
+                cfg.moe.expert_bias_rate,
+            );
         }
-
-        // Kept fraction over all ranks, per layer; the busiest rank's pairs.
-        let mut kept = kept_routed;
-        kept.push(busiest);
-        let totals = all_gather(comm, &kept)?;
-        if splits {
-            // The busiest rank's pairs of a whole step over the budget's
-            // rows: the next step's micro-batches (a divisor of the rank's
-            // sequences, so every micro-batch is the same size).
-            let peak = totals
-                .iter()
-                .map(|t| t[2 * mcfg.n_layers])
-                .max()
-                .unwrap_or(0);
-            let budget_rows = cfg.moe.buffer_fraction * (per_rank * seq * mcfg.top_k) as f64;
-            let need = ((peak * step_micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
-            micro = divisor_from(need);
-        }
-        let layers: Vec<LayerMetrics> = plans
-            .iter()
-            .zip(&stats)
-            .enumerate()
-            .map(|(li, (plan, st))| {
-                let k: u64 = totals.iter().map(|t| t[2 * li]).sum();
-                let n: u64 = totals.iter().map(|t| t[2 * li + 1]).sum();
-                layer_metrics(li, plan, st, k, n)
-            })
-            .collect();
+        let step_micro = micro;
+        let (layers, next) = gather_layers(comm, lp, &out, micro)?;
+        micro = next;
         for l in &layers {
             s.logged.add(l.kept_fraction, l.buffer_bytes);
         }
-
-        let val_loss = if s.step % cfg.run.eval_every == 0 || s.step == cfg.steps {
-            let v = evaluate(
-                comm,
-                cfg,
-                mcfg,
-                corpus,
-                &biased(run, &s.expert_bias),
-                &s.model,
-                device_model,
-            )?;
-            let point = EvalPoint {
-                step: s.step,
-                wall_s: s.wall_s,
-                moe_s: s.moe_s,
-                val_loss: v,
-            };
-            s.evals.push(point);
-            if me == 0 {
-                tracing::info!(
-                    step = s.step,
-                    val_loss = v,
-                    train_loss = loss,
-                    wall_s = s.wall_s,
-                    "eval"
-                );
+        let val_loss = evaluate_due(comm, lp, &mut s, agreed.loss, device_model)?;
+        if let Some(p) = s
+            .evals
+            .last()
+            .filter(|p| val_loss.is_some() && p.step == s.step)
+        {
+            if cfg.run.target_val_loss.is_some_and(|t| p.val_loss <= t) {
+                reached = Some(*p);
             }
-            if cfg.run.target_val_loss.is_some_and(|t| v <= t) {
-                reached = Some(point);
-            }
-            Some(v)
-        } else {
-            None
+        }
+        let m = StepMetrics {
+            step: s.step,
+            loss: agreed.loss,
+            lr,
+            grad_norm: out.grad_norm,
+            wall_s: s.wall_s,
+            moe_s: s.moe_s,
+            tokens_per_s: (cfg.data.batch_size * cfg.data.seq_len) as f64 / agreed.step_s,
+            aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(out.aux_loss),
+            micro_batches: step_micro,
+            val_loss,
+            device_ms: out.device_ms,
+            device_mem_bytes: out.device_mem_bytes,
+            layers,
         };
-        // The device model's weights come back before a checkpoint (a
-        // collective: every rank takes part, rank 0 writes).
-        let checkpoint_due = cfg.run.checkpoint
-            && cfg.run.checkpoint_every > 0
-            && s.step % cfg.run.checkpoint_every == 0;
-        if let (true, Some(dm)) = (checkpoint_due, device_model) {
-            (s.model, s.adam) = lock(dm).download(comm)?;
-        }
-        if let (0, Some(metrics)) = (me, metrics) {
-            let m = StepMetrics {
-                step: s.step,
-                loss,
-                lr,
-                grad_norm,
-                wall_s: s.wall_s,
-                moe_s: s.moe_s,
-                tokens_per_s: (cfg.data.batch_size * seq) as f64 / step_s,
-                aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(aux_loss),
-                micro_batches: step_micro,
-                val_loss,
-                device_ms,
-                device_mem_bytes,
-                layers,
-            };
-            let line = serde_json::to_string(&m).unwrap_or_default() + "\n";
-            let mut f = metrics.lock().unwrap_or_else(|p| p.into_inner());
-            f.write_all(line.as_bytes())
-                .map_err(io_err(&cfg.run.out_dir.join("metrics.jsonl")))?;
-            if let Some(b) = bar {
-                b.set_position(s.step as u64);
-                let last = s
-                    .evals
-                    .last()
-                    .map_or(String::new(), |e| format!(" val {:.3}", e.val_loss));
-                b.set_message(format!("loss {loss:.3}{last}"));
-            }
-            if checkpoint_due {
-                save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
-            }
-        }
+        log_and_checkpoint(comm, lp, &mut s, &m, device_model)?;
         reason = crate::stop::decide(
             s.step,
             cfg.steps,
             reached.is_some(),
             s.wall_s,
             max_s,
-            any_signal,
+            agreed.any_signal,
         );
     }
     let reason = reason.unwrap_or(crate::stop::StopReason::Steps);
+    finish(comm, lp, s, reason, reached, device_model)
+}
+
+/// Micro-batches of the first step: with `moe.fit_budget` in full and
+/// replicate modes, the worst case (every rank's pairs on one), else one.
+fn first_micro_batches(cfg: &TrainConfig, ranks: usize) -> usize {
+    if splits_steps(cfg) {
+        micro_divisor(
+            cfg,
+            ranks,
+            (ranks as f64 / cfg.moe.buffer_fraction).ceil() as usize,
+        )
+    } else {
+        1
+    }
+}
+
+/// Whether steps split into micro-batches to fit the budget.
+fn splits_steps(cfg: &TrainConfig) -> bool {
+    cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate)
+}
+
+/// The smallest divisor of a rank's sequences that is at least `need`, so
+/// every micro-batch is the same size.
+fn micro_divisor(cfg: &TrainConfig, ranks: usize, need: usize) -> usize {
+    let per_rank = cfg.data.batch_size / ranks;
+    (need.max(1)..=per_rank)
+        .find(|m| per_rank % m == 0)
+        .unwrap_or(per_rank)
+}
+
+/// Data, forward, backward and optimizer of one step on this rank: on the
+/// device model (only the windows' starts go down; scalars and counts come
+/// back) or on the host model.
+fn train_step<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    s: &mut State,
+    micro: usize,
+    lr: f64,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Result<StepOut, TrainError> {
+    let (cfg, mcfg) = (lp.cfg, lp.mcfg);
+    let (me, ranks) = (comm.rank(), comm.world_size());
+    let seq = cfg.data.seq_len;
+    let per_rank = cfg.data.batch_size / ranks;
+    if let Some(dm) = device_model {
+        let starts = random_starts(lp.corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
+        let mine = &starts[me * per_rank..(me + 1) * per_rank];
+        let st = lock(dm).train_step(mine, seq, micro, &cfg.optim, lr, &s.expert_bias)?;
+        let mut t = Tally::new(mcfg);
+        for m in &st.stats {
+            t.add(mcfg, m, me, ranks);
+        }
+        let Tally(kept_routed, busiest, expert_load) = t;
+        return Ok(StepOut {
+            loss: st.loss,
+            aux_loss: st.aux_loss,
+            moe_seconds: st.moe_seconds,
+            grad_norm: st.grad_norm,
+            plans: st.plans,
+            stats: st.stats.into_iter().next().unwrap_or_default(),
+            kept_routed,
+            busiest,
+            expert_load,
+            device_ms: Some(st.split_ms),
+            device_mem_bytes: Some(st.device_bytes),
+        });
+    }
+    let (tokens, targets) = random_batch(&lp.corpus.train, cfg.data.batch_size, seq, &mut s.rng);
+    let lo = me * per_rank * seq;
+    let hi = lo + per_rank * seq;
+    let step_run = biased(lp.run, &s.expert_bias);
+    let sg = step_grads(
+        comm,
+        mcfg,
+        &s.model,
+        &step_run,
+        (&tokens[lo..hi], &targets[lo..hi]),
+        seq,
+        micro,
+    )?;
+    let grad_norm = adamw_step(&cfg.optim, &mut s.model, &sg.grads.grads, &mut s.adam, lr);
+    Ok(StepOut {
+        loss: sg.loss,
+        aux_loss: sg.aux_loss,
+        moe_seconds: sg.moe_seconds,
+        grad_norm,
+        plans: sg.cache.moe_plans().cloned().collect(),
+        stats: sg.grads.moe_stats,
+        kept_routed: sg.kept_routed,
+        busiest: sg.busiest,
+        expert_load: sg.expert_load,
+        device_ms: None,
+        device_mem_bytes: None,
+    })
+}
+
+/// One gather carries the loss, this rank's step time and whether it saw a
+/// signal; the step's wall time is the slowest rank's.
+fn agree<X: Transport>(
+    comm: &X,
+    loss: f64,
+    local_s: f64,
+    stop: &crate::stop::StopFlag,
+) -> Result<Agreed, TrainError> {
+    let signal = if stop.is_raised() { 1.0 } else { 0.0 };
+    let views = all_gather(comm, &[loss, local_s, signal])?;
+    Ok(Agreed {
+        loss: views.iter().map(|v| v[0]).sum::<f64>() / views.len() as f64,
+        step_s: views.iter().map(|v| v[1]).fold(0.0, f64::max),
+        any_signal: views.iter().any(|v| v[2] > 0.0),
+    })
+}
+
+/// The step's per-layer metrics (kept fractions over all ranks) and the
+/// next step's micro-batches (with `moe.fit_budget`: the busiest rank's
+/// pairs of a whole step over the budget's rows).
+fn gather_layers<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    out: &StepOut,
+    micro: usize,
+) -> Result<(Vec<LayerMetrics>, usize), TrainError> {
+    let (cfg, n_layers) = (lp.cfg, lp.mcfg.n_layers);
+    let mut kept = out.kept_routed.clone();
+    kept.push(out.busiest);
+    let totals = all_gather(comm, &kept)?;
+    let next = if splits_steps(cfg) {
+        let ranks = comm.world_size();
+        let per_rank = cfg.data.batch_size / ranks;
+        let peak = totals.iter().map(|t| t[2 * n_layers]).max().unwrap_or(0);
+        let budget_rows =
+            cfg.moe.buffer_fraction * (per_rank * cfg.data.seq_len * lp.mcfg.top_k) as f64;
+        let need = ((peak * micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
+        micro_divisor(cfg, ranks, need)
+    } else {
+        micro
+    };
+    let layers = out
+        .plans
+        .iter()
+        .zip(&out.stats)
+        .enumerate()
+        .map(|(li, (plan, st))| {
+            let k: u64 = totals.iter().map(|t| t[2 * li]).sum();
+            let n: u64 = totals.iter().map(|t| t[2 * li + 1]).sum();
+            layer_metrics(li, plan, st, k, n)
+        })
+        .collect();
+    Ok((layers, next))
+}
+
+/// The validation loss on evaluation steps (every `run.eval_every` steps
+/// and the last), added to the run's curve.
+fn evaluate_due<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    s: &mut State,
+    train_loss: f64,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Result<Option<f64>, TrainError> {
+    let cfg = lp.cfg;
+    if s.step % cfg.run.eval_every != 0 && s.step != cfg.steps {
+        return Ok(None);
+    }
+    let run = biased(lp.run, &s.expert_bias);
+    let v = evaluate(comm, cfg, lp.mcfg, lp.corpus, &run, &s.model, device_model)?;
+    s.evals.push(EvalPoint {
+        step: s.step,
+        wall_s: s.wall_s,
+        moe_s: s.moe_s,
+        val_loss: v,
+    });
+    if comm.rank() == 0 {
+        tracing::info!(
+            step = s.step,
+            val_loss = v,
+            train_loss,
+            wall_s = s.wall_s,
+            "eval"
+        );
+    }
+    Ok(Some(v))
+}
+
+/// Rank 0 appends the step's metrics line and moves the progress bar; on
+/// checkpoint steps every rank takes part in bringing the device model's
+/// weights back (a collective) and rank 0 writes the checkpoint.
+fn log_and_checkpoint<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    s: &mut State,
+    m: &StepMetrics,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Result<(), TrainError> {
+    let cfg = lp.cfg;
+    let checkpoint_due = cfg.run.checkpoint
+        && cfg.run.checkpoint_every > 0
+        && s.step % cfg.run.checkpoint_every == 0;
+    if let (true, Some(dm)) = (checkpoint_due, device_model) {
+        (s.model, s.adam) = lock(dm).download(comm)?;
+    }
+    let (0, Some(metrics)) = (comm.rank(), lp.metrics) else {
+        return Ok(());
+    };
+    let line = serde_json::to_string(m).unwrap_or_default() + "\n";
+    let mut f = metrics.lock().unwrap_or_else(|p| p.into_inner());
+    f.write_all(line.as_bytes())
+        .map_err(io_err(&cfg.run.out_dir.join("metrics.jsonl")))?;
+    if let Some(b) = lp.bar {
+        b.set_position(s.step as u64);
+        let last = s
+            .evals
+            .last()
+            .map_or(String::new(), |e| format!(" val {:.3}", e.val_loss));
+        b.set_message(format!("loss {:.3}{last}", m.loss));
+    }
+    if checkpoint_due {
+        save_checkpoint(lp.ckpt, cfg, lp.mcfg, lp.corpus, s)?;
+    }
+    Ok(())
+}
+
+/// After the last step: the final validation loss (evaluated unless the
+/// last step did), the device model's weights back, the final checkpoint,
+/// and rank 0's summary.
+fn finish<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    mut s: State,
+    reason: crate::stop::StopReason,
+    reached: Option<EvalPoint>,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Result<Option<TrainSummary>, TrainError> {
+    let cfg = lp.cfg;
+    let me = comm.rank();
     if me == 0 {
         tracing::info!(step = s.step, reason = %reason, "stopping");
     }
     let final_val = match s.evals.last() {
         Some(e) if e.step == s.step => e.val_loss,
         _ => {
-            let v = evaluate(
-                comm,
-                cfg,
-                mcfg,
-                corpus,
-                &biased(run, &s.expert_bias),
-                &s.model,
-                device_model,
-            )?;
+            let run = biased(lp.run, &s.expert_bias);
+            let v = evaluate(comm, cfg, lp.mcfg, lp.corpus, &run, &s.model, device_model)?;
             s.evals.push(EvalPoint {
                 step: s.step,
                 wall_s: s.wall_s,
@@ -2036,8 +2115,8 @@ fn rank_loop<X: Transport>(
     if let (true, Some(dm)) = (cfg.run.checkpoint, device_model) {
         (s.model, s.adam) = lock(dm).download(comm)?;
     }
-    if me == 0 && metrics.is_some() && cfg.run.checkpoint {
-        save_checkpoint(ckpt, cfg, mcfg, corpus, &s)?;
+    if me == 0 && lp.metrics.is_some() && cfg.run.checkpoint {
+        save_checkpoint(lp.ckpt, cfg, lp.mcfg, lp.corpus, &s)?;
     }
     Ok(Some(TrainSummary {
         mode: cfg.moe.mode,
