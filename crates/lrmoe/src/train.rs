@@ -452,6 +452,13 @@ impl TrainConfig {
     /// `(0, moe.ranks]`: 1 budgets the average routed pairs per rank,
     /// `moe.ranks` every pair of a step on one rank, and no more can arrive.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.validate_sizes()?;
+        self.validate_moe()?;
+        self.validate_optim_and_run()
+    }
+
+    /// Ranks, steps, batch, sequence and evaluation sizes.
+    fn validate_sizes(&self) -> Result<(), TrainError> {
         let bad = |m: String| Err(TrainError::Config(m));
         if self.moe.ranks == 0 {
             return bad("moe.ranks must be at least 1".into());
@@ -471,6 +478,12 @@ impl TrainConfig {
         if self.run.eval_every == 0 || self.run.eval_batches == 0 {
             return bad("run.eval_every and run.eval_batches must be positive".into());
         }
+        Ok(())
+    }
+
+    /// The MoE section's workloads, balancing, selection and budget.
+    fn validate_moe(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
         if self.moe.hot_experts > self.model.n_experts || !self.moe.hot_bias.is_finite() {
             return bad(format!(
                 "moe.hot_experts = {} must be at most model.n_experts = {} and moe.hot_bias finite",
@@ -515,6 +528,13 @@ impl TrainConfig {
                 self.moe.ranks
             ));
         }
+        Ok(())
+    }
+
+    /// The optimizer, the capacity factor, the stop conditions and the
+    /// validation split.
+    fn validate_optim_and_run(&self) -> Result<(), TrainError> {
+        let bad = |m: String| Err(TrainError::Config(m));
         if !(self.optim.lr > 0.0 && self.optim.lr.is_finite()) {
             return bad("optim.lr must be positive".into());
         }
@@ -1402,9 +1422,77 @@ fn fresh_state(cfg: &TrainConfig, mcfg: &ModelConfig) -> State {
     }
 }
 
-/// Trains with `cfg`; returns rank 0's summary (every launched rank gets
-/// the same figures).
-pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
+/// The MoE layers' call configuration of this run, in the units its
+/// executor plans with (bf16 device rows for the device executor and the
+/// device-resident model, f32 host rows otherwise). On a GPU: one rank, or
+/// launched ranks with `moe.executor = "device"` (one GPU each), train the
+/// whole model on the GPUs (`device_model`, its MoE layers through the
+/// device executor); other multi-rank runs (threads sharing GPU 0, or
+/// launched processes on the host executor) keep the dense parts on the
+/// CPU and run the host layer's expert GEMMs as bf16 grouped kernels on
+/// their GPU.
+fn run_call_config(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    mcfg: &ModelConfig,
+    placement: &Placement,
+    whole_gpu: bool,
+) -> CallConfig {
+    let device_rows = whole_gpu || cfg.moe.executor == Executor::Device;
+    let call = call_config(cfg, mcfg, placement, device_rows);
+    if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
+        // The per-rank budget in the units the executor plans with, for
+        // `lrmoe replay --budget-mib` on this run's metrics.jsonl.
+        let b = budgets(cfg, mcfg, placement, device_rows);
+        tracing::info!(
+            rank0_budget_bytes = b.first().map_or(0, |r| r.memory_bytes),
+            element_bytes = if device_rows { 2 } else { 4 },
+            "per-rank memory budget of one layer call"
+        );
+    }
+    match &opts.gpu {
+        Some(gpu) if !whole_gpu => CallConfig {
+            experts: layer::ExpertBackend::Bf16(gpu.clone()),
+            ..call
+        },
+        _ => call,
+    }
+}
+
+/// The progress bar of a run of `steps` starting at `at`, shown above the
+/// log lines.
+fn progress_bar(steps: usize, at: usize) -> indicatif::ProgressBar {
+    let b = indicatif::ProgressBar::new(steps as u64);
+    b.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} {elapsed_precise} eta {eta} {msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    b.set_position(at as u64);
+    crate::progress::show(&b);
+    b
+}
+
+/// Where and on what a run trains, checked before anything is written.
+struct Where {
+    corpus: Corpus,
+    mcfg: ModelConfig,
+    /// In-process ranks with `--executor device`: one device model per rank
+    /// thread, all on this one GPU, their collectives staged through the
+    /// host (`DeviceComm::Staged`: the multi-rank path's plan and
+    /// exchanges, not its speed).
+    staged: bool,
+    /// The whole model resident on the GPU: one rank, or launched ranks
+    /// with `--executor device` (experts sharded over the ranks' GPUs,
+    /// dense weights replicated); its vocabulary padded to a multiple of 8
+    /// unless the configuration sets it.
+    whole_gpu: bool,
+}
+
+/// Validates the configuration, loads the corpus and checks that the
+/// model's sizes fit this run's device and memory.
+fn where_it_runs(cfg: &TrainConfig, opts: &RunOptions) -> Result<Where, TrainError> {
     cfg.validate()?;
     // Shapes first: a bad config should not wait for the corpus.
     cfg.model_config(1)?;
@@ -1414,14 +1502,6 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         ));
     }
     let corpus = load_corpus(cfg.data.corpus.as_deref(), cfg.data.val_fraction)?;
-    // One GPU, one rank: the whole model resident on the device, its
-    // vocabulary padded to a multiple of 8 unless the configuration sets it.
-    // Launched ranks with `--executor device`: the same, experts sharded
-    // over the ranks' GPUs, dense weights replicated.
-    // In-process ranks with `--executor device`: one device model per rank
-    // thread, all on this one GPU, their collectives staged through the
-    // host (`DeviceComm::Staged`: the multi-rank path's plan and exchanges,
-    // not its speed).
     let staged = opts.gpu.is_some()
         && opts.transport.is_none()
         && cfg.moe.ranks > 1
@@ -1441,6 +1521,23 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     } else {
         check_memory(cfg, &mcfg)?;
     }
+    Ok(Where {
+        corpus,
+        mcfg,
+        staged,
+        whole_gpu,
+    })
+}
+
+/// Trains with `cfg`; returns rank 0's summary (every launched rank gets
+/// the same figures).
+pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
+    let Where {
+        corpus,
+        mcfg,
+        staged,
+        whole_gpu,
+    } = where_it_runs(cfg, opts)?;
     let ranks = cfg.moe.ranks;
     if let Some(t) = &opts.transport {
         if t.world_size() != ranks {
@@ -1467,31 +1564,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             .collect(),
         replicas: vec![],
     };
-    let device_rows = whole_gpu || cfg.moe.executor == Executor::Device;
-    let call = call_config(cfg, &mcfg, &placement, device_rows);
-    if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
-        // The per-rank budget in the units the executor plans with, for
-        // `lrmoe replay --budget-mib` on this run's metrics.jsonl.
-        let b = budgets(cfg, &mcfg, &placement, device_rows);
-        tracing::info!(
-            rank0_budget_bytes = b.first().map_or(0, |r| r.memory_bytes),
-            element_bytes = if device_rows { 2 } else { 4 },
-            "per-rank memory budget of one layer call"
-        );
-    }
-    // On a GPU: one rank, or launched ranks with `moe.executor =
-    // "device"` (one GPU each), train the whole model on the GPUs
-    // (`device_model`, its MoE layers through the device executor); other
-    // multi-rank runs (threads sharing GPU 0, or launched processes on the
-    // host executor) keep the dense parts on the CPU and run the host
-    // layer's expert GEMMs as bf16 grouped kernels on their GPU.
-    let call = match &opts.gpu {
-        Some(gpu) if !whole_gpu => CallConfig {
-            experts: layer::ExpertBackend::Bf16(gpu.clone()),
-            ..call
-        },
-        _ => call,
-    };
+    let call = run_call_config(cfg, opts, &mcfg, &placement, whole_gpu);
     let run = MoeRun {
         placement: &placement,
         backward: &call,
@@ -1510,18 +1583,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     } else {
         None
     };
-    let bar = (opts.progress && opts.writes()).then(|| {
-        let b = indicatif::ProgressBar::new(cfg.steps as u64);
-        b.set_style(
-            indicatif::ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} {elapsed_precise} eta {eta} {msg}",
-            )
-            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        b.set_position(initial.step as u64);
-        crate::progress::show(&b);
-        b
-    });
+    let bar = (opts.progress && opts.writes()).then(|| progress_bar(cfg.steps, initial.step));
 
     let lp = Loop {
         cfg,
