@@ -111,9 +111,59 @@ pub fn forward<T: Real, X: Transport>(
     placement: &Placement,
     x: &[T],
 ) -> Result<(Vec<T>, Saved<T>), LayerError> {
+    check_forward_inputs(cfg, params, placement, x)?;
+    let routed = route(cfg, bwd, params, x, comm.world_size())?;
+    // Counts of the pairs that reach an expert, then the call's plan.
+    let mut local = vec![0u64; cfg.n_experts];
+    for (&e, _) in routed
+        .expert_of_pair
+        .iter()
+        .zip(&routed.active)
+        .filter(|(_, &a)| a)
+    {
+        local[e as usize] += 1;
+    }
+    let plan = plan_call::<T>(cfg, bwd, all_gather(comm, &local)?, placement)?;
+    let replicas = copy_replicas(comm, cfg, &plan.placement, params)?;
+    let per_pair = dispatch_and_compute(comm, cfg, bwd, params, &replicas, &plan, &routed, x)?;
+    let (y, out, h_sq) = combine(cfg, &routed, &per_pair, x.len() / cfg.hidden);
+    let Routed {
+        probs,
+        expert_of_pair,
+        active,
+        gate,
+        aux,
+        aux_dp,
+    } = routed;
+    Ok((
+        y,
+        Saved {
+            x: x.to_vec(),
+            probs,
+            expert_of_pair,
+            active,
+            gate,
+            out,
+            h_sq,
+            replicas,
+            aux,
+            aux_dp,
+            plan,
+        },
+    ))
+}
+
+/// The forward's inputs against the layer's shape: widths, the
+/// placement's experts, finite values.
+fn check_forward_inputs<T: Real>(
+    cfg: &MoeConfig,
+    params: &MoeParams<T>,
+    placement: &Placement,
+    x: &[T],
+) -> Result<(), LayerError> {
     cfg.validate()?;
     params.validate(cfg)?;
-    let (hd, e_n, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let hd = cfg.hidden;
     if x.len() % hd != 0 {
         return Err(LayerError::Shape {
             what: "x".into(),
@@ -121,19 +171,44 @@ pub fn forward<T: Real, X: Transport>(
             got: x.len(),
         });
     }
-    if placement.owner.len() != e_n {
+    if placement.owner.len() != cfg.n_experts {
         return Err(LayerError::Config(format!(
-            "placement has {} experts, the layer {e_n}",
-            placement.owner.len()
+            "placement has {} experts, the layer {}",
+            placement.owner.len(),
+            cfg.n_experts
         )));
     }
     if x.iter().any(|v| !v.is_finite()) {
         return Err(LayerError::NonFinite("layer input"));
     }
-    let n_tok = x.len() / hd;
-    let (me, n_ranks) = (comm.rank(), comm.world_size());
+    Ok(())
+}
 
-    // Router.
+/// This rank's routing: router probabilities, each pair's expert and
+/// routing weight, whether it reaches its expert (the capacity factor),
+/// and the auxiliary loss's terms.
+struct Routed<T> {
+    probs: Vec<T>,
+    expert_of_pair: Vec<u32>,
+    active: Vec<bool>,
+    gate: Vec<T>,
+    aux: f64,
+    aux_dp: Vec<f64>,
+}
+
+/// Router GEMM, the logit bias, softmax, top-k (on the balancing-biased
+/// probabilities when the call has a bias), the routing weights
+/// (renormalised if configured), the auxiliary loss over `world` ranks and
+/// the capacity mask.
+fn route<T: Real>(
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    params: &MoeParams<T>,
+    x: &[T],
+    world: usize,
+) -> Result<Routed<T>, LayerError> {
+    let (hd, e_n, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let n_tok = x.len() / hd;
     let mut probs = vec![T::zero(); n_tok * e_n];
     matmul(
         &mut probs,
@@ -178,14 +253,11 @@ pub fn forward<T: Real, X: Transport>(
             g.iter_mut().for_each(|v| *v = *v / s);
         }
     }
-
-    // The auxiliary load-balancing loss on this rank's tokens.
-    let n_tok = probs.len() / e_n.max(1);
     let mut counts = vec![0u64; e_n];
     for &e in &expert_of_pair {
         counts[e as usize] += 1;
     }
-    let (aux, aux_dp) = aux_loss_terms(bwd.aux_loss_coeff, &counts, n_tok, n_ranks, || {
+    let (aux, aux_dp) = aux_loss_terms(bwd.aux_loss_coeff, &counts, n_tok, world, || {
         let mut mean_p = vec![0f64; e_n];
         for row in probs.chunks_exact(e_n) {
             for (m, &v) in mean_p.iter_mut().zip(row) {
@@ -194,19 +266,35 @@ pub fn forward<T: Real, X: Transport>(
         }
         Ok(mean_p)
     })?;
-
-    // Capacity dropping (baseline only), counts and the call's plan.
     let active = capacity_mask(bwd.capacity_factor, &expert_of_pair, e_n)?;
-    let mut local = vec![0u64; e_n];
-    for (&e, _) in expert_of_pair.iter().zip(&active).filter(|(_, &a)| a) {
-        local[e as usize] += 1;
-    }
-    let routed = all_gather(comm, &local)?;
-    let plan = plan_call::<T>(cfg, bwd, routed, placement)?;
-    let replicas = copy_replicas(comm, cfg, &plan.placement, params)?;
-    let weights = |e: usize| replicas[e].as_ref().unwrap_or(&params.experts[e]);
+    Ok(Routed {
+        probs,
+        expert_of_pair,
+        active,
+        gate,
+        aux,
+        aux_dp,
+    })
+}
 
-    // Dispatch every pair, spread over instances.
+/// Dispatch, experts, return: every pair that reaches its expert goes to
+/// an instance (spread by the exact redistribution), the instances compute
+/// on rows grouped per expert, and each pair's `[o | ‖h‖²]` row comes back
+/// to its source (`[n_pairs × (hidden + 1)]`, zero for dropped pairs).
+#[allow(clippy::too_many_arguments)]
+fn dispatch_and_compute<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    params: &MoeParams<T>,
+    replicas: &[Option<ExpertWeights<T>>],
+    plan: &CallPlan,
+    routed: &Routed<T>,
+    x: &[T],
+) -> Result<Vec<T>, LayerError> {
+    let (me, n_ranks) = (comm.rank(), comm.world_size());
+    let (hd, e_n, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let weights = |e: usize| replicas[e].as_ref().unwrap_or(&params.experts[e]);
     let problem = redistribute::Problem {
         n_ranks,
         kept: plan.routed.clone(),
@@ -215,8 +303,14 @@ pub fn forward<T: Real, X: Transport>(
         rank_capacity: None,
     };
     let (routes, _) = agreed_routes(comm, &problem, redistribute::Solver::Exact)?;
-    let (send_plan, recv_plan) =
-        exchange_plans(me, n_ranks, e_n, &routes, &expert_of_pair, &active)?;
+    let (send_plan, recv_plan) = exchange_plans(
+        me,
+        n_ranks,
+        e_n,
+        &routes,
+        &routed.expert_of_pair,
+        &routed.active,
+    )?;
     let token_rows: Vec<u32> = send_plan.gather.iter().map(|&p| p / k as u32).collect();
     let mut packed = vec![T::zero(); token_rows.len() * hd];
     pack::gather_rows(x, hd, &token_rows, &mut packed)?;
@@ -248,39 +342,35 @@ pub fn forward<T: Real, X: Transport>(
     pack::gather_rows(&result, w, &back_order, &mut reply)?;
     let counts: Vec<usize> = recv_plan.recv_counts.iter().map(|c| c * w).collect();
     let (returned, _) = all_to_all(comm, &reply, &counts)?;
-    let mut per_pair = vec![T::zero(); expert_of_pair.len() * w];
+    let mut per_pair = vec![T::zero(); routed.expert_of_pair.len() * w];
     pack::unpack_rows(&returned, w, &send_plan.inverse, T::zero(), &mut per_pair)?;
+    Ok(per_pair)
+}
 
-    // Combine.
+/// `y_t = Σ_k g_{t,k} · o_{t,k}` over each token's pairs, and the pairs'
+/// outputs and `‖h‖²` split out of the returned `[o | ‖h‖²]` rows.
+fn combine<T: Real>(
+    cfg: &MoeConfig,
+    routed: &Routed<T>,
+    per_pair: &[T],
+    n_tok: usize,
+) -> (Vec<T>, Vec<T>, Vec<T>) {
+    let (hd, k) = (cfg.hidden, cfg.top_k);
+    let (w, n_pairs) = (hd + 1, routed.expert_of_pair.len());
     let mut y = vec![T::zero(); n_tok * hd];
-    let mut out = vec![T::zero(); expert_of_pair.len() * hd];
-    let mut h_sq = vec![T::zero(); expert_of_pair.len()];
-    for p in 0..expert_of_pair.len() {
+    let mut out = vec![T::zero(); n_pairs * hd];
+    let mut h_sq = vec![T::zero(); n_pairs];
+    for p in 0..n_pairs {
         let t = p / k;
         let row = &per_pair[p * w..(p + 1) * w];
         out[p * hd..(p + 1) * hd].copy_from_slice(&row[..hd]);
         h_sq[p] = row[hd];
-        let g = gate[p];
+        let g = routed.gate[p];
         for (yv, &ov) in y[t * hd..(t + 1) * hd].iter_mut().zip(&row[..hd]) {
             *yv += g * ov;
         }
     }
-    Ok((
-        y,
-        Saved {
-            x: x.to_vec(),
-            probs,
-            expert_of_pair,
-            active,
-            gate,
-            out,
-            h_sq,
-            replicas,
-            aux,
-            aux_dp,
-            plan,
-        },
-    ))
+    (y, out, h_sq)
 }
 
 /// The kept pairs of this rank (`[n_pairs]`) and the kept pairs of every
@@ -415,20 +505,85 @@ pub fn backward<T: Real, X: Transport>(
     saved: &Saved<T>,
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), LayerError> {
-    let (hd, f, e_n, k) = (cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
-    let n_tok = saved.x.len() / hd;
-    let n_pairs = saved.expert_of_pair.len();
-    shape("dy".into(), n_tok * hd, dy.len())?;
+    let n_tok = saved.x.len() / cfg.hidden;
+    shape("dy".into(), n_tok * cfg.hidden, dy.len())?;
     if dy.iter().any(|v| !v.is_finite()) {
         return Err(LayerError::NonFinite("output gradient"));
     }
-    let (me, n_ranks) = (comm.rank(), comm.world_size());
-    let size = std::mem::size_of::<T>() as u64;
     let mut times = StageTimes::default();
     let mut grads = MoeParams::<T>::zeros(cfg);
 
-    // Router: every pair's forward output feeds ∂L/∂g, kept or not.
     let clock = Instant::now();
+    let mut dx = router_backward(cfg, params, saved, dy, &mut grads.router)?;
+    times.router = clock.elapsed().as_secs_f64();
+
+    let clock = Instant::now();
+    let scores = pair_scores(cfg, saved, dy);
+    times.score = clock.elapsed().as_secs_f64();
+
+    let clock = Instant::now();
+    let (kept, kept_cells, weight) = select_kept(comm, bwd, saved, &scores)?;
+    times.select = clock.elapsed().as_secs_f64();
+
+    // Redistribute kept pairs over the existing instances.
+    let clock = Instant::now();
+    let n_ranks = comm.world_size();
+    let problem = redistribute::Problem {
+        n_ranks,
+        kept: kept_cells,
+        instances: saved.plan.placement.all_instances(),
+        base_load: vec![0; n_ranks],
+        rank_capacity: saved.plan.caps.clone(),
+    };
+    let (routes, pairs_per_rank) = agreed_routes(comm, &problem, bwd.solver)?;
+    times.redistribute = clock.elapsed().as_secs_f64();
+
+    let rows = kept_rows_backward(
+        comm,
+        (cfg, bwd, params, saved),
+        dy,
+        (&kept, &weight),
+        &routes,
+        (&mut grads, &mut dx),
+        &mut times,
+    )?;
+
+    // Replica gradients summed into their owners, the owners' sums to every
+    // rank; the router's all-reduced (data parallel).
+    let clock = Instant::now();
+    reduce_gradients(comm, cfg, &saved.plan.placement, &mut grads)?;
+    times.reduce = clock.elapsed().as_secs_f64();
+
+    let stats = BackwardStats {
+        expert_load: (0..cfg.n_experts)
+            .map(|e| saved.plan.routed.iter().map(|r| r[e]).sum())
+            .collect(),
+        routed_pairs: saved.expert_of_pair.len(),
+        kept_pairs: rows.sent,
+        kept,
+        scores,
+        pairs_per_rank,
+        buffer_bytes: std::mem::size_of::<T>() as u64
+            * host_backward_peak_rows(rows.sent, rows.received, rows.largest, cfg.hidden, cfg.ffn),
+        bytes_sent: rows.bytes_sent,
+        times,
+    };
+    Ok((dx, grads, stats))
+}
+
+/// The router's gradient: every pair's forward output feeds `∂L/∂g`, kept
+/// or not, through the top-k (renormalised or not), the auxiliary loss and
+/// the softmax; writes `∂L/∂W_router` into `d_router` and returns the
+/// router's part of `dX`.
+fn router_backward<T: Real>(
+    cfg: &MoeConfig,
+    params: &MoeParams<T>,
+    saved: &Saved<T>,
+    dy: &[T],
+    d_router: &mut [T],
+) -> Result<Vec<T>, LayerError> {
+    let (hd, e_n, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let n_tok = saved.x.len() / hd;
     let mut dlogits = vec![T::zero(); n_tok * e_n];
     for t in 0..n_tok {
         let dyt = &dy[t * hd..(t + 1) * hd];
@@ -462,7 +617,7 @@ pub fn backward<T: Real, X: Transport>(
         }
     }
     matmul(
-        &mut grads.router,
+        d_router,
         &saved.x,
         Op::T,
         &dlogits,
@@ -480,48 +635,65 @@ pub fn backward<T: Real, X: Transport>(
         (n_tok, e_n, hd),
         false,
     )?;
-    times.router = clock.elapsed().as_secs_f64();
+    Ok(dx)
+}
 
-    // LRM scores: g² · ‖δ‖² · ‖h‖² per pair.
-    let clock = Instant::now();
+/// LRM scores `g² · ‖δ‖² · ‖h‖²` of this rank's pairs, without forming any
+/// gradient matrix.
+fn pair_scores<T: Real>(cfg: &MoeConfig, saved: &Saved<T>, dy: &[T]) -> Vec<f32> {
+    let (hd, k) = (cfg.hidden, cfg.top_k);
     let dy_sq: Vec<f64> = dy
         .chunks_exact(hd)
         .map(|r| r.iter().map(|&v| v.wide() * v.wide()).sum())
         .collect();
-    let scores: Vec<f32> = (0..n_pairs)
+    (0..saved.expert_of_pair.len())
         .map(|p| {
             let g = saved.gate[p].wide();
             (g * g * dy_sq[p / k] * saved.h_sq[p].wide()) as f32
         })
-        .collect();
-    times.score = clock.elapsed().as_secs_f64();
+        .collect()
+}
 
-    // Keep the best pairs within the quotas.
-    let clock = Instant::now();
-    let (kept, kept_cells, weight) = select_kept(comm, bwd, saved, &scores)?;
-    times.select = clock.elapsed().as_secs_f64();
+/// What the kept rows' part of a backward moved and held.
+struct KeptRows {
+    /// Kept pairs this rank sent.
+    sent: usize,
+    /// Kept pairs this rank's instances received.
+    received: usize,
+    /// Rows of its largest expert group.
+    largest: usize,
+    /// Bytes this rank sent in the two exchanges.
+    bytes_sent: u64,
+}
 
-    // Redistribute kept pairs over existing instances.
+/// The kept pairs' backward: `[x | g·δ]` rows of the kept pairs packed into
+/// dense per-destination, per-expert blocks and exchanged (only those),
+/// regrouped per expert straight into the GEMM operands, the expert GEMMs
+/// on the compacted rows (gradients into `grads`), and the `dX` rows
+/// returned to their sources and added into `dx`. Every pair-sized buffer
+/// is dropped as soon as the next stage has read it, so the rank's peak is
+/// its largest stage, not the sum.
+fn kept_rows_backward<T: Real, X: Transport>(
+    comm: &X,
+    (cfg, bwd, params, saved): (&MoeConfig, &CallConfig, &MoeParams<T>, &Saved<T>),
+    dy: &[T],
+    (kept, weight): (&[bool], &[f32]),
+    routes: &[redistribute::Route],
+    (grads, dx): (&mut MoeParams<T>, &mut [T]),
+    times: &mut StageTimes,
+) -> Result<KeptRows, LayerError> {
+    let (hd, k) = (cfg.hidden, cfg.top_k);
     let clock = Instant::now();
-    let problem = redistribute::Problem {
-        n_ranks,
-        kept: kept_cells,
-        instances: saved.plan.placement.all_instances(),
-        base_load: vec![0; n_ranks],
-        rank_capacity: saved.plan.caps.clone(),
-    };
-    let (routes, pairs_per_rank) = agreed_routes(comm, &problem, bwd.solver)?;
-    times.redistribute = clock.elapsed().as_secs_f64();
-
-    // Pack [x | g·δ] rows of kept pairs and exchange only those. Every
-    // pair-sized buffer is dropped as soon as the next stage has read it, so
-    // the rank's peak is the largest stage, not the sum (`buffer_bytes`).
-    let clock = Instant::now();
-    let (send_plan, recv_plan) =
-        exchange_plans(me, n_ranks, e_n, &routes, &saved.expert_of_pair, &kept)?;
+    let (send_plan, recv_plan) = exchange_plans(
+        comm.rank(),
+        comm.world_size(),
+        cfg.n_experts,
+        routes,
+        &saved.expert_of_pair,
+        kept,
+    )?;
     let w2 = 2 * hd;
-    let n_sent = send_plan.packed_rows();
-    let n_recv = recv_plan.order.len();
+    let (n_sent, n_recv) = (send_plan.packed_rows(), recv_plan.order.len());
     let mut packed = vec![T::zero(); n_sent * w2];
     for (row, &p) in packed.chunks_exact_mut(w2).zip(&send_plan.gather) {
         let (p, t) = (p as usize, p as usize / k);
@@ -540,7 +712,6 @@ pub fn backward<T: Real, X: Transport>(
     drop(packed);
     times.exchange += clock.elapsed().as_secs_f64();
 
-    // Regroup by expert straight into the GEMM operands.
     let clock = Instant::now();
     let mut xs = vec![T::zero(); n_recv * hd];
     let mut dos = vec![T::zero(); n_recv * hd];
@@ -548,7 +719,6 @@ pub fn backward<T: Real, X: Transport>(
     drop(recv);
     times.pack += clock.elapsed().as_secs_f64();
 
-    // Expert GEMMs on the compacted rows only.
     let clock = Instant::now();
     let largest = recv_plan.group_sizes.iter().copied().max().unwrap_or(0);
     let weights = |e: usize| saved.replicas[e].as_ref().unwrap_or(&params.experts[e]);
@@ -559,13 +729,37 @@ pub fn backward<T: Real, X: Transport>(
         &recv_plan.group_sizes,
         &xs,
         &dos,
-        &mut grads,
+        grads,
     )?;
     drop((xs, dos));
     times.gemm = clock.elapsed().as_secs_f64();
 
-    // Return dX rows to their sources and scatter-add.
+    let bytes_sent =
+        return_dx(comm, hd, k, &send_plan, &recv_plan, dx_grouped, dx, times)? - sent_before;
+    Ok(KeptRows {
+        sent: n_sent,
+        received: n_recv,
+        largest,
+        bytes_sent,
+    })
+}
+
+/// The instances' grouped `dX` rows back to their sources, added onto
+/// each pair's token row of `dx`; returns the transport's bytes-sent
+/// counter after the exchange.
+#[allow(clippy::too_many_arguments)]
+fn return_dx<T: Real, X: Transport>(
+    comm: &X,
+    hd: usize,
+    k: usize,
+    send_plan: &pack::PackPlan,
+    recv_plan: &pack::RecvPlan,
+    dx_grouped: Vec<T>,
+    dx: &mut [T],
+    times: &mut StageTimes,
+) -> Result<u64, LayerError> {
     let clock = Instant::now();
+    let n_recv = recv_plan.order.len();
     let back_order = pack::invert(&recv_plan.order, n_recv)?;
     let mut reply = vec![T::zero(); n_recv * hd];
     pack::gather_rows(&dx_grouped, hd, &back_order, &mut reply)?;
@@ -575,7 +769,7 @@ pub fn backward<T: Real, X: Transport>(
     let counts: Vec<usize> = recv_plan.recv_counts.iter().map(|c| c * hd).collect();
     let (returned, _) = all_to_all(comm, &reply, &counts)?;
     drop(reply);
-    let bytes_sent = comm.bytes_sent() - sent_before;
+    let sent_after = comm.bytes_sent();
     times.exchange += clock.elapsed().as_secs_f64();
     let clock = Instant::now();
     for (j, &p) in send_plan.gather.iter().enumerate() {
@@ -588,26 +782,5 @@ pub fn backward<T: Real, X: Transport>(
         }
     }
     times.pack += clock.elapsed().as_secs_f64();
-
-    // Replica gradients summed into their owners, the owners' sums to every
-    // rank; the router's all-reduced (data parallel).
-    let clock = Instant::now();
-    reduce_gradients(comm, cfg, &saved.plan.placement, &mut grads)?;
-    times.reduce = clock.elapsed().as_secs_f64();
-
-    let buffer_bytes = size * host_backward_peak_rows(n_sent, n_recv, largest, hd, f);
-    let stats = BackwardStats {
-        expert_load: (0..cfg.n_experts)
-            .map(|e| saved.plan.routed.iter().map(|r| r[e]).sum())
-            .collect(),
-        routed_pairs: n_pairs,
-        kept_pairs: send_plan.packed_rows(),
-        kept,
-        scores,
-        pairs_per_rank,
-        buffer_bytes,
-        bytes_sent,
-        times,
-    };
-    Ok((dx, grads, stats))
+    Ok(sent_after)
 }
