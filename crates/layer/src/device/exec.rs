@@ -865,6 +865,256 @@ fn replica_weights(
     ))
 }
 
+/// The router's output on this rank's tokens (GEMM, biases, softmax,
+/// top-k, counts) and the auxiliary loss's terms.
+fn route_rows(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    x: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+    world: usize,
+) -> Result<(Routed, f64, Option<CudaSlice<f32>>), LayerError> {
+    let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let routed = gpu.route(
+        &w.router,
+        x,
+        w.bias.as_ref(),
+        w.sel_bias.as_ref(),
+        (x.len() / h, h, e, k),
+        cfg.renormalize,
+    )?;
+    let (aux_loss, aux_dp) = aux_terms(gpu, planner.aux_loss_coeff(), &routed, world)?;
+    Ok((routed, aux_loss, aux_dp))
+}
+
+/// This source's `p` pairs grouped by expert (stable, pair order), and
+/// under a capacity factor (the baseline) only each expert's first
+/// `crate::router::expert_capacity` pairs: the others reach no expert, in
+/// the forward or the backward.
+fn group_and_cap(
+    gpu: &Gpu,
+    routed: &Routed,
+    capacity_factor: Option<f64>,
+    p: usize,
+    e: usize,
+) -> Result<Capped, LayerError> {
+    let base = exclusive_scan(&routed.counts);
+    // SAFETY: idx holds p experts below e (route's output); base is the
+    // prefix sum of route's own counts of those experts.
+    let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
+    match crate::router::expert_capacity(capacity_factor, p, e)? {
+        Some(cap) if routed.counts.iter().any(|&c| c as usize > cap) => {
+            cap_rows(gpu, &routed.counts, cap, &src, &dst, p)
+        }
+        _ => Ok(Capped {
+            counts: routed.counts.clone(),
+            src,
+            dst_fwd: None,
+            dst,
+        }),
+    }
+}
+
+/// The forward's plan as far as it is known before the experts run.
+struct ForwardPlan {
+    /// Every rank's rows per expert.
+    counts_all: Vec<Vec<u32>>,
+    /// The whole plan, when the call has replica slots (otherwise the
+    /// controller runs while the experts compute).
+    early: Option<EpPlan>,
+    /// Without replica slots: every expert's rows to its owner.
+    owner_split: Vec<Vec<Vec<u32>>>,
+    /// Each rank's instances.
+    local: Vec<Vec<usize>>,
+    /// This source's layout of the split.
+    lay: InstanceLayout,
+}
+
+/// Everyone's counts, then the split every rank follows. Without replica
+/// slots (alike on every rank) the split is the routed counts, each
+/// expert's to its owner: the rows go out now and the controller (the
+/// backward's quotas) runs on the host while the experts compute.
+fn forward_plan(
+    comm: DeviceComm<'_>,
+    planner: &DevicePlanner,
+    counts: &[u32],
+    (rank, world, el): (usize, usize, usize),
+) -> Result<ForwardPlan, LayerError> {
+    let counts_all = comm.all_gather_counts(counts)?;
+    let early = if planner.owners_only() {
+        None
+    } else {
+        let plan = planner.forward(&counts_all)?;
+        check_plan(&plan, &counts_all, el)?;
+        Some(plan)
+    };
+    let owner_split = match &early {
+        Some(_) => Vec::new(),
+        None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
+    };
+    let (split, local) = match &early {
+        Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
+        None => (
+            &owner_split,
+            (0..world)
+                .map(|r| (r * el..(r + 1) * el).collect())
+                .collect(),
+        ),
+    };
+    let lay = instance_layout(split, &local, rank)?;
+    Ok(ForwardPlan {
+        counts_all,
+        early,
+        owner_split,
+        local,
+        lay,
+    })
+}
+
+/// Each source's expert outputs and `‖h‖²` back to it (the own ones
+/// copied), in the layout the source sent its rows in: `(o, ‖h‖²)` of this
+/// source's `n` rows.
+#[allow(clippy::type_complexity)]
+fn return_outputs(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
+    lay: &InstanceLayout,
+    (rank, world, n, h): (usize, usize, usize, usize),
+    laps: &mut Laps,
+) -> Result<(CudaSlice<u16>, CudaSlice<f32>), LayerError> {
+    let soff = exclusive_scan(&lay.send);
+    let own = outs[rank]
+        .take()
+        .ok_or(LayerError::Config("no own rows".into()))?;
+    Ok(if world == 1 {
+        own
+    } else {
+        let mut o_sends = Vec::new();
+        let mut h_sends = Vec::new();
+        let (mut op, mut hp) = (Vec::new(), Vec::new());
+        for (s, out) in outs.into_iter().enumerate() {
+            match out {
+                Some((o, q)) if s != rank => {
+                    op.push((o_sends.len(), 0, lay.recv.from[s] * h));
+                    hp.push((h_sends.len(), 0, lay.recv.from[s]));
+                    o_sends.push(o);
+                    h_sends.push(q);
+                }
+                _ => {
+                    op.push((0, 0, 0));
+                    hp.push((0, 0, 0));
+                }
+            }
+        }
+        // Back in the layout this source sent them in.
+        let orp = packed_parts(&lay.recv.from, &lay.send, rank, h).1;
+        let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
+        // SAFETY: the exchanges write every other rank's region, the copies
+        // the own one.
+        let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
+        let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
+        let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
+        laps.sent(gpu, comm, "o, |h|^2 back")?;
+        copy_rows(
+            gpu,
+            &own.0,
+            0,
+            fo.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], h),
+        )?;
+        copy_rows(
+            gpu,
+            &own.1,
+            0,
+            fh.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], 1),
+        )?;
+        (fo.finish()?.0, fh.finish()?.0)
+    })
+}
+
+/// The source's pairs combined: each pair's row of the returned outputs
+/// (pairs dropped by the capacity point at an extra zero row: their output,
+/// and their router gradient term, are zero), the rows' `‖h‖²` in this
+/// source's grouped order, and `y = Σ_k g · o`.
+#[allow(clippy::type_complexity)]
+fn combine_pairs(
+    gpu: &Gpu,
+    (dst, dst_fwd): (&CudaSlice<u32>, Option<&CudaSlice<u32>>),
+    lay: &InstanceLayout,
+    (o, hsq_send): (CudaSlice<u16>, CudaSlice<f32>),
+    routed: &Routed,
+    (tokens, h, k, n): (usize, usize, usize, usize),
+) -> Result<
+    (
+        CudaSlice<u32>,
+        CudaSlice<u16>,
+        CudaSlice<f32>,
+        CudaSlice<u16>,
+    ),
+    LayerError,
+> {
+    let p = tokens * k;
+    let (row_of_pair, o) = match dst_fwd {
+        None => {
+            let send_inv = expand(gpu, &lay.send_inv)?;
+            // SAFETY: dst maps every pair to its grouped row (< n = p, no
+            // drops); send_inv is a permutation of 0..n.
+            (unsafe { gpu.gather32(&send_inv, dst, p) }?, o)
+        }
+        Some(dst_fwd) => {
+            let mut ext = lay.send_inv.clone();
+            ext.push(n as u32, 1);
+            let send_inv = expand(gpu, &ext)?;
+            let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
+            if n > 0 {
+                gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
+            }
+            // SAFETY: dst_fwd maps every pair to a grouped row (< n) or to
+            // n; ext maps 0..n onto the n rows of o and n to the zero row.
+            (unsafe { gpu.gather32(&send_inv, dst_fwd, p) }?, o_ext)
+        }
+    };
+    let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
+    // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
+    // zero row when pairs were dropped).
+    let y =
+        unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), None, (tokens, h, k)) }?;
+    Ok((row_of_pair, o, h_sq, y))
+}
+
+/// An owner's forward rows kept for the backward (calls without
+/// replicas): the rows as they arrived, their expert-major permutation, each
+/// row's expert, and this rank's experts' range `experts` in the global
+/// expert-major order.
+fn owned_rows(
+    gpu: &Gpu,
+    lay: &InstanceLayout,
+    xr: CudaSlice<u16>,
+    goffsets: &[u32],
+    experts: std::ops::Range<usize>,
+) -> Result<OwnedRows, LayerError> {
+    let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
+    Ok(OwnedRows {
+        x: xr,
+        perm: if lay.recv.perm.is_identity() {
+            None
+        } else {
+            Some(expand(gpu, &lay.recv.perm)?)
+        },
+        expert: expand(gpu, &key)?,
+        offsets: gpu.upload(&lay.recv.offsets)?,
+        global: (
+            goffsets[experts.start] as usize,
+            goffsets[experts.end] as usize,
+        ),
+    })
+}
+
 /// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
 /// device); every rank calls it with the same layer, the same tokens per
 /// rank and a planner that answers alike on every rank.
@@ -888,69 +1138,24 @@ pub fn forward(
     let tokens = x.len() / h;
     let p = tokens * k;
     let mut laps = Laps::new(gpu)?;
-    let routed = gpu.route(
-        &w.router,
-        x,
-        w.bias.as_ref(),
-        w.sel_bias.as_ref(),
-        (tokens, h, e, k),
-        cfg.renormalize,
-    )?;
+    let (routed, aux_loss, aux_dp) = route_rows(gpu, cfg, w, x, planner, world)?;
     laps.lap(gpu, "route")?;
-    let (aux_loss, aux_dp) = aux_terms(gpu, planner.aux_loss_coeff(), &routed, world)?;
-    let base = exclusive_scan(&routed.counts);
-    // SAFETY: idx holds p experts below e (route's output); base is the
-    // prefix sum of route's own counts of those experts.
-    let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
-    // The capacity-factor baseline: each expert takes its first
-    // ⌈factor · p / E⌉ pairs of this source (pair order); the others reach
-    // no expert, in the forward or the backward.
-    let cap = crate::router::expert_capacity(planner.capacity_factor(), p, e)?;
     let Capped {
         counts,
         src,
         dst,
         dst_fwd,
-    } = match cap {
-        Some(cap) if routed.counts.iter().any(|&c| c as usize > cap) => {
-            cap_rows(gpu, &routed.counts, cap, &src, &dst, p)?
-        }
-        _ => Capped {
-            counts: routed.counts.clone(),
-            src,
-            dst_fwd: None,
-            dst,
-        },
-    };
+    } = group_and_cap(gpu, &routed, planner.capacity_factor(), p, e)?;
     // Rows reaching an expert (p without dropping), grouped by expert.
     let base = exclusive_scan(&counts);
     let n = base[e] as usize;
-    // Everyone's counts, then the plan every rank follows. Without replica
-    // slots (alike on every rank) the split is the routed counts, each
-    // expert's to its owner: the rows go out now and the controller (the
-    // backward's quotas) runs on the host while the experts compute.
-    let counts_all = comm.all_gather_counts(&counts)?;
-    let early = if planner.owners_only() {
-        None
-    } else {
-        let plan = planner.forward(&counts_all)?;
-        check_plan(&plan, &counts_all, el)?;
-        Some(plan)
-    };
-    let owner_split = match &early {
-        Some(_) => Vec::new(),
-        None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
-    };
-    let (split, local) = match &early {
-        Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
-        None => (
-            &owner_split,
-            (0..world)
-                .map(|r| (r * el..(r + 1) * el).collect())
-                .collect(),
-        ),
-    };
-    let lay = instance_layout(split, &local, rank)?;
+    let ForwardPlan {
+        counts_all,
+        early,
+        owner_split,
+        local,
+        lay,
+    } = forward_plan(comm, planner, &counts, (rank, world, el))?;
     laps.lap(gpu, "counts+plan")?;
     let (weights, w_bytes) = match &early {
         Some(plan) => replica_weights(gpu, comm, cfg, w, plan, &local, el)?,
@@ -1026,84 +1231,16 @@ pub fn forward(
     }
     laps.lap(gpu, "a2a x + experts")?;
     // Each source's outputs and norms go back; the own ones are copied.
-    let own = outs[rank]
-        .take()
-        .ok_or(LayerError::Config("no own rows".into()))?;
-    let (o, hsq_send) = if world == 1 {
-        own
-    } else {
-        let mut o_sends = Vec::new();
-        let mut h_sends = Vec::new();
-        let (mut op, mut hp) = (Vec::new(), Vec::new());
-        for (s, out) in outs.into_iter().enumerate() {
-            match out {
-                Some((o, q)) if s != rank => {
-                    op.push((o_sends.len(), 0, lay.recv.from[s] * h));
-                    hp.push((h_sends.len(), 0, lay.recv.from[s]));
-                    o_sends.push(o);
-                    h_sends.push(q);
-                }
-                _ => {
-                    op.push((0, 0, 0));
-                    hp.push((0, 0, 0));
-                }
-            }
-        }
-        // Back in the layout this source sent them in.
-        let orp = packed_parts(&lay.recv.from, &lay.send, rank, h).1;
-        let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
-        // SAFETY: the exchanges write every other rank's region, the copies
-        // the own one.
-        let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
-        let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
-        let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
-        laps.sent(gpu, comm, "o, |h|^2 back")?;
-        copy_rows(
-            gpu,
-            &own.0,
-            0,
-            fo.recv_mut()?,
-            soff[rank],
-            (lay.send[rank], h),
-        )?;
-        copy_rows(
-            gpu,
-            &own.1,
-            0,
-            fh.recv_mut()?,
-            soff[rank],
-            (lay.send[rank], 1),
-        )?;
-        (fo.finish()?.0, fh.finish()?.0)
-    };
+    let (o, hsq_send) = return_outputs(gpu, comm, outs, &lay, (rank, world, n, h), &mut laps)?;
     laps.lap(gpu, "a2a o")?;
-    // Pair → row of o. Pairs dropped by the capacity point at an extra
-    // zero row (their output, and their router gradient term, are zero).
-    let (row_of_pair, o) = match &dst_fwd {
-        None => {
-            let send_inv = expand(gpu, &lay.send_inv)?;
-            // SAFETY: dst maps every pair to its grouped row (< n = p, no
-            // drops); send_inv is a permutation of 0..n.
-            (unsafe { gpu.gather32(&send_inv, &dst, p) }?, o)
-        }
-        Some(dst_fwd) => {
-            let mut ext = lay.send_inv.clone();
-            ext.push(n as u32, 1);
-            let send_inv = expand(gpu, &ext)?;
-            let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
-            if n > 0 {
-                gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
-            }
-            // SAFETY: dst_fwd maps every pair to a grouped row (< n) or to
-            // n; ext maps 0..n onto the n rows of o and n to the zero row.
-            (unsafe { gpu.gather32(&send_inv, dst_fwd, p) }?, o_ext)
-        }
-    };
-    let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
-    // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
-    // zero row when pairs were dropped).
-    let y =
-        unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), None, (tokens, h, k)) }?;
+    let (row_of_pair, o, h_sq, y) = combine_pairs(
+        gpu,
+        (&dst, dst_fwd.as_ref()),
+        &lay,
+        (o, hsq_send),
+        &routed,
+        (tokens, h, k, n),
+    )?;
     laps.lap(gpu, "combine")?;
     // The global expert-major order the backward's selection runs in.
     let pack::ep::GlobalOrder {
@@ -1114,21 +1251,13 @@ pub fn forward(
     } = global_order(&counts_all, rank, p)?;
     let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
     let owned_rows = if keep_rows {
-        let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
-        Some(OwnedRows {
-            x: xr,
-            perm: if lay.recv.perm.is_identity() {
-                None
-            } else {
-                Some(expand(gpu, &lay.recv.perm)?)
-            },
-            expert: expand(gpu, &key)?,
-            offsets: gpu.upload(&lay.recv.offsets)?,
-            global: (
-                goffsets[rank * el] as usize,
-                goffsets[(rank + 1) * el] as usize,
-            ),
-        })
+        Some(owned_rows(
+            gpu,
+            &lay,
+            xr,
+            &goffsets,
+            rank * el..(rank + 1) * el,
+        )?)
     } else {
         None
     };
