@@ -2086,14 +2086,7 @@ fn evaluate_due<X: Transport>(
     if s.step % cfg.run.eval_every != 0 && s.step != cfg.steps {
         return Ok(None);
     }
-    let run = biased(lp.run, &s.expert_bias);
-    let v = evaluate(comm, cfg, lp.mcfg, lp.corpus, &run, &s.model, device_model)?;
-    s.evals.push(EvalPoint {
-        step: s.step,
-        wall_s: s.wall_s,
-        moe_s: s.moe_s,
-        val_loss: v,
-    });
+    let v = evaluate_now(comm, lp, s, device_model)?;
     if comm.rank() == 0 {
         tracing::info!(
             step = s.step,
@@ -2104,6 +2097,33 @@ fn evaluate_due<X: Transport>(
         );
     }
     Ok(Some(v))
+}
+
+/// The validation loss now (every rank takes part), added to the run's
+/// curve at the current step.
+fn evaluate_now<X: Transport>(
+    comm: &X,
+    lp: &Loop<'_>,
+    s: &mut State,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Result<f64, TrainError> {
+    let run = biased(lp.run, &s.expert_bias);
+    let v = evaluate(
+        comm,
+        lp.cfg,
+        lp.mcfg,
+        lp.corpus,
+        &run,
+        &s.model,
+        device_model,
+    )?;
+    s.evals.push(EvalPoint {
+        step: s.step,
+        wall_s: s.wall_s,
+        moe_s: s.moe_s,
+        val_loss: v,
+    });
+    Ok(v)
 }
 
 /// Rank 0 appends the step's metrics line and moves the progress bar; on
@@ -2162,17 +2182,7 @@ fn finish<X: Transport>(
     }
     let final_val = match s.evals.last() {
         Some(e) if e.step == s.step => e.val_loss,
-        _ => {
-            let run = biased(lp.run, &s.expert_bias);
-            let v = evaluate(comm, cfg, lp.mcfg, lp.corpus, &run, &s.model, device_model)?;
-            s.evals.push(EvalPoint {
-                step: s.step,
-                wall_s: s.wall_s,
-                moe_s: s.moe_s,
-                val_loss: v,
-            });
-            v
-        }
+        _ => evaluate_now(comm, lp, &mut s, device_model)?,
     };
     if let (true, Some(dm)) = (cfg.run.checkpoint, device_model) {
         (s.model, s.adam) = lock(dm).download(comm)?;
