@@ -1115,6 +1115,146 @@ fn owned_rows(
     })
 }
 
+/// The backward's selection: per row of this source, whether it is kept
+/// (`u8` flags, expert-major), the flags over every source's rows in the
+/// global order, each pair's routing weight times the rule's weight
+/// (priority sampling), and this source's kept rows per expert (read on the
+/// host later).
+type Selected<'g> = (
+    CudaSlice<u8>,
+    Option<CudaSlice<u8>>,
+    Option<CudaSlice<f32>>,
+    Option<kernels::gpu::Download<'g, u32>>,
+);
+
+/// Every pair kept — each expert's quota covers its pairs over every source
+/// (full retention, or a budget that does not bind): no score crosses
+/// ranks, nothing is selected and every rank already knows the kept counts
+/// (the forward's). The local top-q at q = n still checks every score (a
+/// non-finite dy is an error, flagged in `err`) and flags every row; every
+/// rule's weight is then 1 (priority sampling's threshold is 0).
+fn keep_every_row<'g>(
+    gpu: &'g Gpu,
+    sv: &DeviceSaved,
+    scores: &CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+) -> Result<Selected<'g>, LayerError> {
+    let (n, e) = (sv.rows, sv.cfg.n_experts);
+    let own: Vec<u32> = sv.offsets.windows(2).map(|w| w[1] - w[0]).collect();
+    let (seg, quotas) = (gpu.upload(&sv.offsets)?, gpu.upload(&own)?);
+    // SAFETY: the selection writes a flag for every row.
+    let mut kept = unsafe { gpu.uninit::<u8>(n) }?;
+    // SAFETY: offsets are this source's E + 1 ascending expert offsets
+    // ending at n, the length of the scores, ids (src) and flags;
+    // quotas holds E.
+    unsafe { gpu.launch_select(scores, &sv.src, &seg, &quotas, &mut kept, err, e) }?;
+    Ok((kept, None, None, None))
+}
+
+/// The same per-expert selection on every rank over every source's pairs:
+/// the scores all-gathered in the global expert-major order, top-q by score
+/// or priority sampling (top-q by key, weights from the threshold: the key
+/// kept at q + 1 but not at q), this source's flags and kept counts.
+fn select_over_sources<'g>(
+    gpu: &'g Gpu,
+    comm: DeviceComm<'_>,
+    sv: &DeviceSaved,
+    scores: CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+    laps: &mut Laps,
+) -> Result<Selected<'g>, LayerError> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (n, e) = (sv.rows, sv.cfg.n_experts);
+    let p = sv.tokens * sv.cfg.top_k;
+    let n_g = sv.goffsets[e] as usize;
+    let mut scores = scores;
+    if n < p {
+        // Every source contributes p slots to the gather; only its first n
+        // are routed rows (gperm never points past them).
+        let mut padded = gpu.zeros::<f32>(p)?;
+        if n > 0 {
+            gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
+        }
+        scores = padded;
+    }
+    let all = if world == 1 {
+        scores
+    } else {
+        // Every other rank gets the one buffer whole; their p each land
+        // rank-major.
+        let sp: Vec<_> = (0..world)
+            .map(|d| (0, 0, if d == rank { 0 } else { p }))
+            .collect();
+        let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
+        // SAFETY: the exchange writes every other rank's p scores, the
+        // copy below the own ones.
+        let mut fl = comm.start(
+            gpu,
+            vec![scores],
+            &sp,
+            unsafe { gpu.uninit(world * p) }?,
+            &rp,
+        )?;
+        laps.sent(gpu, comm, "scores")?;
+        let (sends, recv) = fl.buffers_mut()?;
+        copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
+        fl.finish()?.0
+    };
+    laps.lap(gpu, "scores+gather")?;
+    // The same per-expert selection on every rank, over every source's pairs.
+    let n_all = n_g;
+    let g_scores = if sv.gperm_identity {
+        all
+    } else {
+        // SAFETY: gperm holds n_g indices into the W·p gathered scores.
+        unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
+    };
+    let qd = gpu.upload(&sv.plan.quotas)?;
+    let god = gpu.upload(&sv.goffsets)?;
+    // Top-q by score, or priority sampling: top-q by key, weights from the
+    // threshold (the key kept at q + 1 but not at q).
+    let keys = match sv.plan.priority_seed {
+        Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
+        None => None,
+    };
+    let by = keys.as_ref().unwrap_or(&g_scores);
+    let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
+        // SAFETY: the selection writes a flag for every row.
+        let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
+        // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
+        // length of the scores, ids and flags; quotas holds E.
+        unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut *err, e) }?;
+        Ok(kept)
+    };
+    let kept_g = select(&qd)?;
+    let pair_weight = match &keys {
+        Some(rho) => {
+            let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
+            let kept_g1 = select(&gpu.upload(&more)?)?;
+            // SAFETY: goffsets partitions the n_g rows every buffer holds.
+            let wt = unsafe {
+                gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
+            }?;
+            // This source's pairs: global row → expert-major row → pair.
+            // SAFETY: gidx maps this source's n rows into the n_g global
+            // rows; dst maps each pair to one of the p rows.
+            let w_pair = unsafe {
+                let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
+                gpu.gather32(&w_rows, &sv.dst, p)
+            }?;
+            Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
+        }
+        None => None,
+    };
+    // SAFETY: gidx maps this source's n rows into the n_g flags.
+    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
+    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
+    // The host needs the kept counts to plan; the router's backward
+    // (complete and local) keeps the device busy meanwhile.
+    let mine = gpu.download_later(&mine_d, e)?;
+    Ok((mask, Some(kept_g), pair_weight, Some(mine)))
+}
+
 /// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
 /// device); every rank calls it with the same layer, the same tokens per
 /// rank and a planner that answers alike on every rank.
@@ -1401,9 +1541,8 @@ pub fn backward(
     let (t, h, f, e, k) = (sv.tokens, cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
     let (rank, world, el) = (comm.rank(), comm.world_size(), sv.per_rank);
     // p pairs per source (the scores' stride over ranks), n of them reached
-    // an expert on this source; n_g over all sources.
+    // an expert on this source.
     let (p, n) = (t * k, sv.rows);
-    let n_g = sv.goffsets[e] as usize;
     if dy.len() < t * h {
         return Err(LayerError::Shape {
             what: "dy (tokens × hidden)".into(),
@@ -1442,103 +1581,11 @@ pub fn backward(
         .zip(sv.goffsets.windows(2))
         .all(|(&q, w)| q >= w[1] - w[0]);
     let (mask, kept_g, pair_weight, mine) = if keep_all {
-        let own: Vec<u32> = sv.offsets.windows(2).map(|w| w[1] - w[0]).collect();
-        let (seg, quotas) = (gpu.upload(&sv.offsets)?, gpu.upload(&own)?);
-        // SAFETY: the selection writes a flag for every row.
-        let mut kept = unsafe { gpu.uninit::<u8>(n) }?;
-        // SAFETY: offsets are this source's E + 1 ascending expert offsets
-        // ending at n, the length of the scores, ids (src) and flags;
-        // quotas holds E.
-        unsafe { gpu.launch_select(&scores, &sv.src, &seg, &quotas, &mut kept, &mut err, e) }?;
+        let selected = keep_every_row(gpu, sv, &scores, &mut err)?;
         laps.lap(gpu, "scores+gather")?;
-        (kept, None, None, None)
+        selected
     } else {
-        let mut scores = scores;
-        if n < p {
-            // Every source contributes p slots to the gather; only its first n
-            // are routed rows (gperm never points past them).
-            let mut padded = gpu.zeros::<f32>(p)?;
-            if n > 0 {
-                gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
-            }
-            scores = padded;
-        }
-        let all = if world == 1 {
-            scores
-        } else {
-            // Every other rank gets the one buffer whole; their p each land
-            // rank-major.
-            let sp: Vec<_> = (0..world)
-                .map(|d| (0, 0, if d == rank { 0 } else { p }))
-                .collect();
-            let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
-            // SAFETY: the exchange writes every other rank's p scores, the
-            // copy below the own ones.
-            let mut fl = comm.start(
-                gpu,
-                vec![scores],
-                &sp,
-                unsafe { gpu.uninit(world * p) }?,
-                &rp,
-            )?;
-            laps.sent(gpu, comm, "scores")?;
-            let (sends, recv) = fl.buffers_mut()?;
-            copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
-            fl.finish()?.0
-        };
-        laps.lap(gpu, "scores+gather")?;
-        // The same per-expert selection on every rank, over every source's pairs.
-        let n_all = n_g;
-        let g_scores = if sv.gperm_identity {
-            all
-        } else {
-            // SAFETY: gperm holds n_g indices into the W·p gathered scores.
-            unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
-        };
-        let qd = gpu.upload(&sv.plan.quotas)?;
-        let god = gpu.upload(&sv.goffsets)?;
-        // Top-q by score, or priority sampling: top-q by key, weights from the
-        // threshold (the key kept at q + 1 but not at q).
-        let keys = match sv.plan.priority_seed {
-            Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
-            None => None,
-        };
-        let by = keys.as_ref().unwrap_or(&g_scores);
-        let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
-            // SAFETY: the selection writes a flag for every row.
-            let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
-            // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
-            // length of the scores, ids and flags; quotas holds E.
-            unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut err, e) }?;
-            Ok(kept)
-        };
-        let kept_g = select(&qd)?;
-        let pair_weight = match &keys {
-            Some(rho) => {
-                let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
-                let kept_g1 = select(&gpu.upload(&more)?)?;
-                // SAFETY: goffsets partitions the n_g rows every buffer holds.
-                let wt = unsafe {
-                    gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
-                }?;
-                // This source's pairs: global row → expert-major row → pair.
-                // SAFETY: gidx maps this source's n rows into the n_g global
-                // rows; dst maps each pair to one of the p rows.
-                let w_pair = unsafe {
-                    let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
-                    gpu.gather32(&w_rows, &sv.dst, p)
-                }?;
-                Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
-            }
-            None => None,
-        };
-        // SAFETY: gidx maps this source's n rows into the n_g flags.
-        let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
-        let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
-        // The host needs the kept counts to plan; the router's backward
-        // (complete and local) keeps the device busy meanwhile.
-        let mine = gpu.download_later(&mine_d, e)?;
-        (mask, Some(kept_g), pair_weight, Some(mine))
+        select_over_sources(gpu, comm, sv, scores, &mut err, &mut laps)?
     };
     let flag = gpu.download_later(&err, 1)?;
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
