@@ -781,7 +781,8 @@ struct State {
     /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
     expert_bias: Vec<Vec<f64>>,
     /// The run's kept fractions and buffers so far (not in the checkpoint:
-    /// a resumed run reads them back from `metrics.jsonl`).
+    /// a resumed run reads them back from `metrics.jsonl` as it cuts it
+    /// back, [`truncate_metrics`]).
     logged: Logged,
 }
 
@@ -809,24 +810,13 @@ impl Logged {
         }
     }
 
-    /// The sums over the steps in `metrics.jsonl` (empty where it is
-    /// missing; lines that do not parse are skipped).
-    fn read(path: &Path) -> Self {
-        let mut t = Self::default();
-        let Ok(text) = std::fs::read_to_string(path) else {
-            return t;
-        };
-        for line in text.lines() {
-            let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
-                continue;
-            };
-            for l in v["layers"].as_array().into_iter().flatten() {
-                if let Some(k) = l["kept_fraction"].as_f64() {
-                    t.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
-                }
+    /// Adds the layer calls of one `metrics.jsonl` line.
+    fn add_line(&mut self, line: &serde_json::Value) {
+        for l in line["layers"].as_array().into_iter().flatten() {
+            if let Some(k) = l["kept_fraction"].as_f64() {
+                self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
             }
         }
-        t
     }
 }
 
@@ -902,15 +892,12 @@ fn checkpoint_bytes(cfg: &TrainConfig, mcfg: &ModelConfig, corpus: &Corpus, s: &
 /// Free bytes on the file system that holds `dir` (or its nearest existing
 /// ancestor); `None` where it cannot be read.
 fn free_bytes(dir: &Path) -> Option<u64> {
+    // A relative path's last ancestor is "", which never exists: the
+    // working folder stands for it.
     let existing = dir
         .ancestors()
         .find(|p| p.exists())
         .unwrap_or(Path::new("."));
-    let existing = if existing.as_os_str().is_empty() {
-        Path::new(".")
-    } else {
-        existing
-    };
     let st = nix::sys::statvfs::statvfs(existing).ok()?;
     Some((st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64))
 }
@@ -1153,19 +1140,22 @@ fn remove_orphans(dir: &Path) -> Result<(), TrainError> {
 /// Cuts `metrics.jsonl` back to the lines of steps `<= step` (the resumed
 /// checkpoint's), atomically, so a resumed run logs each step once. Lines
 /// that do not parse end the kept part (a torn last line of a killed run).
-fn truncate_metrics(path: &Path, step: usize) -> Result<(), TrainError> {
+/// Returns the kept lines' layer calls, for the run's summary.
+fn truncate_metrics(path: &Path, step: usize) -> Result<Logged, TrainError> {
+    let mut logged = Logged::default();
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(logged),
         Err(e) => return Err(io_err(path)(e)),
     };
     let mut kept = String::new();
     for line in text.lines() {
-        let line_step = serde_json::from_str::<serde_json::Value>(line)
-            .ok()
-            .and_then(|v| v.get("step").and_then(serde_json::Value::as_u64));
-        match line_step {
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            break;
+        };
+        match v.get("step").and_then(serde_json::Value::as_u64) {
             Some(s) if s as usize <= step => {
+                logged.add_line(&v);
                 kept.push_str(line);
                 kept.push('\n');
             }
@@ -1175,7 +1165,7 @@ fn truncate_metrics(path: &Path, step: usize) -> Result<(), TrainError> {
     if kept.len() != text.len() {
         crate::fsutil::write_atomic(path, kept.as_bytes()).map_err(io_err(path))?;
     }
-    Ok(())
+    Ok(logged)
 }
 
 /// Bytes of host memory one training run needs, roughly and from above:
@@ -1390,8 +1380,7 @@ fn open_run(
         std::fs::remove_file(&ckpt).map_err(io_err(&ckpt))?;
     }
     if opts.resume {
-        truncate_metrics(&metrics_path, initial.step)?;
-        initial.logged = Logged::read(&metrics_path);
+        initial.logged = truncate_metrics(&metrics_path, initial.step)?;
     }
     let f = std::fs::OpenOptions::new()
         .create(true)

@@ -53,18 +53,20 @@ fn layer_grad_writes_every_gradient_and_the_kept_mask() {
         HashMap::new(),
     )
     .unwrap();
-    let run = |retention: &str, out: &str| {
+    let layer_grad = |weights: &str, inputs: &str, retention: &str, out: &str| {
         Command::new(env!("CARGO_BIN_EXE_lrmoe"))
             .args(["layer-grad", "--weights"])
-            .arg(dir.join("w.safetensors"))
+            .arg(dir.join(weights))
             .arg("--inputs")
-            .arg(dir.join("x.safetensors"))
+            .arg(dir.join(inputs))
             .arg("--out")
             .arg(dir.join(out))
             .args(["--retention", retention])
             .output()
             .unwrap()
     };
+    let run =
+        |retention: &str, out: &str| layer_grad("w.safetensors", "x.safetensors", retention, out);
     assert!(run("1.0", "full.safetensors").status.success());
     let mut full = tensorfile::load(&dir.join("full.safetensors")).unwrap();
     for e_i in 0..e {
@@ -97,15 +99,7 @@ fn layer_grad_writes_every_gradient_and_the_kept_mask() {
 
     // A weights file without the router is a one-line error.
     tensorfile::save(&dir.join("bad.safetensors"), &wv[1..], HashMap::new()).unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
-        .args(["layer-grad", "--weights"])
-        .arg(dir.join("bad.safetensors"))
-        .arg("--inputs")
-        .arg(dir.join("x.safetensors"))
-        .arg("--out")
-        .arg(dir.join("o.safetensors"))
-        .output()
-        .unwrap();
+    let out = layer_grad("bad.safetensors", "x.safetensors", "1.0", "o.safetensors");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
@@ -127,15 +121,7 @@ fn layer_grad_writes_every_gradient_and_the_kept_mask() {
         HashMap::new(),
     )
     .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
-        .args(["layer-grad", "--weights"])
-        .arg(dir.join("w.safetensors"))
-        .arg("--inputs")
-        .arg(dir.join("nan.safetensors"))
-        .arg("--out")
-        .arg(dir.join("o.safetensors"))
-        .output()
-        .unwrap();
+    let out = layer_grad("w.safetensors", "nan.safetensors", "1.0", "o.safetensors");
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.trim_end().lines().count(), 1, "{err}");
