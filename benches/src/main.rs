@@ -37,6 +37,7 @@ enum Table {
     Replay,
     Scale,
     Planning,
+    Cluster,
 }
 
 /// Runs `f` repeatedly for about `budget`; returns per-run seconds, sorted.
@@ -314,6 +315,26 @@ fn main() {
     }
     if matches!(args.table, Table::All | Table::Planning) {
         planning_table(budget);
+    }
+    if matches!(args.table, Table::All | Table::Cluster) {
+        cluster_table();
+    }
+}
+
+/// The cluster model's defaults against every all-to-all measured on H200s.
+fn cluster_table() {
+    let c = cluster::Cluster::default();
+    println!(
+        "## The cluster model against the measured all-to-alls (intra-node {} GB/s per GPU and direction, {} µs)\n",
+        c.intra_gb_per_s, c.intra_latency_us
+    );
+    match cluster::check(&c) {
+        Ok(checks) => {
+            print!("{}", cluster::check_table(&checks));
+            let worst = checks.iter().map(|k| k.error().abs()).fold(0.0, f64::max);
+            println!("\nlargest error: {:.1}%\n", 100.0 * worst);
+        }
+        Err(e) => println!("cluster model: {e}\n"),
     }
 }
 
