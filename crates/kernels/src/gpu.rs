@@ -50,6 +50,10 @@ impl Gpu {
     /// See the CUDA build.
     pub fn set_gemm_sm_reserve(&self, _sms: u32) {}
     /// See the CUDA build.
+    pub fn sync(&self) -> Result<(), KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn lrm_scores_bf16(
         &self,
         _h: &[u16],

@@ -157,6 +157,7 @@ mod experts;
 mod moe;
 mod plan;
 mod router;
+pub mod timeline;
 pub mod transport;
 
 pub use config::{ExpertWeights, MoeConfig, MoeParams};
@@ -168,7 +169,7 @@ pub use plan::{
     device_quotas, plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection,
     TileAlign,
 };
-pub use transport::{run_local, LocalTransport, Transport, TransportError};
+pub use transport::{run_local, run_local_timed, LocalTransport, Transport, TransportError};
 
 /// Errors of the layer.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -3,11 +3,14 @@
 //!
 //! The NCCL implementation (issue #5) implements the same [`Transport`].
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use kernels::cpu::Real;
+
+use crate::timeline::{Entry, Recorder, SyncHook, Turns};
 
 /// Errors of a collective.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -61,6 +64,48 @@ pub trait Transport: Sync {
     /// rank. The default all-gathers and sums in rank order.
     fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), TransportError> {
         sum_by_gather(self, buf)
+    }
+    /// Timed in-process ranks ([`run_local_timed`]): the phase the work
+    /// from here on belongs to (closes the current one). Elsewhere a no-op.
+    fn phase(&self, _name: &str) -> Result<(), TransportError> {
+        Ok(())
+    }
+    /// Timed in-process ranks: work from here on (`true`) is the
+    /// simulation's own bookkeeping, not counted, until `false` returns to
+    /// the phase before. Elsewhere a no-op.
+    fn bookkeeping(&self, _on: bool) -> Result<(), TransportError> {
+        Ok(())
+    }
+    /// Ranks in one process (one address space, one CUDA context per
+    /// device): swaps `(address, bytes)` offers, one per destination rank,
+    /// and returns the offers addressed to this rank, by source; the swap
+    /// is recorded as an exchange of `bytes` to each rank. `None` where the
+    /// ranks do not share memory.
+    fn swap_offers(
+        &self,
+        _offers: &[(u64, u64)],
+    ) -> Option<Result<Vec<(u64, u64)>, TransportError>> {
+        None
+    }
+    /// Waits until every rank has reached this point (not recorded).
+    fn fence(&self) -> Result<(), TransportError> {
+        self.all_gather_bytes(&[]).map(|_| ())
+    }
+    /// Timed in-process ranks: hands this rank's timeline since the last
+    /// call over as step `step`'s ([`Transport::take_step`]). Elsewhere a
+    /// no-op.
+    fn close_step(&self, _step: usize) -> Result<(), TransportError> {
+        Ok(())
+    }
+    /// Timed in-process ranks: drops this rank's timeline so far (what lies
+    /// between two timed steps). Elsewhere a no-op.
+    fn discard_timeline(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
+    /// Timed in-process ranks: every rank's timeline of step `step`, once
+    /// every rank has closed it (each step is taken once). Elsewhere `None`.
+    fn take_step(&self, _step: usize) -> Option<Vec<Vec<crate::timeline::Entry>>> {
+        None
     }
 }
 
@@ -206,6 +251,10 @@ struct Shared {
     slots: Mutex<Vec<Vec<u8>>>,
     barrier: Barrier,
     timeout: Duration,
+    /// Timed groups: the one GPU's turn.
+    turns: Option<Turns>,
+    /// Timed groups: each closed step's entries, per rank.
+    published: Mutex<BTreeMap<usize, Vec<Option<Vec<Entry>>>>>,
 }
 
 /// One rank of an in-process group (see [`run_local`]).
@@ -214,10 +263,96 @@ pub struct LocalTransport {
     rank: usize,
     shared: Arc<Shared>,
     sent: AtomicU64,
+    /// Timed groups ([`run_local_timed`]): this rank's timeline.
+    recorder: Option<Mutex<Recorder>>,
+    /// The phase before [`Transport::bookkeeping`] began.
+    resume_phase: Mutex<Option<String>>,
+}
+
+/// What a collective is recorded as.
+enum Record {
+    /// `bytes_to[d]` to each rank `d`.
+    Exchange(Vec<u64>),
+    /// A sum over ranks of this many bytes per rank.
+    Reduce(u64),
+    /// Not recorded (the simulation's own synchronisation).
+    Quiet,
 }
 
 impl LocalTransport {
-    fn post_and_collect(&self, outgoing: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>, TransportError> {
+    fn recorder(&self) -> Option<std::sync::MutexGuard<'_, Recorder>> {
+        self.recorder
+            .as_ref()
+            .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn sync_failed(&self, message: String) -> TransportError {
+        self.shared
+            .barrier
+            .abort(format!("rank {}: {message}", self.rank));
+        TransportError::BadCounts {
+            rank: self.rank,
+            message,
+        }
+    }
+
+    /// Timed: closes this rank's work, records the collective and gives the
+    /// GPU's turn up.
+    fn pause(&self, record: Record) -> Result<(), TransportError> {
+        if let Some(mut r) = self.recorder() {
+            r.close_work().map_err(|m| self.sync_failed(m))?;
+            let phase = r.phase.clone();
+            match record {
+                Record::Exchange(bytes_to) => r.entries.push(Entry::Exchange { phase, bytes_to }),
+                Record::Reduce(bytes) => r.entries.push(Entry::Reduce { phase, bytes }),
+                Record::Quiet => {}
+            }
+        }
+        if let Some(t) = &self.shared.turns {
+            t.release(self.rank);
+        }
+        Ok(())
+    }
+
+    /// Timed: takes the GPU's turn back.
+    fn resume(&self) -> Result<(), TransportError> {
+        if let Some(t) = &self.shared.turns {
+            t.acquire(self.rank, self.shared.timeout)?;
+        }
+        if let Some(mut r) = self.recorder() {
+            r.since = Instant::now();
+        }
+        Ok(())
+    }
+
+    /// Timed: `hook` waits for this rank's GPU work; it runs before each
+    /// piece of work is closed.
+    pub fn on_pause(&self, hook: SyncHook) {
+        if let Some(mut r) = self.recorder() {
+            r.sync = Some(hook);
+        }
+    }
+
+    /// Whether this rank belongs to a timed group.
+    pub fn timed(&self) -> bool {
+        self.recorder.is_some()
+    }
+
+    fn post_and_collect(
+        &self,
+        outgoing: Vec<Vec<u8>>,
+        record: Record,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
+        self.pause(record)?;
+        let got = self.post_and_collect_untimed(outgoing);
+        self.resume()?;
+        got
+    }
+
+    fn post_and_collect_untimed(
+        &self,
+        outgoing: Vec<Vec<u8>>,
+    ) -> Result<Vec<Vec<u8>>, TransportError> {
         let n = self.shared.n;
         {
             let mut slots = self.shared.slots.lock().unwrap_or_else(|p| p.into_inner());
@@ -278,17 +413,168 @@ impl Transport for LocalTransport {
                 m
             })
             .collect();
-        let incoming = self.post_and_collect(outgoing)?;
+        let bytes_to = self.others(send_counts.iter().map(|&c| c as u64));
+        let incoming = self.post_and_collect(outgoing, Record::Exchange(bytes_to))?;
         let counts = incoming.iter().map(Vec::len).collect();
         Ok((incoming.concat(), counts))
     }
 
     fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, TransportError> {
-        self.post_and_collect(vec![local.to_vec(); self.shared.n])
+        let n = self.shared.n;
+        let bytes_to = self.others(std::iter::repeat_n(local.len() as u64, n));
+        self.post_and_collect(vec![local.to_vec(); n], Record::Exchange(bytes_to))
     }
 
     fn bytes_sent(&self) -> u64 {
         self.sent.load(Ordering::Relaxed)
+    }
+
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), TransportError> {
+        // Recorded as the sum it is (a ring all-reduce on GPUs), carried
+        // out as a gather.
+        self.pause(Record::Reduce(std::mem::size_of_val(buf) as u64))?;
+        let all =
+            self.post_and_collect_untimed(vec![bytemuck::cast_slice(buf).to_vec(); self.shared.n]);
+        self.resume()?;
+        let all = all?;
+        buf.fill(0.0);
+        for part in &all {
+            if part.len() != std::mem::size_of_val(buf) {
+                return Err(TransportError::BadCounts {
+                    rank: self.rank,
+                    message: format!(
+                        "all-reduce lengths differ: {} vs {} bytes",
+                        part.len(),
+                        std::mem::size_of_val(buf)
+                    ),
+                });
+            }
+            for (b, c) in buf.iter_mut().zip(part.chunks_exact(4)) {
+                *b += f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        Ok(())
+    }
+
+    fn phase(&self, name: &str) -> Result<(), TransportError> {
+        if let Some(mut r) = self.recorder() {
+            if r.phase != name {
+                r.close_work().map_err(|m| self.sync_failed(m))?;
+                r.phase = name.to_string();
+            }
+        }
+        Ok(())
+    }
+
+    fn bookkeeping(&self, on: bool) -> Result<(), TransportError> {
+        if self.recorder.is_none() {
+            return Ok(());
+        }
+        let mut back = self.resume_phase.lock().unwrap_or_else(|p| p.into_inner());
+        if on {
+            let current = self.recorder().map(|r| r.phase.clone());
+            if back.is_none() {
+                *back = current;
+            }
+            drop(back);
+            self.phase("(staging)")
+        } else {
+            let to = back.take();
+            drop(back);
+            match to {
+                Some(p) => self.phase(&p),
+                None => Ok(()),
+            }
+        }
+    }
+
+    fn swap_offers(
+        &self,
+        offers: &[(u64, u64)],
+    ) -> Option<Result<Vec<(u64, u64)>, TransportError>> {
+        let n = self.shared.n;
+        if offers.len() != n {
+            return Some(Err(TransportError::BadCounts {
+                rank: self.rank,
+                message: format!("{} offers for {n} ranks", offers.len()),
+            }));
+        }
+        let bytes_to = self.others(offers.iter().map(|o| o.1));
+        let outgoing = offers
+            .iter()
+            .map(|&(a, b)| [a.to_le_bytes(), b.to_le_bytes()].concat())
+            .collect();
+        Some(
+            self.post_and_collect(outgoing, Record::Exchange(bytes_to))
+                .and_then(|got| {
+                    got.iter()
+                        .map(|m| {
+                            let word = |i: usize| {
+                                m.get(i * 8..i * 8 + 8)
+                                    .and_then(|b| b.try_into().ok())
+                                    .map(u64::from_le_bytes)
+                            };
+                            word(0).zip(word(1)).ok_or(TransportError::BadCounts {
+                                rank: self.rank,
+                                message: "a malformed offer".into(),
+                            })
+                        })
+                        .collect()
+                }),
+        )
+    }
+
+    fn close_step(&self, step: usize) -> Result<(), TransportError> {
+        let Some(mut r) = self.recorder() else {
+            return Ok(());
+        };
+        r.close_work().map_err(|m| self.sync_failed(m))?;
+        let entries = std::mem::take(&mut r.entries);
+        drop(r);
+        let mut p = self
+            .shared
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        p.entry(step).or_insert_with(|| vec![None; self.shared.n])[self.rank] = Some(entries);
+        Ok(())
+    }
+
+    fn take_step(&self, step: usize) -> Option<Vec<Vec<Entry>>> {
+        let mut p = self
+            .shared
+            .published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        if p.get(&step)?.iter().any(Option::is_none) {
+            return None;
+        }
+        p.remove(&step).map(|v| v.into_iter().flatten().collect())
+    }
+
+    fn discard_timeline(&self) -> Result<(), TransportError> {
+        if let Some(mut r) = self.recorder() {
+            r.close_work().map_err(|m| self.sync_failed(m))?;
+            r.entries.clear();
+        }
+        Ok(())
+    }
+
+    fn fence(&self) -> Result<(), TransportError> {
+        self.pause(Record::Quiet)?;
+        let r = self.shared.barrier.wait(self.rank, self.shared.timeout);
+        self.resume()?;
+        r
+    }
+}
+
+impl LocalTransport {
+    /// `per_rank` with this rank's own entry zeroed: bytes to other ranks.
+    fn others(&self, per_rank: impl Iterator<Item = u64>) -> Vec<u64> {
+        per_rank
+            .enumerate()
+            .map(|(d, b)| if d == self.rank { 0 } else { b })
+            .collect()
     }
 }
 
@@ -297,6 +583,27 @@ impl Transport for LocalTransport {
 /// group, so its peers fail with [`TransportError::PeerFailed`] instead of
 /// waiting; a rank that never arrives makes the others time out.
 pub fn run_local<R, E, F>(n: usize, timeout: Duration, f: F) -> Vec<Result<R, E>>
+where
+    R: Send,
+    E: Send + std::fmt::Display + From<TransportError>,
+    F: Fn(&LocalTransport) -> Result<R, E> + Sync,
+{
+    run_group(n, timeout, false, f)
+}
+
+/// [`run_local`] with the ranks taking turns on one GPU and recording their
+/// timelines (see [`crate::timeline`]): each rank holds the turn from its
+/// start, gives it up at every collective and at its end.
+pub fn run_local_timed<R, E, F>(n: usize, timeout: Duration, f: F) -> Vec<Result<R, E>>
+where
+    R: Send,
+    E: Send + std::fmt::Display + From<TransportError>,
+    F: Fn(&LocalTransport) -> Result<R, E> + Sync,
+{
+    run_group(n, timeout, true, f)
+}
+
+fn run_group<R, E, F>(n: usize, timeout: Duration, timed: bool, f: F) -> Vec<Result<R, E>>
 where
     R: Send,
     E: Send + std::fmt::Display + From<TransportError>,
@@ -311,6 +618,8 @@ where
             n,
         },
         timeout,
+        turns: timed.then(Turns::default),
+        published: Mutex::default(),
     });
     std::thread::scope(|scope| {
         let handles: Vec<_> = (0..n)
@@ -319,10 +628,18 @@ where
                     rank,
                     shared: Arc::clone(&shared),
                     sent: AtomicU64::new(0),
+                    recorder: timed.then(|| Mutex::new(Recorder::new())),
+                    resume_phase: Mutex::new(None),
                 };
                 let f = &f;
                 scope.spawn(move || {
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&t)));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        t.resume()?;
+                        f(&t)
+                    }));
+                    if let Some(turns) = &t.shared.turns {
+                        turns.release(rank);
+                    }
                     match r {
                         Ok(Ok(v)) => Ok(v),
                         Ok(Err(e)) => {
@@ -458,6 +775,88 @@ mod tests {
                 })
             });
             assert!(res.iter().all(Result::is_ok), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn timed_ranks_pass_the_suite_and_take_turns() {
+        use std::sync::atomic::AtomicBool;
+        for n in [1, 2, 3] {
+            let res = run_local_timed(n, Duration::from_secs(10), |t| {
+                conformance(t).map_err(|m| TransportError::BadCounts {
+                    rank: t.rank(),
+                    message: m,
+                })
+            });
+            for r in &res {
+                if let Err(e) = r {
+                    panic!("n = {n}: {e}");
+                }
+            }
+        }
+        // Work between collectives never overlaps another rank's.
+        let inside = AtomicBool::new(false);
+        let overlaps = AtomicU64::new(0);
+        let res = run_local_timed(3, Duration::from_secs(10), |t| {
+            let work = |ms: u64| {
+                if inside.swap(true, Ordering::SeqCst) {
+                    overlaps.fetch_add(1, Ordering::SeqCst);
+                }
+                std::thread::sleep(Duration::from_millis(ms));
+                inside.store(false, Ordering::SeqCst);
+            };
+            t.phase("a")?;
+            work(20 + 10 * t.rank() as u64);
+            let send = vec![7u8; 3 * (t.rank() + 1)];
+            all_to_all(t, &send, &[t.rank() + 1; 3])?;
+            t.phase("b")?;
+            work(5);
+            t.bookkeeping(true)?;
+            work(30);
+            t.bookkeeping(false)?;
+            let mut buf = vec![1.0f32; 10];
+            t.all_reduce_sum_f32(&mut buf)?;
+            t.close_step(0)?;
+            t.fence()?;
+            Ok::<_, TransportError>(t.take_step(0))
+        });
+        assert_eq!(overlaps.load(Ordering::SeqCst), 0);
+        let all = res.into_iter().map(Result::unwrap).find_map(|x| x).unwrap();
+        assert_eq!(all.len(), 3);
+        for (r, entries) in all.iter().enumerate() {
+            let work = |phase: &str| -> f64 {
+                entries
+                    .iter()
+                    .filter_map(|e| match e {
+                        Entry::Work { phase: p, seconds } if p == phase => Some(*seconds),
+                        _ => None,
+                    })
+                    .sum()
+            };
+            assert!(work("a") >= (0.020 + 0.010 * r as f64), "{entries:?}");
+            assert!(work("a") < 0.5, "waiting was counted as work: {entries:?}");
+            assert!(work("(staging)") >= 0.030);
+            assert!(work("b") >= 0.005 && work("b") < 0.029, "{entries:?}");
+            let ex: Vec<&Entry> = entries
+                .iter()
+                .filter(|e| !matches!(e, Entry::Work { .. }))
+                .collect();
+            let want: Vec<u64> = (0..3)
+                .map(|d| if d == r { 0 } else { r as u64 + 1 })
+                .collect();
+            assert_eq!(
+                ex,
+                vec![
+                    &Entry::Exchange {
+                        phase: "a".into(),
+                        bytes_to: want
+                    },
+                    &Entry::Reduce {
+                        phase: "b".into(),
+                        bytes: 40
+                    }
+                ]
+            );
         }
     }
 

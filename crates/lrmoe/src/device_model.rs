@@ -170,6 +170,25 @@ impl DeviceModel<'_> {
     }
 }
 
+/// The phases a timed rank's work is recorded under
+/// (`layer::timeline`; the simulator's per-phase table).
+pub mod phase {
+    /// Embedding, attention, norms, the LM head and loss.
+    pub const DENSE_FORWARD: &str = "dense forward";
+    /// The MoE layers' forward calls.
+    pub const MOE_FORWARD: &str = "moe forward";
+    /// The dense parts' backward.
+    pub const DENSE_BACKWARD: &str = "dense backward";
+    /// The MoE layers' backward calls.
+    pub const MOE_BACKWARD: &str = "moe backward";
+    /// The data-parallel sums of dense gradients and the global norm.
+    pub const GRADIENT_SUMS: &str = "gradient sums";
+    /// AdamW and the step's scalars.
+    pub const OPTIMIZER: &str = "optimizer";
+    /// The phases of the MoE layers.
+    pub const MOE: [&str; 2] = [MOE_FORWARD, MOE_BACKWARD];
+}
+
 #[cfg(feature = "cuda")]
 mod imp {
     use std::sync::Arc;
@@ -661,6 +680,7 @@ mod imp {
             let mut moe_ms = Vec::new();
             let mut plans = Vec::new();
             for b in &self.blocks {
+                self.comm.phase(super::phase::DENSE_FORWARD)?;
                 let x_in = g.duplicate(&x).map_err(k)?;
                 let (a, inv1) = g.rmsnorm(&x, &b.norm1.p, n, eps).map_err(k)?;
                 let proj = |w: &CudaSlice<u16>, width: usize| {
@@ -690,9 +710,11 @@ mod imp {
                 let x_mid = g.duplicate(&x).map_err(k)?;
                 let (m, inv2) = g.rmsnorm(&x, &b.norm2.p, n, eps).map_err(k)?;
                 let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+                self.comm.phase(super::phase::MOE_FORWARD)?;
                 let t0 = g.mark().map_err(k)?;
                 let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
                 let t1 = g.mark().map_err(k)?;
+                self.comm.phase(super::phase::DENSE_FORWARD)?;
                 moe_ms.push((t0, t1));
                 plans.push(match planner.take_last_plan() {
                     Some(p) => p,
@@ -786,6 +808,7 @@ mod imp {
             let (qd, kd) = (h * dh, kv * dh);
             let (one, att) = (&f.one, &f.att);
             let moe_cfg = cfg.moe();
+            self.comm.phase(super::phase::DENSE_BACKWARD)?;
             let d_head = g
                 .gemm_dev(
                     GemmVariant::WeightGrad,
@@ -837,9 +860,11 @@ mod imp {
                     layer::device::DeviceComm::Staged(_) => None,
                     _ => Some(g.pool_reset_peak().map_err(k)?),
                 };
+                self.comm.phase(super::phase::MOE_BACKWARD)?;
                 let t0 = g.mark().map_err(k)?;
                 let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
                 let t1 = g.mark().map_err(k)?;
+                self.comm.phase(super::phase::DENSE_BACKWARD)?;
                 let pool_peak = pool_base
                     .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
                     .transpose()
@@ -1107,6 +1132,7 @@ mod imp {
                 aux_loss += f.aux_loss / micro as f64;
                 loss_sums.push(f.loss_sum);
             }
+            self.comm.phase(super::phase::GRADIENT_SUMS)?;
             let grads = self.sum_dense(acc.unwrap_or_default())?;
             let bwd_ms = bwd_ms_all;
             let m2 = g.mark().map_err(k)?;
@@ -1128,6 +1154,7 @@ mod imp {
                     .pop()
                     .ok_or(ModelError::Config("the norm's sum went missing".into()))?;
             }
+            self.comm.phase(super::phase::OPTIMIZER)?;
             self.adam_t += 1;
             let t = self.adam_t as i32;
             let base = AdamHp {

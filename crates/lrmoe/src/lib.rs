@@ -20,6 +20,8 @@
 //!   decided by every rank from gathered figures, and the signal handlers;
 //! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
 //! * [`replay`], [`layer_grad`]: trace replay and one layer's gradients;
+//! * [`simulate`]: N GPUs from N ranks timed on one GPU, through the
+//!   `cluster` model;
 //! * [`tensorfile`], [`plots`], [`fsutil`]: safetensors, charts (plotters),
 //!   atomic writes; [`strict`]: JSON/TOML objects that must be objects;
 //!   [`errline`], [`progress`]: one-line errors, log lines above the
@@ -40,6 +42,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+pub use cluster;
 pub use kernels;
 pub use layer;
 pub use lrm_score;
@@ -61,6 +64,7 @@ pub mod plan;
 pub mod plots;
 pub mod progress;
 pub mod replay;
+pub mod simulate;
 pub mod stop;
 pub mod strict;
 pub mod tensorfile;

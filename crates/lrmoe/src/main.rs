@@ -282,6 +282,17 @@ struct ReplayArgs {
     /// the GPU executors (0: off, as the host executor runs).
     #[arg(long, default_value_t = 0.0, value_parser = fraction)]
     tile_trim: f64,
+    /// Cluster model: GPUs per node (ranks are numbered node by node).
+    #[arg(long, default_value_t = 8, value_parser = at_least::<1>)]
+    gpus_per_node: usize,
+    /// Cluster model: intra-node bandwidth per GPU and direction, GB/s (the
+    /// default is fitted to the all-to-alls measured on 2 and 4 H200s).
+    #[arg(long, default_value_t = 336.0, value_parser = positive)]
+    intra_gb_per_s: f64,
+    /// Cluster model: inter-node bandwidth per GPU and direction, GB/s
+    /// (DeepEP's RDMA figure at 400 Gb/s; not validated here).
+    #[arg(long, default_value_t = 45.0, value_parser = positive)]
+    inter_gb_per_s: f64,
     /// Output folder for replay.json, replay.csv and the memory and time charts (SVG and PNG).
     #[arg(long, value_name = "DIR", default_value = "runs/replay")]
     out: PathBuf,
@@ -337,6 +348,12 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             PolicyArg::Maxmin => quota::Policy::Maxmin,
         },
         tile_trim: a.tile_trim,
+        cluster: lrmoe::cluster::Cluster {
+            gpus_per_node: a.gpus_per_node,
+            intra_gb_per_s: a.intra_gb_per_s,
+            inter_gb_per_s: a.inter_gb_per_s,
+            ..Default::default()
+        },
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;

@@ -361,6 +361,10 @@ pub struct TrainConfig {
     pub moe: MoeSection,
     /// Run control.
     pub run: RunSection,
+    /// The cluster model of in-process ranks on one GPU (`--executor
+    /// device`, `moe.ranks` > 1): each step's time on that many GPUs of
+    /// this cluster goes to `metrics.jsonl` (`simulated`).
+    pub cluster: cluster::Cluster,
 }
 
 impl Default for TrainConfig {
@@ -373,6 +377,7 @@ impl Default for TrainConfig {
             optim: AdamWConfig::default(),
             moe: MoeSection::default(),
             run: RunSection::default(),
+            cluster: cluster::Cluster::default(),
         }
     }
 }
@@ -452,6 +457,9 @@ impl TrainConfig {
     /// `(0, moe.ranks]`: 1 budgets the average routed pairs per rank,
     /// `moe.ranks` every pair of a step on one rank, and no more can arrive.
     pub fn validate(&self) -> Result<(), TrainError> {
+        self.cluster
+            .validate()
+            .map_err(|e| TrainError::Config(e.to_string()))?;
         self.validate_sizes()?;
         self.validate_moe()?;
         self.validate_optim_and_run()
@@ -1294,6 +1302,10 @@ struct StepMetrics {
     /// (the pool's peak reservation plus the context), bytes.
     #[serde(skip_serializing_if = "Option::is_none")]
     device_mem_bytes: Option<u64>,
+    /// In-process ranks on one GPU: the step on `moe.ranks` GPUs of the
+    /// `[cluster]` (`crate::simulate`; rank 0 writes it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    simulated: Option<crate::simulate::Simulated>,
     layers: Vec<LayerMetrics>,
 }
 
@@ -1586,20 +1598,24 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     };
     let results = match &opts.transport {
         Some(t) => vec![rank_loop(t.as_ref(), &lp, &initial, device_model.as_ref())],
-        None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
-            if staged {
-                let own = new_device_model(
-                    opts,
-                    layer::device::DeviceComm::Staged(comm),
-                    &mcfg,
-                    &initial,
-                    &call,
-                    &corpus,
-                )?;
-                rank_loop(comm, &lp, &initial, Some(&own))
-            } else {
-                rank_loop(comm, &lp, &initial, device_model.as_ref())
+        // Staged device ranks take turns on the GPU and record their
+        // timelines (`simulated` in the metrics).
+        None if staged => layer::run_local_timed(ranks, Duration::from_secs(600), |comm| {
+            let own = new_device_model(
+                opts,
+                layer::device::DeviceComm::Staged(comm),
+                &mcfg,
+                &initial,
+                &call,
+                &corpus,
+            )?;
+            if let Some(gpu) = opts.gpu.clone() {
+                comm.on_pause(Box::new(move || gpu.sync().map_err(|e| e.to_string())));
             }
+            rank_loop(comm, &lp, &initial, Some(&own))
+        }),
+        None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
+            rank_loop(comm, &lp, &initial, device_model.as_ref())
         }),
     };
     if bar.is_some() {
@@ -1853,8 +1869,13 @@ fn rank_loop<X: Transport>(
     while reason.is_none() {
         let clock = Instant::now();
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
+        // Timed in-process ranks: the step's timeline alone (the loop's
+        // evaluations, logs and checkpoints between steps are dropped).
+        comm.discard_timeline()?;
         let out = train_step(comm, lp, &mut s, micro, lr, device_model)?;
+        comm.close_step(s.step)?;
         let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
+        let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
         s.wall_s += agreed.step_s;
         s.moe_s += out.moe_seconds;
         s.step += 1;
@@ -1896,6 +1917,7 @@ fn rank_loop<X: Transport>(
             val_loss,
             device_ms: out.device_ms,
             device_mem_bytes: out.device_mem_bytes,
+            simulated,
             layers,
         };
         log_and_checkpoint(comm, lp, &mut s, &m, device_model)?;
@@ -1910,6 +1932,23 @@ fn rank_loop<X: Transport>(
     }
     let reason = reason.unwrap_or(crate::stop::StopReason::Steps);
     finish(comm, lp, s, reason, reached, device_model)
+}
+
+/// Rank 0 of timed in-process ranks: step `step` on as many GPUs of
+/// `cluster` (every rank closed it before the collective that follows
+/// its `close_step`); `None` elsewhere.
+fn simulated_step<X: Transport>(
+    comm: &X,
+    cluster: &cluster::Cluster,
+    step: usize,
+) -> Result<Option<crate::simulate::Simulated>, TrainError> {
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    comm.take_step(step)
+        .map(|t| crate::simulate::simulate(&t, cluster))
+        .transpose()
+        .map_err(|e| TrainError::Config(format!("step {step}: {e}")))
 }
 
 /// Micro-batches of the first step: with `moe.fit_budget` in full and

@@ -311,6 +311,7 @@ fn check_trace(t: &lrmoe::replay::Trace) -> Result<(), TestCaseError> {
         replica_memory_fraction: 0.5,
         policy: lrmoe::quota::Policy::Maxmin,
         tile_trim: 0.0,
+        cluster: Default::default(),
     };
     if let Ok(r) = lrmoe::replay::replay(t, &cfg) {
         for f in &r.steps {

@@ -58,6 +58,26 @@ impl DeviceComm<'_> {
             Self::Local => Ok(send),
             Self::Staged(t) => {
                 let total: usize = send_counts.iter().sum();
+                let soff = exclusive_scan(send_counts);
+                let offers = send_counts
+                    .iter()
+                    .zip(&soff)
+                    .map(|(&n, &off)| Ok((gpu.address(&send, off)?, bytes_of::<T>(n))))
+                    .collect::<Result<Vec<_>, KernelError>>()?;
+                let roff = exclusive_scan(recv_counts);
+                let parts: Vec<(usize, usize)> = roff
+                    .iter()
+                    .zip(recv_counts)
+                    .map(|(&o, &n)| (o, n))
+                    .collect();
+                // SAFETY: every element is written by a copy below (its
+                // source's part) or the buffer is refused.
+                let mut recv = unsafe { gpu.uninit::<T>(roff[recv_counts.len()]) }?;
+                if let Some(done) = in_process(*t, gpu, &offers, &mut recv, &parts, true) {
+                    done?;
+                    return Ok(recv);
+                }
+                drop(recv);
                 let host = gpu.download_range(&send, 0, total)?;
                 let (got, counts) =
                     crate::transport::all_to_all(*t, &host, send_counts).map_err(staged)?;
@@ -111,6 +131,24 @@ impl DeviceComm<'_> {
                         got: send_parts.len().min(recv_parts.len()),
                     });
                 }
+                let mut offers = Vec::with_capacity(world);
+                for (d, &(b, off, n)) in send_parts.iter().enumerate() {
+                    offers.push(if n > 0 && d != rank {
+                        let buf = sends.get(b).ok_or(KernelError::Shape {
+                            what: "all-to-all send buffer",
+                            expected: b + 1,
+                            got: sends.len(),
+                        })?;
+                        (gpu.address(buf, off)?, bytes_of::<T>(n))
+                    } else {
+                        (0, 0)
+                    });
+                }
+                let mut recv = recv;
+                if let Some(done) = in_process(*t, gpu, &offers, &mut recv, recv_parts, false) {
+                    done?;
+                    return Ok(Flight::Here(recv, sends));
+                }
                 let mut host = Vec::new();
                 let mut counts = Vec::with_capacity(world);
                 for (d, &(b, off, n)) in send_parts.iter().enumerate() {
@@ -126,7 +164,6 @@ impl DeviceComm<'_> {
                 }
                 let (got, got_counts) =
                     crate::transport::all_to_all(*t, &host, &counts).map_err(staged)?;
-                let mut recv = recv;
                 let mut at = 0;
                 for (s, (&(off, n), &c)) in recv_parts.iter().zip(&got_counts).enumerate() {
                     let want = if s == rank { 0 } else { n };
@@ -198,6 +235,65 @@ impl DeviceComm<'_> {
             Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
         }
     }
+}
+
+/// Bytes of `n` elements of `T`.
+fn bytes_of<T>(n: usize) -> u64 {
+    (n * std::mem::size_of::<T>()) as u64
+}
+
+/// An exchange between in-process ranks sharing this GPU (`None` where the
+/// transport's ranks do not share memory): the compute stream is drained,
+/// every rank publishes its parts' device addresses (`offers[d]`: address
+/// and bytes for rank `d`; the swap is recorded as the exchange), copies
+/// the parts addressed to it into `recv` at `recv_parts[s] = (off, n)`
+/// device to device, and waits until every rank has copied before any
+/// send buffer may change. The message to self travels too when `self_too`
+/// (an exchange of whole buffers); otherwise the caller moves it.
+fn in_process<T: kernels::gpu::DeviceRepr>(
+    t: &dyn crate::Transport,
+    gpu: &Gpu,
+    offers: &[(u64, u64)],
+    recv: &mut CudaSlice<T>,
+    recv_parts: &[(usize, usize)],
+    self_too: bool,
+) -> Option<Result<(), KernelError>> {
+    let rank = t.rank();
+    let copy = |got: Vec<(u64, u64)>, recv: &mut CudaSlice<T>| -> Result<(), KernelError> {
+        t.bookkeeping(true).map_err(staged)?;
+        for (s, (&(addr, bytes), &(off, n))) in got.iter().zip(recv_parts).enumerate() {
+            let want = if s == rank && !self_too { 0 } else { n };
+            if bytes != bytes_of::<T>(want) {
+                return Err(KernelError::Comm(format!(
+                    "rank {rank}: {bytes} bytes from rank {s}, the plan says {}",
+                    bytes_of::<T>(want)
+                )));
+            }
+            if want > 0 {
+                // SAFETY: the source published a live part of `bytes`
+                // bytes (checked above) and waits at the fence below
+                // before it may write or free it; this rank waits for its
+                // stream before that fence.
+                unsafe { gpu.copy_from_address(addr, recv, off, want) }?;
+            }
+        }
+        gpu.sync()?;
+        t.bookkeeping(false).map_err(staged)
+    };
+    let mine: Vec<(u64, u64)> = offers
+        .iter()
+        .enumerate()
+        .map(|(d, &o)| if d == rank && !self_too { (0, 0) } else { o })
+        .collect();
+    if let Err(e) = gpu.sync() {
+        return Some(Err(e));
+    }
+    let got = t.swap_offers(&mine)?;
+    Some(
+        got.map_err(staged)
+            .and_then(|got| copy(got, recv))
+            .and_then(|()| t.fence().map_err(staged)),
+    )
 }
 
 /// A host transport's error as the device operations report it.

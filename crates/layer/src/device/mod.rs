@@ -118,6 +118,16 @@ impl DeviceComm<'_> {
         }
     }
 
+    /// Timed in-process ranks (`crate::run_local_timed`): the phase the
+    /// work from here on belongs to (see [`crate::timeline`]). Elsewhere
+    /// nothing.
+    pub fn phase(&self, name: &str) -> Result<(), crate::LayerError> {
+        if let Self::Staged(t) = self {
+            t.phase(name)?;
+        }
+        Ok(())
+    }
+
     /// Ranks in the group.
     pub fn world_size(&self) -> usize {
         match self {

@@ -103,6 +103,56 @@ impl Gpu {
         self.stream.memcpy_dtod(src, dst).map_err(cuda)
     }
 
+    /// The device ordinal this GPU's context belongs to.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// The device address of element `off` of `buf`, for an exchange
+    /// between ranks of one process that share this device's context
+    /// (`layer`'s in-process ranks): the peer copies from it with
+    /// [`Gpu::copy_from_address`] while the owner keeps `buf` alive and
+    /// unwritten.
+    pub fn address<T: cudarc::driver::DeviceRepr>(
+        &self,
+        buf: &CudaSlice<T>,
+        off: usize,
+    ) -> Result<u64, KernelError> {
+        at_least("address offset", off, buf.len())?;
+        let (p, _g) = buf.device_ptr(&self.stream);
+        Ok(p + (off * std::mem::size_of::<T>()) as u64)
+    }
+
+    /// Copies `n` elements from device address `src` into `dst` from
+    /// element `off`, on the compute stream.
+    ///
+    /// # Safety
+    ///
+    /// `src` must address at least `n` elements of `T` in a live allocation
+    /// of this device's context that nobody writes until the copy is done
+    /// (the caller waits for the compute stream before the owner may).
+    pub unsafe fn copy_from_address<T: cudarc::driver::DeviceRepr>(
+        &self,
+        src: u64,
+        dst: &mut CudaSlice<T>,
+        off: usize,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        use cudarc::driver::DevicePtrMut;
+        at_least("copy destination", off + n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let bytes = n * std::mem::size_of::<T>();
+        let (d, _g) = dst.device_ptr_mut(&self.stream);
+        let d = d + (off * std::mem::size_of::<T>()) as u64;
+        // SAFETY: `dst` holds `off + n` elements (checked); the caller
+        // promises `src` holds `n` and stays unwritten until the stream
+        // reaches the copy.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(d, src, bytes, self.stream.cu_stream()) }
+            .map_err(cuda)
+    }
+
     /// `n` elements of `src` from element `off`, on the host (waits for the
     /// compute stream).
     pub fn download_range<T: cudarc::driver::DeviceRepr + Default + Clone>(

@@ -1,0 +1,273 @@
+//! N GPUs simulated from N ranks timed on one: the ranks' timelines
+//! (`layer::timeline`, recorded by `layer::run_local_timed`) through the
+//! cluster model (`cluster`).
+//!
+//! Each rank's timeline is its own work (measured with the GPU to itself)
+//! cut by its collectives. The ranks run the same collectives in the same
+//! order; between two collectives they run independently, so that stretch
+//! ends when the slowest rank's work does (bulk-synchronous), and each
+//! collective takes what the cluster model says for the bytes every rank
+//! sent. Nothing overlaps: the in-process exchange does not run beside
+//! the compute stream as the NCCL path's does, so the simulated time is
+//! that of the executor with its overlap switched off (an upper bound of
+//! the overlapped one). Work and collectives in bookkeeping phases
+//! (`layer::timeline::is_bookkeeping`) are not counted.
+
+use std::collections::BTreeMap;
+
+use cluster::Cluster;
+use layer::timeline::{is_bookkeeping, Entry};
+use serde::Serialize;
+
+/// The simulated time of one step on `ranks` GPUs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Simulated {
+    /// Ranks (simulated GPUs).
+    pub ranks: usize,
+    /// The step, seconds.
+    pub step_s: f64,
+    /// Its MoE layers (their work and their collectives), seconds.
+    pub moe_s: f64,
+    /// Its collectives, seconds.
+    pub collectives_s: f64,
+    /// Every rank's own work summed (what one GPU ran), seconds.
+    pub work_all_ranks_s: f64,
+    /// Seconds per phase, collectives included.
+    pub phases: BTreeMap<String, f64>,
+}
+
+/// Why timelines cannot be simulated.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum SimError {
+    /// Ranks disagree on their collectives.
+    #[error("the ranks' timelines differ: {0}")]
+    Mismatch(String),
+    /// The cluster model refused.
+    #[error(transparent)]
+    Cluster(#[from] cluster::ClusterError),
+}
+
+/// One rank's timeline cut at its collectives: the work before each
+/// (per phase), then the collective; the work after the last.
+struct Cut<'a> {
+    stretches: Vec<BTreeMap<&'a str, f64>>,
+    collectives: Vec<&'a Entry>,
+}
+
+fn cut(entries: &[Entry]) -> Cut<'_> {
+    let mut stretches = vec![BTreeMap::new()];
+    let mut collectives = Vec::new();
+    for e in entries {
+        match e {
+            Entry::Work { phase, seconds } => {
+                if !is_bookkeeping(phase) {
+                    *stretches
+                        .last_mut()
+                        .expect("invariant: one stretch per collective plus one")
+                        .entry(phase.as_str())
+                        .or_insert(0.0) += seconds;
+                }
+            }
+            _ => {
+                collectives.push(e);
+                stretches.push(BTreeMap::new());
+            }
+        }
+    }
+    Cut {
+        stretches,
+        collectives,
+    }
+}
+
+/// The seconds of collective `i` given every rank's record of it.
+fn collective_s(i: usize, records: &[&Entry], cluster: &Cluster) -> Result<f64, SimError> {
+    let n = records.len();
+    match records[0] {
+        Entry::Exchange { .. } => {
+            let bytes = records
+                .iter()
+                .map(|e| match e {
+                    Entry::Exchange { bytes_to, .. } if bytes_to.len() == n => Ok(bytes_to.clone()),
+                    other => Err(SimError::Mismatch(format!(
+                        "collective {i}: an exchange on rank 0, {other:?} elsewhere"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(cluster.exchange_s(&bytes)?)
+        }
+        Entry::Reduce { .. } => {
+            let most = records
+                .iter()
+                .map(|e| match e {
+                    Entry::Reduce { bytes, .. } => Ok(*bytes),
+                    other => Err(SimError::Mismatch(format!(
+                        "collective {i}: a sum on rank 0, {other:?} elsewhere"
+                    ))),
+                })
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .max()
+                .unwrap_or(0);
+            Ok(cluster.all_reduce_s(most, n)?)
+        }
+        Entry::Work { .. } => Err(SimError::Mismatch(format!("collective {i} is work"))),
+    }
+}
+
+/// Simulates one step from every rank's timeline (rank order).
+pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated, SimError> {
+    cluster.validate()?;
+    let cuts: Vec<Cut<'_>> = timelines.iter().map(|t| cut(t)).collect();
+    let n_coll = cuts.first().map_or(0, |c| c.collectives.len());
+    if let Some((r, c)) = cuts
+        .iter()
+        .enumerate()
+        .find(|(_, c)| c.collectives.len() != n_coll)
+    {
+        return Err(SimError::Mismatch(format!(
+            "rank 0 has {n_coll} collectives, rank {r} {}",
+            c.collectives.len()
+        )));
+    }
+    let mut phases: BTreeMap<String, f64> = BTreeMap::new();
+    let (mut step, mut collectives) = (0.0, 0.0);
+    for k in 0..=n_coll {
+        // The stretch before collective k (or after the last): the slowest
+        // rank's, split over phases as that rank's is.
+        let slowest = cuts
+            .iter()
+            .map(|c| &c.stretches[k])
+            .max_by(|a, b| a.values().sum::<f64>().total_cmp(&b.values().sum::<f64>()));
+        if let Some(st) = slowest {
+            for (p, s) in st {
+                *phases.entry((*p).to_string()).or_insert(0.0) += s;
+                step += s;
+            }
+        }
+        if k == n_coll {
+            break;
+        }
+        let records: Vec<&Entry> = cuts.iter().map(|c| c.collectives[k]).collect();
+        let phase = records[0].phase();
+        if let Some(r) = records.iter().position(|e| e.phase() != phase) {
+            return Err(SimError::Mismatch(format!(
+                "collective {k}: phase {phase:?} on rank 0, {:?} on rank {r}",
+                records[r].phase()
+            )));
+        }
+        if is_bookkeeping(phase) {
+            continue;
+        }
+        let s = collective_s(k, &records, cluster)?;
+        *phases.entry(phase.to_string()).or_insert(0.0) += s;
+        step += s;
+        collectives += s;
+    }
+    let moe_s = crate::device_model::phase::MOE
+        .iter()
+        .filter_map(|p| phases.get(*p))
+        .sum();
+    let work_all_ranks_s = cuts
+        .iter()
+        .flat_map(|c| c.stretches.iter().flat_map(|s| s.values()))
+        .sum();
+    Ok(Simulated {
+        ranks: timelines.len(),
+        step_s: step,
+        moe_s,
+        collectives_s: collectives,
+        work_all_ranks_s,
+        phases,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn work(phase: &str, seconds: f64) -> Entry {
+        Entry::Work {
+            phase: phase.into(),
+            seconds,
+        }
+    }
+
+    fn ex(phase: &str, bytes_to: Vec<u64>) -> Entry {
+        Entry::Exchange {
+            phase: phase.into(),
+            bytes_to,
+        }
+    }
+
+    #[test]
+    fn stretches_end_with_their_slowest_rank_and_collectives_follow_the_links() {
+        let c = Cluster {
+            gpus_per_node: 8,
+            intra_gb_per_s: 100.0,
+            intra_latency_us: 0.0,
+            inter_gb_per_s: 10.0,
+            inter_latency_us: 0.0,
+        };
+        let t = vec![
+            vec![
+                work("dense forward", 1.0),
+                work("moe forward", 2.0),
+                ex("moe forward", vec![0, 1_000_000_000]),
+                work("moe forward", 0.5),
+                work("(staging)", 9.0),
+                Entry::Reduce {
+                    phase: "gradient sums".into(),
+                    bytes: 400_000_000,
+                },
+            ],
+            vec![
+                work("dense forward", 1.5),
+                work("moe forward", 0.5),
+                ex("moe forward", vec![2_000_000_000, 0]),
+                work("moe forward", 1.0),
+                Entry::Reduce {
+                    phase: "gradient sums".into(),
+                    bytes: 400_000_000,
+                },
+                work("optimizer", 0.25),
+            ],
+        ];
+        let s = simulate(&t, &c).unwrap();
+        // Stretch 0: rank 0's 3 s; the exchange: rank 1 sends 2 GB at
+        // 100 GB/s; stretch 1: rank 1's 1 s (rank 0's staging is not
+        // counted); the sum: 2·1/2·0.4 GB at 100 GB/s; stretch 2: 0.25 s.
+        let want = 3.0 + 0.02 + 1.0 + 0.004 + 0.25;
+        assert!((s.step_s - want).abs() < 1e-12, "{s:?}");
+        assert!((s.moe_s - (2.0 + 0.02 + 1.0)).abs() < 1e-12, "{s:?}");
+        assert!((s.collectives_s - 0.024).abs() < 1e-12);
+        assert_eq!(s.phases["dense forward"], 1.0);
+        assert!((s.work_all_ranks_s - 6.75).abs() < 1e-12);
+        assert_eq!(s.ranks, 2);
+    }
+
+    #[test]
+    fn ranks_that_disagree_are_an_error() {
+        let c = Cluster::default();
+        let t = vec![
+            vec![work("a", 1.0), ex("a", vec![0, 1])],
+            vec![work("a", 1.0)],
+        ];
+        assert!(matches!(simulate(&t, &c), Err(SimError::Mismatch(_))));
+        let t = vec![vec![ex("a", vec![0, 1])], vec![ex("b", vec![1, 0])]];
+        assert!(matches!(simulate(&t, &c), Err(SimError::Mismatch(_))));
+        let bad = Cluster {
+            intra_gb_per_s: -1.0,
+            ..Cluster::default()
+        };
+        assert!(matches!(simulate(&[], &bad), Err(SimError::Cluster(_))));
+    }
+
+    #[test]
+    fn one_rank_is_its_own_work() {
+        let t = vec![vec![work("moe backward", 0.5), work("optimizer", 0.25)]];
+        let s = simulate(&t, &Cluster::default()).unwrap();
+        assert_eq!(s.step_s, 0.75);
+        assert_eq!(s.moe_s, 0.5);
+    }
+}
