@@ -87,6 +87,17 @@ pub trait Transport: Sync {
     ) -> Option<Result<Vec<(u64, u64)>, TransportError>> {
         None
     }
+    /// Ranks in one process: every rank's `addresses` (rank order), the
+    /// swap recorded as an element-wise sum over ranks of `bytes` per rank
+    /// (the buffers behind the addresses, summed by the caller). `None`
+    /// where the ranks do not share memory.
+    fn swap_sum_addresses(
+        &self,
+        _addresses: &[u64],
+        _bytes: u64,
+    ) -> Option<Result<Vec<Vec<u64>>, TransportError>> {
+        None
+    }
     /// Waits until every rank has reached this point (not recorded).
     fn fence(&self) -> Result<(), TransportError> {
         self.all_gather_bytes(&[]).map(|_| ())
@@ -558,6 +569,31 @@ impl Transport for LocalTransport {
             r.entries.clear();
         }
         Ok(())
+    }
+
+    fn swap_sum_addresses(
+        &self,
+        addresses: &[u64],
+        bytes: u64,
+    ) -> Option<Result<Vec<Vec<u64>>, TransportError>> {
+        let mine: Vec<u8> = addresses.iter().flat_map(|a| a.to_le_bytes()).collect();
+        let n = self.shared.n;
+        Some(
+            self.post_and_collect(vec![mine; n], Record::Reduce(bytes))
+                .map(|all| {
+                    all.iter()
+                        .map(|m| {
+                            m.chunks_exact(8)
+                                .map(|c| {
+                                    u64::from_le_bytes([
+                                        c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7],
+                                    ])
+                                })
+                                .collect()
+                        })
+                        .collect()
+                }),
+        )
     }
 
     fn fence(&self) -> Result<(), TransportError> {

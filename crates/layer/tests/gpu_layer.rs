@@ -420,3 +420,161 @@ fn device_executor_on_in_process_ranks_matches_ep1_and_the_host() {
         }
     }
 }
+
+/// Every collective of an in-process rank, without the shared memory: the
+/// device executor stages its exchanges through the host.
+struct HostStaged<'a>(&'a layer::LocalTransport);
+
+impl layer::Transport for HostStaged<'_> {
+    fn rank(&self) -> usize {
+        self.0.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.0.world_size()
+    }
+    fn all_to_all_bytes(
+        &self,
+        send: &[u8],
+        send_counts: &[usize],
+    ) -> Result<(Vec<u8>, Vec<usize>), layer::TransportError> {
+        self.0.all_to_all_bytes(send, send_counts)
+    }
+    fn all_gather_bytes(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, layer::TransportError> {
+        self.0.all_gather_bytes(local)
+    }
+    fn bytes_sent(&self) -> u64 {
+        self.0.bytes_sent()
+    }
+    fn all_reduce_sum_f32(&self, buf: &mut [f32]) -> Result<(), layer::TransportError> {
+        self.0.all_reduce_sum_f32(buf)
+    }
+}
+
+/// In-process ranks exchange rows device to device (`Transport::swap_offers`):
+/// the same bits as the host-staged exchange, on 2 and 4 ranks, with and
+/// without replicas, at r = 1 and 0.5 — and the same again with the ranks
+/// taking turns (`run_local_timed`), whose timelines record every exchange.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn in_process_exchange_equals_host_staging_bit_for_bit() {
+    use layer::device::host_call;
+    use layer::Transport;
+    let gpu = Gpu::open(0).unwrap();
+    let moe = MoeConfig {
+        hidden: 128,
+        ffn: 256,
+        n_experts: 16,
+        top_k: 4,
+        renormalize: true,
+    };
+    let (h, f, e, tokens) = (moe.hidden, moe.ffn, moe.n_experts, 512);
+    let bits =
+        |n: usize, seed: u64| kernels::cpu::fan_in_scaled(kernels::cpu::random_bf16(n, seed), h);
+    for timed in [false, true] {
+        for world in [2, 4] {
+            let el = e / world;
+            let body = |t: &layer::LocalTransport| {
+                let r = t.rank() as u64;
+                let router = bits(h * e, 1);
+                let (gate, up, down) = (
+                    bits(el * h * f, 10 + r),
+                    bits(el * h * f, 20 + r),
+                    bits(el * f * h, 30 + r),
+                );
+                let (x, dy) = (bits(tokens * h, 40 + r), bits(tokens * h, 50 + r));
+                for (ratio, slots) in [(1.0, 0), (0.5, 0), (0.5, 1), (1.0, 2)] {
+                    let p = DevicePlanner::ratio_with_replicas(&moe, ratio, slots);
+                    let run = |comm| {
+                        host_call(&gpu, comm, &moe, &router, (&gate, &up, &down), &x, &dy, &p)
+                    };
+                    let a = run(DeviceComm::Staged(t))?;
+                    let b = run(DeviceComm::Staged(&HostStaged(t)))?;
+                    let what = format!("EP = {world}, r = {ratio}, {slots} slots, rank {r}");
+                    assert_eq!(a.y, b.y, "{what}: y");
+                    assert_eq!(a.grads.dx, b.grads.dx, "{what}: dx");
+                    assert_eq!(a.grads.router, b.grads.router, "{what}: router");
+                    assert_eq!(
+                        (&a.grads.gate, &a.grads.up, &a.grads.down),
+                        (&b.grads.gate, &b.grads.up, &b.grads.down),
+                        "{what}: experts"
+                    );
+                    assert_eq!(a.grads.kept_total, b.grads.kept_total, "{what}");
+                    assert_eq!(a.grads.bytes_sent, b.grads.bytes_sent, "{what}");
+                }
+                // The sums over ranks (the model's data-parallel gradients):
+                // values of mixed magnitudes, so any other summation order
+                // would show.
+                let parts = || -> Result<Vec<_>, layer::LayerError> {
+                    [1usize, 1000, 65_537]
+                        .iter()
+                        .map(|&n| {
+                            let v: Vec<f32> = (0..n)
+                                .map(|j| {
+                                    let u = ((j * 7919 + r as usize * 104_729) % 1000) as f32;
+                                    (u * 1e-3 - 0.5) * 10f32.powi((j % 7) as i32 - 3)
+                                })
+                                .collect();
+                            Ok(gpu.upload(&v)?)
+                        })
+                        .collect()
+                };
+                let a = device::sum_over_ranks(&gpu, DeviceComm::Staged(t), parts()?)?;
+                let b = device::sum_over_ranks(&gpu, DeviceComm::Staged(&HostStaged(t)), parts()?)?;
+                for (x, y) in a.iter().zip(&b) {
+                    assert_eq!(
+                        gpu.download(x, x.len())?,
+                        gpu.download(y, y.len())?,
+                        "EP = {world}: sums over ranks differ"
+                    );
+                }
+                t.close_step(0)?;
+                t.fence()?;
+                Ok::<_, layer::LayerError>(t.take_step(0))
+            };
+            let results = if timed {
+                layer::run_local_timed(world, Duration::from_secs(600), body)
+            } else {
+                run_local(world, Duration::from_secs(600), body)
+            };
+            let mut steps = None;
+            for (rank, r) in results.into_iter().enumerate() {
+                match r {
+                    Ok(s) => steps = steps.or(s),
+                    Err(e) => panic!("EP = {world}, timed {timed}, rank {rank}: {e}"),
+                }
+            }
+            if timed {
+                let all = steps.expect("rank 0 took the step");
+                assert_eq!(all.len(), world);
+                // Every rank recorded the same collectives, the exchanges
+                // with rows in them among them.
+                let kinds = |v: &Vec<layer::timeline::Entry>| {
+                    v.iter()
+                        .filter(|e| !matches!(e, layer::timeline::Entry::Work { .. }))
+                        .count()
+                };
+                assert!(all
+                    .iter()
+                    .all(|v| kinds(v) == kinds(&all[0]) && kinds(v) > 0));
+                let moved: u64 = all[0]
+                    .iter()
+                    .filter_map(|e| match e {
+                        layer::timeline::Entry::Exchange { bytes_to, .. } => {
+                            Some(bytes_to.iter().sum::<u64>())
+                        }
+                        _ => None,
+                    })
+                    .sum();
+                assert!(
+                    moved > (tokens * h * 2) as u64,
+                    "rank 0 recorded {moved} bytes"
+                );
+                eprintln!(
+                    "EP = {world}, timed: {} entries on rank 0, {moved} bytes out",
+                    all[0].len()
+                );
+            }
+            eprintln!("EP = {world}, timed {timed}: device-to-device exchanges and sums = host staging, bit for bit");
+        }
+    }
+}

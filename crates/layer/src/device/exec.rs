@@ -205,6 +205,12 @@ impl DeviceComm<'_> {
         match self {
             Self::Local => Ok(Flight::Here(buf, Vec::new())),
             Self::Staged(t) => {
+                if let Some(summed) = sum_in_process(gpu, *t, std::slice::from_ref(&buf)) {
+                    let sum = summed?.pop().ok_or_else(|| {
+                        KernelError::Comm("the sum over ranks went missing".into())
+                    })?;
+                    return Ok(Flight::Here(sum, Vec::new()));
+                }
                 let mut buf = buf;
                 let mut host = gpu.download_range(&buf, 0, buf.len())?;
                 t.all_reduce_sum_f32(&mut host).map_err(staged)?;
@@ -356,6 +362,11 @@ pub fn sum_over_ranks(
     comm: DeviceComm<'_>,
     bufs: Vec<CudaSlice<f32>>,
 ) -> Result<Vec<CudaSlice<f32>>, LayerError> {
+    if let DeviceComm::Staged(t) = comm {
+        if let Some(summed) = sum_in_process(gpu, t, &bufs) {
+            return Ok(summed?);
+        }
+    }
     let flights = bufs
         .into_iter()
         .map(|b| comm.start_sum(gpu, b))
@@ -364,6 +375,61 @@ pub fn sum_over_ranks(
         .into_iter()
         .map(|f| f.finish().map(|(b, _)| b))
         .collect::<Result<Vec<_>, _>>()?)
+}
+
+/// [`sum_over_ranks`] between in-process ranks sharing this GPU (`None`
+/// where they do not share memory): every rank publishes its buffers'
+/// addresses (one swap, recorded as one sum of all their bytes, as NCCL
+/// runs the sums in one group), then sums every buffer over the ranks in
+/// rank order from zero, device to device — the host-staged sum's order,
+/// so the same bits — and waits until every rank has read every buffer
+/// before handing the sums back.
+fn sum_in_process(
+    gpu: &Gpu,
+    t: &dyn crate::Transport,
+    bufs: &[CudaSlice<f32>],
+) -> Option<Result<Vec<CudaSlice<f32>>, KernelError>> {
+    let world = t.world_size();
+    let addresses = match bufs
+        .iter()
+        .map(|b| gpu.address(b, 0))
+        .collect::<Result<Vec<u64>, KernelError>>()
+    {
+        Ok(a) => a,
+        Err(e) => return Some(Err(e)),
+    };
+    let bytes: u64 = bufs.iter().map(|b| bytes_of::<f32>(b.len())).sum();
+    if let Err(e) = gpu.sync() {
+        return Some(Err(e));
+    }
+    let all = t.swap_sum_addresses(&addresses, bytes)?;
+    let sum = |all: Vec<Vec<u64>>| -> Result<Vec<CudaSlice<f32>>, KernelError> {
+        if all.len() != world || all.iter().any(|a| a.len() != bufs.len()) {
+            return Err(KernelError::Comm(
+                "buffer addresses of another shape from a peer".into(),
+            ));
+        }
+        t.bookkeeping(true).map_err(staged)?;
+        let mut sums = Vec::with_capacity(bufs.len());
+        for (i, b) in bufs.iter().enumerate() {
+            let n = b.len();
+            let mut acc = gpu.zeros::<f32>(n)?;
+            // SAFETY: overwritten by each copy below before it is read.
+            let mut part = unsafe { gpu.uninit::<f32>(n) }?;
+            for peer in &all {
+                // SAFETY: every rank's buffer `i` holds `n` f32 (the ranks
+                // run the same model) and stays untouched until the fence.
+                unsafe { gpu.copy_from_address(peer[i], &mut part, 0, n) }?;
+                gpu.add_f32(&mut acc, &part, n)?;
+            }
+            sums.push(acc);
+        }
+        gpu.sync()?;
+        t.bookkeeping(false).map_err(staged)?;
+        t.fence().map_err(staged)?;
+        Ok(sums)
+    };
+    Some(all.map_err(staged).and_then(sum))
 }
 
 /// Waits, with the communicator's deadline, for every collective started

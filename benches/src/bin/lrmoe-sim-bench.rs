@@ -1,0 +1,149 @@
+//! `lrmoe-sim-bench`: the MoE layer on N simulated GPUs, measured on one.
+//!
+//! N in-process ranks take turns on this GPU (`layer::run_local_timed`),
+//! each running the device executor's forward and backward on its own
+//! 16 384 tokens (Qwen3-30B-A3B expert shape: 128 experts owned in blocks,
+//! hidden 2048, ffn 768, top-8, random router); their timelines go through
+//! the cluster model (`lrmoe::simulate`, `cluster::Cluster::default()`).
+//! Beside it, the same layer at EP = 1 on the same tokens per GPU, timed
+//! in the same call. The simulation has no overlap (the in-process
+//! exchange does not run beside the compute stream), so its check is the
+//! measurement taken on 2 × H200 before the executor overlapped its
+//! exchanges: 1.65× the one-GPU layer (2026-11-30, `docs/benchmarks.md`).
+//!
+//! Usage: `lrmoe-sim-bench [ranks …]` (default `2 4 8`); `LRMOE_SIM_R`
+//! (default `1`) the retention.
+
+use std::time::Duration;
+
+use layer::device::DeviceComm;
+use layer::{DevicePlanner, MoeConfig, Transport};
+
+const TOKENS: usize = 16_384;
+const ITERS: usize = 5;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One rank's calls: two warm-ups, then `ITERS` timed steps whose
+/// timelines rank 0 simulates; returns rank 0's simulated figures.
+fn rank(
+    t: &layer::LocalTransport,
+    gpu: &kernels::gpu::Gpu,
+    cfg: &MoeConfig,
+    planner: &DevicePlanner,
+) -> Result<Vec<lrmoe::simulate::Simulated>, layer::LayerError> {
+    use kernels::cpu::{fan_in_scaled, random_bf16};
+    let comm = DeviceComm::Staged(t);
+    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
+    let el = e / t.world_size();
+    let r = t.rank() as u64;
+    let w = layer::device::weights(
+        gpu,
+        comm,
+        cfg,
+        &fan_in_scaled(random_bf16(h * e, 31), h),
+        (
+            &fan_in_scaled(random_bf16(el * h * f, 32 + 8 * r), h),
+            &fan_in_scaled(random_bf16(el * h * f, 33 + 8 * r), h),
+            &fan_in_scaled(random_bf16(el * f * h, 34 + 8 * r), f),
+        ),
+    )?;
+    let x = gpu.upload(&random_bf16(TOKENS * h, 35 + 8 * r))?;
+    let dy = gpu.upload(&random_bf16(TOKENS * h, 36 + 8 * r))?;
+    let mut out = Vec::new();
+    for i in 0..ITERS + 2 {
+        t.discard_timeline()?;
+        comm.phase(lrmoe::device_model::phase::MOE_FORWARD)?;
+        let sv = layer::device::forward(gpu, comm, cfg, &w, &x, planner)?;
+        comm.phase(lrmoe::device_model::phase::MOE_BACKWARD)?;
+        let g = layer::device::backward(gpu, comm, &w, &sv, &dy, planner)?;
+        drop((g, sv));
+        t.close_step(i)?;
+        t.fence()?;
+        if t.rank() == 0 && i >= 2 {
+            let tl = t
+                .take_step(i)
+                .ok_or_else(|| layer::LayerError::Config(format!("step {i} not closed")))?;
+            let s = lrmoe::simulate::simulate(&tl, &cluster::Cluster::default())
+                .map_err(|e| layer::LayerError::Config(e.to_string()))?;
+            out.push(s);
+        }
+    }
+    Ok(out)
+}
+
+fn main() -> anyhow::Result<()> {
+    lrmoe_benches::init_process();
+    let worlds: Vec<usize> = std::env::args()
+        .skip(1)
+        .map(|a| a.parse())
+        .collect::<Result<_, _>>()?;
+    let worlds = if worlds.is_empty() {
+        vec![2, 4, 8]
+    } else {
+        worlds
+    };
+    let r: f64 = std::env::var("LRMOE_SIM_R").map_or(Ok(1.0), |v| v.parse())?;
+    let gpu = kernels::gpu::Gpu::open(0)?;
+    let cfg = MoeConfig {
+        hidden: 2048,
+        ffn: 768,
+        n_experts: 128,
+        top_k: 8,
+        renormalize: true,
+    };
+    let planner = DevicePlanner::ratio(&cfg, r);
+    let one = layer::device::bench(
+        &gpu,
+        DeviceComm::Local,
+        &cfg,
+        TOKENS,
+        &[(r, &planner)],
+        0.0,
+        10,
+    )?;
+    let one_ms = one[0].forward_ms + one[0].backward_ms;
+    let c = cluster::Cluster::default();
+    println!(
+        "MoE layer on N simulated GPUs (Qwen3-30B-A3B expert shape, {TOKENS} tokens per rank, r = {r}); cluster: {} GPUs per node, {} GB/s and {} µs intra-node, {} GB/s and {} µs inter-node; no overlap\n",
+        c.gpus_per_node, c.intra_gb_per_s, c.intra_latency_us, c.inter_gb_per_s, c.inter_latency_us
+    );
+    println!(
+        "one GPU (EP = 1, measured, wall-clock medians of 10): forward {:.2} ms, backward {:.2} ms, total {one_ms:.2} ms\n",
+        one[0].forward_ms, one[0].backward_ms
+    );
+    println!("| ranks | simulated fwd ms | simulated bwd ms | simulated total ms | of which collectives ms | ÷ one GPU | one GPU's work for all ranks ÷ N ms |");
+    println!("|---|---|---|---|---|---|---|");
+    for world in worlds {
+        let results = layer::run_local_timed(world, Duration::from_secs(600), |t| {
+            rank(t, &gpu, &cfg, &planner)
+        });
+        let mut sims = Vec::new();
+        for (rk, res) in results.into_iter().enumerate() {
+            match res {
+                Ok(v) if rk == 0 => sims = v,
+                Ok(_) => {}
+                Err(e) => anyhow::bail!("{world} ranks, rank {rk}: {e}"),
+            }
+        }
+        let pick = |f: &dyn Fn(&lrmoe::simulate::Simulated) -> f64| {
+            median(sims.iter().map(f).collect()) * 1e3
+        };
+        let phase = |p: &'static str| {
+            move |s: &lrmoe::simulate::Simulated| s.phases.get(p).copied().unwrap_or(0.0)
+        };
+        let fwd = pick(&phase(lrmoe::device_model::phase::MOE_FORWARD));
+        let bwd = pick(&phase(lrmoe::device_model::phase::MOE_BACKWARD));
+        let total = pick(&|s| s.step_s);
+        let coll = pick(&|s| s.collectives_s);
+        let work = pick(&|s| s.work_all_ranks_s) / world as f64;
+        println!(
+            "| {world} | {fwd:.2} | {bwd:.2} | {total:.2} | {coll:.2} | {:.3} | {work:.2} |",
+            total / one_ms
+        );
+    }
+    Ok(())
+}
