@@ -93,32 +93,58 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         "Target validation loss: {target:.3} nats/token (unigram baseline {:.3}).\n",
         runs[0].unigram_val_loss
     );
+    // Timed in-process ranks add the simulated times on their GPUs.
+    let simulated = runs
+        .iter()
+        .any(|r| r.evals.iter().any(|p| p.simulated_s.is_some()));
+    let (sim_head, sim_rule) = if simulated {
+        (
+            " simulated time to target (s) | simulated MoE-layer time to target (s) |",
+            "---|---|",
+        )
+    } else {
+        ("", "")
+    };
     let _ = writeln!(
         t,
-        "| mode | reached | time to target (s) | MoE-layer time to target (s) | steps | final val loss | mean kept fraction | max backward buffer (KiB) |"
+        "| mode | reached | time to target (s) | MoE-layer time to target (s) |{sim_head} steps | final val loss | mean kept fraction | max backward buffer (KiB) |"
     );
-    let _ = writeln!(t, "|---|---|---|---|---|---|---|---|");
-    for r in runs {
-        let (reached, wall, moe, steps) = match r.reached_target {
-            Some(p) => (
-                "yes",
-                format!("{:.1}", p.wall_s),
-                format!("{:.1}", p.moe_s),
-                p.step.to_string(),
-            ),
-            None => {
-                let last = r.evals.last();
-                (
-                    "no",
-                    format!("> {:.1}", last.map_or(0.0, |p| p.wall_s)),
-                    format!("> {:.1}", last.map_or(0.0, |p| p.moe_s)),
-                    r.steps.to_string(),
-                )
+    let _ = writeln!(t, "|---|---|---|---|{sim_rule}---|---|---|---|");
+    let opt = |v: Option<f64>, above: bool| {
+        v.map_or("-".to_string(), |x| {
+            if above {
+                format!("> {x:.2}")
+            } else {
+                format!("{x:.2}")
             }
+        })
+    };
+    for r in runs {
+        let (reached, point, above, steps) = match r.reached_target {
+            Some(p) => ("yes", Some(p), false, p.step.to_string()),
+            None => ("no", r.evals.last().copied(), true, r.steps.to_string()),
+        };
+        let fmt = |v: f64| {
+            if above {
+                format!("> {v:.1}")
+            } else {
+                format!("{v:.1}")
+            }
+        };
+        let wall = fmt(point.map_or(0.0, |p| p.wall_s));
+        let moe = fmt(point.map_or(0.0, |p| p.moe_s));
+        let sim = if simulated {
+            format!(
+                " {} | {} |",
+                opt(point.and_then(|p| p.simulated_s), above),
+                opt(point.and_then(|p| p.simulated_moe_s), above)
+            )
+        } else {
+            String::new()
         };
         let _ = writeln!(
             t,
-            "| {} | {reached} | {wall} | {moe} | {steps} | {:.4} | {:.3} | {:.1} |",
+            "| {} | {reached} | {wall} | {moe} |{sim} {steps} | {:.4} | {:.3} | {:.1} |",
             r.mode,
             r.final_val_loss,
             r.mean_kept_fraction,

@@ -633,6 +633,13 @@ pub struct EvalPoint {
     pub moe_s: f64,
     /// Validation loss, nats per token.
     pub val_loss: f64,
+    /// In-process ranks on one GPU (rank 0): the training time so far on
+    /// `moe.ranks` GPUs of the `[cluster]`, simulated (`crate::simulate`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulated_s: Option<f64>,
+    /// The same for the MoE layers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulated_moe_s: Option<f64>,
 }
 
 /// The outcome of a training run.
@@ -786,6 +793,9 @@ struct State {
     evals: Vec<EvalPoint>,
     wall_s: f64,
     moe_s: f64,
+    /// Simulated training and MoE-layer time so far (rank 0 of timed
+    /// in-process ranks; a resumed run starts from its last evaluation's).
+    sim: Option<(f64, f64)>,
     /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
     expert_bias: Vec<Vec<f64>>,
     /// The run's kept fractions and buffers so far (not in the checkpoint:
@@ -865,6 +875,10 @@ fn checkpoint_meta(
     meta.insert("rng".into(), s.rng.0.to_string());
     meta.insert("wall_s".into(), s.wall_s.to_string());
     meta.insert("moe_s".into(), s.moe_s.to_string());
+    if let Some((step_s, moe_s)) = s.sim {
+        meta.insert("simulated_s".into(), step_s.to_string());
+        meta.insert("simulated_moe_s".into(), moe_s.to_string());
+    }
     meta.insert(
         "expert_bias".into(),
         serde_json::to_string(&s.expert_bias).unwrap_or_default(),
@@ -978,6 +992,11 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         .map_err(|e| fmt(format!("rng: {e}")))?;
     let wall_s = num(&f, "wall_s")?;
     let moe_s = num(&f, "moe_s")?;
+    // Simulated time (timed in-process ranks only).
+    let sim = match (f.meta("simulated_s"), f.meta("simulated_moe_s")) {
+        (Ok(_), Ok(_)) => Some((num(&f, "simulated_s")?, num(&f, "simulated_moe_s")?)),
+        _ => None,
+    };
     let evals: Vec<EvalPoint> =
         serde_json::from_str(f.meta("evals")?).map_err(|e| fmt(e.to_string()))?;
     // Checkpoints from before the balancing bias carry none.
@@ -1018,6 +1037,7 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         evals,
         wall_s,
         moe_s,
+        sim,
         expert_bias,
         logged: Logged::default(),
     })
@@ -1418,6 +1438,7 @@ fn fresh_state(cfg: &TrainConfig, mcfg: &ModelConfig) -> State {
         evals: Vec::new(),
         wall_s: 0.0,
         moe_s: 0.0,
+        sim: None,
         expert_bias: Vec::new(),
         logged: Logged::default(),
     }
@@ -1876,6 +1897,11 @@ fn rank_loop<X: Transport>(
         comm.close_step(s.step)?;
         let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
         let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
+        if let Some(sm) = &simulated {
+            let acc = s.sim.get_or_insert((0.0, 0.0));
+            acc.0 += sm.step_s;
+            acc.1 += sm.moe_s;
+        }
         s.wall_s += agreed.step_s;
         s.moe_s += out.moe_seconds;
         s.step += 1;
@@ -2150,6 +2176,8 @@ fn evaluate_now<X: Transport>(
         wall_s: s.wall_s,
         moe_s: s.moe_s,
         val_loss: v,
+        simulated_s: s.sim.map(|x| x.0),
+        simulated_moe_s: s.sim.map(|x| x.1),
     });
     Ok(v)
 }
@@ -2212,6 +2240,16 @@ fn finish<X: Transport>(
         Some(e) if e.step == s.step => e.val_loss,
         _ => evaluate_now(comm, lp, &mut s, device_model)?,
     };
+    // A run stopped by its step count or time cap whose final evaluation
+    // is at the target reached it there.
+    let reached = reached.or_else(|| {
+        s.evals
+            .last()
+            .filter(|e| {
+                e.step == s.step && cfg.run.target_val_loss.is_some_and(|t| e.val_loss <= t)
+            })
+            .copied()
+    });
     if let (true, Some(dm)) = (cfg.run.checkpoint, device_model) {
         (s.model, s.adam) = lock(dm).download(comm)?;
     }

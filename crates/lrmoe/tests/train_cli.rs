@@ -931,6 +931,37 @@ fn train_help_shows_the_defaults_it_runs_with() {
 }
 
 #[test]
+fn a_final_evaluation_at_the_target_counts_as_reaching_it() {
+    // Stopped by its time cap after the first step, before any evaluation
+    // in the loop: the final evaluation, far below an easy target, is
+    // where the run reached it.
+    let dir = tmp("final-reach");
+    let cfg = tiny_config(&dir, "target_val_loss = 50.0");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("eval_every = 3", "eval_every = 100");
+    std::fs::write(&cfg, text).unwrap();
+    let out = dir.join("cmp");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--compare",
+        "--modes",
+        "full",
+        "--max-minutes",
+        "0.000001",
+        "--no-progress",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let md = std::fs::read_to_string(out.join("compare.md")).unwrap();
+    assert!(md.contains("| Full | yes | "), "{md}");
+    assert!(md.contains("| 1 |"), "reached at step 1: {md}");
+}
+
+#[test]
 fn the_main_job_runs_from_any_folder_without_a_checkpoint_if_asked() {
     // A folder with no data/ in it: the built-in corpus.
     let dir = tmp("anywhere");
