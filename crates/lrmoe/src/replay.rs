@@ -663,7 +663,8 @@ pub struct StepFigures {
 struct LayerCall {
     placement: Placement,
     home: Vec<usize>,
-    forward: Vec<redistribute::Route>,
+    /// `None`: the backward's routes (every pair kept).
+    forward: Option<Vec<redistribute::Route>>,
     backward: Vec<redistribute::Route>,
 }
 
@@ -719,6 +720,7 @@ fn layer_times(
     cfg: &ReplayConfig,
     ranks: usize,
     call: &LayerCall,
+    bwd: &[Vec<u64>],
 ) -> Result<(f64, f64), ReplayError> {
     let cost = cfg.cost();
     let act = cost.act_row_bytes;
@@ -731,19 +733,23 @@ fn layer_times(
         let most = computed(pairs).into_iter().max().unwrap_or(0);
         most as f64 * flops / cost.flops_per_s
     };
-    let (fwd, bwd) = (
-        pair_matrix(&call.forward, ranks),
-        pair_matrix(&call.backward, ranks),
-    );
+    let own;
+    let fwd = match &call.forward {
+        Some(f) => {
+            own = pair_matrix(f, ranks);
+            &own[..]
+        }
+        None => bwd,
+    };
     let inst = instance_matrix(call, ranks);
     let fwd_flops = cost.flops_per_pair * 6.0 / 16.0;
     let forward = ex(scaled(&inst, cost.expert_weight_bytes, false))?
-        + ex(scaled(&fwd, act, false))?
-        + compute(&fwd, fwd_flops)
-        + ex(scaled(&fwd, act, true))?;
-    let backward = ex(scaled(&bwd, cost.row_bytes(), false))?
-        + compute(&bwd, cost.flops_per_pair)
-        + ex(scaled(&bwd, act, true))?
+        + ex(scaled(fwd, act, false))?
+        + compute(fwd, fwd_flops)
+        + ex(scaled(fwd, act, true))?;
+    let backward = ex(scaled(bwd, cost.row_bytes(), false))?
+        + compute(bwd, cost.flops_per_pair)
+        + ex(scaled(bwd, act, true))?
         + ex(scaled(&inst, cost.expert_grad_bytes, true))?;
     Ok((forward, backward))
 }
@@ -763,8 +769,15 @@ fn figures(
     let mut fits = true;
     let (mut forward, mut backward, mut straggler, mut kept) = (0.0f64, 0.0f64, 0.0f64, 0u64);
     for call in per_layer {
-        let ranks = call.placement.instances_per_rank(n_ranks);
-        let pairs = computed(&pair_matrix(&call.backward, n_ranks));
+        let mut ranks = vec![0u64; n_ranks];
+        for &o in &call.placement.owner {
+            ranks[o] += 1;
+        }
+        for &r in call.placement.replicas.iter().flatten() {
+            ranks[r] += 1;
+        }
+        let bwd = pair_matrix(&call.backward, n_ranks);
+        let pairs = computed(&bwd);
         kept += pairs.iter().sum::<u64>();
         for r in 0..n_ranks {
             let owned = call.placement.owner.iter().filter(|&&o| o == r).count() as u64;
@@ -776,7 +789,7 @@ fn figures(
                 best = (p, rp, b);
             }
         }
-        let (f, b) = layer_times(cfg, n_ranks, call)?;
+        let (f, b) = layer_times(cfg, n_ranks, call, &bwd)?;
         forward += f;
         backward += b;
         let mean = pairs.iter().sum::<u64>() as f64 / n_ranks.max(1) as f64;
@@ -871,10 +884,11 @@ fn symi_placement(cfg: &ReplayConfig, load: &[u64], ranks: usize) -> Placement {
 /// Every source's pairs of each expert split evenly over its instances
 /// (the remainder to the first ones, rotated by source).
 fn even_routes(counts: &[Vec<u64>], placement: &Placement) -> Vec<redistribute::Route> {
-    let mut routes = Vec::new();
+    let all = placement.all_instances();
+    let mut routes = Vec::with_capacity(counts.len() * all.len());
     for (source, row) in counts.iter().enumerate() {
         for (expert, &n) in row.iter().enumerate().filter(|(_, &n)| n > 0) {
-            let inst = placement.instances(expert);
+            let inst = &all[expert];
             let m = inst.len() as u64;
             for (i, &rank) in inst.iter().enumerate() {
                 let turn = ((i + inst.len() - source % inst.len()) % inst.len()) as u64;
@@ -923,12 +937,11 @@ fn replay_step(
             };
         // Fixed ownership has one instance per expert: its routes are the
         // even split over one instance.
-        let owned = even_routes(counts, &base);
         fixed.push(LayerCall {
             placement: base.clone(),
             home: base.owner.clone(),
-            forward: owned.clone(),
-            backward: owned,
+            forward: None,
+            backward: even_routes(counts, &base),
         });
         let inputs = quota::Inputs {
             counts,
@@ -944,12 +957,6 @@ fn replay_step(
         let qerr = |error| ReplayError::Quota { step, layer, error };
         let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
         let spread = solve(&problem(counts, &with, None), step, layer)?;
-        repl.push(LayerCall {
-            placement: with.clone(),
-            home: base.owner.clone(),
-            forward: spread.clone(),
-            backward: spread.clone(),
-        });
         // The controller's replicas are the replication strategy's: reuse them.
         let with_inputs = quota::Inputs {
             placement: &with,
@@ -967,15 +974,21 @@ fn replay_step(
         .map_err(qerr)?;
         let routes = solve(&problem(&kept, &plan.placement, Some(caps)), step, layer)?;
         let forward = if plan.placement == with {
-            spread
+            spread.clone()
         } else {
             solve(&problem(counts, &plan.placement, None), step, layer)?
         };
         lrm.push(LayerCall {
             placement: plan.placement,
             home: base.owner.clone(),
-            forward,
+            forward: Some(forward),
             backward: routes,
+        });
+        repl.push(LayerCall {
+            placement: with,
+            home: base.owner.clone(),
+            forward: None,
+            backward: spread,
         });
         // SYMI-like: placed by the previous iteration's load. The trace's
         // first step has no history; it stands in for its own (in SYMI's
@@ -993,7 +1006,7 @@ fn replay_step(
         symi.push(LayerCall {
             placement: placed,
             home: base.owner.clone(),
-            forward: even.clone(),
+            forward: None,
             backward: even,
         });
     }
