@@ -158,9 +158,20 @@ impl Cluster {
     /// Seconds of one exchange: `bytes[s][d]` go from rank `s` to rank `d`
     /// (see the crate doc).
     pub fn exchange_s(&self, bytes: &[Vec<u64>]) -> Result<f64, ClusterError> {
+        self.exchange_scaled_s(bytes, 1)
+    }
+
+    /// Seconds of one exchange of `counts[s][d] × bytes_each` bytes from
+    /// rank `s` to rank `d` (rows of one width). Sends and receives count
+    /// alike, so the exchange the other way (the transpose) takes as long.
+    pub fn exchange_scaled_s(
+        &self,
+        counts: &[Vec<u64>],
+        bytes_each: u64,
+    ) -> Result<f64, ClusterError> {
         self.validate()?;
-        let n = bytes.len();
-        if let Some((row, r)) = bytes.iter().enumerate().find(|(_, r)| r.len() != n) {
+        let n = counts.len();
+        if let Some((row, r)) = counts.iter().enumerate().find(|(_, r)| r.len() != n) {
             return Err(ClusterError::NotSquare {
                 row,
                 got: r.len(),
@@ -168,9 +179,11 @@ impl Cluster {
             });
         }
         let mut worst = 0.0f64;
+        let (mut out, mut inn) = (vec![0u128; n], vec![0u128; n]);
         for class in [LinkClass::Intra, LinkClass::Inter] {
-            let (mut out, mut inn) = (vec![0u128; n], vec![0u128; n]);
-            for (s, row) in bytes.iter().enumerate() {
+            out.fill(0);
+            inn.fill(0);
+            for (s, row) in counts.iter().enumerate() {
                 for (d, &b) in row.iter().enumerate() {
                     if s != d && self.class(s, d) == class {
                         out[s] += u128::from(b);
@@ -178,7 +191,7 @@ impl Cluster {
                     }
                 }
             }
-            let most = out.iter().chain(&inn).copied().max().unwrap_or(0);
+            let most = out.iter().chain(&inn).copied().max().unwrap_or(0) * u128::from(bytes_each);
             if most > 0 {
                 let (bw, lat) = self.link(class);
                 worst = worst.max(lat + most as f64 / bw);

@@ -678,18 +678,6 @@ fn pair_matrix(routes: &[redistribute::Route], ranks: usize) -> Vec<Vec<u64>> {
     m
 }
 
-/// `m` with every entry times `by`, transposed when `back`.
-fn scaled(m: &[Vec<u64>], by: u64, back: bool) -> Vec<Vec<u64>> {
-    let n = m.len();
-    (0..n)
-        .map(|a| {
-            (0..n)
-                .map(|b| by * if back { m[b][a] } else { m[a][b] })
-                .collect()
-        })
-        .collect()
-}
-
 /// `[home][rank]`: instances of experts homed at `home` held by `rank`.
 fn instance_matrix(call: &LayerCall, ranks: usize) -> Vec<Vec<u64>> {
     let mut m = vec![vec![0u64; ranks]; ranks];
@@ -724,9 +712,10 @@ fn layer_times(
 ) -> Result<(f64, f64), ReplayError> {
     let cost = cfg.cost();
     let act = cost.act_row_bytes;
-    let ex = |m: Vec<Vec<u64>>| {
+    // An exchange the other way (the transpose) takes as long.
+    let ex = |m: &[Vec<u64>], bytes_each: u64| {
         cfg.cluster
-            .exchange_s(&m)
+            .exchange_scaled_s(m, bytes_each)
             .map_err(|e| ReplayError::Invalid(e.to_string()))
     };
     let compute = |pairs: &[Vec<u64>], flops: f64| {
@@ -743,14 +732,12 @@ fn layer_times(
     };
     let inst = instance_matrix(call, ranks);
     let fwd_flops = cost.flops_per_pair * 6.0 / 16.0;
-    let forward = ex(scaled(&inst, cost.expert_weight_bytes, false))?
-        + ex(scaled(fwd, act, false))?
-        + compute(fwd, fwd_flops)
-        + ex(scaled(fwd, act, true))?;
-    let backward = ex(scaled(bwd, cost.row_bytes(), false))?
+    let rows = ex(fwd, act)?;
+    let forward = ex(&inst, cost.expert_weight_bytes)? + rows + compute(fwd, fwd_flops) + rows;
+    let backward = ex(bwd, cost.row_bytes())?
         + compute(bwd, cost.flops_per_pair)
-        + ex(scaled(bwd, act, true))?
-        + ex(scaled(&inst, cost.expert_grad_bytes, true))?;
+        + ex(bwd, act)?
+        + ex(&inst, cost.expert_grad_bytes)?;
     Ok((forward, backward))
 }
 
@@ -884,15 +871,16 @@ fn symi_placement(cfg: &ReplayConfig, load: &[u64], ranks: usize) -> Placement {
 /// Every source's pairs of each expert split evenly over its instances
 /// (the remainder to the first ones, rotated by source).
 fn even_routes(counts: &[Vec<u64>], placement: &Placement) -> Vec<redistribute::Route> {
-    let all = placement.all_instances();
-    let mut routes = Vec::with_capacity(counts.len() * all.len());
+    let none: &[usize] = &[];
+    let mut routes = Vec::with_capacity(counts.len() * placement.owner.len());
     for (source, row) in counts.iter().enumerate() {
         for (expert, &n) in row.iter().enumerate().filter(|(_, &n)| n > 0) {
-            let inst = &all[expert];
-            let m = inst.len() as u64;
-            for (i, &rank) in inst.iter().enumerate() {
-                let turn = ((i + inst.len() - source % inst.len()) % inst.len()) as u64;
-                let pairs = n / m + u64::from(turn < n % m);
+            let reps = placement.replicas.get(expert).map_or(none, Vec::as_slice);
+            let m = 1 + reps.len();
+            let inst = std::iter::once(&placement.owner[expert]).chain(reps);
+            for (i, &rank) in inst.enumerate() {
+                let turn = ((i + m - source % m) % m) as u64;
+                let pairs = n / m as u64 + u64::from(turn < n % m as u64);
                 if pairs > 0 {
                     routes.push(redistribute::Route {
                         source,
