@@ -209,8 +209,9 @@ pub struct Block<T> {
     pub moe: MoeParams<T>,
 }
 
-/// All weights of the model (or their gradients).
-#[derive(Debug, Clone, PartialEq)]
+/// All weights of the model (or their gradients). `Default` is a model
+/// with no tensors (a placeholder where the weights live elsewhere).
+#[derive(Debug, Clone, PartialEq, Default)]
 pub struct Model<T> {
     /// Token embedding, `vocab × d`.
     pub embed: Vec<T>,

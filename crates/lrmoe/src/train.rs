@@ -1870,7 +1870,24 @@ fn rank_loop<X: Transport>(
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<Option<TrainSummary>, TrainError> {
     let (cfg, mcfg) = (lp.cfg, lp.mcfg);
-    let mut s = initial.clone();
+    let mut s = match device_model {
+        // The device model holds the weights and moments; the host copies
+        // come back from it for checkpoints only. Not cloning them keeps
+        // in-process ranks from holding one host model each.
+        Some(_) => State {
+            model: Model::default(),
+            adam: AdamWState {
+                m: Model::default(),
+                v: Model::default(),
+                t: initial.adam.t,
+            },
+            rng: initial.rng.clone(),
+            evals: initial.evals.clone(),
+            expert_bias: initial.expert_bias.clone(),
+            ..*initial
+        },
+        None => initial.clone(),
+    };
     if cfg.moe.expert_bias_rate > 0.0 && s.expert_bias.is_empty() {
         s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
     }
