@@ -1881,7 +1881,6 @@ fn rank_loop<X: Transport>(
                 v: Model::default(),
                 t: initial.adam.t,
             },
-            rng: initial.rng.clone(),
             evals: initial.evals.clone(),
             expert_bias: initial.expert_bias.clone(),
             ..*initial
