@@ -35,22 +35,11 @@ fn rank(
     cfg: &MoeConfig,
     planner: &DevicePlanner,
 ) -> Result<Vec<lrmoe::simulate::Simulated>, layer::LayerError> {
-    use kernels::cpu::{fan_in_scaled, random_bf16};
+    use kernels::cpu::random_bf16;
     let comm = DeviceComm::Staged(t);
-    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
-    let el = e / t.world_size();
+    let h = cfg.hidden;
     let r = t.rank() as u64;
-    let w = layer::device::weights(
-        gpu,
-        comm,
-        cfg,
-        &fan_in_scaled(random_bf16(h * e, 31), h),
-        (
-            &fan_in_scaled(random_bf16(el * h * f, 32 + 8 * r), h),
-            &fan_in_scaled(random_bf16(el * h * f, 33 + 8 * r), h),
-            &fan_in_scaled(random_bf16(el * f * h, 34 + 8 * r), f),
-        ),
-    )?;
+    let w = layer::device::random_weights(gpu, comm, cfg)?;
     let x = gpu.upload(&random_bf16(TOKENS * h, 35 + 8 * r))?;
     let dy = gpu.upload(&random_bf16(TOKENS * h, 36 + 8 * r))?;
     let mut out = Vec::new();

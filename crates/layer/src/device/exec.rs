@@ -2164,6 +2164,29 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// This rank's random weights of the benchmarks (fan-in scaled bf16; the
+/// router the same on every rank, each rank's experts its own).
+pub fn random_weights(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+) -> Result<DeviceWeights, LayerError> {
+    let (_, _, el) = world_of(comm, cfg)?;
+    let (h, f, e, r) = (cfg.hidden, cfg.ffn, cfg.n_experts, comm.rank() as u64);
+    let scale = fan_in_scaled;
+    weights(
+        gpu,
+        comm,
+        cfg,
+        &scale(random_bf16(h * e, 31), h),
+        (
+            &scale(random_bf16(el * h * f, 32 + 8 * r), h),
+            &scale(random_bf16(el * h * f, 33 + 8 * r), h),
+            &scale(random_bf16(el * f * h, 34 + 8 * r), f),
+        ),
+    )
+}
+
 /// Times the layer on random data (`iters` calls after 2 warm-ups, median
 /// wall time, every rank in step), one row per `(label, planner)`, for
 /// `tokens` tokens per rank. `hot` is added to the router logits of rank
@@ -2178,25 +2201,8 @@ pub fn bench(
     iters: usize,
 ) -> Result<Vec<BenchRow>, LayerError> {
     let (_, _, el) = world_of(comm, cfg)?;
-    let (t, h, f, e, r) = (
-        tokens,
-        cfg.hidden,
-        cfg.ffn,
-        cfg.n_experts,
-        comm.rank() as u64,
-    );
-    let scale = fan_in_scaled;
-    let mut w = weights(
-        gpu,
-        comm,
-        cfg,
-        &scale(random_bf16(h * e, 31), h),
-        (
-            &scale(random_bf16(el * h * f, 32 + 8 * r), h),
-            &scale(random_bf16(el * h * f, 33 + 8 * r), h),
-            &scale(random_bf16(el * f * h, 34 + 8 * r), f),
-        ),
-    )?;
+    let (t, h, e, r) = (tokens, cfg.hidden, cfg.n_experts, comm.rank() as u64);
+    let mut w = random_weights(gpu, comm, cfg)?;
     if hot != 0.0 {
         let bias: Vec<f32> = (0..e).map(|i| if i < el { hot } else { 0.0 }).collect();
         set_logit_bias(gpu, cfg, &mut w, &bias)?;
