@@ -895,6 +895,123 @@ fn even_routes(counts: &[Vec<u64>], placement: &Placement) -> Vec<redistribute::
     routes
 }
 
+/// One (step, layer) cell: the trace's counts and where it sits.
+struct Cell<'a> {
+    trace: &'a Trace,
+    step: usize,
+    layer: usize,
+    counts: &'a [Vec<u64>],
+    /// Fixed ownership: experts in contiguous blocks.
+    base: &'a Placement,
+}
+
+impl Cell<'_> {
+    /// A redistribution problem over this cell's ranks, solved exactly.
+    fn solve(
+        &self,
+        kept: &[Vec<u64>],
+        p: &Placement,
+        caps: Option<Vec<u64>>,
+    ) -> Result<Vec<redistribute::Route>, ReplayError> {
+        let ranks = self.trace.ranks;
+        let problem = redistribute::Problem {
+            n_ranks: ranks,
+            kept: kept.to_vec(),
+            instances: p.all_instances(),
+            base_load: vec![0; ranks],
+            rank_capacity: caps,
+        };
+        solve(&problem, self.step, self.layer)
+    }
+
+    fn call(
+        &self,
+        placement: Placement,
+        forward: Option<Vec<redistribute::Route>>,
+        backward: Vec<redistribute::Route>,
+    ) -> LayerCall {
+        LayerCall {
+            placement,
+            home: self.base.owner.clone(),
+            forward,
+            backward,
+        }
+    }
+}
+
+/// Replication (EPLB-style greedy replicas of the cell's own load, every
+/// pair kept) and LRMoE (the controller's replicas and quotas) of one cell:
+/// the controller's replicas are the replication strategy's.
+fn replication_and_lrmoe(
+    cfg: &ReplayConfig,
+    cell: &Cell<'_>,
+) -> Result<(LayerCall, LayerCall), ReplayError> {
+    let (step, layer, counts) = (cell.step, cell.layer, cell.counts);
+    let cost = cfg.cost();
+    let budgets = vec![
+        RankBudget {
+            memory_bytes: cfg.memory_budget_bytes,
+            network_bytes: u64::MAX
+        };
+        cell.trace.ranks
+    ];
+    let inputs = quota::Inputs {
+        counts,
+        placement: cell.base,
+        cost: &cost,
+        budgets: &budgets,
+    };
+    let qcfg = quota::Config {
+        policy: cfg.policy,
+        replica_slots_per_rank: cfg.replica_slots_per_rank,
+        replica_memory_fraction: cfg.replica_memory_fraction,
+    };
+    let qerr = |error| ReplayError::Quota { step, layer, error };
+    let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
+    let spread = cell.solve(counts, &with, None)?;
+    let with_inputs = quota::Inputs {
+        placement: &with,
+        ..inputs
+    };
+    let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
+    let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
+    let mut kept = plan.quotas.per_source().to_vec();
+    quota::align_to_tiles(
+        &mut kept,
+        counts,
+        layer::TileAlign::DEVICE.rows,
+        cfg.tile_trim,
+    )
+    .map_err(qerr)?;
+    let routes = cell.solve(&kept, &plan.placement, Some(caps))?;
+    let forward = if plan.placement == with {
+        spread.clone()
+    } else {
+        cell.solve(counts, &plan.placement, None)?
+    };
+    Ok((
+        cell.call(with, None, spread),
+        cell.call(plan.placement, Some(forward), routes),
+    ))
+}
+
+/// SYMI-like of one cell: placed by the previous step's load. The trace's
+/// first step has no history; it stands in for its own (in SYMI's favour).
+fn symi(cfg: &ReplayConfig, cell: &Cell<'_>) -> LayerCall {
+    let trace = cell.trace;
+    let previous: Vec<u64> = (0..trace.experts)
+        .map(|e| {
+            trace.steps[cell.step.saturating_sub(1)][cell.layer]
+                .iter()
+                .map(|row| row[e])
+                .sum()
+        })
+        .collect();
+    let placed = symi_placement(cfg, &previous, trace.ranks);
+    let even = even_routes(cell.counts, &placed);
+    cell.call(placed, None, even)
+}
+
 /// Replays one step with every strategy.
 fn replay_step(
     trace: &Trace,
@@ -902,106 +1019,29 @@ fn replay_step(
     step: usize,
 ) -> Result<[StepFigures; 4], ReplayError> {
     let ranks = trace.ranks;
-    let cost = cfg.cost();
-    let budgets = vec![
-        RankBudget {
-            memory_bytes: cfg.memory_budget_bytes,
-            network_bytes: u64::MAX
-        };
-        ranks
-    ];
     let base = owners(trace.experts, ranks);
-    let (mut fixed, mut repl, mut lrm, mut symi) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut fixed, mut repl, mut lrm, mut sym) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut routed = 0u64;
     for (layer, counts) in trace.steps[step].iter().enumerate() {
         routed += counts.iter().flatten().sum::<u64>(); // bounded: checked in `replay`
-        let problem =
-            |kept: &[Vec<u64>], p: &Placement, caps: Option<Vec<u64>>| redistribute::Problem {
-                n_ranks: ranks,
-                kept: kept.to_vec(),
-                instances: p.all_instances(),
-                base_load: vec![0; ranks],
-                rank_capacity: caps,
-            };
-        // Fixed ownership has one instance per expert: its routes are the
-        // even split over one instance.
-        fixed.push(LayerCall {
-            placement: base.clone(),
-            home: base.owner.clone(),
-            forward: None,
-            backward: even_routes(counts, &base),
-        });
-        let inputs = quota::Inputs {
+        let cell = Cell {
+            trace,
+            step,
+            layer,
             counts,
-            placement: &base,
-            cost: &cost,
-            budgets: &budgets,
+            base: &base,
         };
-        let qcfg = quota::Config {
-            policy: cfg.policy,
-            replica_slots_per_rank: cfg.replica_slots_per_rank,
-            replica_memory_fraction: cfg.replica_memory_fraction,
-        };
-        let qerr = |error| ReplayError::Quota { step, layer, error };
-        let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
-        let spread = solve(&problem(counts, &with, None), step, layer)?;
-        // The controller's replicas are the replication strategy's: reuse them.
-        let with_inputs = quota::Inputs {
-            placement: &with,
-            ..inputs
-        };
-        let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
-        let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
-        let mut kept = plan.quotas.per_source().to_vec();
-        quota::align_to_tiles(
-            &mut kept,
-            counts,
-            layer::TileAlign::DEVICE.rows,
-            cfg.tile_trim,
-        )
-        .map_err(qerr)?;
-        let routes = solve(&problem(&kept, &plan.placement, Some(caps)), step, layer)?;
-        let forward = if plan.placement == with {
-            spread.clone()
-        } else {
-            solve(&problem(counts, &plan.placement, None), step, layer)?
-        };
-        lrm.push(LayerCall {
-            placement: plan.placement,
-            home: base.owner.clone(),
-            forward: Some(forward),
-            backward: routes,
-        });
-        repl.push(LayerCall {
-            placement: with,
-            home: base.owner.clone(),
-            forward: None,
-            backward: spread,
-        });
-        // SYMI-like: placed by the previous iteration's load. The trace's
-        // first step has no history; it stands in for its own (in SYMI's
-        // favour).
-        let previous: Vec<u64> = (0..trace.experts)
-            .map(|e| {
-                trace.steps[step.saturating_sub(1)][layer]
-                    .iter()
-                    .map(|row| row[e])
-                    .sum()
-            })
-            .collect();
-        let placed = symi_placement(cfg, &previous, ranks);
-        let even = even_routes(counts, &placed);
-        symi.push(LayerCall {
-            placement: placed,
-            home: base.owner.clone(),
-            forward: None,
-            backward: even,
-        });
+        // Fixed ownership: one instance per expert, every pair to it.
+        fixed.push(cell.call(base.clone(), None, even_routes(counts, &base)));
+        let (r, l) = replication_and_lrmoe(cfg, &cell)?;
+        repl.push(r);
+        lrm.push(l);
+        sym.push(symi(cfg, &cell));
     }
     Ok([
         figures(step, Strategy::Fixed, cfg, ranks, &fixed, routed)?,
         figures(step, Strategy::Replication, cfg, ranks, &repl, routed)?,
-        figures(step, Strategy::Symi, cfg, ranks, &symi, routed)?,
+        figures(step, Strategy::Symi, cfg, ranks, &sym, routed)?,
         figures(step, Strategy::Lrmoe, cfg, ranks, &lrm, routed)?,
     ])
 }
@@ -1042,8 +1082,9 @@ pub struct Report {
     pub lrmoe_memory_saving: f64,
 }
 
-/// Replays every step (in parallel) and summarises.
-pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> {
+/// The trace's shape against itself (every step the same layers, every
+/// cell ranks × experts) and its byte figures within `u64`.
+fn check_trace(trace: &Trace, cfg: &ReplayConfig) -> Result<(), ReplayError> {
     if trace.ranks == 0 || trace.experts == 0 || trace.steps.is_empty() || trace.layers() == 0 {
         return Err(ReplayError::Invalid(
             "the trace has no steps, layers, experts or ranks".into(),
@@ -1087,6 +1128,12 @@ pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> 
             )));
         }
     }
+    Ok(())
+}
+
+/// Replays every step (in parallel) and summarises.
+pub fn replay(trace: &Trace, cfg: &ReplayConfig) -> Result<Report, ReplayError> {
+    check_trace(trace, cfg)?;
     cfg.cluster
         .validate()
         .map_err(|e| ReplayError::Invalid(e.to_string()))?;
@@ -1165,18 +1212,8 @@ pub fn table(r: &Report) -> String {
     t
 }
 
-/// Writes `replay.json`, `replay.csv` and the memory and time charts
-/// (`memory.svg`/`.png`, `time.svg`/`.png`: lines over steps, or one bar per
-/// strategy for a one-step trace) into `dir`, atomically; returns the paths.
-pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
-    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Write {
-        path: dir.display().to_string(),
-        error,
-    })?;
-    let io = |p: &Path| {
-        let p = p.display().to_string();
-        move |error| ReplayError::Write { path: p, error }
-    };
+/// `replay.csv`: one row per step and strategy.
+fn csv(r: &Report) -> String {
     let mut csv = String::from("step,strategy,placement_bytes,replica_bytes,buffer_bytes,total_bytes,fits,forward_s,backward_s,straggler,kept_fraction\n");
     for f in &r.steps {
         csv += &format!(
@@ -1194,7 +1231,63 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
             f.kept_fraction
         );
     }
-    let strategies = STRATEGIES;
+    csv
+}
+
+/// One chart of the replay: a one-step trace (an EPLB load matrix) gets one
+/// bar per strategy, its figure split into `parts`; a trace over steps gets
+/// one line per strategy of the parts' sum.
+fn chart(
+    dir: &Path,
+    r: &Report,
+    (stem, title, unit): (&str, &str, &str),
+    parts: &[&str],
+    values: &dyn Fn(&StepFigures) -> Vec<f64>,
+    reference: Option<&crate::plots::Reference>,
+) -> Result<Vec<std::path::PathBuf>, ReplayError> {
+    let steps: std::collections::BTreeSet<usize> = r.steps.iter().map(|f| f.step).collect();
+    let one_step = steps.len() <= 1;
+    let x = if one_step { "strategy" } else { "step" };
+    let labels = crate::plots::Labels { title, x, y: unit };
+    let of = |s: Strategy| r.steps.iter().filter(move |f| f.strategy == s);
+    let drawn = if one_step {
+        let bars: Vec<crate::plots::Bar> = STRATEGIES
+            .iter()
+            .filter_map(|&s| of(s).next())
+            .map(|f| crate::plots::Bar {
+                label: f.strategy.to_string(),
+                parts: values(f),
+            })
+            .collect();
+        crate::plots::stacked_bars(&dir.join(stem), labels, parts, &bars, reference)
+    } else {
+        let series: Vec<crate::plots::Series> = STRATEGIES
+            .iter()
+            .map(|&s| crate::plots::Series {
+                name: s.to_string(),
+                points: of(s)
+                    .map(|f| (f.step as f64, values(f).iter().sum()))
+                    .collect(),
+            })
+            .collect();
+        crate::plots::lines(&dir.join(stem), labels, &series, reference)
+    };
+    drawn.map_err(|e| ReplayError::Invalid(e.to_string()))
+}
+
+/// Writes `replay.json`, `replay.csv` and the memory and time charts
+/// (`memory.svg`/`.png`, `time.svg`/`.png`: lines over steps, or one bar per
+/// strategy for a one-step trace) into `dir`, atomically; returns the paths.
+pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, ReplayError> {
+    std::fs::create_dir_all(dir).map_err(|error| ReplayError::Write {
+        path: dir.display().to_string(),
+        error,
+    })?;
+    let io = |p: &Path| {
+        let p = p.display().to_string();
+        move |error| ReplayError::Write { path: p, error }
+    };
+    let csv = csv(r);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     let budget = crate::plots::Reference {
         y: mib(budget_bytes),
@@ -1212,44 +1305,13 @@ pub fn write(dir: &Path, r: &Report, budget_bytes: u64) -> Result<Vec<String>, R
         crate::fsutil::write_atomic(&p, body.as_bytes()).map_err(io(&p))?;
         out.push(p.display().to_string());
     }
-    // A one-step trace (an EPLB load matrix) gets one bar per strategy,
-    // its figure split into parts; a trace over steps gets one line per
-    // strategy of the parts' sum.
-    let steps: std::collections::BTreeSet<usize> = r.steps.iter().map(|f| f.step).collect();
-    let one_step = steps.len() <= 1;
     let chart = |stem: &str,
                  title: &str,
                  unit: &str,
                  parts: &[&str],
                  values: &dyn Fn(&StepFigures) -> Vec<f64>,
-                 reference: Option<&crate::plots::Reference>|
-     -> Result<Vec<std::path::PathBuf>, ReplayError> {
-        let x = if one_step { "strategy" } else { "step" };
-        let labels = crate::plots::Labels { title, x, y: unit };
-        let of = |s: Strategy| r.steps.iter().filter(move |f| f.strategy == s);
-        let drawn = if one_step {
-            let bars: Vec<crate::plots::Bar> = strategies
-                .iter()
-                .filter_map(|&s| of(s).next())
-                .map(|f| crate::plots::Bar {
-                    label: f.strategy.to_string(),
-                    parts: values(f),
-                })
-                .collect();
-            crate::plots::stacked_bars(&dir.join(stem), labels, parts, &bars, reference)
-        } else {
-            let series: Vec<crate::plots::Series> = strategies
-                .iter()
-                .map(|&s| crate::plots::Series {
-                    name: s.to_string(),
-                    points: of(s)
-                        .map(|f| (f.step as f64, values(f).iter().sum()))
-                        .collect(),
-                })
-                .collect();
-            crate::plots::lines(&dir.join(stem), labels, &series, reference)
-        };
-        drawn.map_err(|e| ReplayError::Invalid(e.to_string()))
+                 reference: Option<&crate::plots::Reference>| {
+        chart(dir, r, (stem, title, unit), parts, values, reference)
     };
     let mut charts = chart(
         "memory",

@@ -1617,28 +1617,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         ckpt: &ckpt,
         stop: &opts.stop,
     };
-    let results = match &opts.transport {
-        Some(t) => vec![rank_loop(t.as_ref(), &lp, &initial, device_model.as_ref())],
-        // Staged device ranks take turns on the GPU and record their
-        // timelines (`simulated` in the metrics).
-        None if staged => layer::run_local_timed(ranks, Duration::from_secs(600), |comm| {
-            let own = new_device_model(
-                opts,
-                layer::device::DeviceComm::Staged(comm),
-                &mcfg,
-                &initial,
-                &call,
-                &corpus,
-            )?;
-            if let Some(gpu) = opts.gpu.clone() {
-                comm.on_pause(Box::new(move || gpu.sync().map_err(|e| e.to_string())));
-            }
-            rank_loop(comm, &lp, &initial, Some(&own))
-        }),
-        None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
-            rank_loop(comm, &lp, &initial, device_model.as_ref())
-        }),
-    };
+    let results = run_ranks(opts, &lp, &initial, &call, staged, device_model.as_ref());
     if bar.is_some() {
         crate::progress::hide();
     }
@@ -1650,6 +1629,35 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
     let mut s = summary.ok_or_else(|| TrainError::Config("rank 0 returned no summary".into()))?;
     s.unigram_val_loss = unigram;
     Ok(s)
+}
+
+/// Every rank of this process runs the loop: the launched rank; or
+/// in-process ranks — staged device ranks (each with its own device model)
+/// take turns on the GPU and record their timelines (`simulated` in the
+/// metrics), the others share this process's device model, if any.
+fn run_ranks(
+    opts: &RunOptions,
+    lp: &Loop<'_>,
+    initial: &State,
+    call: &CallConfig,
+    staged: bool,
+    device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
+) -> Vec<Result<Option<TrainSummary>, TrainError>> {
+    let ranks = lp.cfg.moe.ranks;
+    match &opts.transport {
+        Some(t) => vec![rank_loop(t.as_ref(), lp, initial, device_model)],
+        None if staged => layer::run_local_timed(ranks, Duration::from_secs(600), |comm| {
+            let comm_d = layer::device::DeviceComm::Staged(comm);
+            let own = new_device_model(opts, comm_d, lp.mcfg, initial, call, lp.corpus)?;
+            if let Some(gpu) = opts.gpu.clone() {
+                comm.on_pause(Box::new(move || gpu.sync().map_err(|e| e.to_string())));
+            }
+            rank_loop(comm, lp, initial, Some(&own))
+        }),
+        None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
+            rank_loop(comm, lp, initial, device_model)
+        }),
+    }
 }
 
 /// One step's gradients on this rank's sequences, split into `micro`
@@ -1869,27 +1877,8 @@ fn rank_loop<X: Transport>(
     initial: &State,
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<Option<TrainSummary>, TrainError> {
-    let (cfg, mcfg) = (lp.cfg, lp.mcfg);
-    let mut s = match device_model {
-        // The device model holds the weights and moments; the host copies
-        // come back from it for checkpoints only. Not cloning them keeps
-        // in-process ranks from holding one host model each.
-        Some(_) => State {
-            model: Model::default(),
-            adam: AdamWState {
-                m: Model::default(),
-                v: Model::default(),
-                t: initial.adam.t,
-            },
-            evals: initial.evals.clone(),
-            expert_bias: initial.expert_bias.clone(),
-            ..*initial
-        },
-        None => initial.clone(),
-    };
-    if cfg.moe.expert_bias_rate > 0.0 && s.expert_bias.is_empty() {
-        s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
-    }
+    let cfg = lp.cfg;
+    let mut s = rank_state(lp, initial, device_model.is_some());
     let max_s = cfg.run.max_minutes.map(|m| m * 60.0);
     let mut reached = s
         .evals
@@ -1913,23 +1902,7 @@ fn rank_loop<X: Transport>(
         comm.close_step(s.step)?;
         let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
         let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
-        if let Some(sm) = &simulated {
-            let acc = s.sim.get_or_insert((0.0, 0.0));
-            acc.0 += sm.step_s;
-            acc.1 += sm.moe_s;
-        }
-        s.wall_s += agreed.step_s;
-        s.moe_s += out.moe_seconds;
-        s.step += 1;
-        // The balancing bias follows the step's loads (all ranks' pairs,
-        // the same on every rank): experts above the mean are chosen less.
-        if cfg.moe.expert_bias_rate > 0.0 {
-            update_expert_bias(
-                &mut s.expert_bias,
-                &out.expert_load,
-                cfg.moe.expert_bias_rate,
-            );
-        }
+        account(cfg, &mut s, &out, agreed.step_s, simulated.as_ref());
         let step_micro = micro;
         let (layers, next) = gather_layers(comm, lp, &out, micro)?;
         micro = next;
@@ -1937,14 +1910,8 @@ fn rank_loop<X: Transport>(
             s.logged.add(l.kept_fraction, l.buffer_bytes);
         }
         let val_loss = evaluate_due(comm, lp, &mut s, agreed.loss, device_model)?;
-        if let Some(p) = s
-            .evals
-            .last()
-            .filter(|p| val_loss.is_some() && p.step == s.step)
-        {
-            if cfg.run.target_val_loss.is_some_and(|t| p.val_loss <= t) {
-                reached = Some(*p);
-            }
+        if val_loss.is_some() {
+            reached = reached_now(cfg, &s).or(reached);
         }
         let m = StepMetrics {
             step: s.step,
@@ -1974,6 +1941,69 @@ fn rank_loop<X: Transport>(
     }
     let reason = reason.unwrap_or(crate::stop::StopReason::Steps);
     finish(comm, lp, s, reason, reached, device_model)
+}
+
+/// This rank's state for the loop: the run's first state, with the
+/// balancing bias started where it is on. With a device model (which holds
+/// the weights and moments; their host copies come back for checkpoints
+/// only) the host model and moments are left out, so in-process ranks do
+/// not hold one host model each.
+fn rank_state(lp: &Loop<'_>, initial: &State, on_device: bool) -> State {
+    let (cfg, mcfg) = (lp.cfg, lp.mcfg);
+    let mut s = if on_device {
+        State {
+            model: Model::default(),
+            adam: AdamWState {
+                m: Model::default(),
+                v: Model::default(),
+                t: initial.adam.t,
+            },
+            evals: initial.evals.clone(),
+            expert_bias: initial.expert_bias.clone(),
+            ..*initial
+        }
+    } else {
+        initial.clone()
+    };
+    if cfg.moe.expert_bias_rate > 0.0 && s.expert_bias.is_empty() {
+        s.expert_bias = vec![vec![0.0; mcfg.n_experts]; mcfg.n_layers];
+    }
+    s
+}
+
+/// A step's times into the state (wall, MoE, simulated), the step count,
+/// and the balancing bias moved by the step's loads (all ranks' pairs, the
+/// same on every rank: experts above the mean are chosen less).
+fn account(
+    cfg: &TrainConfig,
+    s: &mut State,
+    out: &StepOut,
+    step_s: f64,
+    simulated: Option<&crate::simulate::Simulated>,
+) {
+    if let Some(sm) = simulated {
+        let acc = s.sim.get_or_insert((0.0, 0.0));
+        acc.0 += sm.step_s;
+        acc.1 += sm.moe_s;
+    }
+    s.wall_s += step_s;
+    s.moe_s += out.moe_seconds;
+    s.step += 1;
+    if cfg.moe.expert_bias_rate > 0.0 {
+        update_expert_bias(
+            &mut s.expert_bias,
+            &out.expert_load,
+            cfg.moe.expert_bias_rate,
+        );
+    }
+}
+
+/// The evaluation just taken (at this step), if it is at the target.
+fn reached_now(cfg: &TrainConfig, s: &State) -> Option<EvalPoint> {
+    s.evals
+        .last()
+        .filter(|p| p.step == s.step && cfg.run.target_val_loss.is_some_and(|t| p.val_loss <= t))
+        .copied()
 }
 
 /// Rank 0 of timed in-process ranks: step `step` on as many GPUs of
@@ -2258,14 +2288,7 @@ fn finish<X: Transport>(
     };
     // A run stopped by its step count or time cap whose final evaluation
     // is at the target reached it there.
-    let reached = reached.or_else(|| {
-        s.evals
-            .last()
-            .filter(|e| {
-                e.step == s.step && cfg.run.target_val_loss.is_some_and(|t| e.val_loss <= t)
-            })
-            .copied()
-    });
+    let reached = reached.or_else(|| reached_now(cfg, &s));
     if let (true, Some(dm)) = (cfg.run.checkpoint, device_model) {
         (s.model, s.adam) = lock(dm).download(comm)?;
     }
