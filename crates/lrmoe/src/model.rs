@@ -527,22 +527,15 @@ fn merge_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut 
     }
 }
 
-/// Loss (mean cross-entropy over this rank's tokens, in nats) and cache.
-/// `tokens` and `targets` are `n_seq × seq` row-major.
-pub fn forward<T: Real, X: Transport>(
-    comm: &X,
+/// The batch against the model: whole sequences of at most `max_seq`,
+/// tokens and targets inside the vocabulary.
+fn check_batch(
     cfg: &ModelConfig,
-    model: &Model<T>,
-    run: &MoeRun<'_>,
     tokens: &[u32],
     targets: &[u32],
     seq: usize,
-) -> Result<(f64, Cache<T>), ModelError> {
-    cfg.validate()?;
-    let (d, v_n) = (cfg.d_model, cfg.vocab);
-    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
-    let eps = cfg.eps();
+) -> Result<(), ModelError> {
+    let v_n = cfg.vocab;
     if seq == 0 || seq > cfg.max_seq || tokens.len() % seq != 0 || targets.len() != tokens.len() {
         return Err(ModelError::Batch(format!(
             "{} tokens and {} targets do not form sequences of {seq} (max_seq {})",
@@ -556,9 +549,13 @@ pub fn forward<T: Real, X: Transport>(
             "token {t} outside the vocabulary of {v_n}"
         )));
     }
-    let n = tokens.len();
-    let n_seq = n / seq;
-    let mut x = vec![T::zero(); n * d];
+    Ok(())
+}
+
+/// Token embeddings (plus learned positions, when the model has them).
+fn embed<T: Real>(cfg: &ModelConfig, model: &Model<T>, tokens: &[u32], seq: usize) -> Vec<T> {
+    let d = cfg.d_model;
+    let mut x = vec![T::zero(); tokens.len() * d];
     for (i, (row, &t)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
         row.copy_from_slice(&model.embed[t as usize * d..(t as usize + 1) * d]);
         if !model.pos.is_empty() {
@@ -568,119 +565,174 @@ pub fn forward<T: Real, X: Transport>(
             }
         }
     }
+    x
+}
+
+/// The attention half of a block's forward, up to (not including) the
+/// output projection: what the backward keeps of it.
+struct AttnForward<T> {
+    inv1: Vec<T>,
+    a: Vec<T>,
+    q_raw: Vec<T>,
+    k_raw: Vec<T>,
+    q_inv: Vec<T>,
+    k_inv: Vec<T>,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    probs: Vec<T>,
+    attn: Vec<T>,
+}
+
+/// Pre-norm, projections, the optional q/k norms and RoPE, and causal
+/// grouped-query attention per (sequence, query head); query head `j`
+/// reads key/value head `j / group`.
+fn attention_forward<T: Real>(
+    cfg: &ModelConfig,
+    b: &Block<T>,
+    x: &[T],
+    seq: usize,
+) -> Result<AttnForward<T>, ModelError> {
+    let d = cfg.d_model;
+    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
+    let eps = cfg.eps();
+    let n = x.len() / d;
+    let n_seq = n / seq;
     let scale = T::of(1.0 / (dh as f64).sqrt());
-    let mut blocks = Vec::with_capacity(cfg.n_layers);
-    let mut moe_seconds = 0.0;
-    for b in &model.blocks {
-        let x_in = x.clone();
-        let mut a = vec![T::zero(); n * d];
-        let inv1 = rmsnorm(&x, &b.norm1, eps, &mut a);
-        let proj = |w: &[T], width: usize| -> Result<Vec<T>, ModelError> {
-            let mut o = vec![T::zero(); n * width];
-            matmul(&mut o, &a, Op::N, w, Op::N, (n, d, width), false)?;
-            Ok(o)
-        };
-        let (mut qt, mut kt, vt) = (proj(&b.wq, qd)?, proj(&b.wk, kd)?, proj(&b.wv, kd)?);
-        let (mut q_raw, mut k_raw, mut q_inv, mut k_inv) = (vec![], vec![], vec![], vec![]);
-        if cfg.qk_norm {
-            q_raw = qt.clone();
-            k_raw = kt.clone();
-            q_inv = rmsnorm(&q_raw, &b.q_norm, eps, &mut qt);
-            k_inv = rmsnorm(&k_raw, &b.k_norm, eps, &mut kt);
-        }
-        if let Some(theta) = cfg.rope_theta {
-            rope(&mut qt, seq, qd, dh, theta, false);
-            rope(&mut kt, seq, kd, dh, theta, false);
-        }
-        let by_head = |t: &[T], heads: usize| {
-            let mut s = vec![T::zero(); t.len()];
-            split_heads(t, seq, heads, dh, &mut s);
-            s
-        };
-        let (q, k, v) = (by_head(&qt, h), by_head(&kt, kv), by_head(&vt, kv));
-        // Causal attention per (sequence, query head); query head `j` reads
-        // key/value head `j / group`.
-        let mut probs = vec![T::zero(); n_seq * h * seq * seq];
-        let mut ctx = vec![T::zero(); n * qd];
-        for sh in 0..n_seq * h {
-            let ks_i = (sh / h) * kv + (sh % h) / group;
-            let qs = &q[sh * seq * dh..(sh + 1) * seq * dh];
-            let ks = &k[ks_i * seq * dh..(ks_i + 1) * seq * dh];
-            let vs = &v[ks_i * seq * dh..(ks_i + 1) * seq * dh];
-            let p = &mut probs[sh * seq * seq..(sh + 1) * seq * seq];
-            matmul(p, qs, Op::N, ks, Op::T, (seq, dh, seq), false)?;
-            for (i, row) in p.chunks_exact_mut(seq).enumerate() {
-                let mut max = T::neg_infinity();
-                for (j, s) in row.iter_mut().enumerate() {
-                    if j > i {
-                        *s = T::neg_infinity();
-                    } else {
-                        *s *= scale;
-                        max = max.max(*s);
-                    }
-                }
-                let mut sum = T::zero();
-                for s in row.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                for s in row.iter_mut() {
-                    *s = *s / sum;
-                }
-            }
-            matmul(
-                &mut ctx[sh * seq * dh..(sh + 1) * seq * dh],
-                p,
-                Op::N,
-                vs,
-                Op::N,
-                (seq, seq, dh),
-                false,
-            )?;
-        }
-        let mut attn = vec![T::zero(); n * qd];
-        merge_heads(&ctx, seq, h, dh, &mut attn);
-        matmul(&mut x, &attn, Op::N, &b.wo, Op::N, (n, qd, d), true)?;
-        let x_mid = x.clone();
-        let mut m = vec![T::zero(); n * d];
-        let inv2 = rmsnorm(&x, &b.norm2, eps, &mut m);
-        let clock = std::time::Instant::now();
-        let biased;
-        let call = match run.expert_bias.get(blocks.len()) {
-            Some(b) if !b.is_empty() => {
-                biased = layer::CallConfig {
-                    expert_bias: b.clone(),
-                    ..run.backward.clone()
-                };
-                &biased
-            }
-            _ => run.backward,
-        };
-        let (y, moe) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
-        moe_seconds += clock.elapsed().as_secs_f64();
-        for (xv, yv) in x.iter_mut().zip(&y) {
-            *xv += *yv;
-        }
-        blocks.push(BlockCache {
-            x_in,
-            inv1,
-            a,
-            q_raw,
-            k_raw,
-            q_inv,
-            k_inv,
-            q,
-            k,
-            v,
-            probs,
-            attn,
-            x_mid,
-            inv2,
-            moe,
-        });
+    let mut a = vec![T::zero(); n * d];
+    let inv1 = rmsnorm(x, &b.norm1, eps, &mut a);
+    let proj = |w: &[T], width: usize| -> Result<Vec<T>, ModelError> {
+        let mut o = vec![T::zero(); n * width];
+        matmul(&mut o, &a, Op::N, w, Op::N, (n, d, width), false)?;
+        Ok(o)
+    };
+    let (mut qt, mut kt, vt) = (proj(&b.wq, qd)?, proj(&b.wk, kd)?, proj(&b.wv, kd)?);
+    let (mut q_raw, mut k_raw, mut q_inv, mut k_inv) = (vec![], vec![], vec![], vec![]);
+    if cfg.qk_norm {
+        q_raw = qt.clone();
+        k_raw = kt.clone();
+        q_inv = rmsnorm(&q_raw, &b.q_norm, eps, &mut qt);
+        k_inv = rmsnorm(&k_raw, &b.k_norm, eps, &mut kt);
     }
+    if let Some(theta) = cfg.rope_theta {
+        rope(&mut qt, seq, qd, dh, theta, false);
+        rope(&mut kt, seq, kd, dh, theta, false);
+    }
+    let by_head = |t: &[T], heads: usize| {
+        let mut s = vec![T::zero(); t.len()];
+        split_heads(t, seq, heads, dh, &mut s);
+        s
+    };
+    let (q, k, v) = (by_head(&qt, h), by_head(&kt, kv), by_head(&vt, kv));
+    let mut probs = vec![T::zero(); n_seq * h * seq * seq];
+    let mut ctx = vec![T::zero(); n * qd];
+    for sh in 0..n_seq * h {
+        let ks_i = (sh / h) * kv + (sh % h) / group;
+        let qs = &q[sh * seq * dh..(sh + 1) * seq * dh];
+        let ks = &k[ks_i * seq * dh..(ks_i + 1) * seq * dh];
+        let vs = &v[ks_i * seq * dh..(ks_i + 1) * seq * dh];
+        let p = &mut probs[sh * seq * seq..(sh + 1) * seq * seq];
+        matmul(p, qs, Op::N, ks, Op::T, (seq, dh, seq), false)?;
+        causal_softmax(p, seq, scale);
+        matmul(
+            &mut ctx[sh * seq * dh..(sh + 1) * seq * dh],
+            p,
+            Op::N,
+            vs,
+            Op::N,
+            (seq, seq, dh),
+            false,
+        )?;
+    }
+    let mut attn = vec![T::zero(); n * qd];
+    merge_heads(&ctx, seq, h, dh, &mut attn);
+    Ok(AttnForward {
+        inv1,
+        a,
+        q_raw,
+        k_raw,
+        q_inv,
+        k_inv,
+        q,
+        k,
+        v,
+        probs,
+        attn,
+    })
+}
+
+/// Scaled scores `p` (`seq × seq`, one head) to causal softmax rows, in
+/// place: future positions get probability zero.
+fn causal_softmax<T: Real>(p: &mut [T], seq: usize, scale: T) {
+    for (i, row) in p.chunks_exact_mut(seq).enumerate() {
+        let mut max = T::neg_infinity();
+        for (j, s) in row.iter_mut().enumerate() {
+            if j > i {
+                *s = T::neg_infinity();
+            } else {
+                *s *= scale;
+                max = max.max(*s);
+            }
+        }
+        let mut sum = T::zero();
+        for s in row.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        for s in row.iter_mut() {
+            *s = *s / sum;
+        }
+    }
+}
+
+/// The MoE half of block `li`'s forward on the residual `x` (updated in
+/// place): pre-norm, the layer call (with the block's balancing bias, if
+/// any); returns the norm's inverse RMS, the layer's saved state and the
+/// call's wall seconds.
+fn moe_forward<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &ModelConfig,
+    run: &MoeRun<'_>,
+    li: usize,
+    b: &Block<T>,
+    x: &mut [T],
+) -> Result<(Vec<T>, Saved<T>, f64), ModelError> {
+    let mut m = vec![T::zero(); x.len()];
+    let inv2 = rmsnorm(x, &b.norm2, cfg.eps(), &mut m);
+    let clock = std::time::Instant::now();
+    let biased;
+    let call = match run.expert_bias.get(li) {
+        Some(bias) if !bias.is_empty() => {
+            biased = layer::CallConfig {
+                expert_bias: bias.clone(),
+                ..run.backward.clone()
+            };
+            &biased
+        }
+        _ => run.backward,
+    };
+    let (y, moe) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
+    let secs = clock.elapsed().as_secs_f64();
+    for (xv, yv) in x.iter_mut().zip(&y) {
+        *xv += *yv;
+    }
+    Ok((inv2, moe, secs))
+}
+
+/// Final norm, LM head and softmax probabilities; the mean cross-entropy
+/// of `targets` in nats. Returns `(loss, inv_f, hf, probs)`.
+#[allow(clippy::type_complexity)]
+fn head_loss<T: Real>(
+    cfg: &ModelConfig,
+    model: &Model<T>,
+    x: &[T],
+    targets: &[u32],
+) -> Result<(f64, Vec<T>, Vec<T>, Vec<T>), ModelError> {
+    let (d, v_n) = (cfg.d_model, cfg.vocab);
+    let n = targets.len();
     let mut hf = vec![T::zero(); n * d];
-    let inv_f = rmsnorm(&x, &model.norm_f, eps, &mut hf);
+    let inv_f = rmsnorm(x, &model.norm_f, cfg.eps(), &mut hf);
     let mut probs = vec![T::zero(); n * v_n];
     matmul(
         &mut probs,
@@ -704,7 +756,53 @@ pub fn forward<T: Real, X: Transport>(
         }
         loss -= row[t as usize].wide().max(1e-300).ln();
     }
-    let loss = loss / n as f64;
+    Ok((loss / n as f64, inv_f, hf, probs))
+}
+
+/// Loss (mean cross-entropy over this rank's tokens, in nats) and cache.
+/// `tokens` and `targets` are `n_seq × seq` row-major.
+pub fn forward<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &ModelConfig,
+    model: &Model<T>,
+    run: &MoeRun<'_>,
+    tokens: &[u32],
+    targets: &[u32],
+    seq: usize,
+) -> Result<(f64, Cache<T>), ModelError> {
+    cfg.validate()?;
+    check_batch(cfg, tokens, targets, seq)?;
+    let (d, qd) = (cfg.d_model, cfg.n_heads * cfg.head_width());
+    let n = tokens.len();
+    let mut x = embed(cfg, model, tokens, seq);
+    let mut blocks = Vec::with_capacity(cfg.n_layers);
+    let mut moe_seconds = 0.0;
+    for (li, b) in model.blocks.iter().enumerate() {
+        let x_in = x.clone();
+        let at = attention_forward(cfg, b, &x, seq)?;
+        matmul(&mut x, &at.attn, Op::N, &b.wo, Op::N, (n, qd, d), true)?;
+        let x_mid = x.clone();
+        let (inv2, moe, secs) = moe_forward(comm, cfg, run, li, b, &mut x)?;
+        moe_seconds += secs;
+        blocks.push(BlockCache {
+            x_in,
+            inv1: at.inv1,
+            a: at.a,
+            q_raw: at.q_raw,
+            k_raw: at.k_raw,
+            q_inv: at.q_inv,
+            k_inv: at.k_inv,
+            q: at.q,
+            k: at.k,
+            v: at.v,
+            probs: at.probs,
+            attn: at.attn,
+            x_mid,
+            inv2,
+            moe,
+        });
+    }
+    let (loss, inv_f, hf, probs) = head_loss(cfg, model, &x, targets)?;
     let aux_loss = blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
     if !loss.is_finite() || !aux_loss.is_finite() {
         return Err(ModelError::NonFinite("loss"));
@@ -735,25 +833,18 @@ pub struct Gradients<T> {
     pub moe_seconds: f64,
 }
 
-/// Gradients of the mean loss over *all* ranks' tokens (each rank holds the
-/// same number), summed over ranks so every rank gets the same result; and
-/// each MoE layer's backward figures for this rank.
-pub fn backward<T: Real, X: Transport>(
-    comm: &X,
+/// The LM head's and final norm's backward: `g.head`, `g.norm_f`, and the
+/// gradient of the residual stream at the top, `dx`. `d loss / d logits =
+/// (p − onehot) / (n · world)`.
+fn head_backward<T: Real>(
     cfg: &ModelConfig,
     model: &Model<T>,
-    run: &MoeRun<'_>,
     cache: &Cache<T>,
-    seq: usize,
-) -> Result<Gradients<T>, ModelError> {
+    world: f64,
+    g: &mut Model<T>,
+) -> Result<Vec<T>, ModelError> {
     let (d, v_n) = (cfg.d_model, cfg.vocab);
-    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
     let n = cache.tokens.len();
-    let n_seq = n / seq;
-    let world = comm.world_size() as f64;
-    let mut g = Model::<T>::zeros(cfg);
-    // d loss / d logits = (p − onehot) / (n · world).
     let inv_n = T::of(1.0 / (n as f64 * world));
     let mut dlogits = cache.probs.clone();
     for (row, &t) in dlogits.chunks_exact_mut(v_n).zip(&cache.targets) {
@@ -788,112 +879,145 @@ pub fn backward<T: Real, X: Transport>(
         &mut dx,
         &mut g.norm_f,
     );
+    Ok(dx)
+}
 
-    let mut stats = Vec::with_capacity(cfg.n_layers);
-    let mut moe_seconds = 0.0;
+/// Causal attention's backward per (sequence, query head) from the
+/// context gradient `dctx` (head-major): `(dq, dk, dv)`, head-major; a
+/// key/value head sums the gradients of its group's queries.
+#[allow(clippy::type_complexity)]
+fn heads_backward<T: Real>(
+    cfg: &ModelConfig,
+    c: &BlockCache<T>,
+    dctx: &[T],
+    seq: usize,
+) -> Result<(Vec<T>, Vec<T>, Vec<T>), ModelError> {
+    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+    let (qd, kd, group) = (h * dh, kv * dh, h / kv);
+    let n = dctx.len() / qd;
+    let n_seq = n / seq;
     let scale = T::of(1.0 / (dh as f64).sqrt());
-    for (li, (b, c)) in model.blocks.iter().zip(&cache.blocks).enumerate().rev() {
-        let gb = &mut g.blocks[li];
-        // MoE branch: x = x_mid + moe(norm2(x_mid)).
-        let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) =
-            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
-        moe_seconds += clock.elapsed().as_secs_f64();
-        gb.moe = moe_grads;
-        stats.push(st);
-        rmsnorm_backward(&c.x_mid, &b.norm2, &c.inv2, &dm, &mut dx, &mut gb.norm2);
-        // Attention branch: x_mid = x_in + attn(norm1(x_in)) · Wo.
-        matmul(&mut gb.wo, &c.attn, Op::T, &dx, Op::N, (qd, n, d), false)?;
-        let mut dattn = vec![T::zero(); n * qd];
-        matmul(&mut dattn, &dx, Op::N, &b.wo, Op::T, (n, d, qd), false)?;
-        let mut dctx = vec![T::zero(); n * qd];
-        split_heads(&dattn, seq, h, dh, &mut dctx);
-        let mut dq = vec![T::zero(); n * qd];
-        let mut dk = vec![T::zero(); n * kd];
-        let mut dv = vec![T::zero(); n * kd];
-        let mut dp = vec![T::zero(); seq * seq];
-        for sh in 0..n_seq * h {
-            let ks_i = (sh / h) * kv + (sh % h) / group;
-            let r = sh * seq * dh..(sh + 1) * seq * dh;
-            let rk = ks_i * seq * dh..(ks_i + 1) * seq * dh;
-            let p = &c.probs[sh * seq * seq..(sh + 1) * seq * seq];
-            // A key/value head sums the gradients of its group's queries.
-            matmul(
-                &mut dv[rk.clone()],
-                p,
-                Op::T,
-                &dctx[r.clone()],
-                Op::N,
-                (seq, seq, dh),
-                true,
-            )?;
-            matmul(
-                &mut dp,
-                &dctx[r.clone()],
-                Op::N,
-                &c.v[rk.clone()],
-                Op::T,
-                (seq, dh, seq),
-                false,
-            )?;
-            // dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the 1/√dh scale.
-            for (prow, dprow) in p.chunks_exact(seq).zip(dp.chunks_exact_mut(seq)) {
-                let dot: T = prow.iter().zip(dprow.iter()).map(|(&a, &b)| a * b).sum();
-                for (ds, &pv) in dprow.iter_mut().zip(prow) {
-                    *ds = pv * (*ds - dot) * scale;
-                }
-            }
-            matmul(
-                &mut dq[r.clone()],
-                &dp,
-                Op::N,
-                &c.k[rk.clone()],
-                Op::N,
-                (seq, seq, dh),
-                false,
-            )?;
-            matmul(
-                &mut dk[rk],
-                &dp,
-                Op::T,
-                &c.q[r],
-                Op::N,
-                (seq, seq, dh),
-                true,
-            )?;
-        }
-        // Back to token-major rows, through the rotation and the head norms.
-        let by_token = |t: &[T], heads: usize| {
-            let mut o = vec![T::zero(); t.len()];
-            merge_heads(t, seq, heads, dh, &mut o);
-            o
-        };
-        let (mut dqt, mut dkt, dvt) = (by_token(&dq, h), by_token(&dk, kv), by_token(&dv, kv));
-        if let Some(theta) = cfg.rope_theta {
-            rope(&mut dqt, seq, qd, dh, theta, true);
-            rope(&mut dkt, seq, kd, dh, theta, true);
-        }
-        if cfg.qk_norm {
-            for (dt, raw, w, inv, gw) in [
-                (&mut dqt, &c.q_raw, &b.q_norm, &c.q_inv, &mut gb.q_norm),
-                (&mut dkt, &c.k_raw, &b.k_norm, &c.k_inv, &mut gb.k_norm),
-            ] {
-                let mut draw = vec![T::zero(); dt.len()];
-                rmsnorm_backward(raw, w, inv, dt, &mut draw, gw);
-                *dt = draw;
+    let mut dq = vec![T::zero(); n * qd];
+    let mut dk = vec![T::zero(); n * kd];
+    let mut dv = vec![T::zero(); n * kd];
+    let mut dp = vec![T::zero(); seq * seq];
+    for sh in 0..n_seq * h {
+        let ks_i = (sh / h) * kv + (sh % h) / group;
+        let r = sh * seq * dh..(sh + 1) * seq * dh;
+        let rk = ks_i * seq * dh..(ks_i + 1) * seq * dh;
+        let p = &c.probs[sh * seq * seq..(sh + 1) * seq * seq];
+        matmul(
+            &mut dv[rk.clone()],
+            p,
+            Op::T,
+            &dctx[r.clone()],
+            Op::N,
+            (seq, seq, dh),
+            true,
+        )?;
+        matmul(
+            &mut dp,
+            &dctx[r.clone()],
+            Op::N,
+            &c.v[rk.clone()],
+            Op::T,
+            (seq, dh, seq),
+            false,
+        )?;
+        // dS = P ⊙ (dP − rowsum(dP ⊙ P)), times the 1/√dh scale.
+        for (prow, dprow) in p.chunks_exact(seq).zip(dp.chunks_exact_mut(seq)) {
+            let dot: T = prow.iter().zip(dprow.iter()).map(|(&a, &b)| a * b).sum();
+            for (ds, &pv) in dprow.iter_mut().zip(prow) {
+                *ds = pv * (*ds - dot) * scale;
             }
         }
-        let mut da = vec![T::zero(); n * d];
-        for (dproj, w, gw, width) in [
-            (&dqt, &b.wq, &mut gb.wq, qd),
-            (&dkt, &b.wk, &mut gb.wk, kd),
-            (&dvt, &b.wv, &mut gb.wv, kd),
-        ] {
-            matmul(gw, &c.a, Op::T, dproj, Op::N, (d, n, width), false)?;
-            matmul(&mut da, dproj, Op::N, w, Op::T, (n, width, d), true)?;
-        }
-        rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, &mut dx, &mut gb.norm1);
+        matmul(
+            &mut dq[r.clone()],
+            &dp,
+            Op::N,
+            &c.k[rk.clone()],
+            Op::N,
+            (seq, seq, dh),
+            false,
+        )?;
+        matmul(
+            &mut dk[rk],
+            &dp,
+            Op::T,
+            &c.q[r],
+            Op::N,
+            (seq, seq, dh),
+            true,
+        )?;
     }
+    Ok((dq, dk, dv))
+}
+
+/// The attention branch's backward, `x_mid = x_in + attn(norm1(x_in)) ·
+/// Wo`: the block's attention gradients into `gb`, and `dx` (the gradient
+/// at `x_mid`) to the gradient at `x_in`, in place.
+fn attention_backward<T: Real>(
+    cfg: &ModelConfig,
+    b: &Block<T>,
+    c: &BlockCache<T>,
+    gb: &mut Block<T>,
+    dx: &mut [T],
+    seq: usize,
+) -> Result<(), ModelError> {
+    let d = cfg.d_model;
+    let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+    let (qd, kd) = (h * dh, kv * dh);
+    let n = dx.len() / d;
+    matmul(&mut gb.wo, &c.attn, Op::T, dx, Op::N, (qd, n, d), false)?;
+    let mut dattn = vec![T::zero(); n * qd];
+    matmul(&mut dattn, dx, Op::N, &b.wo, Op::T, (n, d, qd), false)?;
+    let mut dctx = vec![T::zero(); n * qd];
+    split_heads(&dattn, seq, h, dh, &mut dctx);
+    let (dq, dk, dv) = heads_backward(cfg, c, &dctx, seq)?;
+    // Back to token-major rows, through the rotation and the head norms.
+    let by_token = |t: &[T], heads: usize| {
+        let mut o = vec![T::zero(); t.len()];
+        merge_heads(t, seq, heads, dh, &mut o);
+        o
+    };
+    let (mut dqt, mut dkt, dvt) = (by_token(&dq, h), by_token(&dk, kv), by_token(&dv, kv));
+    if let Some(theta) = cfg.rope_theta {
+        rope(&mut dqt, seq, qd, dh, theta, true);
+        rope(&mut dkt, seq, kd, dh, theta, true);
+    }
+    if cfg.qk_norm {
+        for (dt, raw, w, inv, gw) in [
+            (&mut dqt, &c.q_raw, &b.q_norm, &c.q_inv, &mut gb.q_norm),
+            (&mut dkt, &c.k_raw, &b.k_norm, &c.k_inv, &mut gb.k_norm),
+        ] {
+            let mut draw = vec![T::zero(); dt.len()];
+            rmsnorm_backward(raw, w, inv, dt, &mut draw, gw);
+            *dt = draw;
+        }
+    }
+    let mut da = vec![T::zero(); n * d];
+    for (dproj, w, gw, width) in [
+        (&dqt, &b.wq, &mut gb.wq, qd),
+        (&dkt, &b.wk, &mut gb.wk, kd),
+        (&dvt, &b.wv, &mut gb.wv, kd),
+    ] {
+        matmul(gw, &c.a, Op::T, dproj, Op::N, (d, n, width), false)?;
+        matmul(&mut da, dproj, Op::N, w, Op::T, (n, width, d), true)?;
+    }
+    rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, dx, &mut gb.norm1);
+    Ok(())
+}
+
+/// The embeddings' gradients (token, and learned position when the model
+/// has it) from the gradient at the bottom of the residual stream.
+fn embed_backward<T: Real>(
+    cfg: &ModelConfig,
+    cache: &Cache<T>,
+    dx: &[T],
+    seq: usize,
+    g: &mut Model<T>,
+) {
+    let d = cfg.d_model;
     for (i, (row, &t)) in dx.chunks_exact(d).zip(&cache.tokens).enumerate() {
         for (gv, &v) in g.embed[t as usize * d..(t as usize + 1) * d]
             .iter_mut()
@@ -908,6 +1032,36 @@ pub fn backward<T: Real, X: Transport>(
             }
         }
     }
+}
+
+/// Gradients of the mean loss over *all* ranks' tokens (each rank holds the
+/// same number), summed over ranks so every rank gets the same result; and
+/// each MoE layer's backward figures for this rank.
+pub fn backward<T: Real, X: Transport>(
+    comm: &X,
+    cfg: &ModelConfig,
+    model: &Model<T>,
+    run: &MoeRun<'_>,
+    cache: &Cache<T>,
+    seq: usize,
+) -> Result<Gradients<T>, ModelError> {
+    let mut g = Model::<T>::zeros(cfg);
+    let mut dx = head_backward(cfg, model, cache, comm.world_size() as f64, &mut g)?;
+    let mut stats = Vec::with_capacity(cfg.n_layers);
+    let mut moe_seconds = 0.0;
+    for (li, (b, c)) in model.blocks.iter().zip(&cache.blocks).enumerate().rev() {
+        let gb = &mut g.blocks[li];
+        // MoE branch: x = x_mid + moe(norm2(x_mid)).
+        let clock = std::time::Instant::now();
+        let (dm, moe_grads, st) =
+            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
+        moe_seconds += clock.elapsed().as_secs_f64();
+        gb.moe = moe_grads;
+        stats.push(st);
+        rmsnorm_backward(&c.x_mid, &b.norm2, &c.inv2, &dm, &mut dx, &mut gb.norm2);
+        attention_backward(cfg, b, c, gb, &mut dx, seq)?;
+    }
+    embed_backward(cfg, cache, &dx, seq, &mut g);
     stats.reverse();
     // Dense weights are data parallel: sum every rank's contribution. The
     // MoE layers already summed theirs.
