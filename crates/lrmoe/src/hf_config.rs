@@ -96,19 +96,51 @@ const METADATA: &[&str] = &[
 /// the model implements instead.
 type Switch = (&'static str, fn(&Value) -> bool, &'static str);
 
-/// Reads a Qwen3-MoE `config.json`.
-pub fn parse(text: &str) -> Result<HfModel, HfConfigError> {
-    let v: Value = serde_json::from_str(text).map_err(|e| HfConfigError::Json(e.to_string()))?;
-    let Value::Object(o) = v else {
-        return Err(HfConfigError::Json("the document is not an object".into()));
-    };
-    let mut used: Vec<&str> = Vec::new();
-    let mut get = |k: &'static str| -> Option<&Value> {
-        used.push(k);
-        o.get(k).filter(|v| !v.is_null())
-    };
-    let model_type = get("model_type");
-    if let Some(t) = model_type {
+/// The document's fields, and which of them the model reads.
+struct Fields<'a> {
+    o: &'a Map<String, Value>,
+    used: Vec<&'static str>,
+}
+
+impl<'a> Fields<'a> {
+    /// Field `k`, when present and not null.
+    fn get(&mut self, k: &'static str) -> Option<&'a Value> {
+        self.used.push(k);
+        self.o.get(k).filter(|v| !v.is_null())
+    }
+
+    /// A positive integer field, if present.
+    fn count(&mut self, k: &'static str) -> Result<Option<usize>, HfConfigError> {
+        self.get(k)
+            .map(|v| {
+                v.as_u64()
+                    .filter(|&n| n > 0)
+                    .and_then(|n| usize::try_from(n).ok())
+                    .ok_or_else(|| bad(k, "must be a positive integer"))
+            })
+            .transpose()
+    }
+
+    /// A positive integer field that must be present.
+    fn need(&mut self, k: &'static str) -> Result<usize, HfConfigError> {
+        self.count(k)?.ok_or(HfConfigError::Missing(k))
+    }
+
+    /// A positive finite number field, if present.
+    fn number(&mut self, k: &'static str) -> Result<Option<f64>, HfConfigError> {
+        self.get(k)
+            .map(|v| {
+                v.as_f64()
+                    .filter(|x| x.is_finite() && *x > 0.0)
+                    .ok_or_else(|| bad(k, "must be a positive number"))
+            })
+            .transpose()
+    }
+}
+
+/// `model_type` and `architectures`, when given, name Qwen3-MoE.
+fn check_kind(f: &mut Fields<'_>) -> Result<(), HfConfigError> {
+    if let Some(t) = f.get("model_type") {
         if t.as_str() != Some("qwen3_moe") {
             return Err(unsupported(
                 "model_type",
@@ -117,7 +149,7 @@ pub fn parse(text: &str) -> Result<HfModel, HfConfigError> {
             ));
         }
     }
-    if let Some(a) = get("architectures") {
+    if let Some(a) = f.get("architectures") {
         let ok = a
             .as_array()
             .is_some_and(|a| a.iter().any(|x| x.as_str() == Some("Qwen3MoeForCausalLM")));
@@ -129,7 +161,11 @@ pub fn parse(text: &str) -> Result<HfModel, HfConfigError> {
             ));
         }
     }
-    // Architecture switches: each must have the value the model implements.
+    Ok(())
+}
+
+/// Architecture switches: each must have the value the model implements.
+fn check_switches(f: &mut Fields<'_>) -> Result<(), HfConfigError> {
     let checks: [Switch; 9] = [
         (
             "hidden_act",
@@ -174,84 +210,69 @@ pub fn parse(text: &str) -> Result<HfModel, HfConfigError> {
         ),
     ];
     for (field, ok, why) in checks {
-        used.push(field);
-        if let Some(v) = o.get(field) {
+        f.used.push(field);
+        if let Some(v) = f.o.get(field) {
             if !(ok(v) || (v.is_null() && field != "decoder_sparse_step")) {
                 return Err(unsupported(field, v, why));
             }
         }
     }
-    let mut get = |k: &'static str| -> Option<&Value> {
-        used.push(k);
-        o.get(k).filter(|v| !v.is_null())
-    };
-    let count = |k: &'static str, v: Option<&Value>| -> Result<Option<usize>, HfConfigError> {
-        v.map(|v| {
-            v.as_u64()
-                .filter(|&n| n > 0)
-                .and_then(|n| usize::try_from(n).ok())
-                .ok_or_else(|| bad(k, "must be a positive integer"))
-        })
-        .transpose()
-    };
-    let need = |k: &'static str, v: Option<usize>| v.ok_or(HfConfigError::Missing(k));
-    let number = |k: &'static str, v: Option<&Value>| -> Result<Option<f64>, HfConfigError> {
-        v.map(|v| {
-            v.as_f64()
-                .filter(|x| x.is_finite() && *x > 0.0)
-                .ok_or_else(|| bad(k, "must be a positive number"))
-        })
-        .transpose()
-    };
-    let d_model = need("hidden_size", count("hidden_size", get("hidden_size"))?)?;
-    let n_layers = need(
-        "num_hidden_layers",
-        count("num_hidden_layers", get("num_hidden_layers"))?,
-    )?;
-    let n_heads = need(
-        "num_attention_heads",
-        count("num_attention_heads", get("num_attention_heads"))?,
-    )?;
-    let n_kv_heads = count("num_key_value_heads", get("num_key_value_heads"))?;
-    let head_dim = count("head_dim", get("head_dim"))?;
-    let ffn = need(
-        "moe_intermediate_size",
-        count("moe_intermediate_size", get("moe_intermediate_size"))?,
-    )?;
-    let n_experts = need("num_experts", count("num_experts", get("num_experts"))?)?;
-    let top_k = need(
-        "num_experts_per_tok",
-        count("num_experts_per_tok", get("num_experts_per_tok"))?,
-    )?;
-    let vocab = need("vocab_size", count("vocab_size", get("vocab_size"))?)?;
-    let max_positions = count("max_position_embeddings", get("max_position_embeddings"))?;
-    let renormalize = match get("norm_topk_prob") {
+    Ok(())
+}
+
+/// The model section from the shape fields, `transformers`' defaults for
+/// the optional ones.
+fn shape(f: &mut Fields<'_>) -> Result<ModelSection, HfConfigError> {
+    let d_model = f.need("hidden_size")?;
+    let n_layers = f.need("num_hidden_layers")?;
+    let n_heads = f.need("num_attention_heads")?;
+    let n_kv_heads = f.count("num_key_value_heads")?;
+    let head_dim = f.count("head_dim")?;
+    let ffn = f.need("moe_intermediate_size")?;
+    let n_experts = f.need("num_experts")?;
+    let top_k = f.need("num_experts_per_tok")?;
+    let vocab = f.need("vocab_size")?;
+    let max_positions = f.count("max_position_embeddings")?;
+    let renormalize = match f.get("norm_topk_prob") {
         None => false,
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err(bad("norm_topk_prob", "must be true or false")),
     };
-    let rms_eps = number("rms_norm_eps", get("rms_norm_eps"))?.unwrap_or(1e-6);
-    let rope_theta = number("rope_theta", get("rope_theta"))?.unwrap_or(10_000.0);
-    let ignored = ignored_fields(&o, &used);
-    Ok(HfModel {
-        model: ModelSection {
-            d_model,
-            n_layers,
-            n_heads,
-            ffn,
-            n_experts,
-            top_k,
-            renormalize,
-            n_kv_heads: Some(n_kv_heads.unwrap_or(n_heads)),
-            head_dim: Some(head_dim.unwrap_or(d_model / n_heads)),
-            rope_theta: Some(rope_theta),
-            qk_norm: true,
-            rms_eps: Some(rms_eps),
-            vocab: Some(vocab),
-            max_positions: Some(max_positions.unwrap_or(32_768)),
-        },
-        ignored,
+    let rms_eps = f.number("rms_norm_eps")?.unwrap_or(1e-6);
+    let rope_theta = f.number("rope_theta")?.unwrap_or(10_000.0);
+    Ok(ModelSection {
+        d_model,
+        n_layers,
+        n_heads,
+        ffn,
+        n_experts,
+        top_k,
+        renormalize,
+        n_kv_heads: Some(n_kv_heads.unwrap_or(n_heads)),
+        head_dim: Some(head_dim.unwrap_or(d_model / n_heads)),
+        rope_theta: Some(rope_theta),
+        qk_norm: true,
+        rms_eps: Some(rms_eps),
+        vocab: Some(vocab),
+        max_positions: Some(max_positions.unwrap_or(32_768)),
     })
+}
+
+/// Reads a Qwen3-MoE `config.json`.
+pub fn parse(text: &str) -> Result<HfModel, HfConfigError> {
+    let v: Value = serde_json::from_str(text).map_err(|e| HfConfigError::Json(e.to_string()))?;
+    let Value::Object(o) = v else {
+        return Err(HfConfigError::Json("the document is not an object".into()));
+    };
+    let mut f = Fields {
+        o: &o,
+        used: Vec::new(),
+    };
+    check_kind(&mut f)?;
+    check_switches(&mut f)?;
+    let model = shape(&mut f)?;
+    let ignored = ignored_fields(&o, &f.used);
+    Ok(HfModel { model, ignored })
 }
 
 /// The keys of `o` not in `used`: known metadata first, then unknown keys
