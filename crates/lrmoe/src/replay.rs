@@ -240,6 +240,14 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 /// Megatron-Core router traces: JSON lines `{"step", "layer", "rank",
 /// "top_indices": [[expert; k]; tokens]}`.
 pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> {
+    let cells = megatron_cells(path, experts)?;
+    megatron_trace(path, experts, cells)
+}
+
+/// Routed pairs per expert of each (step, layer, rank) cell of a Megatron
+/// trace, every record checked: one top-k width throughout, experts in
+/// range.
+fn megatron_cells(path: &Path, experts: usize) -> Result<MegatronCells, ReplayError> {
     #[derive(Serialize, Deserialize)]
     struct Record {
         step: usize,
@@ -251,7 +259,7 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
         path: path.display().to_string(),
         error,
     })?;
-    let mut cells: std::collections::BTreeMap<(usize, usize, usize), Vec<u64>> = Default::default();
+    let mut cells = MegatronCells::new();
     let mut top_k: Option<(usize, usize)> = None;
     for (i, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|error| ReplayError::Read {
@@ -263,35 +271,7 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
         }
         let r: Record =
             crate::strict::from_json(&line).map_err(|e| parse_err(path, i + 1, e.to_string()))?;
-        if let Some((t, row)) = r
-            .top_indices
-            .iter()
-            .enumerate()
-            .find(|(_, row)| row.len() != r.top_indices[0].len())
-        {
-            return Err(parse_err(
-                path,
-                i + 1,
-                format!(
-                    "top_indices row {t} has {} experts, row 0 has {} (every token routes to the same top-k)",
-                    row.len(),
-                    r.top_indices[0].len()
-                ),
-            ));
-        }
-        if let Some(k) = r.top_indices.first().map(Vec::len) {
-            match top_k {
-                Some((k0, line0)) if k0 != k => {
-                    return Err(parse_err(
-                        path,
-                        i + 1,
-                        format!("top_indices rows have {k} experts, line {line0} has {k0}"),
-                    ))
-                }
-                None => top_k = Some((k, i + 1)),
-                _ => {}
-            }
-        }
+        check_top_k(&r.top_indices, &mut top_k, i + 1).map_err(|m| parse_err(path, i + 1, m))?;
         let counts = cells
             .entry((r.step, r.layer, r.rank))
             .or_insert_with(|| vec![0; experts]);
@@ -308,8 +288,48 @@ pub fn load_megatron(path: &Path, experts: usize) -> Result<Trace, ReplayError> 
             }
         }
     }
-    // Steps are numbered as the trace numbers them, and may be sparse (a
-    // trace sampled every N steps): they are replayed in order, densely.
+    Ok(cells)
+}
+
+/// Routed pairs per expert, by (step, layer, rank).
+type MegatronCells = std::collections::BTreeMap<(usize, usize, usize), Vec<u64>>;
+
+/// Every row of a record routes to as many experts as the first, and as
+/// the first record with rows (`top_k`: its width and line).
+fn check_top_k(
+    rows: &[Vec<i64>],
+    top_k: &mut Option<(usize, usize)>,
+    line: usize,
+) -> Result<(), String> {
+    if let Some((t, row)) = rows
+        .iter()
+        .enumerate()
+        .find(|(_, row)| row.len() != rows[0].len())
+    {
+        return Err(format!(
+            "top_indices row {t} has {} experts, row 0 has {} (every token routes to the same top-k)",
+            row.len(),
+            rows[0].len()
+        ));
+    }
+    if let Some(k) = rows.first().map(Vec::len) {
+        match *top_k {
+            Some((k0, line0)) if k0 != k => {
+                return Err(format!(
+                    "top_indices rows have {k} experts, line {line0} has {k0}"
+                ))
+            }
+            None => *top_k = Some((k, line)),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+/// The cells as a trace: steps as the trace numbers them, which may be
+/// sparse (a trace sampled every N steps), replayed in order, densely;
+/// every step must have every layer.
+fn megatron_trace(path: &Path, experts: usize, cells: MegatronCells) -> Result<Trace, ReplayError> {
     let step_ids: Vec<usize> = {
         let mut v: Vec<usize> = cells.keys().map(|k| k.0).collect();
         v.dedup();
