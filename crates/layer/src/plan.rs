@@ -256,26 +256,13 @@ pub fn plan_call<T>(
     routed: Vec<Vec<u64>>,
     placement: &Placement,
 ) -> Result<CallPlan, LayerError> {
-    let n_ranks = routed.len();
     let cost = cost_model::<T>(cfg);
-    let unlimited = vec![RankBudget::UNLIMITED; n_ranks];
-    let (budgets, policy) = match &bwd.retention {
-        Retention::Budgeted { budgets, policy } => {
-            if budgets.len() != n_ranks {
-                return Err(LayerError::Config(format!(
-                    "{} budgets for {n_ranks} ranks",
-                    budgets.len()
-                )));
-            }
-            (budgets.as_slice(), *policy)
-        }
-        _ => (unlimited.as_slice(), Policy::Uniform),
-    };
+    let (budgets, policy) = call_budgets(bwd, routed.len())?;
     let inputs = quota::Inputs {
         counts: &routed,
         placement,
         cost: &cost,
-        budgets,
+        budgets: &budgets,
     };
     let qcfg = quota::Config {
         policy,
@@ -283,64 +270,9 @@ pub fn plan_call<T>(
         replica_memory_fraction: bwd.replica_memory_fraction,
     };
     let with_replicas = quota::plan_replicas(&inputs, &qcfg)?;
-    let split_over_sources = |quota: &dyn Fn(usize, u64) -> u64| -> Vec<Vec<u64>> {
-        // Per expert: its quota, split over sources in rank order (the split
-        // only describes the quota; selection is per expert).
-        let per_expert = (0..cfg.n_experts)
-            .map(|e| {
-                let n_e: u64 = routed.iter().map(|row| row[e]).sum();
-                let mut left = quota(e, n_e).min(n_e);
-                routed
-                    .iter()
-                    .map(|row| {
-                        let take = left.min(row[e]);
-                        left -= take;
-                        take
-                    })
-                    .collect::<Vec<u64>>()
-            })
-            .collect::<Vec<_>>();
-        (0..n_ranks)
-            .map(|s| per_expert.iter().map(|col| col[s]).collect())
-            .collect()
-    };
     let (mut kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
-        Retention::Surplus(f) => {
-            if !(0.0..=1.0).contains(f) {
-                return Err(LayerError::Config(format!(
-                    "surplus retention {f} is not in [0, 1]"
-                )));
-            }
-            let instances = with_replicas.all_instances();
-            let n_e: Vec<f64> = (0..cfg.n_experts)
-                .map(|e| routed.iter().map(|row| row[e] as f64).sum())
-                .collect();
-            let mut load = vec![0f64; n_ranks];
-            for (e, inst) in instances.iter().enumerate() {
-                for &r in inst {
-                    if r < n_ranks {
-                        load[r] += n_e[e] / inst.len() as f64;
-                    }
-                }
-            }
-            let cap = water_fill(&load, f * n_e.iter().sum::<f64>());
-            let ratio: Vec<f64> = instances
-                .iter()
-                .map(|inst| {
-                    let worst = inst.iter().map(|&r| load[r]).fold(0.0, f64::max);
-                    if worst <= cap {
-                        1.0
-                    } else {
-                        cap / worst
-                    }
-                })
-                .collect();
-            (
-                split_over_sources(&|e, n| ((n as f64) * ratio[e]).round() as u64),
-                None,
-            )
-        }
+        Retention::Surplus(f) => (surplus_kept(cfg, &routed, &with_replicas, *f)?, None),
         Retention::Ratio(r) => {
             if !(0.0..=1.0).contains(r) {
                 return Err(LayerError::Config(format!(
@@ -349,7 +281,7 @@ pub fn plan_call<T>(
             }
             // Per expert: round(r · n_e).
             (
-                split_over_sources(&|_, n| ((n as f64) * r).round() as u64),
+                split_over_sources(cfg, &routed, &|_, n| ((n as f64) * r).round() as u64),
                 None,
             )
         }
@@ -368,18 +300,7 @@ pub fn plan_call<T>(
     if let Some(a) = bwd.tile_align {
         quota::align_to_tiles(&mut kept, &routed, a.rows, a.max_drop)?;
     }
-    // Per-expert selection may take an expert's quota from any source, which
-    // a per-source send budget cannot allow; with unlimited sends only the
-    // per-expert totals bind (the controller's own flow network is then one
-    // cell per expert), so any split the selection makes stays placeable.
-    let selection = match &bwd.retention {
-        Retention::Budgeted { budgets, .. }
-            if budgets.iter().any(|b| b.network_bytes != u64::MAX) =>
-        {
-            Selection::PerSourceExpert
-        }
-        _ => Selection::PerExpert,
-    };
+    let selection = selection_of(bwd);
     let quotas = (0..cfg.n_experts)
         .map(|e| kept.iter().map(|row: &Vec<u64>| row[e]).sum())
         .collect();
@@ -391,6 +312,112 @@ pub fn plan_call<T>(
         selection,
         caps,
     })
+}
+
+/// The ranks' budgets and the quota policy of a call: the configured ones
+/// for [`Retention::Budgeted`] (one budget per rank), else unlimited and
+/// uniform.
+fn call_budgets(bwd: &CallConfig, n_ranks: usize) -> Result<(Vec<RankBudget>, Policy), LayerError> {
+    match &bwd.retention {
+        Retention::Budgeted { budgets, policy } => {
+            if budgets.len() != n_ranks {
+                return Err(LayerError::Config(format!(
+                    "{} budgets for {n_ranks} ranks",
+                    budgets.len()
+                )));
+            }
+            Ok((budgets.clone(), *policy))
+        }
+        _ => Ok((vec![RankBudget::UNLIMITED; n_ranks], Policy::Uniform)),
+    }
+}
+
+/// Which pairs compete for a quota. Per-expert selection may take an
+/// expert's quota from any source, which a per-source send budget cannot
+/// allow; with unlimited sends only the per-expert totals bind (the
+/// controller's own flow network is then one cell per expert), so any
+/// split the selection makes stays placeable.
+fn selection_of(bwd: &CallConfig) -> Selection {
+    match &bwd.retention {
+        Retention::Budgeted { budgets, .. }
+            if budgets.iter().any(|b| b.network_bytes != u64::MAX) =>
+        {
+            Selection::PerSourceExpert
+        }
+        _ => Selection::PerExpert,
+    }
+}
+
+/// Per expert: its quota `quota(e, n_e)` (at most its routed pairs `n_e`),
+/// split over sources in rank order, `[source][expert]` (the split only
+/// describes the quota; selection is per expert).
+fn split_over_sources(
+    cfg: &MoeConfig,
+    routed: &[Vec<u64>],
+    quota: &dyn Fn(usize, u64) -> u64,
+) -> Vec<Vec<u64>> {
+    let per_expert = (0..cfg.n_experts)
+        .map(|e| {
+            let n_e: u64 = routed.iter().map(|row| row[e]).sum();
+            let mut left = quota(e, n_e).min(n_e);
+            routed
+                .iter()
+                .map(|row| {
+                    let take = left.min(row[e]);
+                    left -= take;
+                    take
+                })
+                .collect::<Vec<u64>>()
+        })
+        .collect::<Vec<_>>();
+    (0..routed.len())
+        .map(|s| per_expert.iter().map(|col| col[s]).collect())
+        .collect()
+}
+
+/// [`Retention::Surplus`]: the share `f` of all routed pairs is kept,
+/// trimming only the ranks whose even share of their instances' loads is
+/// above the water level; an expert keeps the ratio its busiest instance
+/// allows.
+fn surplus_kept(
+    cfg: &MoeConfig,
+    routed: &[Vec<u64>],
+    with_replicas: &Placement,
+    f: f64,
+) -> Result<Vec<Vec<u64>>, LayerError> {
+    if !(0.0..=1.0).contains(&f) {
+        return Err(LayerError::Config(format!(
+            "surplus retention {f} is not in [0, 1]"
+        )));
+    }
+    let n_ranks = routed.len();
+    let instances = with_replicas.all_instances();
+    let n_e: Vec<f64> = (0..cfg.n_experts)
+        .map(|e| routed.iter().map(|row| row[e] as f64).sum())
+        .collect();
+    let mut load = vec![0f64; n_ranks];
+    for (e, inst) in instances.iter().enumerate() {
+        for &r in inst {
+            if r < n_ranks {
+                load[r] += n_e[e] / inst.len() as f64;
+            }
+        }
+    }
+    let cap = water_fill(&load, f * n_e.iter().sum::<f64>());
+    let ratio: Vec<f64> = instances
+        .iter()
+        .map(|inst| {
+            let worst = inst.iter().map(|&r| load[r]).fold(0.0, f64::max);
+            if worst <= cap {
+                1.0
+            } else {
+                cap / worst
+            }
+        })
+        .collect();
+    Ok(split_over_sources(cfg, routed, &|e, n| {
+        ((n as f64) * ratio[e]).round() as u64
+    }))
 }
 
 /// The random rules' seed of one call: the configured seed mixed with the
