@@ -45,13 +45,25 @@ fn dims2(shape: &[usize], name: &str) -> Result<(usize, usize), LayerGradError> 
     }
 }
 
-/// Runs the command.
-pub fn run(
+/// A layer parameter's shape by its name: the router `hidden × E`, a down
+/// projection `ffn × hidden`, gate and up `hidden × ffn`.
+fn param_shape(name: &str, hidden: usize, ffn: usize, n_experts: usize) -> Vec<usize> {
+    match name.rsplit('.').next() {
+        Some("router") => vec![hidden, n_experts],
+        Some("down") => vec![ffn, hidden],
+        _ => vec![hidden, ffn],
+    }
+}
+
+/// The layer's shape and parameters from `weights`, and `x` and `dy` from
+/// `inputs`, every tensor checked against the shape the router and the
+/// first expert give.
+#[allow(clippy::type_complexity)]
+fn read_inputs(
     weights: &Path,
     inputs: &Path,
-    out: &Path,
     opts: &Options,
-) -> Result<(), LayerGradError> {
+) -> Result<(MoeConfig, MoeParams<f32>, Vec<f32>, Vec<f32>), LayerGradError> {
     let mut w = tensorfile::load(weights)?;
     let mut x = tensorfile::load(inputs)?;
     let (hidden, n_experts) = dims2(w.shape("router")?, "router")?;
@@ -72,15 +84,23 @@ pub fn run(
     cfg.validate()?;
     let mut params = MoeParams::<f32>::zeros(&cfg);
     for (name, t) in params.tensors_mut() {
-        let shape = match name.rsplit('.').next() {
-            Some("router") => vec![hidden, n_experts],
-            Some("down") => vec![ffn, hidden],
-            _ => vec![hidden, ffn],
-        };
-        *t = w.take(&name, &shape)?;
+        *t = w.take(&name, &param_shape(&name, hidden, ffn, n_experts))?;
     }
     let xs = x.take("x", &[n_tok, hidden])?;
     let dy = x.take("dy", &[n_tok, hidden])?;
+    Ok((cfg, params, xs, dy))
+}
+
+/// Runs the command.
+pub fn run(
+    weights: &Path,
+    inputs: &Path,
+    out: &Path,
+    opts: &Options,
+) -> Result<(), LayerGradError> {
+    let (cfg, params, xs, dy) = read_inputs(weights, inputs, opts)?;
+    let (hidden, ffn, n_experts) = (cfg.hidden, cfg.ffn, cfg.n_experts);
+    let n_tok = xs.len() / hidden;
     let retention = if opts.retention >= 1.0 {
         Retention::Full
     } else {
@@ -123,11 +143,7 @@ pub fn run(
         ("kept".to_string(), vec![n_tok, k], kept.as_slice()),
     ];
     for (name, t) in grads.tensors() {
-        let shape = match name.rsplit('.').next() {
-            Some("router") => vec![hidden, n_experts],
-            Some("down") => vec![ffn, hidden],
-            _ => vec![hidden, ffn],
-        };
+        let shape = param_shape(&name, hidden, ffn, n_experts);
         tensors.push((format!("grad.{name}"), shape, t.as_slice()));
     }
     let mut meta = HashMap::new();
