@@ -958,27 +958,8 @@ fn save_checkpoint(
 
 fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<State, TrainError> {
     let mut f = tensorfile::load(path)?;
-    let fmt = |m: String| {
-        TrainError::Checkpoint(TensorFileError::Content {
-            path: path.display().to_string(),
-            reason: m,
-        })
-    };
-    if f.meta("format")? != "lrmoe-checkpoint-1" {
-        return Err(fmt("not an lrmoe checkpoint".into()));
-    }
-    let saved: ModelConfig = crate::strict::from_json(f.meta("model")?)
-        .map_err(|e| fmt(format!("metadata field model: {e}")))?;
-    if saved != *mcfg {
-        return Err(fmt(format!(
-            "the checkpoint's model differs from the configured one ({}); resume with the configuration it was trained with",
-            differences(&saved, mcfg)
-        )));
-    }
-    let vocab: String = corpus.vocab.iter().map(|b| format!("{b:02x}")).collect();
-    if f.meta("vocab")? != vocab {
-        return Err(fmt("vocabulary differs from the corpus".into()));
-    }
+    let fmt = |m: String| content_error(path, m);
+    check_header(&f, path, mcfg, corpus)?;
     let num = |f: &tensorfile::Loaded, k: &str| -> Result<f64, TrainError> {
         f.meta(k)?
             .parse::<f64>()
@@ -999,22 +980,7 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
     };
     let evals: Vec<EvalPoint> =
         serde_json::from_str(f.meta("evals")?).map_err(|e| fmt(e.to_string()))?;
-    // Checkpoints from before the balancing bias carry none.
-    let expert_bias: Vec<Vec<f64>> = match f.meta("expert_bias") {
-        Ok(j) => serde_json::from_str(j).map_err(|e| fmt(format!("expert_bias: {e}")))?,
-        Err(_) => Vec::new(),
-    };
-    if !expert_bias.is_empty()
-        && (expert_bias.len() != mcfg.n_layers
-            || expert_bias
-                .iter()
-                .any(|b| b.len() != mcfg.n_experts || b.iter().any(|v| !v.is_finite())))
-    {
-        return Err(fmt(format!(
-            "expert_bias: {} finite values per layer for {} layers expected",
-            mcfg.n_experts, mcfg.n_layers
-        )));
-    }
+    let expert_bias = read_expert_bias(&f, path, mcfg)?;
     let mut take = |prefix: &str| -> Result<Model<f32>, TrainError> {
         let mut m = Model::<f32>::zeros(mcfg);
         for (name, t) in m.tensors_mut() {
@@ -1041,6 +1007,66 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         expert_bias,
         logged: Logged::default(),
     })
+}
+
+/// A checkpoint's content at fault, as an error naming the file.
+fn content_error(path: &Path, reason: String) -> TrainError {
+    TrainError::Checkpoint(TensorFileError::Content {
+        path: path.display().to_string(),
+        reason,
+    })
+}
+
+/// A checkpoint's format, model and vocabulary against this run's.
+fn check_header(
+    f: &tensorfile::Loaded,
+    path: &Path,
+    mcfg: &ModelConfig,
+    corpus: &Corpus,
+) -> Result<(), TrainError> {
+    let fmt = |m: String| content_error(path, m);
+    if f.meta("format")? != "lrmoe-checkpoint-1" {
+        return Err(fmt("not an lrmoe checkpoint".into()));
+    }
+    let saved: ModelConfig = crate::strict::from_json(f.meta("model")?)
+        .map_err(|e| fmt(format!("metadata field model: {e}")))?;
+    if saved != *mcfg {
+        return Err(fmt(format!(
+            "the checkpoint's model differs from the configured one ({}); resume with the configuration it was trained with",
+            differences(&saved, mcfg)
+        )));
+    }
+    let vocab: String = corpus.vocab.iter().map(|b| format!("{b:02x}")).collect();
+    if f.meta("vocab")? != vocab {
+        return Err(fmt("vocabulary differs from the corpus".into()));
+    }
+    Ok(())
+}
+
+/// The balancing bias a checkpoint carries: none in checkpoints from before
+/// it, else one finite value per expert and layer.
+fn read_expert_bias(
+    f: &tensorfile::Loaded,
+    path: &Path,
+    mcfg: &ModelConfig,
+) -> Result<Vec<Vec<f64>>, TrainError> {
+    let fmt = |m: String| content_error(path, m);
+    let expert_bias: Vec<Vec<f64>> = match f.meta("expert_bias") {
+        Ok(j) => serde_json::from_str(j).map_err(|e| fmt(format!("expert_bias: {e}")))?,
+        Err(_) => Vec::new(),
+    };
+    if !expert_bias.is_empty()
+        && (expert_bias.len() != mcfg.n_layers
+            || expert_bias
+                .iter()
+                .any(|b| b.len() != mcfg.n_experts || b.iter().any(|v| !v.is_finite())))
+    {
+        return Err(fmt(format!(
+            "expert_bias: {} finite values per layer for {} layers expected",
+            mcfg.n_experts, mcfg.n_layers
+        )));
+    }
+    Ok(expert_bias)
 }
 
 /// Reads `path` as a checkpoint of the model `cfg` describes on `corpus`
