@@ -388,30 +388,7 @@ fn select_kept<T: Real, X: Transport>(
     let (me, n_ranks) = (comm.rank(), comm.world_size());
     let e_n = saved.plan.quotas.len();
     let n_pairs = scores.len();
-    let candidates: Vec<usize> = (0..n_pairs).filter(|&p| saved.active[p]).collect();
-    // Candidates of every rank whose pairs compete here: (source, pair,
-    // expert, score).
-    let pool: Vec<(u32, u32, u32, f32)> = match saved.plan.selection {
-        Selection::PerSourceExpert => candidates
-            .iter()
-            .map(|&p| (me as u32, p as u32, saved.expert_of_pair[p], scores[p]))
-            .collect(),
-        Selection::PerExpert => {
-            // One score per candidate crosses ranks, not its rows.
-            let local: Vec<u32> = candidates
-                .iter()
-                .flat_map(|&p| [p as u32, saved.expert_of_pair[p], scores[p].to_bits()])
-                .collect();
-            all_gather(comm, &local)?
-                .iter()
-                .enumerate()
-                .flat_map(|(s, v)| {
-                    v.chunks_exact(3)
-                        .map(move |c| (s as u32, c[0], c[1], f32::from_bits(c[2])))
-                })
-                .collect()
-        }
-    };
+    let pool = candidate_pool(comm, saved, scores)?;
     let experts: Vec<u32> = pool.iter().map(|c| c.2).collect();
     if let Some(&bad) = experts.iter().find(|&&e| e as usize >= e_n) {
         return Err(LayerError::Config(format!(
@@ -463,6 +440,39 @@ fn select_kept<T: Real, X: Transport>(
         }
     }
     Ok((kept, cells, weight))
+}
+
+/// The candidates that compete for this rank's quotas, `(source, pair,
+/// expert, score)`: this rank's pairs that reached their expert, or, with
+/// per-expert selection, every rank's (one score per candidate crosses
+/// ranks, not its rows).
+fn candidate_pool<T: Real, X: Transport>(
+    comm: &X,
+    saved: &Saved<T>,
+    scores: &[f32],
+) -> Result<Vec<(u32, u32, u32, f32)>, LayerError> {
+    let me = comm.rank();
+    let candidates: Vec<usize> = (0..scores.len()).filter(|&p| saved.active[p]).collect();
+    Ok(match saved.plan.selection {
+        Selection::PerSourceExpert => candidates
+            .iter()
+            .map(|&p| (me as u32, p as u32, saved.expert_of_pair[p], scores[p]))
+            .collect(),
+        Selection::PerExpert => {
+            let local: Vec<u32> = candidates
+                .iter()
+                .flat_map(|&p| [p as u32, saved.expert_of_pair[p], scores[p].to_bits()])
+                .collect();
+            all_gather(comm, &local)?
+                .iter()
+                .enumerate()
+                .flat_map(|(s, v)| {
+                    v.chunks_exact(3)
+                        .map(move |c| (s as u32, c[0], c[1], f32::from_bits(c[2])))
+                })
+                .collect()
+        }
+    })
 }
 
 /// Elements of pair-sized buffers the host backward holds at its peak, for

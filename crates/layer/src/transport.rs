@@ -759,6 +759,13 @@ pub fn conformance<X: Transport + ?Sized>(t: &X) -> Result<(), String> {
             return fail(format!("large message from rank {s} corrupted"));
         }
     }
+    collectives(t)
+}
+
+/// The suite's all-gathers, all-reduces and bad-input cases.
+fn collectives<X: Transport + ?Sized>(t: &X) -> Result<(), String> {
+    let (r, n) = (t.rank(), t.world_size());
+    let fail = |what: String| Err(format!("rank {r}: {what}"));
     let g = all_gather(t, &[r as u64, 7]).map_err(|e| e.to_string())?;
     if g != (0..n).map(|s| vec![s as u64, 7]).collect::<Vec<_>>() {
         return fail(format!("all-gather gave {g:?}"));

@@ -230,33 +230,7 @@ pub fn validate(p: &Problem) -> Result<(), PlanError> {
             "names no expert: give each expert's owning rank",
         ));
     }
-    for (e, &r) in p.placement.owner.iter().enumerate() {
-        if r >= n_ranks {
-            return Err(invalid(
-                format!("placement.owner[{e}]"),
-                format!("rank {r} out of range (n_ranks = {n_ranks})"),
-            ));
-        }
-    }
-    if !p.placement.replicas.is_empty() && p.placement.replicas.len() != n_experts {
-        return Err(invalid(
-            "placement.replicas",
-            format!(
-                "expected {n_experts} lists (one per expert), got {}",
-                p.placement.replicas.len()
-            ),
-        ));
-    }
-    for (e, reps) in p.placement.replicas.iter().enumerate() {
-        for (i, &r) in reps.iter().enumerate() {
-            if r >= n_ranks || r == p.placement.owner[e] || reps[..i].contains(&r) {
-                return Err(invalid(
-                    format!("placement.replicas[{e}][{i}]"),
-                    format!("rank {r} is out of range or already holds expert {e}"),
-                ));
-            }
-        }
-    }
+    validate_placement(&p.placement, n_ranks)?;
     match (&p.routed_counts, &p.kept_counts) {
         (Some(_), Some(_)) => {
             return Err(invalid(
@@ -298,6 +272,40 @@ pub fn validate(p: &Problem) -> Result<(), PlanError> {
                 "controller.replica_memory_fraction",
                 "must be in [0, 1]",
             ));
+        }
+    }
+    Ok(())
+}
+
+/// Every owner and replica a rank of `n_ranks`; one replica list per expert
+/// (or none); no rank holding an expert twice.
+fn validate_placement(placement: &Placement, n_ranks: usize) -> Result<(), PlanError> {
+    let n_experts = placement.owner.len();
+    for (e, &r) in placement.owner.iter().enumerate() {
+        if r >= n_ranks {
+            return Err(invalid(
+                format!("placement.owner[{e}]"),
+                format!("rank {r} out of range (n_ranks = {n_ranks})"),
+            ));
+        }
+    }
+    if !placement.replicas.is_empty() && placement.replicas.len() != n_experts {
+        return Err(invalid(
+            "placement.replicas",
+            format!(
+                "expected {n_experts} lists (one per expert), got {}",
+                placement.replicas.len()
+            ),
+        ));
+    }
+    for (e, reps) in placement.replicas.iter().enumerate() {
+        for (i, &r) in reps.iter().enumerate() {
+            if r >= n_ranks || r == placement.owner[e] || reps[..i].contains(&r) {
+                return Err(invalid(
+                    format!("placement.replicas[{e}][{i}]"),
+                    format!("rank {r} is out of range or already holds expert {e}"),
+                ));
+            }
         }
     }
     Ok(())
