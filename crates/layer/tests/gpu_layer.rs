@@ -402,7 +402,7 @@ fn gpu_expert_backend_matches_the_cpu_twins() {
 
 /// The multi-rank device executor — every exchange, replica, sum and plan
 /// of the NCCL path — on 2 and 4 in-process ranks sharing this one GPU
-/// (`DeviceComm::Staged`: buffers staged through the host), against EP = 1
+/// (`DeviceComm::Staged`: rows and sums device to device), against EP = 1
 /// and the host executor: the suite `nccl.rs` runs over NCCL.
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]

@@ -173,9 +173,9 @@ struct TrainArgs {
     ranks: Option<usize>,
     /// Executor of the MoE layers with several ranks: `host` (rows
     /// exchanged through host memory) or `device` (with --device cuda: the
-    /// whole model per rank on the GPU, exchanges over NCCL, or staged
-    /// through the host for in-process ranks) [default: moe.executor,
-    /// host].
+    /// whole model per rank on the GPU, exchanges over NCCL, or device to
+    /// device between in-process ranks, which report their simulated step
+    /// on as many GPUs) [default: moe.executor, host].
     #[arg(long, value_enum, help_heading = "Where it runs")]
     executor: Option<lrmoe::train::Executor>,
     /// Launched ranks (`lrmoe launch`): seconds a collective or the

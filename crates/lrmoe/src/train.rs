@@ -202,8 +202,9 @@ pub enum Executor {
     Host,
     /// The layer crate's device executor (`--device cuda`): the whole
     /// model on the GPUs — one rank; launched ranks, one GPU each; or
-    /// in-process ranks (`--ranks N`) sharing one GPU with their exchanges
-    /// staged through the host (for checking a plan, not for speed). Each
+    /// in-process ranks (`--ranks N`) sharing one GPU, taking turns on it
+    /// and exchanging device to device (a plan's check, and the N-GPU
+    /// simulation: `simulated` in the metrics). Each
     /// layer on each rank's GPU: routing, the
     /// controller's plan from routed counts, replicas, selection,
     /// redistribution, NCCL all-to-alls of packed kept rows.
@@ -1527,9 +1528,9 @@ struct Where {
     corpus: Corpus,
     mcfg: ModelConfig,
     /// In-process ranks with `--executor device`: one device model per rank
-    /// thread, all on this one GPU, their collectives staged through the
-    /// host (`DeviceComm::Staged`: the multi-rank path's plan and
-    /// exchanges, not its speed).
+    /// thread, all on this one GPU (`DeviceComm::Staged` over timed
+    /// in-process ranks: the multi-rank path's plan and exchanges, device
+    /// to device, each rank's work timed alone for the N-GPU simulation).
     staged: bool,
     /// The whole model resident on the GPU: one rank, or launched ranks
     /// with `--executor device` (experts sharded over the ranks' GPUs,

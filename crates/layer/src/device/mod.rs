@@ -78,13 +78,15 @@ pub enum DeviceComm<'a> {
     Local,
     /// A launched group's communicator.
     Nccl(&'a NcclComm),
-    /// Collectives over a host [`Transport`], every device buffer staged
-    /// through host memory and every collective waited for by the host (no
-    /// overlap, no speed): in-process ranks sharing one GPU
-    /// ([`crate::run_local`]) run the multi-rank executor — every exchange,
-    /// replica and sum of the NCCL path's plan — where only one GPU is at
-    /// hand, for tests and for debugging a plan. Results equal the NCCL
-    /// path's up to the order of the f32 sums.
+    /// Collectives over a host [`Transport`], every collective waited for
+    /// by the host (no overlap): in-process ranks sharing one GPU
+    /// ([`crate::run_local`], [`crate::run_local_timed`]) run the
+    /// multi-rank executor — every exchange, replica and sum of the NCCL
+    /// path's plan — where only one GPU is at hand, moving rows and sums
+    /// device to device ([`Transport::swap_offers`]); other transports
+    /// stage device buffers through host memory (the same bits). For
+    /// tests, for debugging a plan, and for the N-GPU simulation. Results
+    /// equal the NCCL path's up to the order of the f32 sums.
     Staged(&'a dyn Transport),
 }
 

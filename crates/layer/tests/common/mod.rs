@@ -78,7 +78,7 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
     let (me, world) = (t.rank(), t.world_size());
     let how = match comm {
         DeviceComm::Nccl(_) => "over NCCL",
-        _ => "staged through the host",
+        _ => "in-process ranks on one GPU",
     };
     // The device executor (rows, all-to-alls and grouped GEMMs
     // on the GPUs) against the same executor on one GPU (EP = 1,
