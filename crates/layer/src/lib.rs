@@ -132,7 +132,10 @@
 //! same plan on device buffers: one GPU is EP = 1
 //! ([`device::DeviceComm::Local`]), several GPUs exchange over NCCL, and
 //! in-process ranks sharing one GPU exchange through any host
-//! [`Transport`] ([`device::DeviceComm::Staged`], for tests). Both
+//! [`Transport`] ([`device::DeviceComm::Staged`]: device to device
+//! between the ranks of [`run_local`] and [`run_local_timed`], for tests
+//! and for [`timeline`]'s N-GPU timing, where the ranks take turns on the
+//! GPU and record their work and collectives). Both
 //! follow [`CallPlan`] from [`plan_call`] (the device executor through
 //! [`DevicePlanner`], which resolves it into an [`EpPlan`]), select per
 //! expert as above, redistribute kept pairs with `redistribute`, and move
