@@ -7,7 +7,7 @@
 //! own. Before giving the turn up it waits for its GPU work (the sync hook,
 //! [`crate::LocalTransport::on_pause`]); the time from taking the turn to
 //! that point is one [`Entry::Work`] of the current phase
-//! ([`crate::LocalTransport::phase`]). Every collective is recorded with
+//! ([`crate::Transport::phase`]). Every collective is recorded with
 //! the bytes this rank sent to each other rank ([`Entry::Exchange`]) or
 //! summed ([`Entry::Reduce`]). A cluster model turns the ranks' entries
 //! into the time N GPUs would take (`lrmoe`'s simulator): work between two
