@@ -412,21 +412,8 @@ fn rmsnorm_backward<T: Real>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T]
 /// Per-block activations kept for the backward.
 struct BlockCache<T> {
     x_in: Vec<T>,
-    inv1: Vec<T>,
-    a: Vec<T>,
-    /// Query and key projections before their head norms, token-major, and
-    /// the norms' `1 / rms` per head row (empty without `qk_norm`).
-    q_raw: Vec<T>,
-    k_raw: Vec<T>,
-    q_inv: Vec<T>,
-    k_inv: Vec<T>,
-    /// Queries, keys and values as attention saw them (normed and rotated),
-    /// `[sequence, head, position, head_dim]`.
-    q: Vec<T>,
-    k: Vec<T>,
-    v: Vec<T>,
-    probs: Vec<T>,
-    attn: Vec<T>,
+    /// The attention half's.
+    at: AttnForward<T>,
     x_mid: Vec<T>,
     inv2: Vec<T>,
     moe: Saved<T>,
@@ -573,10 +560,14 @@ fn embed<T: Real>(cfg: &ModelConfig, model: &Model<T>, tokens: &[u32], seq: usiz
 struct AttnForward<T> {
     inv1: Vec<T>,
     a: Vec<T>,
+    /// Query and key projections before their head norms, token-major, and
+    /// the norms' `1 / rms` per head row (empty without `qk_norm`).
     q_raw: Vec<T>,
     k_raw: Vec<T>,
     q_inv: Vec<T>,
     k_inv: Vec<T>,
+    /// Queries, keys and values as attention saw them (normed and rotated),
+    /// `[sequence, head, position, head_dim]`.
     q: Vec<T>,
     k: Vec<T>,
     v: Vec<T>,
@@ -786,17 +777,7 @@ pub fn forward<T: Real, X: Transport>(
         moe_seconds += secs;
         blocks.push(BlockCache {
             x_in,
-            inv1: at.inv1,
-            a: at.a,
-            q_raw: at.q_raw,
-            k_raw: at.k_raw,
-            q_inv: at.q_inv,
-            k_inv: at.k_inv,
-            q: at.q,
-            k: at.k,
-            v: at.v,
-            probs: at.probs,
-            attn: at.attn,
+            at,
             x_mid,
             inv2,
             moe,
@@ -888,7 +869,7 @@ fn head_backward<T: Real>(
 #[allow(clippy::type_complexity)]
 fn heads_backward<T: Real>(
     cfg: &ModelConfig,
-    c: &BlockCache<T>,
+    c: &AttnForward<T>,
     dctx: &[T],
     seq: usize,
 ) -> Result<(Vec<T>, Vec<T>, Vec<T>), ModelError> {
@@ -968,12 +949,12 @@ fn attention_backward<T: Real>(
     let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
     let (qd, kd) = (h * dh, kv * dh);
     let n = dx.len() / d;
-    matmul(&mut gb.wo, &c.attn, Op::T, dx, Op::N, (qd, n, d), false)?;
+    matmul(&mut gb.wo, &c.at.attn, Op::T, dx, Op::N, (qd, n, d), false)?;
     let mut dattn = vec![T::zero(); n * qd];
     matmul(&mut dattn, dx, Op::N, &b.wo, Op::T, (n, d, qd), false)?;
     let mut dctx = vec![T::zero(); n * qd];
     split_heads(&dattn, seq, h, dh, &mut dctx);
-    let (dq, dk, dv) = heads_backward(cfg, c, &dctx, seq)?;
+    let (dq, dk, dv) = heads_backward(cfg, &c.at, &dctx, seq)?;
     // Back to token-major rows, through the rotation and the head norms.
     let by_token = |t: &[T], heads: usize| {
         let mut o = vec![T::zero(); t.len()];
@@ -987,8 +968,20 @@ fn attention_backward<T: Real>(
     }
     if cfg.qk_norm {
         for (dt, raw, w, inv, gw) in [
-            (&mut dqt, &c.q_raw, &b.q_norm, &c.q_inv, &mut gb.q_norm),
-            (&mut dkt, &c.k_raw, &b.k_norm, &c.k_inv, &mut gb.k_norm),
+            (
+                &mut dqt,
+                &c.at.q_raw,
+                &b.q_norm,
+                &c.at.q_inv,
+                &mut gb.q_norm,
+            ),
+            (
+                &mut dkt,
+                &c.at.k_raw,
+                &b.k_norm,
+                &c.at.k_inv,
+                &mut gb.k_norm,
+            ),
         ] {
             let mut draw = vec![T::zero(); dt.len()];
             rmsnorm_backward(raw, w, inv, dt, &mut draw, gw);
@@ -1001,10 +994,10 @@ fn attention_backward<T: Real>(
         (&dkt, &b.wk, &mut gb.wk, kd),
         (&dvt, &b.wv, &mut gb.wv, kd),
     ] {
-        matmul(gw, &c.a, Op::T, dproj, Op::N, (d, n, width), false)?;
+        matmul(gw, &c.at.a, Op::T, dproj, Op::N, (d, n, width), false)?;
         matmul(&mut da, dproj, Op::N, w, Op::T, (n, width, d), true)?;
     }
-    rmsnorm_backward(&c.x_in, &b.norm1, &c.inv1, &da, dx, &mut gb.norm1);
+    rmsnorm_backward(&c.x_in, &b.norm1, &c.at.inv1, &da, dx, &mut gb.norm1);
     Ok(())
 }
 
