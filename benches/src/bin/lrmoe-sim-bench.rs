@@ -52,10 +52,13 @@ fn rank(
         drop((g, sv));
         t.close_step(i)?;
         t.fence()?;
-        if t.rank() == 0 && i >= 2 {
+        if t.rank() == 0 {
             let tl = t
                 .take_step(i)
                 .ok_or_else(|| layer::LayerError::Config(format!("step {i} not closed")))?;
+            if i < 2 {
+                continue; // a warm-up
+            }
             let s = lrmoe::simulate::simulate(&tl, &cluster::Cluster::default())
                 .map_err(|e| layer::LayerError::Config(e.to_string()))?;
             out.push(s);

@@ -175,11 +175,21 @@ pub fn sum_by_gather<T: Real, X: Transport + ?Sized>(
     buf: &mut [T],
 ) -> Result<(), TransportError> {
     let all = all_gather(comm, buf)?;
+    sum_in_rank_order(comm.rank(), &all, buf)
+}
+
+/// `buf` = the sum of every rank's `parts` (rank order, from zero): the
+/// same bits on every rank.
+fn sum_in_rank_order<T: Real>(
+    rank: usize,
+    parts: &[Vec<T>],
+    buf: &mut [T],
+) -> Result<(), TransportError> {
     buf.fill(T::zero());
-    for part in &all {
+    for part in parts {
         if part.len() != buf.len() {
             return Err(TransportError::BadCounts {
-                rank: comm.rank(),
+                rank,
                 message: format!("all-reduce lengths differ: {} vs {}", part.len(), buf.len()),
             });
         }
@@ -448,23 +458,25 @@ impl Transport for LocalTransport {
             self.post_and_collect_untimed(vec![bytemuck::cast_slice(buf).to_vec(); self.shared.n]);
         self.resume()?;
         let all = all?;
-        buf.fill(0.0);
-        for part in &all {
-            if part.len() != std::mem::size_of_val(buf) {
-                return Err(TransportError::BadCounts {
-                    rank: self.rank,
-                    message: format!(
-                        "all-reduce lengths differ: {} vs {} bytes",
-                        part.len(),
-                        std::mem::size_of_val(buf)
-                    ),
-                });
-            }
-            for (b, c) in buf.iter_mut().zip(part.chunks_exact(4)) {
-                *b += f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-            }
+        if let Some(part) = all.iter().find(|b| b.len() != std::mem::size_of_val(buf)) {
+            return Err(TransportError::BadCounts {
+                rank: self.rank,
+                message: format!(
+                    "all-reduce lengths differ: {} vs {} bytes",
+                    part.len(),
+                    std::mem::size_of_val(buf)
+                ),
+            });
         }
-        Ok(())
+        let parts: Vec<Vec<f32>> = all
+            .iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(bytemuck::pod_read_unaligned)
+                    .collect()
+            })
+            .collect();
+        sum_in_rank_order(self.rank, &parts, buf)
     }
 
     fn phase(&self, name: &str) -> Result<(), TransportError> {

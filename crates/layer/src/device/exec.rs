@@ -255,7 +255,8 @@ fn bytes_of<T>(n: usize) -> u64 {
 /// the parts addressed to it into `recv` at `recv_parts[s] = (off, n)`
 /// device to device, and waits until every rank has copied before any
 /// send buffer may change. The message to self travels too when `self_too`
-/// (an exchange of whole buffers); otherwise the caller moves it.
+/// (an exchange of whole buffers); otherwise the caller moves it and
+/// offers nothing to itself.
 fn in_process<T: kernels::gpu::DeviceRepr>(
     t: &dyn crate::Transport,
     gpu: &Gpu,
@@ -286,15 +287,10 @@ fn in_process<T: kernels::gpu::DeviceRepr>(
         gpu.sync()?;
         t.bookkeeping(false).map_err(staged)
     };
-    let mine: Vec<(u64, u64)> = offers
-        .iter()
-        .enumerate()
-        .map(|(d, &o)| if d == rank && !self_too { (0, 0) } else { o })
-        .collect();
     if let Err(e) = gpu.sync() {
         return Some(Err(e));
     }
-    let got = t.swap_offers(&mine)?;
+    let got = t.swap_offers(offers)?;
     Some(
         got.map_err(staged)
             .and_then(|got| copy(got, recv))
