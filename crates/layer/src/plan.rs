@@ -556,6 +556,13 @@ pub struct EpPlan {
     pub priority_seed: Option<u64>,
 }
 
+/// Whether every expert has exactly one instance (its owner): no replica
+/// in the call, so nothing is split, no weight is sent and no gradient
+/// returns — the rule every executor's shortcut tests.
+pub fn one_instance_each(instances: &[Vec<usize>]) -> bool {
+    instances.iter().all(|i| i.len() == 1)
+}
+
 /// Checks a split `[source][expert][rank]` against the counts it divides
 /// and the instances it may use; the plan's error otherwise.
 pub fn check_split(
@@ -733,7 +740,7 @@ impl DevicePlanner {
         solver: redistribute::Solver,
     ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
         let n_ranks = counts.len();
-        if instances.iter().all(|i| i.len() == 1) {
+        if one_instance_each(instances) {
             // One instance per expert: nothing to choose (the caps were
             // honoured by the quotas).
             return owners_split(counts, |e| instances[e][0], n_ranks);

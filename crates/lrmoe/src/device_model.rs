@@ -280,6 +280,15 @@ mod imp {
         k_inv: CudaSlice<f32>,
     }
 
+    /// The final norm's output rows (bf16) and `1 / rms`, the loss sum and
+    /// the logits' gradient.
+    type HeadLoss = (
+        CudaSlice<u16>,
+        CudaSlice<f32>,
+        CudaSlice<f32>,
+        CudaSlice<u16>,
+    );
+
     /// A timed span on the device (two events).
     type Span = (kernels::gpu::Mark, kernels::gpu::Mark);
 
@@ -321,6 +330,146 @@ mod imp {
         aux_loss: f64,
         moe_ms: Vec<Span>,
         plans: Vec<layer::CallPlan>,
+    }
+
+    /// Adds one micro-batch's gradients to the step's (f32 accumulators;
+    /// one micro-batch: its gradients as they are).
+    fn accumulate(
+        g: &Gpu,
+        acc: Option<Vec<(Share, Grad)>>,
+        grads: Vec<(Share, Grad)>,
+        micro: usize,
+    ) -> Result<Vec<(Share, Grad)>, ModelError> {
+        Ok(match acc {
+            None if micro == 1 => grads,
+            None => grads
+                .into_iter()
+                .map(|(sh, gr)| Ok((sh, Grad::F32(as_f32(g, gr)?))))
+                .collect::<Result<_, ModelError>>()?,
+            Some(mut a) => {
+                for ((_, to), (_, gr)) in a.iter_mut().zip(grads) {
+                    let add = as_f32(g, gr)?;
+                    match to {
+                        Grad::F32(x) => g.add_f32(x, &add, add.len()).map_err(k)?,
+                        Grad::Bf16(_) => {
+                            return Err(ModelError::Config("a bf16 accumulator".into()))
+                        }
+                    }
+                }
+                a
+            }
+        })
+    }
+
+    /// The milliseconds of timed spans, summed.
+    fn span_ms(v: &[Span]) -> Result<f64, ModelError> {
+        v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
+    }
+
+    /// The step's loss (a mean over `tokens`) and squared gradient norm,
+    /// downloaded; non-finite values are an error.
+    fn step_scalars(
+        g: &Gpu,
+        ns: &CudaSlice<f32>,
+        loss_sums: &[CudaSlice<f32>],
+        tokens: usize,
+    ) -> Result<(f64, f32), ModelError> {
+        let norm_sq = g.download(ns, 1).map_err(k)?[0];
+        let mut l = 0.0f64;
+        for ls in loss_sums {
+            l += f64::from(g.download(ls, 1).map_err(k)?[0]);
+        }
+        let loss = l / tokens as f64;
+        if !(loss.is_finite() && norm_sq.is_finite()) {
+            return Err(ModelError::NonFinite("loss or gradient"));
+        }
+        Ok((loss, norm_sq))
+    }
+
+    /// One parameter and its moments, uploaded.
+    fn upload_param(
+        g: &Gpu,
+        p: &[f32],
+        m: &[f32],
+        v: &[f32],
+        decay: bool,
+    ) -> Result<Param, ModelError> {
+        Ok(Param {
+            p: g.upload(p).map_err(k)?,
+            m: g.upload(m).map_err(k)?,
+            v: g.upload(v).map_err(k)?,
+            decay,
+        })
+    }
+
+    /// Block `i` of the weights and moments `[model, m, v]` on the device:
+    /// the dense parameters whole, the experts in `mine` stacked, and the
+    /// bf16 copies written from the masters.
+    fn upload_block(
+        g: &Gpu,
+        comm: DeviceComm<'_>,
+        moe_cfg: &layer::MoeConfig,
+        [model, am, av]: [&Model<f32>; 3],
+        i: usize,
+        mine: std::ops::Range<usize>,
+    ) -> Result<Block, ModelError> {
+        let (b, bm, bv) = (&model.blocks[i], &am.blocks[i], &av.blocks[i]);
+        let param = |p: &[f32], m: &[f32], v: &[f32], decay| upload_param(g, p, m, v, decay);
+        let norm =
+            |p: &Vec<f32>, m: &Vec<f32>, v: &Vec<f32>| -> Result<Option<Param>, ModelError> {
+                if p.is_empty() {
+                    Ok(None)
+                } else {
+                    param(p, m, v, false).map(Some)
+                }
+            };
+        let stack = |p: &Model<f32>, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| {
+            p.blocks[i].moe.experts[mine.clone()]
+                .iter()
+                .flat_map(|e| sel(e).iter().copied())
+                .collect::<Vec<f32>>()
+        };
+        let experts = |sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| -> Result<Param, ModelError> {
+            param(&stack(model, sel), &stack(am, sel), &stack(av, sel), true)
+        };
+        let mut blk = Block {
+            norm1: param(&b.norm1, &bm.norm1, &bv.norm1, false)?,
+            wq: param(&b.wq, &bm.wq, &bv.wq, true)?,
+            wk: param(&b.wk, &bm.wk, &bv.wk, true)?,
+            wv: param(&b.wv, &bm.wv, &bv.wv, true)?,
+            wo: param(&b.wo, &bm.wo, &bv.wo, true)?,
+            q_norm: norm(&b.q_norm, &bm.q_norm, &bv.q_norm)?,
+            k_norm: norm(&b.k_norm, &bm.k_norm, &bv.k_norm)?,
+            norm2: param(&b.norm2, &bm.norm2, &bv.norm2, false)?,
+            router: param(&b.moe.router, &bm.moe.router, &bv.moe.router, true)?,
+            gate: experts(|e| &e.gate)?,
+            up: experts(|e| &e.up)?,
+            down: experts(|e| &e.down)?,
+            wq16: g.zeros(b.wq.len()).map_err(k)?,
+            wk16: g.zeros(b.wk.len()).map_err(k)?,
+            wv16: g.zeros(b.wv.len()).map_err(k)?,
+            wo16: g.zeros(b.wo.len()).map_err(k)?,
+            moe: DeviceWeights::zeros(g, comm, moe_cfg)?,
+        };
+        // The bf16 copies from the masters.
+        for (src, dst) in [
+            (&blk.wq.p, &mut blk.wq16),
+            (&blk.wk.p, &mut blk.wk16),
+            (&blk.wv.p, &mut blk.wv16),
+            (&blk.wo.p, &mut blk.wo16),
+        ] {
+            g.to_bf16_into(src, dst, src.len()).map_err(k)?;
+        }
+        let [r16, g16, u16_, d16] = blk.moe.buffers_mut();
+        for (src, dst) in [
+            (&blk.router.p, r16),
+            (&blk.gate.p, g16),
+            (&blk.up.p, u16_),
+            (&blk.down.p, d16),
+        ] {
+            g.to_bf16_into(src, dst, src.len()).map_err(k)?;
+        }
+        Ok(blk)
     }
 
     /// A parameter's master (0), first (1) or second (2) moment.
@@ -387,88 +536,26 @@ mod imp {
             layer::check_device_shape(&cfg.moe())?;
             let g = &*gpu;
             let param =
-                |p: &[f32], m: &[f32], v: &[f32], decay: bool| -> Result<Param, ModelError> {
-                    Ok(Param {
-                        p: g.upload(p).map_err(k)?,
-                        m: g.upload(m).map_err(k)?,
-                        v: g.upload(v).map_err(k)?,
-                        decay,
-                    })
-                };
+                |p: &[f32], m: &[f32], v: &[f32], decay: bool| upload_param(g, p, m, v, decay);
             let (am, av) = (&adam.m, &adam.v);
             let moe_cfg = cfg.moe();
-            let stack = |p: &Model<f32>, i: usize, sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| {
-                p.blocks[i].moe.experts[rank * el..(rank + 1) * el]
-                    .iter()
-                    .flat_map(|e| sel(e).iter().copied())
-                    .collect::<Vec<f32>>()
-            };
             // The forced hot-expert workload's router logit bias, the same
             // for every layer.
             let logit_bias: Option<Vec<f32>> = call
                 .logit_bias(cfg.n_experts)?
                 .map(|b| b.iter().map(|&x| x as f32).collect());
             let mut blocks = Vec::with_capacity(cfg.n_layers);
-            for (i, b) in model.blocks.iter().enumerate() {
-                let (bm, bv) = (&am.blocks[i], &av.blocks[i]);
-                let norm = |p: &Vec<f32>,
-                            m: &Vec<f32>,
-                            v: &Vec<f32>|
-                 -> Result<Option<Param>, ModelError> {
-                    if p.is_empty() {
-                        Ok(None)
-                    } else {
-                        param(p, m, v, false).map(Some)
-                    }
-                };
-                let experts =
-                    |sel: fn(&ExpertWeights<f32>) -> &Vec<f32>| -> Result<Param, ModelError> {
-                        param(
-                            &stack(model, i, sel),
-                            &stack(am, i, sel),
-                            &stack(av, i, sel),
-                            true,
-                        )
-                    };
-                let mut blk = Block {
-                    norm1: param(&b.norm1, &bm.norm1, &bv.norm1, false)?,
-                    wq: param(&b.wq, &bm.wq, &bv.wq, true)?,
-                    wk: param(&b.wk, &bm.wk, &bv.wk, true)?,
-                    wv: param(&b.wv, &bm.wv, &bv.wv, true)?,
-                    wo: param(&b.wo, &bm.wo, &bv.wo, true)?,
-                    q_norm: norm(&b.q_norm, &bm.q_norm, &bv.q_norm)?,
-                    k_norm: norm(&b.k_norm, &bm.k_norm, &bv.k_norm)?,
-                    norm2: param(&b.norm2, &bm.norm2, &bv.norm2, false)?,
-                    router: param(&b.moe.router, &bm.moe.router, &bv.moe.router, true)?,
-                    gate: experts(|e| &e.gate)?,
-                    up: experts(|e| &e.up)?,
-                    down: experts(|e| &e.down)?,
-                    wq16: g.zeros(b.wq.len()).map_err(k)?,
-                    wk16: g.zeros(b.wk.len()).map_err(k)?,
-                    wv16: g.zeros(b.wv.len()).map_err(k)?,
-                    wo16: g.zeros(b.wo.len()).map_err(k)?,
-                    moe: DeviceWeights::zeros(g, comm, &moe_cfg)?,
-                };
+            for i in 0..model.blocks.len() {
+                let mut blk = upload_block(
+                    g,
+                    comm,
+                    &moe_cfg,
+                    [model, am, av],
+                    i,
+                    rank * el..(rank + 1) * el,
+                )?;
                 if let Some(b32) = &logit_bias {
                     layer::device::set_logit_bias(g, &moe_cfg, &mut blk.moe, b32)?;
-                }
-                // The bf16 copies from the masters.
-                for (src, dst) in [
-                    (&blk.wq.p, &mut blk.wq16),
-                    (&blk.wk.p, &mut blk.wk16),
-                    (&blk.wv.p, &mut blk.wv16),
-                    (&blk.wo.p, &mut blk.wo16),
-                ] {
-                    g.to_bf16_into(src, dst, src.len()).map_err(k)?;
-                }
-                let [r16, g16, u16_, d16] = blk.moe.buffers_mut();
-                for (src, dst) in [
-                    (&blk.router.p, r16),
-                    (&blk.gate.p, g16),
-                    (&blk.up.p, u16_),
-                    (&blk.down.p, d16),
-                ] {
-                    g.to_bf16_into(src, dst, src.len()).map_err(k)?;
                 }
                 blocks.push(blk);
             }
@@ -624,6 +711,125 @@ mod imp {
             Ok(())
         }
 
+        /// One block's forward on the residual stream `x` (`n × d`, updated in
+        /// place): the attention half, then the MoE layer; what the
+        /// backward keeps, the MoE call's span and its plan.
+        fn block_forward(
+            &self,
+            b: &Block,
+            x: &mut CudaSlice<f32>,
+            shape: AttnShape,
+            (one, att): (&CudaSlice<i32>, &CudaSlice<i32>),
+        ) -> Result<(Saved, Span, layer::CallPlan), ModelError> {
+            let g = &*self.gpu;
+            let (n, d) = (shape.n_seq * shape.seq, self.cfg.d_model);
+            let (qd, eps) = (
+                self.cfg.n_heads * self.cfg.head_width(),
+                self.cfg.eps() as f32,
+            );
+            self.comm.phase(super::phase::DENSE_FORWARD)?;
+            let x_in = g.duplicate(x).map_err(k)?;
+            let (a, inv1) = g.rmsnorm(x, &b.norm1.p, n, eps).map_err(k)?;
+            let (qk_raw, att_saved, attn) = self.attention_half(b, &a, shape, (one, att))?;
+            let o = g
+                .gemm_dev(GemmVariant::Forward, one, 1, n, &attn, &b.wo16, qd, d)
+                .map_err(k)?;
+            g.add_into(x, &o, n * d).map_err(k)?;
+            let x_mid = g.duplicate(x).map_err(k)?;
+            let (m, inv2) = g.rmsnorm(x, &b.norm2.p, n, eps).map_err(k)?;
+            let moe_cfg = self.cfg.moe();
+            let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+            self.comm.phase(super::phase::MOE_FORWARD)?;
+            let t0 = g.mark().map_err(k)?;
+            let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
+            let t1 = g.mark().map_err(k)?;
+            self.comm.phase(super::phase::DENSE_FORWARD)?;
+            let plan = match planner.take_last_plan() {
+                Some(p) => p,
+                None => layer::device_plan_call(&moe_cfg, &self.call, sv.routed_counts())?,
+            };
+            g.add_into(x, &sv.y, n * d).map_err(k)?;
+            let saved = Saved {
+                x_in,
+                inv1,
+                a,
+                qk_raw,
+                att: att_saved,
+                attn,
+                x_mid,
+                inv2,
+                moe: sv,
+            };
+            Ok((saved, (t0, t1), plan))
+        }
+
+        /// Attention on the normed rows `a`: the q/k/v projections, the
+        /// head norms (raw projections kept), attention; its saved state
+        /// and output rows (before the output projection).
+        fn attention_half(
+            &self,
+            b: &Block,
+            a: &CudaSlice<u16>,
+            shape: AttnShape,
+            (one, att): (&CudaSlice<i32>, &CudaSlice<i32>),
+        ) -> Result<(Option<HeadNorms>, AttnSaved, CudaSlice<u16>), ModelError> {
+            let (g, cfg) = (&*self.gpu, &self.cfg);
+            let n = shape.n_seq * shape.seq;
+            let (d, h, kv, dh) = (cfg.d_model, cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd, eps) = (h * dh, kv * dh, cfg.eps() as f32);
+            let proj = |w: &CudaSlice<u16>, width: usize| {
+                g.gemm_dev(GemmVariant::Forward, one, 1, n, a, w, d, width)
+                    .map_err(k)
+            };
+            let (mut qt, mut kt, vt) = (proj(&b.wq16, qd)?, proj(&b.wk16, kd)?, proj(&b.wv16, kd)?);
+            let mut qk_raw = None;
+            if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
+                let (qo, q_inv) = g.rmsnorm_bf16(&qt, &qn.p, n * h, eps).map_err(k)?;
+                let (ko, k_inv) = g.rmsnorm_bf16(&kt, &kn.p, n * kv, eps).map_err(k)?;
+                qk_raw = Some(HeadNorms {
+                    q: std::mem::replace(&mut qt, qo),
+                    k: std::mem::replace(&mut kt, ko),
+                    q_inv,
+                    k_inv,
+                });
+            }
+            let (attn, att_saved) = g
+                .attention_forward(shape, att, (&qt, &kt, &vt))
+                .map_err(k)?;
+            Ok((qk_raw, att_saved, attn))
+        }
+
+        /// The final norm, the LM head and the cross-entropy on the residual
+        /// stream `x` (`n` rows): the normed rows and their `1 / rms`, the
+        /// loss sum and the logits' gradient (scaled by `1 / total_tokens`).
+        fn head_loss(
+            &self,
+            x: &CudaSlice<f32>,
+            (tgt, one): (&CudaSlice<u32>, &CudaSlice<i32>),
+            n: usize,
+            total_tokens: usize,
+        ) -> Result<HeadLoss, ModelError> {
+            let g = &*self.gpu;
+            let (d, vocab, eps) = (self.cfg.d_model, self.cfg.vocab, self.cfg.eps() as f32);
+            let (hf, inv_f) = g.rmsnorm(x, &self.norm_f.p, n, eps).map_err(k)?;
+            let logits = g
+                .gemm_dev(GemmVariant::Forward, one, 1, n, &hf, &self.head16, d, vocab)
+                .map_err(k)?;
+            let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
+            // SAFETY: targets are corpus tokens, below the vocabulary.
+            let dlogits = unsafe {
+                g.cross_entropy(
+                    &logits,
+                    tgt,
+                    &mut loss_sum,
+                    (n, vocab),
+                    1.0 / total_tokens.max(1) as f32,
+                )
+            }
+            .map_err(k)?;
+            Ok((hf, inv_f, loss_sum, dlogits))
+        }
+
         /// The forward on the windows at `starts` (of the training corpus,
         /// or the validation one), through the loss and its logits'
         /// gradient.
@@ -648,10 +854,7 @@ mod imp {
             }
             let n_seq = starts.len();
             let n = n_seq * seq;
-            let (d, vocab) = (cfg.d_model, cfg.vocab);
-            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-            let (qd, kd) = (h * dh, kv * dh);
-            let eps = cfg.eps() as f32;
+            let d = cfg.d_model;
             let corpus = if val { &self.val } else { &self.train };
             let st = self.starts(starts, seq, val)?;
             // SAFETY: every window lies inside the corpus (checked above).
@@ -674,91 +877,19 @@ mod imp {
             let att = g
                 .even_offsets(shape.groups(), shape.rows_each())
                 .map_err(k)?;
-            let moe_cfg = cfg.moe();
             let mut blocks = Vec::with_capacity(self.blocks.len());
             let mut aux_loss = 0.0;
             let mut moe_ms = Vec::new();
             let mut plans = Vec::new();
             for b in &self.blocks {
-                self.comm.phase(super::phase::DENSE_FORWARD)?;
-                let x_in = g.duplicate(&x).map_err(k)?;
-                let (a, inv1) = g.rmsnorm(&x, &b.norm1.p, n, eps).map_err(k)?;
-                let proj = |w: &CudaSlice<u16>, width: usize| {
-                    g.gemm_dev(GemmVariant::Forward, &one, 1, n, &a, w, d, width)
-                        .map_err(k)
-                };
-                let (mut qt, mut kt, vt) =
-                    (proj(&b.wq16, qd)?, proj(&b.wk16, kd)?, proj(&b.wv16, kd)?);
-                let mut qk_raw = None;
-                if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
-                    let (qo, q_inv) = g.rmsnorm_bf16(&qt, &qn.p, n * h, eps).map_err(k)?;
-                    let (ko, k_inv) = g.rmsnorm_bf16(&kt, &kn.p, n * kv, eps).map_err(k)?;
-                    qk_raw = Some(HeadNorms {
-                        q: std::mem::replace(&mut qt, qo),
-                        k: std::mem::replace(&mut kt, ko),
-                        q_inv,
-                        k_inv,
-                    });
-                }
-                let (attn, att_saved) = g
-                    .attention_forward(shape, &att, (&qt, &kt, &vt))
-                    .map_err(k)?;
-                let o = g
-                    .gemm_dev(GemmVariant::Forward, &one, 1, n, &attn, &b.wo16, qd, d)
-                    .map_err(k)?;
-                g.add_into(&mut x, &o, n * d).map_err(k)?;
-                let x_mid = g.duplicate(&x).map_err(k)?;
-                let (m, inv2) = g.rmsnorm(&x, &b.norm2.p, n, eps).map_err(k)?;
-                let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
-                self.comm.phase(super::phase::MOE_FORWARD)?;
-                let t0 = g.mark().map_err(k)?;
-                let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
-                let t1 = g.mark().map_err(k)?;
-                self.comm.phase(super::phase::DENSE_FORWARD)?;
-                moe_ms.push((t0, t1));
-                plans.push(match planner.take_last_plan() {
-                    Some(p) => p,
-                    None => layer::device_plan_call(&moe_cfg, &self.call, sv.routed_counts())?,
-                });
-                aux_loss += sv.aux_loss;
-                g.add_into(&mut x, &sv.y, n * d).map_err(k)?;
-                blocks.push(Saved {
-                    x_in,
-                    inv1,
-                    a,
-                    qk_raw,
-                    att: att_saved,
-                    attn,
-                    x_mid,
-                    inv2,
-                    moe: sv,
-                });
+                let (saved, span, plan) = self.block_forward(b, &mut x, shape, (&one, &att))?;
+                moe_ms.push(span);
+                plans.push(plan);
+                aux_loss += saved.moe.aux_loss;
+                blocks.push(saved);
             }
-            let (hf, inv_f) = g.rmsnorm(&x, &self.norm_f.p, n, eps).map_err(k)?;
-            let logits = g
-                .gemm_dev(
-                    GemmVariant::Forward,
-                    &one,
-                    1,
-                    n,
-                    &hf,
-                    &self.head16,
-                    d,
-                    vocab,
-                )
-                .map_err(k)?;
-            let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
-            // SAFETY: targets are corpus tokens, below the vocabulary.
-            let dlogits = unsafe {
-                g.cross_entropy(
-                    &logits,
-                    &tgt,
-                    &mut loss_sum,
-                    (n, vocab),
-                    1.0 / total_tokens.max(1) as f32,
-                )
-            }
-            .map_err(k)?;
+            let (hf, inv_f, loss_sum, dlogits) =
+                self.head_loss(&x, (&tgt, &one), n, total_tokens)?;
             Ok(Forward {
                 n_seq,
                 seq,
@@ -801,92 +932,17 @@ mod imp {
         fn backward(&self, f: &Forward) -> Result<Backward, ModelError> {
             let g = &*self.gpu;
             let cfg = &self.cfg;
-            let (n_seq, seq) = (f.n_seq, f.seq);
-            let n = n_seq * seq;
-            let (d, vocab) = (cfg.d_model, cfg.vocab);
-            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-            let (qd, kd) = (h * dh, kv * dh);
-            let (one, att) = (&f.one, &f.att);
-            let moe_cfg = cfg.moe();
+            let n = f.n_seq * f.seq;
+            let d = cfg.d_model;
             self.comm.phase(super::phase::DENSE_BACKWARD)?;
-            let d_head = g
-                .gemm_dev(
-                    GemmVariant::WeightGrad,
-                    one,
-                    1,
-                    n,
-                    &f.hf,
-                    &f.dlogits,
-                    d,
-                    vocab,
-                )
-                .map_err(k)?;
-            let dhf = g
-                .gemm_dev(
-                    GemmVariant::DataGrad,
-                    one,
-                    1,
-                    n,
-                    &f.dlogits,
-                    &self.head16,
-                    d,
-                    vocab,
-                )
-                .map_err(k)?;
-            let shape = attn_shape(cfg, n_seq, seq);
-            let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
-            let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
-            g.rmsnorm_backward(
-                &f.x_final,
-                &self.norm_f.p,
-                &f.inv_f,
-                &dhf,
-                &mut dx,
-                &mut d_norm_f,
-                n,
-            )
-            .map_err(k)?;
+            let (d_head, mut dx, d_norm_f) = self.head_backward(f)?;
             let mut block_grads: Vec<Vec<(Share, Grad)>> = Vec::with_capacity(self.blocks.len());
             let mut stats = Vec::with_capacity(self.blocks.len());
             let mut moe_ms = Vec::new();
             for (b, s) in self.blocks.iter().zip(&f.blocks).rev() {
-                // MoE branch.
-                let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
-                let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
-                // One rank per GPU: the pool's peak during the call is this
-                // layer's backward (ranks staged through one GPU share the
-                // pool, so they report the kept rows instead, below).
-                let pool_base = match self.comm {
-                    layer::device::DeviceComm::Staged(_) => None,
-                    _ => Some(g.pool_reset_peak().map_err(k)?),
-                };
-                self.comm.phase(super::phase::MOE_BACKWARD)?;
-                let t0 = g.mark().map_err(k)?;
-                let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
-                let t1 = g.mark().map_err(k)?;
-                self.comm.phase(super::phase::DENSE_BACKWARD)?;
-                let pool_peak = pool_base
-                    .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
-                    .transpose()
-                    .map_err(k)?;
-                moe_ms.push((t0, t1));
-                stats.push(BackwardStats {
-                    expert_load: (0..cfg.n_experts)
-                        .map(|e| s.moe.routed_counts().iter().map(|c| u64::from(c[e])).sum())
-                        .collect(),
-                    routed_pairs: n * cfg.top_k,
-                    kept_pairs: mg.kept_pairs,
-                    kept: vec![],
-                    scores: vec![],
-                    pairs_per_rank: vec![mg.kept_pairs as u64],
-                    // The most device memory the backward call held above
-                    // what was in use when it started (its pool's peak);
-                    // staged ranks: the kept `[x | g·δ]` bf16 rows, the
-                    // controller's unit.
-                    buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
-                    bytes_sent: mg.bytes_sent as u64,
-                    times: layer::StageTimes::default(),
-                });
+                let (mg, st, span) = self.moe_backward(b, s, &dx, n)?;
+                moe_ms.push(span);
+                stats.push(st);
                 let mut d_norm2 = g.zeros::<f32>(d).map_err(k)?;
                 g.rmsnorm_backward(
                     &s.x_mid,
@@ -898,57 +954,7 @@ mod imp {
                     n,
                 )
                 .map_err(k)?;
-                // Attention branch.
-                let dxb = g.to_bf16(&dx, n * d).map_err(k)?;
-                let d_wo = g
-                    .gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.attn, &dxb, qd, d)
-                    .map_err(k)?;
-                let dattn = g
-                    .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
-                    .map_err(k)?;
-                let (mut dqt, mut dkt, dvt) = g
-                    .attention_backward(shape, att, &s.att, &dattn)
-                    .map_err(k)?;
-                let mut norms = Vec::new();
-                if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
-                    let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
-                    let mut d_kn = g.zeros::<f32>(dh).map_err(k)?;
-                    dqt = g
-                        .rmsnorm_bf16_backward(&raw.q, &qn.p, &raw.q_inv, &dqt, &mut d_qn, n * h)
-                        .map_err(k)?;
-                    dkt = g
-                        .rmsnorm_bf16_backward(&raw.k, &kn.p, &raw.k_inv, &dkt, &mut d_kn, n * kv)
-                        .map_err(k)?;
-                    norms = vec![Grad::F32(d_qn), Grad::F32(d_kn)];
-                }
-                let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
-                    g.gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.a, dproj, d, width)
-                        .map_err(k)
-                };
-                let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
-                    g.gemm_dev(GemmVariant::DataGrad, one, 1, n, dproj, w, d, width)
-                        .map_err(k)
-                };
-                let (d_wq, d_wk, d_wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
-                let da = g
-                    .add(
-                        &dgrad(&dqt, &b.wq16, qd)?,
-                        &dgrad(&dkt, &b.wk16, kd)?,
-                        n * d,
-                    )
-                    .map_err(k)?;
-                let da = g.add(&da, &dgrad(&dvt, &b.wv16, kd)?, n * d).map_err(k)?;
-                let mut d_norm1 = g.zeros::<f32>(d).map_err(k)?;
-                g.rmsnorm_backward(&s.x_in, &b.norm1.p, &s.inv1, &da, &mut dx, &mut d_norm1, n)
-                    .map_err(k)?;
-                let mut bg = vec![
-                    Grad::F32(d_norm1),
-                    Grad::Bf16(d_wq),
-                    Grad::Bf16(d_wk),
-                    Grad::Bf16(d_wv),
-                    Grad::Bf16(d_wo),
-                ];
-                bg.extend(norms);
+                let mut bg = self.attention_backward(b, s, f, &mut dx)?;
                 bg.push(Grad::F32(d_norm2));
                 let mut bg: Vec<(Share, Grad)> =
                     bg.into_iter().map(|x| (Share::Dense, x)).collect();
@@ -976,6 +982,176 @@ mod imp {
             grads.push((Share::Dense, Grad::F32(d_norm_f)));
             grads.push((Share::Dense, Grad::Bf16(d_head)));
             Ok((grads, stats, moe_ms))
+        }
+
+        /// The LM head's and the final norm's backward: the head's weight
+        /// gradient, the residual stream's gradient (f32) and the final
+        /// norm's gain gradient.
+        #[allow(clippy::type_complexity)]
+        fn head_backward(
+            &self,
+            f: &Forward,
+        ) -> Result<(CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>), ModelError> {
+            let g = &*self.gpu;
+            let n = f.n_seq * f.seq;
+            let (d, vocab, one) = (self.cfg.d_model, self.cfg.vocab, &f.one);
+            let d_head = g
+                .gemm_dev(
+                    GemmVariant::WeightGrad,
+                    one,
+                    1,
+                    n,
+                    &f.hf,
+                    &f.dlogits,
+                    d,
+                    vocab,
+                )
+                .map_err(k)?;
+            let dhf = g
+                .gemm_dev(
+                    GemmVariant::DataGrad,
+                    one,
+                    1,
+                    n,
+                    &f.dlogits,
+                    &self.head16,
+                    d,
+                    vocab,
+                )
+                .map_err(k)?;
+            let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
+            let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
+            g.rmsnorm_backward(
+                &f.x_final,
+                &self.norm_f.p,
+                &f.inv_f,
+                &dhf,
+                &mut dx,
+                &mut d_norm_f,
+                n,
+            )
+            .map_err(k)?;
+            Ok((d_head, dx, d_norm_f))
+        }
+
+        /// One block's MoE layer backward from the residual stream's
+        /// gradient `dx`: the layer's gradients, its figures and its span.
+        fn moe_backward(
+            &self,
+            b: &Block,
+            s: &Saved,
+            dx: &CudaSlice<f32>,
+            n: usize,
+        ) -> Result<(layer::device::DeviceGrads, BackwardStats, Span), ModelError> {
+            let g = &*self.gpu;
+            let (cfg, d) = (&self.cfg, self.cfg.d_model);
+            let moe_cfg = cfg.moe();
+            let dxb = g.to_bf16(dx, n * d).map_err(k)?;
+            let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+            // One rank per GPU: the pool's peak during the call is this
+            // layer's backward (ranks staged through one GPU share the
+            // pool, so they report the kept rows instead, below).
+            let pool_base = match self.comm {
+                layer::device::DeviceComm::Staged(_) => None,
+                _ => Some(g.pool_reset_peak().map_err(k)?),
+            };
+            self.comm.phase(super::phase::MOE_BACKWARD)?;
+            let t0 = g.mark().map_err(k)?;
+            let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
+            let t1 = g.mark().map_err(k)?;
+            self.comm.phase(super::phase::DENSE_BACKWARD)?;
+            let pool_peak = pool_base
+                .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
+                .transpose()
+                .map_err(k)?;
+            let st = BackwardStats {
+                expert_load: (0..cfg.n_experts)
+                    .map(|e| s.moe.routed_counts().iter().map(|c| u64::from(c[e])).sum())
+                    .collect(),
+                routed_pairs: n * cfg.top_k,
+                kept_pairs: mg.kept_pairs,
+                kept: vec![],
+                scores: vec![],
+                pairs_per_rank: vec![mg.kept_pairs as u64],
+                // The most device memory the backward call held above
+                // what was in use when it started (its pool's peak);
+                // staged ranks: the kept `[x | g·δ]` bf16 rows, the
+                // controller's unit.
+                buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
+                bytes_sent: mg.bytes_sent as u64,
+                times: layer::StageTimes::default(),
+            };
+            Ok((mg, st, (t0, t1)))
+        }
+
+        /// One block's attention half backward, the residual stream's
+        /// gradient `dx` updated in place: the gradients of `norm1`, the
+        /// q/k/v/o projections and the head norms, in parameter order.
+        fn attention_backward(
+            &self,
+            b: &Block,
+            s: &Saved,
+            f: &Forward,
+            dx: &mut CudaSlice<f32>,
+        ) -> Result<Vec<Grad>, ModelError> {
+            let (g, cfg) = (&*self.gpu, &self.cfg);
+            let (n, d) = (f.n_seq * f.seq, cfg.d_model);
+            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd) = (h * dh, kv * dh);
+            let (one, att) = (&f.one, &f.att);
+            let shape = attn_shape(cfg, f.n_seq, f.seq);
+            // Attention branch.
+            let dxb = g.to_bf16(dx, n * d).map_err(k)?;
+            let d_wo = g
+                .gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.attn, &dxb, qd, d)
+                .map_err(k)?;
+            let dattn = g
+                .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
+                .map_err(k)?;
+            let (mut dqt, mut dkt, dvt) = g
+                .attention_backward(shape, att, &s.att, &dattn)
+                .map_err(k)?;
+            let mut norms = Vec::new();
+            if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
+                let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
+                let mut d_kn = g.zeros::<f32>(dh).map_err(k)?;
+                dqt = g
+                    .rmsnorm_bf16_backward(&raw.q, &qn.p, &raw.q_inv, &dqt, &mut d_qn, n * h)
+                    .map_err(k)?;
+                dkt = g
+                    .rmsnorm_bf16_backward(&raw.k, &kn.p, &raw.k_inv, &dkt, &mut d_kn, n * kv)
+                    .map_err(k)?;
+                norms = vec![Grad::F32(d_qn), Grad::F32(d_kn)];
+            }
+            let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
+                g.gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.a, dproj, d, width)
+                    .map_err(k)
+            };
+            let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
+                g.gemm_dev(GemmVariant::DataGrad, one, 1, n, dproj, w, d, width)
+                    .map_err(k)
+            };
+            let (d_wq, d_wk, d_wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
+            let da = g
+                .add(
+                    &dgrad(&dqt, &b.wq16, qd)?,
+                    &dgrad(&dkt, &b.wk16, kd)?,
+                    n * d,
+                )
+                .map_err(k)?;
+            let da = g.add(&da, &dgrad(&dvt, &b.wv16, kd)?, n * d).map_err(k)?;
+            let mut d_norm1 = g.zeros::<f32>(d).map_err(k)?;
+            g.rmsnorm_backward(&s.x_in, &b.norm1.p, &s.inv1, &da, dx, &mut d_norm1, n)
+                .map_err(k)?;
+            let mut bg = vec![
+                Grad::F32(d_norm1),
+                Grad::Bf16(d_wq),
+                Grad::Bf16(d_wk),
+                Grad::Bf16(d_wv),
+                Grad::Bf16(d_wo),
+            ];
+            bg.extend(norms);
+            Ok(bg)
         }
 
         /// The replicated dense weights' gradients summed over the ranks
@@ -1062,6 +1238,78 @@ mod imp {
             v
         }
 
+        /// The squared global norm of the step's gradients, on the device:
+        /// replicated gradients (identical on every rank) counted by rank 0
+        /// only, each rank's experts by it; summed over the ranks.
+        fn norm_sq(&self, grads: &[(Share, Grad)]) -> Result<CudaSlice<f32>, ModelError> {
+            let g = &*self.gpu;
+            let mut ns = g.zeros::<f32>(1).map_err(k)?;
+            for (share, gr) in grads {
+                if *share != Share::Expert && self.rank != 0 {
+                    continue;
+                }
+                match gr {
+                    Grad::F32(x) => g.sq_sum_into(x, x.len(), &mut ns),
+                    Grad::Bf16(x) => g.sq_sum_into(x, x.len(), &mut ns),
+                }
+                .map_err(k)?;
+            }
+            if self.world > 1 {
+                ns = layer::device::sum_over_ranks(g, self.comm, vec![ns])?
+                    .pop()
+                    .ok_or(ModelError::Config("the norm's sum went missing".into()))?;
+            }
+            Ok(ns)
+        }
+
+        /// AdamW at `lr` on every parameter with its gradient (clipped by
+        /// the global norm `ns`), the bf16 copies rewritten.
+        fn adamw(
+            &mut self,
+            grads: &[(Share, Grad)],
+            optim: &AdamWConfig,
+            lr: f64,
+            ns: &CudaSlice<f32>,
+        ) -> Result<(), ModelError> {
+            let g = self.gpu.clone();
+            self.adam_t += 1;
+            let t = self.adam_t as i32;
+            let base = AdamHp {
+                lr: lr as f32,
+                beta1: optim.beta1 as f32,
+                beta2: optim.beta2 as f32,
+                eps: optim.eps as f32,
+                weight_decay: 0.0,
+                bc1: (1.0 - optim.beta1.powi(t)) as f32,
+                bc2: (1.0 - optim.beta2.powi(t)) as f32,
+                clip: optim.clip as f32,
+            };
+            let params = self.params();
+            if params.len() != grads.len() {
+                return Err(ModelError::Config(format!(
+                    "{} parameters but {} gradients",
+                    params.len(),
+                    grads.len()
+                )));
+            }
+            for ((p, copy), (_, gr)) in params.into_iter().zip(grads) {
+                let hp = AdamHp {
+                    weight_decay: if p.decay {
+                        optim.weight_decay as f32
+                    } else {
+                        0.0
+                    },
+                    ..base
+                };
+                match gr {
+                    Grad::F32(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, ns),
+                    Grad::Bf16(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, ns),
+                }
+                .map_err(k)?;
+            }
+            Ok(())
+        }
+
         /// One training step on the windows at `starts` of the training
         /// corpus: forward, backward, clip and AdamW at `lr`.
         #[allow(clippy::too_many_arguments)]
@@ -1099,30 +1347,9 @@ mod imp {
                 let m1 = g.mark().map_err(k)?;
                 let (grads, st, bwd_ms) = self.backward(&f)?;
                 let m2 = g.mark().map_err(k)?;
-                acc = Some(match acc {
-                    None if micro == 1 => grads,
-                    None => grads
-                        .into_iter()
-                        .map(|(sh, gr)| Ok((sh, Grad::F32(as_f32(&g, gr)?))))
-                        .collect::<Result<_, ModelError>>()?,
-                    Some(mut a) => {
-                        for ((_, to), (_, gr)) in a.iter_mut().zip(grads) {
-                            let add = as_f32(&g, gr)?;
-                            match to {
-                                Grad::F32(x) => g.add_f32(x, &add, add.len()).map_err(k)?,
-                                Grad::Bf16(_) => {
-                                    return Err(ModelError::Config("a bf16 accumulator".into()))
-                                }
-                            }
-                        }
-                        a
-                    }
-                });
-                let sum = |v: &[Span]| -> Result<f64, ModelError> {
-                    v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
-                };
-                dense_ms[0] += m1.ms_since(&m0).map_err(k)? - sum(&f.moe_ms)?;
-                dense_ms[1] += m2.ms_since(&m1).map_err(k)? - sum(&bwd_ms)?;
+                acc = Some(accumulate(&g, acc, grads, micro)?);
+                dense_ms[0] += m1.ms_since(&m0).map_err(k)? - span_ms(&f.moe_ms)?;
+                dense_ms[1] += m2.ms_since(&m1).map_err(k)? - span_ms(&bwd_ms)?;
                 fwd_ms.extend(f.moe_ms);
                 bwd_ms_all.extend(bwd_ms);
                 stats.push(st);
@@ -1136,77 +1363,15 @@ mod imp {
             let grads = self.sum_dense(acc.unwrap_or_default())?;
             let bwd_ms = bwd_ms_all;
             let m2 = g.mark().map_err(k)?;
-            // The global norm: replicated gradients (identical on every
-            // rank) counted by rank 0 only, each rank's experts by it.
-            let mut ns = g.zeros::<f32>(1).map_err(k)?;
-            for (share, gr) in &grads {
-                if *share != Share::Expert && self.rank != 0 {
-                    continue;
-                }
-                match gr {
-                    Grad::F32(x) => g.sq_sum_into(x, x.len(), &mut ns),
-                    Grad::Bf16(x) => g.sq_sum_into(x, x.len(), &mut ns),
-                }
-                .map_err(k)?;
-            }
-            if self.world > 1 {
-                ns = layer::device::sum_over_ranks(&g, self.comm, vec![ns])?
-                    .pop()
-                    .ok_or(ModelError::Config("the norm's sum went missing".into()))?;
-            }
+            let ns = self.norm_sq(&grads)?;
             self.comm.phase(super::phase::OPTIMIZER)?;
-            self.adam_t += 1;
-            let t = self.adam_t as i32;
-            let base = AdamHp {
-                lr: lr as f32,
-                beta1: optim.beta1 as f32,
-                beta2: optim.beta2 as f32,
-                eps: optim.eps as f32,
-                weight_decay: 0.0,
-                bc1: (1.0 - optim.beta1.powi(t)) as f32,
-                bc2: (1.0 - optim.beta2.powi(t)) as f32,
-                clip: optim.clip as f32,
-            };
-            let params = self.params();
-            if params.len() != grads.len() {
-                return Err(ModelError::Config(format!(
-                    "{} parameters but {} gradients",
-                    params.len(),
-                    grads.len()
-                )));
-            }
-            for ((p, copy), (_, gr)) in params.into_iter().zip(&grads) {
-                let hp = AdamHp {
-                    weight_decay: if p.decay {
-                        optim.weight_decay as f32
-                    } else {
-                        0.0
-                    },
-                    ..base
-                };
-                match gr {
-                    Grad::F32(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, &ns),
-                    Grad::Bf16(x) => g.adamw(&mut p.p, &mut p.m, &mut p.v, x, copy, &hp, &ns),
-                }
-                .map_err(k)?;
-            }
+            self.adamw(&grads, optim, lr, &ns)?;
             let m3 = g.mark().map_err(k)?;
             // The step's scalars (the one synchronisation of the step; the
             // sums over ranks first, with the communicator's deadline).
             layer::device::settle(self.comm)?;
-            let norm_sq = g.download(&ns, 1).map_err(k)?[0];
-            let mut l = 0.0f64;
-            for ls in &loss_sums {
-                l += f64::from(g.download(ls, 1).map_err(k)?[0]);
-            }
-            let loss = l / (starts.len() * seq) as f64;
-            if !(loss.is_finite() && norm_sq.is_finite()) {
-                return Err(ModelError::NonFinite("loss or gradient"));
-            }
-            let sum = |v: &[Span]| -> Result<f64, ModelError> {
-                v.iter().map(|(a, b)| b.ms_since(a).map_err(k)).sum()
-            };
-            let (moe_f, moe_b) = (sum(&fwd_ms)?, sum(&bwd_ms)?);
+            let (loss, norm_sq) = step_scalars(&g, &ns, &loss_sums, starts.len() * seq)?;
+            let (moe_f, moe_b) = (span_ms(&fwd_ms)?, span_ms(&bwd_ms)?);
             let split_ms = [
                 dense_ms[0],
                 moe_f,

@@ -9,7 +9,9 @@ use pack::ep::{
 };
 
 use crate::config::MoeConfig;
-use crate::plan::{check_device_shape, check_plan, check_split, DevicePlanner, EpPlan};
+use crate::plan::{
+    check_device_shape, check_plan, check_split, one_instance_each, DevicePlanner, EpPlan,
+};
 use crate::LayerError;
 
 use super::{DeviceComm, HostForward, HostGrads};
@@ -597,18 +599,10 @@ pub struct DeviceSaved {
     o: CudaSlice<u16>,
     /// `‖h‖²` of this source's pairs, expert-major.
     h_sq: CudaSlice<f32>,
-    /// Expert of each expert-major row, and the expert offsets (`E + 1`).
-    expert_of_row: CudaSlice<u32>,
+    /// This source's expert offsets (`E + 1`).
     offsets: Vec<u32>,
-    /// Global expert-major order (expert, source, pair) → position in the
-    /// all-gathered scores; this source's rows' global positions; the
-    /// global expert offsets. `gperm` also
-    /// serves as the selection's ids: within an expert it increases with
-    /// (source, pair), the tie rule.
-    gperm: CudaSlice<u32>,
-    gperm_identity: bool,
-    gidx: CudaSlice<u32>,
-    goffsets: Vec<u32>,
+    /// The global expert-major order of the backward's selection.
+    order: SelectionOrder,
     counts_all: Vec<Vec<u32>>,
     plan: EpPlan,
     local: Vec<Vec<usize>>,
@@ -961,20 +955,21 @@ fn pack_blocks(
 
 /// The weights of this rank's instances for `plan`: owners send every
 /// replicated expert's weights to the replicas' ranks (one all-to-all per
-/// tensor); `None` where this rank holds only its own block.
+/// tensor); `None` where this rank holds only its own block (no plan yet,
+/// or one instance per expert).
 fn replica_weights(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
     cfg: &MoeConfig,
     w: &DeviceWeights,
-    plan: &EpPlan,
+    plan: Option<&EpPlan>,
     local: &[Vec<usize>],
     el: usize,
 ) -> Result<(Option<LocalWeights>, usize), LayerError> {
     let rank = comm.rank();
-    if plan.instances.iter().all(|i| i.len() == 1) {
+    let Some(plan) = plan.filter(|plan| !one_instance_each(&plan.instances)) else {
         return Ok((None, 0));
-    }
+    };
     let hf = cfg.hidden * cfg.ffn;
     let traffic = replica_traffic(&plan.instances, local, rank, el);
     let mut got = Vec::with_capacity(3);
@@ -1254,8 +1249,9 @@ fn owned_rows(
     lay: &InstanceLayout,
     xr: CudaSlice<u16>,
     goffsets: &[u32],
-    experts: std::ops::Range<usize>,
+    (rank, el): (usize, usize),
 ) -> Result<OwnedRows, LayerError> {
+    let experts = rank * el..(rank + 1) * el;
     let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
     Ok(OwnedRows {
         x: xr,
@@ -1309,26 +1305,22 @@ fn keep_every_row<'g>(
     Ok((kept, None, None, None))
 }
 
-/// The same per-expert selection on every rank over every source's pairs:
-/// the scores all-gathered in the global expert-major order, top-q by score
-/// or priority sampling (top-q by key, weights from the threshold: the key
-/// kept at q + 1 but not at q), this source's flags and kept counts.
-fn select_over_sources<'g>(
-    gpu: &'g Gpu,
+/// Every source's scores on every rank, rank-major (`p` slots per source,
+/// the first `n` its routed rows).
+fn gather_scores(
+    gpu: &Gpu,
     comm: DeviceComm<'_>,
     sv: &DeviceSaved,
     scores: CudaSlice<f32>,
-    err: &mut CudaSlice<u32>,
     laps: &mut Laps,
-) -> Result<Selected<'g>, LayerError> {
+) -> Result<CudaSlice<f32>, LayerError> {
     let (rank, world) = (comm.rank(), comm.world_size());
-    let (n, e) = (sv.rows, sv.cfg.n_experts);
+    let n = sv.rows;
     let p = sv.tokens * sv.cfg.top_k;
-    let n_g = sv.goffsets[e] as usize;
     let mut scores = scores;
     if n < p {
         // Every source contributes p slots to the gather; only its first n
-        // are routed rows (gperm never points past them).
+        // are routed rows (order.perm never points past them).
         let mut padded = gpu.zeros::<f32>(p)?;
         if n > 0 {
             gpu.copy(&scores.slice(0..n), &mut padded.slice_mut(0..n))?;
@@ -1358,30 +1350,49 @@ fn select_over_sources<'g>(
         copy_rows(gpu, &sends[0], 0, recv, rank, (1, p))?;
         fl.finish()?.0
     };
+    Ok(all)
+}
+
+/// The same per-expert selection on every rank over every source's pairs:
+/// the scores all-gathered in the global expert-major order, top-q by score
+/// or priority sampling (top-q by key, weights from the threshold: the key
+/// kept at q + 1 but not at q), this source's flags and kept counts.
+fn select_over_sources<'g>(
+    gpu: &'g Gpu,
+    comm: DeviceComm<'_>,
+    sv: &DeviceSaved,
+    scores: CudaSlice<f32>,
+    err: &mut CudaSlice<u32>,
+    laps: &mut Laps,
+) -> Result<Selected<'g>, LayerError> {
+    let (n, e) = (sv.rows, sv.cfg.n_experts);
+    let p = sv.tokens * sv.cfg.top_k;
+    let n_g = sv.order.offsets[e] as usize;
+    let all = gather_scores(gpu, comm, sv, scores, laps)?;
     laps.lap(gpu, "scores+gather")?;
     // The same per-expert selection on every rank, over every source's pairs.
     let n_all = n_g;
-    let g_scores = if sv.gperm_identity {
+    let g_scores = if sv.order.identity {
         all
     } else {
-        // SAFETY: gperm holds n_g indices into the W·p gathered scores.
-        unsafe { gpu.gather32(&all, &sv.gperm, n_all) }?
+        // SAFETY: order.perm holds n_g indices into the W·p gathered scores.
+        unsafe { gpu.gather32(&all, &sv.order.perm, n_all) }?
     };
     let qd = gpu.upload(&sv.plan.quotas)?;
-    let god = gpu.upload(&sv.goffsets)?;
+    let god = gpu.upload(&sv.order.offsets)?;
     // Top-q by score, or priority sampling: top-q by key, weights from the
     // threshold (the key kept at q + 1 but not at q).
     let keys = match sv.plan.priority_seed {
-        Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.gperm, seed, n_all)?),
+        Some(seed) => Some(gpu.priority_keys_dev(&g_scores, &sv.order.perm, seed, n_all)?),
         None => None,
     };
     let by = keys.as_ref().unwrap_or(&g_scores);
     let mut select = |quotas: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
         // SAFETY: the selection writes a flag for every row.
         let mut kept = unsafe { gpu.uninit::<u8>(n_all) }?;
-        // SAFETY: goffsets has E + 1 ascending entries ending at n_g, the
+        // SAFETY: order.offsets has E + 1 ascending entries ending at n_g, the
         // length of the scores, ids and flags; quotas holds E.
-        unsafe { gpu.launch_select(by, &sv.gperm, &god, quotas, &mut kept, &mut *err, e) }?;
+        unsafe { gpu.launch_select(by, &sv.order.perm, &god, quotas, &mut kept, &mut *err, e) }?;
         Ok(kept)
     };
     let kept_g = select(&qd)?;
@@ -1389,28 +1400,172 @@ fn select_over_sources<'g>(
         Some(rho) => {
             let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
             let kept_g1 = select(&gpu.upload(&more)?)?;
-            // SAFETY: goffsets partitions the n_g rows every buffer holds.
+            // SAFETY: order.offsets partitions the n_g rows every buffer holds.
             let wt = unsafe {
                 gpu.priority_weights_dev(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e)
             }?;
             // This source's pairs: global row → expert-major row → pair.
-            // SAFETY: gidx maps this source's n rows into the n_g global
+            // SAFETY: order.mine maps this source's n rows into the n_g global
             // rows; dst maps each pair to one of the p rows.
             let w_pair = unsafe {
-                let w_rows = gpu.gather32(&wt, &sv.gidx, n)?;
+                let w_rows = gpu.gather32(&wt, &sv.order.mine, n)?;
                 gpu.gather32(&w_rows, &sv.dst, p)
             }?;
             Some(gpu.mul_f32_dev(&sv.routed.gates, &w_pair, p)?)
         }
         None => None,
     };
-    // SAFETY: gidx maps this source's n rows into the n_g flags.
-    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.gidx, n) }?;
-    let mine_d = gpu.kept_counts_dev(&sv.expert_of_row, &mask, n, e)?;
+    // SAFETY: order.mine maps this source's n rows into the n_g flags.
+    let mask = unsafe { gpu.gather_u8_dev(&kept_g, &sv.order.mine, n) }?;
+    let mine_d = gpu.kept_counts_dev(&sv.order.expert_of_row, &mask, n, e)?;
     // The host needs the kept counts to plan; the router's backward
     // (complete and local) keeps the device busy meanwhile.
     let mine = gpu.download_later(&mine_d, e)?;
     Ok((mask, Some(kept_g), pair_weight, Some(mine)))
+}
+
+/// The forward's rows of this source in destination order: each grouped
+/// row's token of `x` (`n` rows of `h`; a pair's token is `pair / k`).
+fn rows_to_send(
+    gpu: &Gpu,
+    x: &CudaSlice<u16>,
+    src: &CudaSlice<u32>,
+    send_order: &Runs,
+    (n, k, h): (usize, usize, usize),
+) -> Result<CudaSlice<u16>, LayerError> {
+    let reordered;
+    let pair_of_send = if send_order.is_identity() {
+        src
+    } else {
+        let send_order = expand(gpu, send_order)?;
+        // SAFETY: send_order is a permutation of the n grouped rows.
+        reordered = unsafe { gpu.gather32(src, &send_order, n) }?;
+        &reordered
+    };
+    // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
+    Ok(unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?)
+}
+
+/// The controller's plan when no replica slot exists (computed while the
+/// experts run): it must keep every pair with its owner.
+fn late_plan(
+    planner: &DevicePlanner,
+    counts_all: &[Vec<u32>],
+    owner_split: &[Vec<Vec<u32>>],
+    el: usize,
+) -> Result<EpPlan, LayerError> {
+    let plan = planner.forward(counts_all)?;
+    check_plan(&plan, counts_all, el)?;
+    if plan.forward != owner_split {
+        return Err(LayerError::Config(
+            "the controller placed replicas though the planner has no replica slots".into(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// The three expert weight tensors an instance computes with.
+type Wts<'a> = (&'a CudaSlice<u16>, &'a CudaSlice<u16>, &'a CudaSlice<u16>);
+
+/// Forward stage: each source's rows through this rank's instances, in
+/// the instance-major order they came in (no regrouping) — its own rows
+/// while the others travel (and `meanwhile` runs on the host), then every
+/// other source's. Returns the outputs and `‖h‖²` per source, the rows
+/// received, and `meanwhile`'s answer.
+#[allow(clippy::type_complexity)]
+fn experts_forward<R>(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    fl: Flight<u16>,
+    lay: &InstanceLayout,
+    (wts, h, f): (Wts<'_>, usize, usize),
+    laps: &mut Laps,
+    meanwhile: impl FnOnce() -> Result<R, LayerError>,
+) -> Result<
+    (
+        Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
+        CudaSlice<u16>,
+        R,
+    ),
+    LayerError,
+> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
+    let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
+        (0..world).map(|_| None).collect();
+    let overlap = Overlap::new(gpu, comm);
+    {
+        let xs = fl.outgoing()?;
+        let (a, m) = (soff[rank] * h, lay.send[rank] * h);
+        check_at_least("rows to this rank", a + m, xs.len())?;
+        let chunks = &lay.recv.chunks[rank];
+        outs[rank] = Some(gpu.experts_forward_dev(chunks, &xs.slice(a..a + m), wts, (h, f))?);
+    }
+    let answer = meanwhile()?;
+    laps.lap(gpu, "experts (own rows)")?;
+    // One rank: its rows are the ones it sent itself.
+    let xr = fl.finish()?.0;
+    drop(overlap);
+    for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
+        let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
+        check_at_least("rows from a source", a + m, xr.len())?;
+        outs[s] =
+            Some(gpu.experts_forward_dev(&lay.recv.chunks[s], &xr.slice(a..a + m), wts, (h, f))?);
+    }
+    Ok((outs, xr, answer))
+}
+
+/// The global expert-major order the backward's selection runs in, on the
+/// device.
+struct SelectionOrder {
+    /// Global expert-major order (expert, source, pair) → position in the
+    /// all-gathered scores. It also serves as the selection's ids: within
+    /// an expert it increases with (source, pair), the tie rule.
+    perm: CudaSlice<u32>,
+    /// Whether `perm` is the identity.
+    identity: bool,
+    /// This source's rows' global positions.
+    mine: CudaSlice<u32>,
+    /// The global expert offsets (`E + 1`).
+    offsets: Vec<u32>,
+    /// The expert of each of this source's expert-major rows.
+    expert_of_row: CudaSlice<u32>,
+}
+
+fn selection_order(
+    gpu: &Gpu,
+    counts_all: &[Vec<u32>],
+    counts: &[u32],
+    rank: usize,
+    p: usize,
+) -> Result<SelectionOrder, LayerError> {
+    let pack::ep::GlobalOrder {
+        perm,
+        mine,
+        offsets,
+        ..
+    } = global_order(counts_all, rank, p)?;
+    let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
+    Ok(SelectionOrder {
+        identity: perm.is_identity(),
+        perm: expand(gpu, &perm)?,
+        mine: expand(gpu, &mine)?,
+        offsets,
+        expert_of_row: expand(gpu, &expert_of_row)?,
+    })
+}
+
+/// The tokens in `x` (`tokens × hidden`); a length that is not a whole
+/// number of rows is an error.
+fn tokens_of(x: &CudaSlice<u16>, h: usize) -> Result<usize, LayerError> {
+    if x.len() % h != 0 && x.len() > 1 {
+        return Err(LayerError::Shape {
+            what: "x (tokens × hidden)".into(),
+            expected: x.len() / h * h,
+            got: x.len(),
+        });
+    }
+    Ok(x.len() / h)
 }
 
 /// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
@@ -1426,139 +1581,47 @@ pub fn forward(
 ) -> Result<DeviceSaved, LayerError> {
     let (rank, world, el) = world_of(comm, cfg)?;
     let (h, f, e, k) = (cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
-    if x.len() % h != 0 && x.len() > 1 {
-        return Err(LayerError::Shape {
-            what: "x (tokens × hidden)".into(),
-            expected: x.len() / h * h,
-            got: x.len(),
-        });
-    }
-    let tokens = x.len() / h;
+    let tokens = tokens_of(x, h)?;
     let p = tokens * k;
     let mut laps = Laps::new(gpu)?;
     let (routed, aux_loss, aux_dp) = route_rows(gpu, cfg, w, x, planner, world)?;
     laps.lap(gpu, "route")?;
-    let Capped {
-        counts,
-        src,
-        dst,
-        dst_fwd,
-    } = group_and_cap(gpu, &routed, planner.capacity_factor(), p, e)?;
+    let capped = group_and_cap(gpu, &routed, planner.capacity_factor(), p, e)?;
+    let Capped { counts, src, .. } = &capped;
     // Rows reaching an expert (p without dropping), grouped by expert.
-    let base = exclusive_scan(&counts);
+    let base = exclusive_scan(counts);
     let n = base[e] as usize;
-    let ForwardPlan {
-        counts_all,
-        early,
-        owner_split,
-        local,
-        lay,
-    } = forward_plan(comm, planner, &counts, (rank, world, el))?;
+    let fp = forward_plan(comm, planner, counts, (rank, world, el))?;
+    let (counts_all, local, lay) = (fp.counts_all, fp.local, fp.lay);
     laps.lap(gpu, "counts+plan")?;
-    let (weights, w_bytes) = match &early {
-        Some(plan) => replica_weights(gpu, comm, cfg, w, plan, &local, el)?,
-        None => (None, 0),
-    };
+    let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, fp.early.as_ref(), &local, el)?;
     laps.lap(gpu, "replica weights")?;
-    // Source: rows destination-major.
-    let reordered;
-    let pair_of_send = if lay.send_order.is_identity() {
-        &src
-    } else {
-        let send_order = expand(gpu, &lay.send_order)?;
-        // SAFETY: send_order is a permutation of the n grouped rows.
-        reordered = unsafe { gpu.gather32(&src, &send_order, n) }?;
-        &reordered
-    };
-    // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
-    let xs = unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?;
+    let xs = rows_to_send(gpu, x, src, &lay.send_order, (n, k, h))?;
     laps.lap(gpu, "pack x")?;
-    // Rows for other ranks travel while this rank's own rows go through
-    // its experts; each source's rows are multiplied as they arrive, in
-    // the instance-major order they came in (no regrouping).
-    let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
-    let (gate_l, up_l, down_l) = match &weights {
-        Some(lw) => (&lw.gate, &lw.up, &lw.down),
-        None => (&w.gate, &w.up, &w.down),
-    };
-    let wts = (gate_l, up_l, down_l);
+    let wts = local_weights(w, &weights);
     // Without replicas (decided from the plan, so alike on every rank)
     // owners keep their forward rows (source-major) for the backward.
-    let keep_rows = early
-        .as_ref()
-        .is_none_or(|plan| plan.instances.iter().all(|i| i.len() == 1));
+    let keep_rows = (fp.early.as_ref()).is_none_or(|plan| one_instance_each(&plan.instances));
     let fl = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
     laps.sent(gpu, comm, "x out")?;
-    let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
-        (0..world).map(|_| None).collect();
-    let overlap = Overlap::new(gpu, comm);
-    {
-        let xs = fl.outgoing()?;
-        let (a, m) = (soff[rank] * h, lay.send[rank] * h);
-        check_at_least("rows to this rank", a + m, xs.len())?;
-        outs[rank] = Some(gpu.experts_forward_dev(
-            &lay.recv.chunks[rank],
-            &xs.slice(a..a + m),
-            wts,
-            (h, f),
-        )?);
-    }
     // The controller, while the experts compute (owners only).
-    let plan = match early {
-        Some(plan) => plan,
-        None => {
-            let plan = planner.forward(&counts_all)?;
-            check_plan(&plan, &counts_all, el)?;
-            if plan.forward != owner_split {
-                return Err(LayerError::Config(
-                    "the controller placed replicas though the planner has no replica slots".into(),
-                ));
-            }
-            plan
-        }
+    let controller = || match fp.early {
+        Some(plan) => Ok(plan),
+        None => late_plan(planner, &counts_all, &fp.owner_split, el),
     };
-    laps.lap(gpu, "experts (own rows)")?;
-    // One rank: its rows are the ones it sent itself.
-    let xr = fl.finish()?.0;
-    drop(overlap);
-    for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
-        let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
-        check_at_least("rows from a source", a + m, xr.len())?;
-        outs[s] =
-            Some(gpu.experts_forward_dev(&lay.recv.chunks[s], &xr.slice(a..a + m), wts, (h, f))?);
-    }
+    let (outs, xr, plan) =
+        experts_forward(gpu, comm, fl, &lay, (wts, h, f), &mut laps, controller)?;
     laps.lap(gpu, "a2a x + experts")?;
     // Each source's outputs and norms go back; the own ones are copied.
-    let (o, hsq_send) = return_outputs(gpu, comm, outs, &lay, (rank, world, n, h), &mut laps)?;
+    let returned = return_outputs(gpu, comm, outs, &lay, (rank, world, n, h), &mut laps)?;
     laps.lap(gpu, "a2a o")?;
-    let (row_of_pair, o, h_sq, y) = combine_pairs(
-        gpu,
-        (&dst, dst_fwd.as_ref()),
-        &lay,
-        (o, hsq_send),
-        &routed,
-        (tokens, h, k, n),
-    )?;
+    let maps = (&capped.dst, capped.dst_fwd.as_ref());
+    let (row_of_pair, o, h_sq, y) =
+        combine_pairs(gpu, maps, &lay, returned, &routed, (tokens, h, k, n))?;
     laps.lap(gpu, "combine")?;
-    // The global expert-major order the backward's selection runs in.
-    let pack::ep::GlobalOrder {
-        perm: gperm,
-        mine: gidx,
-        offsets: goffsets,
-        ..
-    } = global_order(&counts_all, rank, p)?;
-    let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
-    let owned_rows = if keep_rows {
-        Some(owned_rows(
-            gpu,
-            &lay,
-            xr,
-            &goffsets,
-            rank * el..(rank + 1) * el,
-        )?)
-    } else {
-        None
-    };
+    let order = selection_order(gpu, &counts_all, counts, rank, p)?;
+    let owned_rows =
+        (keep_rows.then(|| owned_rows(gpu, &lay, xr, &order.offsets, (rank, el)))).transpose()?;
     comm.settle()?;
     laps.print("forward", rank)?;
     let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
@@ -1569,17 +1632,13 @@ pub fn forward(
         per_rank: el,
         x: x.clone(),
         routed,
-        dst,
-        src,
+        dst: capped.dst,
+        src: capped.src,
         row_of_pair,
         o,
         h_sq,
-        expert_of_row: expand(gpu, &expert_of_row)?,
         offsets: base,
-        gperm_identity: gperm.is_identity(),
-        gperm: expand(gpu, &gperm)?,
-        gidx: expand(gpu, &gidx)?,
-        goffsets,
+        order,
         counts_all,
         plan,
         local,
@@ -1682,35 +1741,38 @@ fn cap_rows(
     }
 }
 
-/// The LRMoE backward for `dy` (this rank's tokens, `tokens × hidden`):
-/// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
-/// (top-q, or priority sampling with the plan's seed); the planner splits
-/// the kept pairs over the instances; only kept rows travel and are
-/// multiplied.
-pub fn backward(
+/// The backward's kept set: per row of this source whether it is kept
+/// (expert-major), the flags over every source's rows (global order; `None`
+/// when every pair is kept), each pair's routing weight times the rule's
+/// weight (priority sampling), the kept pairs per expert over every source
+/// and per (source, expert), and the router's gradients (its sum over ranks
+/// not yet started).
+struct KeptSet {
+    mask: CudaSlice<u8>,
+    kept_g: Option<CudaSlice<u8>>,
+    pair_weight: Option<CudaSlice<f32>>,
+    /// `min(q_e, n_e)` per expert, over every source.
+    global: Vec<u32>,
+    /// Kept pairs per source and expert.
+    kept: Vec<Vec<u32>>,
+    router: CudaSlice<f32>,
+    dx_router: CudaSlice<u16>,
+}
+
+/// Backward stage 1: the LRM scores of this source's pairs, the selection
+/// within the plan's quotas, and the router's backward (complete and
+/// local: it keeps the device busy while the host waits for the kept
+/// counts).
+fn score_and_select(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
     w: &DeviceWeights,
     sv: &DeviceSaved,
     dy: &CudaSlice<u16>,
-    planner: &DevicePlanner,
-) -> Result<DeviceGrads, LayerError> {
-    let cfg = &sv.cfg;
-    let (t, h, f, e, k) = (sv.tokens, cfg.hidden, cfg.ffn, cfg.n_experts, cfg.top_k);
-    let (rank, world, el) = (comm.rank(), comm.world_size(), sv.per_rank);
-    // p pairs per source (the scores' stride over ranks), n of them reached
-    // an expert on this source.
-    let (p, n) = (t * k, sv.rows);
-    if dy.len() < t * h {
-        return Err(LayerError::Shape {
-            what: "dy (tokens × hidden)".into(),
-            expected: t * h,
-            got: dy.len(),
-        });
-    }
-    let mut laps = Laps::new(gpu)?;
-    // Scores of this source's pairs (expert-major).
-    let dy_sq = gpu.row_sq(dy, t, h)?;
+    laps: &mut Laps,
+) -> Result<KeptSet, LayerError> {
+    let (h, k, n) = (sv.cfg.hidden, sv.cfg.top_k, sv.rows);
+    let dy_sq = gpu.row_sq(dy, sv.tokens, h)?;
     // SAFETY: src maps the p expert-major rows to pairs (< p = t · k) and
     // h_sq holds p entries.
     let scores =
@@ -1719,31 +1781,20 @@ pub fn backward(
     // The selection flags exactly min(q_e, n_e) rows of expert e's segment
     // (its contract, device-tested against `select_top_reference`) when no
     // score is non-finite (checked below): the kept pairs per expert.
-    let global: Vec<u32> = sv
-        .plan
-        .quotas
-        .iter()
-        .zip(sv.goffsets.windows(2))
+    let segments = sv.order.offsets.windows(2);
+    let global: Vec<u32> = (sv.plan.quotas.iter().zip(segments.clone()))
         .map(|(&q, w)| q.min(w[1] - w[0]))
         .collect();
     // Every pair kept — each expert's quota covers its pairs over every
     // source (full retention, or a budget that does not bind): no score
-    // crosses ranks, nothing is selected and every rank already knows the
-    // kept counts (the forward's). The local top-q at q = n still checks
-    // every score (a non-finite dy is an error) and flags every row; every
-    // rule's weight is then 1 (priority sampling's threshold is 0).
-    let keep_all = sv
-        .plan
-        .quotas
-        .iter()
-        .zip(sv.goffsets.windows(2))
-        .all(|(&q, w)| q >= w[1] - w[0]);
+    // crosses ranks and every rank already knows the kept counts.
+    let keep_all = (sv.plan.quotas.iter().zip(segments)).all(|(&q, w)| q >= w[1] - w[0]);
     let (mask, kept_g, pair_weight, mine) = if keep_all {
         let selected = keep_every_row(gpu, sv, &scores, &mut err)?;
         laps.lap(gpu, "scores+gather")?;
         selected
     } else {
-        select_over_sources(gpu, comm, sv, scores, &mut err, &mut laps)?
+        select_over_sources(gpu, comm, sv, scores, &mut err, laps)?
     };
     let flag = gpu.download_later(&err, 1)?;
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
@@ -1768,26 +1819,50 @@ pub fn backward(
     }
     let kept = match mine {
         None => sv.counts_all.clone(),
-        Some(mine) => {
-            let kept = comm.all_gather_counts(&mine.wait()?)?;
-            // The selection flags exactly min(q_e, n_e) rows of expert e's segment
-            // (its contract, device-tested against `select_top_reference`) when no
-            // score is non-finite (checked above): the kept pairs per expert.
-            for (ex, &g) in global.iter().enumerate() {
-                let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
-                if sum != u64::from(g) {
-                    return Err(LayerError::Kernel(KernelError::Comm(format!(
-                        "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
-                    ))));
-                }
-            }
-            kept
-        }
+        Some(mine) => agreed_kept(comm, &mine.wait()?, &global)?,
     };
     laps.lap(gpu, "select + router")?;
-    // Redistribution of the kept pairs over the instances.
-    let split = planner.backward(&sv.plan, &kept)?;
-    check_split(&split, &kept, &sv.plan.instances)?;
+    Ok(KeptSet {
+        mask,
+        kept_g,
+        pair_weight,
+        global,
+        kept,
+        router,
+        dx_router,
+    })
+}
+
+/// Every source's kept pairs per expert, all-gathered, and checked against
+/// this rank's own count of the global selection (`global`).
+fn agreed_kept(
+    comm: DeviceComm<'_>,
+    mine: &[u32],
+    global: &[u32],
+) -> Result<Vec<Vec<u32>>, LayerError> {
+    let kept = comm.all_gather_counts(mine)?;
+    for (ex, &g) in global.iter().enumerate() {
+        let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
+        if sum != u64::from(g) {
+            return Err(LayerError::Kernel(KernelError::Comm(format!(
+                "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
+            ))));
+        }
+    }
+    Ok(kept)
+}
+
+/// Backward stage 2: the planner's redistribution of the kept pairs over
+/// the existing instances, checked against the kept counts, the instances
+/// and the ranks' pair caps, as this rank's layout.
+fn redistribute_kept(
+    planner: &DevicePlanner,
+    sv: &DeviceSaved,
+    kept: &[Vec<u32>],
+    rank: usize,
+) -> Result<InstanceLayout, LayerError> {
+    let split = planner.backward(&sv.plan, kept)?;
+    check_split(&split, kept, &sv.plan.instances)?;
     if let Some(caps) = &sv.plan.caps {
         for (r, &cap) in caps.iter().enumerate() {
             let load: u64 = split.iter().flatten().map(|c| u64::from(c[r])).sum();
@@ -1798,10 +1873,31 @@ pub fn backward(
             }
         }
     }
-    let lay: InstanceLayout = instance_layout(&split, &sv.local, rank)?;
-    laps.lap(gpu, "redistribute")?;
-    // Source: kept rows (expert-major, compacted), then destination-major.
-    let kbase = exclusive_scan(&kept[rank]);
+    Ok(instance_layout(&split, &sv.local, rank)?)
+}
+
+/// This source's kept rows, compacted: each row's kept position (`place`,
+/// expert-major), the kept pairs in send order, and their `g·δ` rows.
+struct PackedKept {
+    place: CudaSlice<u32>,
+    pair: CudaSlice<u32>,
+    dk_send: CudaSlice<u16>,
+    rows: usize,
+}
+
+/// Backward stage 3: the kept rows compacted (expert-major), put in
+/// destination order, and their `g·δ` rows gathered (the rule's weight in
+/// place of the routing weight where it has one).
+fn pack_kept(
+    gpu: &Gpu,
+    sv: &DeviceSaved,
+    ks: &KeptSet,
+    lay: &InstanceLayout,
+    dy: &CudaSlice<u16>,
+    rank: usize,
+) -> Result<PackedKept, LayerError> {
+    let (h, e, k) = (sv.cfg.hidden, sv.cfg.n_experts, sv.cfg.top_k);
+    let kbase = exclusive_scan(&ks.kept[rank]);
     let n_k = kbase[e] as usize;
     let seg = gpu.upload(&sv.offsets)?;
     // SAFETY: expert_of_row and mask hold n entries; kbase is the prefix
@@ -1809,11 +1905,11 @@ pub fn backward(
     // mask and keys; seg is the rows' own expert partition.
     let (place, kept_rows) = unsafe {
         gpu.group(
-            &sv.expert_of_row,
-            Some(&mask),
+            &sv.order.expert_of_row,
+            Some(&ks.mask),
             Some(&seg),
             &kbase[..e],
-            n,
+            sv.rows,
             n_k,
             e,
         )
@@ -1822,92 +1918,114 @@ pub fn backward(
     // SAFETY: kept_rows holds n_k expert-major rows (< n), src maps rows to
     // pairs (< p = t · k): pair / k is a token of dy and x.
     let pair = unsafe { gpu.gather32(&sv.src, &kept_rows, n_k) }?;
+    let scale = ks.pair_weight.as_ref().unwrap_or(&sv.routed.gates);
     // SAFETY: as above; the scale holds one weight per pair.
-    let dk_send = unsafe {
-        gpu.gather_scaled(
-            dy,
-            &pair,
-            k,
-            Some(pair_weight.as_ref().unwrap_or(&sv.routed.gates)),
-            n_k,
-            h,
-        )
-    }?;
-    laps.lap(gpu, "pack")?;
-    // Kept rows travel; the router gradient's sum over ranks follows on
-    // the communicator's stream.
-    let n_r = lay.recv.perm.len;
+    let dk_send = unsafe { gpu.gather_scaled(dy, &pair, k, Some(scale), n_k, h) }?;
+    Ok(PackedKept {
+        place,
+        pair,
+        dk_send,
+        rows: n_k,
+    })
+}
+
+/// An owner's kept `x` rows from its forward rows (expert, source, pair
+/// order), masked by its slice of the global selection: the kept rows in
+/// the order the sources sent their `g·δ` rows.
+fn owner_kept_rows(
+    gpu: &Gpu,
+    own: &OwnedRows,
+    (kept_g, global): (Option<&CudaSlice<u8>>, &[u32]),
+    (rank, el, n_r, h): (usize, usize, usize, usize),
+) -> Result<CudaSlice<u16>, LayerError> {
+    let (lo, hi) = own.global;
+    // Every row when every pair is kept.
+    let m = match kept_g {
+        None => None,
+        Some(kept_g) => {
+            // SAFETY: the copy writes all hi - lo flags.
+            let mut m = unsafe { gpu.uninit::<u8>(hi - lo) }?;
+            if hi > lo {
+                let v = kept_g.slice(lo..hi);
+                let mut to = m.slice_mut(0..hi - lo);
+                gpu.copy(&v, &mut to)?;
+            }
+            Some(m)
+        }
+    };
+    let kb = exclusive_scan(&global[rank * el..(rank + 1) * el]);
+    if kb[el] as usize != n_r {
+        return Err(LayerError::Config(format!(
+            "rank {rank} expects {n_r} kept rows, its selection kept {}",
+            kb[el]
+        )));
+    }
+    // SAFETY: own.expert and m hold hi - lo entries (this owner's forward
+    // rows, expert-major); kb is the prefix sum of the rows this rank's
+    // selection flagged in that range per local expert (`global`:
+    // min(q_e, n_e), the selection's postcondition), so the writes fill
+    // exactly n_r rows; own.perm maps expert-major rows to the rows of
+    // own.x (a `pack::ep` layout's permutation).
+    unsafe {
+        let (_, rows) = gpu.group(
+            &own.expert,
+            m.as_ref(),
+            Some(&own.offsets),
+            &kb[..el],
+            hi - lo,
+            n_r,
+            el,
+        )?;
+        let rows = match &own.perm {
+            Some(perm) => gpu.gather32(perm, &rows, n_r)?,
+            None => rows,
+        };
+        Ok(gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?)
+    }
+}
+
+/// The kept rows in flight to their instances: `x` rows (only where a kept
+/// pair may change instance: no owner kept its forward rows) and `g·δ`
+/// rows.
+type KeptFlights = (Option<Flight<u16>>, Flight<u16>);
+
+/// Backward stage 4, on the source: the kept rows go out.
+fn send_kept(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    sv: &DeviceSaved,
+    lay: &InstanceLayout,
+    (pair, rows): (&CudaSlice<u32>, usize),
+    dk_send: CudaSlice<u16>,
+) -> Result<KeptFlights, LayerError> {
+    let (h, k) = (sv.cfg.hidden, sv.cfg.top_k);
     let travel =
         |rows: CudaSlice<u16>| exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true);
-    // x rows travel only where a kept pair may change instance.
     let x_fl = match sv.owned_rows {
         Some(_) => None,
-        None => {
-            // SAFETY: as for dk_send.
-            let xk_send = unsafe { gpu.gather_scaled(&sv.x, &pair, k, None, n_k, h) }?;
-            Some(travel(xk_send)?)
-        }
+        // SAFETY: as for the g·δ rows (pack_kept).
+        None => Some(travel(unsafe {
+            gpu.gather_scaled(&sv.x, pair, k, None, rows, h)
+        }?)?),
     };
-    let d_fl = travel(dk_send)?;
-    laps.sent(gpu, comm, "kept rows out")?;
-    let router_fl = comm.start_sum(gpu, router)?;
-    laps.sent(gpu, comm, "router sum")?;
-    let (gate_l, up_l, down_l) = match &sv.weights {
-        Some(lw) => (&lw.gate, &lw.up, &lw.down),
-        None => (&w.gate, &w.up, &w.down),
-    };
+    Ok((x_fl, travel(dk_send)?))
+}
+
+/// Backward stage 4, on the instance: the kept `x` and `g·δ` rows in
+/// instance order (an owner that kept its forward rows takes `x` from
+/// them, masked by the selection).
+fn receive_kept(
+    gpu: &Gpu,
+    sv: &DeviceSaved,
+    lay: &InstanceLayout,
+    (x_fl, d_fl): KeptFlights,
+    selection: (Option<&CudaSlice<u8>>, &[u32]),
+    (rank, el): (usize, usize),
+) -> Result<(CudaSlice<u16>, CudaSlice<u16>), LayerError> {
+    let (h, n_r) = (sv.cfg.hidden, lay.recv.perm.len);
     let xk = match (x_fl, &sv.owned_rows) {
         (Some(fl), _) => permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?,
-        (None, Some(own)) => {
-            // This owner's forward rows (expert, source, pair order),
-            // masked by its slice of the global selection: the kept rows in
-            // the order the sources sent their g·δ rows.
-            let (lo, hi) = own.global;
-            // Every row when every pair is kept.
-            let m = match &kept_g {
-                None => None,
-                Some(kept_g) => {
-                    // SAFETY: the copy writes all hi - lo flags.
-                    let mut m = unsafe { gpu.uninit::<u8>(hi - lo) }?;
-                    if hi > lo {
-                        let v = kept_g.slice(lo..hi);
-                        let mut to = m.slice_mut(0..hi - lo);
-                        gpu.copy(&v, &mut to)?;
-                    }
-                    Some(m)
-                }
-            };
-            let kb: Vec<u32> = global[rank * el..(rank + 1) * el].to_vec();
-            let kb = exclusive_scan(&kb);
-            if kb[el] as usize != n_r {
-                return Err(LayerError::Config(format!(
-                    "rank {rank} expects {n_r} kept rows, its selection kept {}",
-                    kb[el]
-                )));
-            }
-            // SAFETY: own.expert and m hold hi - lo entries (this owner's
-            // forward rows, expert-major); kb is the prefix sum of the rows
-            // this rank's selection flagged in that range per local expert
-            // (`global`: min(q_e, n_e), the selection's postcondition), so
-            // the writes fill exactly n_r rows; own.perm maps expert-major
-            // rows to the rows of own.x (a `pack::ep` layout's permutation).
-            unsafe {
-                let (_, rows) = gpu.group(
-                    &own.expert,
-                    m.as_ref(),
-                    Some(&own.offsets),
-                    &kb[..el],
-                    hi - lo,
-                    n_r,
-                    el,
-                )?;
-                let rows = match &own.perm {
-                    Some(perm) => gpu.gather32(perm, &rows, n_r)?,
-                    None => rows,
-                };
-                gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)
-            }?
-        }
+        (None, Some(own)) => owner_kept_rows(gpu, own, selection, (rank, el, n_r, h))?,
         (None, None) => {
             return Err(LayerError::Config(
                 "device backward: no x rows (invariant)".into(),
@@ -1915,13 +2033,31 @@ pub fn backward(
         }
     };
     let dk = permute_rows(gpu, d_fl.finish()?.0, &lay.recv.perm, h)?;
-    laps.lap(gpu, "a2a kept rows")?;
-    // Instance: dX of the kept rows first, sent back while the weight
-    // gradients are computed.
-    let (dxk, rest) =
-        gpu.experts_backward_data(&lay.recv.offsets, &xk, &dk, (gate_l, up_l, down_l), (h, f))?;
+    Ok((xk, dk))
+}
+
+/// Backward stage 5, on an instance: the kept rows' `dX` first, sent back
+/// to their sources while the weight gradients are computed; the `dX` rows
+/// this source receives and the instances' weight gradients.
+#[allow(clippy::type_complexity)]
+fn experts_backward(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    lay: &InstanceLayout,
+    (xk, dk): (&CudaSlice<u16>, &CudaSlice<u16>),
+    wts: Wts<'_>,
+    (h, f): (usize, usize),
+    laps: &mut Laps,
+) -> Result<
+    (
+        CudaSlice<u16>,
+        (CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>),
+    ),
+    LayerError,
+> {
+    let (dxk, rest) = gpu.experts_backward_data(&lay.recv.offsets, xk, dk, wts, (h, f))?;
     laps.lap(gpu, "experts dX")?;
-    let dx_src = if n_r > 0 {
+    let dx_src = if lay.recv.perm.len > 0 {
         permute_rows(gpu, dxk, &lay.recv.inv, h)?
     } else {
         dxk
@@ -1929,25 +2065,70 @@ pub fn backward(
     let dx_fl = exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?;
     laps.sent(gpu, comm, "dX back")?;
     let overlap = Overlap::new(gpu, comm);
-    let (gg, gu, gd) = gpu.experts_backward_weights(rest, &xk, &dk)?;
+    let grads = gpu.experts_backward_weights(rest, xk, dk)?;
     laps.lap(gpu, "experts dW")?;
     let dx_rows = dx_fl.finish()?.0;
     drop(overlap);
     laps.lap(gpu, "a2a dX")?;
-    // Source: scatter-add the kept pairs' dX into the tokens.
+    Ok((dx_rows, grads))
+}
+
+/// The LRMoE backward for `dy` (this rank's tokens, `tokens × hidden`):
+/// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
+/// (top-q, or priority sampling with the plan's seed); the planner splits
+/// the kept pairs over the instances; only kept rows travel and are
+/// multiplied.
+pub fn backward(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    w: &DeviceWeights,
+    sv: &DeviceSaved,
+    dy: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceGrads, LayerError> {
+    let cfg = &sv.cfg;
+    let (t, h, k) = (sv.tokens, cfg.hidden, cfg.top_k);
+    let (rank, world, el) = (comm.rank(), comm.world_size(), sv.per_rank);
+    if dy.len() < t * h {
+        return Err(LayerError::Shape {
+            what: "dy (tokens × hidden)".into(),
+            expected: t * h,
+            got: dy.len(),
+        });
+    }
+    let mut laps = Laps::new(gpu)?;
+    let ks = score_and_select(gpu, comm, w, sv, dy, &mut laps)?;
+    let lay = redistribute_kept(planner, sv, &ks.kept, rank)?;
+    laps.lap(gpu, "redistribute")?;
+    let pk = pack_kept(gpu, sv, &ks, &lay, dy, rank)?;
+    laps.lap(gpu, "pack")?;
+    // Stage 4: kept rows travel; the router gradient's sum over ranks
+    // follows on the communicator's stream.
+    let flights = send_kept(gpu, comm, sv, &lay, (&pk.pair, pk.rows), pk.dk_send)?;
+    laps.sent(gpu, comm, "kept rows out")?;
+    let router_fl = comm.start_sum(gpu, ks.router)?;
+    laps.sent(gpu, comm, "router sum")?;
+    let selection = (ks.kept_g.as_ref(), &ks.global[..]);
+    let (xk, dk) = receive_kept(gpu, sv, &lay, flights, selection, (rank, el))?;
+    laps.lap(gpu, "a2a kept rows")?;
+    let wts = local_weights(w, &sv.weights);
+    let (dx_rows, grads) =
+        experts_backward(gpu, comm, &lay, (&xk, &dk), wts, (h, cfg.ffn), &mut laps)?;
+    // Stage 6, on the source: scatter-add the kept pairs' dX into the tokens.
     let kinv = expand(gpu, &lay.send_inv)?;
-    // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place maps those
-    // to kept positions (< n_k) or DROPPED, kinv is a permutation of the
-    // n_k kept rows: row is a row of dx_rows or DROPPED for every pair.
-    // One pass: the router's dX plus every kept pair's row of its token.
+    // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place
+    // maps those to kept positions (< n_k) or DROPPED, kinv is a
+    // permutation of the n_k kept rows: row is a row of dx_rows or DROPPED
+    // for every pair. One pass: the router's dX plus every kept pair's row
+    // of its token.
     let dx = unsafe {
-        let row = gpu.gather32(&kinv, &gpu.gather32(&place, &sv.dst, p)?, p)?;
-        gpu.combine_rows(&dx_rows, &row, None, Some(&dx_router), (t, h, k))
+        let row = gpu.gather32(&kinv, &gpu.gather32(&pk.place, &sv.dst, t * k)?, t * k)?;
+        gpu.combine_rows(&dx_rows, &row, None, Some(&ks.dx_router), (t, h, k))
     }?;
     let router = router_fl.finish()?.0;
     laps.lap(gpu, "scatter")?;
     let ((gate, up, down), g_bytes) =
-        owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, (gg, gu, gd))?;
+        owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, grads)?;
     comm.settle()?;
     laps.lap(gpu, "replica grads")?;
     laps.print("backward", rank)?;
@@ -1963,10 +2144,19 @@ pub fn backward(
         gate,
         up,
         down,
-        kept_pairs: n_r,
-        kept_total: kept.iter().flatten().map(|&c| c as usize).sum(),
-        bytes_sent: p * 4 * (world - 1) + rows * h * 2 + g_bytes,
+        kept_pairs: lay.recv.perm.len,
+        kept_total: ks.kept.iter().flatten().map(|&c| c as usize).sum(),
+        bytes_sent: t * k * 4 * (world - 1) + rows * h * 2 + g_bytes,
     })
+}
+
+/// The expert weights this rank's instances compute with: the replica
+/// copies it received, or its own block.
+fn local_weights<'a>(w: &'a DeviceWeights, received: &'a Option<LocalWeights>) -> Wts<'a> {
+    match received {
+        Some(lw) => (&lw.gate, &lw.up, &lw.down),
+        None => (&w.gate, &w.up, &w.down),
+    }
 }
 
 /// This rank's own experts' gradients from those of its instances
@@ -1984,7 +2174,7 @@ fn owner_gradients(
 ) -> Result<((CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), usize), LayerError> {
     let rank = comm.rank();
     let hf = cfg.hidden * cfg.ffn;
-    if plan.instances.iter().all(|i| i.len() == 1) {
+    if one_instance_each(&plan.instances) {
         return Ok(((gg, gu, gd), 0));
     }
     let traffic = replica_traffic(&plan.instances, local, rank, el);
