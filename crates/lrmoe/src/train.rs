@@ -699,34 +699,61 @@ impl RunOptions {
     }
 }
 
-/// Byte and memory model the controller plans with (f32 rows).
+/// An `[moe]` section from JSON (the Python package's layer settings),
+/// checked as `lrmoe train` checks its TOML for one rank of `n_experts`
+/// experts: unknown keys and values out of range are errors naming them;
+/// missing keys take the TOML's defaults. The section's `ranks` is 1 and
+/// it has no replica slot (one rank cannot host a replica; a slot's memory
+/// would otherwise widen the token buffer beyond `buffer_fraction`).
+pub fn moe_section_from_json(json: &str, n_experts: usize) -> Result<MoeSection, TrainError> {
+    let mut moe: MoeSection = crate::strict::from_json(json).map_err(|e| {
+        TrainError::Config(if e.path == "." {
+            e.message
+        } else {
+            format!("{}: {}", e.path, e.message)
+        })
+    })?;
+    moe.ranks = 1;
+    moe.replica_slots_per_rank = 0;
+    let mut cfg = TrainConfig {
+        moe: moe.clone(),
+        ..TrainConfig::default()
+    };
+    cfg.model.n_experts = n_experts;
+    cfg.data.batch_size = 1;
+    cfg.validate()?;
+    Ok(moe)
+}
+
+/// Byte and memory model the controller plans with: each rank holds its
+/// owned experts, `moe.replica_slots_per_rank` replicas and a token buffer
+/// of `moe.buffer_fraction` of the average routed pairs per rank.
 fn budgets(
-    cfg: &TrainConfig,
-    mcfg: &ModelConfig,
+    moe: &MoeSection,
+    (d_model, ffn): (usize, usize),
+    pairs_per_rank: f64,
     placement: &Placement,
     device_rows: bool,
 ) -> Vec<RankBudget> {
-    let ranks = cfg.moe.ranks;
     // The budgets are stated in the units the executor plans with: f32 rows
     // on the host executor, bf16 rows on the device executor (launched
     // ranks with `executor = "device"`, or the device-resident model), so
     // `buffer_fraction` means the same share of pairs on both.
     let element_bytes = if device_rows { 2 } else { 4 };
     let cost = quota::CostModel::swiglu_expert(
-        mcfg.d_model,
-        mcfg.ffn,
+        d_model,
+        ffn,
         element_bytes,
         quota::H200_LINK_BYTES_PER_S,
         quota::H200_FLOPS_PER_S,
     );
     let (instance, row) = (cost.instance_bytes(), cost.row_bytes());
-    let pairs_per_rank = (cfg.data.batch_size / ranks * cfg.data.seq_len * mcfg.top_k) as f64;
-    let buffer = (cfg.moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
-    (0..ranks)
+    let buffer = (moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
+    (0..moe.ranks)
         .map(|r| {
             let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
             RankBudget {
-                memory_bytes: (owned + cfg.moe.replica_slots_per_rank as u64) * instance + buffer,
+                memory_bytes: (owned + moe.replica_slots_per_rank as u64) * instance + buffer,
                 network_bytes: u64::MAX,
             }
         })
@@ -739,44 +766,68 @@ fn call_config(
     placement: &Placement,
     device_rows: bool,
 ) -> CallConfig {
+    let shape = (mcfg.d_model, mcfg.ffn);
+    let pairs = pairs_per_rank(cfg, mcfg);
+    layer_call_config(&cfg.moe, shape, pairs, placement, device_rows, cfg.seed)
+}
+
+/// The average routed pairs per rank of one layer call.
+fn pairs_per_rank(cfg: &TrainConfig, mcfg: &ModelConfig) -> f64 {
+    (cfg.data.batch_size / cfg.moe.ranks * cfg.data.seq_len * mcfg.top_k) as f64
+}
+
+/// One MoE layer call's settings from an `[moe]` section, as the trainer
+/// makes them: `shape` is `(d_model, ffn)`, `pairs_per_rank` the average
+/// routed pairs per rank of a call (the token buffer's unit),
+/// `placement` the experts' owners over `moe.ranks` ranks, `device_rows`
+/// whether the rows are the device executor's bf16 ones (else f32), `seed`
+/// the random selection rules' seed.
+pub fn layer_call_config(
+    moe: &MoeSection,
+    shape: (usize, usize),
+    pairs_per_rank: f64,
+    placement: &Placement,
+    device_rows: bool,
+    seed: u64,
+) -> CallConfig {
     let base = CallConfig {
-        hot_experts: cfg.moe.hot_experts,
-        hot_bias: cfg.moe.hot_bias,
-        zipf_skew: cfg.moe.zipf_skew,
-        aux_loss_coeff: cfg.moe.aux_loss_coeff,
+        hot_experts: moe.hot_experts,
+        hot_bias: moe.hot_bias,
+        zipf_skew: moe.zipf_skew,
+        aux_loss_coeff: moe.aux_loss_coeff,
         ..CallConfig::default()
     };
-    let rule = lrm_score::Rule::from_name(&cfg.moe.selection_rule).unwrap_or_default();
-    match cfg.moe.mode {
+    let rule = lrm_score::Rule::from_name(&moe.selection_rule).unwrap_or_default();
+    match moe.mode {
         Mode::Full => base,
         Mode::Capacity => CallConfig {
-            capacity_factor: Some(if cfg.moe.fit_budget {
-                cfg.moe.buffer_fraction
+            capacity_factor: Some(if moe.fit_budget {
+                moe.buffer_fraction
             } else {
-                cfg.moe.capacity_factor
+                moe.capacity_factor
             }),
             ..base
         },
         Mode::Replicate => CallConfig {
-            replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
+            replica_slots_per_rank: moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
             ..base
         },
         Mode::Lrmoe => CallConfig {
-            retention: if cfg.moe.surplus_only {
-                Retention::Surplus(cfg.moe.buffer_fraction.min(1.0))
+            retention: if moe.surplus_only {
+                Retention::Surplus(moe.buffer_fraction.min(1.0))
             } else {
                 Retention::Budgeted {
-                    budgets: budgets(cfg, mcfg, placement, device_rows),
-                    policy: cfg.moe.policy,
+                    budgets: budgets(moe, shape, pairs_per_rank, placement, device_rows),
+                    policy: moe.policy,
                 }
             },
-            replica_slots_per_rank: cfg.moe.replica_slots_per_rank,
+            replica_slots_per_rank: moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
             rule,
-            rule_seed: cfg.seed,
-            tile_align: (device_rows && cfg.moe.tile_trim > 0.0).then_some(layer::TileAlign {
-                max_drop: cfg.moe.tile_trim,
+            rule_seed: seed,
+            tile_align: (device_rows && moe.tile_trim > 0.0).then_some(layer::TileAlign {
+                max_drop: moe.tile_trim,
                 ..layer::TileAlign::DEVICE
             }),
             ..base
@@ -1492,7 +1543,9 @@ fn run_call_config(
     if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
         // The per-rank budget in the units the executor plans with, for
         // `lrmoe replay --budget-mib` on this run's metrics.jsonl.
-        let b = budgets(cfg, mcfg, placement, device_rows);
+        let shape = (mcfg.d_model, mcfg.ffn);
+        let pairs = pairs_per_rank(cfg, mcfg);
+        let b = budgets(&cfg.moe, shape, pairs, placement, device_rows);
         tracing::info!(
             rank0_budget_bytes = b.first().map_or(0, |r| r.memory_bytes),
             element_bytes = if device_rows { 2 } else { 4 },

@@ -1,0 +1,203 @@
+"""lrmoe.torch.MoE against a plain PyTorch Qwen3-MoE block (skipped where
+PyTorch is absent)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import lrmoe  # noqa: E402
+from lrmoe.torch import MoE, replace_moe_blocks  # noqa: E402
+
+
+class Qwen3MoeMLP(nn.Module):
+    def __init__(self, h, f):
+        super().__init__()
+        self.gate_proj = nn.Linear(h, f, bias=False)
+        self.up_proj = nn.Linear(h, f, bias=False)
+        self.down_proj = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """The `transformers` 4.x block's forward, written out (plain PyTorch)."""
+
+    def __init__(self, h, f, e, k, norm=True):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = e, k, norm
+        self.gate = nn.Linear(h, e, bias=False)
+        self.experts = nn.ModuleList([Qwen3MoeMLP(h, f) for _ in range(e)])
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        x = hidden_states.view(-1, h)
+        logits = self.gate(x)
+        weights = F.softmax(logits, dim=1, dtype=torch.float)
+        weights, chosen = torch.topk(weights, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            tok, slot = torch.where(chosen == e)
+            if tok.numel():
+                out.index_add_(0, tok, self.experts[e](x[tok]) * weights[tok, slot, None])
+        return out.view(b, s, h), logits
+
+
+class TinyModel(nn.Module):
+    def __init__(self, vocab=50, h=16, f=24, e=6, k=2, layers=2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, h)
+        self.blocks = nn.ModuleList([Qwen3MoeSparseMoeBlock(h, f, e, k) for _ in range(layers)])
+        self.head = nn.Linear(h, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for blk in self.blocks:
+            y, _ = blk(x)
+            x = x + y
+        return self.head(x)
+
+
+def grads_of(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def assert_close(a, b, what, rel=1e-4):
+    err = (a.double() - b.double()).abs().max().item() / max(1.0, b.double().abs().max().item())
+    assert err <= rel, f"{what}: {err:.3g}"
+
+
+def block_and_module(seed=0, dtype=torch.float32, **settings):
+    torch.manual_seed(seed)
+    blk = Qwen3MoeSparseMoeBlock(16, 24, 6, 2).to(dtype)
+    holder = nn.Module()
+    holder.blk = blk
+    import copy
+
+    swapped = copy.deepcopy(holder)
+    assert replace_moe_blocks(swapped, **settings) == 1
+    return blk, swapped.blk
+
+
+def test_full_mode_matches_plain_pytorch_f32():
+    blk, moe = block_and_module(mode="full")
+    assert isinstance(moe, MoE)
+    x = torch.randn(3, 20, 16, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_(True)
+    y_ref, logits_ref = blk(x)
+    y, logits = moe(x2)
+    assert_close(y, y_ref, "y")
+    assert_close(logits, logits_ref, "router logits")
+    dy = torch.randn_like(y)
+    (y_ref * dy).sum().backward()
+    (y * dy).sum().backward()
+    assert_close(x2.grad, x.grad, "dx")
+    assert_close(moe.router.grad, blk.gate.weight.grad, "d router")
+    for e in range(6):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            ref = getattr(blk.experts[e], name).weight.grad
+            assert_close(getattr(moe, name).grad[e], ref, f"d {name}[{e}]")
+    assert moe.last_stats["kept_fraction"] == 1.0
+    assert moe.last_stats["routed_pairs"] == 120
+
+
+def test_bf16_parameters_within_bf16_tolerance():
+    blk, moe = block_and_module(dtype=torch.bfloat16, mode="full")
+    x = torch.randn(2, 16, 16, dtype=torch.bfloat16)
+    y_ref, _ = blk(x)
+    y, _ = moe(x)
+    assert y.dtype == torch.bfloat16
+    # bf16 keeps 8 bits of mantissa: both sides round differently.
+    assert_close(y, y_ref, "y (bf16)", rel=3e-2)
+
+
+def test_swapped_model_loss_and_gradients_match_the_original():
+    torch.manual_seed(3)
+    model = TinyModel()
+    import copy
+
+    swapped = copy.deepcopy(model)
+    assert replace_moe_blocks(swapped, mode="full") == 2
+    ids = torch.randint(0, 50, (4, 12))
+    tgt = torch.randint(0, 50, (4, 12))
+    for m in (model, swapped):
+        F.cross_entropy(m(ids).reshape(-1, 50), tgt.reshape(-1)).backward()
+    l0 = F.cross_entropy(model(ids).reshape(-1, 50), tgt.reshape(-1))
+    l1 = F.cross_entropy(swapped(ids).reshape(-1, 50), tgt.reshape(-1))
+    assert_close(l1, l0, "loss")
+    g0, g1 = grads_of(model), grads_of(swapped)
+    for name in ("embed.weight", "head.weight"):
+        assert_close(g1[name], g0[name], name)
+    for i in range(2):
+        assert_close(g1[f"blocks.{i}.router"], g0[f"blocks.{i}.gate.weight"], f"router {i}")
+        stacked = torch.stack([g0[f"blocks.{i}.experts.{e}.down_proj.weight"] for e in range(6)])
+        assert_close(g1[f"blocks.{i}.down_proj"], stacked, f"down {i}")
+
+
+def test_kept_set_equals_the_rust_layers_at_r_below_one():
+    _, moe = block_and_module(mode="lrmoe", buffer_fraction=0.5, selection_rule="top_q",
+                              return_router_logits=False)
+    x = torch.randn(64, 16)
+    dy = torch.randn(64, 16)
+    y = moe(x.clone().requires_grad_(True))
+    (y * dy).sum().backward()
+    kept_module = moe.last_stats["kept"]
+    layer = lrmoe.Layer(16, 24, 6, 2, True, mode="lrmoe", buffer_fraction=0.5,
+                        selection_rule="top_q")
+    w = (moe.router.detach().numpy().T, moe.gate_proj.detach().numpy().transpose(0, 2, 1),
+         moe.up_proj.detach().numpy().transpose(0, 2, 1),
+         moe.down_proj.detach().numpy().transpose(0, 2, 1))
+    _, saved = layer.forward(*w, x.numpy())
+    _, _, stats = layer.backward(*w, saved, dy.numpy())
+    np.testing.assert_array_equal(kept_module, stats["kept"])
+    assert 0 < moe.last_stats["kept_pairs"] < 128
+
+
+def test_expert_bias_moves_and_settings_are_checked():
+    _, moe = block_and_module(mode="full", expert_bias_rate=0.01)
+    moe.train()
+    moe(torch.randn(2, 30, 16))
+    load = moe.last_forward["expert_load"]
+    expect = np.sign(load.mean() - load) * 0.01
+    np.testing.assert_allclose(moe.expert_bias.numpy(), expect)
+    with pytest.raises(ValueError, match="buffer_fraction"):
+        MoE(16, 24, 6, 2, buffer_fraction=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_tensors_are_refused_not_copied():
+    _, moe = block_and_module(mode="full")
+    moe = moe.cuda()
+    with pytest.raises(NotImplementedError, match="CUDA path is unfinished"):
+        moe(torch.randn(2, 4, 16, device="cuda"))
+
+
+def test_transformers_qwen3_moe_swap_matches():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).float()
+    import copy
+
+    swapped = copy.deepcopy(model)
+    assert replace_moe_blocks(swapped, mode="full") == 2
+    ids = torch.randint(0, 64, (2, 16))
+    out0 = model(input_ids=ids, labels=ids)
+    out1 = swapped(input_ids=ids, labels=ids)
+    assert_close(out1.loss, out0.loss, "loss")
+    out0.loss.backward()
+    out1.loss.backward()
+    g0 = model.model.embed_tokens.weight.grad
+    g1 = swapped.model.embed_tokens.weight.grad
+    assert_close(g1, g0, "embedding gradient")
