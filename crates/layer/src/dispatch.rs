@@ -74,18 +74,6 @@ pub(crate) fn exchange_plans(
     Ok((plan, recv))
 }
 
-/// The `(expert, replica rank)` pairs of a placement, in expert order.
-pub(crate) fn replica_pairs(placement: &Placement) -> Vec<(usize, usize)> {
-    let mut v: Vec<(usize, usize)> = placement
-        .replicas
-        .iter()
-        .enumerate()
-        .flat_map(|(e, rs)| rs.iter().map(move |&r| (e, r)))
-        .collect();
-    v.sort_unstable();
-    v
-}
-
 /// Appends `gate`, `up`, `down` to `out` (slice copies, not an element
 /// iterator: these are whole experts' gradients on every call).
 fn extend_flat<T: Real>(out: &mut Vec<T>, w: &ExpertWeights<T>) {
@@ -114,31 +102,21 @@ pub(crate) fn copy_replicas<T: Real, X: Transport>(
     params: &MoeParams<T>,
 ) -> Result<Vec<Option<ExpertWeights<T>>>, LayerError> {
     let (me, n) = (comm.rank(), comm.world_size());
-    let pairs = replica_pairs(placement);
     let mut out = vec![None; cfg.n_experts];
-    if pairs.is_empty() {
+    // No replica anywhere (the same on every rank): no exchange.
+    if placement.replicas.iter().all(Vec::is_empty) {
         return Ok(out);
     }
+    let routes = pack::ep::replica_routes(&placement.all_instances(), me, n);
     let size = 3 * cfg.hidden * cfg.ffn;
     let mut send = Vec::new();
-    let mut counts = vec![0usize; n];
-    for (d, count) in counts.iter_mut().enumerate() {
-        for &(e, r) in &pairs {
-            if r == d && placement.owner[e] == me {
-                extend_flat(&mut send, &params.experts[e]);
-                *count += size;
-            }
-        }
+    for &e in routes.send.iter().flatten() {
+        extend_flat(&mut send, &params.experts[e]);
     }
+    let counts: Vec<usize> = routes.send.iter().map(|l| l.len() * size).collect();
     let (recv, _) = all_to_all(comm, &send, &counts)?;
-    let mut at = 0;
-    for s in 0..n {
-        for &(e, r) in &pairs {
-            if r == me && placement.owner[e] == s {
-                out[e] = Some(unflat(cfg, &recv[at..at + size]));
-                at += size;
-            }
-        }
+    for (i, &e) in routes.recv.iter().flatten().enumerate() {
+        out[e] = Some(unflat(cfg, &recv[i * size..(i + 1) * size]));
     }
     Ok(out)
 }
@@ -158,35 +136,24 @@ pub(crate) fn reduce_gradients<T: Real, X: Transport>(
         return Ok(());
     }
     let size = 3 * cfg.hidden * cfg.ffn;
-    let pairs = replica_pairs(placement);
-    // Replica gradients to the owners.
+    // Replica gradients to the owners: the weights' routes, reversed.
+    let routes = pack::ep::replica_routes(&placement.all_instances(), me, n);
     let mut send = Vec::new();
-    let mut counts = vec![0usize; n];
-    for (d, count) in counts.iter_mut().enumerate() {
-        for &(e, r) in &pairs {
-            if r == me && placement.owner[e] == d {
-                extend_flat(&mut send, &grads.experts[e]);
-                *count += size;
-            }
-        }
+    for &e in routes.recv.iter().flatten() {
+        extend_flat(&mut send, &grads.experts[e]);
     }
+    let counts: Vec<usize> = routes.recv.iter().map(|l| l.len() * size).collect();
     let (recv, _) = all_to_all(comm, &send, &counts)?;
-    let mut at = 0;
-    for s in 0..n {
-        for &(e, r) in &pairs {
-            if r == s && placement.owner[e] == me {
-                let add = &recv[at..at + size];
-                let g = &mut grads.experts[e];
-                let hf = cfg.hidden * cfg.ffn;
-                for (dst, src) in [
-                    (&mut g.gate, &add[..hf]),
-                    (&mut g.up, &add[hf..2 * hf]),
-                    (&mut g.down, &add[2 * hf..]),
-                ] {
-                    dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
-                }
-                at += size;
-            }
+    let hf = cfg.hidden * cfg.ffn;
+    for (i, &e) in routes.send.iter().flatten().enumerate() {
+        let add = &recv[i * size..(i + 1) * size];
+        let g = &mut grads.experts[e];
+        for (dst, src) in [
+            (&mut g.gate, &add[..hf]),
+            (&mut g.up, &add[hf..2 * hf]),
+            (&mut g.down, &add[2 * hf..]),
+        ] {
+            dst.iter_mut().zip(src).for_each(|(a, &b)| *a += b);
         }
     }
     // The owners' sums to every rank.

@@ -387,6 +387,49 @@ pub fn global_order(
     })
 }
 
+/// The replica traffic of one call seen from `rank`, in the one order every
+/// executor sends it: `send[d]` holds the experts `rank` owns (the first
+/// entry of `instances[e]`) of which rank `d` holds a replica, `recv[s]`
+/// the experts rank `s` owns of which `rank` holds one, each by ascending
+/// expert. In the forward the owners' weights travel along `send` (and
+/// arrive along `recv`); in the backward the replicas' gradients travel
+/// back, along `recv` out of the replica's rank and `send` into the
+/// owner's. A replica listed on its owner's own rank moves nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaRoutes {
+    /// Experts this rank sends weights of (and receives gradients of), per
+    /// peer rank.
+    pub send: Vec<Vec<usize>>,
+    /// Experts this rank receives weights of (and sends gradients of), per
+    /// peer rank.
+    pub recv: Vec<Vec<usize>>,
+}
+
+/// [`ReplicaRoutes`] of `rank` among `world` ranks (`instances[e]`: the
+/// ranks holding expert `e`, owner first; ranks at or past `world` are
+/// ignored).
+pub fn replica_routes(instances: &[Vec<usize>], rank: usize, world: usize) -> ReplicaRoutes {
+    let mut send = vec![Vec::new(); world];
+    let mut recv = vec![Vec::new(); world];
+    for (e, inst) in instances.iter().enumerate() {
+        let Some((&owner, replicas)) = inst.split_first() else {
+            continue;
+        };
+        for &r in replicas.iter().filter(|&&r| r != owner && r < world) {
+            if owner == rank {
+                send[r].push(e);
+            }
+            if r == rank && owner < world {
+                recv[owner].push(e);
+            }
+        }
+    }
+    for list in send.iter_mut().chain(recv.iter_mut()) {
+        list.dedup();
+    }
+    ReplicaRoutes { send, recv }
+}
+
 /// Who sends which expert blocks where when a call has replicas, from rank
 /// `rank`'s view (experts owned in blocks of `per_rank`; `local` from
 /// [`local_experts`]). The forward sends owners' weights to the replicas'
@@ -421,51 +464,22 @@ pub fn replica_traffic(
     per_rank: usize,
 ) -> ReplicaTraffic {
     let world = local.len();
-    let el = per_rank.max(1);
-    let mut weights_out = Vec::new();
-    let mut weights_send = vec![0usize; world];
-    for (d, sd) in weights_send.iter_mut().enumerate() {
-        let lo = (rank * el).min(instances.len());
-        let hi = ((rank + 1) * el).min(instances.len());
-        for (i, inst) in instances[lo..hi].iter().enumerate() {
-            if d != rank && inst.iter().skip(1).any(|&r| r == d) {
-                weights_out.push(i);
-                *sd += 1;
-            }
-        }
-    }
-    let mut weights_recv = vec![0usize; world];
-    let (mut below, mut grads_out) = (0usize, Vec::new());
-    for (i, &e) in local
-        .get(rank)
-        .map_or(&[][..], Vec::as_slice)
-        .iter()
-        .enumerate()
-    {
-        let o = e / el;
-        if o != rank && o < world {
-            weights_recv[o] += 1;
-            grads_out.push(i);
-            if o < rank {
-                below += 1;
-            }
-        }
-    }
-    let mut grads_in = Vec::new();
-    for (r, l) in local.iter().enumerate() {
-        for &e in l {
-            if r != rank && e / el == rank {
-                grads_in.push(e - rank * el);
-            }
-        }
-    }
+    let base = rank * per_rank.max(1);
+    let routes = replica_routes(instances, rank, world);
+    let mine = local.get(rank).map_or(&[][..], Vec::as_slice);
+    let position = |e: usize| mine.iter().position(|&x| x == e);
     ReplicaTraffic {
-        weights_out,
-        weights_send,
-        weights_recv,
-        below,
-        grads_out,
-        grads_in,
+        weights_out: routes.send.iter().flatten().map(|&e| e - base).collect(),
+        weights_send: routes.send.iter().map(Vec::len).collect(),
+        weights_recv: routes.recv.iter().map(Vec::len).collect(),
+        below: routes.recv[..rank.min(world)].iter().map(Vec::len).sum(),
+        grads_out: routes
+            .recv
+            .iter()
+            .flatten()
+            .filter_map(|&e| position(e))
+            .collect(),
+        grads_in: routes.send.iter().flatten().map(|&e| e - base).collect(),
     }
 }
 
@@ -474,6 +488,55 @@ mod tests {
     use super::*;
     use crate::{invert, receive_plan};
     use proptest::prelude::*;
+
+    /// The device executor's traffic as it was computed before
+    /// [`replica_routes`] (owners in blocks of `per_rank`, lists in local
+    /// order): the routes must give exactly this.
+    fn traffic_by_blocks(
+        instances: &[Vec<usize>],
+        local: &[Vec<usize>],
+        rank: usize,
+        el: usize,
+    ) -> ReplicaTraffic {
+        let world = local.len();
+        let mut weights_out = Vec::new();
+        let mut weights_send = vec![0usize; world];
+        for (d, sd) in weights_send.iter_mut().enumerate() {
+            let (lo, hi) = (rank * el, (rank + 1) * el);
+            for (i, inst) in instances[lo..hi].iter().enumerate() {
+                if d != rank && inst.iter().skip(1).any(|&r| r == d) {
+                    weights_out.push(i);
+                    *sd += 1;
+                }
+            }
+        }
+        let mut weights_recv = vec![0usize; world];
+        let (mut below, mut grads_out) = (0usize, Vec::new());
+        for (i, &e) in local[rank].iter().enumerate() {
+            let o = e / el;
+            if o != rank {
+                weights_recv[o] += 1;
+                grads_out.push(i);
+                below += usize::from(o < rank);
+            }
+        }
+        let mut grads_in = Vec::new();
+        for (r, l) in local.iter().enumerate() {
+            for &e in l {
+                if r != rank && e / el == rank {
+                    grads_in.push(e - rank * el);
+                }
+            }
+        }
+        ReplicaTraffic {
+            weights_out,
+            weights_send,
+            weights_recv,
+            below,
+            grads_out,
+            grads_in,
+        }
+    }
 
     /// A map's canonical runs, entry by entry.
     fn runs_of(v: &[u32]) -> Runs {
@@ -784,6 +847,29 @@ mod tests {
     }
 
     #[test]
+    fn replica_routes_follow_owners_not_blocks() {
+        // Expert 0 owned by rank 2 with replicas on 0 and 1; expert 1 owned
+        // by 0 with a replica on 2; expert 2 owned by 1, no replica.
+        let instances = vec![vec![2, 0, 1], vec![0, 2], vec![1]];
+        let r0 = replica_routes(&instances, 0, 3);
+        assert_eq!(r0.send, vec![vec![], vec![], vec![1]]);
+        assert_eq!(r0.recv, vec![vec![], vec![], vec![0]]);
+        let r2 = replica_routes(&instances, 2, 3);
+        assert_eq!(r2.send, vec![vec![0], vec![0], vec![]]);
+        assert_eq!(r2.recv, vec![vec![1], vec![], vec![]]);
+        // Every route seen from both ends.
+        for a in 0..3 {
+            for b in 0..3 {
+                let (ra, rb) = (
+                    replica_routes(&instances, a, 3),
+                    replica_routes(&instances, b, 3),
+                );
+                assert_eq!(ra.send[b], rb.recv[a]);
+            }
+        }
+    }
+
+    #[test]
     fn replica_traffic_sends_each_replicated_block_to_its_replica() {
         // 4 experts on 2 ranks (blocks of 2); expert 0 replicated on rank
         // 1, expert 3 on rank 0.
@@ -858,6 +944,9 @@ mod tests {
             let local = local_experts(&instances, world);
             let all: Vec<ReplicaTraffic> =
                 (0..world).map(|r| replica_traffic(&instances, &local, r, per_rank)).collect();
+            for (r, t) in all.iter().enumerate() {
+                prop_assert_eq!(t, &traffic_by_blocks(&instances, &local, r, per_rank));
+            }
             for a in 0..world {
                 prop_assert_eq!(all[a].weights_out.len(), all[a].weights_send.iter().sum::<usize>());
                 prop_assert_eq!(all[a].grads_out.len(), all[a].weights_recv.iter().sum::<usize>());
