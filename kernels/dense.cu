@@ -224,43 +224,91 @@ extern "C" __global__ void add_into_f32(float* __restrict__ x, const uint16_t* _
 extern "C" __global__ void cross_entropy(const uint16_t* __restrict__ logits, const uint32_t* __restrict__ target,
                                          float* __restrict__ loss_sum, uint16_t* __restrict__ dlogits, int n, int v,
                                          float inv_n) {
-    __shared__ float red[32];
-    __shared__ float bcast;
+    // Two passes over each row: an online max-and-sum (the running sum
+    // rescaled when the max grows), then the gradient; the row's 16-byte
+    // aligned middle moves as 8 bf16 per load and store.
+    __shared__ float red_m[32], red_s[32];
+    __shared__ float bcast_m, bcast_s;
     int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
     for (int r = blockIdx.x; r < n; r += gridDim.x) {
         const uint16_t* lr = logits + (long long)r * v;
-        float m = -INFINITY;
-        for (int j = threadIdx.x; j < v; j += blockDim.x) m = fmaxf(m, bf(lr[j]));
-        m = warp_max(m);
-        if (lane == 0) red[wid] = m;
-        __syncthreads();
-        if (wid == 0) {
-            float t = lane < nw ? red[lane] : -INFINITY;
-            t = warp_max(t);
-            if (lane == 0) bcast = t;
+        uint16_t* dr = dlogits + (long long)r * v;
+        // Elements before the first 16-byte boundary, the aligned chunks of
+        // 8, and the tail (logits and dlogits share the row offsets).
+        int head = (int)(((16 - ((uintptr_t)lr & 15)) & 15) >> 1);
+        if (head > v || (((uintptr_t)dr - (uintptr_t)lr) & 15) != 0) head = v;
+        int chunks = (v - head) >> 3;
+        int tail0 = head + (chunks << 3);
+        float m = -INFINITY, s = 0.f;
+        auto eat = [&](float x) {
+            if (x > m) {
+                s = s * __expf(m - x) + 1.f;
+                m = x;
+            } else if (!(x == -INFINITY && m == -INFINITY)) {
+                s += __expf(x - m);  // NaN stays NaN: the loss reports it
+            }
+        };
+        for (int j = threadIdx.x; j < head; j += blockDim.x) eat(bf(lr[j]));
+        const uint4* lv = reinterpret_cast<const uint4*>(lr + head);
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            uint4 q = lv[c];
+            uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                eat(__uint_as_float(w[t] << 16));
+                eat(__uint_as_float(w[t] & 0xffff0000u));
+            }
+        }
+        for (int j = tail0 + threadIdx.x; j < v; j += blockDim.x) eat(bf(lr[j]));
+        // Combine (m, s) over the warp, then over the warps.
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+            float mm = fmaxf(m, mo);
+            s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
+            m = mm;
+        }
+        if (lane == 0) {
+            red_m[wid] = m;
+            red_s[wid] = s;
         }
         __syncthreads();
-        m = bcast;
-        __syncthreads();
-        float s = 0.f;
-        for (int j = threadIdx.x; j < v; j += blockDim.x) s += __expf(bf(lr[j]) - m);
-        s = warp_sum(s);
-        if (lane == 0) red[wid] = s;
-        __syncthreads();
         if (wid == 0) {
-            float t = lane < nw ? red[lane] : 0.f;
-            t = warp_sum(t);
-            if (lane == 0) bcast = t;
+            m = lane < nw ? red_m[lane] : -INFINITY;
+            s = lane < nw ? red_s[lane] : 0.f;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+                float mm = fmaxf(m, mo);
+                s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
+                m = mm;
+            }
+            if (lane == 0) {
+                bcast_m = m;
+                bcast_s = s;
+            }
         }
         __syncthreads();
-        s = bcast;
+        m = bcast_m;
+        s = bcast_s;
         uint32_t tg = target[r];
         float is = 1.f / s;
-        uint16_t* dr = dlogits + (long long)r * v;
-        for (int j = threadIdx.x; j < v; j += blockDim.x) {
-            float pj = __expf(bf(lr[j]) - m) * is;
-            dr[j] = to_bf((pj - (j == (int)tg ? 1.f : 0.f)) * inv_n);
+        auto grad = [&](float x, int j) { return to_bf((__expf(x - m) * is - (j == (int)tg ? 1.f : 0.f)) * inv_n); };
+        for (int j = threadIdx.x; j < head; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
+        uint4* dv = reinterpret_cast<uint4*>(dr + head);
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            uint4 q = lv[c];
+            uint32_t w[4] = {q.x, q.y, q.z, q.w};
+            int j0 = head + (c << 3);
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                uint32_t lo = grad(__uint_as_float(w[t] << 16), j0 + 2 * t);
+                uint32_t hi = grad(__uint_as_float(w[t] & 0xffff0000u), j0 + 2 * t + 1);
+                w[t] = lo | (hi << 16);
+            }
+            dv[c] = make_uint4(w[0], w[1], w[2], w[3]);
         }
+        for (int j = tail0 + threadIdx.x; j < v; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
         if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[tg]));
         __syncthreads();
     }
@@ -292,20 +340,56 @@ extern "C" __global__ void sq_sum_bf16(const uint16_t* x, float* out, long long 
 // scaled by clip / ‖g‖ when clip > 0 and ‖g‖ = sqrt(*norm_sq) exceeds it;
 // m, v updated; p −= lr·(m̂ / (sqrt(v̂) + eps) + wd·p); the bf16 copy of p
 // written when given.
+__device__ __forceinline__ void adamw_one(float& p, float& m, float& v, float g, float lr, float b1, float b2,
+                                          float eps, float wd, float bc1, float bc2) {
+    m = b1 * m + (1.f - b1) * g;
+    v = b2 * v + (1.f - b2) * g * g;
+    p -= lr * ((m / bc1) / (sqrtf(v / bc2) + eps) + wd * p);
+}
+__device__ __forceinline__ void load4(const float* g, long long i, float out[4]) {
+    float4 q = reinterpret_cast<const float4*>(g)[i];
+    out[0] = q.x, out[1] = q.y, out[2] = q.z, out[3] = q.w;
+}
+__device__ __forceinline__ void load4(const uint16_t* g, long long i, float out[4]) {
+    uint2 q = reinterpret_cast<const uint2*>(g)[i];
+    out[0] = __uint_as_float(q.x << 16), out[1] = __uint_as_float(q.x & 0xffff0000u);
+    out[2] = __uint_as_float(q.y << 16), out[3] = __uint_as_float(q.y & 0xffff0000u);
+}
 template <typename G>
 __device__ void adamw(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const G* __restrict__ g,
                       uint16_t* __restrict__ p16, long long n, float lr, float b1, float b2, float eps, float wd,
                       float bc1, float bc2, const float* __restrict__ norm_sq, float clip) {
     float norm = sqrtf(*norm_sq);
     float scale = (clip > 0.f && norm > clip) ? clip / norm : 1.f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        float gi = load(g, i) * scale;
-        float mi = b1 * m[i] + (1.f - b1) * gi;
-        float vi = b2 * v[i] + (1.f - b2) * gi * gi;
+    long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    // Four elements per thread and load where every buffer allows it (the
+    // same arithmetic per element as one at a time), the rest one by one.
+    bool wide = (((uintptr_t)p | (uintptr_t)m | (uintptr_t)v) & 15) == 0 && ((uintptr_t)g & (4 * sizeof(G) - 1)) == 0 &&
+                ((uintptr_t)p16 & 7) == 0;
+    long long n4 = wide ? n / 4 : 0;
+    for (long long i = first; i < n4; i += stride) {
+        float4 pq = reinterpret_cast<float4*>(p)[i], mq = reinterpret_cast<float4*>(m)[i],
+               vq = reinterpret_cast<float4*>(v)[i];
+        float gs[4];
+        load4(g, i, gs);
+        float pp[4] = {pq.x, pq.y, pq.z, pq.w}, mm[4] = {mq.x, mq.y, mq.z, mq.w}, vv[4] = {vq.x, vq.y, vq.z, vq.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) adamw_one(pp[t], mm[t], vv[t], gs[t] * scale, lr, b1, b2, eps, wd, bc1, bc2);
+        reinterpret_cast<float4*>(p)[i] = make_float4(pp[0], pp[1], pp[2], pp[3]);
+        reinterpret_cast<float4*>(m)[i] = make_float4(mm[0], mm[1], mm[2], mm[3]);
+        reinterpret_cast<float4*>(v)[i] = make_float4(vv[0], vv[1], vv[2], vv[3]);
+        if (p16) {
+            uint2 w;
+            w.x = (uint32_t)to_bf(pp[0]) | ((uint32_t)to_bf(pp[1]) << 16);
+            w.y = (uint32_t)to_bf(pp[2]) | ((uint32_t)to_bf(pp[3]) << 16);
+            reinterpret_cast<uint2*>(p16)[i] = w;
+        }
+    }
+    for (long long i = n4 * 4 + first; i < n; i += stride) {
+        float pi = p[i], mi = m[i], vi = v[i];
+        adamw_one(pi, mi, vi, load(g, i) * scale, lr, b1, b2, eps, wd, bc1, bc2);
         m[i] = mi;
         v[i] = vi;
-        float pi = p[i];
-        pi -= lr * ((mi / bc1) / (sqrtf(vi / bc2) + eps) + wd * pi);
         p[i] = pi;
         if (p16) p16[i] = to_bf(pi);
     }

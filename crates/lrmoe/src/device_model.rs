@@ -253,6 +253,10 @@ mod imp {
         train: CudaSlice<u32>,
         val: CudaSlice<u32>,
         lens: (usize, usize),
+        /// Profiling (`LRMOE_PARTS=1`): an event at every part boundary of
+        /// a step; the time since the previous boundary is the named
+        /// part's ([`Self::tick`]).
+        parts: Option<std::sync::Mutex<Vec<(&'static str, kernels::gpu::Mark)>>>,
     }
 
     impl std::fmt::Debug for DeviceModel<'_> {
@@ -359,6 +363,16 @@ mod imp {
                 a
             }
         })
+    }
+
+    /// `sequences` split into `micro` equal micro-batches, or the error.
+    fn check_micro(sequences: usize, micro: usize) -> Result<(), ModelError> {
+        if micro == 0 || sequences % micro != 0 {
+            return Err(ModelError::Batch(format!(
+                "{sequences} sequences do not split into {micro} micro-batches"
+            )));
+        }
+        Ok(())
     }
 
     /// The milliseconds of timed spans, summed.
@@ -578,6 +592,8 @@ mod imp {
                 train: g.upload(train).map_err(k)?,
                 val: g.upload(val).map_err(k)?,
                 lens: (train.len(), val.len()),
+                parts: (std::env::var("LRMOE_PARTS").as_deref() == Ok("1"))
+                    .then(|| std::sync::Mutex::new(Vec::new())),
                 cfg: *cfg,
                 call: call.clone(),
                 gpu,
@@ -711,6 +727,44 @@ mod imp {
             Ok(())
         }
 
+        /// Profiling: the work queued since the previous boundary belongs
+        /// to part `name` (no-op unless `LRMOE_PARTS=1`).
+        fn tick(&self, name: &'static str) -> Result<(), ModelError> {
+            if let Some(parts) = &self.parts {
+                let mark = self.gpu.mark().map_err(k)?;
+                let mut parts = parts.lock().unwrap_or_else(|p| p.into_inner());
+                if name == "start" {
+                    // A step's first boundary: what came before (evaluations) is not the step's.
+                    parts.clear();
+                }
+                parts.push((name, mark));
+            }
+            Ok(())
+        }
+
+        /// Profiling: the step's milliseconds per part (in first-seen
+        /// order), logged; the boundaries are cleared.
+        fn report_parts(&self) -> Result<(), ModelError> {
+            let Some(parts) = &self.parts else {
+                return Ok(());
+            };
+            let marks = std::mem::take(&mut *parts.lock().unwrap_or_else(|p| p.into_inner()));
+            let mut ms: Vec<(&str, f64)> = Vec::new();
+            for w in marks.windows(2) {
+                let t = w[1].1.ms_since(&w[0].1).map_err(k)?;
+                match ms.iter_mut().find(|(n, _)| *n == w[1].0) {
+                    Some((_, v)) => *v += t,
+                    None => ms.push((w[1].0, t)),
+                }
+            }
+            let json: serde_json::Map<String, serde_json::Value> = ms
+                .into_iter()
+                .map(|(n, v)| (n.to_string(), v.into()))
+                .collect();
+            tracing::info!(parts_ms = %serde_json::Value::Object(json), "device step by part");
+            Ok(())
+        }
+
         /// One block's forward on the residual stream `x` (`n × d`, updated in
         /// place): the attention half, then the MoE layer; what the
         /// backward keeps, the MoE call's span and its plan.
@@ -730,13 +784,16 @@ mod imp {
             self.comm.phase(super::phase::DENSE_FORWARD)?;
             let x_in = g.duplicate(x).map_err(k)?;
             let (a, inv1) = g.rmsnorm(x, &b.norm1.p, n, eps).map_err(k)?;
+            self.tick("norms")?;
             let (qk_raw, att_saved, attn) = self.attention_half(b, &a, shape, (one, att))?;
             let o = g
                 .gemm_dev(GemmVariant::Forward, one, 1, n, &attn, &b.wo16, qd, d)
                 .map_err(k)?;
             g.add_into(x, &o, n * d).map_err(k)?;
+            self.tick("o projection")?;
             let x_mid = g.duplicate(x).map_err(k)?;
             let (m, inv2) = g.rmsnorm(x, &b.norm2.p, n, eps).map_err(k)?;
+            self.tick("norms")?;
             let moe_cfg = self.cfg.moe();
             let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
             self.comm.phase(super::phase::MOE_FORWARD)?;
@@ -749,6 +806,7 @@ mod imp {
                 None => layer::device_plan_call(&moe_cfg, &self.call, sv.routed_counts())?,
             };
             g.add_into(x, &sv.y, n * d).map_err(k)?;
+            self.tick("moe forward")?;
             let saved = Saved {
                 x_in,
                 inv1,
@@ -793,9 +851,11 @@ mod imp {
                     k_inv,
                 });
             }
+            self.tick("qkv projections")?;
             let (attn, att_saved) = g
                 .attention_forward(shape, att, (&qt, &kt, &vt))
                 .map_err(k)?;
+            self.tick("attention")?;
             Ok((qk_raw, att_saved, attn))
         }
 
@@ -812,9 +872,11 @@ mod imp {
             let g = &*self.gpu;
             let (d, vocab, eps) = (self.cfg.d_model, self.cfg.vocab, self.cfg.eps() as f32);
             let (hf, inv_f) = g.rmsnorm(x, &self.norm_f.p, n, eps).map_err(k)?;
+            self.tick("norms")?;
             let logits = g
                 .gemm_dev(GemmVariant::Forward, one, 1, n, &hf, &self.head16, d, vocab)
                 .map_err(k)?;
+            self.tick("lm head")?;
             let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
             // SAFETY: targets are corpus tokens, below the vocabulary.
             let dlogits = unsafe {
@@ -827,6 +889,7 @@ mod imp {
                 )
             }
             .map_err(k)?;
+            self.tick("cross-entropy")?;
             Ok((hf, inv_f, loss_sum, dlogits))
         }
 
@@ -873,6 +936,7 @@ mod imp {
                 None => None,
             };
             let one = g.even_offsets(1, n).map_err(k)?;
+            self.tick("embedding")?;
             let shape = attn_shape(cfg, n_seq, seq);
             let att = g
                 .even_offsets(shape.groups(), shape.rows_each())
@@ -941,6 +1005,7 @@ mod imp {
             let mut moe_ms = Vec::new();
             for (b, s) in self.blocks.iter().zip(&f.blocks).rev() {
                 let (mg, st, span) = self.moe_backward(b, s, &dx, n)?;
+                self.tick("moe backward")?;
                 moe_ms.push(span);
                 stats.push(st);
                 let mut d_norm2 = g.zeros::<f32>(d).map_err(k)?;
@@ -954,6 +1019,7 @@ mod imp {
                     n,
                 )
                 .map_err(k)?;
+                self.tick("norms backward")?;
                 let mut bg = self.attention_backward(b, s, f, &mut dx)?;
                 bg.push(Grad::F32(d_norm2));
                 let mut bg: Vec<(Share, Grad)> =
@@ -981,6 +1047,7 @@ mod imp {
             grads.extend(block_grads.into_iter().flatten());
             grads.push((Share::Dense, Grad::F32(d_norm_f)));
             grads.push((Share::Dense, Grad::Bf16(d_head)));
+            self.tick("embedding backward")?;
             Ok((grads, stats, moe_ms))
         }
 
@@ -1019,6 +1086,7 @@ mod imp {
                     vocab,
                 )
                 .map_err(k)?;
+            self.tick("lm head backward")?;
             let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
             let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
             g.rmsnorm_backward(
@@ -1031,6 +1099,7 @@ mod imp {
                 n,
             )
             .map_err(k)?;
+            self.tick("norms backward")?;
             Ok((d_head, dx, d_norm_f))
         }
 
@@ -1108,9 +1177,11 @@ mod imp {
             let dattn = g
                 .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
                 .map_err(k)?;
+            self.tick("o projection backward")?;
             let (mut dqt, mut dkt, dvt) = g
                 .attention_backward(shape, att, &s.att, &dattn)
                 .map_err(k)?;
+            self.tick("attention backward")?;
             let mut norms = Vec::new();
             if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
                 let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
@@ -1140,9 +1211,11 @@ mod imp {
                 )
                 .map_err(k)?;
             let da = g.add(&da, &dgrad(&dvt, &b.wv16, kd)?, n * d).map_err(k)?;
+            self.tick("qkv projections backward")?;
             let mut d_norm1 = g.zeros::<f32>(d).map_err(k)?;
             g.rmsnorm_backward(&s.x_in, &b.norm1.p, &s.inv1, &da, dx, &mut d_norm1, n)
                 .map_err(k)?;
+            self.tick("norms backward")?;
             let mut bg = vec![
                 Grad::F32(d_norm1),
                 Grad::Bf16(d_wq),
@@ -1322,12 +1395,7 @@ mod imp {
             lr: f64,
             expert_bias: &[Vec<f64>],
         ) -> Result<DeviceStep, ModelError> {
-            if micro == 0 || starts.len() % micro != 0 {
-                return Err(ModelError::Batch(format!(
-                    "{} sequences do not split into {micro} micro-batches",
-                    starts.len()
-                )));
-            }
+            check_micro(starts.len(), micro)?;
             self.set_bias(expert_bias)?;
             let g = self.gpu.clone();
             let chunk = starts.len() / micro;
@@ -1341,6 +1409,7 @@ mod imp {
             let mut plans = Vec::new();
             let mut loss_sums = Vec::with_capacity(micro);
             let mut aux_loss = 0.0;
+            self.tick("start")?;
             for i in 0..micro {
                 let m0 = g.mark().map_err(k)?;
                 let f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
@@ -1348,6 +1417,7 @@ mod imp {
                 let (grads, st, bwd_ms) = self.backward(&f)?;
                 let m2 = g.mark().map_err(k)?;
                 acc = Some(accumulate(&g, acc, grads, micro)?);
+                self.tick("micro-batch accumulation")?;
                 dense_ms[0] += m1.ms_since(&m0).map_err(k)? - span_ms(&f.moe_ms)?;
                 dense_ms[1] += m2.ms_since(&m1).map_err(k)? - span_ms(&bwd_ms)?;
                 fwd_ms.extend(f.moe_ms);
@@ -1361,16 +1431,20 @@ mod imp {
             }
             self.comm.phase(super::phase::GRADIENT_SUMS)?;
             let grads = self.sum_dense(acc.unwrap_or_default())?;
+            self.tick("gradient sums")?;
             let bwd_ms = bwd_ms_all;
             let m2 = g.mark().map_err(k)?;
             let ns = self.norm_sq(&grads)?;
+            self.tick("gradient norm")?;
             self.comm.phase(super::phase::OPTIMIZER)?;
             self.adamw(&grads, optim, lr, &ns)?;
+            self.tick("adamw")?;
             let m3 = g.mark().map_err(k)?;
             // The step's scalars (the one synchronisation of the step; the
             // sums over ranks first, with the communicator's deadline).
             layer::device::settle(self.comm)?;
             let (loss, norm_sq) = step_scalars(&g, &ns, &loss_sums, starts.len() * seq)?;
+            self.report_parts()?;
             let (moe_f, moe_b) = (span_ms(&fwd_ms)?, span_ms(&bwd_ms)?);
             let split_ms = [
                 dense_ms[0],

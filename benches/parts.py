@@ -1,0 +1,81 @@
+"""The device model's step by part (`LRMOE_PARTS=1 lrmoe train --device cuda`)
+beside each part's device limit on one H200: the bf16 dense GEMM rate
+(989 TFLOP/s) for GEMM parts, HBM bandwidth (4.8 TB/s) for the others.
+
+    python3 benches/parts.py LOG CONFIG LAYERS SEQ BATCH [SKIP]
+
+LOG is the run's stderr (the `parts_ms` lines); SKIP steps are dropped
+(warm-up, default 5); the median of each part over the rest is printed.
+"""
+
+import json
+import re
+import sys
+
+FLOPS, HBM = 989e12, 4.8e12
+
+
+def limits(c, layers, n, seq):
+    d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    dh = c.get("head_dim", d // h)
+    v, e, f = c["vocab_size"], c["num_experts"], c["moe_intermediate_size"]
+    qd, kd = h * dh, kv * dh
+    gemm = lambda flop: flop / FLOPS * 1e3  # noqa: E731
+    mem = lambda b: b / HBM * 1e3  # noqa: E731
+    attn_f = 2 * n * seq * h * dh  # causal: QKᵀ and PV, half the square each
+    dense_params = v * d * 2 + layers * (d * (qd + 2 * kd) + qd * d + d * e)
+    expert_params = layers * e * 3 * d * f
+    # AdamW reads master, m, v and the gradient and writes master, m, v and
+    # the bf16 copy: 28 bytes per parameter with a bf16 gradient, 30 with
+    # an f32 one (embedding, router, norms).
+    adam_bytes = 28 * (dense_params + expert_params) + 2 * (v * d + layers * d * e)
+    return {
+        "embedding": (mem(n * d * 4 * 2), "HBM"),
+        "norms": (mem(layers * 2 * n * d * (4 + 2 + 4) + n * d * 6), "HBM"),
+        "qkv projections": (gemm(layers * 2 * n * d * (qd + 2 * kd)), "GEMM"),
+        "attention": (gemm(layers * attn_f), "GEMM"),
+        "o projection": (gemm(layers * 2 * n * qd * d), "GEMM"),
+        "lm head": (gemm(2 * n * d * v), "GEMM"),
+        "cross-entropy": (mem(n * v * 2 * 2), "HBM"),
+        "lm head backward": (gemm(4 * n * d * v), "GEMM"),
+        "norms backward": (mem(layers * 2 * n * d * 14 + n * d * 12), "HBM"),
+        "o projection backward": (gemm(layers * 4 * n * qd * d), "GEMM"),
+        "attention backward": (gemm(layers * 2.5 * attn_f), "GEMM"),
+        "qkv projections backward": (gemm(layers * 4 * n * d * (qd + 2 * kd)), "GEMM"),
+        "embedding backward": (mem(n * d * 4 * 2 + v * d * 4), "HBM"),
+        "gradient norm": (mem(2 * (dense_params + expert_params) + 2 * (v * d + layers * d * e)), "HBM"),
+        "adamw": (mem(adam_bytes), "HBM"),
+    }
+
+
+def main():
+    log, cfg_path, layers, seq, batch = sys.argv[1:6]
+    skip = int(sys.argv[6]) if len(sys.argv) > 6 else 5
+    layers, seq, batch = int(layers), int(seq), int(batch)
+    c = json.load(open(cfg_path))
+    steps = []
+    for line in open(log):
+        m = re.search(r"parts_ms=(\{.*?\})(\s|$)", line)
+        if m:
+            steps.append(json.loads(m.group(1)))
+    steps = steps[skip:]
+    if not steps:
+        sys.exit("no parts_ms lines (LRMOE_PARTS=1, log level info)")
+    lim = limits(c, layers, seq * batch, seq)
+    total = 0.0
+    print(f"| part | ours ms | device limit ms | bound | ours ÷ limit |")
+    print("|---|---|---|---|---|")
+    for name in steps[-1]:
+        vals = sorted(s.get(name, 0.0) for s in steps)
+        ms = vals[len(vals) // 2]
+        total += ms
+        if name in lim:
+            l, bound = lim[name]
+            print(f"| {name} | {ms:.2f} | {l:.2f} | {bound} | {ms / l:.2f} |")
+        else:
+            print(f"| {name} | {ms:.2f} | — | — | — |")
+    print(f"| step (sum of medians) | {total:.2f} | | | |")
+
+
+if __name__ == "__main__":
+    main()
