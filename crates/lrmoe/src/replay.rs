@@ -889,30 +889,9 @@ fn symi_placement(cfg: &ReplayConfig, load: &[u64], ranks: usize) -> Placement {
 }
 
 /// Every source's pairs of each expert split evenly over its instances
-/// (the remainder to the first ones, rotated by source).
+/// (`redistribute::even_split`, the dropless baselines' split).
 fn even_routes(counts: &[Vec<u64>], placement: &Placement) -> Vec<redistribute::Route> {
-    let none: &[usize] = &[];
-    let mut routes = Vec::with_capacity(counts.len() * placement.owner.len());
-    for (source, row) in counts.iter().enumerate() {
-        for (expert, &n) in row.iter().enumerate().filter(|(_, &n)| n > 0) {
-            let reps = placement.replicas.get(expert).map_or(none, Vec::as_slice);
-            let m = 1 + reps.len();
-            let inst = std::iter::once(&placement.owner[expert]).chain(reps);
-            for (i, &rank) in inst.enumerate() {
-                let turn = ((i + m - source % m) % m) as u64;
-                let pairs = n / m as u64 + u64::from(turn < n % m as u64);
-                if pairs > 0 {
-                    routes.push(redistribute::Route {
-                        source,
-                        expert,
-                        rank,
-                        pairs,
-                    });
-                }
-            }
-        }
-    }
-    routes
+    redistribute::even_split(counts, &placement.all_instances())
 }
 
 /// One (step, layer) cell: the trace's counts and where it sits.

@@ -202,6 +202,10 @@ pub enum Solver {
     Ilp,
     /// Longest-processing-time water-filling (baseline).
     Greedy,
+    /// Every (source, expert)'s pairs split evenly over the expert's
+    /// instances ([`even_split`]): the dropless replication baselines'
+    /// split (SYMI-like), not a search; rank capacities are not consulted.
+    Even,
 }
 
 /// Configuration of [`solve`].
@@ -359,12 +363,43 @@ pub fn solve(problem: &Problem, cfg: &Config) -> Result<Assignment, Redistribute
             ),
         },
         Solver::Ilp => ilp::solve(problem, cfg)?,
+        Solver::Even => (even_split(&problem.kept, &problem.instances), Status::Done),
     };
     let mut a = assignment_from_routes(problem, &cfg.load, routes);
     a.solver = cfg.solver;
     a.status = status;
     a.solve_micros = start.elapsed().as_secs_f64() * 1e6;
     Ok(a)
+}
+
+/// Every source's pairs of each expert split evenly over the expert's
+/// instances (`instances[e]`, owner first): `n` pairs over `m` instances
+/// give `⌊n/m⌋` to each and one more to `n mod m` of them, the first ones
+/// counted from a starting instance that rotates with the source, so the
+/// remainders of many sources spread. Routes with no pair are left out;
+/// sorted by (expert, source, rank).
+pub fn even_split(kept: &[Vec<u64>], instances: &[Vec<usize>]) -> Vec<Route> {
+    let mut routes = Vec::new();
+    for (expert, inst) in instances.iter().enumerate() {
+        let m = inst.len().max(1);
+        for (source, row) in kept.iter().enumerate() {
+            let n = row.get(expert).copied().unwrap_or(0);
+            for (i, &rank) in inst.iter().enumerate() {
+                let turn = ((i + m - source % m) % m) as u64;
+                let pairs = n / m as u64 + u64::from(turn < n % m as u64);
+                if pairs > 0 {
+                    routes.push(Route {
+                        source,
+                        expert,
+                        rank,
+                        pairs,
+                    });
+                }
+            }
+        }
+    }
+    routes.sort_by_key(|r| (r.expert, r.source, r.rank));
+    routes
 }
 
 /// Rejects problems whose worst-case load overflows `u64`.

@@ -262,3 +262,28 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The even split conserves every (source, expert)'s pairs, uses only
+    /// the expert's instances, and gives no instance more than one pair
+    /// above another's for any one cell.
+    #[test]
+    fn even_split_conserves_and_balances_each_cell(p in problem_strategy(5, 8, 50)) {
+        let routes = even_split(&p.kept, &p.instances);
+        for (s, row) in p.kept.iter().enumerate() {
+            for (e, &n) in row.iter().enumerate() {
+                let cell: Vec<&Route> = routes.iter().filter(|r| r.source == s && r.expert == e).collect();
+                prop_assert_eq!(cell.iter().map(|r| r.pairs).sum::<u64>(), n);
+                prop_assert!(cell.iter().all(|r| p.instances[e].contains(&r.rank)));
+                let m = p.instances[e].len() as u64;
+                for &rank in &p.instances[e] {
+                    let got: u64 = cell.iter().filter(|r| r.rank == rank).map(|r| r.pairs).sum();
+                    prop_assert!(got == n / m || got == n / m + 1);
+                }
+            }
+        }
+        let a = solve(&Problem { rank_capacity: None, ..p.clone() }, &Config { solver: Solver::Even, ..Config::default() });
+        prop_assert!(a.is_ok());
+        prop_assert_eq!(a.unwrap().routes, routes);
+    }
+}
