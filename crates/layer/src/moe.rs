@@ -302,7 +302,7 @@ fn dispatch_and_compute<T: Real, X: Transport>(
         base_load: vec![0; n_ranks],
         rank_capacity: None,
     };
-    let (routes, _) = agreed_routes(comm, &problem, redistribute::Solver::Exact)?;
+    let (routes, _) = agreed_routes(comm, &problem, bwd.forward_solver())?;
     let (send_plan, recv_plan) = exchange_plans(
         me,
         n_ranks,

@@ -92,9 +92,26 @@ pub struct CallConfig {
     /// (see [`quota::align_to_tiles`]); `None`: quotas as the controller
     /// made them.
     pub tile_align: Option<TileAlign>,
+    /// SYMI-like replication: this call's replicas from this per-expert
+    /// load (the previous call's routed pairs) by
+    /// [`quota::replicas_by_load`], `replica_slots_per_rank` per rank, the
+    /// owners kept; `None`: the controller's replicas from this call's
+    /// counts ([`quota::plan_replicas`]). With
+    /// [`redistribute::Solver::Even`] the pairs are then split evenly over
+    /// the instances in forward and backward, as SYMI does.
+    pub replica_load: Option<Vec<u64>>,
 }
 
 impl CallConfig {
+    /// The solver that spreads the forward's pairs over the instances: the
+    /// exact one, or the even split when the call asks for it.
+    pub fn forward_solver(&self) -> redistribute::Solver {
+        match self.solver {
+            redistribute::Solver::Even => redistribute::Solver::Even,
+            _ => redistribute::Solver::Exact,
+        }
+    }
+
     /// The balancing bias [`CallConfig::expert_bias`], or `None` when it
     /// is empty; a configuration error unless it holds one finite value
     /// per expert.
@@ -165,6 +182,7 @@ impl Default for CallConfig {
             aux_loss_coeff: 0.0,
             expert_bias: Vec::new(),
             tile_align: None,
+            replica_load: None,
         }
     }
 }
@@ -269,7 +287,12 @@ pub fn plan_call<T>(
         replica_slots_per_rank: bwd.replica_slots_per_rank,
         replica_memory_fraction: bwd.replica_memory_fraction,
     };
-    let with_replicas = quota::plan_replicas(&inputs, &qcfg)?;
+    let with_replicas = match &bwd.replica_load {
+        Some(load) => {
+            quota::replicas_by_load(placement, load, routed.len(), bwd.replica_slots_per_rank)?
+        }
+        None => quota::plan_replicas(&inputs, &qcfg)?,
+    };
     let (mut kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
         Retention::Surplus(f) => (surplus_kept(cfg, &routed, &with_replicas, *f)?, None),
@@ -778,7 +801,7 @@ impl DevicePlanner {
     pub fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, LayerError> {
         let plan = device_plan_call(&self.cfg, &self.call, routed)?;
         let instances = plan.placement.all_instances();
-        let forward = self.solve(routed, &instances, None, redistribute::Solver::Exact)?;
+        let forward = self.solve(routed, &instances, None, self.call.forward_solver())?;
         let priority_seed = plan.priority_seed(&self.call);
         let quotas = match &self.fixed {
             Some(q) if q.len() == self.cfg.n_experts => q.clone(),

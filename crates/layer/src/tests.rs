@@ -1283,3 +1283,41 @@ fn tile_aligned_quotas_drop_small_remainders_of_binding_quotas_only() {
     });
     assert!(q(Retention::Ratio(0.25), bad).is_err());
 }
+
+#[test]
+fn symi_like_calls_replicate_by_the_given_load_split_evenly_and_stay_exact() {
+    // SYMI-like replication: replicas from the previous call's load (here
+    // all on expert 3), every pair kept, pairs split evenly over the
+    // instances — still the exact layer.
+    let cfg = MoeConfig {
+        hidden: 6,
+        ffn: 5,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: true,
+    };
+    let (params, x, dy) = setup(&cfg, 48, 23);
+    let all = vec![true; 48 * cfg.top_k];
+    let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
+    let call = CallConfig {
+        replica_slots_per_rank: 1,
+        solver: redistribute::Solver::Even,
+        replica_load: Some(vec![0, 0, 0, 1000]),
+        ..CallConfig::default()
+    };
+    let r = run(&cfg, &call, &params, &x, &dy, 2).unwrap();
+    assert_close("y", &r.y, &y_ref, 1e-12);
+    assert_close("dx", &r.dx, &dx_ref, 1e-12);
+    assert_grads_close(&r.grads, &g_ref, 1e-12);
+    assert!(r.kept.iter().all(|&k| k));
+    // The plan: expert 3 (owned by rank 1) replicated on rank 0, by load.
+    let routed = vec![vec![10u64, 10, 10, 10], vec![10, 10, 10, 10]];
+    let plan = plan_call::<f64>(&cfg, &call, routed, &placement(4, 2)).unwrap();
+    assert_eq!(plan.placement.replicas[3], vec![0]);
+    assert!(plan.placement.replicas[..3].iter().all(Vec::is_empty));
+    assert_eq!(call.forward_solver(), redistribute::Solver::Even);
+    assert_eq!(
+        CallConfig::default().forward_solver(),
+        redistribute::Solver::Exact
+    );
+}

@@ -153,6 +153,8 @@ impl DeviceModel<'_> {
         no_cuda()
     }
     /// See the CUDA build.
+    pub fn set_replica_load(&mut self, _load: &[Vec<u64>]) {}
+    /// See the CUDA build.
     pub fn eval_loss(
         &mut self,
         _starts: &[usize],
@@ -257,6 +259,10 @@ mod imp {
         /// a step; the time since the previous boundary is the named
         /// part's ([`Self::tick`]).
         parts: Option<std::sync::Mutex<Vec<(&'static str, kernels::gpu::Mark)>>>,
+        /// Each layer's previous routed pairs per expert, the SYMI-like
+        /// replicas' input when the call splits evenly
+        /// ([`Self::set_replica_load`]); empty: none.
+        replica_load: Vec<Vec<u64>>,
     }
 
     impl std::fmt::Debug for DeviceModel<'_> {
@@ -594,6 +600,7 @@ mod imp {
                 lens: (train.len(), val.len()),
                 parts: (std::env::var("LRMOE_PARTS").as_deref() == Ok("1"))
                     .then(|| std::sync::Mutex::new(Vec::new())),
+                replica_load: Vec::new(),
                 cfg: *cfg,
                 call: call.clone(),
                 gpu,
@@ -727,6 +734,27 @@ mod imp {
             Ok(())
         }
 
+        /// Each layer's previous routed pairs per expert (all ranks): the
+        /// SYMI-like replicas of the next step's calls when the call splits
+        /// evenly (`redistribute::Solver::Even`); empty: none.
+        pub fn set_replica_load(&mut self, load: &[Vec<u64>]) {
+            self.replica_load = load.to_vec();
+        }
+
+        /// Layer `li`'s call: this model's, with the layer's previous load
+        /// as the SYMI-like replicas' input where the call splits evenly.
+        fn layer_call(&self, li: usize) -> CallConfig {
+            match self.replica_load.get(li) {
+                Some(l) if !l.is_empty() && self.call.solver == redistribute::Solver::Even => {
+                    CallConfig {
+                        replica_load: Some(l.clone()),
+                        ..self.call.clone()
+                    }
+                }
+                _ => self.call.clone(),
+            }
+        }
+
         /// Profiling: the work queued since the previous boundary belongs
         /// to part `name` (no-op unless `LRMOE_PARTS=1`).
         fn tick(&self, name: &'static str) -> Result<(), ModelError> {
@@ -770,7 +798,7 @@ mod imp {
         /// backward keeps, the MoE call's span and its plan.
         fn block_forward(
             &self,
-            b: &Block,
+            (b, call): (&Block, &CallConfig),
             x: &mut CudaSlice<f32>,
             shape: AttnShape,
             (one, att): (&CudaSlice<i32>, &CudaSlice<i32>),
@@ -795,7 +823,7 @@ mod imp {
             let (m, inv2) = g.rmsnorm(x, &b.norm2.p, n, eps).map_err(k)?;
             self.tick("norms")?;
             let moe_cfg = self.cfg.moe();
-            let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
+            let planner = DevicePlanner::new(moe_cfg, call.clone())?;
             self.comm.phase(super::phase::MOE_FORWARD)?;
             let t0 = g.mark().map_err(k)?;
             let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
@@ -803,7 +831,7 @@ mod imp {
             self.comm.phase(super::phase::DENSE_FORWARD)?;
             let plan = match planner.take_last_plan() {
                 Some(p) => p,
-                None => layer::device_plan_call(&moe_cfg, &self.call, sv.routed_counts())?,
+                None => layer::device_plan_call(&moe_cfg, call, sv.routed_counts())?,
             };
             g.add_into(x, &sv.y, n * d).map_err(k)?;
             self.tick("moe forward")?;
@@ -945,8 +973,10 @@ mod imp {
             let mut aux_loss = 0.0;
             let mut moe_ms = Vec::new();
             let mut plans = Vec::new();
-            for b in &self.blocks {
-                let (saved, span, plan) = self.block_forward(b, &mut x, shape, (&one, &att))?;
+            for (li, b) in self.blocks.iter().enumerate() {
+                let call = self.layer_call(li);
+                let (saved, span, plan) =
+                    self.block_forward((b, &call), &mut x, shape, (&one, &att))?;
                 moe_ms.push(span);
                 plans.push(plan);
                 aux_loss += saved.moe.aux_loss;

@@ -454,6 +454,29 @@ pub struct MoeRun<'a> {
     /// Each layer's auxiliary-loss-free balancing bias
     /// (`CallConfig::expert_bias`); empty: none.
     pub expert_bias: &'a [Vec<f64>],
+    /// Each layer's previous routed pairs per expert, the SYMI-like
+    /// replicas' input (`CallConfig::replica_load`) when the call splits
+    /// evenly (`redistribute::Solver::Even`); empty: none.
+    pub replica_load: &'a [Vec<u64>],
+}
+
+/// Layer `li`'s call when it differs from `run.backward`: with its
+/// balancing bias, and with its previous load as the SYMI-like replicas'
+/// input when the call splits evenly.
+pub(crate) fn layer_call_of(run: &MoeRun<'_>, li: usize) -> Option<CallConfig> {
+    let bias = run.expert_bias.get(li).filter(|b| !b.is_empty());
+    let load = run
+        .replica_load
+        .get(li)
+        .filter(|l| !l.is_empty() && run.backward.solver == redistribute::Solver::Even);
+    if bias.is_none() && load.is_none() {
+        return None;
+    }
+    Some(CallConfig {
+        expert_bias: bias.cloned().unwrap_or_default(),
+        replica_load: load.cloned(),
+        ..run.backward.clone()
+    })
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
@@ -692,16 +715,13 @@ fn moe_forward<T: Real, X: Transport>(
     let mut m = vec![T::zero(); x.len()];
     let inv2 = rmsnorm(x, &b.norm2, cfg.eps(), &mut m);
     let clock = std::time::Instant::now();
-    let biased;
-    let call = match run.expert_bias.get(li) {
-        Some(bias) if !bias.is_empty() => {
-            biased = layer::CallConfig {
-                expert_bias: bias.clone(),
-                ..run.backward.clone()
-            };
-            &biased
+    let layer_call;
+    let call = match layer_call_of(run, li) {
+        Some(c) => {
+            layer_call = c;
+            &layer_call
         }
-        _ => run.backward,
+        None => run.backward,
     };
     let (y, moe) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
     let secs = clock.elapsed().as_secs_f64();
@@ -1129,6 +1149,7 @@ mod tests {
             placement: &placement,
             backward: bwd,
             expert_bias: &[],
+            replica_load: &[],
         };
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
@@ -1364,6 +1385,7 @@ mod tests {
             placement: &placement,
             backward: &bwd,
             expert_bias: &[],
+            replica_load: &[],
         };
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())

@@ -538,7 +538,7 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
                                 1
                             };
                             let pairs = (cfg.tokens * cfg.top_k * scale) as u64;
-                            largest_remainder(&w, total, pairs)
+                            quota::largest_remainder(&w, total, pairs)
                         })
                         .collect()
                 })
@@ -550,27 +550,6 @@ pub fn synthetic(cfg: &Synthetic) -> Result<Trace, ReplayError> {
         ranks: cfg.ranks,
         steps,
     })
-}
-
-/// `pairs` split in proportion to `w` with exact integer total.
-fn largest_remainder(w: &[f64], total: f64, pairs: u64) -> Vec<u64> {
-    let exact: Vec<f64> = w.iter().map(|x| x / total * pairs as f64).collect();
-    let mut out: Vec<u64> = exact.iter().map(|x| x.floor() as u64).collect();
-    let mut left = pairs - out.iter().sum::<u64>();
-    let mut rem: Vec<(usize, f64)> = exact
-        .iter()
-        .enumerate()
-        .map(|(i, x)| (i, x - x.floor()))
-        .collect();
-    rem.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
-    for (i, _) in rem {
-        if left == 0 {
-            break;
-        }
-        out[i] += 1;
-        left -= 1;
-    }
-    out
 }
 
 /// Hardware and budget of the replay.
@@ -856,7 +835,7 @@ fn symi_placement(cfg: &ReplayConfig, load: &[u64], ranks: usize) -> Placement {
     let total = (slots * ranks).min(experts * ranks).max(experts);
     // One each, the rest by the largest remainder of the load shares.
     let weights: Vec<f64> = load.iter().map(|&l| l as f64 + 1e-9).collect();
-    let extra = largest_remainder(&weights, weights.iter().sum(), (total - experts) as u64);
+    let extra = quota::largest_remainder(&weights, weights.iter().sum(), (total - experts) as u64);
     let mut count: Vec<usize> = extra.iter().map(|&x| 1 + x as usize).collect();
     for c in count.iter_mut() {
         *c = (*c).min(ranks);

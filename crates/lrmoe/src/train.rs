@@ -85,6 +85,13 @@ pub enum Mode {
     /// Replication only: the controller's replicas, every pair kept (the
     /// SYMI/EPLB-style baseline LRMoE is measured against).
     Replicate,
+    /// SYMI-like replication (arXiv 2504.19925), owners kept: each layer's
+    /// replicas in proportion to its previous step's load per expert
+    /// (`moe.replica_slots_per_rank` per rank), every pair kept, each
+    /// expert's pairs split evenly over its instances in forward and
+    /// backward. The first step has no history and takes the controller's
+    /// replicas of its own counts.
+    Symi,
 }
 
 impl std::fmt::Display for Mode {
@@ -94,6 +101,7 @@ impl std::fmt::Display for Mode {
             Self::Lrmoe => "LRMoE",
             Self::Capacity => "Capacity",
             Self::Replicate => "Replicate",
+            Self::Symi => "SYMI-like",
         })
     }
 }
@@ -813,6 +821,12 @@ pub fn layer_call_config(
             replica_memory_fraction: 1.0,
             ..base
         },
+        Mode::Symi => CallConfig {
+            replica_slots_per_rank: moe.replica_slots_per_rank,
+            replica_memory_fraction: 1.0,
+            solver: redistribute::Solver::Even,
+            ..base
+        },
         Mode::Lrmoe => CallConfig {
             retention: if moe.surplus_only {
                 Retention::Surplus(moe.buffer_fraction.min(1.0))
@@ -850,6 +864,10 @@ struct State {
     sim: Option<(f64, f64)>,
     /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
     expert_bias: Vec<Vec<f64>>,
+    /// Each layer's routed pairs per expert in the last step (all ranks;
+    /// SYMI-like replicas follow it; not in the checkpoint: a resumed run's
+    /// first step has no history).
+    last_load: Vec<Vec<u64>>,
     /// The run's kept fractions and buffers so far (not in the checkpoint:
     /// a resumed run reads them back from `metrics.jsonl` as it cuts it
     /// back, [`truncate_metrics`]).
@@ -1057,6 +1075,7 @@ fn load_checkpoint(path: &Path, mcfg: &ModelConfig, corpus: &Corpus) -> Result<S
         moe_s,
         sim,
         expert_bias,
+        last_load: Vec::new(),
         logged: Logged::default(),
     })
 }
@@ -1518,6 +1537,7 @@ fn fresh_state(cfg: &TrainConfig, mcfg: &ModelConfig) -> State {
         moe_s: 0.0,
         sim: None,
         expert_bias: Vec::new(),
+        last_load: Vec::new(),
         logged: Logged::default(),
     }
 }
@@ -1671,6 +1691,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         placement: &placement,
         backward: &call,
         expert_bias: &[],
+        replica_load: &[],
     };
     // One device model for this process's rank (staged in-process ranks
     // build theirs in their threads).
@@ -1840,10 +1861,12 @@ impl Tally {
     }
 }
 
-/// `run` with the layers' balancing bias.
-fn biased<'a>(run: &MoeRun<'a>, expert_bias: &'a [Vec<f64>]) -> MoeRun<'a> {
+/// `run` with the layers' balancing bias and last loads (the SYMI-like
+/// replicas' input; empty unless that mode runs).
+fn biased<'a>(run: &MoeRun<'a>, s: &'a State) -> MoeRun<'a> {
     MoeRun {
-        expert_bias,
+        expert_bias: &s.expert_bias,
+        replica_load: &s.last_load,
         ..run.clone()
     }
 }
@@ -2040,6 +2063,7 @@ fn rank_state(lp: &Loop<'_>, initial: &State, on_device: bool) -> State {
             },
             evals: initial.evals.clone(),
             expert_bias: initial.expert_bias.clone(),
+            last_load: initial.last_load.clone(),
             ..*initial
         }
     } else {
@@ -2069,6 +2093,9 @@ fn account(
     s.wall_s += step_s;
     s.moe_s += out.moe_seconds;
     s.step += 1;
+    if cfg.moe.mode == Mode::Symi {
+        s.last_load.clone_from(&out.expert_load);
+    }
     if cfg.moe.expert_bias_rate > 0.0 {
         update_expert_bias(
             &mut s.expert_bias,
@@ -2119,7 +2146,7 @@ fn first_micro_batches(cfg: &TrainConfig, ranks: usize) -> usize {
 
 /// Whether steps split into micro-batches to fit the budget.
 fn splits_steps(cfg: &TrainConfig) -> bool {
-    cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate)
+    cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate | Mode::Symi)
 }
 
 /// The smallest divisor of a rank's sequences that is at least `need`, so
@@ -2149,7 +2176,11 @@ fn train_step<X: Transport>(
     if let Some(dm) = device_model {
         let starts = random_starts(lp.corpus.train.len(), cfg.data.batch_size, seq, &mut s.rng);
         let mine = &starts[me * per_rank..(me + 1) * per_rank];
-        let st = lock(dm).train_step(mine, seq, micro, &cfg.optim, lr, &s.expert_bias)?;
+        let st = {
+            let mut dm = lock(dm);
+            dm.set_replica_load(&s.last_load);
+            dm.train_step(mine, seq, micro, &cfg.optim, lr, &s.expert_bias)?
+        };
         let mut t = Tally::new(mcfg);
         for m in &st.stats {
             t.add(mcfg, m, me, ranks);
@@ -2172,7 +2203,7 @@ fn train_step<X: Transport>(
     let (tokens, targets) = random_batch(&lp.corpus.train, cfg.data.batch_size, seq, &mut s.rng);
     let lo = me * per_rank * seq;
     let hi = lo + per_rank * seq;
-    let step_run = biased(lp.run, &s.expert_bias);
+    let step_run = biased(lp.run, s);
     let sg = step_grads(
         comm,
         mcfg,
@@ -2287,7 +2318,7 @@ fn evaluate_now<X: Transport>(
     s: &mut State,
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<f64, TrainError> {
-    let run = biased(lp.run, &s.expert_bias);
+    let run = biased(lp.run, s);
     let v = evaluate(
         comm,
         lp.cfg,
@@ -2507,6 +2538,7 @@ mod tests {
             placement: &placement,
             backward: &call,
             expert_bias: &[],
+            replica_load: &[],
         };
         let seq = 8;
         let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();

@@ -237,6 +237,29 @@ fn replication_only_and_a_hot_expert_workload_train() {
     ]);
     assert!(ok, "{err}");
     assert!(out.contains("mean kept fraction 1.000"), "{out}");
+    // SYMI-like replication on the same hot workload: dropless, and after
+    // the first step its replicas follow the previous step's load.
+    let (ok, out, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--mode",
+        "symi",
+        "--force",
+        "--no-progress",
+    ]);
+    assert!(ok, "{err}");
+    assert!(out.contains("mean kept fraction 1.000"), "{out}");
+    let metrics = std::fs::read_to_string(dir.join("out").join("metrics.jsonl")).unwrap();
+    let last: serde_json::Value = serde_json::from_str(metrics.lines().last().unwrap()).unwrap();
+    assert!(
+        last["layers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|l| l["replicas"].as_u64() > Some(0)),
+        "no SYMI-like replica: {last}"
+    );
     // Bad hot-expert settings are one-line errors.
     let bad = std::fs::read_to_string(&cfg)
         .unwrap()

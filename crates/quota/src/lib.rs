@@ -835,6 +835,101 @@ fn rank_models(
         .collect()
 }
 
+/// `n` whole units split in proportion to the weights `w` (their sum
+/// `total`): each gets the floor of its share, the units left go to the
+/// largest remainders (ties to the lower index).
+pub fn largest_remainder(w: &[f64], total: f64, n: u64) -> Vec<u64> {
+    let exact: Vec<f64> = w.iter().map(|x| x / total * n as f64).collect();
+    let mut out: Vec<u64> = exact.iter().map(|x| x.floor() as u64).collect();
+    let mut left = n.saturating_sub(out.iter().sum::<u64>());
+    let mut rem: Vec<(usize, f64)> = exact
+        .iter()
+        .enumerate()
+        .map(|(i, x)| (i, x - x.floor()))
+        .collect();
+    rem.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    for (i, _) in rem {
+        if left == 0 {
+            break;
+        }
+        out[i] += 1;
+        left -= 1;
+    }
+    out
+}
+
+/// SYMI-like replicas (arXiv 2504.19925) with the owners kept: every
+/// expert gets instances in proportion to `load` (its routed pairs in the
+/// previous call; its owner counts as one), `slots_per_rank` replicas per
+/// rank in all, no two instances of an expert on one rank; the replicas go,
+/// heaviest per-instance load first, onto the rank with the least load so
+/// far that has a free slot. Unlike [`plan_replicas`] it looks at the
+/// previous call's load, not this one's, and keeps no memory model: the
+/// slots are the budget. Replicas already in `placement` are replaced.
+pub fn replicas_by_load(
+    placement: &Placement,
+    load: &[u64],
+    n_ranks: usize,
+    slots_per_rank: usize,
+) -> Result<Placement, QuotaError> {
+    let experts = placement.owner.len();
+    if load.len() != experts {
+        return Err(QuotaError::Shape {
+            what: "load",
+            expected: experts,
+            got: load.len(),
+        });
+    }
+    if let Some((expert, &rank)) = placement
+        .owner
+        .iter()
+        .enumerate()
+        .find(|(_, &r)| r >= n_ranks)
+    {
+        return Err(QuotaError::BadRank {
+            expert,
+            rank,
+            n_ranks,
+        });
+    }
+    let total = (slots_per_rank * n_ranks).min(experts * n_ranks.saturating_sub(1));
+    let weights: Vec<f64> = load.iter().map(|&l| l as f64 + 1e-9).collect();
+    let extra = largest_remainder(&weights, weights.iter().sum(), total as u64);
+    let count: Vec<usize> = extra
+        .iter()
+        .map(|&x| (1 + x as usize).min(n_ranks))
+        .collect();
+    let per = |e: usize| load[e] as f64 / count[e] as f64;
+    let mut rank_load = vec![0f64; n_ranks];
+    for (e, &o) in placement.owner.iter().enumerate() {
+        rank_load[o] += per(e);
+    }
+    let mut items: Vec<(f64, usize)> = (0..experts)
+        .flat_map(|e| (1..count[e]).map(move |_| (per(e), e)))
+        .collect();
+    items.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+    let mut used = vec![0usize; n_ranks];
+    let mut replicas: Vec<Vec<usize>> = vec![Vec::new(); experts];
+    for (per, e) in items {
+        let holds = |r: usize| placement.owner[e] == r || replicas[e].contains(&r);
+        let pick = (0..n_ranks)
+            .filter(|&r| used[r] < slots_per_rank && !holds(r))
+            .min_by(|&a, &b| rank_load[a].total_cmp(&rank_load[b]).then(a.cmp(&b)));
+        if let Some(r) = pick {
+            replicas[e].push(r);
+            used[r] += 1;
+            rank_load[r] += per;
+        }
+    }
+    for r in &mut replicas {
+        r.sort_unstable();
+    }
+    Ok(Placement {
+        owner: placement.owner.clone(),
+        replicas,
+    })
+}
+
 /// Adds replicas of hot experts to `inputs.placement` (see the crate doc).
 pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
     inputs.validate()?;

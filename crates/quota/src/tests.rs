@@ -813,3 +813,33 @@ proptest! {
         );
     }
 }
+
+#[test]
+fn replicas_by_load_follow_the_previous_load_within_the_slots() {
+    // 8 experts owned two per rank on 4 ranks; expert 0 carries most of
+    // the previous call's load.
+    let placement = Placement {
+        owner: vec![0, 0, 1, 1, 2, 2, 3, 3],
+        replicas: vec![],
+    };
+    let load = [800, 10, 10, 10, 10, 10, 10, 10];
+    let p = replicas_by_load(&placement, &load, 4, 1).unwrap();
+    assert_eq!(p.owner, placement.owner);
+    // Four slots in all, all to the hot expert, but it fits on only the
+    // three ranks that do not own it.
+    assert_eq!(p.replicas[0], vec![1, 2, 3]);
+    let used: usize = p.replicas.iter().map(Vec::len).sum();
+    assert!(used <= 4);
+    for (e, r) in p.replicas.iter().enumerate() {
+        assert!(
+            !r.contains(&p.owner[e]),
+            "expert {e} replicated on its owner"
+        );
+    }
+    // Slots respected per rank.
+    for rank in 0..4 {
+        assert!(p.replicas.iter().filter(|r| r.contains(&rank)).count() <= 1);
+    }
+    assert!(replicas_by_load(&placement, &load[..3], 4, 1).is_err());
+    assert_eq!(largest_remainder(&[1.0, 1.0, 2.0], 4.0, 5), vec![1, 1, 3]);
+}

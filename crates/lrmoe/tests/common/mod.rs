@@ -74,6 +74,7 @@ pub fn cpu_loss_and_grads(
         placement: &placement,
         backward: &call,
         expert_bias: &[],
+        replica_load: &[],
     };
     let mut out = run_local(1, Duration::from_secs(60), |t| {
         let (l, c) = model::forward(t, cfg, m, &run, &tok, &tgt, seq)?;
