@@ -119,6 +119,11 @@ fn spread(global: &[u64], ranks: usize) -> Vec<Vec<u64>> {
 /// u64 values, 2 GiB), so a hostile file fails before it allocates.
 pub const MAX_TRACE_CELLS: u128 = 1 << 28;
 
+/// The most ranks a replay models (the planner's scale benchmark: 100 000
+/// ranks × 128 experts in under a second per call). A trace claiming more
+/// is refused before the replay's per-rank work would run for hours.
+pub const MAX_TRACE_RANKS: usize = 100_000;
+
 fn check_size(
     what: &str,
     steps: usize,
@@ -126,6 +131,11 @@ fn check_size(
     ranks: usize,
     experts: usize,
 ) -> Result<(), ReplayError> {
+    if ranks > MAX_TRACE_RANKS {
+        return Err(ReplayError::Invalid(format!(
+            "{what}: {ranks} ranks is more than a replay models ({MAX_TRACE_RANKS})"
+        )));
+    }
     let cells = [steps, layers, ranks, experts]
         .iter()
         .fold(1u128, |a, &n| a.saturating_mul(n as u128));

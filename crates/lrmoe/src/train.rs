@@ -670,6 +670,12 @@ pub struct TrainSummary {
     pub mean_kept_fraction: f64,
     /// Largest backward buffer of any rank and layer, bytes.
     pub max_buffer_bytes: u64,
+    /// The most bytes of expert instances any rank held in one step
+    /// (owned experts and this call's replicas, weights and gradients, every
+    /// layer), modelled from the plans ([`expert_bytes`]); 0 in summaries
+    /// written before it was recorded.
+    #[serde(default)]
+    pub max_expert_bytes: u64,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }
@@ -880,6 +886,7 @@ struct Logged {
     kept_sum: f64,
     kept_n: usize,
     max_buffer: u64,
+    max_experts: u64,
 }
 
 impl Logged {
@@ -900,6 +907,8 @@ impl Logged {
 
     /// Adds the layer calls of one `metrics.jsonl` line.
     fn add_line(&mut self, line: &serde_json::Value) {
+        let experts = line["expert_bytes"].as_u64().unwrap_or(0);
+        self.max_experts = self.max_experts.max(experts);
         for l in line["layers"].as_array().into_iter().flatten() {
             if let Some(k) = l["kept_fraction"].as_f64() {
                 self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
@@ -1409,6 +1418,9 @@ struct StepMetrics {
     aux_loss: Option<f64>,
     /// Micro-batches this step ran in (`moe.fit_budget`).
     micro_batches: usize,
+    /// The most bytes of expert instances any rank held in this step's
+    /// layer calls ([`expert_bytes`]).
+    expert_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     val_loss: Option<f64>,
     /// The device-resident model's step split, device milliseconds: dense
@@ -2026,6 +2038,7 @@ fn rank_loop<X: Transport>(
             tokens_per_s: (cfg.data.batch_size * cfg.data.seq_len) as f64 / agreed.step_s,
             aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(out.aux_loss),
             micro_batches: step_micro,
+            expert_bytes: expert_bytes(lp, &out.plans, device_model.is_some()),
             val_loss,
             device_ms: out.device_ms,
             device_mem_bytes: out.device_mem_bytes,
@@ -2044,6 +2057,35 @@ fn rank_loop<X: Transport>(
     }
     let reason = reason.unwrap_or(crate::stop::StopReason::Steps);
     finish(comm, lp, s, reason, reached, device_model)
+}
+
+/// The most bytes of expert instances any rank holds in the layer calls of
+/// `plans` (one per layer): its owned experts and the call's replicas on
+/// it, each an instance of weights and gradients
+/// (`quota::CostModel::instance_bytes`) in the rows the executor plans
+/// with (bf16 on the device, f32 on the host), summed over the layers —
+/// every layer's experts are resident at once.
+fn expert_bytes(lp: &Loop<'_>, plans: &[layer::CallPlan], whole_gpu: bool) -> u64 {
+    let device_rows = whole_gpu || lp.cfg.moe.executor == Executor::Device;
+    let cost = quota::CostModel::swiglu_expert(
+        lp.mcfg.d_model,
+        lp.mcfg.ffn,
+        if device_rows { 2 } else { 4 },
+        quota::H200_LINK_BYTES_PER_S,
+        quota::H200_FLOPS_PER_S,
+    );
+    let mut per_rank = vec![0u64; lp.cfg.moe.ranks.max(1)];
+    for p in plans {
+        for (r, n) in p
+            .placement
+            .instances_per_rank(per_rank.len())
+            .into_iter()
+            .enumerate()
+        {
+            per_rank[r] += n * cost.instance_bytes();
+        }
+    }
+    per_rank.into_iter().max().unwrap_or(0)
 }
 
 /// This rank's state for the loop: the run's first state, with the
@@ -2350,6 +2392,7 @@ fn log_and_checkpoint<X: Transport>(
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<(), TrainError> {
     let cfg = lp.cfg;
+    s.logged.max_experts = s.logged.max_experts.max(m.expert_bytes);
     let checkpoint_due = cfg.run.checkpoint
         && cfg.run.checkpoint_every > 0
         && s.step % cfg.run.checkpoint_every == 0;
@@ -2415,6 +2458,7 @@ fn finish<X: Transport>(
         reached_target: reached,
         mean_kept_fraction: s.logged.mean_kept(),
         max_buffer_bytes: s.logged.max_buffer,
+        max_expert_bytes: s.logged.max_experts,
         stop_reason: reason,
     }))
 }

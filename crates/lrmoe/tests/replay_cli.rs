@@ -237,3 +237,29 @@ fn a_one_step_trace_draws_bars_per_strategy() {
     let png = std::fs::read(out.join("memory.png")).unwrap();
     assert_eq!(&png[1..4], b"PNG");
 }
+
+#[test]
+fn more_ranks_than_a_replay_models_are_refused_at_once() {
+    // A trace of 100 001 ranks would keep the replay busy for hours (a
+    // fuzzed trace once did); it is refused before any work.
+    let out = tmp("many-ranks").join("out");
+    let start = std::time::Instant::now();
+    let (ok, err) = replay(&[
+        "--synthetic",
+        "hot-experts",
+        "--ranks",
+        "100001",
+        "--experts",
+        "16",
+        "--steps",
+        "1",
+        "--layers",
+        "1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    one_line(&err, &["100001 ranks", "100000"]);
+    assert!(start.elapsed() < std::time::Duration::from_secs(10));
+    assert!(!out.exists(), "nothing is written");
+}
