@@ -4,8 +4,10 @@
 //! reached each expert from each source rank, `n[s][e]`, and fixes how many
 //! of them the backward keeps, `k[s][e] ≤ n[s][e]` (the expert's quota is
 //! `q_e = Σ_s k[s][e]`). It also plans the forward-time replicas of hot
-//! experts. Quotas are fixed for the whole layer call; which pairs fill them
-//! is decided later by their LRM scores (`lrm-score`).
+//! experts ([`plan_replicas`]; [`replicas_by_load`] is the SYMI-like
+//! baseline's rule, from the previous call's load). Quotas are fixed for the
+//! whole layer call; which pairs fill them is decided later by their LRM
+//! scores (`lrm-score`).
 //!
 //! ## Cost model ([`CostModel`])
 //!

@@ -43,6 +43,10 @@
 //! * **Greedy** (baseline, longest-processing-time order): experts in
 //!   decreasing `K_e`, each water-filled onto its least-loaded instances.
 //!   If caps leave it stuck, it falls back to the exact solver.
+//! * **Even** (no search, [`even_split`]): each (source, expert)'s pairs split
+//!   evenly over the expert's instances — the split of the dropless
+//!   replication baselines (SYMI-like), kept for comparing against them.
+//!   Rank capacities are not consulted.
 //!
 //! Expert-level flows are split back to sources deterministically: pairs stay
 //! on their source rank where the source hosts an instance, the rest fill
