@@ -788,11 +788,9 @@ fn the_balancing_bias_moves_the_choice_but_not_the_gates_or_gradients() {
     }
 }
 
-#[test]
-fn replicas_compute_with_the_owners_weights_copied_to_them() {
-    // Each rank's copies of the experts it does not own are garbage: a
-    // correct layer never reads them — replicas get the owner's weights over
-    // the transport, and gradients come back from the owners.
+/// The replica tests' layer: four experts of width 6 × 5, top-2, and 48
+/// tokens of inputs and output gradients drawn from `seed`.
+fn replica_case(seed: u64) -> (MoeConfig, MoeParams<f64>, Vec<f64>, Vec<f64>) {
     let cfg = MoeConfig {
         hidden: 6,
         ffn: 5,
@@ -800,7 +798,16 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
         top_k: 2,
         renormalize: true,
     };
-    let (params, x, dy) = setup(&cfg, 48, 17);
+    let (params, x, dy) = setup(&cfg, 48, seed);
+    (cfg, params, x, dy)
+}
+
+#[test]
+fn replicas_compute_with_the_owners_weights_copied_to_them() {
+    // Each rank's copies of the experts it does not own are garbage: a
+    // correct layer never reads them — replicas get the owner's weights over
+    // the transport, and gradients come back from the owners.
+    let (cfg, params, x, dy) = replica_case(17);
     let all = vec![true; 48 * cfg.top_k];
     let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
     for retention in [Retention::Full, Retention::Ratio(0.5)] {
@@ -1289,14 +1296,7 @@ fn symi_like_calls_replicate_by_the_given_load_split_evenly_and_stay_exact() {
     // SYMI-like replication: replicas from the previous call's load (here
     // all on expert 3), every pair kept, pairs split evenly over the
     // instances — still the exact layer.
-    let cfg = MoeConfig {
-        hidden: 6,
-        ffn: 5,
-        n_experts: 4,
-        top_k: 2,
-        renormalize: true,
-    };
-    let (params, x, dy) = setup(&cfg, 48, 23);
+    let (cfg, params, x, dy) = replica_case(23);
     let all = vec![true; 48 * cfg.top_k];
     let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
     let call = CallConfig {

@@ -260,8 +260,7 @@ mod imp {
         /// part's ([`Self::tick`]).
         parts: Option<std::sync::Mutex<Vec<(&'static str, kernels::gpu::Mark)>>>,
         /// Each layer's previous routed pairs per expert, the SYMI-like
-        /// replicas' input when the call splits evenly
-        /// ([`Self::set_replica_load`]); empty: none.
+        /// replicas' input ([`Self::set_replica_load`]); empty: none.
         replica_load: Vec<Vec<u64>>,
     }
 
@@ -735,23 +734,18 @@ mod imp {
         }
 
         /// Each layer's previous routed pairs per expert (all ranks): the
-        /// SYMI-like replicas of the next step's calls when the call splits
-        /// evenly (`redistribute::Solver::Even`); empty: none.
+        /// SYMI-like replicas of the next step's calls; empty: none (the
+        /// trainer sets it in its SYMI-like mode only).
         pub fn set_replica_load(&mut self, load: &[Vec<u64>]) {
             self.replica_load = load.to_vec();
         }
 
         /// Layer `li`'s call: this model's, with the layer's previous load
-        /// as the SYMI-like replicas' input where the call splits evenly.
+        /// as the SYMI-like replicas' input where it has one.
         fn layer_call(&self, li: usize) -> CallConfig {
-            match self.replica_load.get(li) {
-                Some(l) if !l.is_empty() && self.call.solver == redistribute::Solver::Even => {
-                    CallConfig {
-                        replica_load: Some(l.clone()),
-                        ..self.call.clone()
-                    }
-                }
-                _ => self.call.clone(),
+            CallConfig {
+                replica_load: self.replica_load.get(li).filter(|l| !l.is_empty()).cloned(),
+                ..self.call.clone()
             }
         }
 

@@ -455,20 +455,17 @@ pub struct MoeRun<'a> {
     /// (`CallConfig::expert_bias`); empty: none.
     pub expert_bias: &'a [Vec<f64>],
     /// Each layer's previous routed pairs per expert, the SYMI-like
-    /// replicas' input (`CallConfig::replica_load`) when the call splits
-    /// evenly (`redistribute::Solver::Even`); empty: none.
+    /// replicas' input (`CallConfig::replica_load`); empty: none (the
+    /// trainer fills it in its SYMI-like mode only).
     pub replica_load: &'a [Vec<u64>],
 }
 
 /// Layer `li`'s call when it differs from `run.backward`: with its
 /// balancing bias, and with its previous load as the SYMI-like replicas'
-/// input when the call splits evenly.
+/// input.
 pub(crate) fn layer_call_of(run: &MoeRun<'_>, li: usize) -> Option<CallConfig> {
     let bias = run.expert_bias.get(li).filter(|b| !b.is_empty());
-    let load = run
-        .replica_load
-        .get(li)
-        .filter(|l| !l.is_empty() && run.backward.solver == redistribute::Solver::Even);
+    let load = run.replica_load.get(li).filter(|l| !l.is_empty());
     if bias.is_none() && load.is_none() {
         return None;
     }

@@ -739,6 +739,26 @@ pub fn moe_section_from_json(json: &str, n_experts: usize) -> Result<MoeSection,
     Ok(moe)
 }
 
+/// The cost model in the units the executor plans with: f32 rows on the
+/// host executor, bf16 rows on the device executor (launched ranks with
+/// `executor = "device"`, in-process device ranks, or the device-resident
+/// model), so `buffer_fraction` means the same share of pairs on both.
+fn executor_cost((d_model, ffn): (usize, usize), device_rows: bool) -> quota::CostModel {
+    quota::CostModel::swiglu_expert(
+        d_model,
+        ffn,
+        if device_rows { 2 } else { 4 },
+        quota::H200_LINK_BYTES_PER_S,
+        quota::H200_FLOPS_PER_S,
+    )
+}
+
+/// Whether the MoE layers run on bf16 device rows: the whole model on the
+/// GPU, or the device executor.
+fn device_rows(cfg: &TrainConfig, whole_gpu: bool) -> bool {
+    whole_gpu || cfg.moe.executor == Executor::Device
+}
+
 /// Byte and memory model the controller plans with: each rank holds its
 /// owned experts, `moe.replica_slots_per_rank` replicas and a token buffer
 /// of `moe.buffer_fraction` of the average routed pairs per rank.
@@ -749,18 +769,7 @@ fn budgets(
     placement: &Placement,
     device_rows: bool,
 ) -> Vec<RankBudget> {
-    // The budgets are stated in the units the executor plans with: f32 rows
-    // on the host executor, bf16 rows on the device executor (launched
-    // ranks with `executor = "device"`, or the device-resident model), so
-    // `buffer_fraction` means the same share of pairs on both.
-    let element_bytes = if device_rows { 2 } else { 4 };
-    let cost = quota::CostModel::swiglu_expert(
-        d_model,
-        ffn,
-        element_bytes,
-        quota::H200_LINK_BYTES_PER_S,
-        quota::H200_FLOPS_PER_S,
-    );
+    let cost = executor_cost((d_model, ffn), device_rows);
     let (instance, row) = (cost.instance_bytes(), cost.row_bytes());
     let buffer = (moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
     (0..moe.ranks)
@@ -1570,7 +1579,7 @@ fn run_call_config(
     placement: &Placement,
     whole_gpu: bool,
 ) -> CallConfig {
-    let device_rows = whole_gpu || cfg.moe.executor == Executor::Device;
+    let device_rows = device_rows(cfg, whole_gpu);
     let call = call_config(cfg, mcfg, placement, device_rows);
     if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
         // The per-rank budget in the units the executor plans with, for
@@ -2066,14 +2075,8 @@ fn rank_loop<X: Transport>(
 /// with (bf16 on the device, f32 on the host), summed over the layers —
 /// every layer's experts are resident at once.
 fn expert_bytes(lp: &Loop<'_>, plans: &[layer::CallPlan], whole_gpu: bool) -> u64 {
-    let device_rows = whole_gpu || lp.cfg.moe.executor == Executor::Device;
-    let cost = quota::CostModel::swiglu_expert(
-        lp.mcfg.d_model,
-        lp.mcfg.ffn,
-        if device_rows { 2 } else { 4 },
-        quota::H200_LINK_BYTES_PER_S,
-        quota::H200_FLOPS_PER_S,
-    );
+    let shape = (lp.mcfg.d_model, lp.mcfg.ffn);
+    let cost = executor_cost(shape, device_rows(lp.cfg, whole_gpu));
     let mut per_rank = vec![0u64; lp.cfg.moe.ranks.max(1)];
     for p in plans {
         for (r, n) in p
