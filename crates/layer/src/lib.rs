@@ -89,6 +89,11 @@
 //! ([`Saved::aux_loss`]; its router and input gradients are part of
 //! [`backward`]'s, finite-difference checked); both executors.
 //!
+//! [`CallConfig::replica_load`] makes a call's replicas SYMI-like (from the
+//! previous call's load, `quota::replicas_by_load`) instead of the
+//! controller's; with `redistribute::Solver::Even` the pairs are split
+//! evenly over the instances in forward and backward. Both executors.
+//!
 //! [`CallConfig::expert_bias`] is DeepSeek-V3's auxiliary-loss-free
 //! balancing bias: `b_e` is added to expert `e`'s router probability for
 //! the top-k choice only, the gates stay the unbiased probabilities (so no

@@ -14,6 +14,9 @@
 //!   [`model`] by device tests,
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
+//!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
+//!   one layer call's settings from an `[moe]` section, as the trainer and
+//!   the Python package (`python/`) do;
 //! * [`hf_config`]: a Hugging Face Qwen3-MoE `config.json` → the model
 //!   section (`--model-config`);
 //! * [`stop`]: the collective stop (steps, time cap, target, signal),

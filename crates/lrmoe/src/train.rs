@@ -672,7 +672,7 @@ pub struct TrainSummary {
     pub max_buffer_bytes: u64,
     /// The most bytes of expert instances any rank held in one step
     /// (owned experts and this call's replicas, weights and gradients, every
-    /// layer), modelled from the plans ([`expert_bytes`]); 0 in summaries
+    /// layer), modelled from the plans (`expert_bytes` in `metrics.jsonl`); 0 in summaries
     /// written before it was recorded.
     #[serde(default)]
     pub max_expert_bytes: u64,

@@ -39,7 +39,9 @@
 //! instance regroups what it receives (with the inverse permutation and
 //! group offsets a device executor uploads). Its maps are [`ep::Runs`]:
 //! blocks of consecutive rows, so the host's work grows with experts and
-//! ranks, not with rows; the device expands them.
+//! ranks, not with rows; the device expands them. [`ep::replica_routes`] is
+//! the one order in which every executor sends replica weights out and
+//! their gradients back (owner → replica per peer rank, by expert).
 //!
 //! ## Row movement
 //!
