@@ -4,7 +4,7 @@
 # the whole device model with the fused kernels (LRMOE_ATTENTION=fused) and
 # with the materialised scores (LRMOE_ATTENTION=materialized), beside
 # PyTorch's SDPA, in one call. The device model's tests run on both paths.
-# (Unset, the fused kernels run up to head width 64.)
+# (Unset, the fused kernels run at every head width they have.)
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-attn-bench  # → .device/

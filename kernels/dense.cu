@@ -419,30 +419,23 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __
 
 // ---------------------------------------------------------------------------
 // Fused causal grouped-query attention (FlashAttention-2's algorithm: Dao,
-// 2023), bf16 tensor cores through WMMA (16 × 16 × 16, f32 accumulate).
-// Head-major inputs: q [n_seq, heads, seq, DH], k and v [n_seq, kv, seq,
-// DH]; query head hq reads key/value head hq / (heads / kv). Scores are
-// s = scale · q·k; the kernels work in base 2 (sl = scale · log2 e), so the
-// forward's row statistic is lse2 = log2 Σ_{j ≤ i} 2^(sl·q·k_j) and the
-// probabilities p = 2^(sl·q·k − lse2). No seq × seq matrix is stored.
-// Blocks of 64 queries or keys, 4 warps of 16 rows each; rows past seq
-// are zero-filled and never written. Twins: crate::dense::
-// flash_attention_reference / flash_attention_backward_reference.
-#include <mma.h>
-
+// 2023) on bf16 tensor cores: mma.sync m16n8k16 (f32 accumulate) with
+// operands loaded from shared memory by ldmatrix. Head-major inputs:
+// q [n_seq, heads, seq, DH], k and v [n_seq, kv, seq, DH]; query head hq
+// reads key/value head hq / (heads / kv). Scores are s = scale · q·k; the
+// kernels work in base 2 (sl = scale · log2 e), so the forward's row
+// statistic is lse2 = log2 Σ_{j ≤ i} 2^(sl·q·k_j) and the probabilities
+// p = 2^(sl·q·k − lse2). No seq × seq matrix is stored. Blocks of 64
+// queries or keys, 4 warps of 16 rows each; rows past seq are zero-filled
+// and never written. Only the diagonal block is masked: every other block
+// a kernel visits lies wholly below the diagonal and inside the sequence.
+// Twins: crate::dense::flash_attention_reference /
+// flash_attention_backward_reference.
 namespace fa {
 constexpr int B = 64;  // queries or keys per block: 4 warps of 16 rows
-// Shared-memory row strides, padded by 16 bytes so that the rows of a tile
-// fall in different banks (unpadded 128- or 256-byte rows make every
-// fragment load an 8-way bank conflict).
+// Shared-memory row strides, padded by 16 bytes so that the eight rows an
+// ldmatrix reads fall in different banks.
 template <int DH> constexpr int LT = DH + 8;   // bf16 tiles [B][DH]
-using namespace nvcuda;
-using FragA = wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-using FragBT = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major>;
-using FragB = wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major>;
-using Acc = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-__device__ __forceinline__ const __nv_bfloat16* bfp(const uint16_t* p) { return reinterpret_cast<const __nv_bfloat16*>(p); }
 
 // rows [row0, row0 + 64) of a [seq, DH] head into a padded smem tile, zero
 // past seq.
@@ -478,38 +471,84 @@ __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
-// The element layout of a 16 × 16 accumulator and of a bf16 A fragment
-// (the same: the mma.sync m16n8k16 register layout, which WMMA uses on
-// sm_80 and later; the device test against the CPU twin checks it):
-// element i of lane l sits at row l/4 + 8·((i/2) mod 2), column
-// 2·(l mod 4) + (i mod 2) + 8·(i/4).
-__device__ __forceinline__ int frag_row(int lane, int i) { return (lane >> 2) + 8 * ((i >> 1) & 1); }
-__device__ __forceinline__ int frag_col(int lane, int i) { return 2 * (lane & 3) + (i & 1) + 8 * (i >> 2); }
-static_assert(Acc::num_elements == 8 && FragA::num_elements == 8, "16x16x16 fragments of 8 elements");
+// Register fragments of mma.sync m16n8k16 (lane l, g = l / 4, t = l % 4):
+//   A (16 × 16, 4 × bf16x2): a0 row g, cols 2t, 2t+1; a1 row g+8; a2 row g,
+//     cols 2t+8, 2t+9; a3 row g+8, cols 2t+8, 2t+9.
+//   B (16 × 8, 2 × bf16x2): b0 rows 2t, 2t+1 of col g; b1 rows 2t+8, 2t+9.
+//   C (16 × 8, 4 × f32): c0, c1 row g, cols 2t, 2t+1; c2, c3 row g+8.
+// So two C tiles side by side (16 × 16) are an A fragment once packed to
+// bf16: the probabilities feed the next product straight from registers.
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ void ldsm(uint32_t (&r)[4], const uint16_t* p) {
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+__device__ __forceinline__ void ldsm_t(uint32_t (&r)[4], const uint16_t* p) {
+    unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(a));
+}
+// Where lane `l` points ldmatrix in a row-major tile of stride L:
+// the A fragment of rows r0.., cols k0..;
+template <int L>
+__device__ __forceinline__ int a_at(int lane, int r0, int k0) {
+    return (r0 + (lane & 15)) * L + k0 + ((lane >> 4) << 3);
+}
+// the B fragments of output columns n0.. and n0 + 8.. (r[0..1], r[2..3])
+// from a tile whose rows are those columns (B = tileᵀ: K in Q·Kᵀ);
+template <int L>
+__device__ __forceinline__ int bt_at(int lane, int n0, int k0) {
+    return (n0 + (lane & 7) + ((lane >> 4) << 3)) * L + k0 + (((lane >> 3) & 1) << 3);
+}
+// the same from a tile whose rows are the reduction (B = tile: V in P·V),
+// through ldmatrix.trans.
+template <int L>
+__device__ __forceinline__ int b_at(int lane, int k0, int n0) {
+    return (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * L + n0 + ((lane >> 4) << 3);
+}
+__device__ __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+}
+// Two C tiles (16 × 16) packed into the A fragment of the next product.
+__device__ __forceinline__ void to_a(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+    a[0] = pack(c0[0], c0[1]);
+    a[1] = pack(c0[2], c0[3]);
+    a[2] = pack(c1[0], c1[1]);
+    a[3] = pack(c1[2], c1[3]);
+}
 
-// A 16 × DH accumulator set (DH / 16 fragments) to bf16 rows row0 + r of
-// out (those below seq), rows g and g + 8 of the lane scaled by mul0, mul1.
+// A warp's 16 × DH accumulator (DH / 8 C tiles) to bf16 rows row0 + g and
+// row0 + g + 8 of out (those below seq), scaled by mul0 and mul1.
 template <int DH>
-__device__ __forceinline__ void store_acc(const Acc* acc, uint16_t* out, int row0, int seq, float mul0, float mul1) {
-    int lane = threadIdx.x & 31;
+__device__ __forceinline__ void store_acc(const float (*acc)[4], uint16_t* out, int row0, int seq, float mul0,
+                                          float mul1) {
+    int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int n = 0; n < DH / 16; n++)
+    for (int h = 0; h < 2; h++) {
+        int row = row0 + g + 8 * h;
+        float mul = h ? mul1 : mul0;
+        if (row < seq)
 #pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-            int r = (i >> 1) & 1, row = row0 + frag_row(lane, i);
-            float mul = r ? mul1 : mul0;
-            if (row < seq) {
-                uint32_t pair = (uint32_t)to_bf(acc[n].x[i] * mul) | ((uint32_t)to_bf(acc[n].x[i + 1] * mul) << 16);
-                *reinterpret_cast<uint32_t*>(out + (long long)row * DH + n * 16 + frag_col(lane, i)) = pair;
-            }
-        }
+            for (int n = 0; n < DH / 8; n++)
+                *reinterpret_cast<uint32_t*>(out + (long long)row * DH + n * 8 + 2 * t) =
+                    pack(acc[n][2 * h] * mul, acc[n][2 * h + 1] * mul);
+    }
 }
 }  // namespace fa
 
-// Register-resident forward: each warp keeps its 16 rows' scores, the
-// bf16 probabilities and the output accumulator in registers (the
-// accumulator's element layout, frag_row / frag_col); only the K and V
-// tiles go through shared memory.
+// Forward: each warp keeps its 16 rows' Q fragments, scores, bf16
+// probabilities and output accumulator in registers; K and V tiles go
+// through shared memory, the next pair loading while this one is used.
+// The longest query blocks (the last) start first.
 template <int DH>
 __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, uint16_t* __restrict__ o, float* __restrict__ lse2,
@@ -518,24 +557,26 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
     int row0 = qb * B + warp * 16;
     load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
-    FragA qf[DH / 16];
+    uint32_t qf[DH / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < DH / 16; kk++) wmma::load_matrix_sync(qf[kk], bfp(tiles + warp * 16 * L + kk * 16), L);
+    for (int kk = 0; kk < DH / 16; kk++) ldsm(qf[kk], tiles + a_at<L>(lane, warp * 16, kk * 16));
     __syncthreads();
     load_tile_async<DH>(tiles, K, 0, seq);
     load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
     cp_async_commit();
-    Acc oacc[DH / 16];
+    float oacc[DH / 8][4];
 #pragma unroll
-    for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(oacc[n], 0.f);
-    int qpos[2] = {row0 + frag_row(lane, 0), row0 + frag_row(lane, 2)};
+    for (int n = 0; n < DH / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) oacc[n][i] = 0.f;
+    int qpos[2] = {row0 + g, row0 + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
     for (int j = 0; j <= qb; j++) {
         const uint16_t* Ks = tiles + (j & 1) * 2 * B * L;
@@ -550,25 +591,32 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
             cp_async_wait<0>();
         }
         __syncthreads();
-        Acc sa[B / 16];
-        float mx[2] = {-INFINITY, -INFINITY};
+        float s[B / 8][4];
 #pragma unroll
-        for (int n = 0; n < B / 16; n++) {
-            wmma::fill_fragment(sa[n], 0.f);
+        for (int n = 0; n < B / 8; n++)
 #pragma unroll
-            for (int kk = 0; kk < DH / 16; kk++) {
-                FragBT kf;
-                wmma::load_matrix_sync(kf, bfp(Ks + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(sa[n], qf[kk], kf, sa[n]);
+            for (int i = 0; i < 4; i++) s[n][i] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < DH / 16; kk++)
+#pragma unroll
+            for (int np = 0; np < B / 16; np++) {
+                uint32_t bf[4];
+                ldsm(bf, Ks + bt_at<L>(lane, np * 16, kk * 16));
+                mma(s[2 * np], qf[kk], bf[0], bf[1]);
+                mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
             }
+        float mx[2] = {-INFINITY, -INFINITY};
+        bool diag = j == qb;
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int r = (i >> 1) & 1, key = j * B + n * 16 + frag_col(lane, i);
-                float x = (key <= qpos[r] && key < seq) ? sa[n].x[i] * sl : -INFINITY;
-                sa[n].x[i] = x;
+        for (int n = 0; n < B / 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int r = i >> 1, key = j * B + n * 8 + 2 * t + (i & 1);
+                float x = s[n][i] * sl;
+                if (diag && (key > qpos[r] || key >= seq)) x = -INFINITY;
+                s[n][i] = x;
                 mx[r] = fmaxf(mx[r], x);
             }
-        }
         float base[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
@@ -580,28 +628,30 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
             l[r] *= alpha[r];
             m[r] = mn;
         }
-        FragA pf[B / 16];
 #pragma unroll
-        for (int n = 0; n < B / 16; n++)
+        for (int n = 0; n < B / 8; n++)
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int r = (i >> 1) & 1;
-                float p = exp2f(sa[n].x[i] - base[r]);
-                l[r] += p;
-                pf[n].x[i] = __float2bfloat16_rn(p);
+            for (int i = 0; i < 4; i++) {
+                float p = exp2f(s[n][i] - base[i >> 1]);
+                l[i >> 1] += p;
+                s[n][i] = p;
             }
 #pragma unroll
-        for (int n = 0; n < DH / 16; n++)
+        for (int n = 0; n < DH / 8; n++)
 #pragma unroll
-            for (int i = 0; i < 8; i++) oacc[n].x[i] *= alpha[(i >> 1) & 1];
+            for (int i = 0; i < 4; i++) oacc[n][i] *= alpha[i >> 1];
 #pragma unroll
-        for (int kk = 0; kk < B / 16; kk++)
+        for (int kk = 0; kk < B / 16; kk++) {
+            uint32_t pf[4];
+            to_a(pf, s[2 * kk], s[2 * kk + 1]);
 #pragma unroll
-            for (int n = 0; n < DH / 16; n++) {
-                FragB vf;
-                wmma::load_matrix_sync(vf, bfp(Vs + kk * 16 * L + n * 16), L);
-                wmma::mma_sync(oacc[n], pf[kk], vf, oacc[n]);
+            for (int dp = 0; dp < DH / 16; dp++) {
+                uint32_t bf[4];
+                ldsm_t(bf, Vs + b_at<L>(lane, kk * 16, dp * 16));
+                mma(oacc[2 * dp], pf, bf[0], bf[1]);
+                mma(oacc[2 * dp + 1], pf, bf[2], bf[3]);
             }
+        }
         __syncthreads();
     }
 #pragma unroll
@@ -610,7 +660,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
         l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
     }
     store_acc<DH>(oacc, o + (long long)bh * seq * DH, row0, seq, 1.f / l[0], 1.f / l[1]);
-    if ((lane & 3) == 0)
+    if (t == 0)
         for (int r = 0; r < 2; r++)
             if (qpos[r] < seq) lse2[(long long)bh * seq + qpos[r]] = m[r] + log2f(l[r]);
 }
@@ -645,20 +695,17 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     uint16_t* Vs = Ks + B * L;
     uint16_t* QG = Vs + B * L;                           // 2 stages × {Q, dO} × [B][L]
     float* LD = reinterpret_cast<float*>(QG + 4 * B * L);  // 2 stages × {lse2, D} × [B]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int kb = blockIdx.x, bk = blockIdx.y, b = bk / kv, hk = bk % kv, group = heads / kv;
     load_tile<DH>(Ks, k + (long long)bk * seq * DH, kb * B, seq);
     load_tile<DH>(Vs, v + (long long)bk * seq * DH, kb * B, seq);
-    Acc dka[DH / 16], dva[DH / 16];
+    float dka[DH / 8][4], dva[DH / 8][4];
 #pragma unroll
-    for (int n = 0; n < DH / 16; n++) {
-        wmma::fill_fragment(dka[n], 0.f);
-        wmma::fill_fragment(dva[n], 0.f);
-    }
+    for (int n = 0; n < DH / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) dka[n][i] = dva[n][i] = 0.f;
     int key0 = kb * B + warp * 16;
-    int key[2] = {key0 + frag_row(lane, 0), key0 + frag_row(lane, 2)};
-    const uint16_t* Kw = Ks + warp * 16 * L;
-    const uint16_t* Vw = Vs + warp * 16 * L;
+    int key[2] = {key0 + g, key0 + g + 8};
     // Every (query head of the group, query block at or after this key
     // block) in turn; the next one's tiles load while this one computes.
     int per_head = (seq + B - 1) / B - kb, total = group * per_head;
@@ -689,39 +736,46 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
         const uint16_t* Gs = Qs + B * L;
         const float* Ls = LD + stage * 2 * B;
         const float* Ds = Ls + B;
-        // One 16-query chunk at a time: Sᵀ and dPᵀ, then Pᵀ and dSᵀ into
-        // dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
+        bool diag = qb == kb;
+        // One 16-query chunk at a time: Sᵀ and dPᵀ (16 keys × 16 queries),
+        // then Pᵀ and dSᵀ into dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
 #pragma unroll
         for (int nq = 0; nq < B / 16; nq++) {
-            Acc sa, ga;
-            wmma::fill_fragment(sa, 0.f);
-            wmma::fill_fragment(ga, 0.f);
-#pragma unroll 2
+            float sa[2][4] = {}, ga[2][4] = {};
+#pragma unroll
             for (int kk = 0; kk < DH / 16; kk++) {
-                FragA af;
-                FragBT bt;
-                wmma::load_matrix_sync(af, bfp(Kw + kk * 16), L);
-                wmma::load_matrix_sync(bt, bfp(Qs + nq * 16 * L + kk * 16), L);
-                wmma::mma_sync(sa, af, bt, sa);
-                wmma::load_matrix_sync(af, bfp(Vw + kk * 16), L);
-                wmma::load_matrix_sync(bt, bfp(Gs + nq * 16 * L + kk * 16), L);
-                wmma::mma_sync(ga, af, bt, ga);
-            }
-            FragA pt, st;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int c = nq * 16 + frag_col(lane, i), qpos = qb * B + c, kr = key[(i >> 1) & 1];
-                float p = (kr <= qpos && qpos < seq && kr < seq) ? exp2f(sa.x[i] * sl - Ls[c]) : 0.f;
-                pt.x[i] = __float2bfloat16_rn(p);
-                st.x[i] = __float2bfloat16_rn(p * (ga.x[i] - Ds[c]) * scale);
+                uint32_t af[4], bf[4];
+                ldsm(af, Ks + a_at<L>(lane, warp * 16, kk * 16));
+                ldsm(bf, Qs + bt_at<L>(lane, nq * 16, kk * 16));
+                mma(sa[0], af, bf[0], bf[1]);
+                mma(sa[1], af, bf[2], bf[3]);
+                ldsm(af, Vs + a_at<L>(lane, warp * 16, kk * 16));
+                ldsm(bf, Gs + bt_at<L>(lane, nq * 16, kk * 16));
+                mma(ga[0], af, bf[0], bf[1]);
+                mma(ga[1], af, bf[2], bf[3]);
             }
 #pragma unroll
-            for (int n = 0; n < DH / 16; n++) {
-                FragB bf_;
-                wmma::load_matrix_sync(bf_, bfp(Gs + nq * 16 * L + n * 16), L);
-                wmma::mma_sync(dva[n], pt, bf_, dva[n]);
-                wmma::load_matrix_sync(bf_, bfp(Qs + nq * 16 * L + n * 16), L);
-                wmma::mma_sync(dka[n], st, bf_, dka[n]);
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int c = nq * 16 + h * 8 + 2 * t + (i & 1);
+                    float p = exp2f(sa[h][i] * sl - Ls[c]);
+                    if (diag && (key[i >> 1] > qb * B + c || key[i >> 1] >= seq || qb * B + c >= seq)) p = 0.f;
+                    sa[h][i] = p;
+                    ga[h][i] = p * (ga[h][i] - Ds[c]) * scale;
+                }
+            uint32_t pt[4], st[4];
+            to_a(pt, sa[0], sa[1]);
+            to_a(st, ga[0], ga[1]);
+#pragma unroll
+            for (int dp = 0; dp < DH / 16; dp++) {
+                uint32_t bf[4];
+                ldsm_t(bf, Gs + b_at<L>(lane, nq * 16, dp * 16));
+                mma(dva[2 * dp], pt, bf[0], bf[1]);
+                mma(dva[2 * dp + 1], pt, bf[2], bf[3]);
+                ldsm_t(bf, Qs + b_at<L>(lane, nq * 16, dp * 16));
+                mma(dka[2 * dp], st, bf[0], bf[1]);
+                mma(dka[2 * dp + 1], st, bf[2], bf[3]);
             }
         }
         __syncthreads();
@@ -731,8 +785,8 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
 }
 
 // dQ for one block of 64 queries of one (sequence, head): every key block
-// at or before it; each warp owns 16 queries, its scores, dP and dS in
-// registers.
+// at or before it; each warp owns 16 queries, their Q and dO fragments,
+// scores, dP and dS in registers. The longest query blocks start first.
 template <int DH>
 __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                             const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
@@ -742,28 +796,30 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int qb = blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
     const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
     const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
     int row0 = qb * B + warp * 16;
     load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
     load_tile<DH>(tiles + B * L, dout + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
-    FragA qf[DH / 16], gf[DH / 16];
+    uint32_t qf[DH / 16][4], gf[DH / 16][4];
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) {
-        wmma::load_matrix_sync(qf[kk], bfp(tiles + warp * 16 * L + kk * 16), L);
-        wmma::load_matrix_sync(gf[kk], bfp(tiles + B * L + warp * 16 * L + kk * 16), L);
+        ldsm(qf[kk], tiles + a_at<L>(lane, warp * 16, kk * 16));
+        ldsm(gf[kk], tiles + B * L + a_at<L>(lane, warp * 16, kk * 16));
     }
     __syncthreads();
     load_tile_async<DH>(tiles, K, 0, seq);
     load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
     cp_async_commit();
-    Acc dqa[DH / 16];
+    float dqa[DH / 8][4];
 #pragma unroll
-    for (int n = 0; n < DH / 16; n++) wmma::fill_fragment(dqa[n], 0.f);
-    int qpos[2] = {row0 + frag_row(lane, 0), row0 + frag_row(lane, 2)};
+    for (int n = 0; n < DH / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) dqa[n][i] = 0.f;
+    int qpos[2] = {row0 + g, row0 + g + 8};
     float ls[2], dr[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -783,32 +839,38 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
             cp_async_wait<0>();
         }
         __syncthreads();
+        bool diag = j == qb;
         // One 16-key chunk at a time: S and dP, then dS into dQ += dS K.
 #pragma unroll
         for (int n = 0; n < B / 16; n++) {
-            Acc sa, ga;
-            wmma::fill_fragment(sa, 0.f);
-            wmma::fill_fragment(ga, 0.f);
+            float sa[2][4] = {}, ga[2][4] = {};
 #pragma unroll
             for (int kk = 0; kk < DH / 16; kk++) {
-                FragBT bt;
-                wmma::load_matrix_sync(bt, bfp(Ks + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(sa, qf[kk], bt, sa);
-                wmma::load_matrix_sync(bt, bfp(Vs + n * 16 * L + kk * 16), L);
-                wmma::mma_sync(ga, gf[kk], bt, ga);
-            }
-            FragA dsf;
-#pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int r = (i >> 1) & 1, key = j * B + n * 16 + frag_col(lane, i);
-                float p = (key <= qpos[r] && qpos[r] < seq && key < seq) ? exp2f(sa.x[i] * sl - ls[r]) : 0.f;
-                dsf.x[i] = __float2bfloat16_rn(p * (ga.x[i] - dr[r]) * scale);
+                uint32_t bf[4];
+                ldsm(bf, Ks + bt_at<L>(lane, n * 16, kk * 16));
+                mma(sa[0], qf[kk], bf[0], bf[1]);
+                mma(sa[1], qf[kk], bf[2], bf[3]);
+                ldsm(bf, Vs + bt_at<L>(lane, n * 16, kk * 16));
+                mma(ga[0], gf[kk], bf[0], bf[1]);
+                mma(ga[1], gf[kk], bf[2], bf[3]);
             }
 #pragma unroll
-            for (int d = 0; d < DH / 16; d++) {
-                FragB kf;
-                wmma::load_matrix_sync(kf, bfp(Ks + n * 16 * L + d * 16), L);
-                wmma::mma_sync(dqa[d], dsf, kf, dqa[d]);
+            for (int h = 0; h < 2; h++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    int r = i >> 1, key = j * B + n * 16 + h * 8 + 2 * t + (i & 1);
+                    float p = exp2f(sa[h][i] * sl - ls[r]);
+                    if (diag && (key > qpos[r] || key >= seq || qpos[r] >= seq)) p = 0.f;
+                    ga[h][i] = p * (ga[h][i] - dr[r]) * scale;
+                }
+            uint32_t dsf[4];
+            to_a(dsf, ga[0], ga[1]);
+#pragma unroll
+            for (int dp = 0; dp < DH / 16; dp++) {
+                uint32_t bf[4];
+                ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
+                mma(dqa[2 * dp], dsf, bf[0], bf[1]);
+                mma(dqa[2 * dp + 1], dsf, bf[2], bf[3]);
             }
         }
         __syncthreads();

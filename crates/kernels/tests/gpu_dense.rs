@@ -391,6 +391,7 @@ fn fused_attention_forward_and_backward_match_the_twins() {
         (2, 64, 4, 2, 64),
         (3, 70, 6, 3, 64),
         (1, 150, 4, 1, 128),
+        (2, 257, 8, 2, 128),
         (1, 1, 2, 2, 64),
     ] {
         let (n_seq, seq, heads, kv, dh) = dims;

@@ -39,20 +39,18 @@ pub(crate) struct DenseFns {
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
     flash: Vec<(usize, [CudaFunction; 3])>,
     flash_dot: CudaFunction,
-    /// Which attention path runs (`LRMOE_ATTENTION`): `fused` — the fused
-    /// kernels wherever the head width has them; `materialized` — scores
-    /// and probabilities as grouped GEMMs and softmax kernels; unset — the
-    /// fused kernels up to head width 64, where they are the faster of the
-    /// two, and the materialised path at 128, where their backward is
-    /// slower (one H200, 2026-12-01: `docs/benchmarks.md`, session 7).
-    /// The fused path keeps no `seq × seq` probabilities.
+    /// Which attention path runs (`LRMOE_ATTENTION`): `materialized` —
+    /// scores and probabilities as grouped GEMMs and softmax kernels;
+    /// anything else — the fused kernels wherever the head width has them
+    /// (16, 32, 64, 128), the faster of the two at every width measured
+    /// (one H200, 2026-12-02: `docs/benchmarks.md`). The fused path keeps
+    /// no `seq × seq` probabilities.
     attention: AttnPath,
 }
 
 /// The attention path of [`DenseFns::attention`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum AttnPath {
-    Auto,
     Fused,
     Materialized,
 }
@@ -109,21 +107,15 @@ impl DenseFns {
                 .collect::<Result<_, KernelError>>()?,
             flash_dot: f("flash_bwd_dot")?,
             attention: match std::env::var("LRMOE_ATTENTION") {
-                Ok(v) if v.eq_ignore_ascii_case("fused") => AttnPath::Fused,
                 Ok(v) if v.eq_ignore_ascii_case("materialized") => AttnPath::Materialized,
-                _ => AttnPath::Auto,
+                _ => AttnPath::Fused,
             },
         })
     }
 
     /// Whether attention of head width `dh` runs through the fused kernels.
     fn fused_attention(&self, dh: usize) -> bool {
-        self.flash_fns(dh).is_some()
-            && match self.attention {
-                AttnPath::Fused => true,
-                AttnPath::Materialized => false,
-                AttnPath::Auto => dh <= 64,
-            }
+        self.flash_fns(dh).is_some() && self.attention == AttnPath::Fused
     }
 
     fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 3]> {
