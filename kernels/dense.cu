@@ -514,6 +514,12 @@ template <int L>
 __device__ __forceinline__ int b_at(int lane, int k0, int n0) {
     return (k0 + (lane & 7) + (((lane >> 3) & 1) << 3)) * L + n0 + ((lane >> 4) << 3);
 }
+// 2^x on the special-function unit (ex2.approx, flush-to-zero; 2^-inf = 0).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
 __device__ __forceinline__ uint32_t pack(float lo, float hi) {
     __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -612,19 +618,19 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int r = i >> 1, key = j * B + n * 8 + 2 * t + (i & 1);
-                float x = s[n][i] * sl;
-                if (diag && (key > qpos[r] || key >= seq)) x = -INFINITY;
-                s[n][i] = x;
-                mx[r] = fmaxf(mx[r], x);
+                if (diag && (key > qpos[r] || key >= seq)) s[n][i] = -INFINITY;
+                mx[r] = fmaxf(mx[r], s[n][i]);
             }
+        // Scores stay unscaled (sl > 0 keeps the maximum's place): each
+        // probability is one FFMA and one ex2.
         float base[2], alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; r++) {
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
             mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-            float mn = fmaxf(m[r], mx[r]);
+            float mn = fmaxf(m[r], mx[r] * sl);
             base[r] = mn == -INFINITY ? 0.f : mn;
-            alpha[r] = exp2f(m[r] - base[r]);
+            alpha[r] = ex2(m[r] - base[r]);
             l[r] *= alpha[r];
             m[r] = mn;
         }
@@ -632,7 +638,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
         for (int n = 0; n < B / 8; n++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
-                float p = exp2f(s[n][i] - base[i >> 1]);
+                float p = ex2(fmaf(s[n][i], sl, -base[i >> 1]));
                 l[i >> 1] += p;
                 s[n][i] = p;
             }
@@ -737,36 +743,43 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
         const float* Ls = LD + stage * 2 * B;
         const float* Ds = Ls + B;
         bool diag = qb == kb;
-        // One 16-query chunk at a time: Sᵀ and dPᵀ (16 keys × 16 queries),
-        // then Pᵀ and dSᵀ into dV += Pᵀ dO and dK += dSᵀ Q (16 keys × DH).
+        // Sᵀ and dPᵀ for the warp's 16 keys and all 64 queries: one K and
+        // one V fragment per slice of the head dimension serve four query
+        // chunks (sixteen independent chains of mma).
+        float sa[B / 8][4] = {}, ga[B / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < DH / 16; kk++) {
+            uint32_t ak[4], av[4];
+            ldsm(ak, Ks + a_at<L>(lane, warp * 16, kk * 16));
+            ldsm(av, Vs + a_at<L>(lane, warp * 16, kk * 16));
+#pragma unroll
+            for (int nq = 0; nq < B / 16; nq++) {
+                uint32_t bf[4];
+                ldsm(bf, Qs + bt_at<L>(lane, nq * 16, kk * 16));
+                mma(sa[2 * nq], ak, bf[0], bf[1]);
+                mma(sa[2 * nq + 1], ak, bf[2], bf[3]);
+                ldsm(bf, Gs + bt_at<L>(lane, nq * 16, kk * 16));
+                mma(ga[2 * nq], av, bf[0], bf[1]);
+                mma(ga[2 * nq + 1], av, bf[2], bf[3]);
+            }
+        }
+        // Pᵀ and dSᵀ in place.
+#pragma unroll
+        for (int n = 0; n < B / 8; n++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                int c = n * 8 + 2 * t + (i & 1);
+                float p = ex2(fmaf(sa[n][i], sl, -Ls[c]));
+                if (diag && (key[i >> 1] > qb * B + c || key[i >> 1] >= seq || qb * B + c >= seq)) p = 0.f;
+                sa[n][i] = p;
+                ga[n][i] = p * (ga[n][i] - Ds[c]) * scale;
+            }
+        // dV += Pᵀ dO and dK += dSᵀ Q, one 16-query chunk at a time.
 #pragma unroll
         for (int nq = 0; nq < B / 16; nq++) {
-            float sa[2][4] = {}, ga[2][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < DH / 16; kk++) {
-                uint32_t af[4], bf[4];
-                ldsm(af, Ks + a_at<L>(lane, warp * 16, kk * 16));
-                ldsm(bf, Qs + bt_at<L>(lane, nq * 16, kk * 16));
-                mma(sa[0], af, bf[0], bf[1]);
-                mma(sa[1], af, bf[2], bf[3]);
-                ldsm(af, Vs + a_at<L>(lane, warp * 16, kk * 16));
-                ldsm(bf, Gs + bt_at<L>(lane, nq * 16, kk * 16));
-                mma(ga[0], af, bf[0], bf[1]);
-                mma(ga[1], af, bf[2], bf[3]);
-            }
-#pragma unroll
-            for (int h = 0; h < 2; h++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int c = nq * 16 + h * 8 + 2 * t + (i & 1);
-                    float p = exp2f(sa[h][i] * sl - Ls[c]);
-                    if (diag && (key[i >> 1] > qb * B + c || key[i >> 1] >= seq || qb * B + c >= seq)) p = 0.f;
-                    sa[h][i] = p;
-                    ga[h][i] = p * (ga[h][i] - Ds[c]) * scale;
-                }
             uint32_t pt[4], st[4];
-            to_a(pt, sa[0], sa[1]);
-            to_a(st, ga[0], ga[1]);
+            to_a(pt, sa[2 * nq], sa[2 * nq + 1]);
+            to_a(st, ga[2 * nq], ga[2 * nq + 1]);
 #pragma unroll
             for (int dp = 0; dp < DH / 16; dp++) {
                 uint32_t bf[4];
@@ -859,7 +872,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
 #pragma unroll
                 for (int i = 0; i < 4; i++) {
                     int r = i >> 1, key = j * B + n * 16 + h * 8 + 2 * t + (i & 1);
-                    float p = exp2f(sa[h][i] * sl - ls[r]);
+                    float p = ex2(fmaf(sa[h][i], sl, -ls[r]));
                     if (diag && (key > qpos[r] || key >= seq || qpos[r] >= seq)) p = 0.f;
                     ga[h][i] = p * (ga[h][i] - dr[r]) * scale;
                 }
@@ -879,7 +892,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
 }
 
 #define LRMOE_FLASH(DH)                                                                                                \
-    extern "C" __global__ void __launch_bounds__(128) flash_fwd_##DH(                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_##DH(                                                  \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse2, int seq, int heads,         \
         int kv, float sl) {                                                                                            \
         flash_fwd<DH>(q, k, v, o, lse2, seq, heads, kv, sl);                                                           \
@@ -889,7 +902,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
         const float* dd, uint16_t* dk, uint16_t* dv, int seq, int heads, int kv, float sl, float scale) {             \
         flash_bwd_kv<DH>(q, k, v, dout, lse2, dd, dk, dv, seq, heads, kv, sl, scale);                                  \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128) flash_bwd_q_##DH(                                                \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_q_##DH(                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
         const float* dd, uint16_t* dq, int seq, int heads, int kv, float sl, float scale) {                           \
         flash_bwd_q<DH>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                       \
