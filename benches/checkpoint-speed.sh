@@ -11,10 +11,12 @@
 # The library-level A/B (the old serialise-then-write against the streamed
 # writer and a raw write, same tensors, same run):
 #   cargo run --release -p lrmoe --example checkpoint_write -- DIR 1024 6
-set -eu
-L=${LRMOE:-target/release/lrmoe}
 DIR=${1:-$(mktemp -d)}
-mkdir -p "$DIR"
+mkdir -p "$DIR" && DIR=$(cd "$DIR" && pwd)
+. "$(dirname "$0")/lib.sh"
+set -e
+L=${LRMOE:-target/release/lrmoe}
+need "$L"
 cat > "$DIR/ckpt.toml" <<T
 steps = 1
 [model]

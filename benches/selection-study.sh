@@ -10,9 +10,10 @@
 # (`moe.surplus_only`: only ranks above their fair share are trimmed); the
 # exact backward (mode full) is the reference. Default model, in-process
 # ranks, evaluation every 25 steps.
-set -uo pipefail
 OUT=${OUT:-/tmp/lrmoe-out}
+. "$(dirname "$0")/lib.sh"
 L=${LRMOE:-.device/lrmoe}
+need "$L"
 mkdir -p "$OUT/study"
 printf '[run]\neval_every = 25\neval_batches = 8\ncheckpoint_every = 0\n' > "$OUT/study/eval25.toml"
 jobs() {
