@@ -484,6 +484,12 @@ __device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint3
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// c0 and c1: output columns n0.. and n0 + 8.. from one ldmatrix of B
+// (b[0..1] and b[2..3], as bt_at and b_at lay them out).
+__device__ __forceinline__ void mma2(float (&c0)[4], float (&c1)[4], const uint32_t (&a)[4], const uint32_t (&b)[4]) {
+    mma(c0, a, b[0], b[1]);
+    mma(c1, a, b[2], b[3]);
+}
 __device__ __forceinline__ void ldsm(uint32_t (&r)[4], const uint16_t* p) {
     unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -608,8 +614,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
             for (int np = 0; np < B / 16; np++) {
                 uint32_t bf[4];
                 ldsm(bf, Ks + bt_at<L>(lane, np * 16, kk * 16));
-                mma(s[2 * np], qf[kk], bf[0], bf[1]);
-                mma(s[2 * np + 1], qf[kk], bf[2], bf[3]);
+                mma2(s[2 * np], s[2 * np + 1], qf[kk], bf);
             }
         float mx[2] = {-INFINITY, -INFINITY};
         bool diag = j == qb;
@@ -654,8 +659,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
             for (int dp = 0; dp < DH / 16; dp++) {
                 uint32_t bf[4];
                 ldsm_t(bf, Vs + b_at<L>(lane, kk * 16, dp * 16));
-                mma(oacc[2 * dp], pf, bf[0], bf[1]);
-                mma(oacc[2 * dp + 1], pf, bf[2], bf[3]);
+                mma2(oacc[2 * dp], oacc[2 * dp + 1], pf, bf);
             }
         }
         __syncthreads();
@@ -756,11 +760,9 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
             for (int nq = 0; nq < B / 16; nq++) {
                 uint32_t bf[4];
                 ldsm(bf, Qs + bt_at<L>(lane, nq * 16, kk * 16));
-                mma(sa[2 * nq], ak, bf[0], bf[1]);
-                mma(sa[2 * nq + 1], ak, bf[2], bf[3]);
+                mma2(sa[2 * nq], sa[2 * nq + 1], ak, bf);
                 ldsm(bf, Gs + bt_at<L>(lane, nq * 16, kk * 16));
-                mma(ga[2 * nq], av, bf[0], bf[1]);
-                mma(ga[2 * nq + 1], av, bf[2], bf[3]);
+                mma2(ga[2 * nq], ga[2 * nq + 1], av, bf);
             }
         }
         // Pᵀ and dSᵀ in place.
@@ -784,11 +786,9 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
             for (int dp = 0; dp < DH / 16; dp++) {
                 uint32_t bf[4];
                 ldsm_t(bf, Gs + b_at<L>(lane, nq * 16, dp * 16));
-                mma(dva[2 * dp], pt, bf[0], bf[1]);
-                mma(dva[2 * dp + 1], pt, bf[2], bf[3]);
+                mma2(dva[2 * dp], dva[2 * dp + 1], pt, bf);
                 ldsm_t(bf, Qs + b_at<L>(lane, nq * 16, dp * 16));
-                mma(dka[2 * dp], st, bf[0], bf[1]);
-                mma(dka[2 * dp + 1], st, bf[2], bf[3]);
+                mma2(dka[2 * dp], dka[2 * dp + 1], st, bf);
             }
         }
         __syncthreads();
@@ -861,11 +861,9 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
             for (int kk = 0; kk < DH / 16; kk++) {
                 uint32_t bf[4];
                 ldsm(bf, Ks + bt_at<L>(lane, n * 16, kk * 16));
-                mma(sa[0], qf[kk], bf[0], bf[1]);
-                mma(sa[1], qf[kk], bf[2], bf[3]);
+                mma2(sa[0], sa[1], qf[kk], bf);
                 ldsm(bf, Vs + bt_at<L>(lane, n * 16, kk * 16));
-                mma(ga[0], gf[kk], bf[0], bf[1]);
-                mma(ga[1], gf[kk], bf[2], bf[3]);
+                mma2(ga[0], ga[1], gf[kk], bf);
             }
 #pragma unroll
             for (int h = 0; h < 2; h++)
@@ -882,8 +880,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
             for (int dp = 0; dp < DH / 16; dp++) {
                 uint32_t bf[4];
                 ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
-                mma(dqa[2 * dp], dsf, bf[0], bf[1]);
-                mma(dqa[2 * dp + 1], dsf, bf[2], bf[3]);
+                mma2(dqa[2 * dp], dqa[2 * dp + 1], dsf, bf);
             }
         }
         __syncthreads();
