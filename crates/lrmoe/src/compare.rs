@@ -107,9 +107,9 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
     };
     let _ = writeln!(
         t,
-        "| mode | reached | time to target (s) | MoE-layer time to target (s) |{sim_head} steps | final val loss | mean kept fraction | max backward buffer (KiB) | max expert instances per rank (MiB) |"
+        "| mode | reached | time to target (s) | MoE-layer time to target (s) |{sim_head} steps | final val loss | mean kept fraction | max backward buffer (KiB) | max expert instances per rank (MiB) | max instances + buffer on one rank (MiB) |"
     );
-    let _ = writeln!(t, "|---|---|---|---|{sim_rule}---|---|---|---|---|");
+    let _ = writeln!(t, "|---|---|---|---|{sim_rule}---|---|---|---|---|---|");
     let opt = |v: Option<f64>, above: bool| {
         v.map_or("-".to_string(), |x| {
             if above {
@@ -144,12 +144,13 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         };
         let _ = writeln!(
             t,
-            "| {} | {reached} | {wall} | {moe} |{sim} {steps} | {:.4} | {:.3} | {:.1} | {:.2} |",
+            "| {} | {reached} | {wall} | {moe} |{sim} {steps} | {:.4} | {:.3} | {:.1} | {:.2} | {:.2} |",
             r.mode,
             r.final_val_loss,
             r.mean_kept_fraction,
             r.max_buffer_bytes as f64 / 1024.0,
-            r.max_expert_bytes as f64 / (1 << 20) as f64
+            r.max_expert_bytes as f64 / (1 << 20) as f64,
+            r.max_rank_peak_bytes as f64 / (1 << 20) as f64
         );
     }
     t

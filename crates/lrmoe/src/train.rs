@@ -668,7 +668,8 @@ pub struct TrainSummary {
     pub reached_target: Option<EvalPoint>,
     /// Mean kept fraction of routed pairs in the backward.
     pub mean_kept_fraction: f64,
-    /// Largest backward buffer of any rank and layer, bytes.
+    /// Largest backward buffer of rank 0 (the rank that logs) in any layer
+    /// call, bytes; every rank's is in `max_rank_peak_bytes`.
     pub max_buffer_bytes: u64,
     /// The most bytes of expert instances any rank held in one step
     /// (owned experts and this call's replicas, weights and gradients, every
@@ -676,6 +677,11 @@ pub struct TrainSummary {
     /// written before it was recorded.
     #[serde(default)]
     pub max_expert_bytes: u64,
+    /// The most bytes any one rank held for expert placement, replicas and
+    /// backward buffers together in one step (`rank_peak_bytes` in
+    /// `metrics.jsonl`); 0 in summaries written before it was recorded.
+    #[serde(default)]
+    pub max_rank_peak_bytes: u64,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }
@@ -896,6 +902,7 @@ struct Logged {
     kept_n: usize,
     max_buffer: u64,
     max_experts: u64,
+    max_rank_peak: u64,
 }
 
 impl Logged {
@@ -918,6 +925,8 @@ impl Logged {
     fn add_line(&mut self, line: &serde_json::Value) {
         let experts = line["expert_bytes"].as_u64().unwrap_or(0);
         self.max_experts = self.max_experts.max(experts);
+        let peak = line["rank_peak_bytes"].as_u64().unwrap_or(0);
+        self.max_rank_peak = self.max_rank_peak.max(peak);
         for l in line["layers"].as_array().into_iter().flatten() {
             if let Some(k) = l["kept_fraction"].as_f64() {
                 self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
@@ -1428,8 +1437,12 @@ struct StepMetrics {
     /// Micro-batches this step ran in (`moe.fit_budget`).
     micro_batches: usize,
     /// The most bytes of expert instances any rank held in this step's
-    /// layer calls ([`expert_bytes`]).
+    /// layer calls ([`expert_bytes_per_rank`]).
     expert_bytes: u64,
+    /// The most bytes one rank held for expert instances (as
+    /// `expert_bytes`) and its largest backward buffer of the step
+    /// together ([`rank_peak_bytes`]).
+    rank_peak_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     val_loss: Option<f64>,
     /// The device-resident model's step split, device milliseconds: dense
@@ -2028,7 +2041,8 @@ fn rank_loop<X: Transport>(
         let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
         account(cfg, &mut s, &out, agreed.step_s, simulated.as_ref());
         let step_micro = micro;
-        let (layers, next) = gather_layers(comm, lp, &out, micro)?;
+        let (layers, next, buffers) = gather_layers(comm, lp, &out, micro)?;
+        let instances = expert_bytes_per_rank(lp, &out.plans, device_model.is_some());
         micro = next;
         for l in &layers {
             s.logged.add(l.kept_fraction, l.buffer_bytes);
@@ -2047,7 +2061,8 @@ fn rank_loop<X: Transport>(
             tokens_per_s: (cfg.data.batch_size * cfg.data.seq_len) as f64 / agreed.step_s,
             aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(out.aux_loss),
             micro_batches: step_micro,
-            expert_bytes: expert_bytes(lp, &out.plans, device_model.is_some()),
+            expert_bytes: instances.iter().copied().max().unwrap_or(0),
+            rank_peak_bytes: rank_peak_bytes(&instances, &buffers),
             val_loss,
             device_ms: out.device_ms,
             device_mem_bytes: out.device_mem_bytes,
@@ -2068,13 +2083,13 @@ fn rank_loop<X: Transport>(
     finish(comm, lp, s, reason, reached, device_model)
 }
 
-/// The most bytes of expert instances any rank holds in the layer calls of
-/// `plans` (one per layer): its owned experts and the call's replicas on
-/// it, each an instance of weights and gradients
+/// The bytes of expert instances each rank holds in the layer calls of
+/// `plans` (one per layer), in rank order: its owned experts and the
+/// call's replicas on it, each an instance of weights and gradients
 /// (`quota::CostModel::instance_bytes`) in the rows the executor plans
 /// with (bf16 on the device, f32 on the host), summed over the layers —
 /// every layer's experts are resident at once.
-fn expert_bytes(lp: &Loop<'_>, plans: &[layer::CallPlan], whole_gpu: bool) -> u64 {
+fn expert_bytes_per_rank(lp: &Loop<'_>, plans: &[layer::CallPlan], whole_gpu: bool) -> Vec<u64> {
     let shape = (lp.mcfg.d_model, lp.mcfg.ffn);
     let cost = executor_cost(shape, device_rows(lp.cfg, whole_gpu));
     let mut per_rank = vec![0u64; lp.cfg.moe.ranks.max(1)];
@@ -2088,7 +2103,16 @@ fn expert_bytes(lp: &Loop<'_>, plans: &[layer::CallPlan], whole_gpu: bool) -> u6
             per_rank[r] += n * cost.instance_bytes();
         }
     }
-    per_rank.into_iter().max().unwrap_or(0)
+    per_rank
+}
+
+/// The most bytes one rank held: its expert instances plus its largest
+/// backward buffer of the step (both per rank, in rank order).
+fn rank_peak_bytes(instances: &[u64], buffers: &[u64]) -> u64 {
+    (0..instances.len().max(buffers.len()))
+        .map(|r| instances.get(r).copied().unwrap_or(0) + buffers.get(r).copied().unwrap_or(0))
+        .max()
+        .unwrap_or(0)
 }
 
 /// This rank's state for the loop: the run's first state, with the
@@ -2291,19 +2315,28 @@ fn agree<X: Transport>(
     })
 }
 
-/// The step's per-layer metrics (kept fractions over all ranks) and the
+/// The step's per-layer metrics (kept fractions over all ranks), the
 /// next step's micro-batches (with `moe.fit_budget`: the busiest rank's
-/// pairs of a whole step over the budget's rows).
+/// pairs of a whole step over the budget's rows) and each rank's largest
+/// backward buffer of the step, in rank order.
 fn gather_layers<X: Transport>(
     comm: &X,
     lp: &Loop<'_>,
     out: &StepOut,
     micro: usize,
-) -> Result<(Vec<LayerMetrics>, usize), TrainError> {
+) -> Result<(Vec<LayerMetrics>, usize, Vec<u64>), TrainError> {
     let (cfg, n_layers) = (lp.cfg, lp.mcfg.n_layers);
     let mut kept = out.kept_routed.clone();
     kept.push(out.busiest);
+    kept.push(
+        out.stats
+            .iter()
+            .map(|st| st.buffer_bytes)
+            .max()
+            .unwrap_or(0),
+    );
     let totals = all_gather(comm, &kept)?;
+    let buffers = totals.iter().map(|t| t[2 * n_layers + 1]).collect();
     let next = if splits_steps(cfg) {
         let ranks = comm.world_size();
         let per_rank = cfg.data.batch_size / ranks;
@@ -2326,7 +2359,7 @@ fn gather_layers<X: Transport>(
             layer_metrics(li, plan, st, k, n)
         })
         .collect();
-    Ok((layers, next))
+    Ok((layers, next, buffers))
 }
 
 /// The validation loss on evaluation steps (every `run.eval_every` steps
@@ -2396,6 +2429,7 @@ fn log_and_checkpoint<X: Transport>(
 ) -> Result<(), TrainError> {
     let cfg = lp.cfg;
     s.logged.max_experts = s.logged.max_experts.max(m.expert_bytes);
+    s.logged.max_rank_peak = s.logged.max_rank_peak.max(m.rank_peak_bytes);
     let checkpoint_due = cfg.run.checkpoint
         && cfg.run.checkpoint_every > 0
         && s.step % cfg.run.checkpoint_every == 0;
@@ -2462,6 +2496,7 @@ fn finish<X: Transport>(
         mean_kept_fraction: s.logged.mean_kept(),
         max_buffer_bytes: s.logged.max_buffer,
         max_expert_bytes: s.logged.max_experts,
+        max_rank_peak_bytes: s.logged.max_rank_peak,
         stop_reason: reason,
     }))
 }
@@ -2521,6 +2556,15 @@ fn evaluate<X: Transport>(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
+        // Rank 0 holds the most instances, rank 1 the largest buffer: the
+        // peak is one rank's sum, not the sum of the two maxima.
+        assert_eq!(super::rank_peak_bytes(&[10, 5], &[1, 20]), 25);
+        assert_eq!(super::rank_peak_bytes(&[10, 5], &[]), 10);
+        assert_eq!(super::rank_peak_bytes(&[], &[]), 0);
+    }
+
     use super::*;
 
     #[test]

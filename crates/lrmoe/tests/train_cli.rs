@@ -260,6 +260,20 @@ fn replication_only_and_a_hot_expert_workload_train() {
             .any(|l| l["replicas"].as_u64() > Some(0)),
         "no SYMI-like replica: {last}"
     );
+    // One rank's placement, replicas and buffer together: at least its
+    // instances and at least rank 0's largest buffer.
+    let peak = last["rank_peak_bytes"].as_u64().unwrap();
+    let buffer = last["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l["buffer_bytes"].as_u64())
+        .max()
+        .unwrap();
+    assert!(
+        peak >= last["expert_bytes"].as_u64().unwrap() && peak >= buffer && buffer > 0,
+        "{last}"
+    );
     // Bad hot-expert settings are one-line errors.
     let bad = std::fs::read_to_string(&cfg)
         .unwrap()
