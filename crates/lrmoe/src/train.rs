@@ -921,6 +921,16 @@ impl Logged {
         }
     }
 
+    /// Adds one step as it is logged (its twin for a line read back is
+    /// [`Logged::add_line`]).
+    fn add_step(&mut self, m: &StepMetrics) {
+        self.max_experts = self.max_experts.max(m.expert_bytes);
+        self.max_rank_peak = self.max_rank_peak.max(m.rank_peak_bytes);
+        for l in &m.layers {
+            self.add(l.kept_fraction, l.buffer_bytes);
+        }
+    }
+
     /// Adds the layer calls of one `metrics.jsonl` line.
     fn add_line(&mut self, line: &serde_json::Value) {
         let experts = line["expert_bytes"].as_u64().unwrap_or(0);
@@ -2044,9 +2054,6 @@ fn rank_loop<X: Transport>(
         let (layers, next, buffers) = gather_layers(comm, lp, &out, micro)?;
         let instances = expert_bytes_per_rank(lp, &out.plans, device_model.is_some());
         micro = next;
-        for l in &layers {
-            s.logged.add(l.kept_fraction, l.buffer_bytes);
-        }
         let val_loss = evaluate_due(comm, lp, &mut s, agreed.loss, device_model)?;
         if val_loss.is_some() {
             reached = reached_now(cfg, &s).or(reached);
@@ -2428,8 +2435,7 @@ fn log_and_checkpoint<X: Transport>(
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<(), TrainError> {
     let cfg = lp.cfg;
-    s.logged.max_experts = s.logged.max_experts.max(m.expert_bytes);
-    s.logged.max_rank_peak = s.logged.max_rank_peak.max(m.rank_peak_bytes);
+    s.logged.add_step(m);
     let checkpoint_due = cfg.run.checkpoint
         && cfg.run.checkpoint_every > 0
         && s.step % cfg.run.checkpoint_every == 0;
@@ -2556,16 +2562,16 @@ fn evaluate<X: Transport>(
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
         // Rank 0 holds the most instances, rank 1 the largest buffer: the
         // peak is one rank's sum, not the sum of the two maxima.
-        assert_eq!(super::rank_peak_bytes(&[10, 5], &[1, 20]), 25);
-        assert_eq!(super::rank_peak_bytes(&[10, 5], &[]), 10);
-        assert_eq!(super::rank_peak_bytes(&[], &[]), 0);
+        assert_eq!(rank_peak_bytes(&[10, 5], &[1, 20]), 25);
+        assert_eq!(rank_peak_bytes(&[10, 5], &[]), 10);
+        assert_eq!(rank_peak_bytes(&[], &[]), 0);
     }
-
-    use super::*;
 
     #[test]
     fn configured_ranks_are_kept_defaults_adapt() {
