@@ -8,8 +8,16 @@ initial weights, and print both loss curves and their speed.
 The model comes from a `config.json` (default: `qwen3-moe-tiny.config.json`
 beside this script); nothing is downloaded. The data are the bytes of the
 Shakespeare corpus built into lrmoe (`crates/lrmoe/data/shakespeare.txt`,
-public domain), so the vocabulary is 256. CPU tensors (the CUDA path of
-`lrmoe.torch.MoE` is unfinished).
+public domain), so the vocabulary is 256.
+
+`--device cuda` trains both in bf16 on the GPU (lrmoe built with its
+`cuda` feature); the original's experts run with the fastest
+`transformers` experts implementation available (`grouped_mm` where the
+installed version has it; `--experts-impl` picks another). Speed is
+tokens/s over the steps after `--warmup`, the GPU synchronised at both
+ends. The Qwen3-30B-A3B-shaped two-layer config
+(`qwen3-moe-a3b-2layer.config.json`) with `--seq 2048 --batch 8` is the
+speed comparison of docs/benchmarks.md.
 """
 
 import argparse
@@ -36,6 +44,11 @@ def main():
     ap.add_argument("--mode", default="lrmoe", help="lrmoe's [moe] mode: lrmoe, full, capacity")
     ap.add_argument("--buffer-fraction", type=float, default=0.6)
     ap.add_argument("--selection-rule", default="priority")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (bf16)")
+    ap.add_argument("--experts-impl", default="auto",
+                    help="the original's transformers experts implementation (auto: grouped_mm "
+                         "where available)")
+    ap.add_argument("--warmup", type=int, default=3, help="steps left out of the speed")
     ap.add_argument("--json", help="write both curves here")
     args = ap.parse_args()
     try:
@@ -50,7 +63,21 @@ def main():
         if k not in ("architectures", "model_type")
     })
     torch.manual_seed(args.seed)
-    original = transformers.Qwen3MoeForCausalLM(cfg).float()
+    dev = torch.device(args.device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    original = transformers.Qwen3MoeForCausalLM(cfg).to(dev, dtype)
+    impl = args.experts_impl
+    if impl == "auto":
+        impl = "grouped_mm" if dev.type == "cuda" else None
+    if impl and hasattr(original, "set_experts_implementation"):
+        try:
+            original.set_experts_implementation(impl)
+        except Exception as e:  # an older transformers without it
+            print(f"experts implementation {impl} unavailable ({e}); using the default")
+            impl = None
+    else:
+        impl = None
+    print(f"original experts implementation: {impl or 'the default'}")
     swapped = copy.deepcopy(original)
     n = replace_moe_blocks(swapped, mode=args.mode, buffer_fraction=args.buffer_fraction,
                            selection_rule=args.selection_rule, seed=args.seed)
@@ -60,11 +87,16 @@ def main():
     rng = np.random.default_rng(args.seed)
     starts = [rng.integers(0, len(data) - args.seq - 1, args.batch) for _ in range(args.steps)]
     curves = {}
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+    warm = max(0, min(args.warmup, args.steps - 1))
     for name, model in (("original", original), ("lrmoe", swapped)):
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
         losses, t0 = [], time.perf_counter()
         for step, s in enumerate(starts, 1):
-            ids = torch.from_numpy(np.stack([data[i:i + args.seq] for i in s]))
+            if step == warm + 1:
+                sync()
+                t0 = time.perf_counter()
+            ids = torch.from_numpy(np.stack([data[i:i + args.seq] for i in s])).to(dev)
             loss = model(input_ids=ids, labels=ids).loss
             opt.zero_grad()
             loss.backward()
@@ -75,8 +107,10 @@ def main():
                         if type(m).__name__ == "MoE"]
                 extra = f", kept {np.mean(kept):.3f}" if kept else ""
                 print(f"{name:8s} step {step:4d} loss {np.mean(losses[-20:]):.4f}{extra}")
+        sync()
         secs = time.perf_counter() - t0
-        tps = args.steps * args.batch * args.seq / secs
+        timed = args.steps - warm
+        tps = timed * args.batch * args.seq / secs
         print(f"{name:8s} {secs:.1f} s, {tps:,.0f} tokens/s")
         curves[name] = {"losses": losses, "tokens_per_s": tps}
     last = {k: float(np.mean(v["losses"][-20:])) for k, v in curves.items()}

@@ -1,18 +1,27 @@
 """``lrmoe.torch``: the LRMoE MoE layer as a PyTorch module.
 
-``MoE`` is an ``nn.Module`` holding a Qwen3-MoE block's weights (router and
-experts as ``nn.Parameter``s, in ``nn.Linear``'s layouts) whose forward and
-backward are one ``torch.autograd.Function`` over the Rust layer: the
-forward computes every routed pair; the backward keeps, within the
-controller's per-expert quotas, the pairs with the highest LRM scores
-``g²·‖δ‖²·‖h‖²`` and multiplies only those (``mode="full"``: every pair,
-the exact gradient).
+``MoE`` is an ``nn.Module`` holding a Qwen3-MoE block's weights (the router
+in ``nn.Linear``'s layout, the experts stacked in the layout a grouped GEMM
+``x @ W`` reads) whose forward and backward are one
+``torch.autograd.Function`` over the Rust layer: the forward computes every
+routed pair; the backward keeps, within the controller's per-expert quotas,
+the pairs with the highest LRM scores ``g²·‖δ‖²·‖h‖²`` and multiplies only
+those (``mode="full"``: every pair, the exact gradient).
 
 **Where it runs.** CPU tensors run the Rust host executor (through NumPy;
 bf16 parameters are computed in f32 and their gradients cast back). CUDA
-tensors are not supported yet: the device executor's zero-copy path on
-torch's stream is unfinished, and a CUDA input raises ``NotImplementedError``
-rather than copying silently.
+tensors run the device executor on their GPU when the package was built
+with its ``cuda`` feature (``lrmoe.cuda_available()``), with no copy: the
+tensors' memory is read in place and the results come back as tensors
+(DLPack) that own the executor's buffers. The device executor computes in
+bf16 (f32 accumulation); bf16 parameters are used as they are, others are
+cast for the call and their gradients cast back. The call is ordered after
+the work queued on torch's current stream and before what follows it
+(CUDA events; the host does not wait). The executor allocates from the
+device's stream-ordered memory pool — the pool torch uses under
+``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync``, where
+``torch.cuda.max_memory_allocated`` counts the layer's buffers; under
+torch's default caching allocator it does not see them.
 
 ``replace_moe_blocks(model, **settings)`` swaps every
 ``Qwen3MoeSparseMoeBlock`` of a Hugging Face ``transformers`` Qwen3-MoE model
@@ -21,83 +30,142 @@ for an ``MoE`` carrying the same weights.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
-from . import Layer
+from . import Layer, _lrmoe
 
-__all__ = ["MoE", "replace_moe_blocks"]
+__all__ = ["MoE", "replace_moe_blocks", "cuda_available"]
+
+
+def cuda_available() -> bool:
+    """Whether this build of the package has the CUDA path."""
+    return bool(getattr(_lrmoe, "cuda", False))
 
 
 def _np32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous bf16 tensor (itself when it already is one)."""
+    return t.detach().to(torch.bfloat16).contiguous()
+
+
+def _cpu_forward(ctx, module, bias, x, weights):
+    w = (np.ascontiguousarray(_np32(weights[0]).T),) + tuple(_np32(t) for t in weights[1:])
+    y, saved = module._layer.forward(*w, _np32(x), bias)
+    ctx.w, ctx.saved = w, saved
+    module._after_forward(saved.expert_load, saved.aux_loss)
+    return torch.from_numpy(y).to(x.dtype)
+
+
+def _cpu_backward(ctx, dy):
+    dx, g, stats = ctx.module._layer.backward(*ctx.w, ctx.saved, _np32(dy))
+    ctx.module.last_stats = stats
+    return (
+        torch.from_numpy(dx),
+        torch.from_numpy(np.ascontiguousarray(g["router"].T)),
+        torch.from_numpy(g["gate"]),
+        torch.from_numpy(g["up"]),
+        torch.from_numpy(g["down"]),
+    )
+
+
+def _cuda_forward(ctx, module, bias, x, weights):
+    dev = x.device
+    for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
+        if t.device != dev:
+            raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on {dev}")
+    layer = module._device_layer(dev)
+    # The device layer's layouts: router hidden × experts; the experts as
+    # stored. bf16 tensors are used in place.
+    w16 = (_bf16(weights[0].t()),) + tuple(_bf16(t) for t in weights[1:])
+    x16 = _bf16(x)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.device(dev):
+        y, saved = layer.forward(
+            tuple(t.data_ptr() for t in w16), x16.data_ptr(), x16.shape[0], stream, bias
+        )
+    # The weights stay referenced until the backward has read them.
+    ctx.w16, ctx.saved, ctx.stream_dev = w16, saved, dev
+    module._after_forward(np.asarray(saved.expert_load(), dtype=np.int64), saved.aux_loss())
+    return torch.from_dlpack(y).to(x.dtype)
+
+
+def _cuda_backward(ctx, dy):
+    dev = ctx.stream_dev
+    layer = ctx.module._device_layer(dev)
+    dy16 = _bf16(dy)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    with torch.cuda.device(dev):
+        parts, stats = layer.backward(
+            tuple(t.data_ptr() for t in ctx.w16), ctx.saved, dy16.data_ptr(), stream
+        )
+    stats = json.loads(stats)
+    stats["expert_load"] = np.asarray(stats["expert_load"], dtype=np.int64)
+    ctx.module.last_stats = stats
+    dx, dr, dg, du, dd = (torch.from_dlpack(p) for p in parts)
+    return dx, dr.t(), dg, du, dd
+
+
 class _MoECall(torch.autograd.Function):
     """One layer call: forward on the Rust layer, its LRMoE backward."""
 
     @staticmethod
-    def forward(ctx, module, bias, x, router, gate_proj, up_proj, down_proj):
-        for t in (x, router, gate_proj, up_proj, down_proj):
-            if t.device.type != "cpu":
+    def forward(ctx, module, bias, x, router, w_gate, w_up, w_down):
+        weights = (router, w_gate, w_up, w_down)
+        ctx.module = module
+        ctx.dtypes = tuple(t.dtype for t in (x,) + weights)
+        if x.device.type == "cuda":
+            if not cuda_available():
                 raise NotImplementedError(
-                    "lrmoe.torch.MoE: only CPU tensors are supported so far "
-                    f"(got a {t.device.type} tensor); the CUDA path is unfinished"
+                    "lrmoe.torch.MoE: this build of lrmoe has no CUDA path; reinstall with "
+                    "`pip install ./python --config-settings=build-args=\"--features cuda\"`"
                 )
-        # The Rust layer's layouts: router hidden × experts, gate/up
-        # hidden × ffn and down ffn × hidden per expert.
-        w = (
-            np.ascontiguousarray(_np32(router).T),
-            np.ascontiguousarray(_np32(gate_proj).transpose(0, 2, 1)),
-            np.ascontiguousarray(_np32(up_proj).transpose(0, 2, 1)),
-            np.ascontiguousarray(_np32(down_proj).transpose(0, 2, 1)),
-        )
-        y, saved = module._layer.forward(*w, _np32(x), bias)
-        ctx.module, ctx.w, ctx.saved = module, w, saved
-        ctx.dtypes = (x.dtype, router.dtype, gate_proj.dtype, up_proj.dtype, down_proj.dtype)
-        module._after_forward(saved)
-        return torch.from_numpy(y).to(x.dtype)
+            ctx.cuda = True
+            return _cuda_forward(ctx, module, bias, x, weights)
+        for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
+            if t.device.type != "cpu":
+                raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on the CPU")
+        ctx.cuda = False
+        return _cpu_forward(ctx, module, bias, x, weights)
 
     @staticmethod
     def backward(ctx, dy):
-        dx, g, stats = ctx.module._layer.backward(*ctx.w, ctx.saved, _np32(dy))
-        ctx.module.last_stats = stats
-        xd, rd, gd, ud, dd = ctx.dtypes
-        return (
-            None,
-            None,
-            torch.from_numpy(dx).to(xd),
-            torch.from_numpy(np.ascontiguousarray(g["router"].T)).to(rd),
-            torch.from_numpy(np.ascontiguousarray(g["gate"].transpose(0, 2, 1))).to(gd),
-            torch.from_numpy(np.ascontiguousarray(g["up"].transpose(0, 2, 1))).to(ud),
-            torch.from_numpy(np.ascontiguousarray(g["down"].transpose(0, 2, 1))).to(dd),
-        )
+        grads = _cuda_backward(ctx, dy) if ctx.cuda else _cpu_backward(ctx, dy)
+        return (None, None) + tuple(g.to(d) for g, d in zip(grads, ctx.dtypes))
 
 
 class MoE(nn.Module):
     """A Qwen3-MoE sparse MoE block with the LRMoE backward.
 
-    Parameters (``nn.Linear`` layouts, experts stacked): ``router``
-    ``[num_experts, hidden]``, ``gate_proj`` and ``up_proj``
-    ``[num_experts, ffn, hidden]``, ``down_proj`` ``[num_experts, hidden, ffn]``.
+    Parameters: ``router`` ``[num_experts, hidden]`` (``nn.Linear``'s
+    layout, logits ``x @ router.T``); the experts stacked in the layout of
+    ``x @ W``: ``w_gate`` and ``w_up`` ``[num_experts, hidden, ffn]``,
+    ``w_down`` ``[num_experts, ffn, hidden]`` (``nn.Linear``'s
+    ``gate_proj.weight`` of expert ``e`` is ``w_gate[e].T``).
 
     ``settings`` are ``lrmoe train``'s ``[moe]`` keys: ``mode`` (``"lrmoe"``
     default, ``"full"``, ``"capacity"``), ``buffer_fraction`` (share of the
     call's routed pairs the backward keeps, default 0.6),
     ``selection_rule`` (``"priority"`` default, ``"top_q"``, ``"random_q"``,
-    ``"proportional"``), ``policy``, ``tile_trim``, ``aux_loss_coeff``,
-    ``expert_bias_rate`` (DeepSeek-V3's balancing bias, updated after each
-    training forward), … Unknown keys raise ``ValueError``.
+    ``"proportional"``; CUDA: ``"priority"`` and ``"top_q"``), ``policy``,
+    ``tile_trim``, ``aux_loss_coeff``, ``expert_bias_rate``
+    (DeepSeek-V3's balancing bias, updated after each training forward), …
+    Unknown keys raise ``ValueError``.
 
     After a call: ``last_forward`` (``expert_load``, ``aux_loss``) and,
     after its backward, ``last_stats`` (``routed_pairs``, ``kept_pairs``,
-    ``kept_fraction``, ``expert_load``, ``buffer_bytes``, ``kept``).
-    ``forward`` returns the output, or ``(output, router_logits)`` with
-    ``return_router_logits=True`` (the logits are computed by torch from
-    the same router weight, for losses that use them).
+    ``kept_fraction``, ``expert_load``; CPU also ``buffer_bytes`` and the
+    ``kept`` flag per pair). ``forward`` returns the output, or
+    ``(output, router_logits)`` with ``return_router_logits=True`` (the
+    logits are computed by torch from the same router weight, for losses
+    that use them).
     """
 
     def __init__(
@@ -109,6 +177,7 @@ class MoE(nn.Module):
         norm_topk_prob: bool = True,
         *,
         dtype: Optional[torch.dtype] = None,
+        device: Any = None,
         seed: int = 0,
         return_router_logits: bool = False,
         **settings: Any,
@@ -117,15 +186,18 @@ class MoE(nn.Module):
         h, f, e = hidden_size, moe_intermediate_size, num_experts
         self.hidden_size, self.ffn, self.num_experts = h, f, e
         self.top_k = num_experts_per_tok
+        self.norm_topk_prob = bool(norm_topk_prob)
+        self.seed = int(seed)
         self.return_router_logits = return_router_logits
         rate = float(settings.get("expert_bias_rate", 0.0))
         self._layer = Layer(h, f, e, num_experts_per_tok, norm_topk_prob, seed, **settings)
-        dtype = dtype or torch.float32
-        self.router = nn.Parameter(torch.empty(e, h, dtype=dtype))
-        self.gate_proj = nn.Parameter(torch.empty(e, f, h, dtype=dtype))
-        self.up_proj = nn.Parameter(torch.empty(e, f, h, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(e, h, f, dtype=dtype))
-        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float64))
+        self._device_layers: dict = {}
+        kw = dict(dtype=dtype or torch.float32, device=device)
+        self.router = nn.Parameter(torch.empty(e, h, **kw))
+        self.w_gate = nn.Parameter(torch.empty(e, h, f, **kw))
+        self.w_up = nn.Parameter(torch.empty(e, h, f, **kw))
+        self.w_down = nn.Parameter(torch.empty(e, f, h, **kw))
+        self.register_buffer("expert_bias", torch.zeros(e, dtype=torch.float64, device=device))
         self.expert_bias_rate = rate
         self.last_forward: dict = {}
         self.last_stats: dict = {}
@@ -136,20 +208,31 @@ class MoE(nn.Module):
         with torch.no_grad():
             for p, fan_in in (
                 (self.router, self.hidden_size),
-                (self.gate_proj, self.hidden_size),
-                (self.up_proj, self.hidden_size),
-                (self.down_proj, self.ffn),
+                (self.w_gate, self.hidden_size),
+                (self.w_up, self.hidden_size),
+                (self.w_down, self.ffn),
             ):
                 bound = 1.0 / fan_in**0.5
                 p.uniform_(-bound, bound)
 
-    def _after_forward(self, saved) -> None:
-        load = saved.expert_load
-        self.last_forward = {"expert_load": load, "aux_loss": saved.aux_loss}
+    def _device_layer(self, dev: torch.device):
+        """The device executor of CUDA device ``dev`` (made on first use)."""
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        got = self._device_layers.get(idx)
+        if got is None:
+            got = _lrmoe.DeviceLayer(
+                self.hidden_size, self.ffn, self.num_experts, self.top_k, self.norm_topk_prob,
+                json.dumps(self._layer.settings), self.seed, idx,
+            )
+            self._device_layers[idx] = got
+        return got
+
+    def _after_forward(self, load: np.ndarray, aux_loss: float) -> None:
+        self.last_forward = {"expert_load": load, "aux_loss": aux_loss}
         if self.training and self.expert_bias_rate > 0:
             # b_e += γ · sign(mean load − load_e), as `lrmoe train` does.
             step = np.sign(load.mean() - load) * self.expert_bias_rate
-            self.expert_bias += torch.from_numpy(step)
+            self.expert_bias += torch.from_numpy(step).to(self.expert_bias.device)
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
@@ -157,9 +240,7 @@ class MoE(nn.Module):
         bias = None
         if self.expert_bias_rate > 0:
             bias = [float(b) for b in self.expert_bias]
-        y = _MoECall.apply(
-            self, bias, x, self.router, self.gate_proj, self.up_proj, self.down_proj
-        )
+        y = _MoECall.apply(self, bias, x, self.router, self.w_gate, self.w_up, self.w_down)
         y = y.reshape(shape)
         if self.return_router_logits:
             return y, nn.functional.linear(x, self.router)
@@ -221,14 +302,14 @@ def replace_moe_blocks(model: nn.Module, **settings: Any) -> int:
         top_k = int(getattr(block, "top_k", getattr(block.gate, "top_k", 0)))
         norm = bool(getattr(block, "norm_topk_prob", getattr(block.gate, "norm_topk_prob", True)))
         returns_logits = ret if ret is not None else _returns_tuple(block, h, router)
-        new = MoE(h, f, e, top_k, norm, dtype=router.dtype, return_router_logits=returns_logits,
-                  **settings)
+        new = MoE(h, f, e, top_k, norm, dtype=router.dtype, device=router.device,
+                  return_router_logits=returns_logits, **settings)
         with torch.no_grad():
+            # nn.Linear's [out, in] per expert to the x @ W layout.
             new.router.copy_(router)
-            new.gate_proj.copy_(g)
-            new.up_proj.copy_(u)
-            new.down_proj.copy_(d)
-        new.to(router.device)
+            new.w_gate.copy_(g.transpose(1, 2))
+            new.w_up.copy_(u.transpose(1, 2))
+            new.w_down.copy_(d.transpose(1, 2))
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, new)

@@ -14,6 +14,11 @@
 //!   layer call's settings exactly as the trainer does
 //!   (`lrmoe::train::layer_call_config`).
 //!
+//! * `DeviceLayer` (feature `cuda`, `device.rs`): the device executor on
+//!   one GPU over torch's CUDA tensors, zero-copy both ways — the CUDA
+//!   path of `lrmoe.torch.MoE`. `lrmoe._lrmoe.cuda` says whether it was
+//!   built in.
+//!
 //! Errors: every library error becomes a Python `ValueError` whose message
 //! is the library's one-line error; nothing here panics on bad input.
 //!
@@ -315,12 +320,21 @@ impl Layer {
     }
 }
 
+#[cfg(feature = "cuda")]
+mod device;
+
 /// The native module `lrmoe._lrmoe`.
 #[pymodule]
 fn _lrmoe(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(plan_json, m)?)?;
     m.add_class::<Layer>()?;
     m.add_class::<Saved>()?;
+    #[cfg(feature = "cuda")]
+    {
+        m.add_class::<device::DeviceLayer>()?;
+        m.add_class::<device::DeviceSavedPy>()?;
+    }
+    m.add("cuda", cfg!(feature = "cuda"))?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

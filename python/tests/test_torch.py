@@ -9,6 +9,7 @@ from torch import nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import lrmoe  # noqa: E402
+import lrmoe.torch  # noqa: E402
 from lrmoe.torch import MoE, replace_moe_blocks  # noqa: E402
 
 
@@ -100,9 +101,9 @@ def test_full_mode_matches_plain_pytorch_f32():
     assert_close(x2.grad, x.grad, "dx")
     assert_close(moe.router.grad, blk.gate.weight.grad, "d router")
     for e in range(6):
-        for name in ("gate_proj", "up_proj", "down_proj"):
+        for name, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
             ref = getattr(blk.experts[e], name).weight.grad
-            assert_close(getattr(moe, name).grad[e], ref, f"d {name}[{e}]")
+            assert_close(getattr(moe, ours).grad[e].T, ref, f"d {name}[{e}]")
     assert moe.last_stats["kept_fraction"] == 1.0
     assert moe.last_stats["routed_pairs"] == 120
 
@@ -137,7 +138,7 @@ def test_swapped_model_loss_and_gradients_match_the_original():
     for i in range(2):
         assert_close(g1[f"blocks.{i}.router"], g0[f"blocks.{i}.gate.weight"], f"router {i}")
         stacked = torch.stack([g0[f"blocks.{i}.experts.{e}.down_proj.weight"] for e in range(6)])
-        assert_close(g1[f"blocks.{i}.down_proj"], stacked, f"down {i}")
+        assert_close(g1[f"blocks.{i}.w_down"].transpose(1, 2), stacked, f"down {i}")
 
 
 def test_kept_set_equals_the_rust_layers_at_r_below_one():
@@ -150,9 +151,8 @@ def test_kept_set_equals_the_rust_layers_at_r_below_one():
     kept_module = moe.last_stats["kept"]
     layer = lrmoe.Layer(16, 24, 6, 2, True, mode="lrmoe", buffer_fraction=0.5,
                         selection_rule="top_q")
-    w = (moe.router.detach().numpy().T, moe.gate_proj.detach().numpy().transpose(0, 2, 1),
-         moe.up_proj.detach().numpy().transpose(0, 2, 1),
-         moe.down_proj.detach().numpy().transpose(0, 2, 1))
+    w = (moe.router.detach().numpy().T, moe.w_gate.detach().numpy(),
+         moe.w_up.detach().numpy(), moe.w_down.detach().numpy())
     _, saved = layer.forward(*w, x.numpy())
     _, _, stats = layer.backward(*w, saved, dy.numpy())
     np.testing.assert_array_equal(kept_module, stats["kept"])
@@ -170,12 +170,102 @@ def test_expert_bias_moves_and_settings_are_checked():
         MoE(16, 24, 6, 2, buffer_fraction=0.0)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_cuda_tensors_are_refused_not_copied():
-    _, moe = block_and_module(mode="full")
-    moe = moe.cuda()
-    with pytest.raises(NotImplementedError, match="CUDA path is unfinished"):
-        moe(torch.randn(2, 4, 16, device="cuda"))
+needs_cuda = pytest.mark.skipif(
+    not (torch.cuda.is_available() and lrmoe.torch.cuda_available()),
+    reason="no CUDA device, or lrmoe built without its cuda feature",
+)
+
+
+def rel_norm(a, b):
+    """‖a − b‖ / ‖b‖ in float64."""
+    a, b = a.detach().double(), b.detach().double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def cuda_pair(seed=0, h=64, f=96, e=8, k=2, **settings):
+    """A plain block in f32 on the GPU (the reference) and its swap in bf16.
+    The router weights are scaled up so that no token's top-k choice sits
+    on a near-tie that bf16 and f32 could break differently."""
+    torch.manual_seed(seed)
+    blk = Qwen3MoeSparseMoeBlock(h, f, e, k).cuda()
+    with torch.no_grad():
+        blk.gate.weight.mul_(8.0)
+    holder = nn.Module()
+    holder.blk = blk
+    import copy
+
+    swapped = copy.deepcopy(holder).to(torch.bfloat16)
+    assert replace_moe_blocks(swapped, **settings) == 1
+    return blk, swapped.blk
+
+
+# bf16 tolerances: the device executor rounds its inputs, weights and
+# every GEMM's output to bf16 (f32 accumulation); against an f32 reference
+# of the same (bf16-valued) weights, outputs and gradients stay within 2%
+# and 3% of the reference in norm.
+@needs_cuda
+def test_cuda_full_mode_matches_plain_pytorch():
+    blk, moe = cuda_pair(mode="full")
+    assert moe.w_gate.is_cuda and moe.w_gate.dtype == torch.bfloat16
+    with torch.no_grad():
+        # The reference runs on the very weights the module holds.
+        blk.gate.weight.copy_(moe.router.float())
+        for e in range(8):
+            blk.experts[e].gate_proj.weight.copy_(moe.w_gate[e].T.float())
+            blk.experts[e].up_proj.weight.copy_(moe.w_up[e].T.float())
+            blk.experts[e].down_proj.weight.copy_(moe.w_down[e].T.float())
+    x = torch.randn(4, 50, 64, device="cuda").bfloat16()
+    xr = x.float().requires_grad_(True)
+    xm = x.clone().requires_grad_(True)
+    y_ref, _ = blk(xr)
+    y, _ = moe(xm)
+    assert y.dtype == torch.bfloat16 and y.is_cuda
+    assert rel_norm(y, y_ref) < 2e-2
+    dy = torch.randn_like(y_ref).bfloat16()
+    (y_ref * dy.float()).sum().backward()
+    (y.float() * dy.float()).sum().backward()
+    assert rel_norm(xm.grad, xr.grad) < 3e-2
+    assert rel_norm(moe.router.grad, blk.gate.weight.grad) < 3e-2
+    for name, ours in (("gate_proj", "w_gate"), ("up_proj", "w_up"), ("down_proj", "w_down")):
+        ref = torch.stack([getattr(blk.experts[e], name).weight.grad.T for e in range(8)])
+        assert rel_norm(getattr(moe, ours).grad, ref) < 3e-2, name
+    assert moe.last_stats["kept_fraction"] == 1.0
+    assert moe.last_stats["routed_pairs"] == 400
+
+
+@needs_cuda
+def test_cuda_keeps_what_the_cpu_path_keeps_at_r_below_one():
+    settings = dict(mode="lrmoe", buffer_fraction=0.5, selection_rule="top_q", tile_trim=0.0)
+    _, moe = cuda_pair(seed=1, **settings)
+    x = torch.randn(256, 64, device="cuda").bfloat16()
+    dy = torch.randn(256, 64, device="cuda").bfloat16()
+    y = moe(x.clone().requires_grad_(True))
+    (y.float() * dy.float()).sum().backward()
+    on_gpu = moe.last_stats
+    cpu = MoE(64, 96, 8, 2, True, **settings)
+    with torch.no_grad():
+        for a, b in zip(cpu.parameters(), moe.parameters()):
+            a.copy_(b.float().cpu())
+    yc = cpu(x.cpu().float().requires_grad_(True))
+    (yc * dy.cpu().float()).sum().backward()
+    assert 0 < on_gpu["kept_pairs"] < 512
+    assert on_gpu["kept_pairs"] == cpu.last_stats["kept_pairs"]
+    np.testing.assert_array_equal(on_gpu["expert_load"], cpu.last_stats["expert_load"])
+
+
+@needs_cuda
+def test_cuda_on_a_side_stream_and_f32_parameters():
+    blk, moe = cuda_pair(mode="full")
+    moe = moe.float()
+    x = torch.randn(2, 40, 64, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y, _ = moe(x)
+        y.sum().backward()
+    torch.cuda.synchronize()
+    y0, _ = moe(x)
+    assert y.dtype == torch.float32 and moe.w_gate.grad.dtype == torch.float32
+    assert torch.equal(y, y0)
 
 
 def test_transformers_qwen3_moe_swap_matches():
@@ -201,3 +291,34 @@ def test_transformers_qwen3_moe_swap_matches():
     g0 = model.model.embed_tokens.weight.grad
     g1 = swapped.model.embed_tokens.weight.grad
     assert_close(g1, g0, "embedding gradient")
+
+
+@needs_cuda
+def test_transformers_qwen3_moe_swap_matches_on_cuda():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(cfg).cuda().bfloat16()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(50.0)  # decisive routing: no bf16 near-ties
+    import copy
+
+    swapped = copy.deepcopy(model)
+    assert replace_moe_blocks(swapped, mode="full") == 2
+    assert isinstance(swapped.model.layers[0].mlp, MoE)
+    ids = torch.randint(0, 64, (2, 32), device="cuda")
+    out0 = model(input_ids=ids, labels=ids)
+    out1 = swapped(input_ids=ids, labels=ids)
+    assert abs(out1.loss.item() - out0.loss.item()) <= 2e-2 * abs(out0.loss.item())
+    out0.loss.backward()
+    out1.loss.backward()
+    g0 = model.model.embed_tokens.weight.grad
+    g1 = swapped.model.embed_tokens.weight.grad
+    assert rel_norm(g1, g0) < 5e-2

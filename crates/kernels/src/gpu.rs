@@ -32,7 +32,7 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 #[cfg(feature = "cuda")]
 pub use imp::{
     dense::{AttnSaved, AttnShape, GradElem},
-    ops::{ExpertsBackward, Routed},
+    ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };
 

@@ -863,6 +863,79 @@ pub fn weights(
     })
 }
 
+/// Weights whose buffers another library owns (the Python package's
+/// torch parameters), borrowed for one call ([`borrow_weights`]):
+/// dropping them frees nothing but the biases set on them.
+pub struct BorrowedWeights(std::mem::ManuallyDrop<DeviceWeights>);
+
+impl std::ops::Deref for BorrowedWeights {
+    type Target = DeviceWeights;
+    fn deref(&self) -> &DeviceWeights {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for BorrowedWeights {
+    fn deref_mut(&mut self) -> &mut DeviceWeights {
+        &mut self.0
+    }
+}
+
+impl Drop for BorrowedWeights {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here.
+        let w = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+        // The borrowed buffers go back to their owner unfreed; the biases
+        // are this crate's.
+        for b in [w.router, w.gate, w.up, w.down] {
+            let _ = b.leak();
+        }
+        drop((w.bias, w.sel_bias));
+    }
+}
+
+/// One rank's weights in device buffers another library owns, by address
+/// (bf16): the router `H × E` and the rank's experts' gate, up
+/// (`E_l × H × F`) and down (`E_l × F × H`). No copy is made.
+///
+/// # Safety
+///
+/// Each address is a live allocation of `gpu`'s context holding at least
+/// the stated number of bf16 values, alive and written by no one else while
+/// the returned weights, or work queued on them, are in use.
+pub unsafe fn borrow_weights(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    router: u64,
+    (gate, up, down): (u64, u64, u64),
+) -> Result<BorrowedWeights, LayerError> {
+    let (_, _, el) = world_of(comm, cfg)?;
+    let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
+    for (what, p) in [
+        ("router", router),
+        ("gate", gate),
+        ("up", up),
+        ("down", down),
+    ] {
+        if p == 0 {
+            return Err(LayerError::Config(format!("{what}: a null device address")));
+        }
+    }
+    // SAFETY: the caller's contract, per buffer.
+    let take = |p: u64, n: usize| unsafe { gpu.borrow::<u16>(p, n).into_inner() };
+    Ok(BorrowedWeights(std::mem::ManuallyDrop::new(
+        DeviceWeights {
+            router: std::mem::ManuallyDrop::into_inner(take(router, h * e)),
+            bias: None,
+            sel_bias: None,
+            gate: std::mem::ManuallyDrop::into_inner(take(gate, el * h * f)),
+            up: std::mem::ManuallyDrop::into_inner(take(up, el * h * f)),
+            down: std::mem::ManuallyDrop::into_inner(take(down, el * f * h)),
+        },
+    )))
+}
+
 impl DeviceWeights {
     /// Zeroed weights of this rank (the router and its block of experts),
     /// for a device-resident optimizer to write in place

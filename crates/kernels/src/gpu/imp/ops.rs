@@ -50,6 +50,106 @@ pub struct ExpertsBackward {
     hidden: Option<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>)>,
 }
 
+/// A device buffer another library owns (a PyTorch tensor), seen as a
+/// `CudaSlice` for the length of one call ([`Gpu::borrow`]). Dropping it
+/// leaves the memory to its owner: nothing is freed.
+pub struct Borrowed<T>(std::mem::ManuallyDrop<CudaSlice<T>>);
+
+impl<T> std::ops::Deref for Borrowed<T> {
+    type Target = CudaSlice<T>;
+    fn deref(&self) -> &CudaSlice<T> {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for Borrowed<T> {
+    fn deref_mut(&mut self) -> &mut CudaSlice<T> {
+        &mut self.0
+    }
+}
+
+impl<T> Borrowed<T> {
+    /// The buffer as a `CudaSlice` that must never be dropped (call
+    /// `CudaSlice::leak` on it instead), for a container whose fields are
+    /// `CudaSlice`s (`layer::device::BorrowedWeights`).
+    pub fn into_inner(self) -> std::mem::ManuallyDrop<CudaSlice<T>> {
+        let mut me = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `me` is never dropped, so the slice is taken once.
+        std::mem::ManuallyDrop::new(unsafe { std::mem::ManuallyDrop::take(&mut me.0) })
+    }
+}
+
+impl<T> Drop for Borrowed<T> {
+    fn drop(&mut self) {
+        // SAFETY: taken once, here; the slice is gone with `self`.
+        let s = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
+        // Hands the address back without freeing it (its owner frees it).
+        let _ = s.leak();
+    }
+}
+
+impl Gpu {
+    /// `len` elements at device address `ptr`, owned by another library
+    /// (a PyTorch tensor's storage), as a buffer the operations here take;
+    /// dropping it frees nothing. Work on it is queued on this GPU's
+    /// stream: order the owner's stream with [`Gpu::wait_for_stream`] and
+    /// [`Gpu::stream_waits`].
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is a live allocation of this device's context holding at least
+    /// `len` elements of `T`, and it stays alive, and is not written by
+    /// anyone else, while the returned buffer or work queued on it is in
+    /// use.
+    pub unsafe fn borrow<T: cudarc::driver::DeviceRepr>(
+        &self,
+        ptr: u64,
+        len: usize,
+    ) -> Borrowed<T> {
+        // SAFETY: the caller's contract; `Borrowed` never frees it.
+        let s = unsafe { self.stream.upgrade_device_ptr(ptr, len) };
+        Borrowed(std::mem::ManuallyDrop::new(s))
+    }
+
+    /// Orders this GPU's stream after the work queued so far on `stream`
+    /// (a raw `CUstream` of this device's context; 0 is the legacy default
+    /// stream), without the host waiting. A no-op when it is this GPU's own
+    /// stream.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live CUDA stream of this device's primary context.
+    pub unsafe fn wait_for_stream(&self, stream: u64) -> Result<(), KernelError> {
+        if stream as usize == self.stream.cu_stream() as usize {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract; the wrapper does not own it.
+        let other = unsafe {
+            self.ctx
+                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
+        };
+        self.stream.join(&other).map_err(cuda)
+    }
+
+    /// Orders `stream` (as in [`Gpu::wait_for_stream`]) after the work
+    /// queued so far on this GPU's stream, without the host waiting.
+    ///
+    /// # Safety
+    ///
+    /// As [`Gpu::wait_for_stream`].
+    pub unsafe fn stream_waits(&self, stream: u64) -> Result<(), KernelError> {
+        if stream as usize == self.stream.cu_stream() as usize {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract; the wrapper does not own it.
+        let other = unsafe {
+            self.ctx
+                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
+        };
+        other.join(&self.stream).map_err(cuda)
+    }
+}
+
 impl Gpu {
     /// The compute stream every operation here runs on (the collectives
     /// order their own stream against it).

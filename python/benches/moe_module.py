@@ -1,0 +1,172 @@
+"""lrmoe.torch.MoE on CUDA beside the plain PyTorch MoE block, in one process.
+
+    python3 python/benches/moe_module.py                 # speed (JSON on the RESULT line)
+    python3 python/benches/moe_module.py --memory        # backward peak memory
+
+Shape: Qwen3-30B-A3B experts (128 experts, hidden 2048, moe ffn 768, top-8),
+16 384 tokens, bf16, random router (the same weights for every contender).
+The peer is a dropless PyTorch block as a PyTorch expert writes it: router
+GEMM, softmax, top-k, a stable sort by expert, one ``torch._grouped_mm`` for
+gate and up together and one for down, group offsets on the device, a
+weighted ``index_add_`` combine; autograd backward. Eager and, with
+``--compile``, ``torch.compile``d.
+
+Rows of the speed table (median of ``--reps`` after 3 warm-ups, CUDA events):
+the peer; ``lrmoe.torch.MoE`` at ``mode="full"`` (r = 1, the exact
+gradient) and at ``mode="lrmoe"``, buffer fraction 0.6; and the native
+layer called directly (``_lrmoe.DeviceLayer`` forward + backward on the same
+tensors, no autograd and no DLPack): the module's time over it is the
+Python boundary's cost.
+
+``--memory`` re-runs itself under ``PYTORCH_CUDA_ALLOC_CONF=
+backend:cudaMallocAsync`` (torch then allocates from the pool the layer
+uses, so ``torch.cuda.max_memory_allocated`` sees the layer's buffers) and
+reports the most bytes the backward holds above what was allocated when it
+started, exact and at 0.6.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+
+def parse():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--ffn", type=int, default=768)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd peer")
+    ap.add_argument("--memory", action="store_true", help="backward peak memory instead")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args()
+
+
+def main():
+    args = parse()
+    if args.memory and not args.child:
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="backend:cudaMallocAsync")
+        sys.exit(subprocess.call([sys.executable, __file__, "--child"] + sys.argv[1:], env=env))
+    import torch
+    import torch.nn.functional as F
+
+    from lrmoe.torch import MoE, cuda_available
+
+    if not (torch.cuda.is_available() and cuda_available()):
+        sys.exit("needs a CUDA device and lrmoe built with its cuda feature")
+    E, H, Fd, k, T = args.experts, args.hidden, args.ffn, args.top_k, args.tokens
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    moe = MoE(H, Fd, E, k, True, dtype=torch.bfloat16, device=dev, mode="full")
+    x = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+    dy = torch.randn(T, H, device=dev, dtype=torch.bfloat16)
+
+    # The peer's parameters: the same values, gate and up side by side.
+    wr = moe.router.detach().clone().requires_grad_()
+    wgu = torch.cat([moe.w_gate.detach(), moe.w_up.detach()], dim=2).contiguous().requires_grad_()
+    wd = moe.w_down.detach().clone().requires_grad_()
+
+    def peer(xin):
+        logits = F.linear(xin, wr)
+        p = logits.float().softmax(-1)
+        g, idx = p.topk(k, dim=-1)
+        g = g / g.sum(-1, keepdim=True)
+        flat = idx.reshape(-1)
+        order = flat.argsort(stable=True)
+        offs = torch.bincount(flat, minlength=E).cumsum(0).to(torch.int32)
+        tok = order // k
+        xs = xin.index_select(0, tok)
+        a, b = torch._grouped_mm(xs, wgu, offs=offs).chunk(2, dim=-1)
+        o = torch._grouped_mm(F.silu(a) * b, wd, offs=offs)
+        o = o * g.reshape(-1)[order].unsqueeze(1).to(o.dtype)
+        return torch.zeros_like(xin).index_add_(0, tok, o)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = []
+        for _ in range(args.reps):
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e))
+        ts.sort()
+        return ts[len(ts) // 2]
+
+    def fb(model):
+        def run():
+            xi = x.detach().requires_grad_()
+            model(xi).backward(dy)
+            for p in (wr, wgu, wd, moe.router, moe.w_gate, moe.w_up, moe.w_down, xi):
+                p.grad = None
+        return run
+
+    if args.memory:
+        out = {}
+        for name, settings in (("exact", {"mode": "full"}),
+                               ("lrmoe_0.6", {"mode": "lrmoe", "buffer_fraction": 0.6})):
+            m = MoE(H, Fd, E, k, True, dtype=torch.bfloat16, device=dev, **settings)
+            with torch.no_grad():
+                for a, b in zip(m.parameters(), moe.parameters()):
+                    a.copy_(b)
+            for _ in range(2):  # the second call's figures
+                xi = x.detach().requires_grad_()
+                y = m(xi)
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                y.backward(dy)
+                torch.cuda.synchronize()
+                peak = torch.cuda.max_memory_allocated() - base
+                kept = m.last_stats["kept_fraction"]
+                del xi, y
+                m.zero_grad(set_to_none=True)
+            out[name] = {"backward_peak_bytes": peak, "kept_fraction": kept}
+        out["alloc_conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF")
+        print("RESULT " + json.dumps(out))
+        return
+
+    rows = {"peer_eager_ms": timed(fb(peer))}
+    if args.compile:
+        try:
+            rows["peer_compiled_ms"] = timed(fb(torch.compile(peer)))
+        except Exception as ex:  # report, do not hide
+            rows["peer_compiled_error"] = str(ex)[:200]
+    rows["lrmoe_full_ms"] = timed(fb(moe))
+    lr = MoE(H, Fd, E, k, True, dtype=torch.bfloat16, device=dev, mode="lrmoe",
+             buffer_fraction=0.6)
+    with torch.no_grad():
+        for a, b in zip(lr.parameters(), moe.parameters()):
+            a.copy_(b)
+    rows["lrmoe_0.6_ms"] = timed(fb(lr))
+    rows["lrmoe_0.6_kept"] = lr.last_stats["kept_fraction"]
+
+    native = moe._device_layer(dev)
+    w16 = (moe.router.detach().t().contiguous(), moe.w_gate.detach(), moe.w_up.detach(),
+           moe.w_down.detach())
+    ptrs = tuple(t.data_ptr() for t in w16)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def direct():
+        y, saved = native.forward(ptrs, x.data_ptr(), T, stream, None)
+        parts, _ = native.backward(ptrs, saved, dy.data_ptr(), stream)
+        del y, parts
+
+    rows["native_full_ms"] = timed(direct)
+    best = min(v for key, v in rows.items() if key.startswith("peer_") and key.endswith("_ms"))
+    rows["full_speedup_vs_best_peer"] = best / rows["lrmoe_full_ms"]
+    rows["lrmoe_0.6_speedup_vs_best_peer"] = best / rows["lrmoe_0.6_ms"]
+    rows["python_boundary_overhead"] = rows["lrmoe_full_ms"] / rows["native_full_ms"] - 1
+    rows["shape"] = {"experts": E, "hidden": H, "ffn": Fd, "top_k": k, "tokens": T}
+    rows["torch"] = torch.__version__
+    print("RESULT " + json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
