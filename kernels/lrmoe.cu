@@ -336,10 +336,14 @@ extern "C" __global__ void router_topk(const float* __restrict__ logits, const f
         for (int j = 0; j < k; ++j) {
             // Best (value, index) strictly after (prev_v, prev_i) in the order
             // "higher value, then lower index".
-            float bv = -1.f;
+            // A NaN key (a NaN input row) ranks as -inf, so every row picks
+            // k valid experts (its gates stay NaN: the backward's scores
+            // refuse them); -inf start: a bias below -1 still ranks.
+            float bv = -INFINITY;
             uint32_t bi = 0xffffffffu;
             for (int i = lane; i < e; i += 32) {
                 float v = sel_bias ? p[i] + sel_bias[i] : p[i];
+                if (v != v) v = -INFINITY;
                 bool after = v < prev_v || (v == prev_v && static_cast<uint32_t>(i) > prev_i);
                 bool better = v > bv || (v == bv && static_cast<uint32_t>(i) < bi);
                 if (after && better) {

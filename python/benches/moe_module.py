@@ -41,6 +41,8 @@ def parse():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd peer")
     ap.add_argument("--memory", action="store_true", help="backward peak memory instead")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the CUDA kernels of the module's and the native layer's calls")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -175,6 +177,19 @@ def main():
     # The module and the native layer alternated: the Python boundary's cost.
     mod_ms, nat_ms = timed_together([fb(moe), direct])
     rows["module_full_alternated_ms"], rows["native_full_ms"] = mod_ms, nat_ms
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, fn in (("module", fb(moe)), ("native", direct)):
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(3):
+                    fn()
+                torch.cuda.synchronize()
+            ev = sorted(prof.key_averages(), key=lambda a: -getattr(a, "device_time_total", 0))
+            total = sum(getattr(a, "device_time_total", 0) for a in ev) / 3e3
+            top = ", ".join(f"{a.key[:32]} x{a.count // 3} {a.device_time_total / 3e3:.3f}"
+                            for a in ev[:12])
+            print(f"PROFILE {name}: {total:.3f} ms of kernels per call; {top}")
     best = min(v for key, v in rows.items() if key.startswith("peer_") and key.endswith("_ms"))
     rows["full_speedup_vs_best_peer"] = best / rows["lrmoe_full_ms"]
     rows["lrmoe_0.6_speedup_vs_best_peer"] = best / rows["lrmoe_0.6_ms"]

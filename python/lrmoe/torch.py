@@ -76,11 +76,30 @@ def _cpu_backward(ctx, dy):
     )
 
 
+def _check_shapes(module, x, weights):
+    """The shapes the native layer reads (it trusts the addresses it gets)."""
+    h, f, e = module.hidden_size, module.ffn, module.num_experts
+    want = {"router": (e, h), "w_gate": (e, h, f), "w_up": (e, h, f), "w_down": (e, f, h)}
+    for (name, shape), t in zip(want.items(), weights):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"lrmoe.torch.MoE: {name} has shape {tuple(t.shape)}, expected {shape}")
+    if x.dim() != 2 or x.shape[1] != h:
+        raise ValueError(f"lrmoe.torch.MoE: input rows of width {x.shape[-1]}, expected {h}")
+
+
 def _cuda_forward(ctx, module, bias, x, weights):
     dev = x.device
     for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
         if t.device != dev:
             raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on {dev}")
+    _check_shapes(module, x, weights)
+    ctx.empty = x.shape[0] == 0
+    if ctx.empty:
+        # No tokens: nothing to route, nothing to keep.
+        ctx.shapes = [t.shape for t in weights]
+        module.last_forward = {"expert_load": np.zeros(module.num_experts, dtype=np.int64),
+                               "aux_loss": 0.0}
+        return x.new_zeros(x.shape)
     layer = module._device_layer(dev)
     # The device layer's layouts: router hidden × experts; the experts as
     # stored. bf16 tensors are used in place.
@@ -98,6 +117,11 @@ def _cuda_forward(ctx, module, bias, x, weights):
 
 
 def _cuda_backward(ctx, dy):
+    if ctx.empty:
+        ctx.module.last_stats = {"routed_pairs": 0, "kept_pairs": 0, "kept_fraction": 1.0,
+                                 "expert_load": np.zeros(ctx.module.num_experts, dtype=np.int64)}
+        return (dy.new_zeros(dy.shape),) + tuple(
+            torch.zeros(s, device=dy.device) for s in ctx.shapes)
     dev = ctx.stream_dev
     layer = ctx.module._device_layer(dev)
     dy16 = _bf16(dy)
@@ -236,6 +260,10 @@ class MoE(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor):
         shape = hidden_states.shape
+        if shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"lrmoe.torch.MoE: input rows of width {shape[-1]}, expected {self.hidden_size}"
+            )
         x = hidden_states.reshape(-1, self.hidden_size)
         bias = None
         if self.expert_bias_rate > 0:

@@ -268,6 +268,34 @@ def test_cuda_on_a_side_stream_and_f32_parameters():
     assert torch.equal(y, y0)
 
 
+@needs_cuda
+def test_cuda_bad_input_gets_a_clear_error():
+    _, moe = cuda_pair(mode="full")
+    with pytest.raises(ValueError, match="w_gate has shape"):
+        bad = MoE(64, 96, 8, 2, dtype=torch.bfloat16, device="cuda", mode="full")
+        bad.w_gate = nn.Parameter(torch.zeros(8, 64, 95, device="cuda", dtype=torch.bfloat16))
+        bad(torch.randn(3, 64, device="cuda", dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="width"):
+        moe(torch.randn(3, 32, device="cuda", dtype=torch.bfloat16))
+    # A NaN reaches the scores: the backward refuses it (the forward's
+    # output carries it, as any layer's would).
+    x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
+    x[1, 5] = float("nan")
+    y, _ = moe(x.requires_grad_())
+    with pytest.raises(Exception, match="non-finite"):
+        y.float().sum().backward()
+    with pytest.raises(ValueError, match="multiples of 8"):
+        MoE(60, 96, 8, 2, device="cuda")(torch.randn(2, 60, device="cuda"))
+    with pytest.raises(ValueError, match="host executor"):
+        MoE(64, 96, 8, 2, device="cuda", selection_rule="random_q")(
+            torch.randn(2, 64, device="cuda"))
+    # No tokens: an empty output and zero gradients, no call.
+    x = torch.zeros(0, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y, _ = moe(x)
+    y.sum().backward()
+    assert y.shape == (0, 64) and moe.w_gate.grad.abs().sum().item() == 0
+
+
 def test_transformers_qwen3_moe_swap_matches():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(

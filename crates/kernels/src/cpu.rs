@@ -523,9 +523,18 @@ pub fn router_topk_reference(
         }
         // The choice reads `p + bias` (the same f32 add as the kernel); the
         // gates stay the unbiased probabilities.
-        let key = |i: u32| match sel_bias {
-            Some(b) => p[i as usize] + b[i as usize],
-            None => p[i as usize],
+        // A NaN key ranks as -inf (the kernel's rule: k valid experts for
+        // every row; a NaN row's gates stay NaN).
+        let key = |i: u32| {
+            let v = match sel_bias {
+                Some(b) => p[i as usize] + b[i as usize],
+                None => p[i as usize],
+            };
+            if v.is_nan() {
+                f32::NEG_INFINITY
+            } else {
+                v
+            }
         };
         let mut order: Vec<u32> = (0..e as u32).collect();
         order.sort_by(|&a, &b| key(b).total_cmp(&key(a)).then(a.cmp(&b)));
@@ -798,6 +807,23 @@ mod tests {
 
     /// GEMM against its naive twin, every transpose, fresh inputs, poisoned
     /// outputs, including zero-size dimensions and the parallel path.
+    #[test]
+    fn router_topk_picks_valid_experts_for_nan_rows() {
+        let (e, k) = (5, 3);
+        let mut logits = vec![0.5f32, 2.0, -1.0, 1.0, 0.0, 1.0, f32::NAN, 0.0, 0.0, 0.0];
+        logits.extend([f32::NAN; 5]);
+        let (_, idx, gates) = router_topk_reference(&logits, None, e, k, true).unwrap();
+        assert_eq!(&idx[..3], &[1, 3, 0]);
+        // A NaN row ranks nothing above anything: experts 0..k, NaN gates.
+        assert_eq!(&idx[3..6], &[0, 1, 2]);
+        assert_eq!(&idx[6..], &[0, 1, 2]);
+        assert!(gates[3..].iter().all(|g| g.is_nan()));
+        // A bias below −1 still ranks (last).
+        let bias = [-3.0f32, 0.0, -3.0, 0.0, 0.0];
+        let (_, idx, _) = router_topk_reference(&logits[..5], Some(&bias), e, k, true).unwrap();
+        assert_eq!(idx, vec![1, 3, 4]);
+    }
+
     #[test]
     fn combine_onto_a_base_adds_it_once() {
         let bits = |v: &[f32]| v.iter().map(|&x| f32_to_bf16_bits(x)).collect::<Vec<_>>();

@@ -300,6 +300,33 @@ fn priority_sampling_kernels_match_the_cpu_twins_exactly() {
 
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
+fn router_topk_picks_valid_experts_for_nan_rows_and_large_negative_biases() {
+    let g = gpu();
+    let (t, e, k) = (6, 16, 4);
+    let mut rng = Rng(seed());
+    let mut logits: Vec<f32> = (0..t * e)
+        .map(|_| (rng.next() % 2001) as f32 / 250.0 - 4.0)
+        .collect();
+    // Row 1 all NaN, row 3 one NaN logit (its whole softmax is NaN).
+    logits[e..2 * e].iter_mut().for_each(|v| *v = f32::NAN);
+    logits[3 * e + 5] = f32::NAN;
+    // A bias below −1 on half the experts: they rank last, not nowhere.
+    let bias: Vec<f32> = (0..e)
+        .map(|i| if i % 2 == 0 { -3.0 } else { 0.0 })
+        .collect();
+    for sel in [None, Some(bias.as_slice())] {
+        let (_, idx, gates) = g.router_topk(&logits, sel, e, k, true).unwrap();
+        let (_, widx, _) = router_topk_reference(&logits, sel, e, k, true).unwrap();
+        assert_eq!(idx, widx, "bias {}", sel.is_some());
+        assert!(idx.iter().all(|&i| (i as usize) < e), "{idx:?}");
+        for r in [1, 3] {
+            assert!(gates[r * k..(r + 1) * k].iter().all(|v| v.is_nan()));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
 fn router_topk_matches_the_cpu_twin() {
     let g = gpu();
     let mut rng = Rng(seed());
