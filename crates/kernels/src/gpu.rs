@@ -444,6 +444,10 @@ mod imp {
         f_gather_u8: CudaFunction,
         f_expand_runs: CudaFunction,
         dense: dense::DenseFns,
+        /// cuBLAS on the compute stream, for the dense model's one-group
+        /// GEMMs ([`Gpu::gemm_dev`]); `None` where libcublas is missing or
+        /// `LRMOE_DENSE_GEMM=cutlass` asks for the grouped kernels.
+        blas: Option<cudarc::cublas::CudaBlas>,
         /// Fill every output buffer with 0xFF bytes before its kernel runs
         /// (device tests: a kernel that skips an element is caught).
         poison: std::sync::atomic::AtomicBool,
@@ -460,6 +464,20 @@ mod imp {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.debug_struct("Gpu").field("n_sms", &self.n_sms).finish()
         }
+    }
+
+    /// cuBLAS on `stream`, unless `LRMOE_DENSE_GEMM=cutlass` or libcublas
+    /// cannot be loaded (then the grouped kernels run every GEMM).
+    fn open_blas(stream: &Arc<CudaStream>) -> Option<cudarc::cublas::CudaBlas> {
+        if std::env::var("LRMOE_DENSE_GEMM").as_deref() == Ok("cutlass") {
+            return None;
+        }
+        // cudarc panics when it cannot load the library; probe first.
+        // SAFETY: a presence probe of the library (dlopen only).
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return None;
+        }
+        cudarc::cublas::CudaBlas::new(stream.clone()).ok()
     }
 
     /// What [`pool_set`] does to the device's stream-ordered memory pool.
@@ -602,6 +620,7 @@ mod imp {
                 f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
                 f_expand_runs: module.load_function("expand_runs").map_err(cuda)?,
                 dense: dense::DenseFns::load(&ctx, DENSE_FATBIN)?,
+                blas: open_blas(&stream),
                 poison: std::sync::atomic::AtomicBool::new(false),
                 _module: module,
                 ctx,

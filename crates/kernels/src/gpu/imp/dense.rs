@@ -205,7 +205,77 @@ impl Gpu {
             self.stream.memset_zeros(&mut d).map_err(cuda)?;
             return Ok(d);
         }
-        self.gemm(variant, offsets, groups, a, b, nd, h, f)
+        match &self.blas {
+            // One group: a dense GEMM, cuBLAS's (the grouped kernels are
+            // tuned for many expert-sized groups).
+            Some(blas) if groups == 1 => self.gemm_blas(blas, variant, (a, b), rows, (h, f), nd),
+            _ => self.gemm(variant, offsets, groups, a, b, nd, h, f),
+        }
+    }
+
+    /// One GEMM of [`Gpu::gemm_dev`]'s layouts (row-major; one group of
+    /// `rows`) on cuBLAS: bf16 in and out, f32 accumulation. cuBLAS is
+    /// column-major, so each product is computed transposed
+    /// (`Dᵀ = Bᵀ·Aᵀ` and its kin), which is the row-major `D`.
+    fn gemm_blas(
+        &self,
+        blas: &cudarc::cublas::CudaBlas,
+        variant: GemmVariant,
+        (a, b): (&CudaSlice<u16>, &CudaSlice<u16>),
+        rows: usize,
+        (h, f): (usize, usize),
+        nd: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
+        use cudarc::cublas::sys::cublasOperation_t::{CUBLAS_OP_N as N, CUBLAS_OP_T as T};
+        use cudarc::cublas::sys::{cublasComputeType_t, cublasGemmAlgo_t, cudaDataType};
+        use cudarc::driver::{DevicePtr, DevicePtrMut};
+        // SAFETY: uninitialised output; the GEMM writes all `nd` elements
+        // (a weight gradient over no rows was zeroed by the caller).
+        let mut d = unsafe { self.uninit::<u16>(nd) }?;
+        if nd == 0 {
+            return Ok(d);
+        }
+        let (rows, h, f) = (dim("rows", rows)?, dim("h", h)?, dim("f", f)?);
+        // (op of the first operand, op of the second, m, n, k, lda, ldb,
+        // ldc); the first operand is always B, the second A.
+        let (ta, tb, m, n, k, lda, ldb, ldc) = match variant {
+            GemmVariant::Forward => (N, N, f, rows, h, f, h, f),
+            GemmVariant::DataGrad => (T, N, h, rows, f, f, f, h),
+            GemmVariant::WeightGrad => (N, T, f, h, rows, f, h, f),
+        };
+        let (alpha, beta) = (1f32, 0f32);
+        let bf16 = cudaDataType::CUDA_R_16BF;
+        let (pb, _gb) = b.device_ptr(&self.stream);
+        let (pa, _ga) = a.device_ptr(&self.stream);
+        let (pd, gd) = d.device_ptr_mut(&self.stream);
+        // SAFETY: the caller checked `a` and `b` hold the variant's
+        // elements and `d` holds `nd`; the handle runs on this stream.
+        let done = unsafe {
+            cudarc::cublas::result::gemm_ex(
+                *blas.handle(),
+                ta,
+                tb,
+                m,
+                n,
+                k,
+                (&alpha as *const f32).cast(),
+                pb as *const std::ffi::c_void,
+                bf16,
+                lda,
+                pa as *const std::ffi::c_void,
+                bf16,
+                ldb,
+                (&beta as *const f32).cast(),
+                pd as *mut std::ffi::c_void,
+                bf16,
+                ldc,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        drop(gd);
+        done.map_err(|e| KernelError::Cuda(format!("cuBLAS GEMM: {e:?}")))?;
+        Ok(d)
     }
 
     /// Offsets of `groups` equal groups of `rows_each` rows, on the device.
