@@ -477,6 +477,7 @@ fn fused_attention_forward_and_backward_match_the_twins() {
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn one_group_gemms_match_the_cpu_twin() {
     let g = gpu();
+    eprintln!("dense GEMM: {}", g.dense_gemm());
     let mut r = Rng(seed());
     for &(rows, h, f) in &[(77, 64, 40), (1000, 256, 136), (3, 8, 8)] {
         let off = g.even_offsets(1, rows).unwrap();

@@ -205,11 +205,24 @@ impl Gpu {
             self.stream.memset_zeros(&mut d).map_err(cuda)?;
             return Ok(d);
         }
-        match &self.blas {
+        if let (Some(blas), 1) = (&self.blas, groups) {
             // One group: a dense GEMM, cuBLAS's (the grouped kernels are
-            // tuned for many expert-sized groups).
-            Some(blas) if groups == 1 => self.gemm_blas(blas, variant, (a, b), rows, (h, f), nd),
-            _ => self.gemm(variant, offsets, groups, a, b, nd, h, f),
+            // tuned for many expert-sized groups); a shape cuBLAS refuses
+            // falls back to them.
+            if let Ok(d) = self.gemm_blas(blas, variant, (a, b), rows, (h, f), nd) {
+                return Ok(d);
+            }
+        }
+        self.gemm(variant, offsets, groups, a, b, nd, h, f)
+    }
+
+    /// What runs [`Gpu::gemm_dev`]'s one-group GEMMs: `"cublas"` or
+    /// `"cutlass"` (the grouped kernels).
+    pub fn dense_gemm(&self) -> &'static str {
+        if self.blas.is_some() {
+            "cublas"
+        } else {
+            "cutlass"
         }
     }
 
