@@ -445,8 +445,9 @@ mod imp {
         f_expand_runs: CudaFunction,
         dense: dense::DenseFns,
         /// cuBLAS on the compute stream, for the dense model's one-group
-        /// GEMMs ([`Gpu::gemm_dev`]); `None` where libcublas is missing or
-        /// `LRMOE_DENSE_GEMM=cutlass` asks for the grouped kernels.
+        /// GEMMs ([`Gpu::gemm_dev`]) when `LRMOE_DENSE_GEMM=cublas` asks
+        /// for it (not yet measured on a GPU, so not the default); `None`:
+        /// the grouped kernels.
         blas: Option<cudarc::cublas::CudaBlas>,
         /// Fill every output buffer with 0xFF bytes before its kernel runs
         /// (device tests: a kernel that skips an element is caught).
@@ -466,10 +467,10 @@ mod imp {
         }
     }
 
-    /// cuBLAS on `stream`, unless `LRMOE_DENSE_GEMM=cutlass` or libcublas
-    /// cannot be loaded (then the grouped kernels run every GEMM).
+    /// cuBLAS on `stream` when `LRMOE_DENSE_GEMM=cublas` and libcublas
+    /// loads; otherwise the grouped kernels run every GEMM.
     fn open_blas(stream: &Arc<CudaStream>) -> Option<cudarc::cublas::CudaBlas> {
-        if std::env::var("LRMOE_DENSE_GEMM").as_deref() == Ok("cutlass") {
+        if std::env::var("LRMOE_DENSE_GEMM").as_deref() != Ok("cublas") {
             return None;
         }
         // cudarc panics when it cannot load the library; probe first.
