@@ -281,16 +281,9 @@ impl DeviceLayer {
         seed: u64,
         device: usize,
     ) -> PyResult<Self> {
-        let cfg = MoeConfig {
-            hidden,
-            ffn,
-            n_experts,
-            top_k,
-            renormalize,
-        };
-        cfg.validate().map_err(value_error)?;
+        let (cfg, moe) =
+            crate::layer_setup((hidden, ffn, n_experts, top_k, renormalize), settings)?;
         layer::check_device_shape(&cfg).map_err(value_error)?;
-        let moe = lrmoe::train::moe_section_from_json(settings, n_experts).map_err(value_error)?;
         let probe = lrmoe::train::layer_call_config(
             &moe,
             (hidden, ffn),

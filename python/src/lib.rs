@@ -114,6 +114,28 @@ fn to_bytes<'py>(py: Python<'py>, values: &[f32]) -> Bound<'py, PyBytes> {
     PyBytes::new(py, &out)
 }
 
+/// A one-rank layer's shape and `[moe]` settings (JSON), checked: what
+/// `Layer` and `DeviceLayer` are made from.
+fn layer_setup(
+    (hidden, ffn, n_experts, top_k, renormalize): (usize, usize, usize, usize, bool),
+    settings: &str,
+) -> PyResult<(MoeConfig, MoeSection)> {
+    let cfg = MoeConfig {
+        hidden,
+        ffn,
+        n_experts,
+        top_k,
+        renormalize,
+    };
+    cfg.validate().map_err(value_error)?;
+    if hidden == 0 || ffn == 0 {
+        return Err(value_error("hidden and ffn must be at least 1"));
+    }
+    // The module is one rank: its experts all live here.
+    let moe = lrmoe::train::moe_section_from_json(settings, n_experts).map_err(value_error)?;
+    Ok((cfg, moe))
+}
+
 /// The forward's state, kept for the backward (opaque to Python).
 #[pyclass(module = "lrmoe._lrmoe")]
 struct Saved {
@@ -203,19 +225,7 @@ impl Layer {
         settings: &str,
         seed: u64,
     ) -> PyResult<Self> {
-        let cfg = MoeConfig {
-            hidden,
-            ffn,
-            n_experts,
-            top_k,
-            renormalize,
-        };
-        cfg.validate().map_err(value_error)?;
-        if hidden == 0 || ffn == 0 {
-            return Err(value_error("hidden and ffn must be at least 1"));
-        }
-        // The module is one rank: its experts all live here.
-        let moe = lrmoe::train::moe_section_from_json(settings, n_experts).map_err(value_error)?;
+        let (cfg, moe) = layer_setup((hidden, ffn, n_experts, top_k, renormalize), settings)?;
         Ok(Self { cfg, moe, seed })
     }
 

@@ -296,14 +296,20 @@ def test_cuda_bad_input_gets_a_clear_error():
     assert y.shape == (0, 64) and moe.w_gate.grad.abs().sum().item() == 0
 
 
+def qwen3_moe_config(transformers, hidden, ffn, head_dim):
+    """A two-layer, eight-expert, top-2 Qwen3-MoE config of the given widths."""
+    return transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=ffn, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=head_dim, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=64,
+    )
+
+
 def test_transformers_qwen3_moe_swap_matches():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=64,
-    )
+    cfg = qwen3_moe_config(transformers, hidden=32, ffn=24, head_dim=8)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).float()
     import copy
@@ -324,12 +330,7 @@ def test_transformers_qwen3_moe_swap_matches():
 @needs_cuda
 def test_transformers_qwen3_moe_swap_matches_on_cuda():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
-        mlp_only_layers=[], max_position_embeddings=64,
-    )
+    cfg = qwen3_moe_config(transformers, hidden=64, ffn=32, head_dim=16)
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).cuda().bfloat16()
     with torch.no_grad():
