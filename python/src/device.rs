@@ -193,11 +193,7 @@ pub struct DeviceSavedPy {
 impl DeviceSavedPy {
     /// Routed pairs per expert of this call.
     fn expert_load(&self) -> Vec<u64> {
-        let counts = self.inner.routed_counts();
-        let e = counts.first().map_or(0, Vec::len);
-        (0..e)
-            .map(|i| counts.iter().map(|c| u64::from(c[i])).sum())
-            .collect()
+        self.inner.expert_load()
     }
 
     /// The call's auxiliary load-balancing loss (0 when off).
@@ -243,12 +239,9 @@ impl DeviceLayer {
 
     /// Tokens `x`-address rows of the layer's width, borrowed.
     fn rows(&self, ptr: u64, tokens: usize) -> PyResult<kernels::gpu::Borrowed<u16>> {
-        if ptr == 0 {
-            return Err(value_error("a null device address"));
-        }
         // SAFETY: as in `weights`: a contiguous bf16 CUDA tensor of
         // `tokens × hidden` values on this device, alive for the call.
-        Ok(unsafe { self.gpu.borrow::<u16>(ptr, tokens * self.cfg.hidden) })
+        unsafe { self.gpu.borrow::<u16>(ptr, tokens * self.cfg.hidden) }.map_err(value_error)
     }
 
     /// Orders this call after torch's current stream `stream`.

@@ -1158,9 +1158,7 @@ mod imp {
                 .transpose()
                 .map_err(k)?;
             let st = BackwardStats {
-                expert_load: (0..cfg.n_experts)
-                    .map(|e| s.moe.routed_counts().iter().map(|c| u64::from(c[e])).sum())
-                    .collect(),
+                expert_load: s.moe.expert_load(),
                 routed_pairs: n * cfg.top_k,
                 kept_pairs: mg.kept_pairs,
                 kept: vec![],

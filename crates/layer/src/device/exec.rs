@@ -629,6 +629,12 @@ impl DeviceSaved {
     pub fn routed_counts(&self) -> &[Vec<u32>] {
         &self.counts_all
     }
+    /// The call's routed pairs per expert over all sources.
+    pub fn expert_load(&self) -> Vec<u64> {
+        (0..self.cfg.n_experts)
+            .map(|e| self.counts_all.iter().map(|c| u64::from(c[e])).sum())
+            .collect()
+    }
     /// This call's plan.
     pub fn plan(&self) -> &EpPlan {
         &self.plan
@@ -912,26 +918,23 @@ pub unsafe fn borrow_weights(
 ) -> Result<BorrowedWeights, LayerError> {
     let (_, _, el) = world_of(comm, cfg)?;
     let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
-    for (what, p) in [
-        ("router", router),
-        ("gate", gate),
-        ("up", up),
-        ("down", down),
-    ] {
-        if p == 0 {
-            return Err(LayerError::Config(format!("{what}: a null device address")));
-        }
-    }
     // SAFETY: the caller's contract, per buffer.
-    let take = |p: u64, n: usize| unsafe { gpu.borrow::<u16>(p, n).into_inner() };
+    let take = |p: u64, n: usize| unsafe { gpu.borrow::<u16>(p, n) };
+    // Every address checked before any buffer leaves its guard.
+    let (router, gate, up, down) = (
+        take(router, h * e)?,
+        take(gate, el * h * f)?,
+        take(up, el * h * f)?,
+        take(down, el * f * h)?,
+    );
     Ok(BorrowedWeights(std::mem::ManuallyDrop::new(
         DeviceWeights {
-            router: std::mem::ManuallyDrop::into_inner(take(router, h * e)),
+            router: router.into_inner(),
             bias: None,
             sel_bias: None,
-            gate: std::mem::ManuallyDrop::into_inner(take(gate, el * h * f)),
-            up: std::mem::ManuallyDrop::into_inner(take(up, el * h * f)),
-            down: std::mem::ManuallyDrop::into_inner(take(down, el * f * h)),
+            gate: gate.into_inner(),
+            up: up.into_inner(),
+            down: down.into_inner(),
         },
     )))
 }

@@ -69,13 +69,14 @@ impl<T> std::ops::DerefMut for Borrowed<T> {
 }
 
 impl<T> Borrowed<T> {
-    /// The buffer as a `CudaSlice` that must never be dropped (call
-    /// `CudaSlice::leak` on it instead), for a container whose fields are
-    /// `CudaSlice`s (`layer::device::BorrowedWeights`).
-    pub fn into_inner(self) -> std::mem::ManuallyDrop<CudaSlice<T>> {
+    /// The buffer as a plain `CudaSlice`, for a container whose fields are
+    /// `CudaSlice`s (`layer::device::BorrowedWeights`): the caller must
+    /// hand it back with `CudaSlice::leak`, never drop it (that would free
+    /// its owner's memory).
+    pub fn into_inner(self) -> CudaSlice<T> {
         let mut me = std::mem::ManuallyDrop::new(self);
         // SAFETY: `me` is never dropped, so the slice is taken once.
-        std::mem::ManuallyDrop::new(unsafe { std::mem::ManuallyDrop::take(&mut me.0) })
+        unsafe { std::mem::ManuallyDrop::take(&mut me.0) }
     }
 }
 
@@ -100,15 +101,41 @@ impl Gpu {
     /// `ptr` is a live allocation of this device's context holding at least
     /// `len` elements of `T`, and it stays alive, and is not written by
     /// anyone else, while the returned buffer or work queued on it is in
-    /// use.
+    /// use. (A null `ptr` is refused here.)
     pub unsafe fn borrow<T: cudarc::driver::DeviceRepr>(
         &self,
         ptr: u64,
         len: usize,
-    ) -> Borrowed<T> {
+    ) -> Result<Borrowed<T>, KernelError> {
+        if ptr == 0 {
+            return Err(KernelError::Cuda(format!(
+                "a borrowed buffer of {len} elements at the null device address"
+            )));
+        }
         // SAFETY: the caller's contract; `Borrowed` never frees it.
         let s = unsafe { self.stream.upgrade_device_ptr(ptr, len) };
-        Borrowed(std::mem::ManuallyDrop::new(s))
+        Ok(Borrowed(std::mem::ManuallyDrop::new(s)))
+    }
+
+    /// `stream` (a raw `CUstream` of this device's context) as a stream
+    /// wrapper, or `None` when it is this GPU's own stream.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live CUDA stream of this device's primary context,
+    /// alive while the wrapper is.
+    unsafe fn other_stream(
+        &self,
+        stream: u64,
+    ) -> Option<std::sync::Arc<cudarc::driver::CudaStream>> {
+        if stream as usize == self.stream.cu_stream() as usize {
+            return None;
+        }
+        // SAFETY: the caller's contract; the wrapper does not own it.
+        Some(unsafe {
+            self.ctx
+                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
+        })
     }
 
     /// Orders this GPU's stream after the work queued so far on `stream`
@@ -120,15 +147,11 @@ impl Gpu {
     ///
     /// `stream` is a live CUDA stream of this device's primary context.
     pub unsafe fn wait_for_stream(&self, stream: u64) -> Result<(), KernelError> {
-        if stream as usize == self.stream.cu_stream() as usize {
-            return Ok(());
+        // SAFETY: the caller's contract.
+        match unsafe { self.other_stream(stream) } {
+            Some(other) => self.stream.join(&other).map_err(cuda),
+            None => Ok(()),
         }
-        // SAFETY: the caller's contract; the wrapper does not own it.
-        let other = unsafe {
-            self.ctx
-                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
-        };
-        self.stream.join(&other).map_err(cuda)
     }
 
     /// Orders `stream` (as in [`Gpu::wait_for_stream`]) after the work
@@ -138,15 +161,11 @@ impl Gpu {
     ///
     /// As [`Gpu::wait_for_stream`].
     pub unsafe fn stream_waits(&self, stream: u64) -> Result<(), KernelError> {
-        if stream as usize == self.stream.cu_stream() as usize {
-            return Ok(());
+        // SAFETY: the caller's contract.
+        match unsafe { self.other_stream(stream) } {
+            Some(other) => other.join(&self.stream).map_err(cuda),
+            None => Ok(()),
         }
-        // SAFETY: the caller's contract; the wrapper does not own it.
-        let other = unsafe {
-            self.ctx
-                .wrap_borrowed_stream(stream as cudarc::driver::sys::CUstream)
-        };
-        other.join(&self.stream).map_err(cuda)
     }
 }
 
