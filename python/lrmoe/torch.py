@@ -97,8 +97,7 @@ def _cuda_forward(ctx, module, bias, x, weights):
     if ctx.empty:
         # No tokens: nothing to route, nothing to keep.
         ctx.shapes = [t.shape for t in weights]
-        module.last_forward = {"expert_load": np.zeros(module.num_experts, dtype=np.int64),
-                               "aux_loss": 0.0}
+        module._after_forward(np.zeros(module.num_experts, dtype=np.int64), 0.0)
         return x.new_zeros(x.shape)
     layer = module._device_layer(dev)
     # The device layer's layouts: router hidden × experts; the experts as

@@ -26,7 +26,12 @@
 //!   `set_gemm_sm_reserve` for SMs left to a collective) for the
 //!   `layer` crate's device executor (`layer::device`), which composes
 //!   them into the MoE layer on one GPU or expert-parallel over
-//!   [`comm::NcclComm`].
+//!   [`comm::NcclComm`]. `Gpu::borrow` sees another library's device memory
+//!   (a PyTorch tensor) as a buffer that is never freed here, and
+//!   `Gpu::wait_for_stream` / `Gpu::stream_waits` order this GPU's stream
+//!   against that library's stream by events (the Python package's CUDA
+//!   path). `Gpu::gemm_dev`'s one-group GEMMs run on cuBLAS instead of the
+//!   grouped kernels when `LRMOE_DENSE_GEMM=cublas` (opt-in, unmeasured).
 //! * [`dense`] — CPU twins of the dense transformer kernels
 //!   (`kernels/dense.cu`, its own fatbin): embedding and its scatter-add,
 //!   RMSNorm forward/backward (f32 residual or bf16 head rows), the

@@ -146,7 +146,9 @@
 //! expert as above, redistribute kept pairs with `redistribute`, and move
 //! and multiply only kept rows; the device executor also runs the
 //! capacity-factor baseline. It refuses what it cannot run
-//! ([`check_device_call`], [`check_device_shape`]). [`dist`] has the one network piece:
+//! ([`check_device_call`], [`check_device_shape`]). Its weights can be
+//! another library's device buffers, borrowed by address and never freed
+//! here (`device::borrow_weights`: the Python package's CUDA path). [`dist`] has the one network piece:
 //! the TCP rendezvous that hands out the NCCL id, and [`NcclTransport`]
 //! (one process per GPU; NCCL itself lives in `kernels::comm`).
 
