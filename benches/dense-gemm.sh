@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 31: the dense model's one-group GEMMs (LM head, projections) on
-# cuBLAS (LRMOE_DENSE_GEMM=cublas) against the grouped kernels (the
-# default), alternated ROUNDS times (default 2) in one call on two A3B
+# cuBLAS (the default) against the grouped kernels
+# (LRMOE_DENSE_GEMM=cutlass), alternated ROUNDS times (default 2) in one call on two A3B
 # layers (seq 2048 × 8) and qwen3-moe-mini (seq 512 × 32), exact backward;
 # PEERS=1 adds the compiled PyTorch peers (f32-master and all-bf16).
 # First the one-group GEMM device test both ways.

@@ -30,8 +30,8 @@
 //!   (a PyTorch tensor) as a buffer that is never freed here, and
 //!   `Gpu::wait_for_stream` / `Gpu::stream_waits` order this GPU's stream
 //!   against that library's stream by events (the Python package's CUDA
-//!   path). `Gpu::gemm_dev`'s one-group GEMMs run on cuBLAS instead of the
-//!   grouped kernels when `LRMOE_DENSE_GEMM=cublas` (opt-in, unmeasured).
+//!   path). `Gpu::gemm_dev`'s one-group GEMMs run on cuBLAS (the grouped kernels
+//!   with `LRMOE_DENSE_GEMM=cutlass` or without libcublas).
 //! * [`dense`] — CPU twins of the dense transformer kernels
 //!   (`kernels/dense.cu`, its own fatbin): embedding and its scatter-add,
 //!   RMSNorm forward/backward (f32 residual or bf16 head rows), the

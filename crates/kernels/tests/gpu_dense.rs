@@ -469,8 +469,8 @@ fn fused_attention_forward_and_backward_match_the_twins() {
         .is_err());
 }
 
-/// The dense model's one-group GEMMs (the grouped kernels, or cuBLAS
-/// under `LRMOE_DENSE_GEMM=cublas`: run it both ways) against the CPU twin, every variant, on shapes that are
+/// The dense model's one-group GEMMs (cuBLAS, or the grouped kernels
+/// under `LRMOE_DENSE_GEMM=cutlass`: run it both ways) against the CPU twin, every variant, on shapes that are
 /// not tile multiples, outputs poisoned: within bf16 rounding of the f32
 /// product (1% in norm) and no element left unwritten.
 #[test]

@@ -206,7 +206,7 @@ impl Gpu {
             return Ok(d);
         }
         if let (Some(blas), 1) = (&self.blas, groups) {
-            // One group with LRMOE_DENSE_GEMM=cublas: a dense GEMM,
+            // One group (unless LRMOE_DENSE_GEMM=cutlass): a dense GEMM,
             // cuBLAS's (the grouped kernels are tuned for many
             // expert-sized groups); a shape cuBLAS refuses falls back.
             if let Ok(d) = self.gemm_blas(blas, variant, (a, b), rows, (h, f), nd) {
