@@ -72,7 +72,19 @@ fn embedding_and_its_scatter_add_match_the_twins() {
 fn rmsnorm_forward_and_backward_match_the_twins() {
     let g = gpu();
     let mut r = Rng(seed());
-    for &(rows, d) in &[(1, 8), (333, 64), (2048, 512), (17, 2048)] {
+    // Widths below, at and past a warp's multiples (100: not one), many
+    // rows per warp (the head norms: 40 000 rows of 128) and wide rows.
+    for &(rows, d) in &[
+        (1, 8),
+        (333, 64),
+        (40_000, 128),
+        (4000, 100),
+        (2048, 512),
+        (17, 2048),
+        (3000, 2048),
+        (300, 3000),
+        (5, 4096),
+    ] {
         let x = r.f32s(rows * d, 3.0);
         let w = r.f32s(d, 2.0);
         let (xd, wd) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
