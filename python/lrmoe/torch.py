@@ -51,11 +51,6 @@ def _np32(t: torch.Tensor) -> np.ndarray:
     return t.detach().to(torch.float32).contiguous().numpy()
 
 
-def _bf16(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as a contiguous bf16 tensor (itself when it already is one)."""
-    return t.detach().to(torch.bfloat16).contiguous()
-
-
 def _cpu_forward(ctx, module, bias, x, weights):
     w = (np.ascontiguousarray(_np32(weights[0]).T),) + tuple(_np32(t) for t in weights[1:])
     y, saved = module._layer.forward(*w, _np32(x), bias)
@@ -87,6 +82,31 @@ def _check_shapes(module, x, weights):
         raise ValueError(f"lrmoe.torch.MoE: input rows of width {x.shape[-1]}, expected {h}")
 
 
+def _dev_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous bf16 tensor, with no call where it already is
+    one (inside the autograd function: no graph to detach from)."""
+    if t.dtype != torch.bfloat16:
+        t = t.to(torch.bfloat16)
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _OnDevice:
+    """``torch.cuda.device(dev)`` where ``dev`` is not already current (the
+    native call binds the device's context to the thread, which torch reads
+    as its current device); nothing otherwise, the common case."""
+
+    def __init__(self, dev: torch.device):
+        self.guard = None if dev.index == torch.cuda.current_device() else torch.cuda.device(dev)
+
+    def __enter__(self):
+        if self.guard is not None:
+            self.guard.__enter__()
+
+    def __exit__(self, *exc):
+        if self.guard is not None:
+            self.guard.__exit__(*exc)
+
+
 def _cuda_forward(ctx, module, bias, x, weights):
     dev = x.device
     for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
@@ -102,17 +122,18 @@ def _cuda_forward(ctx, module, bias, x, weights):
     layer = module._device_layer(dev)
     # The device layer's layouts: router hidden × experts; the experts as
     # stored. bf16 tensors are used in place.
-    w16 = (_bf16(weights[0].t()),) + tuple(_bf16(t) for t in weights[1:])
-    x16 = _bf16(x)
+    w16 = (_dev_bf16(weights[0].t()),) + tuple(_dev_bf16(t) for t in weights[1:])
+    x16 = _dev_bf16(x)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
+    with _OnDevice(dev):
         y, saved = layer.forward(
             tuple(t.data_ptr() for t in w16), x16.data_ptr(), x16.shape[0], stream, bias
         )
     # The weights stay referenced until the backward has read them.
     ctx.w16, ctx.saved, ctx.stream_dev = w16, saved, dev
     module._after_forward(np.asarray(saved.expert_load(), dtype=np.int64), saved.aux_loss())
-    return torch.from_dlpack(y).to(x.dtype)
+    y = torch.from_dlpack(y)
+    return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
 def _cuda_backward(ctx, dy):
@@ -123,9 +144,9 @@ def _cuda_backward(ctx, dy):
             torch.zeros(s, device=dy.device) for s in ctx.shapes)
     dev = ctx.stream_dev
     layer = ctx.module._device_layer(dev)
-    dy16 = _bf16(dy)
+    dy16 = _dev_bf16(dy)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    with torch.cuda.device(dev):
+    with _OnDevice(dev):
         parts, stats = layer.backward(
             tuple(t.data_ptr() for t in ctx.w16), ctx.saved, dy16.data_ptr(), stream
         )
@@ -133,7 +154,10 @@ def _cuda_backward(ctx, dy):
     stats["expert_load"] = np.asarray(stats["expert_load"], dtype=np.int64)
     ctx.module.last_stats = stats
     dx, dr, dg, du, dd = (torch.from_dlpack(p) for p in parts)
-    return dx, dr.t(), dg, du, dd
+    # The router's gradient in the parameter's layout (one kernel: cast and
+    # transpose), so that autograd's accumulation does not copy it again.
+    dr = dr.t().to(ctx.dtypes[1], memory_format=torch.contiguous_format)
+    return dx, dr, dg, du, dd
 
 
 class _MoECall(torch.autograd.Function):
@@ -161,7 +185,8 @@ class _MoECall(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         grads = _cuda_backward(ctx, dy) if ctx.cuda else _cpu_backward(ctx, dy)
-        return (None, None) + tuple(g.to(d) for g, d in zip(grads, ctx.dtypes))
+        return (None, None) + tuple(
+            g if g.dtype == d else g.to(d) for g, d in zip(grads, ctx.dtypes))
 
 
 class MoE(nn.Module):
