@@ -1,5 +1,7 @@
 //! The device executor proper (feature `cuda`); see the module doc.
 
+use std::borrow::Cow;
+
 use kernels::cpu::{fan_in_scaled, random_bf16};
 use kernels::gpu::{CudaSlice, Gpu, Mark, Routed};
 use kernels::KernelError;
@@ -2008,12 +2010,12 @@ fn pack_kept(
 /// An owner's kept `x` rows from its forward rows (expert, source, pair
 /// order), masked by its slice of the global selection: the kept rows in
 /// the order the sources sent their `g·δ` rows.
-fn owner_kept_rows(
+fn owner_kept_rows<'a>(
     gpu: &Gpu,
-    own: &OwnedRows,
+    own: &'a OwnedRows,
     (kept_g, global): (Option<&CudaSlice<u8>>, &[u32]),
     (rank, el, n_r, h): (usize, usize, usize, usize),
-) -> Result<CudaSlice<u16>, LayerError> {
+) -> Result<Cow<'a, CudaSlice<u16>>, LayerError> {
     let (lo, hi) = own.global;
     // Every row when every pair is kept.
     let m = match kept_g {
@@ -2036,6 +2038,13 @@ fn owner_kept_rows(
             kb[el]
         )));
     }
+    if m.is_none() && own.perm.is_none() && n_r == hi - lo {
+        // Every row kept and the rows arrived expert-major (one rank): the
+        // grouping below is the identity, so the forward's rows serve as
+        // they are (measured: a 0.3 ms copy of 131 072 rows of 2048 per
+        // call on the A3B expert shape).
+        return Ok(Cow::Borrowed(&own.x));
+    }
     // SAFETY: own.expert and m hold hi - lo entries (this owner's forward
     // rows, expert-major); kb is the prefix sum of the rows this rank's
     // selection flagged in that range per local expert (`global`:
@@ -2056,7 +2065,7 @@ fn owner_kept_rows(
             Some(perm) => gpu.gather32(perm, &rows, n_r)?,
             None => rows,
         };
-        Ok(gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?)
+        Ok(Cow::Owned(gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?))
     }
 }
 
@@ -2089,18 +2098,19 @@ fn send_kept(
 
 /// Backward stage 4, on the instance: the kept `x` and `g·δ` rows in
 /// instance order (an owner that kept its forward rows takes `x` from
-/// them, masked by the selection).
-fn receive_kept(
+/// them, masked by the selection; borrowed where nothing is masked or
+/// moved).
+fn receive_kept<'a>(
     gpu: &Gpu,
-    sv: &DeviceSaved,
+    sv: &'a DeviceSaved,
     lay: &InstanceLayout,
     (x_fl, d_fl): KeptFlights,
     selection: (Option<&CudaSlice<u8>>, &[u32]),
     (rank, el): (usize, usize),
-) -> Result<(CudaSlice<u16>, CudaSlice<u16>), LayerError> {
+) -> Result<(Cow<'a, CudaSlice<u16>>, CudaSlice<u16>), LayerError> {
     let (h, n_r) = (sv.cfg.hidden, lay.recv.perm.len);
     let xk = match (x_fl, &sv.owned_rows) {
-        (Some(fl), _) => permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?,
+        (Some(fl), _) => Cow::Owned(permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?),
         (None, Some(own)) => owner_kept_rows(gpu, own, selection, (rank, el, n_r, h))?,
         (None, None) => {
             return Err(LayerError::Config(
