@@ -2065,7 +2065,9 @@ fn owner_kept_rows<'a>(
             Some(perm) => gpu.gather32(perm, &rows, n_r)?,
             None => rows,
         };
-        Ok(Cow::Owned(gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?))
+        Ok(Cow::Owned(
+            gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?,
+        ))
     }
 }
 
