@@ -16,7 +16,7 @@ use crate::plan::{
 };
 use crate::LayerError;
 
-use super::{DeviceComm, HostForward, HostGrads};
+use super::{DeviceComm, DeviceGrads, HostForward, HostGrads};
 
 impl DeviceComm<'_> {
     /// Every rank's bytes, rank order.
@@ -653,28 +653,6 @@ struct OwnedRows {
     offsets: CudaSlice<u32>,
     /// This rank's experts' range in the global expert-major order.
     global: (usize, usize),
-}
-
-/// Gradients and figures of one backward on one rank.
-pub struct DeviceGrads {
-    /// Input gradient of this rank's tokens, `T × H`.
-    pub dx: CudaSlice<u16>,
-    /// Router gradient summed over ranks, `H × E`, f32.
-    pub router: CudaSlice<f32>,
-    /// This rank's experts' gradients (replicas' summed in): gate, up
-    /// `E_l × H × F`, down `E_l × F × H`.
-    pub gate: CudaSlice<u16>,
-    /// See `gate`.
-    pub up: CudaSlice<u16>,
-    /// See `gate`.
-    pub down: CudaSlice<u16>,
-    /// Kept pairs this rank's instances processed.
-    pub kept_pairs: usize,
-    /// Kept pairs over all ranks (what the selection kept).
-    pub kept_total: usize,
-    /// Bytes this rank sent to other ranks in the backward (scores, kept
-    /// rows, dX rows, replica gradients; not the router's all-reduce).
-    pub bytes_sent: usize,
 }
 
 /// The timeline of one call, logged when `LRMOE_EP_PROFILE=1`: a timed

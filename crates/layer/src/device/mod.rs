@@ -170,27 +170,37 @@ impl std::fmt::Debug for HostForward {
     }
 }
 
-/// Gradients of one LRMoE backward, copied back.
+/// Gradients and figures of one backward on one rank, in buffers `B`
+/// (bf16 bits) and `R` (the router's, f32): [`DeviceGrads`] on the
+/// device, [`HostGrads`] copied back.
 #[derive(Debug, Clone)]
-pub struct HostGrads {
-    /// Input gradient of this rank's tokens, `T × H` (bf16 bits).
-    pub dx: Vec<u16>,
-    /// Router gradient summed over ranks, `H × E`, f32.
-    pub router: Vec<f32>,
-    /// This rank's experts' gradients (bf16 bits): gate and up
+pub struct Grads<B, R> {
+    /// Input gradient of this rank's tokens, `T × H`.
+    pub dx: B,
+    /// Router gradient summed over ranks, `H × E`.
+    pub router: R,
+    /// This rank's experts' gradients (replicas' summed in): gate and up
     /// `E_l × H × F`, down `E_l × F × H`.
-    pub gate: Vec<u16>,
+    pub gate: B,
     /// See `gate`.
-    pub up: Vec<u16>,
+    pub up: B,
     /// See `gate`.
-    pub down: Vec<u16>,
+    pub down: B,
     /// Kept pairs this rank's instances processed.
     pub kept_pairs: usize,
-    /// Kept pairs over all ranks.
+    /// Kept pairs over all ranks (what the selection kept).
     pub kept_total: usize,
-    /// Bytes this rank sent in the backward.
+    /// Bytes this rank sent to other ranks in the backward (scores, kept
+    /// rows, dX rows, replica gradients; not the router's all-reduce).
     pub bytes_sent: usize,
 }
+
+/// [`Grads`] copied back to the host.
+pub type HostGrads = Grads<Vec<u16>, Vec<f32>>;
+
+/// [`Grads`] on the device.
+#[cfg(feature = "cuda")]
+pub type DeviceGrads = Grads<kernels::gpu::CudaSlice<u16>, kernels::gpu::CudaSlice<f32>>;
 
 /// Without CUDA the device executor does not exist: the same entry points
 /// answer `NotCompiledWithCuda`, so callers carry no `cfg`.
