@@ -204,7 +204,9 @@ class MoE(nn.Module):
     ``selection_rule`` (``"priority"`` default, ``"top_q"``, ``"random_q"``,
     ``"proportional"``; CUDA: ``"priority"`` and ``"top_q"``), ``policy``,
     ``tile_trim``, ``aux_loss_coeff``, ``expert_bias_rate``
-    (DeepSeek-V3's balancing bias, updated after each training forward), …
+    (DeepSeek-V3's balancing bias, updated after each training forward),
+    ``keep_projections`` (CUDA: keep the forward's ``x·W_gate``, ``x·W_up``
+    for the backward instead of recomputing them; more memory), …
     Unknown keys raise ``ValueError``.
 
     After a call: ``last_forward`` (``expert_load``, ``aux_loss``) and,

@@ -795,3 +795,72 @@ fn the_pool_peak_counts_buffers_held_at_once() {
         "nothing allocated since the reset"
     );
 }
+
+/// The experts' backward on the forward's kept projections
+/// (`experts_forward_keep` → `experts_backward_data_from`) against the
+/// backward that recomputes them from `x`, on fresh random rows in uneven
+/// groups (an empty one included): the same grouped GEMMs on the same rows,
+/// so the forward outputs, `dX` and every weight gradient must be equal bit
+/// for bit; and a projection shorter than the rows is refused.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn kept_projections_give_the_recomputed_backward() {
+    let g = gpu();
+    let mut rng = Rng(seed());
+    let (h, f) = (64, 48);
+    for sizes in [vec![5usize, 0, 130, 17], vec![300, 1]] {
+        let e = sizes.len();
+        let mut offsets = vec![0u32];
+        for s in &sizes {
+            offsets.push(offsets.last().unwrap() + *s as u32);
+        }
+        let rows = *offsets.last().unwrap() as usize;
+        let up = |v: Vec<u16>| g.upload(&v).unwrap();
+        let (x, d) = (up(rng.bf16(rows * h)), up(rng.bf16(rows * h)));
+        let w = (
+            up(rng.bf16s(e * h * f, 0.1)),
+            up(rng.bf16s(e * h * f, 0.1)),
+            up(rng.bf16s(e * f * h, 0.1)),
+        );
+        let wr = (&w.0, &w.1, &w.2);
+        let (o0, sq0) = g.experts_forward_dev(&offsets, &x, wr, (h, f)).unwrap();
+        let (o1, sq1, (a, b)) = g.experts_forward_keep(&offsets, &x, wr, (h, f)).unwrap();
+        let down16 = |s: &kernels::gpu::CudaSlice<u16>, n| g.download(s, n).unwrap();
+        assert_eq!(down16(&o0, rows * h), down16(&o1, rows * h));
+        assert_eq!(
+            g.download(&sq0, rows).unwrap(),
+            g.download(&sq1, rows).unwrap()
+        );
+        let (dx0, st0) = g
+            .experts_backward_data(&offsets, &x, &d, wr, (h, f))
+            .unwrap();
+        let (dx1, st1) = g
+            .experts_backward_data_from(&offsets, (&a, &b), &d, wr, (h, f))
+            .unwrap();
+        assert_eq!(
+            down16(&dx0, rows * h),
+            down16(&dx1, rows * h),
+            "dX ({sizes:?})"
+        );
+        let g0 = g.experts_backward_weights(st0, &x, &d).unwrap();
+        let g1 = g.experts_backward_weights(st1, &x, &d).unwrap();
+        for (name, p, q) in [
+            ("gate", &g0.0, &g1.0),
+            ("up", &g0.1, &g1.1),
+            ("down", &g0.2, &g1.2),
+        ] {
+            assert_eq!(
+                down16(p, e * h * f),
+                down16(q, e * h * f),
+                "dW_{name} ({sizes:?})"
+            );
+        }
+        if rows > 1 {
+            let short = up(vec![0u16; (rows - 1) * f]);
+            assert!(g
+                .experts_backward_data_from(&offsets, (&short, &b), &d, wr, (h, f))
+                .is_err());
+        }
+    }
+}

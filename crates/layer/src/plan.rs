@@ -100,6 +100,12 @@ pub struct CallConfig {
     /// [`redistribute::Solver::Even`] the pairs are then split evenly over
     /// the instances in forward and backward, as SYMI does.
     pub replica_load: Option<Vec<u64>>,
+    /// Device executor, calls without replicas: each owner keeps the
+    /// projections `x·W_gate`, `x·W_up` of its forward rows (`2 · F`
+    /// bf16 values a row) and the backward reads its kept rows' instead of
+    /// recomputing them — two grouped GEMMs fewer for that memory. `false`
+    /// (the default): recompute, keep nothing.
+    pub keep_projections: bool,
 }
 
 impl CallConfig {
@@ -183,6 +189,7 @@ impl Default for CallConfig {
             expert_bias: Vec::new(),
             tile_align: None,
             replica_load: None,
+            keep_projections: false,
         }
     }
 }
@@ -743,6 +750,12 @@ impl DevicePlanner {
     /// The auxiliary balancing loss's coefficient (0: off).
     pub fn aux_loss_coeff(&self) -> f64 {
         self.call.aux_loss_coeff
+    }
+
+    /// Whether owners keep their forward rows' projections for the
+    /// backward ([`CallConfig::keep_projections`]).
+    pub fn keep_projections(&self) -> bool {
+        self.call.keep_projections
     }
 
     /// Keeps exactly `quotas[e]` pairs of expert `e` (at most what was

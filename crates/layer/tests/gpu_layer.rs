@@ -291,6 +291,37 @@ fn gpu_layer_matches_the_cpu_layer() {
                 "priority sampling equals top-q"
             );
         }
+        // The forward's projections kept for the backward (every row kept,
+        // borrowed in place; half kept, gathered): the same grouped GEMMs
+        // on the same rows, so every output equals the recomputing
+        // backward's bit for bit.
+        for (ratio, plain) in [(1.0, &r), (0.5, &half)] {
+            let retention = if ratio < 1.0 {
+                layer::Retention::Ratio(ratio)
+            } else {
+                layer::Retention::Full
+            };
+            let kept = run(&DevicePlanner::new(
+                cfg,
+                CallConfig {
+                    retention,
+                    keep_projections: true,
+                    ..CallConfig::default()
+                },
+            )
+            .unwrap());
+            assert_eq!(kept.y, plain.y, "keep_projections y (r = {ratio})");
+            assert_eq!(kept.grads.kept_pairs, plain.grads.kept_pairs);
+            for (name, a, b) in [
+                ("dx", &kept.grads.dx, &plain.grads.dx),
+                ("gate", &kept.grads.gate, &plain.grads.gate),
+                ("up", &kept.grads.up, &plain.grads.up),
+                ("down", &kept.grads.down, &plain.grads.down),
+            ] {
+                assert_eq!(a, b, "keep_projections {name} (r = {ratio})");
+            }
+            assert_eq!(kept.grads.router, plain.grads.router);
+        }
     }
 }
 

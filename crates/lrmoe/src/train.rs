@@ -286,6 +286,13 @@ pub struct MoeSection {
     /// nearly empty block would cost a full block of work in each of the
     /// backward's five data GEMMs (see `quota::align_to_tiles`). 0 = off.
     pub tile_trim: f64,
+    /// Device executor without replicas (one GPU, or expert parallelism in
+    /// `full` mode): keep each expert row's projections `x·W_gate`,
+    /// `x·W_up` from the forward (`2 · ffn` bf16 values a routed pair, on
+    /// one rank) so the backward skips recomputing them — two grouped
+    /// GEMMs fewer, the memory PyTorch's layer spends the same way. Off by
+    /// default: LRMoE spends that memory on token buffers instead.
+    pub keep_projections: bool,
 }
 
 impl Default for MoeSection {
@@ -311,6 +318,7 @@ impl Default for MoeSection {
             expert_bias_rate: 0.0,
             fit_budget: false,
             tile_trim: layer::TileAlign::DEVICE.max_drop,
+            keep_projections: false,
         }
     }
 }
@@ -824,6 +832,7 @@ pub fn layer_call_config(
         hot_bias: moe.hot_bias,
         zipf_skew: moe.zipf_skew,
         aux_loss_coeff: moe.aux_loss_coeff,
+        keep_projections: moe.keep_projections,
         ..CallConfig::default()
     };
     let rule = lrm_score::Rule::from_name(&moe.selection_rule).unwrap_or_default();
@@ -2571,6 +2580,26 @@ mod tests {
         assert_eq!(rank_peak_bytes(&[10, 5], &[1, 20]), 25);
         assert_eq!(rank_peak_bytes(&[10, 5], &[]), 10);
         assert_eq!(rank_peak_bytes(&[], &[]), 0);
+    }
+
+    /// `moe.keep_projections` reaches every mode's call settings (the
+    /// device executor reads it there), off unless asked for.
+    #[test]
+    fn keep_projections_reaches_the_call_in_every_mode() {
+        let place = Placement {
+            owner: vec![0; 4],
+            replicas: vec![],
+        };
+        for mode in ["full", "lrmoe", "capacity"] {
+            for keep in [false, true] {
+                let json = format!(r#"{{"mode": "{mode}", "keep_projections": {keep}}}"#);
+                let moe = moe_section_from_json(&json, 4).unwrap();
+                let call = layer_call_config(&moe, (16, 8), 32.0, &place, true, 0);
+                assert_eq!(call.keep_projections, keep, "{mode}");
+            }
+        }
+        let moe = moe_section_from_json("{}", 4).unwrap();
+        assert!(!layer_call_config(&moe, (16, 8), 32.0, &place, true, 0).keep_projections);
     }
 
     #[test]

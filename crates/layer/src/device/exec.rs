@@ -643,10 +643,16 @@ impl DeviceSaved {
     }
 }
 
+/// The projections `x·W_gate`, `x·W_up` of expert rows (`rows × F` each).
+type Projections = (CudaSlice<u16>, CudaSlice<u16>);
+
 /// An owner's forward rows kept for the backward (calls without replicas).
 struct OwnedRows {
     /// The rows as they arrived (source-major).
     x: CudaSlice<u16>,
+    /// Their projections in the same order, when the call keeps them
+    /// ([`DevicePlanner::keep_projections`], one rank).
+    ab: Option<Projections>,
     /// Expert-major row → arrival row (`None`: the identity).
     perm: Option<CudaSlice<u32>>,
     expert: CudaSlice<u32>,
@@ -1303,7 +1309,7 @@ fn combine_pairs(
 fn owned_rows(
     gpu: &Gpu,
     lay: &InstanceLayout,
-    xr: CudaSlice<u16>,
+    (xr, ab): (CudaSlice<u16>, Option<Projections>),
     goffsets: &[u32],
     (rank, el): (usize, usize),
 ) -> Result<OwnedRows, LayerError> {
@@ -1311,6 +1317,7 @@ fn owned_rows(
     let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
     Ok(OwnedRows {
         x: xr,
+        ab,
         perm: if lay.recv.perm.is_identity() {
             None
         } else {
@@ -1534,13 +1541,14 @@ fn experts_forward<R>(
     comm: DeviceComm<'_>,
     fl: Flight<u16>,
     lay: &InstanceLayout,
-    (wts, h, f): (Wts<'_>, usize, usize),
+    (wts, h, f, keep): (Wts<'_>, usize, usize, bool),
     laps: &mut Laps,
     meanwhile: impl FnOnce() -> Result<R, LayerError>,
 ) -> Result<
     (
         Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
         CudaSlice<u16>,
+        Option<Projections>,
         R,
     ),
     LayerError,
@@ -1549,13 +1557,24 @@ fn experts_forward<R>(
     let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
     let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
         (0..world).map(|_| None).collect();
+    // The projections are kept on one rank only, where this rank's own
+    // rows are every row it holds, in the order the backward reads them.
+    let keep = keep && world == 1;
+    let mut kept_ab = None;
     let overlap = Overlap::new(gpu, comm);
     {
         let xs = fl.outgoing()?;
         let (a, m) = (soff[rank] * h, lay.send[rank] * h);
         check_at_least("rows to this rank", a + m, xs.len())?;
         let chunks = &lay.recv.chunks[rank];
-        outs[rank] = Some(gpu.experts_forward_dev(chunks, &xs.slice(a..a + m), wts, (h, f))?);
+        let rows = xs.slice(a..a + m);
+        outs[rank] = Some(if keep {
+            let (o, h_sq, ab) = gpu.experts_forward_keep(chunks, &rows, wts, (h, f))?;
+            kept_ab = Some(ab);
+            (o, h_sq)
+        } else {
+            gpu.experts_forward_dev(chunks, &rows, wts, (h, f))?
+        });
     }
     let answer = meanwhile()?;
     laps.lap(gpu, "experts (own rows)")?;
@@ -1568,7 +1587,7 @@ fn experts_forward<R>(
         outs[s] =
             Some(gpu.experts_forward_dev(&lay.recv.chunks[s], &xr.slice(a..a + m), wts, (h, f))?);
     }
-    Ok((outs, xr, answer))
+    Ok((outs, xr, kept_ab, answer))
 }
 
 /// The global expert-major order the backward's selection runs in, on the
@@ -1665,8 +1684,16 @@ pub fn forward(
         Some(plan) => Ok(plan),
         None => late_plan(planner, &counts_all, &fp.owner_split, el),
     };
-    let (outs, xr, plan) =
-        experts_forward(gpu, comm, fl, &lay, (wts, h, f), &mut laps, controller)?;
+    let keep_ab = keep_rows && planner.keep_projections();
+    let (outs, xr, ab, plan) = experts_forward(
+        gpu,
+        comm,
+        fl,
+        &lay,
+        (wts, h, f, keep_ab),
+        &mut laps,
+        controller,
+    )?;
     laps.lap(gpu, "a2a x + experts")?;
     // Each source's outputs and norms go back; the own ones are copied.
     let returned = return_outputs(gpu, comm, outs, &lay, (rank, world, n, h), &mut laps)?;
@@ -1676,8 +1703,9 @@ pub fn forward(
         combine_pairs(gpu, maps, &lay, returned, &routed, (tokens, h, k, n))?;
     laps.lap(gpu, "combine")?;
     let order = selection_order(gpu, &counts_all, counts, rank, p)?;
-    let owned_rows =
-        (keep_rows.then(|| owned_rows(gpu, &lay, xr, &order.offsets, (rank, el)))).transpose()?;
+    let owned_rows = (keep_rows
+        .then(|| owned_rows(gpu, &lay, (xr, ab), &order.offsets, (rank, el))))
+    .transpose()?;
     comm.settle()?;
     laps.print("forward", rank)?;
     let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
@@ -1985,15 +2013,24 @@ fn pack_kept(
     })
 }
 
-/// An owner's kept `x` rows from its forward rows (expert, source, pair
-/// order), masked by its slice of the global selection: the kept rows in
-/// the order the sources sent their `g·δ` rows.
+/// Kept rows of an owner: `x`, and their projections `x·W_gate`, `x·W_up`
+/// where the forward kept them; borrowed where they are the forward's
+/// rows as they are.
+type OwnerKept<'a> = (
+    Cow<'a, CudaSlice<u16>>,
+    Option<(Cow<'a, CudaSlice<u16>>, Cow<'a, CudaSlice<u16>>)>,
+);
+
+/// An owner's kept `x` rows (and projections, if kept) from its forward
+/// rows (expert, source, pair order), masked by its slice of the global
+/// selection: the kept rows in the order the sources sent their `g·δ`
+/// rows.
 fn owner_kept_rows<'a>(
     gpu: &Gpu,
     own: &'a OwnedRows,
     (kept_g, global): (Option<&CudaSlice<u8>>, &[u32]),
-    (rank, el, n_r, h): (usize, usize, usize, usize),
-) -> Result<Cow<'a, CudaSlice<u16>>, LayerError> {
+    (rank, el, n_r, (h, f)): (usize, usize, usize, (usize, usize)),
+) -> Result<OwnerKept<'a>, LayerError> {
     let (lo, hi) = own.global;
     // Every row when every pair is kept.
     let m = match kept_g {
@@ -2021,7 +2058,8 @@ fn owner_kept_rows<'a>(
         // grouping below is the identity, so the forward's rows serve as
         // they are (measured: a 0.3 ms copy of 131 072 rows of 2048 per
         // call on the A3B expert shape).
-        return Ok(Cow::Borrowed(&own.x));
+        let ab = (own.ab.as_ref()).map(|(a, b)| (Cow::Borrowed(a), Cow::Borrowed(b)));
+        return Ok((Cow::Borrowed(&own.x), ab));
     }
     // SAFETY: own.expert and m hold hi - lo entries (this owner's forward
     // rows, expert-major); kb is the prefix sum of the rows this rank's
@@ -2043,9 +2081,16 @@ fn owner_kept_rows<'a>(
             Some(perm) => gpu.gather32(perm, &rows, n_r)?,
             None => rows,
         };
-        Ok(Cow::Owned(
-            gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?,
-        ))
+        // The projections are rows of f values in the order of own.x's.
+        let ab = match &own.ab {
+            Some((a, b)) => Some((
+                Cow::Owned(gpu.gather_scaled(a, &rows, 1, None, n_r, f)?),
+                Cow::Owned(gpu.gather_scaled(b, &rows, 1, None, n_r, f)?),
+            )),
+            None => None,
+        };
+        let x = gpu.gather_scaled(&own.x, &rows, 1, None, n_r, h)?;
+        Ok((Cow::Owned(x), ab))
     }
 }
 
@@ -2087,11 +2132,14 @@ fn receive_kept<'a>(
     (x_fl, d_fl): KeptFlights,
     selection: (Option<&CudaSlice<u8>>, &[u32]),
     (rank, el): (usize, usize),
-) -> Result<(Cow<'a, CudaSlice<u16>>, CudaSlice<u16>), LayerError> {
-    let (h, n_r) = (sv.cfg.hidden, lay.recv.perm.len);
+) -> Result<(OwnerKept<'a>, CudaSlice<u16>), LayerError> {
+    let (h, f, n_r) = (sv.cfg.hidden, sv.cfg.ffn, lay.recv.perm.len);
     let xk = match (x_fl, &sv.owned_rows) {
-        (Some(fl), _) => Cow::Owned(permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?),
-        (None, Some(own)) => owner_kept_rows(gpu, own, selection, (rank, el, n_r, h))?,
+        (Some(fl), _) => (
+            Cow::Owned(permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?),
+            None,
+        ),
+        (None, Some(own)) => owner_kept_rows(gpu, own, selection, (rank, el, n_r, (h, f)))?,
         (None, None) => {
             return Err(LayerError::Config(
                 "device backward: no x rows (invariant)".into(),
@@ -2102,7 +2150,8 @@ fn receive_kept<'a>(
     Ok((xk, dk))
 }
 
-/// Backward stage 5, on an instance: the kept rows' `dX` first, sent back
+/// Backward stage 5, on an instance: the kept rows' `dX` first (from the
+/// forward's projections where the owner kept them), sent back
 /// to their sources while the weight gradients are computed; the `dX` rows
 /// this source receives and the instances' weight gradients.
 #[allow(clippy::type_complexity)]
@@ -2110,7 +2159,11 @@ fn experts_backward(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
     lay: &InstanceLayout,
-    (xk, dk): (&CudaSlice<u16>, &CudaSlice<u16>),
+    (xk, abk, dk): (
+        &CudaSlice<u16>,
+        Option<(&CudaSlice<u16>, &CudaSlice<u16>)>,
+        &CudaSlice<u16>,
+    ),
     wts: Wts<'_>,
     (h, f): (usize, usize),
     laps: &mut Laps,
@@ -2121,7 +2174,10 @@ fn experts_backward(
     ),
     LayerError,
 > {
-    let (dxk, rest) = gpu.experts_backward_data(&lay.recv.offsets, xk, dk, wts, (h, f))?;
+    let (dxk, rest) = match abk {
+        Some(ab) => gpu.experts_backward_data_from(&lay.recv.offsets, ab, dk, wts, (h, f))?,
+        None => gpu.experts_backward_data(&lay.recv.offsets, xk, dk, wts, (h, f))?,
+    };
     laps.lap(gpu, "experts dX")?;
     let dx_src = if lay.recv.perm.len > 0 {
         permute_rows(gpu, dxk, &lay.recv.inv, h)?
@@ -2175,11 +2231,19 @@ pub fn backward(
     let router_fl = comm.start_sum(gpu, ks.router)?;
     laps.sent(gpu, comm, "router sum")?;
     let selection = (ks.kept_g.as_ref(), &ks.global[..]);
-    let (xk, dk) = receive_kept(gpu, sv, &lay, flights, selection, (rank, el))?;
+    let ((xk, abk), dk) = receive_kept(gpu, sv, &lay, flights, selection, (rank, el))?;
     laps.lap(gpu, "a2a kept rows")?;
     let wts = local_weights(w, &sv.weights);
-    let (dx_rows, grads) =
-        experts_backward(gpu, comm, &lay, (&xk, &dk), wts, (h, cfg.ffn), &mut laps)?;
+    let abk = abk.as_ref().map(|(a, b)| (&**a, &**b));
+    let (dx_rows, grads) = experts_backward(
+        gpu,
+        comm,
+        &lay,
+        (&xk, abk, &dk),
+        wts,
+        (h, cfg.ffn),
+        &mut laps,
+    )?;
     // Stage 6, on the source: scatter-add the kept pairs' dX into the tokens.
     let kinv = expand(gpu, &lay.send_inv)?;
     // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place

@@ -50,6 +50,16 @@ pub struct ExpertsBackward {
     hidden: Option<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>)>,
 }
 
+/// Where the experts' backward takes the projections `a = x·W_gate`,
+/// `b = x·W_up` of its rows from.
+#[derive(Clone, Copy)]
+enum Projections<'a> {
+    /// Recomputed from the rows' inputs `x`.
+    From(&'a CudaSlice<u16>),
+    /// Kept from the forward.
+    Kept(&'a CudaSlice<u16>, &'a CudaSlice<u16>),
+}
+
 /// A device buffer another library owns (a PyTorch tensor), seen as a
 /// `CudaSlice` for the length of one call ([`Gpu::borrow`]). Dropping it
 /// leaves the memory to its owner: nothing is freed.
@@ -956,6 +966,33 @@ impl Gpu {
         Ok((a, b, hh))
     }
 
+    /// `dh = d·W_downᵀ`, then the SwiGLU backward: `(da, db)` of the rows
+    /// whose projections are `a`, `b` (`rows × F` each).
+    #[allow(clippy::too_many_arguments)]
+    fn swiglu_grads(
+        &self,
+        od: &CudaSlice<i32>,
+        e: usize,
+        rows: usize,
+        (a, b): (&CudaSlice<u16>, &CudaSlice<u16>),
+        dd: &CudaSlice<u16>,
+        wd: &CudaSlice<u16>,
+        (h, f): (usize, usize),
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let dh = self.gemm(GemmVariant::DataGrad, od, e, dd, wd, rows * f, f, h)?;
+        // SAFETY: uninitialised output; the kernel launched next writes
+        // every element before anything reads it.
+        let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
+        // SAFETY: as for `da`.
+        let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
+        let n = (rows * f) as i64;
+        let mut l = self.stream.launch_builder(&self.swiglu_bwd);
+        l.arg(a).arg(b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
+        // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
+        unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
+        Ok((da, db))
+    }
+
     /// The experts' forward on rows grouped by `offsets` (`E + 1` entries,
     /// host): `o = (silu(x·W_gate) ⊙ x·W_up) · W_down` and `‖h‖²` of every
     /// row (device; twin: [`Gpu::experts_forward_bf16`]'s
@@ -965,9 +1002,57 @@ impl Gpu {
         &self,
         offsets: &[u32],
         x: &X,
+        w: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        dims: (usize, usize),
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let (o, h_sq, _) = self.experts_forward_any(offsets, x, w, dims, false)?;
+        Ok((o, h_sq))
+    }
+
+    /// [`Gpu::experts_forward_dev`] that also returns the projections
+    /// `a = x·W_gate` and `b = x·W_up` (`rows × F` each), for a backward
+    /// that reads them instead of recomputing them
+    /// ([`Gpu::experts_backward_data_from`]).
+    #[allow(clippy::type_complexity)]
+    pub fn experts_forward_keep<X: DevicePtr<u16>>(
+        &self,
+        offsets: &[u32],
+        x: &X,
+        w: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        dims: (usize, usize),
+    ) -> Result<
+        (
+            CudaSlice<u16>,
+            CudaSlice<f32>,
+            (CudaSlice<u16>, CudaSlice<u16>),
+        ),
+        KernelError,
+    > {
+        let (o, h_sq, ab) = self.experts_forward_any(offsets, x, w, dims, true)?;
+        let ab = match ab {
+            Some(ab) => ab,
+            // SAFETY: zero rows: nothing is read.
+            None => unsafe { (self.uninit::<u16>(0)?, self.uninit::<u16>(0)?) },
+        };
+        Ok((o, h_sq, ab))
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn experts_forward_any<X: DevicePtr<u16>>(
+        &self,
+        offsets: &[u32],
+        x: &X,
         (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
         (h, f): (usize, usize),
-    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        keep: bool,
+    ) -> Result<
+        (
+            CudaSlice<u16>,
+            CudaSlice<f32>,
+            Option<(CudaSlice<u16>, CudaSlice<u16>)>,
+        ),
+        KernelError,
+    > {
         let rows = offsets.last().copied().unwrap_or(0) as usize;
         let e = offsets.len().saturating_sub(1);
         let od = checked_offsets(self, offsets, rows)?;
@@ -975,12 +1060,12 @@ impl Gpu {
         check_expert_weights((wg, wu, wd), e * h * f)?;
         if rows == 0 {
             // SAFETY: zero rows: nothing is read.
-            return unsafe { Ok((self.uninit::<u16>(0)?, self.uninit::<f32>(0)?)) };
+            return unsafe { Ok((self.uninit::<u16>(0)?, self.uninit::<f32>(0)?, None)) };
         }
-        let (_, _, hh) = self.experts_hidden(&od, e, rows, x, wg, wu, h, f)?;
+        let (a, b, hh) = self.experts_hidden(&od, e, rows, x, wg, wu, h, f)?;
         let o = self.gemm(GemmVariant::Forward, &od, e, &hh, wd, rows * h, f, h)?;
         let h_sq = self.row_sq(&hh, rows, f)?;
-        Ok((o, h_sq))
+        Ok((o, h_sq, keep.then_some((a, b))))
     }
 
     /// The experts' backward on kept rows grouped by `offsets` (`E + 1`
@@ -1021,38 +1106,70 @@ impl Gpu {
         offsets: &[u32],
         xd: &CudaSlice<u16>,
         dd: &CudaSlice<u16>,
+        w: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        dims: (usize, usize),
+    ) -> Result<(CudaSlice<u16>, ExpertsBackward), KernelError> {
+        self.experts_backward_data_any(offsets, Projections::From(xd), dd, w, dims)
+    }
+
+    /// [`Gpu::experts_backward_data`] on the projections `a = x·W_gate`,
+    /// `b = x·W_up` of the same rows (`rows × F` each, as
+    /// [`Gpu::experts_forward_keep`] returns them) instead of recomputing
+    /// them from `x`: two grouped GEMMs fewer, the same result.
+    pub fn experts_backward_data_from(
+        &self,
+        offsets: &[u32],
+        ab: (&CudaSlice<u16>, &CudaSlice<u16>),
+        dd: &CudaSlice<u16>,
+        w: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        dims: (usize, usize),
+    ) -> Result<(CudaSlice<u16>, ExpertsBackward), KernelError> {
+        self.experts_backward_data_any(offsets, Projections::Kept(ab.0, ab.1), dd, w, dims)
+    }
+
+    fn experts_backward_data_any(
+        &self,
+        offsets: &[u32],
+        proj: Projections<'_>,
+        dd: &CudaSlice<u16>,
         (wg, wu, wd): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
         (h, f): (usize, usize),
     ) -> Result<(CudaSlice<u16>, ExpertsBackward), KernelError> {
         let rows = offsets.last().copied().unwrap_or(0) as usize;
         let e = offsets.len().saturating_sub(1);
         let od = checked_offsets(self, offsets, rows)?;
-        at_least("x", rows * h, xd.len())?;
+        match proj {
+            Projections::Kept(a, b) => {
+                at_least("a", rows * f, a.len())?;
+                at_least("b", rows * f, b.len())?;
+            }
+            Projections::From(xd) => at_least("x", rows * h, xd.len())?,
+        }
         at_least("d", rows * h, dd.len())?;
         check_expert_weights((wg, wu, wd), e * h * f)?;
         let (dx, hidden) = if rows == 0 {
             // No kept rows: no dX rows, zero weight gradients, no launch.
-            // SAFETY: a dX of zero rows: no element of it is ever read.
+            // SAFETY: a dX of zero rows: nothing is read.
             (unsafe { self.uninit::<u16>(0) }?, None)
         } else {
-            let (a, b, hh) = self.experts_hidden(&od, e, rows, xd, wg, wu, h, f)?;
-            let dh = self.gemm(GemmVariant::DataGrad, &od, e, dd, wd, rows * f, f, h)?;
-            // SAFETY: uninitialised output; the kernel or GEMM launched next
-            // writes every element before anything reads it.
-            let mut da = unsafe { self.uninit::<u16>(rows * f) }?;
-            // SAFETY: uninitialised output; the kernel or GEMM launched next
-            // writes every element before anything reads it.
-            let mut db = unsafe { self.uninit::<u16>(rows * f) }?;
-            let n = (rows * f) as i64;
-            let mut l = self.stream.launch_builder(&self.swiglu_bwd);
-            l.arg(&a).arg(&b).arg(&dh).arg(&mut da).arg(&mut db).arg(&n);
-            // SAFETY: as in `swiglu_backward_bf16`; a, b, dh, da, db hold rows·F.
-            unsafe { l.launch(self.elementwise_config(rows * f)) }.map_err(cuda)?;
-            // a, b and dh are read for the last time above: freed now (in
-            // stream order, after that kernel), they never share the pool
-            // with dX. The peak per row is then x, d and the six `f`-wide
-            // rows of this kernel, not those and dX as well.
-            drop((a, b, dh));
+            let (hh, da, db) = match proj {
+                Projections::Kept(a, b) => {
+                    let hh = self.swiglu_dev(a, b, rows * f)?;
+                    let (da, db) = self.swiglu_grads(&od, e, rows, (a, b), dd, wd, (h, f))?;
+                    (hh, da, db)
+                }
+                Projections::From(xd) => {
+                    let (a, b, hh) = self.experts_hidden(&od, e, rows, xd, wg, wu, h, f)?;
+                    let (da, db) = self.swiglu_grads(&od, e, rows, (&a, &b), dd, wd, (h, f))?;
+                    // a and b are read for the last time above: freed now
+                    // (in stream order, after that kernel), they never
+                    // share the pool with dX. The peak per row is then x,
+                    // d and the six `f`-wide rows of that kernel, not those
+                    // and dX as well.
+                    drop((a, b));
+                    (hh, da, db)
+                }
+            };
             // dX = da·W_gateᵀ, then db·W_upᵀ added onto it in the second
             // GEMM's epilogue (no separate pass over the rows).
             let dx1 = self.gemm(GemmVariant::DataGrad, &od, e, &da, wg, rows * h, h, f)?;
