@@ -34,7 +34,9 @@
 //! lower pair). The kept counts per (source, expert) go to the planner's
 //! redistribution; sources pack only the kept `[x | g·δ]` rows (no padding;
 //! `g·δ` only without replicas) destination-major, instances regroup them,
-//! recompute the hidden activations and run the backward GEMMs on the kept
+//! recompute the hidden activations (or, one rank without replicas and
+//! `CallConfig::keep_projections`, read the projections the owner kept
+//! from the forward) and run the backward GEMMs on the kept
 //! rows — the data gradients first, so the `dX` rows travel back while the
 //! weight gradients are computed — and `dX` is scatter-added; replica gradients are
 //! summed into their owners'. Bytes on the wire and GEMM rows shrink with
