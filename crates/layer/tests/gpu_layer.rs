@@ -291,10 +291,12 @@ fn gpu_layer_matches_the_cpu_layer() {
                 "priority sampling equals top-q"
             );
         }
-        // The forward's projections kept for the backward (every row kept,
-        // borrowed in place; half kept, gathered): the same grouped GEMMs
-        // on the same rows, so every output equals the recomputing
-        // backward's bit for bit.
+        // The forward's projections kept for the backward. Every row kept:
+        // borrowed in place, the same grouped GEMMs on the same groups, so
+        // every output equals the recomputing backward's bit for bit. Half
+        // kept: gathered from the forward's, computed there in the
+        // forward's groups, so within bf16 rounding of the recomputed
+        // (0.5% in norm), the same kept pairs and forward.
         for (ratio, plain) in [(1.0, &r), (0.5, &half)] {
             let retention = if ratio < 1.0 {
                 layer::Retention::Ratio(ratio)
@@ -318,7 +320,13 @@ fn gpu_layer_matches_the_cpu_layer() {
                 ("up", &kept.grads.up, &plain.grads.up),
                 ("down", &kept.grads.down, &plain.grads.down),
             ] {
-                assert_eq!(a, b, "keep_projections {name} (r = {ratio})");
+                if ratio == 1.0 {
+                    assert_eq!(a, b, "keep_projections {name} (r = {ratio})");
+                } else {
+                    let wide: Vec<f32> = b.iter().map(|&v| bf16_bits_to_f32(v)).collect();
+                    let err = rel(a, &wide);
+                    assert!(err <= 5e-3, "keep_projections {name} (r = {ratio}): {err}");
+                }
             }
             assert_eq!(kept.grads.router, plain.grads.router);
         }
