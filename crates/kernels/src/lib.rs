@@ -20,7 +20,9 @@
 //!   weight gradient; group sizes read on the device). Each has a CPU twin in
 //!   [`cpu`] and a device test. `gpu/imp/ops.rs` exposes them on device
 //!   buffers (`Gpu::route`, `group`, `gather_scaled`, `experts_forward_dev`,
-//!   `experts_backward_dev` and its data / weight halves, `combine_rows`,
+//!   `experts_backward_dev` and its data / weight halves — the data half
+//!   also on projections the forward kept, `experts_forward_keep` /
+//!   `experts_backward_data_from` — `combine_rows`,
 //!   `router_backward`, `col_mean`, …; `download_later` for counts read
 //!   while the device runs on, `mark` for event timelines,
 //!   `set_gemm_sm_reserve` for SMs left to a collective) for the
