@@ -44,16 +44,38 @@ impl MoeConfig {
     }
 }
 
-/// One expert's SwiGLU weights, row-major.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ExpertWeights<T> {
-    /// `hidden × ffn`.
-    pub gate: Vec<T>,
-    /// `hidden × ffn`.
-    pub up: Vec<T>,
-    /// `ffn × hidden`.
-    pub down: Vec<T>,
+/// The three SwiGLU projections of experts in buffers `B`, row-major:
+/// one expert's on the host ([`ExpertWeights`]), a rank's block of experts
+/// stacked in device buffers (`layer::device`), or their gradients. Per
+/// expert, gate and up are `hidden × ffn`, down `ffn × hidden`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Experts<B> {
+    /// Gate projections.
+    pub gate: B,
+    /// Up projections.
+    pub up: B,
+    /// Down projections.
+    pub down: B,
 }
+
+impl<B> Experts<B> {
+    /// The three buffers, borrowed.
+    pub fn as_ref(&self) -> Experts<&B> {
+        Experts {
+            gate: &self.gate,
+            up: &self.up,
+            down: &self.down,
+        }
+    }
+
+    /// `(gate, up, down)`.
+    pub fn into_tuple(self) -> (B, B, B) {
+        (self.gate, self.up, self.down)
+    }
+}
+
+/// One expert's SwiGLU weights on the host.
+pub type ExpertWeights<T> = Experts<Vec<T>>;
 
 /// All weights of the layer (or their gradients, same shapes).
 #[derive(Debug, Clone, PartialEq)]

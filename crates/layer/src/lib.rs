@@ -170,7 +170,7 @@ mod router;
 pub mod timeline;
 pub mod transport;
 
-pub use config::{ExpertWeights, MoeConfig, MoeParams};
+pub use config::{ExpertWeights, Experts, MoeConfig, MoeParams};
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};

@@ -10,7 +10,7 @@ use pack::ep::{
     InstanceLayout, Runs,
 };
 
-use crate::config::MoeConfig;
+use crate::config::{Experts, MoeConfig};
 use crate::plan::{
     check_device_shape, check_plan, check_split, one_instance_each, DevicePlanner, EpPlan,
 };
@@ -566,18 +566,12 @@ pub struct DeviceWeights {
     /// The balancing bias added to the router probabilities for the top-k
     /// choice only (`CallConfig::expert_bias`), if any.
     sel_bias: Option<CudaSlice<f32>>,
-    gate: CudaSlice<u16>,
-    up: CudaSlice<u16>,
-    down: CudaSlice<u16>,
+    experts: Experts<CudaSlice<u16>>,
 }
 
 /// The weights of this rank's instances in one call (its own experts and
 /// the replicas it received), in the order of its local expert list.
-struct LocalWeights {
-    gate: CudaSlice<u16>,
-    up: CudaSlice<u16>,
-    down: CudaSlice<u16>,
-}
+type LocalWeights = Experts<CudaSlice<u16>>;
 
 /// Forward state kept for the backward: the source's routing, outputs and
 /// norms, and, in calls without replicas, the owner's forward rows.
@@ -849,9 +843,11 @@ pub fn weights(
         router: gpu.upload(router)?,
         bias: None,
         sel_bias: None,
-        gate: gpu.upload(gate)?,
-        up: gpu.upload(up)?,
-        down: gpu.upload(down)?,
+        experts: Experts {
+            gate: gpu.upload(gate)?,
+            up: gpu.upload(up)?,
+            down: gpu.upload(down)?,
+        },
     })
 }
 
@@ -879,7 +875,8 @@ impl Drop for BorrowedWeights {
         let w = unsafe { std::mem::ManuallyDrop::take(&mut self.0) };
         // The borrowed buffers go back to their owner unfreed; the biases
         // are this crate's.
-        for b in [w.router, w.gate, w.up, w.down] {
+        let (gate, up, down) = w.experts.into_tuple();
+        for b in [w.router, gate, up, down] {
             let _ = b.leak();
         }
         drop((w.bias, w.sel_bias));
@@ -918,9 +915,11 @@ pub unsafe fn borrow_weights(
             router: router.into_inner(),
             bias: None,
             sel_bias: None,
-            gate: gate.into_inner(),
-            up: up.into_inner(),
-            down: down.into_inner(),
+            experts: Experts {
+                gate: gate.into_inner(),
+                up: up.into_inner(),
+                down: down.into_inner(),
+            },
         },
     )))
 }
@@ -936,9 +935,11 @@ impl DeviceWeights {
             router: gpu.zeros::<u16>(h * e)?,
             bias: None,
             sel_bias: None,
-            gate: gpu.zeros::<u16>(el * h * f)?,
-            up: gpu.zeros::<u16>(el * h * f)?,
-            down: gpu.zeros::<u16>(el * f * h)?,
+            experts: Experts {
+                gate: gpu.zeros::<u16>(el * h * f)?,
+                up: gpu.zeros::<u16>(el * h * f)?,
+                down: gpu.zeros::<u16>(el * f * h)?,
+            },
         })
     }
 
@@ -947,9 +948,9 @@ impl DeviceWeights {
     pub fn buffers_mut(&mut self) -> [&mut CudaSlice<u16>; 4] {
         [
             &mut self.router,
-            &mut self.gate,
-            &mut self.up,
-            &mut self.down,
+            &mut self.experts.gate,
+            &mut self.experts.up,
+            &mut self.experts.down,
         ]
     }
 }
@@ -1035,7 +1036,7 @@ fn replica_weights(
     let hf = cfg.hidden * cfg.ffn;
     let traffic = replica_traffic(&plan.instances, local, rank, el);
     let mut got = Vec::with_capacity(3);
-    for t in [&w.gate, &w.up, &w.down] {
+    for t in [&w.experts.gate, &w.experts.up, &w.experts.down] {
         let packed = pack_blocks(gpu, t, &traffic.weights_out, hf)?;
         got.push(comm.exchange(
             gpu,
@@ -1072,9 +1073,9 @@ fn replica_weights(
     };
     Ok((
         Some(LocalWeights {
-            gate: build(&w.gate, &got[0])?,
-            up: build(&w.up, &got[1])?,
-            down: build(&w.down, &got[2])?,
+            gate: build(&w.experts.gate, &got[0])?,
+            up: build(&w.experts.up, &got[1])?,
+            down: build(&w.experts.down, &got[2])?,
         }),
         bytes,
     ))
@@ -1528,7 +1529,7 @@ fn late_plan(
 }
 
 /// The three expert weight tensors an instance computes with.
-type Wts<'a> = (&'a CudaSlice<u16>, &'a CudaSlice<u16>, &'a CudaSlice<u16>);
+type Wts<'a> = Experts<&'a CudaSlice<u16>>;
 
 /// Forward stage: each source's rows through this rank's instances, in
 /// the instance-major order they came in (no regrouping) — its own rows
@@ -1569,11 +1570,12 @@ fn experts_forward<R>(
         let chunks = &lay.recv.chunks[rank];
         let rows = xs.slice(a..a + m);
         outs[rank] = Some(if keep {
-            let (o, h_sq, ab) = gpu.experts_forward_keep(chunks, &rows, wts, (h, f))?;
+            let (o, h_sq, ab) =
+                gpu.experts_forward_keep(chunks, &rows, wts.into_tuple(), (h, f))?;
             kept_ab = Some(ab);
             (o, h_sq)
         } else {
-            gpu.experts_forward_dev(chunks, &rows, wts, (h, f))?
+            gpu.experts_forward_dev(chunks, &rows, wts.into_tuple(), (h, f))?
         });
     }
     let answer = meanwhile()?;
@@ -1584,8 +1586,12 @@ fn experts_forward<R>(
     for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
         let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
         check_at_least("rows from a source", a + m, xr.len())?;
-        outs[s] =
-            Some(gpu.experts_forward_dev(&lay.recv.chunks[s], &xr.slice(a..a + m), wts, (h, f))?);
+        outs[s] = Some(gpu.experts_forward_dev(
+            &lay.recv.chunks[s],
+            &xr.slice(a..a + m),
+            wts.into_tuple(),
+            (h, f),
+        )?);
     }
     Ok((outs, xr, kept_ab, answer))
 }
@@ -2175,8 +2181,10 @@ fn experts_backward(
     LayerError,
 > {
     let (dxk, rest) = match abk {
-        Some(ab) => gpu.experts_backward_data_from(&lay.recv.offsets, ab, dk, wts, (h, f))?,
-        None => gpu.experts_backward_data(&lay.recv.offsets, xk, dk, wts, (h, f))?,
+        Some(ab) => {
+            gpu.experts_backward_data_from(&lay.recv.offsets, ab, dk, wts.into_tuple(), (h, f))?
+        }
+        None => gpu.experts_backward_data(&lay.recv.offsets, xk, dk, wts.into_tuple(), (h, f))?,
     };
     laps.lap(gpu, "experts dX")?;
     let dx_src = if lay.recv.perm.len > 0 {
@@ -2284,8 +2292,8 @@ pub fn backward(
 /// copies it received, or its own block.
 fn local_weights<'a>(w: &'a DeviceWeights, received: &'a Option<LocalWeights>) -> Wts<'a> {
     match received {
-        Some(lw) => (&lw.gate, &lw.up, &lw.down),
-        None => (&w.gate, &w.up, &w.down),
+        Some(lw) => lw.as_ref(),
+        None => w.experts.as_ref(),
     }
 }
 
