@@ -33,6 +33,24 @@ def test_full_backward_is_exact(renormalize):
     np.testing.assert_array_equal(saved.expert_load, np.bincount(st["order"].ravel(), minlength=6))
 
 
+def test_keep_projections_is_accepted_and_the_host_layer_stays_exact():
+    # A device-executor setting: the host layer takes it and computes the
+    # same exact backward (it recomputes its projections either way).
+    rng = np.random.default_rng(2)
+    w, x, dy = ref.random_layer(rng)
+    plain = lrmoe.Layer(16, 24, 6, 2, True, mode="full")
+    kept = lrmoe.Layer(16, 24, 6, 2, True, mode="full", keep_projections=True)
+    assert kept.settings["keep_projections"] is True
+    (y0, s0), (y1, s1) = plain.forward(*w, x), kept.forward(*w, x)
+    np.testing.assert_array_equal(y0, y1)
+    (dx0, g0, _), (dx1, g1, _) = plain.backward(*w, s0, dy), kept.backward(*w, s1, dy)
+    np.testing.assert_array_equal(dx0, dx1)
+    for name in ("router", "gate", "up", "down"):
+        np.testing.assert_array_equal(g0[name], g1[name])
+    with pytest.raises(ValueError, match="keep_projections"):
+        lrmoe.Layer(16, 24, 6, 2, True, keep_projections="yes")
+
+
 def test_lrmoe_keeps_the_best_pairs_and_their_gradients_only():
     rng = np.random.default_rng(2)
     w, x, dy = ref.random_layer(rng, tokens=64)
