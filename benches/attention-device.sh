@@ -24,19 +24,7 @@ echo "fused:"; LRMOE_ATTENTION=fused timeout 120 .device/lrmoe-attn-bench 2>&1 |
 echo "materialised:"; LRMOE_ATTENTION=materialized timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
 echo "SDPA:"; timeout 120 python3 benches/torch_attention.py 2>&1 | tail -4
 mini() { # tag config layers seq batch steps
-  cat > /tmp/$1.toml <<T
-steps = $6
-[data]
-seq_len = $4
-batch_size = $5
-[moe]
-mode = "full"
-[run]
-eval_every = 1000
-eval_batches = 1
-checkpoint_every = 0
-out_dir = "/tmp/run-$1"
-T
+  exact_toml "$1" "$6" "$4" "$5" true
   timeout 200 .device/lrmoe train --device cuda --model-config $2 --layers $3 --config /tmp/$1.toml --no-progress --force > /tmp/$1.log 2>&1
   python3 -c "
 import json

@@ -17,19 +17,7 @@ if [ -e .device/dense-tests ]; then
   done
 fi
 run() { # tag gemm config layers seq batch steps
-  cat > /tmp/$1.toml <<T
-steps = $7
-[data]
-seq_len = $5
-batch_size = $6
-[moe]
-mode = "full"
-[run]
-eval_every = 1000
-eval_batches = 1
-checkpoint = false
-out_dir = "/tmp/run-$1"
-T
+  exact_toml "$1" "$7" "$5" "$6" false
   LRMOE_DENSE_GEMM=$2 timeout 200 .device/lrmoe train --device cuda --model-config $3 --layers $4 \
     --config /tmp/$1.toml --no-progress --force > /tmp/$1.out 2> /tmp/$1.log || tail -3 /tmp/$1.log
   python3 - "$1" "$2" <<'P'

@@ -19,3 +19,24 @@ need() {
     [ -e "$f" ] || { echo "missing $f: build it on the development machine and carry .device/ (see the script's header)"; exit 2; }
   done
 }
+
+# Writes /tmp/TAG.toml for a timed device run: STEPS steps of the exact
+# backward (mode "full") on SEQ × BATCH tokens, no evaluation during the
+# run (one batch at the end), a checkpoint at the end only when CHECKPOINT
+# is true; the run's files go to /tmp/run-TAG.
+exact_toml() { # tag steps seq batch checkpoint(true/false)
+  cat > "/tmp/$1.toml" <<T
+steps = $2
+[data]
+seq_len = $3
+batch_size = $4
+[moe]
+mode = "full"
+[run]
+eval_every = 1000
+eval_batches = 1
+checkpoint_every = 0
+checkpoint = $5
+out_dir = "/tmp/run-$1"
+T
+}

@@ -19,20 +19,7 @@ if [ "${TESTS:-0}" = 1 ]; then
   .device/model-gpu-tests --ignored --test-threads 1 --nocapture 2>&1 | grep -E "resume|qwen3|classic|test result|panicked"
 fi
 run() { # name config layers seq batch steps checkpoint(0/1)
-  cat > /tmp/$1.toml <<T
-steps = $6
-[data]
-seq_len = $4
-batch_size = $5
-[moe]
-mode = "full"
-[run]
-eval_every = 1000
-eval_batches = 1
-checkpoint_every = 0
-checkpoint = $( [ "$7" = 1 ] && echo true || echo false )
-out_dir = "/tmp/run-$1"
-T
+  exact_toml "$1" "$6" "$4" "$5" "$( [ "$7" = 1 ] && echo true || echo false )"
   LRMOE_LOG=info,lrmoe::train=debug timeout 400 .device/lrmoe train --device cuda --model-config $2 --layers $3 \
     --config /tmp/$1.toml --no-progress --force > /tmp/$1.out 2> /tmp/$1.log
   tail -1 /tmp/$1.out

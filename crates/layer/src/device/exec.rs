@@ -1535,7 +1535,8 @@ type Wts<'a> = Experts<&'a CudaSlice<u16>>;
 /// the instance-major order they came in (no regrouping) — its own rows
 /// while the others travel (and `meanwhile` runs on the host), then every
 /// other source's. Returns the outputs and `‖h‖²` per source, the rows
-/// received, and `meanwhile`'s answer.
+/// received, the own rows' projections when `keep` asks for them, and
+/// `meanwhile`'s answer.
 #[allow(clippy::type_complexity)]
 fn experts_forward<R>(
     gpu: &Gpu,
@@ -1558,9 +1559,6 @@ fn experts_forward<R>(
     let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
     let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
         (0..world).map(|_| None).collect();
-    // The projections are kept on one rank only, where this rank's own
-    // rows are every row it holds, in the order the backward reads them.
-    let keep = keep && world == 1;
     let mut kept_ab = None;
     let overlap = Overlap::new(gpu, comm);
     {
@@ -1690,7 +1688,9 @@ pub fn forward(
         Some(plan) => Ok(plan),
         None => late_plan(planner, &counts_all, &fp.owner_split, el),
     };
-    let keep_ab = keep_rows && planner.keep_projections();
+    // Projections are kept on one rank only, where its own rows are every
+    // row it holds, in the order the backward reads them.
+    let keep_ab = keep_rows && world == 1 && planner.keep_projections();
     let (outs, xr, ab, plan) = experts_forward(
         gpu,
         comm,
