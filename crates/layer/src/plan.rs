@@ -860,16 +860,6 @@ impl DevicePlanner {
     }
 }
 
-/// The per-expert quotas of [`device_plan_call`], as the device layers
-/// take them.
-pub fn device_quotas(
-    cfg: &MoeConfig,
-    call: &CallConfig,
-    routed: &[Vec<u32>],
-) -> Result<Vec<u32>, LayerError> {
-    Ok(device_plan_call(cfg, call, routed)?.device_quotas())
-}
-
 /// The split `[source][expert][rank]` of a call whose experts each have one
 /// instance, `owner(e)`: every pair goes to its expert's owner (what the
 /// exact solver gives for one instance per expert). The one-instance rule

@@ -932,7 +932,7 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
     let cfg = cfg(false);
     let routed = vec![vec![5u32, 0, 9, 2], vec![3, 4, 1, 0]];
     let q = |retention| {
-        device_quotas(
+        quotas_of(
             &cfg,
             &CallConfig {
                 retention,
@@ -966,7 +966,7 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
         ..CallConfig::default()
     };
     assert_eq!(
-        device_quotas(&cfg, &replicas, &routed).unwrap(),
+        quotas_of(&cfg, &replicas, &routed).unwrap(),
         vec![8, 4, 10, 2]
     );
     let send_bound = CallConfig {
@@ -982,9 +982,9 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
         },
         ..CallConfig::default()
     };
-    assert!(device_quotas(&cfg, &send_bound, &routed).is_err());
-    assert!(device_quotas(&cfg, &CallConfig::default(), &routed[..1]).is_ok());
-    assert!(device_quotas(&cfg, &CallConfig::default(), &[vec![1; 3]]).is_err());
+    assert!(quotas_of(&cfg, &send_bound, &routed).is_err());
+    assert!(quotas_of(&cfg, &CallConfig::default(), &routed[..1]).is_ok());
+    assert!(quotas_of(&cfg, &CallConfig::default(), &[vec![1; 3]]).is_err());
 }
 
 #[test]
@@ -1256,7 +1256,7 @@ fn tile_aligned_quotas_drop_small_remainders_of_binding_quotas_only() {
     // Two sources, four experts: 1040, 1000, 300 and 50 routed pairs.
     let routed = vec![vec![520u32, 500, 150, 25], vec![520, 500, 150, 25]];
     let q = |retention, tile_align| {
-        device_quotas(
+        quotas_of(
             &cfg,
             &CallConfig {
                 retention,
@@ -1320,4 +1320,14 @@ fn symi_like_calls_replicate_by_the_given_load_split_evenly_and_stay_exact() {
         CallConfig::default().forward_solver(),
         redistribute::Solver::Exact
     );
+}
+
+/// The per-expert quotas of [`device_plan_call`], as the device layers
+/// take them.
+fn quotas_of(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+) -> Result<Vec<u32>, LayerError> {
+    Ok(device_plan_call(cfg, call, routed)?.device_quotas())
 }

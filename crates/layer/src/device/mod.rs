@@ -68,9 +68,19 @@ use crate::Transport;
 use crate::{DevicePlanner, LayerError, MoeConfig};
 
 #[cfg(feature = "cuda")]
-mod exec;
+mod backward;
 #[cfg(feature = "cuda")]
-pub use exec::*;
+mod comm;
+#[cfg(feature = "cuda")]
+mod common;
+#[cfg(feature = "cuda")]
+mod forward;
+#[cfg(feature = "cuda")]
+mod host;
+#[cfg(feature = "cuda")]
+mod weights;
+#[cfg(feature = "cuda")]
+pub use {backward::*, comm::*, forward::*, host::*, weights::*};
 
 /// How this rank reaches the others: alone (one GPU, EP = 1), through an
 /// NCCL communicator, or through any host [`Transport`].
@@ -160,7 +170,7 @@ pub struct HostForward {
     /// This rank's auxiliary balancing loss (0 when off).
     pub aux_loss: f64,
     #[cfg(feature = "cuda")]
-    pub(crate) state: Box<(exec::DeviceWeights, exec::DeviceSaved)>,
+    pub(crate) state: Box<(weights::DeviceWeights, forward::DeviceSaved)>,
 }
 
 impl std::fmt::Debug for HostForward {

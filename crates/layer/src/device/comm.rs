@@ -1,0 +1,554 @@
+//! The device executor's collectives over a [`DeviceComm`]: all-to-alls of
+//! rows (NCCL, or device to device between in-process ranks), sums over
+//! ranks, and the exchange overlap guard.
+
+use kernels::gpu::{CudaSlice, Gpu, Mark};
+use kernels::KernelError;
+
+use crate::LayerError;
+
+use super::common::{check_at_least, exclusive_scan};
+use super::DeviceComm;
+
+impl DeviceComm<'_> {
+    /// Every rank's bytes, rank order.
+    pub(super) fn all_gather_host(&self, local: &[u8]) -> Result<Vec<Vec<u8>>, KernelError> {
+        match self {
+            Self::Local => Ok(vec![local.to_vec()]),
+            Self::Nccl(c) => c.all_gather_host(local),
+            Self::Staged(t) => t.all_gather_bytes(local).map_err(staged),
+        }
+    }
+
+    /// Every rank's `u32` counts, rank order, each `n` long.
+    pub(super) fn all_gather_counts(&self, mine: &[u32]) -> Result<Vec<Vec<u32>>, LayerError> {
+        let bytes: Vec<u8> = mine.iter().flat_map(|c| c.to_le_bytes()).collect();
+        let all: Vec<Vec<u32>> = self
+            .all_gather_host(&bytes)?
+            .into_iter()
+            .map(|b| {
+                b.chunks_exact(4)
+                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect();
+        if all.len() != self.world_size() || all.iter().any(|c| c.len() != mine.len()) {
+            return Err(LayerError::Kernel(KernelError::Comm(
+                "counts of another shape from a peer".into(),
+            )));
+        }
+        Ok(all)
+    }
+
+    /// An all-to-all of the compute stream's `send` (`send_counts` elements
+    /// to each rank, `recv_counts` from each): the compute stream is
+    /// drained first, the communicator's after. One rank: `send` itself.
+    pub(super) fn exchange<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
+        &self,
+        gpu: &Gpu,
+        send: CudaSlice<T>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<CudaSlice<T>, KernelError> {
+        match self {
+            Self::Local => Ok(send),
+            Self::Staged(t) => {
+                let total: usize = send_counts.iter().sum();
+                let soff = exclusive_scan(send_counts);
+                let offers = send_counts
+                    .iter()
+                    .zip(&soff)
+                    .map(|(&n, &off)| Ok((gpu.address(&send, off)?, bytes_of::<T>(n))))
+                    .collect::<Result<Vec<_>, KernelError>>()?;
+                let roff = exclusive_scan(recv_counts);
+                let parts: Vec<(usize, usize)> = roff
+                    .iter()
+                    .zip(recv_counts)
+                    .map(|(&o, &n)| (o, n))
+                    .collect();
+                // SAFETY: every element is written by a copy below (its
+                // source's part) or the buffer is refused.
+                let mut recv = unsafe { gpu.uninit::<T>(roff[recv_counts.len()]) }?;
+                if let Some(done) = in_process(*t, gpu, &offers, &mut recv, &parts, true) {
+                    done?;
+                    return Ok(recv);
+                }
+                drop(recv);
+                let host = gpu.download_range(&send, 0, total)?;
+                let (got, counts) =
+                    crate::transport::all_to_all(*t, &host, send_counts).map_err(staged)?;
+                if counts != recv_counts {
+                    return Err(KernelError::Comm(format!(
+                        "rank {}: received {counts:?} elements, the plan says {recv_counts:?}",
+                        t.rank()
+                    )));
+                }
+                gpu.upload(&got)
+            }
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => {
+                let total: usize = recv_counts.iter().sum();
+                // SAFETY: the all-to-all writes every element.
+                let mut recv = unsafe { gpu.uninit::<T>(total) }?;
+                gpu.sync()?;
+                c.all_to_all_v(&send, send_counts, &mut recv, recv_counts)?;
+                c.synchronize()?;
+                Ok(recv)
+            }
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, send_counts, recv_counts);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+
+    /// Starts an exchange beside the compute stream (the host does not
+    /// wait): `sends[b][off .. off + n]` to rank `d` for `send_parts[d] =
+    /// (b, off, n)`, `recv_parts[s] = (off, n)` into `recv` from rank `s`;
+    /// the message to self never travels (its counts are zero: the caller
+    /// moves those rows itself). One rank: nothing to do.
+    pub(super) fn start<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
+        &self,
+        gpu: &Gpu,
+        sends: Vec<CudaSlice<T>>,
+        send_parts: &[(usize, usize, usize)],
+        recv: CudaSlice<T>,
+        recv_parts: &[(usize, usize)],
+    ) -> Result<Flight<T>, KernelError> {
+        match self {
+            Self::Local => Ok(Flight::Here(recv, sends)),
+            Self::Staged(t) => {
+                let (rank, world) = (t.rank(), t.world_size());
+                if send_parts.len() != world || recv_parts.len() != world {
+                    return Err(KernelError::Shape {
+                        what: "all-to-all parts (one per rank)",
+                        expected: world,
+                        got: send_parts.len().min(recv_parts.len()),
+                    });
+                }
+                let mut offers = Vec::with_capacity(world);
+                for (d, &(b, off, n)) in send_parts.iter().enumerate() {
+                    offers.push(if n > 0 && d != rank {
+                        let buf = sends.get(b).ok_or(KernelError::Shape {
+                            what: "all-to-all send buffer",
+                            expected: b + 1,
+                            got: sends.len(),
+                        })?;
+                        (gpu.address(buf, off)?, bytes_of::<T>(n))
+                    } else {
+                        (0, 0)
+                    });
+                }
+                let mut recv = recv;
+                if let Some(done) = in_process(*t, gpu, &offers, &mut recv, recv_parts, false) {
+                    done?;
+                    return Ok(Flight::Here(recv, sends));
+                }
+                let mut host = Vec::new();
+                let mut counts = Vec::with_capacity(world);
+                for (d, &(b, off, n)) in send_parts.iter().enumerate() {
+                    if n > 0 && d != rank {
+                        let buf = sends.get(b).ok_or(KernelError::Shape {
+                            what: "all-to-all send buffer",
+                            expected: b + 1,
+                            got: sends.len(),
+                        })?;
+                        host.extend(gpu.download_range(buf, off, n)?);
+                    }
+                    counts.push(if d == rank { 0 } else { n });
+                }
+                let (got, got_counts) =
+                    crate::transport::all_to_all(*t, &host, &counts).map_err(staged)?;
+                let mut at = 0;
+                for (s, (&(off, n), &c)) in recv_parts.iter().zip(&got_counts).enumerate() {
+                    let want = if s == rank { 0 } else { n };
+                    if c != want {
+                        return Err(KernelError::Comm(format!(
+                            "rank {rank}: {c} elements from rank {s}, the plan says {want}"
+                        )));
+                    }
+                    gpu.upload_range(&got[at..at + c], &mut recv, off)?;
+                    at += c;
+                }
+                Ok(Flight::Here(recv, sends))
+            }
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => Ok(Flight::Away(
+                c.start_all_to_all(gpu, sends, send_parts, recv, recv_parts)?,
+            )),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, send_parts, recv_parts);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+
+    /// A timed mark on the communicator's stream (none on one rank).
+    pub(super) fn mark(&self) -> Result<Option<Mark>, KernelError> {
+        match self {
+            Self::Local | Self::Staged(_) => Ok(None),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => Ok(Some(c.mark()?)),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
+        }
+    }
+
+    /// Starts the sum of `buf` over ranks beside the compute stream.
+    pub(super) fn start_sum(
+        &self,
+        gpu: &Gpu,
+        buf: CudaSlice<f32>,
+    ) -> Result<Flight<f32>, KernelError> {
+        match self {
+            Self::Local => Ok(Flight::Here(buf, Vec::new())),
+            Self::Staged(t) => {
+                if let Some(summed) = sum_in_process(gpu, *t, std::slice::from_ref(&buf)) {
+                    let sum = summed?.pop().ok_or_else(|| {
+                        KernelError::Comm("the sum over ranks went missing".into())
+                    })?;
+                    return Ok(Flight::Here(sum, Vec::new()));
+                }
+                let mut buf = buf;
+                let mut host = gpu.download_range(&buf, 0, buf.len())?;
+                t.all_reduce_sum_f32(&mut host).map_err(staged)?;
+                gpu.upload_range(&host, &mut buf, 0)?;
+                Ok(Flight::Here(buf, Vec::new()))
+            }
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => Ok(Flight::Away(c.start_all_reduce_sum_f32(gpu, buf)?)),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => {
+                let _ = (gpu, buf);
+                Err(KernelError::NotCompiledWithNccl)
+            }
+        }
+    }
+
+    /// Waits (with the communicator's deadline) for every collective
+    /// started so far: called before the host waits on the compute stream,
+    /// which may be ordered after them, so a dead peer ends in an error,
+    /// never a hang.
+    pub(super) fn settle(&self) -> Result<(), KernelError> {
+        match self {
+            // The staged collectives are done when they return.
+            Self::Local | Self::Staged(_) => Ok(()),
+            #[cfg(feature = "nccl")]
+            Self::Nccl(c) => c.synchronize(),
+            #[cfg(not(feature = "nccl"))]
+            Self::Nccl(_) => Err(KernelError::NotCompiledWithNccl),
+        }
+    }
+}
+
+/// Bytes of `n` elements of `T`.
+pub(super) fn bytes_of<T>(n: usize) -> u64 {
+    (n * std::mem::size_of::<T>()) as u64
+}
+
+/// An exchange between in-process ranks sharing this GPU (`None` where the
+/// transport's ranks do not share memory): the compute stream is drained,
+/// every rank publishes its parts' device addresses (`offers[d]`: address
+/// and bytes for rank `d`; the swap is recorded as the exchange), copies
+/// the parts addressed to it into `recv` at `recv_parts[s] = (off, n)`
+/// device to device, and waits until every rank has copied before any
+/// send buffer may change. The message to self travels too when `self_too`
+/// (an exchange of whole buffers); otherwise the caller moves it and
+/// offers nothing to itself.
+pub(super) fn in_process<T: kernels::gpu::DeviceRepr>(
+    t: &dyn crate::Transport,
+    gpu: &Gpu,
+    offers: &[(u64, u64)],
+    recv: &mut CudaSlice<T>,
+    recv_parts: &[(usize, usize)],
+    self_too: bool,
+) -> Option<Result<(), KernelError>> {
+    let rank = t.rank();
+    let copy = |got: Vec<(u64, u64)>, recv: &mut CudaSlice<T>| -> Result<(), KernelError> {
+        t.bookkeeping(true).map_err(staged)?;
+        for (s, (&(addr, bytes), &(off, n))) in got.iter().zip(recv_parts).enumerate() {
+            let want = if s == rank && !self_too { 0 } else { n };
+            if bytes != bytes_of::<T>(want) {
+                return Err(KernelError::Comm(format!(
+                    "rank {rank}: {bytes} bytes from rank {s}, the plan says {}",
+                    bytes_of::<T>(want)
+                )));
+            }
+            if want > 0 {
+                // SAFETY: the source published a live part of `bytes`
+                // bytes (checked above) and waits at the fence below
+                // before it may write or free it; this rank waits for its
+                // stream before that fence.
+                unsafe { gpu.copy_from_address(addr, recv, off, want) }?;
+            }
+        }
+        gpu.sync()?;
+        t.bookkeeping(false).map_err(staged)
+    };
+    if let Err(e) = gpu.sync() {
+        return Some(Err(e));
+    }
+    let got = t.swap_offers(offers)?;
+    Some(
+        got.map_err(staged)
+            .and_then(|got| copy(got, recv))
+            .and_then(|()| t.fence().map_err(staged)),
+    )
+}
+
+/// A host transport's error as the device operations report it.
+pub(super) fn staged(e: crate::TransportError) -> KernelError {
+    match e {
+        crate::TransportError::Timeout { rank, timeout_ms } => {
+            KernelError::CommTimeout { rank, timeout_ms }
+        }
+        other => KernelError::Comm(other.to_string()),
+    }
+}
+
+/// An exchange started by [`DeviceComm::start`].
+pub(super) enum Flight<T> {
+    /// One rank: the buffers, untouched.
+    Here(CudaSlice<T>, Vec<CudaSlice<T>>),
+    #[cfg(feature = "nccl")]
+    Away(kernels::comm::InFlight<T>),
+}
+
+impl<T> Flight<T> {
+    /// The rows going out (one rank: the rows handed through).
+    pub(super) fn outgoing(&self) -> Result<&CudaSlice<T>, KernelError> {
+        let sent = match self {
+            Self::Here(r, s) => s.first().or(Some(r)),
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.sends().first(),
+        };
+        sent.ok_or_else(|| KernelError::Comm("an exchange without a send buffer".into()))
+    }
+    #[allow(clippy::type_complexity)]
+    pub(super) fn buffers_mut(
+        &mut self,
+    ) -> Result<(&[CudaSlice<T>], &mut CudaSlice<T>), KernelError> {
+        match self {
+            Self::Here(r, s) => Ok((s, r)),
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.buffers_mut(),
+        }
+    }
+    pub(super) fn recv_mut(&mut self) -> Result<&mut CudaSlice<T>, KernelError> {
+        Ok(self.buffers_mut()?.1)
+    }
+    /// Orders the compute stream after the exchange; the receive buffer
+    /// and the send buffers.
+    pub(super) fn finish(self) -> Result<(CudaSlice<T>, Vec<CudaSlice<T>>), KernelError> {
+        match self {
+            Self::Here(r, s) => Ok((r, s)),
+            #[cfg(feature = "nccl")]
+            Self::Away(f) => f.finish(),
+        }
+    }
+}
+
+/// Sums every buffer over the ranks, in place: the sums start on the
+/// communicator's stream after the work enqueued on the compute stream so
+/// far, and the compute stream is ordered after them (the host does not
+/// wait). One rank: the buffers themselves. The device-resident model's
+/// data-parallel gradients.
+pub fn sum_over_ranks(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    bufs: Vec<CudaSlice<f32>>,
+) -> Result<Vec<CudaSlice<f32>>, LayerError> {
+    if let DeviceComm::Staged(t) = comm {
+        if let Some(summed) = sum_in_process(gpu, t, &bufs) {
+            return Ok(summed?);
+        }
+    }
+    let flights = bufs
+        .into_iter()
+        .map(|b| comm.start_sum(gpu, b))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(flights
+        .into_iter()
+        .map(|f| f.finish().map(|(b, _)| b))
+        .collect::<Result<Vec<_>, _>>()?)
+}
+
+/// [`sum_over_ranks`] between in-process ranks sharing this GPU (`None`
+/// where they do not share memory): every rank publishes its buffers'
+/// addresses (one swap, recorded as one sum of all their bytes, as NCCL
+/// runs the sums in one group), then sums every buffer over the ranks in
+/// rank order from zero, device to device — the host-staged sum's order,
+/// so the same bits — and waits until every rank has read every buffer
+/// before handing the sums back.
+pub(super) fn sum_in_process(
+    gpu: &Gpu,
+    t: &dyn crate::Transport,
+    bufs: &[CudaSlice<f32>],
+) -> Option<Result<Vec<CudaSlice<f32>>, KernelError>> {
+    let world = t.world_size();
+    let addresses = match bufs
+        .iter()
+        .map(|b| gpu.address(b, 0))
+        .collect::<Result<Vec<u64>, KernelError>>()
+    {
+        Ok(a) => a,
+        Err(e) => return Some(Err(e)),
+    };
+    let bytes: u64 = bufs.iter().map(|b| bytes_of::<f32>(b.len())).sum();
+    if let Err(e) = gpu.sync() {
+        return Some(Err(e));
+    }
+    let all = t.swap_sum_addresses(&addresses, bytes)?;
+    let sum = |all: Vec<Vec<u64>>| -> Result<Vec<CudaSlice<f32>>, KernelError> {
+        if all.len() != world || all.iter().any(|a| a.len() != bufs.len()) {
+            return Err(KernelError::Comm(
+                "buffer addresses of another shape from a peer".into(),
+            ));
+        }
+        t.bookkeeping(true).map_err(staged)?;
+        let mut sums = Vec::with_capacity(bufs.len());
+        for (i, b) in bufs.iter().enumerate() {
+            let n = b.len();
+            let mut acc = gpu.zeros::<f32>(n)?;
+            // SAFETY: overwritten by each copy below before it is read.
+            let mut part = unsafe { gpu.uninit::<f32>(n) }?;
+            for peer in &all {
+                // SAFETY: every rank's buffer `i` holds `n` f32 (the ranks
+                // run the same model) and stays untouched until the fence.
+                unsafe { gpu.copy_from_address(peer[i], &mut part, 0, n) }?;
+                gpu.add_f32(&mut acc, &part, n)?;
+            }
+            sums.push(acc);
+        }
+        gpu.sync()?;
+        t.bookkeeping(false).map_err(staged)?;
+        t.fence().map_err(staged)?;
+        Ok(sums)
+    };
+    Some(all.map_err(staged).and_then(sum))
+}
+
+/// Waits, with the communicator's deadline, for every collective started
+/// so far: call it before the host waits on the compute stream after
+/// [`sum_over_ranks`], so a dead peer ends in an error, never a hang. One
+/// rank: nothing to wait for.
+pub fn settle(comm: DeviceComm<'_>) -> Result<(), LayerError> {
+    Ok(comm.settle()?)
+}
+
+/// SMs the experts' GEMMs leave to an exchange running beside them on
+/// several ranks: `LRMOE_COMM_SMS` (read once per process), else 16 (NCCL's send/receive kernels
+/// must find free SMs, or they wait for the persistent GEMM to end).
+pub(super) fn comm_sms(comm: DeviceComm<'_>) -> u32 {
+    // One rank or staged collectives: nothing runs beside the GEMMs.
+    if !matches!(comm, DeviceComm::Nccl(_)) || comm.world_size() == 1 {
+        return 0;
+    }
+    static SMS: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SMS.get_or_init(|| {
+        std::env::var("LRMOE_COMM_SMS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(16)
+    })
+}
+
+/// Keeps [`comm_sms`] SMs out of the GEMMs while it lives.
+pub(super) struct Overlap<'a>(&'a Gpu);
+
+impl<'a> Overlap<'a> {
+    pub(super) fn new(gpu: &'a Gpu, comm: DeviceComm<'_>) -> Self {
+        gpu.set_gemm_sm_reserve(comm_sms(comm));
+        Self(gpu)
+    }
+}
+
+impl Drop for Overlap<'_> {
+    fn drop(&mut self) {
+        self.0.set_gemm_sm_reserve(0);
+    }
+}
+
+/// The parts of an exchange of rows of `width` from one packed buffer
+/// (`send[d]` rows to rank `d`, consecutive) into one packed buffer
+/// (`recv[s]` rows from rank `s`, consecutive), the own rank's message
+/// left out of both (its region of the receive buffer is the caller's).
+#[allow(clippy::type_complexity)]
+pub(super) fn packed_parts(
+    send: &[usize],
+    recv: &[usize],
+    rank: usize,
+    width: usize,
+) -> (Vec<(usize, usize, usize)>, Vec<(usize, usize)>) {
+    let (so, ro) = (exclusive_scan(send), exclusive_scan(recv));
+    let sp = (0..send.len())
+        .map(|d| {
+            let n = if d == rank { 0 } else { send[d] * width };
+            (0, so[d] * width, n)
+        })
+        .collect();
+    let rp = (0..recv.len())
+        .map(|s| {
+            let n = if s == rank { 0 } else { recv[s] * width };
+            (ro[s] * width, n)
+        })
+        .collect();
+    (sp, rp)
+}
+
+/// Starts an exchange of the packed rows `send` (`send_rows[d]` rows of
+/// `width` to rank `d`) into a fresh packed buffer (`recv_rows[s]` rows from
+/// rank `s`); the own rows are copied on the compute stream when
+/// `copy_own` (else their region stays unwritten). One rank: every row is
+/// its own, and `send` is handed through as the received rows.
+pub(super) fn exchange_rows<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    send: CudaSlice<T>,
+    (send_rows, recv_rows): (&[usize], &[usize]),
+    width: usize,
+    copy_own: bool,
+) -> Result<Flight<T>, LayerError> {
+    if comm.world_size() == 1 {
+        return Ok(Flight::Here(send, Vec::new()));
+    }
+    let rank = comm.rank();
+    let (sp, rp) = packed_parts(send_rows, recv_rows, rank, width);
+    let total: usize = recv_rows.iter().sum();
+    // SAFETY: the exchange writes every other rank's region and the copy
+    // below the own one; without `copy_own` the caller reads no row of it.
+    let recv = unsafe { gpu.uninit::<T>(total * width) }?;
+    let mut fl = comm.start(gpu, vec![send], &sp, recv, &rp)?;
+    if copy_own {
+        let (a, b) = (
+            exclusive_scan(send_rows)[rank],
+            exclusive_scan(recv_rows)[rank],
+        );
+        let (sends, recv) = fl.buffers_mut()?;
+        copy_rows(gpu, &sends[0], a, recv, b, (send_rows[rank], width))?;
+    }
+    Ok(fl)
+}
+
+/// Copies `rows` rows of `width` from row `a` of `from` to row `b` of `to`
+/// (the message to self of an exchange).
+pub(super) fn copy_rows<T: kernels::gpu::DeviceRepr>(
+    gpu: &Gpu,
+    from: &CudaSlice<T>,
+    a: usize,
+    to: &mut CudaSlice<T>,
+    b: usize,
+    (rows, width): (usize, usize),
+) -> Result<(), LayerError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    check_at_least("rows to copy", (a + rows) * width, from.len())?;
+    check_at_least("rows to copy into", (b + rows) * width, to.len())?;
+    let v = from.slice(a * width..(a + rows) * width);
+    let mut t = to.slice_mut(b * width..(b + rows) * width);
+    gpu.copy(&v, &mut t)?;
+    Ok(())
+}

@@ -1,0 +1,721 @@
+//! The device forward: route → plan → dispatch → experts → combine, and
+//! the state it keeps for the backward ([`DeviceSaved`]).
+
+use kernels::gpu::{CudaSlice, Gpu, Routed};
+use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs};
+
+use crate::config::MoeConfig;
+use crate::plan::{check_plan, one_instance_each, DevicePlanner, EpPlan};
+use crate::LayerError;
+
+use super::comm::{copy_rows, exchange_rows, packed_parts, Flight, Overlap};
+use super::common::{
+    check_at_least, exclusive_scan, expand, off_rank, permute4, world_of, Laps, OwnedRows,
+    Projections, Wts,
+};
+use super::weights::{local_weights, replica_weights, DeviceWeights, LocalWeights};
+use super::DeviceComm;
+
+/// Forward state kept for the backward: the source's routing, outputs and
+/// norms, and, in calls without replicas, the owner's forward rows.
+pub struct DeviceSaved {
+    pub(super) cfg: MoeConfig,
+    pub(super) tokens: usize,
+    /// This source's pairs that reached an expert (all `tokens · k` unless
+    /// the capacity factor dropped some), in expert-major rows.
+    pub(super) rows: usize,
+    pub(super) per_rank: usize,
+    pub(super) x: CudaSlice<u16>,
+    pub(super) routed: Routed,
+    /// Pair → this source's expert-major row (`DROPPED` for a pair the
+    /// capacity dropped), and row → pair.
+    pub(super) dst: CudaSlice<u32>,
+    pub(super) src: CudaSlice<u32>,
+    /// Pair → row of `o` (send order).
+    pub(super) row_of_pair: CudaSlice<u32>,
+    /// Output rows of this source's pairs, send order (and a zero row for
+    /// dropped pairs).
+    pub(super) o: CudaSlice<u16>,
+    /// `‖h‖²` of this source's pairs, expert-major.
+    pub(super) h_sq: CudaSlice<f32>,
+    /// This source's expert offsets (`E + 1`).
+    pub(super) offsets: Vec<u32>,
+    /// The global expert-major order of the backward's selection.
+    pub(super) order: SelectionOrder,
+    pub(super) counts_all: Vec<Vec<u32>>,
+    pub(super) plan: EpPlan,
+    pub(super) local: Vec<Vec<usize>>,
+    pub(super) weights: Option<LocalWeights>,
+    /// Without replicas in the call, this rank's forward rows as an owner
+    /// (as they arrived), each expert-major row's local expert and the
+    /// group offsets:
+    /// the backward's kept pairs cannot move, so their `x` rows are taken
+    /// from here instead of travelling again.
+    pub(super) owned_rows: Option<OwnedRows>,
+    /// Layer output for this rank's tokens, `T × H`.
+    pub y: CudaSlice<u16>,
+    /// Bytes this rank sent to other ranks in the forward's all-to-alls
+    /// (rows, their outputs and norms, replica weights).
+    pub bytes_sent: usize,
+    /// This rank's auxiliary balancing loss (0 when off) and its gradient
+    /// with respect to every router probability, one per expert.
+    pub aux_loss: f64,
+    pub(super) aux_dp: Option<CudaSlice<f32>>,
+}
+
+impl DeviceSaved {
+    /// Every source's routed pairs per global expert, `[world][experts]`.
+    pub fn routed_counts(&self) -> &[Vec<u32>] {
+        &self.counts_all
+    }
+    /// The call's routed pairs per expert over all sources.
+    pub fn expert_load(&self) -> Vec<u64> {
+        (0..self.cfg.n_experts)
+            .map(|e| self.counts_all.iter().map(|c| u64::from(c[e])).sum())
+            .collect()
+    }
+    /// This call's plan.
+    pub fn plan(&self) -> &EpPlan {
+        &self.plan
+    }
+}
+
+/// The router's output on this rank's tokens (GEMM, biases, softmax,
+/// top-k, counts) and the auxiliary loss's terms.
+pub(super) fn route_rows(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    x: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+    world: usize,
+) -> Result<(Routed, f64, Option<CudaSlice<f32>>), LayerError> {
+    let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let routed = gpu.route(
+        &w.router,
+        x,
+        w.bias.as_ref(),
+        w.sel_bias.as_ref(),
+        (x.len() / h, h, e, k),
+        cfg.renormalize,
+    )?;
+    let (aux_loss, aux_dp) = aux_terms(gpu, planner.aux_loss_coeff(), &routed, world)?;
+    Ok((routed, aux_loss, aux_dp))
+}
+
+/// This source's `p` pairs grouped by expert (stable, pair order), and
+/// under a capacity factor (the baseline) only each expert's first
+/// `crate::router::expert_capacity` pairs: the others reach no expert, in
+/// the forward or the backward.
+pub(super) fn group_and_cap(
+    gpu: &Gpu,
+    routed: &Routed,
+    capacity_factor: Option<f64>,
+    p: usize,
+    e: usize,
+) -> Result<Capped, LayerError> {
+    let base = exclusive_scan(&routed.counts);
+    // SAFETY: idx holds p experts below e (route's output); base is the
+    // prefix sum of route's own counts of those experts.
+    let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
+    match crate::router::expert_capacity(capacity_factor, p, e)? {
+        Some(cap) if routed.counts.iter().any(|&c| c as usize > cap) => {
+            cap_rows(gpu, &routed.counts, cap, &src, &dst, p)
+        }
+        _ => Ok(Capped {
+            counts: routed.counts.clone(),
+            src,
+            dst_fwd: None,
+            dst,
+        }),
+    }
+}
+
+/// The forward's plan as far as it is known before the experts run.
+pub(super) struct ForwardPlan {
+    /// Every rank's rows per expert.
+    pub(super) counts_all: Vec<Vec<u32>>,
+    /// The whole plan, when the call has replica slots (otherwise the
+    /// controller runs while the experts compute).
+    pub(super) early: Option<EpPlan>,
+    /// Without replica slots: every expert's rows to its owner.
+    pub(super) owner_split: Vec<Vec<Vec<u32>>>,
+    /// Each rank's instances.
+    pub(super) local: Vec<Vec<usize>>,
+    /// This source's layout of the split.
+    pub(super) lay: InstanceLayout,
+}
+
+/// Everyone's counts, then the split every rank follows. Without replica
+/// slots (alike on every rank) the split is the routed counts, each
+/// expert's to its owner: the rows go out now and the controller (the
+/// backward's quotas) runs on the host while the experts compute.
+pub(super) fn forward_plan(
+    comm: DeviceComm<'_>,
+    planner: &DevicePlanner,
+    counts: &[u32],
+    (rank, world, el): (usize, usize, usize),
+) -> Result<ForwardPlan, LayerError> {
+    let counts_all = comm.all_gather_counts(counts)?;
+    let early = if planner.owners_only() {
+        None
+    } else {
+        let plan = planner.forward(&counts_all)?;
+        check_plan(&plan, &counts_all, el)?;
+        Some(plan)
+    };
+    let owner_split = match &early {
+        Some(_) => Vec::new(),
+        None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
+    };
+    let (split, local) = match &early {
+        Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
+        None => (
+            &owner_split,
+            (0..world)
+                .map(|r| (r * el..(r + 1) * el).collect())
+                .collect(),
+        ),
+    };
+    let lay = instance_layout(split, &local, rank)?;
+    Ok(ForwardPlan {
+        counts_all,
+        early,
+        owner_split,
+        local,
+        lay,
+    })
+}
+
+/// Each source's expert outputs and `‖h‖²` back to it (the own ones
+/// copied), in the layout the source sent its rows in: `(o, ‖h‖²)` of this
+/// source's `n` rows.
+#[allow(clippy::type_complexity)]
+pub(super) fn return_outputs(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
+    lay: &InstanceLayout,
+    (rank, world, n, h): (usize, usize, usize, usize),
+    laps: &mut Laps,
+) -> Result<(CudaSlice<u16>, CudaSlice<f32>), LayerError> {
+    let soff = exclusive_scan(&lay.send);
+    let own = outs[rank]
+        .take()
+        .ok_or(LayerError::Config("no own rows".into()))?;
+    Ok(if world == 1 {
+        own
+    } else {
+        let mut o_sends = Vec::new();
+        let mut h_sends = Vec::new();
+        let (mut op, mut hp) = (Vec::new(), Vec::new());
+        for (s, out) in outs.into_iter().enumerate() {
+            match out {
+                Some((o, q)) if s != rank => {
+                    op.push((o_sends.len(), 0, lay.recv.from[s] * h));
+                    hp.push((h_sends.len(), 0, lay.recv.from[s]));
+                    o_sends.push(o);
+                    h_sends.push(q);
+                }
+                _ => {
+                    op.push((0, 0, 0));
+                    hp.push((0, 0, 0));
+                }
+            }
+        }
+        // Back in the layout this source sent them in.
+        let orp = packed_parts(&lay.recv.from, &lay.send, rank, h).1;
+        let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
+        // SAFETY: the exchanges write every other rank's region, the copies
+        // the own one.
+        let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
+        let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
+        let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
+        laps.sent(gpu, comm, "o, |h|^2 back")?;
+        copy_rows(
+            gpu,
+            &own.0,
+            0,
+            fo.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], h),
+        )?;
+        copy_rows(
+            gpu,
+            &own.1,
+            0,
+            fh.recv_mut()?,
+            soff[rank],
+            (lay.send[rank], 1),
+        )?;
+        (fo.finish()?.0, fh.finish()?.0)
+    })
+}
+
+/// The source's pairs combined: each pair's row of the returned outputs
+/// (pairs dropped by the capacity point at an extra zero row: their output,
+/// and their router gradient term, are zero), the rows' `‖h‖²` in this
+/// source's grouped order, and `y = Σ_k g · o`.
+#[allow(clippy::type_complexity)]
+pub(super) fn combine_pairs(
+    gpu: &Gpu,
+    (dst, dst_fwd): (&CudaSlice<u32>, Option<&CudaSlice<u32>>),
+    lay: &InstanceLayout,
+    (o, hsq_send): (CudaSlice<u16>, CudaSlice<f32>),
+    routed: &Routed,
+    (tokens, h, k, n): (usize, usize, usize, usize),
+) -> Result<
+    (
+        CudaSlice<u32>,
+        CudaSlice<u16>,
+        CudaSlice<f32>,
+        CudaSlice<u16>,
+    ),
+    LayerError,
+> {
+    let p = tokens * k;
+    let (row_of_pair, o) = match dst_fwd {
+        None => {
+            let send_inv = expand(gpu, &lay.send_inv)?;
+            // SAFETY: dst maps every pair to its grouped row (< n = p, no
+            // drops); send_inv is a permutation of 0..n.
+            (unsafe { gpu.gather32(&send_inv, dst, p) }?, o)
+        }
+        Some(dst_fwd) => {
+            let mut ext = lay.send_inv.clone();
+            ext.push(n as u32, 1);
+            let send_inv = expand(gpu, &ext)?;
+            let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
+            if n > 0 {
+                gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
+            }
+            // SAFETY: dst_fwd maps every pair to a grouped row (< n) or to
+            // n; ext maps 0..n onto the n rows of o and n to the zero row.
+            (unsafe { gpu.gather32(&send_inv, dst_fwd, p) }?, o_ext)
+        }
+    };
+    let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
+    // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
+    // zero row when pairs were dropped).
+    let y =
+        unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), None, (tokens, h, k)) }?;
+    Ok((row_of_pair, o, h_sq, y))
+}
+
+/// An owner's forward rows kept for the backward (calls without
+/// replicas): the rows as they arrived, their expert-major permutation, each
+/// row's expert, and this rank's experts' range `experts` in the global
+/// expert-major order.
+pub(super) fn owned_rows(
+    gpu: &Gpu,
+    lay: &InstanceLayout,
+    (xr, ab): (CudaSlice<u16>, Option<Projections>),
+    goffsets: &[u32],
+    (rank, el): (usize, usize),
+) -> Result<OwnedRows, LayerError> {
+    let experts = rank * el..(rank + 1) * el;
+    let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
+    Ok(OwnedRows {
+        x: xr,
+        ab,
+        perm: if lay.recv.perm.is_identity() {
+            None
+        } else {
+            Some(expand(gpu, &lay.recv.perm)?)
+        },
+        expert: expand(gpu, &key)?,
+        offsets: gpu.upload(&lay.recv.offsets)?,
+        global: (
+            goffsets[experts.start] as usize,
+            goffsets[experts.end] as usize,
+        ),
+    })
+}
+
+/// The forward's rows of this source in destination order: each grouped
+/// row's token of `x` (`n` rows of `h`; a pair's token is `pair / k`).
+pub(super) fn rows_to_send(
+    gpu: &Gpu,
+    x: &CudaSlice<u16>,
+    src: &CudaSlice<u32>,
+    send_order: &Runs,
+    (n, k, h): (usize, usize, usize),
+) -> Result<CudaSlice<u16>, LayerError> {
+    let reordered;
+    let pair_of_send = if send_order.is_identity() {
+        src
+    } else {
+        let send_order = expand(gpu, send_order)?;
+        // SAFETY: send_order is a permutation of the n grouped rows.
+        reordered = unsafe { gpu.gather32(src, &send_order, n) }?;
+        &reordered
+    };
+    // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
+    Ok(unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?)
+}
+
+/// The controller's plan when no replica slot exists (computed while the
+/// experts run): it must keep every pair with its owner.
+pub(super) fn late_plan(
+    planner: &DevicePlanner,
+    counts_all: &[Vec<u32>],
+    owner_split: &[Vec<Vec<u32>>],
+    el: usize,
+) -> Result<EpPlan, LayerError> {
+    let plan = planner.forward(counts_all)?;
+    check_plan(&plan, counts_all, el)?;
+    if plan.forward != owner_split {
+        return Err(LayerError::Config(
+            "the controller placed replicas though the planner has no replica slots".into(),
+        ));
+    }
+    Ok(plan)
+}
+
+/// Forward stage: each source's rows through this rank's instances, in
+/// the instance-major order they came in (no regrouping) — its own rows
+/// while the others travel (and `meanwhile` runs on the host), then every
+/// other source's. Returns the outputs and `‖h‖²` per source, the rows
+/// received, the own rows' projections when `keep` asks for them, and
+/// `meanwhile`'s answer.
+#[allow(clippy::type_complexity)]
+pub(super) fn experts_forward<R>(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    fl: Flight<u16>,
+    lay: &InstanceLayout,
+    (wts, h, f, keep): (Wts<'_>, usize, usize, bool),
+    laps: &mut Laps,
+    meanwhile: impl FnOnce() -> Result<R, LayerError>,
+) -> Result<
+    (
+        Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
+        CudaSlice<u16>,
+        Option<Projections>,
+        R,
+    ),
+    LayerError,
+> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
+    let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
+        (0..world).map(|_| None).collect();
+    let mut kept_ab = None;
+    let overlap = Overlap::new(gpu, comm);
+    {
+        let xs = fl.outgoing()?;
+        let (a, m) = (soff[rank] * h, lay.send[rank] * h);
+        check_at_least("rows to this rank", a + m, xs.len())?;
+        let chunks = &lay.recv.chunks[rank];
+        let rows = xs.slice(a..a + m);
+        outs[rank] = Some(if keep {
+            let (o, h_sq, ab) =
+                gpu.experts_forward_keep(chunks, &rows, wts.into_tuple(), (h, f))?;
+            kept_ab = Some(ab);
+            (o, h_sq)
+        } else {
+            gpu.experts_forward_dev(chunks, &rows, wts.into_tuple(), (h, f))?
+        });
+    }
+    let answer = meanwhile()?;
+    laps.lap(gpu, "experts (own rows)")?;
+    // One rank: its rows are the ones it sent itself.
+    let xr = fl.finish()?.0;
+    drop(overlap);
+    for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
+        let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
+        check_at_least("rows from a source", a + m, xr.len())?;
+        outs[s] = Some(gpu.experts_forward_dev(
+            &lay.recv.chunks[s],
+            &xr.slice(a..a + m),
+            wts.into_tuple(),
+            (h, f),
+        )?);
+    }
+    Ok((outs, xr, kept_ab, answer))
+}
+
+/// The global expert-major order the backward's selection runs in, on the
+/// device.
+pub(super) struct SelectionOrder {
+    /// Global expert-major order (expert, source, pair) → position in the
+    /// all-gathered scores. It also serves as the selection's ids: within
+    /// an expert it increases with (source, pair), the tie rule.
+    pub(super) perm: CudaSlice<u32>,
+    /// Whether `perm` is the identity.
+    pub(super) identity: bool,
+    /// This source's rows' global positions.
+    pub(super) mine: CudaSlice<u32>,
+    /// The global expert offsets (`E + 1`).
+    pub(super) offsets: Vec<u32>,
+    /// The expert of each of this source's expert-major rows.
+    pub(super) expert_of_row: CudaSlice<u32>,
+}
+
+pub(super) fn selection_order(
+    gpu: &Gpu,
+    counts_all: &[Vec<u32>],
+    counts: &[u32],
+    rank: usize,
+    p: usize,
+) -> Result<SelectionOrder, LayerError> {
+    let pack::ep::GlobalOrder {
+        perm,
+        mine,
+        offsets,
+        ..
+    } = global_order(counts_all, rank, p)?;
+    let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
+    Ok(SelectionOrder {
+        identity: perm.is_identity(),
+        perm: expand(gpu, &perm)?,
+        mine: expand(gpu, &mine)?,
+        offsets,
+        expert_of_row: expand(gpu, &expert_of_row)?,
+    })
+}
+
+/// The tokens in `x` (`tokens × hidden`); a length that is not a whole
+/// number of rows is an error.
+pub(super) fn tokens_of(x: &CudaSlice<u16>, h: usize) -> Result<usize, LayerError> {
+    if x.len() % h != 0 && x.len() > 1 {
+        return Err(LayerError::Shape {
+            what: "x (tokens × hidden)".into(),
+            expected: x.len() / h * h,
+            got: x.len(),
+        });
+    }
+    Ok(x.len() / h)
+}
+
+/// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
+/// device); every rank calls it with the same layer, the same tokens per
+/// rank and a planner that answers alike on every rank.
+pub fn forward(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    x: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceSaved, LayerError> {
+    let (rank, world, el) = world_of(comm, cfg)?;
+    let (h, f, k) = (cfg.hidden, cfg.ffn, cfg.top_k);
+    let mut laps = Laps::new(gpu)?;
+    let d = dispatch(gpu, comm, cfg, w, x, planner, &mut laps)?;
+    let (fp, n, p) = (d.fp, d.offsets[cfg.n_experts] as usize, d.tokens * k);
+    // The controller, while the experts compute (owners only).
+    let controller = || match fp.early {
+        Some(plan) => Ok(plan),
+        None => late_plan(planner, &fp.counts_all, &fp.owner_split, el),
+    };
+    // Projections are kept on one rank only, where its own rows are every
+    // row it holds, in the order the backward reads them.
+    let keep_ab = d.keep_rows && world == 1 && planner.keep_projections();
+    let wts = local_weights(w, &d.weights);
+    let lay = &fp.lay;
+    let (outs, xr, ab, plan) = experts_forward(
+        gpu,
+        comm,
+        d.rows,
+        lay,
+        (wts, h, f, keep_ab),
+        &mut laps,
+        controller,
+    )?;
+    laps.lap(gpu, "a2a x + experts")?;
+    // Each source's outputs and norms go back; the own ones are copied.
+    let returned = return_outputs(gpu, comm, outs, lay, (rank, world, n, h), &mut laps)?;
+    laps.lap(gpu, "a2a o")?;
+    let maps = (&d.capped.dst, d.capped.dst_fwd.as_ref());
+    let (row_of_pair, o, h_sq, y) =
+        combine_pairs(gpu, maps, lay, returned, &d.routed, (d.tokens, h, k, n))?;
+    laps.lap(gpu, "combine")?;
+    let order = selection_order(gpu, &fp.counts_all, &d.capped.counts, rank, p)?;
+    let owned_rows = (d.keep_rows)
+        .then(|| owned_rows(gpu, lay, (xr, ab), &order.offsets, (rank, el)))
+        .transpose()?;
+    comm.settle()?;
+    laps.print("forward", rank)?;
+    let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
+    let bytes_sent = sent_rows * h * 2 + off_rank(&lay.recv.from, rank) * 4 + d.w_bytes;
+    Ok(DeviceSaved {
+        cfg: *cfg,
+        tokens: d.tokens,
+        rows: n,
+        per_rank: el,
+        x: x.clone(),
+        routed: d.routed,
+        dst: d.capped.dst,
+        src: d.capped.src,
+        row_of_pair,
+        o,
+        h_sq,
+        offsets: d.offsets,
+        order,
+        counts_all: fp.counts_all,
+        plan,
+        local: fp.local,
+        weights: d.weights,
+        owned_rows,
+        y,
+        bytes_sent,
+        aux_loss: d.aux_loss,
+        aux_dp: d.aux_dp,
+    })
+}
+
+/// The forward up to the experts: this source's routing, the plan as far
+/// as it is known, the replica weights, and its rows on their way out.
+struct Dispatched {
+    tokens: usize,
+    routed: Routed,
+    aux_loss: f64,
+    aux_dp: Option<CudaSlice<f32>>,
+    capped: Capped,
+    /// Expert offsets of this source's rows that reach an expert (`E + 1`).
+    offsets: Vec<u32>,
+    fp: ForwardPlan,
+    weights: Option<LocalWeights>,
+    w_bytes: usize,
+    /// The rows in flight to the experts' instances.
+    rows: Flight<u16>,
+    /// Whether owners keep their forward rows for the backward.
+    keep_rows: bool,
+}
+
+/// Route → group (and cap) → plan → replica weights → rows out.
+fn dispatch(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    cfg: &MoeConfig,
+    w: &DeviceWeights,
+    x: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+    laps: &mut Laps,
+) -> Result<Dispatched, LayerError> {
+    let (rank, world, el) = world_of(comm, cfg)?;
+    let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
+    let tokens = tokens_of(x, h)?;
+    let (routed, aux_loss, aux_dp) = route_rows(gpu, cfg, w, x, planner, world)?;
+    laps.lap(gpu, "route")?;
+    let capped = group_and_cap(gpu, &routed, planner.capacity_factor(), tokens * k, e)?;
+    // Rows reaching an expert (p without dropping), grouped by expert.
+    let offsets = exclusive_scan(&capped.counts);
+    let n = offsets[e] as usize;
+    let fp = forward_plan(comm, planner, &capped.counts, (rank, world, el))?;
+    laps.lap(gpu, "counts+plan")?;
+    let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, fp.early.as_ref(), &fp.local, el)?;
+    laps.lap(gpu, "replica weights")?;
+    let xs = rows_to_send(gpu, x, &capped.src, &fp.lay.send_order, (n, k, h))?;
+    laps.lap(gpu, "pack x")?;
+    // Without replicas (decided from the plan, so alike on every rank)
+    // owners keep their forward rows (source-major) for the backward.
+    let keep_rows = (fp.early.as_ref()).is_none_or(|plan| one_instance_each(&plan.instances));
+    let lay = &fp.lay;
+    let rows = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
+    laps.sent(gpu, comm, "x out")?;
+    Ok(Dispatched {
+        tokens,
+        routed,
+        aux_loss,
+        aux_dp,
+        capped,
+        offsets,
+        fp,
+        weights,
+        w_bytes,
+        rows,
+        keep_rows,
+    })
+}
+
+/// The auxiliary loss and its per-expert probability gradient on the
+/// device (`crate::router::aux_loss_terms`, `P_e` by a column mean on the
+/// GPU); `(0, None)` when off.
+pub(super) fn aux_terms(
+    gpu: &Gpu,
+    alpha: f64,
+    r: &Routed,
+    world: usize,
+) -> Result<(f64, Option<CudaSlice<f32>>), LayerError> {
+    let counts: Vec<u64> = r.counts.iter().map(|&c| u64::from(c)).collect();
+    let (loss, dp) = crate::router::aux_loss_terms(alpha, &counts, r.tokens, world, || {
+        let mean_p = gpu.download(&gpu.col_mean(&r.probs, r.tokens, r.experts)?, r.experts)?;
+        Ok(mean_p.into_iter().map(f64::from).collect())
+    })?;
+    if dp.is_empty() {
+        return Ok((0.0, None));
+    }
+    let dp: Vec<f32> = dp.into_iter().map(|v| v as f32).collect();
+    Ok((loss, Some(gpu.upload(&dp)?)))
+}
+
+/// The rows that reach an expert under a capacity, and their index maps.
+pub(super) struct Capped {
+    /// Rows per expert.
+    pub(super) counts: Vec<u32>,
+    /// Row → pair.
+    pub(super) src: CudaSlice<u32>,
+    /// Pair → row, or `DROPPED`.
+    pub(super) dst: CudaSlice<u32>,
+    /// Pair → row, or the row count for a dropped pair (the forward's
+    /// zero output row); `None` when nothing was dropped.
+    pub(super) dst_fwd: Option<CudaSlice<u32>>,
+}
+
+/// Keeps the first `cap` rows of each expert (rows grouped by expert in
+/// pair order, so the first `cap` pairs of each expert): the host builds
+/// the row maps from the counts, the device composes them with the
+/// grouping.
+pub(super) fn cap_rows(
+    gpu: &Gpu,
+    routed: &[u32],
+    cap: usize,
+    src: &CudaSlice<u32>,
+    dst: &CudaSlice<u32>,
+    p: usize,
+) -> Result<Capped, LayerError> {
+    let counts: Vec<u32> = routed.iter().map(|&c| c.min(cap as u32)).collect();
+    let n: usize = counts.iter().map(|&c| c as usize).sum();
+    let (mut keep, mut place, mut place_fwd) = (
+        Vec::with_capacity(n),
+        Vec::with_capacity(p),
+        Vec::with_capacity(p),
+    );
+    let mut row = 0u32;
+    for (&c, &kept) in routed.iter().zip(&counts) {
+        for i in 0..c {
+            if i < kept {
+                place.push(keep.len() as u32);
+                place_fwd.push(keep.len() as u32);
+                keep.push(row);
+            } else {
+                place.push(kernels::limits::DROPPED);
+                place_fwd.push(n as u32);
+            }
+            row += 1;
+        }
+    }
+    if row as usize != p {
+        return Err(LayerError::Config(format!(
+            "routed counts add up to {row} pairs, {p} routed"
+        )));
+    }
+    let (keep, place, place_fwd) = (
+        gpu.upload(&keep)?,
+        gpu.upload(&place)?,
+        gpu.upload(&place_fwd)?,
+    );
+    // SAFETY: keep holds n rows below p (the grouped rows src maps); dst
+    // maps every pair to one of the p grouped rows, which place and
+    // place_fwd (p entries each) map on.
+    unsafe {
+        Ok(Capped {
+            counts,
+            src: gpu.gather32(src, &keep, n)?,
+            dst: gpu.gather32(&place, dst, p)?,
+            dst_fwd: Some(gpu.gather32(&place_fwd, dst, p)?),
+        })
+    }
+}
