@@ -386,9 +386,9 @@ impl DeviceLayer {
         let out = vec![
             capsule(py, &self.gpu, g.dx, &[saved.tokens, h], true)?,
             capsule(py, &self.gpu, g.router, &[h, e], false)?,
-            capsule(py, &self.gpu, g.gate, &[e, h, f], true)?,
-            capsule(py, &self.gpu, g.up, &[e, h, f], true)?,
-            capsule(py, &self.gpu, g.down, &[e, f, h], true)?,
+            capsule(py, &self.gpu, g.experts.gate, &[e, h, f], true)?,
+            capsule(py, &self.gpu, g.experts.up, &[e, h, f], true)?,
+            capsule(py, &self.gpu, g.experts.down, &[e, f, h], true)?,
         ];
         Ok((out, stats.to_string()))
     }

@@ -175,9 +175,8 @@ pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};
 pub use plan::{
-    check_device_call, check_device_shape, check_plan, check_split, device_plan_call,
-    plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection,
-    TileAlign,
+    check_device_call, check_device_shape, check_plan, check_split, device_plan_call, plan_call,
+    CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection, TileAlign,
 };
 pub use transport::{run_local, run_local_timed, LocalTransport, Transport, TransportError};
 

@@ -134,9 +134,9 @@ fn gpu_layer_matches_the_cpu_layer() {
             ("y", rel(&r.y, &y)),
             ("dx", rel(&r.grads.dx, &dx)),
             ("router", rel32(&r.grads.router, &g.router)),
-            ("gate", rel(&r.grads.gate, &cat(&g, |w| &w.gate))),
-            ("up", rel(&r.grads.up, &cat(&g, |w| &w.up))),
-            ("down", rel(&r.grads.down, &cat(&g, |w| &w.down))),
+            ("gate", rel(&r.grads.experts.gate, &cat(&g, |w| &w.gate))),
+            ("up", rel(&r.grads.experts.up, &cat(&g, |w| &w.up))),
+            ("down", rel(&r.grads.experts.down, &cat(&g, |w| &w.down))),
         ];
         for (name, err) in checks {
             assert!(
@@ -166,8 +166,8 @@ fn gpu_layer_matches_the_cpu_layer() {
             ("y", rel(&c.y, &cy)),
             ("dx", rel(&c.grads.dx, &cdx)),
             ("router", rel32(&c.grads.router, &cg.router)),
-            ("gate", rel(&c.grads.gate, &cat(&cg, |w| &w.gate))),
-            ("down", rel(&c.grads.down, &cat(&cg, |w| &w.down))),
+            ("gate", rel(&c.grads.experts.gate, &cat(&cg, |w| &w.gate))),
+            ("down", rel(&c.grads.experts.down, &cat(&cg, |w| &w.down))),
         ] {
             assert!(
                 err <= 3e-2,
@@ -213,7 +213,7 @@ fn gpu_layer_matches_the_cpu_layer() {
             ("y", rel(&fwd.y, &by)),
             ("dx", rel(&bgr.dx, &bdx)),
             ("router", rel32(&bgr.router, &bg.router)),
-            ("gate", rel(&bgr.gate, &cat(&bg, |w| &w.gate))),
+            ("gate", rel(&bgr.experts.gate, &cat(&bg, |w| &w.gate))),
         ] {
             assert!(
                 err <= 3e-2,
@@ -282,12 +282,12 @@ fn gpu_layer_matches_the_cpu_layer() {
         assert_eq!(pri.grads.router, half.grads.router);
         assert_eq!(pri.grads.kept_pairs, half.grads.kept_pairs);
         assert!(
-            pri.grads.gate.iter().all(|&b| b & 0x7f80 != 0x7f80),
+            pri.grads.experts.gate.iter().all(|&b| b & 0x7f80 != 0x7f80),
             "non-finite gradient"
         );
         if half.grads.kept_pairs > e && half.grads.kept_pairs < t * k {
             assert_ne!(
-                pri.grads.gate, half.grads.gate,
+                pri.grads.experts.gate, half.grads.experts.gate,
                 "priority sampling equals top-q"
             );
         }
@@ -316,9 +316,9 @@ fn gpu_layer_matches_the_cpu_layer() {
             assert_eq!(kept.grads.kept_pairs, plain.grads.kept_pairs);
             for (name, a, b) in [
                 ("dx", &kept.grads.dx, &plain.grads.dx),
-                ("gate", &kept.grads.gate, &plain.grads.gate),
-                ("up", &kept.grads.up, &plain.grads.up),
-                ("down", &kept.grads.down, &plain.grads.down),
+                ("gate", &kept.grads.experts.gate, &plain.grads.experts.gate),
+                ("up", &kept.grads.experts.up, &plain.grads.experts.up),
+                ("down", &kept.grads.experts.down, &plain.grads.experts.down),
             ] {
                 if ratio == 1.0 {
                     assert_eq!(a, b, "keep_projections {name} (r = {ratio})");
@@ -533,8 +533,16 @@ fn in_process_exchange_equals_host_staging_bit_for_bit() {
                     assert_eq!(a.grads.dx, b.grads.dx, "{what}: dx");
                     assert_eq!(a.grads.router, b.grads.router, "{what}: router");
                     assert_eq!(
-                        (&a.grads.gate, &a.grads.up, &a.grads.down),
-                        (&b.grads.gate, &b.grads.up, &b.grads.down),
+                        (
+                            &a.grads.experts.gate,
+                            &a.grads.experts.up,
+                            &a.grads.experts.down
+                        ),
+                        (
+                            &b.grads.experts.gate,
+                            &b.grads.experts.up,
+                            &b.grads.experts.down
+                        ),
                         "{what}: experts"
                     );
                     assert_eq!(a.grads.kept_total, b.grads.kept_total, "{what}");

@@ -1050,9 +1050,9 @@ mod imp {
                     bg.into_iter().map(|x| (Share::Dense, x)).collect();
                 bg.extend([
                     (Share::Router, Grad::F32(mg.router)),
-                    (Share::Expert, Grad::Bf16(mg.gate)),
-                    (Share::Expert, Grad::Bf16(mg.up)),
-                    (Share::Expert, Grad::Bf16(mg.down)),
+                    (Share::Expert, Grad::Bf16(mg.experts.gate)),
+                    (Share::Expert, Grad::Bf16(mg.experts.up)),
+                    (Share::Expert, Grad::Bf16(mg.experts.down)),
                 ]);
                 block_grads.push(bg);
             }

@@ -8,7 +8,7 @@ use kernels::gpu::{CudaSlice, Gpu};
 use kernels::KernelError;
 use pack::ep::{instance_layout, replica_traffic, InstanceLayout};
 
-use crate::config::MoeConfig;
+use crate::config::{Experts, MoeConfig};
 use crate::plan::{check_split, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
 
@@ -518,13 +518,7 @@ pub(super) fn experts_backward(
     wts: Wts<'_>,
     (h, f): (usize, usize),
     laps: &mut Laps,
-) -> Result<
-    (
-        CudaSlice<u16>,
-        (CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>),
-    ),
-    LayerError,
-> {
+) -> Result<(CudaSlice<u16>, Experts<CudaSlice<u16>>), LayerError> {
     let (dxk, rest) = match abk {
         Some(ab) => {
             gpu.experts_backward_data_from(&lay.recv.offsets, ab, dk, wts.into_tuple(), (h, f))?
@@ -540,7 +534,8 @@ pub(super) fn experts_backward(
     let dx_fl = exchange_rows(gpu, comm, dx_src, (&lay.recv.from, &lay.send), h, true)?;
     laps.sent(gpu, comm, "dX back")?;
     let overlap = Overlap::new(gpu, comm);
-    let grads = gpu.experts_backward_weights(rest, xk, dk)?;
+    let (gate, up, down) = gpu.experts_backward_weights(rest, xk, dk)?;
+    let grads = Experts { gate, up, down };
     laps.lap(gpu, "experts dW")?;
     let dx_rows = dx_fl.finish()?.0;
     drop(overlap);
@@ -610,8 +605,7 @@ pub fn backward(
     }?;
     let router = router_fl.finish()?.0;
     laps.lap(gpu, "scatter")?;
-    let ((gate, up, down), g_bytes) =
-        owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, grads)?;
+    let (experts, g_bytes) = owner_gradients(gpu, comm, cfg, &sv.plan, &sv.local, el, grads)?;
     comm.settle()?;
     laps.lap(gpu, "replica grads")?;
     laps.print("backward", rank)?;
@@ -624,9 +618,7 @@ pub fn backward(
     Ok(DeviceGrads {
         dx,
         router,
-        gate,
-        up,
-        down,
+        experts,
         kept_pairs: lay.recv.perm.len,
         kept_total: ks.kept.iter().flatten().map(|&c| c as usize).sum(),
         bytes_sent: t * k * 4 * (world - 1) + rows * h * 2 + g_bytes,
@@ -644,12 +636,12 @@ pub(super) fn owner_gradients(
     plan: &EpPlan,
     local: &[Vec<usize>],
     el: usize,
-    (gg, gu, gd): (CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>),
-) -> Result<((CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), usize), LayerError> {
+    grads: Experts<CudaSlice<u16>>,
+) -> Result<(Experts<CudaSlice<u16>>, usize), LayerError> {
     let rank = comm.rank();
     let hf = cfg.hidden * cfg.ffn;
     if one_instance_each(&plan.instances) {
-        return Ok(((gg, gu, gd), 0));
+        return Ok((grads, 0));
     }
     let traffic = replica_traffic(&plan.instances, local, rank, el);
     let below = traffic.below;
@@ -660,8 +652,7 @@ pub(super) fn owner_gradients(
         &traffic.weights_send,
         &traffic.grads_in,
     );
-    let mut out = Vec::with_capacity(3);
-    for g in [&gg, &gu, &gd] {
+    let owners_sum = |g: &CudaSlice<u16>| -> Result<CudaSlice<u16>, LayerError> {
         let packed = pack_blocks(gpu, g, out_blocks, hf)?;
         let got = comm.exchange(gpu, packed, &elems(send, hf), &elems(recv, hf))?;
         // This rank's block of the instance gradients.
@@ -675,15 +666,12 @@ pub(super) fn owner_gradients(
             let mut to = own.slice_mut(b * hf..(b + 1) * hf);
             gpu.copy(&sum.slice(0..hf), &mut to)?;
         }
-        out.push(own);
-    }
-    let down = out.pop();
-    let up = out.pop();
-    let gate = out.pop();
-    match (gate, up, down) {
-        (Some(a), Some(b), Some(c)) => Ok(((a, b, c), out_blocks.len() * 3 * hf * 2)),
-        _ => Err(LayerError::Config(
-            "owner_gradients: three tensors expected".into(),
-        )),
-    }
+        Ok(own)
+    };
+    let summed = Experts {
+        gate: owners_sum(&grads.gate)?,
+        up: owners_sum(&grads.up)?,
+        down: owners_sum(&grads.down)?,
+    };
+    Ok((summed, out_blocks.len() * 3 * hf * 2))
 }

@@ -4,7 +4,7 @@
 use kernels::cpu::random_bf16;
 use kernels::gpu::Gpu;
 
-use crate::config::MoeConfig;
+use crate::config::{Experts, MoeConfig};
 use crate::plan::DevicePlanner;
 use crate::LayerError;
 
@@ -79,9 +79,11 @@ pub fn backward_host(
     Ok(HostGrads {
         dx: gpu.download(&g.dx, t * h)?,
         router: gpu.download(&g.router, h * e)?,
-        gate: gpu.download(&g.gate, ew)?,
-        up: gpu.download(&g.up, ew)?,
-        down: gpu.download(&g.down, ew)?,
+        experts: Experts {
+            gate: gpu.download(&g.experts.gate, ew)?,
+            up: gpu.download(&g.experts.up, ew)?,
+            down: gpu.download(&g.experts.down, ew)?,
+        },
         kept_pairs: g.kept_pairs,
         kept_total: g.kept_total,
         bytes_sent: g.bytes_sent,

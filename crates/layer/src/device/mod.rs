@@ -193,11 +193,7 @@ pub struct Grads<B, R> {
     pub router: R,
     /// This rank's experts' gradients (replicas' summed in): gate and up
     /// `E_l × H × F`, down `E_l × F × H`.
-    pub gate: B,
-    /// See `gate`.
-    pub up: B,
-    /// See `gate`.
-    pub down: B,
+    pub experts: crate::config::Experts<B>,
     /// Kept pairs this rank's instances processed.
     pub kept_pairs: usize,
     /// Kept pairs over all ranks (what the selection kept).

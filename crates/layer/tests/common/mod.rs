@@ -170,9 +170,18 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
             let checks = [
                 ("y", rel(&f32s(&got.y), &f32s(&tok(&want.y)))),
                 ("dx", rel(&f32s(&gg.dx), &f32s(&tok(&wg.dx)))),
-                ("gate", rel(&f32s(&gg.gate), &f32s(&blk(&wg.gate)))),
-                ("up", rel(&f32s(&gg.up), &f32s(&blk(&wg.up)))),
-                ("down", rel(&f32s(&gg.down), &f32s(&blk(&wg.down)))),
+                (
+                    "gate",
+                    rel(&f32s(&gg.experts.gate), &f32s(&blk(&wg.experts.gate))),
+                ),
+                (
+                    "up",
+                    rel(&f32s(&gg.experts.up), &f32s(&blk(&wg.experts.up))),
+                ),
+                (
+                    "down",
+                    rel(&f32s(&gg.experts.down), &f32s(&blk(&wg.experts.down))),
+                ),
                 ("router", rel(&f64s(&gg.router), &f64s(&wg.router))),
             ];
             for (name, err) in checks {
@@ -187,7 +196,12 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
             if retention == 0.0 {
                 // No pair kept: no expert gradient, on either side.
                 assert_eq!(wg.kept_pairs, 0);
-                assert!(wg.gate.iter().chain(&gg.gate).all(|&b| b & 0x7fff == 0));
+                assert!(wg
+                    .experts
+                    .gate
+                    .iter()
+                    .chain(&gg.experts.gate)
+                    .all(|&b| b & 0x7fff == 0));
             }
             if which == "hot" && slots > 0 && retention == 1.0 && me != 0 {
                 // Replicas move the hot experts' work onto this rank.
@@ -203,7 +217,11 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
                     "hot router: rank {me}'s experts kept pairs"
                 );
                 assert!(
-                    gg.gate.iter().chain(&gg.down).all(|&b| b & 0x7fff == 0),
+                    gg.experts
+                        .gate
+                        .iter()
+                        .chain(&gg.experts.down)
+                        .all(|&b| b & 0x7fff == 0),
                     "hot router: rank {me}'s experts have gradients"
                 );
             }
@@ -285,8 +303,14 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
             let checks = [
                 ("y", rel(&f32s(&fwd.y), &f32s(&tok(&want.y)))),
                 ("dx", rel(&f32s(&got.dx), &f32s(&tok(&wg.dx)))),
-                ("gate", rel(&f32s(&got.gate), &f32s(&blk(&wg.gate)))),
-                ("down", rel(&f32s(&got.down), &f32s(&blk(&wg.down)))),
+                (
+                    "gate",
+                    rel(&f32s(&got.experts.gate), &f32s(&blk(&wg.experts.gate))),
+                ),
+                (
+                    "down",
+                    rel(&f32s(&got.experts.down), &f32s(&blk(&wg.experts.down))),
+                ),
             ];
             for (name, err) in checks {
                 assert!(
@@ -334,9 +358,9 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
         assert_eq!(top_y, pri_y);
         assert_eq!(top.router, pri.router);
         assert_eq!(top.kept_total, pri.kept_total);
-        let g = f32s(&pri.gate);
+        let g = f32s(&pri.experts.gate);
         assert!(g.iter().all(|v| v.is_finite()) && g.iter().any(|&v| v != 0.0));
-        let d = rel(&f32s(&pri.gate), &f32s(&top.gate));
+        let d = rel(&f32s(&pri.experts.gate), &f32s(&top.experts.gate));
         assert!(
             d > 0.0,
             "priority sampling kept the top-q pairs with unit weights"
@@ -428,9 +452,9 @@ pub fn device_executor_suite(gpu: &Gpu, comm: DeviceComm<'_>, t: &dyn Transport)
             let checks = [
                 ("y", rel(&f64s(&got.y), &want_y)),
                 ("dx", rel(&f64s(&g.dx), &want_dx)),
-                ("gate", rel(&f64s(&g.gate), &wcat(|w| &w.gate))),
-                ("up", rel(&f64s(&g.up), &wcat(|w| &w.up))),
-                ("down", rel(&f64s(&g.down), &wcat(|w| &w.down))),
+                ("gate", rel(&f64s(&g.experts.gate), &wcat(|w| &w.gate))),
+                ("up", rel(&f64s(&g.experts.up), &wcat(|w| &w.up))),
+                ("down", rel(&f64s(&g.experts.down), &wcat(|w| &w.down))),
                 (
                     "router",
                     rel(
