@@ -128,8 +128,8 @@ impl<T: Real> MoeParams<T> {
     /// Checks every tensor's length against `cfg`.
     pub fn validate(&self, cfg: &MoeConfig) -> Result<(), LayerError> {
         let (h, f) = (cfg.hidden, cfg.ffn);
-        shape("router".into(), h * cfg.n_experts, self.router.len())?;
-        shape("experts".into(), cfg.n_experts, self.experts.len())?;
+        shape("router", h * cfg.n_experts, self.router.len())?;
+        shape("experts", cfg.n_experts, self.experts.len())?;
         for (i, e) in self.experts.iter().enumerate() {
             shape(format!("experts[{i}].gate"), h * f, e.gate.len())?;
             shape(format!("experts[{i}].up"), h * f, e.up.len())?;
@@ -161,14 +161,38 @@ impl<T: Real> MoeParams<T> {
     }
 }
 
-pub(crate) fn shape(what: String, expected: usize, got: usize) -> Result<(), LayerError> {
-    if expected == got {
+/// `got == expected`, or the shape error naming `what`.
+pub(crate) fn shape(
+    what: impl Into<String>,
+    expected: usize,
+    got: usize,
+) -> Result<(), LayerError> {
+    if got == expected {
         Ok(())
     } else {
-        Err(LayerError::Shape {
-            what,
-            expected,
-            got,
-        })
+        Err(shape_error(what, expected, got))
+    }
+}
+
+/// `got >= expected` (a buffer at least that long), or the shape error
+/// naming `what` (the device executor's buffers).
+#[cfg(feature = "cuda")]
+pub(crate) fn at_least(
+    what: impl Into<String>,
+    expected: usize,
+    got: usize,
+) -> Result<(), LayerError> {
+    if got >= expected {
+        Ok(())
+    } else {
+        Err(shape_error(what, expected, got))
+    }
+}
+
+fn shape_error(what: impl Into<String>, expected: usize, got: usize) -> LayerError {
+    LayerError::Shape {
+        what: what.into(),
+        expected,
+        got,
     }
 }

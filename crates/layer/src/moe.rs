@@ -516,7 +516,7 @@ pub fn backward<T: Real, X: Transport>(
     dy: &[T],
 ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), LayerError> {
     let n_tok = saved.x.len() / cfg.hidden;
-    shape("dy".into(), n_tok * cfg.hidden, dy.len())?;
+    shape("dy", n_tok * cfg.hidden, dy.len())?;
     if dy.iter().any(|v| !v.is_finite()) {
         return Err(LayerError::NonFinite("output gradient"));
     }

@@ -499,7 +499,7 @@ pub fn device_plan_call(
     let counts: Vec<Vec<u64>> = routed
         .iter()
         .map(|row| {
-            shape("routed counts".into(), cfg.n_experts, row.len())?;
+            shape("routed counts", cfg.n_experts, row.len())?;
             Ok(row.iter().map(|&c| u64::from(c)).collect())
         })
         .collect::<Result<_, LayerError>>()?;

@@ -5,9 +5,10 @@
 use kernels::gpu::{CudaSlice, Gpu, Mark};
 use kernels::KernelError;
 
+use crate::config::at_least;
 use crate::LayerError;
 
-use super::common::{check_at_least, exclusive_scan};
+use super::common::exclusive_scan;
 use super::DeviceComm;
 
 impl DeviceComm<'_> {
@@ -545,8 +546,8 @@ pub(super) fn copy_rows<T: kernels::gpu::DeviceRepr>(
     if rows == 0 {
         return Ok(());
     }
-    check_at_least("rows to copy", (a + rows) * width, from.len())?;
-    check_at_least("rows to copy into", (b + rows) * width, to.len())?;
+    at_least("rows to copy", (a + rows) * width, from.len())?;
+    at_least("rows to copy into", (b + rows) * width, to.len())?;
     let v = from.slice(a * width..(a + rows) * width);
     let mut t = to.slice_mut(b * width..(b + rows) * width);
     gpu.copy(&v, &mut t)?;

@@ -5,6 +5,7 @@ use kernels::gpu::{CudaSlice, Gpu, Mark};
 use kernels::KernelError;
 use pack::ep::{experts_per_rank, Runs};
 
+use crate::config::{at_least, shape};
 use crate::config::{Experts, MoeConfig};
 use crate::plan::check_device_shape;
 use crate::LayerError;
@@ -140,18 +141,6 @@ pub(super) fn expand(gpu: &Gpu, map: &Runs) -> Result<CudaSlice<u32>, LayerError
     Ok(gpu.expand_runs_dev(&map.flat(), map.step, map.len)?)
 }
 
-pub(super) fn check_len(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
-    if expected == got {
-        Ok(())
-    } else {
-        Err(LayerError::Shape {
-            what: what.into(),
-            expected,
-            got,
-        })
-    }
-}
-
 /// `rows[perm[j]]` for the `perm.len()` rows of `width` of `rows`; the
 /// buffer itself when `perm` is the identity (one rank's layouts). Every
 /// `perm` here is a `pack::ep` layout's (`recv.perm`, `recv.inv`,
@@ -167,7 +156,7 @@ pub(super) fn permute_rows(
         return Ok(rows);
     }
     let n = perm.len;
-    check_at_least("rows to permute", n * width, rows.len())?;
+    at_least("rows to permute", n * width, rows.len())?;
     let pd = expand(gpu, perm)?;
     // SAFETY: perm is a permutation of 0..n (a `pack::ep` layout) and rows
     // holds n rows (checked above).
@@ -184,23 +173,11 @@ pub(super) fn permute4<T: kernels::gpu::DeviceRepr + kernels::gpu::ValidAsZeroBi
     if perm.is_identity() {
         return Ok(vals);
     }
-    check_at_least("values to permute", perm.len, vals.len())?;
+    at_least("values to permute", perm.len, vals.len())?;
     let pd = expand(gpu, perm)?;
     // SAFETY: perm is a permutation of 0..perm.len (a `pack::ep` layout)
     // over as many values (checked above).
     Ok(unsafe { gpu.gather32(&vals, &pd, perm.len) }?)
-}
-
-pub(super) fn check_at_least(what: &str, expected: usize, got: usize) -> Result<(), LayerError> {
-    if got >= expected {
-        Ok(())
-    } else {
-        Err(LayerError::Shape {
-            what: what.into(),
-            expected,
-            got,
-        })
-    }
 }
 
 /// One finite value per expert, uploaded.
@@ -210,7 +187,7 @@ pub(super) fn per_expert(
     v: &[f32],
     what: &'static str,
 ) -> Result<CudaSlice<f32>, LayerError> {
-    check_len(&format!("{what} (one per expert)"), cfg.n_experts, v.len())?;
+    shape(format!("{what} (one per expert)"), cfg.n_experts, v.len())?;
     if v.iter().any(|b| !b.is_finite()) {
         return Err(LayerError::NonFinite(what));
     }

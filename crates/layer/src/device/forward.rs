@@ -4,14 +4,14 @@
 use kernels::gpu::{CudaSlice, Gpu, Routed};
 use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs};
 
+use crate::config::at_least;
 use crate::config::MoeConfig;
 use crate::plan::{check_plan, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
 
 use super::comm::{copy_rows, exchange_rows, packed_parts, Flight, Overlap};
 use super::common::{
-    check_at_least, exclusive_scan, expand, off_rank, permute4, world_of, Laps, OwnedRows,
-    Projections, Wts,
+    exclusive_scan, expand, off_rank, permute4, world_of, Laps, OwnedRows, Projections, Wts,
 };
 use super::weights::{local_weights, replica_weights, DeviceWeights, LocalWeights};
 use super::DeviceComm;
@@ -405,7 +405,7 @@ pub(super) fn experts_forward<R>(
     {
         let xs = fl.outgoing()?;
         let (a, m) = (soff[rank] * h, lay.send[rank] * h);
-        check_at_least("rows to this rank", a + m, xs.len())?;
+        at_least("rows to this rank", a + m, xs.len())?;
         let chunks = &lay.recv.chunks[rank];
         let rows = xs.slice(a..a + m);
         outs[rank] = Some(if keep {
@@ -424,7 +424,7 @@ pub(super) fn experts_forward<R>(
     drop(overlap);
     for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
         let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
-        check_at_least("rows from a source", a + m, xr.len())?;
+        at_least("rows from a source", a + m, xr.len())?;
         outs[s] = Some(gpu.experts_forward_dev(
             &lay.recv.chunks[s],
             &xr.slice(a..a + m),

@@ -4,12 +4,13 @@
 use kernels::cpu::random_bf16;
 use kernels::gpu::Gpu;
 
+use crate::config::shape;
 use crate::config::{Experts, MoeConfig};
 use crate::plan::DevicePlanner;
 use crate::LayerError;
 
 use super::backward::backward;
-use super::common::{check_len, world_of};
+use super::common::world_of;
 use super::forward::forward;
 use super::weights::{random_weights, set_logit_bias, set_selection_bias, weights};
 use super::{DeviceComm, HostForward, HostGrads};
@@ -71,7 +72,7 @@ pub fn backward_host(
 ) -> Result<HostGrads, LayerError> {
     let (w, sv) = (&fwd.state.0, &fwd.state.1);
     let cfg = &sv.cfg;
-    check_len("dy", fwd.tokens * cfg.hidden, dy.len())?;
+    shape("dy", fwd.tokens * cfg.hidden, dy.len())?;
     let dyd = gpu.upload(dy)?;
     let g = backward(gpu, comm, w, sv, &dyd, planner)?;
     let (t, h, e) = (fwd.tokens, cfg.hidden, cfg.n_experts);

@@ -6,11 +6,12 @@ use kernels::cpu::{fan_in_scaled, random_bf16};
 use kernels::gpu::{CudaSlice, Gpu};
 use pack::ep::replica_traffic;
 
+use crate::config::shape;
 use crate::config::{Experts, MoeConfig};
 use crate::plan::{one_instance_each, EpPlan};
 use crate::LayerError;
 
-use super::common::{check_len, elems, pack_blocks, per_expert, world_of, Wts};
+use super::common::{elems, pack_blocks, per_expert, world_of, Wts};
 use super::DeviceComm;
 
 /// One rank's weights on its device, bf16: the router `H × E` (every rank
@@ -42,10 +43,10 @@ pub fn weights(
 ) -> Result<DeviceWeights, LayerError> {
     let (_, _, el) = world_of(comm, cfg)?;
     let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
-    check_len("router", h * e, router.len())?;
-    check_len("gate (this rank's experts)", el * h * f, gate.len())?;
-    check_len("up (this rank's experts)", el * h * f, up.len())?;
-    check_len("down (this rank's experts)", el * f * h, down.len())?;
+    shape("router", h * e, router.len())?;
+    shape("gate (this rank's experts)", el * h * f, gate.len())?;
+    shape("up (this rank's experts)", el * h * f, up.len())?;
+    shape("down (this rank's experts)", el * f * h, down.len())?;
     Ok(DeviceWeights {
         router: gpu.upload(router)?,
         bias: None,
