@@ -10,12 +10,20 @@
 #           layers of the Qwen3-30B-A3B shape, 8 × 2048), same global batch
 #           at every N: wall tokens/s and the simulated step
 #           (metrics.jsonl's `simulated`);
-#   compare `lrmoe train --compare` on qwen3-moe-mini with CMP_RANKS
-#           (default 8) staged ranks under one budget (`--fit-budget`):
-#           full, replicate, lrmoe, capacity to TARGET (default 1.9) within
-#           CMP_STEPS (default 300) or CMP_MIN minutes (default 1.6) each,
-#           the simulated times beside the measured ones; SKEW sets
-#           `moe.zipf_skew` (default 0).
+#   compare `lrmoe train --compare` on CMP_MODEL (mini, default: 32 × 512
+#           tokens a step, evaluations every 25 steps; a3b2: two layers of
+#           the Qwen3-30B-A3B shape, 32 × 512 — four sequences per rank at
+#           8 ranks, so fixed ownership can micro-batch — evaluations every
+#           10 steps) with CMP_RANKS (default 8) staged ranks under one
+#           budget (`--fit-budget`): MODES (default full, replicate, lrmoe,
+#           capacity) to TARGET (default 1.9; 2.4 for a3b2) within CMP_STEPS
+#           (default 300) or CMP_MIN minutes (default 1.6) each, the
+#           simulated times beside the measured ones; SKEW sets
+#           `moe.zipf_skew` (default 0), RULE `moe.selection_rule`
+#           (default priority; top_q is the paper's), SEED the seed.
+#           The A3B-shape table of docs/benchmarks.md:
+#           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
+#             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-sim-bench && cp target/release/lrmoe-sim-bench .device/
@@ -75,21 +83,27 @@ P
   done
 fi
 if part compare; then
+  case ${CMP_MODEL:-mini} in
+    mini) cmpj="examples/qwen3-moe-mini.config.json"; every=25; evals=2; target=${TARGET:-1.9} ;;
+    a3b2) cmpj="examples/qwen3-30b-a3b.config.json --layers 2"; every=10; evals=1; target=${TARGET:-2.4} ;;
+  esac
   cat > /tmp/cmp.toml <<T
 [data]
 seq_len = 512
 batch_size = 32
 [moe]
 zipf_skew = ${SKEW:-0.0}
+selection_rule = "${RULE:-priority}"
 [run]
-eval_every = 25
-eval_batches = 2
+eval_every = $every
+eval_batches = $evals
 checkpoint = false
 T
+  # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
   time timeout 590 .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
-    --model-config examples/qwen3-moe-mini.config.json --config /tmp/cmp.toml --steps ${CMP_STEPS:-300} \
+    --model-config $cmpj --config /tmp/cmp.toml --steps ${CMP_STEPS:-300} \
     --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} --fit-budget \
-    --target-val-loss ${TARGET:-1.9} --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp" --no-progress > "$OUT/cmp.log" 2>&1
+    --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp" --no-progress > "$OUT/cmp.log" 2>&1
   echo "compare: rc=$?"
   grep -E "^\||^Target" "$OUT/cmp.log"
   grep -iE "error|panicked" "$OUT/cmp.log" | head -3
