@@ -286,12 +286,13 @@ pub struct MoeSection {
     /// nearly empty block would cost a full block of work in each of the
     /// backward's five data GEMMs (see `quota::align_to_tiles`). 0 = off.
     pub tile_trim: f64,
-    /// Device executor without replicas (one GPU, or expert parallelism in
-    /// `full` mode): keep each expert row's projections `x·W_gate`,
-    /// `x·W_up` from the forward (`2 · ffn` bf16 values a routed pair, on
-    /// one rank) so the backward skips recomputing them — two grouped
-    /// GEMMs fewer, the memory PyTorch's layer spends the same way. Off by
-    /// default: LRMoE spends that memory on token buffers instead.
+    /// The device model on one rank (`--device cuda`, `moe.ranks = 1`):
+    /// keep each expert row's projections `x·W_gate`, `x·W_up` from the
+    /// forward (`2 · ffn` bf16 values a routed pair) so the backward skips
+    /// recomputing them — two grouped GEMMs fewer, the memory PyTorch's
+    /// layer spends the same way. Elsewhere it has no effect (the run says
+    /// so once). Off by default: LRMoE spends that memory on token buffers
+    /// instead.
     pub keep_projections: bool,
 }
 
@@ -1740,6 +1741,11 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         replicas: vec![],
     };
     let call = run_call_config(cfg, opts, &mcfg, &placement, whole_gpu);
+    if cfg.moe.keep_projections && !(whole_gpu && ranks == 1) {
+        tracing::warn!(
+            "moe.keep_projections has no effect here: it applies to the device model on one rank (--device cuda, moe.ranks = 1)"
+        );
+    }
     let run = MoeRun {
         placement: &placement,
         backward: &call,
