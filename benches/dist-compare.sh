@@ -10,4 +10,4 @@
 timeout 590 .device/lrmoe launch --nproc 2 -- train --config "${CONFIG:-benches/hot-compare.toml}" \
   --compare --modes "${MODES:-full,replicate,lrmoe}" --target-val-loss "${TARGET:-2.0}" \
   --max-minutes "${MINUTES:-2.5}" --device "${DEVICE:-cpu}" --executor "${EXECUTOR:-host}" \
-  --out "$OUT/compare${TAG:-}" --no-progress 2>&1 | grep -v "INFO lrmoe::train: eval" | tail -20
+  --out "$OUT/compare${TAG:-}" --no-progress 2>&1 | grep -vE "INFO lrmoe::train(::[a-z_]+)?: eval" | tail -20

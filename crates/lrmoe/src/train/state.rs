@@ -1,0 +1,84 @@
+//! What a rank carries from step to step ([`State`]) and what rank 0 has
+//! logged ([`Logged`]).
+
+use crate::data::SplitMix;
+use crate::model::Model;
+use crate::optim::AdamWState;
+
+use super::metrics::StepMetrics;
+use super::EvalPoint;
+
+/// The training state a checkpoint holds.
+#[derive(Clone)]
+pub(super) struct State {
+    pub(super) model: Model<f32>,
+    pub(super) adam: AdamWState<f32>,
+    pub(super) step: usize,
+    pub(super) rng: SplitMix,
+    pub(super) evals: Vec<EvalPoint>,
+    pub(super) wall_s: f64,
+    pub(super) moe_s: f64,
+    /// Simulated training and MoE-layer time so far (rank 0 of timed
+    /// in-process ranks; a resumed run starts from its last evaluation's).
+    pub(super) sim: Option<(f64, f64)>,
+    /// Each layer's balancing bias (`moe.expert_bias_rate`; empty when off).
+    pub(super) expert_bias: Vec<Vec<f64>>,
+    /// Each layer's routed pairs per expert in the last step (all ranks;
+    /// SYMI-like replicas follow it; not in the checkpoint: a resumed run's
+    /// first step has no history).
+    pub(super) last_load: Vec<Vec<u64>>,
+    /// The run's kept fractions and buffers so far (not in the checkpoint:
+    /// a resumed run reads them back from `metrics.jsonl` as it cuts it
+    /// back, [`truncate_metrics`]).
+    pub(super) logged: Logged,
+}
+
+/// Sums over the layer calls a run has logged, for its summary.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Logged {
+    pub(super) kept_sum: f64,
+    pub(super) kept_n: usize,
+    pub(super) max_buffer: u64,
+    pub(super) max_experts: u64,
+    pub(super) max_rank_peak: u64,
+}
+
+impl Logged {
+    pub(super) fn add(&mut self, kept_fraction: f64, buffer_bytes: u64) {
+        self.kept_sum += kept_fraction;
+        self.kept_n += 1;
+        self.max_buffer = self.max_buffer.max(buffer_bytes);
+    }
+
+    /// The mean kept fraction (1 where no layer call was logged).
+    pub(super) fn mean_kept(&self) -> f64 {
+        if self.kept_n > 0 {
+            self.kept_sum / self.kept_n as f64
+        } else {
+            1.0
+        }
+    }
+
+    /// Adds one step as it is logged (its twin for a line read back is
+    /// [`Logged::add_line`]).
+    pub(super) fn add_step(&mut self, m: &StepMetrics) {
+        self.max_experts = self.max_experts.max(m.expert_bytes);
+        self.max_rank_peak = self.max_rank_peak.max(m.rank_peak_bytes);
+        for l in &m.layers {
+            self.add(l.kept_fraction, l.buffer_bytes);
+        }
+    }
+
+    /// Adds the layer calls of one `metrics.jsonl` line.
+    pub(super) fn add_line(&mut self, line: &serde_json::Value) {
+        let experts = line["expert_bytes"].as_u64().unwrap_or(0);
+        self.max_experts = self.max_experts.max(experts);
+        let peak = line["rank_peak_bytes"].as_u64().unwrap_or(0);
+        self.max_rank_peak = self.max_rank_peak.max(peak);
+        for l in line["layers"].as_array().into_iter().flatten() {
+            if let Some(k) = l["kept_fraction"].as_f64() {
+                self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
+            }
+        }
+    }
+}

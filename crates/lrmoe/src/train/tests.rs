@@ -1,0 +1,153 @@
+//! The training run's unit tests.
+
+use super::calls::*;
+use super::config::*;
+use super::files::*;
+use super::run::*;
+use super::*;
+use crate::model::{Model, ModelConfig, MoeRun};
+use layer::CallConfig;
+use quota::Placement;
+
+#[test]
+fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
+    // Rank 0 holds the most instances, rank 1 the largest buffer: the
+    // peak is one rank's sum, not the sum of the two maxima.
+    assert_eq!(rank_peak_bytes(&[10, 5], &[1, 20]), 25);
+    assert_eq!(rank_peak_bytes(&[10, 5], &[]), 10);
+    assert_eq!(rank_peak_bytes(&[], &[]), 0);
+}
+
+/// `moe.keep_projections` reaches every mode's call settings (the
+/// device executor reads it there), off unless asked for.
+#[test]
+fn keep_projections_reaches_the_call_in_every_mode() {
+    let place = Placement {
+        owner: vec![0; 4],
+        replicas: vec![],
+    };
+    for mode in ["full", "lrmoe", "capacity"] {
+        for keep in [false, true] {
+            let json = format!(r#"{{"mode": "{mode}", "keep_projections": {keep}}}"#);
+            let moe = moe_section_from_json(&json, 4).unwrap();
+            let call = layer_call_config(&moe, (16, 8), 32.0, &place, true, 0);
+            assert_eq!(call.keep_projections, keep, "{mode}");
+        }
+    }
+    let moe = moe_section_from_json("{}", 4).unwrap();
+    assert!(!layer_call_config(&moe, (16, 8), 32.0, &place, true, 0).keep_projections);
+}
+
+#[test]
+fn configured_ranks_are_kept_defaults_adapt() {
+    let from = Some("the configuration's moe.ranks");
+    // --device cuda: the default becomes one rank, a setting stays.
+    assert_eq!(resolve_ranks(2, None, None, true).unwrap(), 1);
+    assert_eq!(resolve_ranks(8, from, None, true).unwrap(), 8);
+    assert_eq!(resolve_ranks(8, from, None, false).unwrap(), 8);
+    assert_eq!(resolve_ranks(2, None, None, false).unwrap(), 2);
+    // Launched: the default follows WORLD_SIZE; a setting must agree.
+    assert_eq!(resolve_ranks(2, None, Some(4), false).unwrap(), 4);
+    assert_eq!(resolve_ranks(4, from, Some(4), true).unwrap(), 4);
+    let e = resolve_ranks(8, from, Some(2), false)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("the configuration's moe.ranks = 8 disagrees with WORLD_SIZE = 2"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_checkpoint_that_cannot_fit_is_refused_with_the_way_out() {
+    let dir = std::env::temp_dir();
+    check_checkpoint_room(&dir, 1024).unwrap();
+    let e = check_checkpoint_room(&dir, u64::MAX / 2)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("GiB free") && e.contains("--no-checkpoint") && e.contains("--out"),
+        "{e}"
+    );
+    // A folder yet to be made is measured on its nearest ancestor.
+    assert!(free_bytes(&dir.join("not/yet/made")).is_some_and(|b| b > 0));
+}
+
+/// Micro-batches accumulate the whole batch's gradient (the exact
+/// backward, two in-process ranks): the same gradients within f32
+/// summation noise, the same loss.
+#[test]
+fn micro_batches_accumulate_the_whole_batch_gradient() {
+    let mcfg = ModelConfig {
+        vocab: 11,
+        d_model: 16,
+        n_layers: 1,
+        n_heads: 2,
+        ffn: 16,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: true,
+        max_seq: 8,
+        ..ModelConfig::small(11)
+    };
+    let model = Model::<f32>::init(&mcfg, 7);
+    let placement = Placement {
+        owner: vec![0, 0, 1, 1],
+        replicas: vec![],
+    };
+    let call = CallConfig::default();
+    let run = MoeRun {
+        placement: &placement,
+        backward: &call,
+        expert_bias: &[],
+        replica_load: &[],
+    };
+    let seq = 8;
+    let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();
+    let targets: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 5 + 1) % 11).collect();
+    let go = |micro: usize| {
+        layer::run_local(2, std::time::Duration::from_secs(60), |t| {
+            let me = t.rank();
+            let r = me * 2 * seq..(me + 1) * 2 * seq;
+            step_grads(
+                t,
+                &mcfg,
+                &model,
+                &run,
+                (&tokens[r.clone()], &targets[r]),
+                seq,
+                micro,
+            )
+            .map(|g| (g.loss, g.grads.grads))
+        })
+    };
+    let (one, two) = (go(1), go(2));
+    for (a, b) in one.into_iter().zip(two) {
+        let ((la, ga), (lb, gb)) = (a.unwrap(), b.unwrap());
+        assert!((la - lb).abs() <= 1e-5 * la.abs(), "loss {la} vs {lb}");
+        for ((name, x), (_, y)) in ga.tensors().into_iter().zip(gb.tensors()) {
+            let n: f64 = x.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+            let d: f64 = x
+                .iter()
+                .zip(y)
+                .map(|(&p, &q)| f64::from(p - q).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            assert!(d <= 1e-4 * n.max(1e-12), "{name}: {d} vs norm {n}");
+        }
+    }
+    // Three micro-batches do not split two sequences.
+    let bad = layer::run_local(1, std::time::Duration::from_secs(60), |t| {
+        step_grads(
+            t,
+            &mcfg,
+            &model,
+            &run,
+            (&tokens[..2 * seq], &targets[..2 * seq]),
+            seq,
+            3,
+        )
+        .map(|_| ())
+    });
+    assert!(bad[0].is_err());
+}
