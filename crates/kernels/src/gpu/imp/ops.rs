@@ -1063,9 +1063,12 @@ impl Gpu {
             return unsafe { Ok((self.uninit::<u16>(0)?, self.uninit::<f32>(0)?, None)) };
         }
         let (a, b, hh) = self.experts_hidden(&od, e, rows, x, wg, wu, h, f)?;
+        // Unless kept, a and b are freed here (in stream order, after the
+        // kernel that read them), before the down GEMM allocates `o`.
+        let ab = keep.then_some((a, b));
         let o = self.gemm(GemmVariant::Forward, &od, e, &hh, wd, rows * h, f, h)?;
         let h_sq = self.row_sq(&hh, rows, f)?;
-        Ok((o, h_sq, keep.then_some((a, b))))
+        Ok((o, h_sq, ab))
     }
 
     /// The experts' backward on kept rows grouped by `offsets` (`E + 1`
