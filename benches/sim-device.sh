@@ -21,6 +21,12 @@
 #           simulated times beside the measured ones; SKEW sets
 #           `moe.zipf_skew` (default 0), RULE `moe.selection_rule`
 #           (default priority; top_q is the paper's), SEED the seed.
+#           CMP_MODEL=a3b2v is the A3B shape with a 128-symbol
+#           vocabulary (16 ranks' replicated dense state fits one GPU);
+#           CMP_SEQ × CMP_BATCH (default 512 × 32) the tokens a step,
+#           EVERY the evaluation interval, FIT=0 runs each mode without
+#           the budget (fixed ownership unbatched: the memory it needs),
+#           TAG names the run's files ($OUT/cmpTAG, cmpTAG.log).
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
@@ -86,11 +92,21 @@ if part compare; then
   case ${CMP_MODEL:-mini} in
     mini) cmpj="examples/qwen3-moe-mini.config.json"; every=25; evals=2; target=${TARGET:-1.9} ;;
     a3b2) cmpj="examples/qwen3-30b-a3b.config.json --layers 2"; every=10; evals=1; target=${TARGET:-2.4} ;;
+    a3b2v) # the same with a 128-symbol vocabulary (the corpus has 65): the
+      # MoE layers are the A3B shape's, the replicated embedding and head
+      # 2 × 128 × 2048 instead of 2 × 151 936 × 2048, so that 16 ranks' dense
+      # copies fit one GPU
+      python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); c["vocab_size"]=128; json.dump(c,open("/tmp/a3b-v128.json","w"))' \
+        examples/qwen3-30b-a3b.config.json
+      cmpj="/tmp/a3b-v128.json --layers 2"; every=10; evals=1; target=${TARGET:-2.4} ;;
   esac
+  every=${EVERY:-$every}
+  fit=--fit-budget
+  [ "${FIT:-1}" = 0 ] && fit=
   cat > /tmp/cmp.toml <<T
 [data]
-seq_len = 512
-batch_size = 32
+seq_len = ${CMP_SEQ:-512}
+batch_size = ${CMP_BATCH:-32}
 [moe]
 zipf_skew = ${SKEW:-0.0}
 selection_rule = "${RULE:-priority}"
@@ -102,9 +118,9 @@ T
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
   time timeout 590 .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
     --model-config $cmpj --config /tmp/cmp.toml --steps ${CMP_STEPS:-300} \
-    --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} --fit-budget \
-    --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp" --no-progress > "$OUT/cmp.log" 2>&1
+    --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} $fit \
+    --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp${TAG:-}" --no-progress > "$OUT/cmp${TAG:-}.log" 2>&1
   echo "compare: rc=$?"
-  grep -E "^\||^Target" "$OUT/cmp.log"
-  grep -iE "error|panicked" "$OUT/cmp.log" | head -3
+  grep -E "^\||^Target" "$OUT/cmp${TAG:-}.log"
+  grep -iE "error|panicked" "$OUT/cmp${TAG:-}.log" | head -3
 fi

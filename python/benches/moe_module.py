@@ -16,7 +16,10 @@ the peer; ``lrmoe.torch.MoE`` at ``mode="full"`` (r = 1, the exact
 gradient) and at ``mode="lrmoe"``, buffer fraction 0.6; and the native
 layer called directly (``_lrmoe.DeviceLayer`` forward + backward on the same
 tensors, no autograd and no DLPack): the module's time over it is the
-Python boundary's cost.
+Python boundary's cost, measured two ways: each call timed alone after a
+device synchronisation (every microsecond of Python before the first kernel
+shows), and five calls back to back between two events (as a training loop
+runs them).
 
 ``--memory`` re-runs itself under ``PYTORCH_CUDA_ALLOC_CONF=
 backend:cudaMallocAsync`` (torch then allocates from the pool the layer
@@ -43,6 +46,9 @@ def parse():
     ap.add_argument("--memory", action="store_true", help="backward peak memory instead")
     ap.add_argument("--profile", action="store_true",
                     help="also print the CUDA kernels of the module's and the native layer's calls")
+    ap.add_argument("--gaps", action="store_true",
+                    help="also print where the GPU idles in the module's and the native layer's "
+                         "calls (torch.profiler's CPU and CUDA timelines)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     return ap.parse_args()
 
@@ -106,6 +112,24 @@ def main():
 
     def timed(fn):
         return timed_together([fn])[0]
+
+    def timed_back_to_back(fns, calls=5):
+        """Median ms per call of each of ``fns``, ``calls`` calls in a row
+        between two events with no host wait between them (as a training
+        loop runs: the host prepares a call while the GPU finishes the
+        previous one), alternated within each round."""
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        ts = [[] for _ in fns]
+        for _ in range(max(3, args.reps // 2)):
+            for i, fn in enumerate(fns):
+                torch.cuda.synchronize()
+                s.record()
+                for _ in range(calls):
+                    fn()
+                e.record()
+                torch.cuda.synchronize()
+                ts[i].append(s.elapsed_time(e) / calls)
+        return [sorted(t)[len(t) // 2] for t in ts]
 
     def fb(model):
         def run():
@@ -185,6 +209,10 @@ def main():
     # The module and the native layer alternated: the Python boundary's cost.
     mod_ms, nat_ms = timed_together([fb(moe), direct])
     rows["module_full_alternated_ms"], rows["native_full_ms"] = mod_ms, nat_ms
+    # The same, calls back to back: the Python before a call's first kernel
+    # runs while the GPU finishes the previous call.
+    b2b = timed_back_to_back([fb(moe), direct])
+    rows["module_full_back_to_back_ms"], rows["native_full_back_to_back_ms"] = b2b
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
@@ -198,14 +226,68 @@ def main():
             top = ", ".join(f"{a.key[:32]} x{a.count // 3} {a.device_time_total / 3e3:.3f}"
                             for a in ev[:12])
             print(f"PROFILE {name}: {total:.3f} ms of kernels per call; {top}")
+    if args.gaps:
+        for name, fn in (("module", fb(moe)), ("native", direct)):
+            print_gaps(name, fn, torch)
     best = min(v for key, v in rows.items() if key.startswith("peer_") and key.endswith("_ms"))
     rows["full_speedup_vs_best_peer"] = best / rows["lrmoe_full_ms"]
     rows["lrmoe_0.6_speedup_vs_best_peer"] = best / rows["lrmoe_0.6_ms"]
     rows["keep_projections_speedup_vs_best_peer"] = best / rows["lrmoe_full_keep_projections_ms"]
     rows["python_boundary_overhead"] = mod_ms / nat_ms - 1
+    rows["python_boundary_overhead_back_to_back"] = b2b[0] / b2b[1] - 1
     rows["shape"] = {"experts": E, "hidden": H, "ffn": Fd, "top_k": k, "tokens": T}
     rows["torch"] = torch.__version__
     print("RESULT " + json.dumps(rows))
+
+
+def print_gaps(name, fn, torch):
+    """Where the GPU idles in ``fn``'s calls: each call's span from its
+    first CPU event to its last kernel, the kernels' busy time, and the
+    largest idle stretches with the CPU events running when each began."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(3):
+            with record_function(f"call{i}"):
+                fn()
+            torch.cuda.synchronize()
+    evs = prof.events()
+    calls = sorted((e for e in evs if e.name.startswith("call")), key=lambda e: e.time_range.start)
+    kern = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in evs
+        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+    )
+    cpu = [e for e in evs if not str(getattr(e, "device_type", "")).endswith("CUDA")
+           and not e.name.startswith("call")]
+    for c in calls[1:]:
+        t0 = c.time_range.start
+        ks = [k for k in kern if k[0] >= t0 and k[0] <= c.time_range.end + 50_000]
+        if not ks:
+            continue
+        busy, gaps, cur_s, cur_e = 0.0, [], ks[0][0], ks[0][1]
+        gaps.append((ks[0][0] - t0, t0))
+        for s0, e0 in ks[1:]:
+            if s0 > cur_e:
+                busy += cur_e - cur_s
+                gaps.append((s0 - cur_e, cur_e))
+                cur_s, cur_e = s0, e0
+            else:
+                cur_e = max(cur_e, e0)
+        busy += cur_e - cur_s
+        span = cur_e - t0
+        gaps.sort(reverse=True)
+        desc = []
+        for g, at in gaps[:8]:
+            running = sorted((e for e in cpu if e.time_range.start <= at + g and e.time_range.end >= at),
+                             key=lambda e: e.time_range.start)
+            names = ",".join(dict.fromkeys(e.name[:28] for e in running[-4:]))
+            desc.append(f"{g:.0f}us@{at - t0:.0f} [{names}]")
+        print(f"GAPS {name}: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, "
+              f"idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps; largest: " + "; ".join(desc))
 
 
 if __name__ == "__main__":

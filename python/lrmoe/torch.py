@@ -71,15 +71,22 @@ def _cpu_backward(ctx, dy):
     )
 
 
-def _check_shapes(module, x, weights):
-    """The shapes the native layer reads (it trusts the addresses it gets)."""
+_WEIGHT_NAMES = ("router", "w_gate", "w_up", "w_down")
+
+
+def _check_call(module, x, weights):
+    """The shapes the native layer reads (it trusts the addresses it gets)
+    and one device for all: one pass, as cheap as Python allows (it runs
+    before the call's first kernel)."""
     h, f, e = module.hidden_size, module.ffn, module.num_experts
-    want = {"router": (e, h), "w_gate": (e, h, f), "w_up": (e, h, f), "w_down": (e, f, h)}
-    for (name, shape), t in zip(want.items(), weights):
-        if tuple(t.shape) != shape:
-            raise ValueError(f"lrmoe.torch.MoE: {name} has shape {tuple(t.shape)}, expected {shape}")
     if x.dim() != 2 or x.shape[1] != h:
         raise ValueError(f"lrmoe.torch.MoE: input rows of width {x.shape[-1]}, expected {h}")
+    dev = x.device
+    for name, shape, t in zip(_WEIGHT_NAMES, ((e, h), (e, h, f), (e, h, f), (e, f, h)), weights):
+        if t.shape != shape:
+            raise ValueError(f"lrmoe.torch.MoE: {name} has shape {tuple(t.shape)}, expected {shape}")
+        if t.device != dev:
+            raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on {dev}")
 
 
 def _dev_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -90,29 +97,30 @@ def _dev_bf16(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-class _OnDevice:
-    """``torch.cuda.device(dev)`` where ``dev`` is not already current (the
-    native call binds the device's context to the thread, which torch reads
-    as its current device); nothing otherwise, the common case."""
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
-    def __init__(self, dev: torch.device):
-        self.guard = None if dev.index == torch.cuda.current_device() else torch.cuda.device(dev)
 
-    def __enter__(self):
-        if self.guard is not None:
-            self.guard.__enter__()
+def _stream(dev: torch.device) -> int:
+    """The address of torch's current stream on ``dev`` (the private
+    accessor Triton uses where this torch has it: no Stream object)."""
+    if _raw_stream is not None:
+        return _raw_stream(dev.index)
+    return torch.cuda.current_stream(dev).cuda_stream
 
-    def __exit__(self, *exc):
-        if self.guard is not None:
-            self.guard.__exit__(*exc)
+
+def _on_device(dev: torch.device, call):
+    """``call()`` with ``dev`` current (the native call binds the device's
+    context to the thread, which torch reads as its current device); no
+    guard where it already is, the common case."""
+    if dev.index == torch.cuda.current_device():
+        return call()
+    with torch.cuda.device(dev):
+        return call()
 
 
 def _cuda_forward(ctx, module, bias, x, weights):
     dev = x.device
-    for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
-        if t.device != dev:
-            raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on {dev}")
-    _check_shapes(module, x, weights)
+    _check_call(module, x, weights)
     ctx.empty = x.shape[0] == 0
     if ctx.empty:
         # No tokens: nothing to route, nothing to keep.
@@ -124,11 +132,10 @@ def _cuda_forward(ctx, module, bias, x, weights):
     # stored. bf16 tensors are used in place.
     w16 = (_dev_bf16(weights[0].t()),) + tuple(_dev_bf16(t) for t in weights[1:])
     x16 = _dev_bf16(x)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with _OnDevice(dev):
-        y, saved = layer.forward(
-            tuple(t.data_ptr() for t in w16), x16.data_ptr(), x16.shape[0], stream, bias
-        )
+    ptrs = tuple(t.data_ptr() for t in w16)
+    stream = _stream(dev)
+    y, saved = _on_device(
+        dev, lambda: layer.forward(ptrs, x16.data_ptr(), x16.shape[0], stream, bias))
     # The weights stay referenced until the backward has read them.
     ctx.w16, ctx.saved, ctx.stream_dev = w16, saved, dev
     module._after_forward(np.asarray(saved.expert_load(), dtype=np.int64), saved.aux_loss())
@@ -145,11 +152,10 @@ def _cuda_backward(ctx, dy):
     dev = ctx.stream_dev
     layer = ctx.module._device_layer(dev)
     dy16 = _dev_bf16(dy)
-    stream = torch.cuda.current_stream(dev).cuda_stream
-    with _OnDevice(dev):
-        parts, stats = layer.backward(
-            tuple(t.data_ptr() for t in ctx.w16), ctx.saved, dy16.data_ptr(), stream
-        )
+    ptrs = tuple(t.data_ptr() for t in ctx.w16)
+    stream = _stream(dev)
+    parts, stats = _on_device(
+        dev, lambda: layer.backward(ptrs, ctx.saved, dy16.data_ptr(), stream))
     stats = json.loads(stats)
     stats["expert_load"] = np.asarray(stats["expert_load"], dtype=np.int64)
     ctx.module.last_stats = stats
