@@ -255,14 +255,15 @@ def print_gaps(name, fn, torch):
                 fn()
             torch.cuda.synchronize()
     evs = prof.events()
-    calls = sorted((e for e in evs if e.name.startswith("call")), key=lambda e: e.time_range.start)
+    on_gpu = lambda e: str(getattr(e, "device_type", "")).endswith("CUDA")  # noqa: E731
+    calls = sorted((e for e in evs if e.name.startswith("call") and not on_gpu(e)),
+                   key=lambda e: e.time_range.start)
     kern = sorted(
         (e.time_range.start, e.time_range.end)
         for e in evs
-        if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > e.time_range.start
+        if on_gpu(e) and e.time_range.end > e.time_range.start and not e.name.startswith("call")
     )
-    cpu = [e for e in evs if not str(getattr(e, "device_type", "")).endswith("CUDA")
-           and not e.name.startswith("call")]
+    cpu = [e for e in evs if not on_gpu(e) and not e.name.startswith("call")]
     for c in calls[1:]:
         t0 = c.time_range.start
         ks = [k for k in kern if k[0] >= t0 and k[0] <= c.time_range.end + 50_000]
@@ -286,8 +287,14 @@ def print_gaps(name, fn, torch):
                              key=lambda e: e.time_range.start)
             names = ",".join(dict.fromkeys(e.name[:28] for e in running[-4:]))
             desc.append(f"{g:.0f}us@{at - t0:.0f} [{names}]")
+        before = sorted((e for e in cpu if t0 <= e.time_range.start < ks[0][0]
+                         and e.time_range.end - e.time_range.start >= 8),
+                        key=lambda e: e.time_range.start)
+        ops = ", ".join(f"+{e.time_range.start - t0:.0f} {e.name[:24]} {e.time_range.end - e.time_range.start:.0f}us"
+                        for e in before[:12])
         print(f"GAPS {name}: span {span / 1e3:.3f} ms, kernels busy {busy / 1e3:.3f} ms, "
-              f"idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps; largest: " + "; ".join(desc))
+              f"idle {(span - busy) / 1e3:.3f} ms in {len(gaps)} gaps; largest: " + "; ".join(desc)
+              + f"; before the first kernel: {ops}")
 
 
 if __name__ == "__main__":
