@@ -92,37 +92,21 @@ def main():
         o = o * g.reshape(-1)[order].unsqueeze(1).to(o.dtype)
         return torch.zeros_like(xin).index_add_(0, tok, o)
 
-    def timed_together(fns):
-        """Median ms of each of ``fns``, timed in turn within each round
-        (so that a slow stretch of the GPU falls on all of them)."""
-        for fn in fns:
-            for _ in range(3):
-                fn()
+    def timed_together(fns, calls=1, rounds=None, warm=True):
+        """Median ms per call of each of ``fns``, timed in turn within each
+        round (so that a slow stretch of the GPU falls on all of them):
+        ``calls`` calls in a row between two events with no host wait
+        between them (``calls`` > 1: as a training loop runs, the host
+        prepares a call while the GPU finishes the previous one)."""
+        if warm:
+            for fn in fns:
+                for _ in range(3):
+                    fn()
         torch.cuda.synchronize()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         ts = [[] for _ in fns]
-        for _ in range(args.reps):
+        for _ in range(rounds or args.reps):
             for i, fn in enumerate(fns):
-                s.record()
-                fn()
-                e.record()
-                torch.cuda.synchronize()
-                ts[i].append(s.elapsed_time(e))
-        return [sorted(t)[len(t) // 2] for t in ts]
-
-    def timed(fn):
-        return timed_together([fn])[0]
-
-    def timed_back_to_back(fns, calls=5):
-        """Median ms per call of each of ``fns``, ``calls`` calls in a row
-        between two events with no host wait between them (as a training
-        loop runs: the host prepares a call while the GPU finishes the
-        previous one), alternated within each round."""
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        ts = [[] for _ in fns]
-        for _ in range(max(3, args.reps // 2)):
-            for i, fn in enumerate(fns):
-                torch.cuda.synchronize()
                 s.record()
                 for _ in range(calls):
                     fn()
@@ -130,6 +114,9 @@ def main():
                 torch.cuda.synchronize()
                 ts[i].append(s.elapsed_time(e) / calls)
         return [sorted(t)[len(t) // 2] for t in ts]
+
+    def timed(fn):
+        return timed_together([fn])[0]
 
     def fb(model):
         def run():
@@ -211,7 +198,7 @@ def main():
     rows["module_full_alternated_ms"], rows["native_full_ms"] = mod_ms, nat_ms
     # The same, calls back to back: the Python before a call's first kernel
     # runs while the GPU finishes the previous call.
-    b2b = timed_back_to_back([fb(moe), direct])
+    b2b = timed_together([fb(moe), direct], calls=5, rounds=max(3, args.reps // 2), warm=False)
     rows["module_full_back_to_back_ms"], rows["native_full_back_to_back_ms"] = b2b
     if args.profile:
         from torch.profiler import ProfilerActivity, profile

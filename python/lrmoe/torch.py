@@ -182,7 +182,7 @@ class _MoECall(torch.autograd.Function):
                 )
             ctx.cuda = True
             return _cuda_forward(ctx, module, bias, x, weights)
-        for name, t in zip(("router", "w_gate", "w_up", "w_down"), weights):
+        for name, t in zip(_WEIGHT_NAMES, weights):
             if t.device.type != "cpu":
                 raise ValueError(f"lrmoe.torch.MoE: {name} is on {t.device}, the input on the CPU")
         ctx.cuda = False
