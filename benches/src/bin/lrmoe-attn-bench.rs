@@ -9,8 +9,10 @@
 //! (`benches/attention-device.sh` runs both paths and the peer).
 //!
 //! Prints one JSON line per shape: median device ms of the forward and of
-//! forward + backward (10 runs after 3 warm-ups, CUDA events), the path
-//! taken, and the bytes of probabilities the forward keeps (0 when fused).
+//! forward + backward (10 runs after 3 warm-ups, CUDA events), the same
+//! for the fused kernels alone (`kernels_*`: no RoPE or layout passes), the
+//! path taken, and the bytes of probabilities the forward keeps (0 when
+//! fused).
 
 use kernels::cpu::random_bf16;
 use kernels::gpu::{AttnShape, Gpu};
@@ -61,6 +63,29 @@ fn main() -> anyhow::Result<()> {
             Ok(ts[ts.len() / 2])
         };
         let (fwd, fwd_bwd) = (time(false)?, time(true)?);
+        // The fused kernels alone (head-major inputs as they are, no RoPE
+        // or layout passes), when this head width has them.
+        let dims = (n_seq, seq, h, kv, dh);
+        let kernels_only = |both: bool| -> anyhow::Result<f64> {
+            let mut ts = Vec::new();
+            for i in 0..13 {
+                let a = gpu.mark()?;
+                let (o, lse2) = gpu.flash_attention_forward(dims, &qt, &kt, &vt)?;
+                if both {
+                    gpu.flash_attention_backward(dims, (&qt, &kt, &vt), (&o, &lse2), &dout)?;
+                }
+                let b = gpu.mark()?;
+                if i >= 3 {
+                    ts.push(b.ms_since(&a)?);
+                }
+            }
+            ts.sort_by(f64::total_cmp);
+            Ok(ts[ts.len() / 2])
+        };
+        let (kfwd, kfwd_bwd) = match kernels_only(false) {
+            Ok(f) => (Some(f), Some(kernels_only(true)?)),
+            Err(_) => (None, None),
+        };
         let fused = gpu
             .attention_forward(shape, &att, (&qt, &kt, &vt))?
             .1
@@ -71,6 +96,7 @@ fn main() -> anyhow::Result<()> {
                 "ours": name,
                 "batch": n_seq, "seq": seq, "heads": h, "kv_heads": kv, "head_dim": dh,
                 "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
+                "kernels_fwd_ms": kfwd, "kernels_fwd_bwd_ms": kfwd_bwd,
                 "path": if fused { "fused" } else { "materialised" },
                 "saved_probs_bytes": if fused { 0 } else { rows * seq * 2 },
             })
