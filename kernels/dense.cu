@@ -97,13 +97,55 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const uint16_t* x, const float* w, u
 // dw += Σ_rows dy⊙x·inv. One warp per row; each block sums its rows' dw in
 // shared memory (d floats) and adds it to dw once. DX f32: added into dx
 // (the residual stream's gradient); DX bf16: written.
+//
+// Widths of 32·CPL (CPL 2 to 16: the head norms' 64 and 128): each lane
+// keeps its CPL columns' share of dw in registers over all its rows and
+// adds it to shared memory once (rmsnorm_bwd_reg); other widths add every
+// row's share to shared memory (rmsnorm_bwd_any), where narrow rows make
+// a block's warps contend for the same few addresses. (CPL 32 and 64
+// spill registers.)
+template <int CPL, typename X, typename DX>
+__device__ void rmsnorm_bwd_reg(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
+                                const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* sdw, int rows) {
+    constexpr int d = 32 * CPL;
+    int lane = threadIdx.x & 31;
+    int warps = (gridDim.x * blockDim.x) >> 5;
+    float acc[CPL];
+#pragma unroll
+    for (int k = 0; k < CPL; k++) acc[k] = 0.f;
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        const X* xr = x + (long long)r * d;
+        const uint16_t* gr = dy + (long long)r * d;
+        float iv = inv[r];
+        float dot = 0.f;
+#pragma unroll
+        for (int k = 0; k < CPL; k++) {
+            int i = lane + 32 * k;
+            dot = fmaf(bf(gr[i]) * w[i], load(xr, i), dot);
+        }
+        dot = warp_sum(dot);
+        float c = dot * iv * iv * iv / d;
+        DX* dr = dx + (long long)r * d;
+#pragma unroll
+        for (int k = 0; k < CPL; k++) {
+            int i = lane + 32 * k;
+            float g = bf(gr[i]), xv = load(xr, i);
+            float v = g * w[i] * iv - xv * c;
+            if constexpr (sizeof(DX) == 4) {
+                dr[i] += v;
+            } else {
+                dr[i] = to_bf(v);
+            }
+            acc[k] = fmaf(g * xv, iv, acc[k]);
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < CPL; k++) atomicAdd(&sdw[lane + 32 * k], acc[k]);
+}
+
 template <typename X, typename DX>
-__device__ void rmsnorm_bwd(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
-                            const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* __restrict__ dw, int rows,
-                            int d) {
-    extern __shared__ float sdw[];
-    for (int i = threadIdx.x; i < d; i += blockDim.x) sdw[i] = 0.f;
-    __syncthreads();
+__device__ void rmsnorm_bwd_any(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
+                                const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* sdw, int rows, int d) {
     int lane = threadIdx.x & 31;
     int warps = (gridDim.x * blockDim.x) >> 5;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
@@ -125,6 +167,22 @@ __device__ void rmsnorm_bwd(const X* __restrict__ x, const float* __restrict__ w
             }
             atomicAdd(&sdw[i], g * xv * iv);
         }
+    }
+}
+
+template <typename X, typename DX>
+__device__ void rmsnorm_bwd(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
+                            const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* __restrict__ dw, int rows,
+                            int d) {
+    extern __shared__ float sdw[];
+    for (int i = threadIdx.x; i < d; i += blockDim.x) sdw[i] = 0.f;
+    __syncthreads();
+    switch (d) {
+        case 64: rmsnorm_bwd_reg<2>(x, w, inv, dy, dx, sdw, rows); break;
+        case 128: rmsnorm_bwd_reg<4>(x, w, inv, dy, dx, sdw, rows); break;
+        case 256: rmsnorm_bwd_reg<8>(x, w, inv, dy, dx, sdw, rows); break;
+        case 512: rmsnorm_bwd_reg<16>(x, w, inv, dy, dx, sdw, rows); break;
+        default: rmsnorm_bwd_any(x, w, inv, dy, dx, sdw, rows, d);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(dw + i, sdw[i]);
