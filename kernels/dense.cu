@@ -98,36 +98,38 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const uint16_t* x, const float* w, u
 // shared memory (d floats) and adds it to dw once. DX f32: added into dx
 // (the residual stream's gradient); DX bf16: written.
 //
-// Widths of 32·CPL (CPL 2 to 16: the head norms' 64 and 128): each lane
-// keeps its CPL columns' share of dw in registers over all its rows and
-// adds it to shared memory once (rmsnorm_bwd_reg); other widths add every
-// row's share to shared memory (rmsnorm_bwd_any), where narrow rows make
-// a block's warps contend for the same few addresses. (CPL 32 and 64
-// spill registers.)
+// The rows of a warp (rmsnorm_bwd_rows): for widths of 32·CPL (CPL 2 to
+// 16: the head norms' 64 and 128) each lane keeps its CPL columns' share
+// of dw in registers over all its rows and adds it to shared memory once;
+// for other widths (CPL = 0) every row's share goes to shared memory,
+// where narrow rows would make a block's warps contend for the same few
+// addresses. (CPL 32 and 64 spill registers.)
 template <int CPL, typename X, typename DX>
-__device__ void rmsnorm_bwd_reg(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
-                                const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* sdw, int rows) {
-    constexpr int d = 32 * CPL;
+__device__ void rmsnorm_bwd_rows(const X* __restrict__ x, const float* __restrict__ w,
+                                 const float* __restrict__ inv, const uint16_t* __restrict__ dy, DX* __restrict__ dx,
+                                 float* sdw, int rows, int d) {
     int lane = threadIdx.x & 31;
     int warps = (gridDim.x * blockDim.x) >> 5;
-    float acc[CPL];
+    // Columns lane, lane + 32, … below d: CPL of them, or as many as fit.
+    int cols = CPL > 0 ? CPL : (d - lane + 31) / 32;
+    float acc[CPL > 0 ? CPL : 1];
 #pragma unroll
-    for (int k = 0; k < CPL; k++) acc[k] = 0.f;
+    for (int k = 0; k < (CPL > 0 ? CPL : 1); k++) acc[k] = 0.f;
     for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
         const X* xr = x + (long long)r * d;
         const uint16_t* gr = dy + (long long)r * d;
         float iv = inv[r];
         float dot = 0.f;
-#pragma unroll
-        for (int k = 0; k < CPL; k++) {
+#pragma unroll(CPL > 0 ? CPL : 1)
+        for (int k = 0; k < cols; k++) {
             int i = lane + 32 * k;
             dot = fmaf(bf(gr[i]) * w[i], load(xr, i), dot);
         }
         dot = warp_sum(dot);
         float c = dot * iv * iv * iv / d;
         DX* dr = dx + (long long)r * d;
-#pragma unroll
-        for (int k = 0; k < CPL; k++) {
+#pragma unroll(CPL > 0 ? CPL : 1)
+        for (int k = 0; k < cols; k++) {
             int i = lane + 32 * k;
             float g = bf(gr[i]), xv = load(xr, i);
             float v = g * w[i] * iv - xv * c;
@@ -136,37 +138,16 @@ __device__ void rmsnorm_bwd_reg(const X* __restrict__ x, const float* __restrict
             } else {
                 dr[i] = to_bf(v);
             }
-            acc[k] = fmaf(g * xv, iv, acc[k]);
+            if constexpr (CPL > 0) {
+                acc[k] = fmaf(g * xv, iv, acc[k]);
+            } else {
+                atomicAdd(&sdw[i], g * xv * iv);
+            }
         }
     }
+    if constexpr (CPL > 0) {
 #pragma unroll
-    for (int k = 0; k < CPL; k++) atomicAdd(&sdw[lane + 32 * k], acc[k]);
-}
-
-template <typename X, typename DX>
-__device__ void rmsnorm_bwd_any(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
-                                const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* sdw, int rows, int d) {
-    int lane = threadIdx.x & 31;
-    int warps = (gridDim.x * blockDim.x) >> 5;
-    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
-        const X* xr = x + (long long)r * d;
-        const uint16_t* gr = dy + (long long)r * d;
-        float iv = inv[r];
-        float dot = 0.f;
-        for (int i = lane; i < d; i += 32) dot = fmaf(bf(gr[i]) * w[i], load(xr, i), dot);
-        dot = warp_sum(dot);
-        float c = dot * iv * iv * iv / d;
-        DX* dr = dx + (long long)r * d;
-        for (int i = lane; i < d; i += 32) {
-            float g = bf(gr[i]), xv = load(xr, i);
-            float v = g * w[i] * iv - xv * c;
-            if constexpr (sizeof(DX) == 4) {
-                dr[i] += v;
-            } else {
-                dr[i] = to_bf(v);
-            }
-            atomicAdd(&sdw[i], g * xv * iv);
-        }
+        for (int k = 0; k < CPL; k++) atomicAdd(&sdw[lane + 32 * k], acc[k]);
     }
 }
 
@@ -178,11 +159,11 @@ __device__ void rmsnorm_bwd(const X* __restrict__ x, const float* __restrict__ w
     for (int i = threadIdx.x; i < d; i += blockDim.x) sdw[i] = 0.f;
     __syncthreads();
     switch (d) {
-        case 64: rmsnorm_bwd_reg<2>(x, w, inv, dy, dx, sdw, rows); break;
-        case 128: rmsnorm_bwd_reg<4>(x, w, inv, dy, dx, sdw, rows); break;
-        case 256: rmsnorm_bwd_reg<8>(x, w, inv, dy, dx, sdw, rows); break;
-        case 512: rmsnorm_bwd_reg<16>(x, w, inv, dy, dx, sdw, rows); break;
-        default: rmsnorm_bwd_any(x, w, inv, dy, dx, sdw, rows, d);
+        case 64: rmsnorm_bwd_rows<2>(x, w, inv, dy, dx, sdw, rows, d); break;
+        case 128: rmsnorm_bwd_rows<4>(x, w, inv, dy, dx, sdw, rows, d); break;
+        case 256: rmsnorm_bwd_rows<8>(x, w, inv, dy, dx, sdw, rows, d); break;
+        case 512: rmsnorm_bwd_rows<16>(x, w, inv, dy, dx, sdw, rows, d); break;
+        default: rmsnorm_bwd_rows<0>(x, w, inv, dy, dx, sdw, rows, d);
     }
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(dw + i, sdw[i]);
@@ -486,27 +467,24 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __
 // reads key/value head hq / (heads / kv). Scores are s = scale · q·k; the
 // kernels work in base 2 (sl = scale · log2 e), so the forward's row
 // statistic is lse2 = log2 Σ_{j ≤ i} 2^(sl·q·k_j) and the probabilities
-// p = 2^(sl·q·k − lse2). No seq × seq matrix is stored. A block owns
-// 16·W rows (queries, or keys in the dK/dV kernel), W warps of 16 rows
-// each (W = 4 or 8: 8 halves the K/V, or Q/dO, tile traffic per product),
-// and streams the other side in tiles of 64 rows; rows past seq are
-// zero-filled and never written. A warp masks only the tiles that cross
-// its diagonal or the sequence's end and skips those wholly above the
-// diagonal; every other tile lies below the diagonal and inside seq.
+// p = 2^(sl·q·k − lse2). No seq × seq matrix is stored. Blocks of 64
+// queries or keys, 4 warps of 16 rows each; rows past seq are zero-filled
+// and never written. Only the diagonal block is masked: every other block
+// a kernel visits lies wholly below the diagonal and inside the sequence.
 // Twins: crate::dense::flash_attention_reference /
 // flash_attention_backward_reference.
 namespace fa {
-constexpr int B = 64;  // rows of a streamed tile
+constexpr int B = 64;  // queries or keys per block: 4 warps of 16 rows
 // Shared-memory row strides, padded by 16 bytes so that the eight rows an
 // ldmatrix reads fall in different banks.
 template <int DH> constexpr int LT = DH + 8;   // bf16 tiles [B][DH]
 
-// rows [row0, row0 + R) of a [seq, DH] head into a padded smem tile, zero
+// rows [row0, row0 + 64) of a [seq, DH] head into a padded smem tile, zero
 // past seq.
-template <int DH, int R>
+template <int DH>
 __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, int row0, int seq) {
     constexpr int V = DH / 8;  // 16-byte vectors per row
-    for (int i = threadIdx.x; i < R * V; i += blockDim.x) {
+    for (int i = threadIdx.x; i < B * V; i += blockDim.x) {
         int r = i / V, c = i % V;
         uint4 x = make_uint4(0, 0, 0, 0);
         if (row0 + r < seq) x = reinterpret_cast<const uint4*>(src + (long long)(row0 + r) * DH)[c];
@@ -518,10 +496,10 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, const uint16_t* src, in
 // seq zero-filled by a source size of 0): the next tile loads while the
 // current one is used. cp_async_wait<N> waits for all but the last N
 // committed groups.
-template <int DH, int R = B>
+template <int DH>
 __device__ __forceinline__ void load_tile_async(uint16_t* dst, const uint16_t* src, int row0, int seq) {
     constexpr int V = DH / 8;
-    for (int i = threadIdx.x; i < R * V; i += blockDim.x) {
+    for (int i = threadIdx.x; i < B * V; i += blockDim.x) {
         int r = i / V, c = i % V;
         bool in = row0 + r < seq;
         const uint16_t* from = in ? src + (long long)(row0 + r) * DH + c * 8 : src;
@@ -619,13 +597,43 @@ __device__ __forceinline__ void store_acc(const float (*acc)[4], uint16_t* out, 
                     pack(acc[n][2 * h] * mul, acc[n][2 * h + 1] * mul);
     }
 }
+
+// The key/value head that query head bh (sequence · heads + head) reads:
+// its index among n_seq · kv.
+__device__ __forceinline__ long long kv_head(int bh, int heads, int kv) {
+    return (long long)(bh / heads) * kv + (bh % heads) / (heads / kv);
+}
+// The two-stage K/V pipeline of the forward and dQ kernels over key
+// blocks (tiles: 2 stages × {K, V} × [B][L]). kv_issue starts copying
+// block j into its stage; kv_tile issues block j + 1 when j < last, waits
+// for block j and returns its K (its V follows at + B·L).
+template <int DH>
+__device__ __forceinline__ void kv_issue(uint16_t* tiles, const uint16_t* K, const uint16_t* V, int j, int seq) {
+    constexpr int L = LT<DH>;
+    uint16_t* dst = tiles + (j & 1) * 2 * B * L;
+    load_tile_async<DH>(dst, K, j * B, seq);
+    load_tile_async<DH>(dst + B * L, V, j * B, seq);
+    cp_async_commit();
+}
+template <int DH>
+__device__ __forceinline__ const uint16_t* kv_tile(uint16_t* tiles, const uint16_t* K, const uint16_t* V, int j,
+                                                   int last, int seq) {
+    if (j < last) {
+        kv_issue<DH>(tiles, K, V, j + 1, seq);
+        cp_async_wait<1>();
+    } else {
+        cp_async_wait<0>();
+    }
+    __syncthreads();
+    return tiles + (j & 1) * 2 * B * LT<DH>;
+}
 }  // namespace fa
 
 // Forward: each warp keeps its 16 rows' Q fragments, scores, bf16
 // probabilities and output accumulator in registers; K and V tiles go
 // through shared memory, the next pair loading while this one is used.
 // The longest query blocks (the last) start first.
-template <int DH, int W>
+template <int DH>
 __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                           const uint16_t* __restrict__ v, uint16_t* __restrict__ o, float* __restrict__ lse2,
                           int seq, int heads, int kv, float sl) {
@@ -634,19 +642,17 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
-    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
-    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    int row0 = qb * 16 * W + warp * 16;
-    load_tile<DH, 16 * W>(tiles, q + (long long)bh * seq * DH, qb * 16 * W, seq);
+    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y;
+    const uint16_t* K = k + kv_head(bh, heads, kv) * seq * DH;
+    const uint16_t* Vg = v + kv_head(bh, heads, kv) * seq * DH;
+    int row0 = qb * B + warp * 16;
+    load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
     uint32_t qf[DH / 16][4];
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) ldsm(qf[kk], tiles + a_at<L>(lane, warp * 16, kk * 16));
     __syncthreads();
-    load_tile_async<DH>(tiles, K, 0, seq);
-    load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
-    cp_async_commit();
+    kv_issue<DH>(tiles, K, Vg, 0, seq);
     float oacc[DH / 8][4];
 #pragma unroll
     for (int n = 0; n < DH / 8; n++)
@@ -654,25 +660,9 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
         for (int i = 0; i < 4; i++) oacc[n][i] = 0.f;
     int qpos[2] = {row0 + g, row0 + g + 8};
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.f, 0.f};
-    int last = min(((qb + 1) * 16 * W - 1) / B, (seq - 1) / B);
-    for (int j = 0; j <= last; j++) {
-        const uint16_t* Ks = tiles + (j & 1) * 2 * B * L;
+    for (int j = 0; j <= qb; j++) {
+        const uint16_t* Ks = kv_tile<DH>(tiles, K, Vg, j, qb, seq);
         const uint16_t* Vs = Ks + B * L;
-        if (j < last) {
-            uint16_t* next = tiles + ((j + 1) & 1) * 2 * B * L;
-            load_tile_async<DH>(next, K, (j + 1) * B, seq);
-            load_tile_async<DH>(next + B * L, Vg, (j + 1) * B, seq);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        // Keys all above the warp's rows: nothing to add.
-        if (j * B > row0 + 15) {
-            __syncthreads();
-            continue;
-        }
         float s[B / 8][4];
 #pragma unroll
         for (int n = 0; n < B / 8; n++)
@@ -687,7 +677,7 @@ __device__ void flash_fwd(const uint16_t* __restrict__ q, const uint16_t* __rest
                 mma2(s[2 * np], s[2 * np + 1], qf[kk], bf);
             }
         float mx[2] = {-INFINITY, -INFINITY};
-        bool diag = j * B + B - 1 > row0 || j * B + B > seq;
+        bool diag = j == qb;
 #pragma unroll
         for (int n = 0; n < B / 8; n++)
 #pragma unroll
@@ -758,12 +748,12 @@ extern "C" __global__ void flash_bwd_dot(const uint16_t* __restrict__ dout, cons
     }
 }
 
-// dK, dV for one block of 16·W keys of one (sequence, kv head): every
-// query tile at or after it, every query head of the group; each warp owns
-// 16 keys. It works on the transposed products (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ), so
+// dK, dV for one block of 64 keys of one (sequence, kv head): every query
+// block at or after it, every query head of the group; each warp owns 16
+// keys. It works on the transposed products (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ), so
 // Pᵀ and dSᵀ are A operands straight from the accumulators' registers; dK
 // and dV stay in registers (no atomics).
-template <int DH, int W>
+template <int DH>
 __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                              const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
                              const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dk,
@@ -771,28 +761,27 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     using namespace fa;
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
-    constexpr int KB = 16 * W;                          // keys of the block
-    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [KB][L]
-    uint16_t* Vs = Ks + KB * L;
-    uint16_t* QG = Vs + KB * L;                          // 2 stages × {Q, dO} × [B][L]
+    uint16_t* Ks = reinterpret_cast<uint16_t*>(smem);  // [B][L]
+    uint16_t* Vs = Ks + B * L;
+    uint16_t* QG = Vs + B * L;                           // 2 stages × {Q, dO} × [B][L]
     float* LD = reinterpret_cast<float*>(QG + 4 * B * L);  // 2 stages × {lse2, D} × [B]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     int kb = blockIdx.x, bk = blockIdx.y, b = bk / kv, hk = bk % kv, group = heads / kv;
-    load_tile<DH, KB>(Ks, k + (long long)bk * seq * DH, kb * KB, seq);
-    load_tile<DH, KB>(Vs, v + (long long)bk * seq * DH, kb * KB, seq);
+    load_tile<DH>(Ks, k + (long long)bk * seq * DH, kb * B, seq);
+    load_tile<DH>(Vs, v + (long long)bk * seq * DH, kb * B, seq);
     float dka[DH / 8][4], dva[DH / 8][4];
 #pragma unroll
     for (int n = 0; n < DH / 8; n++)
 #pragma unroll
         for (int i = 0; i < 4; i++) dka[n][i] = dva[n][i] = 0.f;
-    int key0 = kb * KB + warp * 16;
+    int key0 = kb * B + warp * 16;
     int key[2] = {key0 + g, key0 + g + 8};
-    // Every (query head of the group, query tile at or after this key
+    // Every (query head of the group, query block at or after this key
     // block) in turn; the next one's tiles load while this one computes.
-    int qb0 = kb * KB / B, per_head = (seq + B - 1) / B - qb0, total = group * per_head;
+    int per_head = (seq + B - 1) / B - kb, total = group * per_head;
     auto issue = [&](int it, int st) {
         long long bh = (long long)b * heads + hk * group + it / per_head;
-        int qb = qb0 + it % per_head;
+        int qb = kb + it % per_head;
         uint16_t* dst = QG + st * 2 * B * L;
         load_tile_async<DH>(dst, q + bh * seq * DH, qb * B, seq);
         load_tile_async<DH>(dst + B * L, dout + bh * seq * DH, qb * B, seq);
@@ -805,7 +794,7 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
     };
     issue(0, 0);
     for (int it = 0; it < total; it++) {
-        int stage = it & 1, qb = qb0 + it % per_head;
+        int stage = it & 1, qb = kb + it % per_head;
         if (it + 1 < total) {
             issue(it + 1, stage ^ 1);
             cp_async_wait<1>();
@@ -817,12 +806,7 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
         const uint16_t* Gs = Qs + B * L;
         const float* Ls = LD + stage * 2 * B;
         const float* Ds = Ls + B;
-        // Queries all below the warp's keys (or keys past seq): nothing.
-        if (key0 > qb * B + B - 1 || key0 >= seq) {
-            __syncthreads();
-            continue;
-        }
-        bool diag = key0 + 15 > qb * B || qb * B + B > seq;
+        bool diag = qb == kb;
         // Sᵀ and dPᵀ for the warp's 16 keys and all 64 queries: one K and
         // one V fragment per slice of the head dimension serve four query
         // chunks (sixteen independent chains of mma).
@@ -876,7 +860,7 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
 // dQ for one block of 64 queries of one (sequence, head): every key block
 // at or before it; each warp owns 16 queries, their Q and dO fragments,
 // scores, dP and dS in registers. The longest query blocks start first.
-template <int DH, int W>
+template <int DH>
 __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                             const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
                             const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dq,
@@ -886,24 +870,21 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     extern __shared__ __align__(128) unsigned char smem[];
     uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × {K, V} × [B][L]
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
-    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
-    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    constexpr int QB = 16 * W;
-    int row0 = qb * QB + warp * 16;
-    load_tile<DH, QB>(tiles, q + (long long)bh * seq * DH, qb * QB, seq);
-    load_tile<DH, QB>(tiles + QB * L, dout + (long long)bh * seq * DH, qb * QB, seq);
+    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y;
+    const uint16_t* K = k + kv_head(bh, heads, kv) * seq * DH;
+    const uint16_t* Vg = v + kv_head(bh, heads, kv) * seq * DH;
+    int row0 = qb * B + warp * 16;
+    load_tile<DH>(tiles, q + (long long)bh * seq * DH, qb * B, seq);
+    load_tile<DH>(tiles + B * L, dout + (long long)bh * seq * DH, qb * B, seq);
     __syncthreads();
     uint32_t qf[DH / 16][4], gf[DH / 16][4];
 #pragma unroll
     for (int kk = 0; kk < DH / 16; kk++) {
         ldsm(qf[kk], tiles + a_at<L>(lane, warp * 16, kk * 16));
-        ldsm(gf[kk], tiles + QB * L + a_at<L>(lane, warp * 16, kk * 16));
+        ldsm(gf[kk], tiles + B * L + a_at<L>(lane, warp * 16, kk * 16));
     }
     __syncthreads();
-    load_tile_async<DH>(tiles, K, 0, seq);
-    load_tile_async<DH>(tiles + B * L, Vg, 0, seq);
-    cp_async_commit();
+    kv_issue<DH>(tiles, K, Vg, 0, seq);
     float dqa[DH / 8][4];
 #pragma unroll
     for (int n = 0; n < DH / 8; n++)
@@ -916,25 +897,10 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
         ls[r] = qpos[r] < seq ? lse2[(long long)bh * seq + qpos[r]] : 0.f;
         dr[r] = qpos[r] < seq ? dd[(long long)bh * seq + qpos[r]] : 0.f;
     }
-    int last = min(((qb + 1) * QB - 1) / B, (seq - 1) / B);
-    for (int j = 0; j <= last; j++) {
-        const uint16_t* Ks = tiles + (j & 1) * 2 * B * L;
+    for (int j = 0; j <= qb; j++) {
+        const uint16_t* Ks = kv_tile<DH>(tiles, K, Vg, j, qb, seq);
         const uint16_t* Vs = Ks + B * L;
-        if (j < last) {
-            uint16_t* next = tiles + ((j + 1) & 1) * 2 * B * L;
-            load_tile_async<DH>(next, K, (j + 1) * B, seq);
-            load_tile_async<DH>(next + B * L, Vg, (j + 1) * B, seq);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        if (j * B > row0 + 15) {
-            __syncthreads();
-            continue;
-        }
-        bool diag = j * B + B - 1 > row0 || j * B + B > seq;
+        bool diag = j == qb;
         // One 16-key chunk at a time: S and dP, then dS into dQ += dS K.
 #pragma unroll
         for (int n = 0; n < B / 16; n++) {
@@ -971,276 +937,23 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
 }
 
 
-// The forward with two 16-row slices a warp (FlashAttention-2's layout):
-// 4 warps own 128 queries, warp w the rows w·16.. and 64 + w·16.. of the
-// block, so every K and V fragment read from shared memory feeds two
-// products instead of one. Q stays in shared memory (its fragments are
-// read again for each key tile: registers hold the two slices'
-// accumulators). No warp skips a tile: the first slice's rows are masked
-// in the block's last key tile.
-template <int DH, int KT>
-__device__ void flash_fwd2(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
-                           const uint16_t* __restrict__ v, uint16_t* __restrict__ o, float* __restrict__ lse2,
-                           int seq, int heads, int kv, float sl) {
-    using namespace fa;
-    constexpr int L = LT<DH>, QB = 128;
-    extern __shared__ __align__(128) unsigned char smem[];
-    uint16_t* Qs = reinterpret_cast<uint16_t*>(smem);  // [QB][L]
-    uint16_t* tiles = Qs + QB * L;                       // 2 stages × {K, V} × [KT][L]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
-    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
-    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    load_tile_async<DH, KT>(tiles, K, 0, seq);
-    load_tile_async<DH, KT>(tiles + KT * L, Vg, 0, seq);
-    cp_async_commit();
-    load_tile<DH, QB>(Qs, q + (long long)bh * seq * DH, qb * QB, seq);
-    int row0[2] = {qb * QB + warp * 16, qb * QB + 64 + warp * 16};
-    int qpos[2][2] = {{row0[0] + g, row0[0] + g + 8}, {row0[1] + g, row0[1] + g + 8}};
-    float oacc[2][DH / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int n = 0; n < DH / 8; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) oacc[mt][n][i] = 0.f;
-    float m[2][2], l[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) m[mt][r] = -INFINITY, l[mt][r] = 0.f;
-    int last = min(((qb + 1) * QB - 1) / KT, (seq - 1) / KT);
-    for (int j = 0; j <= last; j++) {
-        const uint16_t* Ks = tiles + (j & 1) * 2 * KT * L;
-        const uint16_t* Vs = Ks + KT * L;
-        if (j < last) {
-            uint16_t* next = tiles + ((j + 1) & 1) * 2 * KT * L;
-            load_tile_async<DH, KT>(next, K, (j + 1) * KT, seq);
-            load_tile_async<DH, KT>(next + KT * L, Vg, (j + 1) * KT, seq);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        float s[2][KT / 8][4];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-            for (int n = 0; n < KT / 8; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) s[mt][n][i] = 0.f;
-#pragma unroll
-        for (int kk = 0; kk < DH / 16; kk++) {
-            uint32_t qa0[4], qa1[4];
-            ldsm(qa0, Qs + a_at<L>(lane, warp * 16, kk * 16));
-            ldsm(qa1, Qs + a_at<L>(lane, 64 + warp * 16, kk * 16));
-#pragma unroll
-            for (int np = 0; np < KT / 16; np++) {
-                uint32_t bf[4];
-                ldsm(bf, Ks + bt_at<L>(lane, np * 16, kk * 16));
-                mma2(s[0][2 * np], s[0][2 * np + 1], qa0, bf);
-                mma2(s[1][2 * np], s[1][2 * np + 1], qa1, bf);
-            }
-        }
-        bool diag = j * KT + KT - 1 > qb * QB || j * KT + KT > seq;
-        float alpha[2][2];
-#pragma unroll
-        for (int mt = 0; mt < 2; mt++) {
-            float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-            for (int n = 0; n < KT / 8; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    int r = i >> 1, key = j * KT + n * 8 + 2 * t + (i & 1);
-                    if (diag && (key > qpos[mt][r] || key >= seq)) s[mt][n][i] = -INFINITY;
-                    mx[r] = fmaxf(mx[r], s[mt][n][i]);
-                }
-            float base[2];
-#pragma unroll
-            for (int r = 0; r < 2; r++) {
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-                mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-                float mn = fmaxf(m[mt][r], mx[r] * sl);
-                base[r] = mn == -INFINITY ? 0.f : mn;
-                alpha[mt][r] = ex2(m[mt][r] - base[r]);
-                l[mt][r] *= alpha[mt][r];
-                m[mt][r] = mn;
-            }
-#pragma unroll
-            for (int n = 0; n < KT / 8; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float p = ex2(fmaf(s[mt][n][i], sl, -base[i >> 1]));
-                    l[mt][i >> 1] += p;
-                    s[mt][n][i] = p;
-                }
-#pragma unroll
-            for (int n = 0; n < DH / 8; n++)
-#pragma unroll
-                for (int i = 0; i < 4; i++) oacc[mt][n][i] *= alpha[mt][i >> 1];
-        }
-#pragma unroll
-        for (int kk = 0; kk < KT / 16; kk++) {
-            uint32_t p0[4], p1[4];
-            to_a(p0, s[0][2 * kk], s[0][2 * kk + 1]);
-            to_a(p1, s[1][2 * kk], s[1][2 * kk + 1]);
-#pragma unroll
-            for (int dp = 0; dp < DH / 16; dp++) {
-                uint32_t bf[4];
-                ldsm_t(bf, Vs + b_at<L>(lane, kk * 16, dp * 16));
-                mma2(oacc[0][2 * dp], oacc[0][2 * dp + 1], p0, bf);
-                mma2(oacc[1][2 * dp], oacc[1][2 * dp + 1], p1, bf);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 1);
-            l[mt][r] += __shfl_xor_sync(0xffffffffu, l[mt][r], 2);
-        }
-        store_acc<DH>(oacc[mt], o + (long long)bh * seq * DH, row0[mt], seq, 1.f / l[mt][0], 1.f / l[mt][1]);
-        if (t == 0)
-            for (int r = 0; r < 2; r++)
-                if (qpos[mt][r] < seq) lse2[(long long)bh * seq + qpos[mt][r]] = m[mt][r] + log2f(l[mt][r]);
-    }
-}
-
-// dQ with two 16-row slices a warp, as flash_fwd2: 4 warps own 128
-// queries; Q and dO stay in shared memory; K and V stream in tiles of 32
-// keys (two stages), each fragment feeding both slices.
-template <int DH>
-__device__ void flash_bwd_q2(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
-                             const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
-                             const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dq,
-                             int seq, int heads, int kv, float sl, float scale) {
-    using namespace fa;
-    constexpr int L = LT<DH>, QB = 128, KT = 32;
-    extern __shared__ __align__(128) unsigned char smem[];
-    uint16_t* Qs = reinterpret_cast<uint16_t*>(smem);  // [QB][L]
-    uint16_t* Gs = Qs + QB * L;                          // [QB][L]
-    uint16_t* tiles = Gs + QB * L;                       // 2 stages × {K, V} × [KT][L]
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y, b = bh / heads, hk = (bh % heads) / (heads / kv);
-    const uint16_t* K = k + (long long)(b * kv + hk) * seq * DH;
-    const uint16_t* Vg = v + (long long)(b * kv + hk) * seq * DH;
-    load_tile_async<DH, KT>(tiles, K, 0, seq);
-    load_tile_async<DH, KT>(tiles + KT * L, Vg, 0, seq);
-    cp_async_commit();
-    load_tile<DH, QB>(Qs, q + (long long)bh * seq * DH, qb * QB, seq);
-    load_tile<DH, QB>(Gs, dout + (long long)bh * seq * DH, qb * QB, seq);
-    int row0[2] = {qb * QB + warp * 16, qb * QB + 64 + warp * 16};
-    int qpos[2][2] = {{row0[0] + g, row0[0] + g + 8}, {row0[1] + g, row0[1] + g + 8}};
-    float dqa[2][DH / 8][4];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int n = 0; n < DH / 8; n++)
-#pragma unroll
-            for (int i = 0; i < 4; i++) dqa[mt][n][i] = 0.f;
-    float ls[2][2], dr[2][2];
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++)
-#pragma unroll
-        for (int r = 0; r < 2; r++) {
-            bool in = qpos[mt][r] < seq;
-            ls[mt][r] = in ? lse2[(long long)bh * seq + qpos[mt][r]] : 0.f;
-            dr[mt][r] = in ? dd[(long long)bh * seq + qpos[mt][r]] : 0.f;
-        }
-    int last = min(((qb + 1) * QB - 1) / KT, (seq - 1) / KT);
-    for (int j = 0; j <= last; j++) {
-        const uint16_t* Ks = tiles + (j & 1) * 2 * KT * L;
-        const uint16_t* Vs = Ks + KT * L;
-        if (j < last) {
-            uint16_t* next = tiles + ((j + 1) & 1) * 2 * KT * L;
-            load_tile_async<DH, KT>(next, K, (j + 1) * KT, seq);
-            load_tile_async<DH, KT>(next + KT * L, Vg, (j + 1) * KT, seq);
-            cp_async_commit();
-            cp_async_wait<1>();
-        } else {
-            cp_async_wait<0>();
-        }
-        __syncthreads();
-        bool diag = j * KT + KT - 1 > qb * QB || j * KT + KT > seq;
-#pragma unroll
-        for (int n = 0; n < KT / 16; n++) {
-            float sa[2][2][4] = {}, ga[2][2][4] = {};
-#pragma unroll
-            for (int kk = 0; kk < DH / 16; kk++) {
-                uint32_t a0[4], a1[4], bk[4], bv[4];
-                ldsm(bk, Ks + bt_at<L>(lane, n * 16, kk * 16));
-                ldsm(bv, Vs + bt_at<L>(lane, n * 16, kk * 16));
-                ldsm(a0, Qs + a_at<L>(lane, warp * 16, kk * 16));
-                ldsm(a1, Qs + a_at<L>(lane, 64 + warp * 16, kk * 16));
-                mma2(sa[0][0], sa[0][1], a0, bk);
-                mma2(sa[1][0], sa[1][1], a1, bk);
-                ldsm(a0, Gs + a_at<L>(lane, warp * 16, kk * 16));
-                ldsm(a1, Gs + a_at<L>(lane, 64 + warp * 16, kk * 16));
-                mma2(ga[0][0], ga[0][1], a0, bv);
-                mma2(ga[1][0], ga[1][1], a1, bv);
-            }
-            uint32_t ds[2][4];
-#pragma unroll
-            for (int mt = 0; mt < 2; mt++) {
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-#pragma unroll
-                    for (int i = 0; i < 4; i++) {
-                        int r = i >> 1, key = j * KT + n * 16 + h * 8 + 2 * t + (i & 1);
-                        float p = ex2(fmaf(sa[mt][h][i], sl, -ls[mt][r]));
-                        if (diag && (key > qpos[mt][r] || key >= seq || qpos[mt][r] >= seq)) p = 0.f;
-                        ga[mt][h][i] = p * (ga[mt][h][i] - dr[mt][r]) * scale;
-                    }
-                to_a(ds[mt], ga[mt][0], ga[mt][1]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < DH / 16; dp++) {
-                uint32_t bf[4];
-                ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
-                mma2(dqa[0][2 * dp], dqa[0][2 * dp + 1], ds[0], bf);
-                mma2(dqa[1][2 * dp], dqa[1][2 * dp + 1], ds[1], bf);
-            }
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int mt = 0; mt < 2; mt++) store_acc<DH>(dqa[mt], dq + (long long)bh * seq * DH, row0[mt], seq, 1.f, 1.f);
-}
-
-// Names: flash_{fwd,bwd_kv,bwd_q}_<DH> (W = 4); flash_fwd2_<DH> (64-key
-// tiles; 32-key tiles measured no faster), flash_bwd_q2_<DH>.
-#define LRMOE_FLASH(DH, W, SUF, FWD_BOUNDS, KV_BOUNDS)                                                                 \
-    extern "C" __global__ void __launch_bounds__ FWD_BOUNDS flash_fwd_##DH##SUF(                                        \
+#define LRMOE_FLASH(DH)                                                                                                \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_##DH(                                                  \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse2, int seq, int heads,         \
         int kv, float sl) {                                                                                            \
-        flash_fwd<DH, W>(q, k, v, o, lse2, seq, heads, kv, sl);                                                        \
+        flash_fwd<DH>(q, k, v, o, lse2, seq, heads, kv, sl);                                                           \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__ KV_BOUNDS flash_bwd_kv_##DH##SUF(                                      \
+    extern "C" __global__ void __launch_bounds__(128) flash_bwd_kv_##DH(                                               \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
         const float* dd, uint16_t* dk, uint16_t* dv, int seq, int heads, int kv, float sl, float scale) {             \
-        flash_bwd_kv<DH, W>(q, k, v, dout, lse2, dd, dk, dv, seq, heads, kv, sl, scale);                               \
+        flash_bwd_kv<DH>(q, k, v, dout, lse2, dd, dk, dv, seq, heads, kv, sl, scale);                                  \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__ FWD_BOUNDS flash_bwd_q_##DH##SUF(                                      \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_q_##DH(                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
         const float* dd, uint16_t* dq, int seq, int heads, int kv, float sl, float scale) {                           \
-        flash_bwd_q<DH, W>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                    \
+        flash_bwd_q<DH>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                       \
     }
-#define LRMOE_FLASH_W(DH)                                                                                              \
-    LRMOE_FLASH(DH, 4, , (128, 3), (128))                                                                              \
-    extern "C" __global__ void __launch_bounds__(128, 2) flash_fwd2_##DH(                                               \
-        const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* o, float* lse2, int seq, int heads,         \
-        int kv, float sl) {                                                                                            \
-        flash_fwd2<DH, 64>(q, k, v, o, lse2, seq, heads, kv, sl);                                                      \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(128, 2) flash_bwd_q2_##DH(                                             \
-        const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
-        const float* dd, uint16_t* dq, int seq, int heads, int kv, float sl, float scale) {                           \
-        flash_bwd_q2<DH>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                      \
-    }
-LRMOE_FLASH_W(16)
-LRMOE_FLASH_W(32)
-LRMOE_FLASH_W(64)
-LRMOE_FLASH_W(128)
+LRMOE_FLASH(16)
+LRMOE_FLASH(32)
+LRMOE_FLASH(64)
+LRMOE_FLASH(128)

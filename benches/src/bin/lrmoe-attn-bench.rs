@@ -46,46 +46,31 @@ fn main() -> anyhow::Result<()> {
         let dout = gpu.upload(&random_bf16(n * h * dh, 4))?;
         let att = gpu.even_offsets(shape.groups(), shape.rows_each())?;
         let rows = n_seq * h * seq;
-        let time = |both: bool| -> anyhow::Result<f64> {
-            let mut ts = Vec::new();
-            for i in 0..13 {
-                let a = gpu.mark()?;
-                let (_, sv) = gpu.attention_forward(shape, &att, (&qt, &kt, &vt))?;
-                if both {
-                    gpu.attention_backward(shape, &att, &sv, &dout)?;
-                }
-                let b = gpu.mark()?;
-                if i >= 3 {
-                    ts.push(b.ms_since(&a)?);
-                }
+        let whole = |both: bool| -> anyhow::Result<()> {
+            let (_, sv) = gpu.attention_forward(shape, &att, (&qt, &kt, &vt))?;
+            if both {
+                gpu.attention_backward(shape, &att, &sv, &dout)?;
             }
-            ts.sort_by(f64::total_cmp);
-            Ok(ts[ts.len() / 2])
+            Ok(())
         };
-        let (fwd, fwd_bwd) = (time(false)?, time(true)?);
         // The fused kernels alone (head-major inputs as they are, no RoPE
-        // or layout passes), when this head width has them.
+        // or layout passes).
         let dims = (n_seq, seq, h, kv, dh);
-        let kernels_only = |both: bool| -> anyhow::Result<f64> {
-            let mut ts = Vec::new();
-            for i in 0..13 {
-                let a = gpu.mark()?;
-                let (o, lse2) = gpu.flash_attention_forward(dims, &qt, &kt, &vt)?;
-                if both {
-                    gpu.flash_attention_backward(dims, (&qt, &kt, &vt), (&o, &lse2), &dout)?;
-                }
-                let b = gpu.mark()?;
-                if i >= 3 {
-                    ts.push(b.ms_since(&a)?);
-                }
+        let kernels_only = |both: bool| -> anyhow::Result<()> {
+            let (o, lse2) = gpu.flash_attention_forward(dims, &qt, &kt, &vt)?;
+            if both {
+                gpu.flash_attention_backward(dims, (&qt, &kt, &vt), (&o, &lse2), &dout)?;
             }
-            ts.sort_by(f64::total_cmp);
-            Ok(ts[ts.len() / 2])
+            Ok(())
         };
-        let (kfwd, kfwd_bwd) = match kernels_only(false) {
-            Ok(f) => (Some(f), Some(kernels_only(true)?)),
-            Err(_) => (None, None),
-        };
+        let (fwd, fwd_bwd) = (
+            median_ms(&gpu, || whole(false))?,
+            median_ms(&gpu, || whole(true))?,
+        );
+        let (kfwd, kfwd_bwd) = (
+            median_ms(&gpu, || kernels_only(false))?,
+            median_ms(&gpu, || kernels_only(true))?,
+        );
         let fused = gpu
             .attention_forward(shape, &att, (&qt, &kt, &vt))?
             .1
@@ -103,4 +88,19 @@ fn main() -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Median device ms of `run` over 10 runs after 3 warm-ups (CUDA events).
+fn median_ms(gpu: &Gpu, mut run: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let mut ts = Vec::new();
+    for i in 0..13 {
+        let a = gpu.mark()?;
+        run()?;
+        let b = gpu.mark()?;
+        if i >= 3 {
+            ts.push(b.ms_since(&a)?);
+        }
+    }
+    ts.sort_by(f64::total_cmp);
+    Ok(ts[ts.len() / 2])
 }

@@ -392,20 +392,11 @@ fn attention_products_as_grouped_gemms() {
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn fused_attention_forward_and_backward_match_the_twins() {
-    // Both kernel families: one 16-row slice a warp, and two.
-    for family in ["1", "2"] {
-        std::env::set_var("LRMOE_FLASH", family);
-        fused_attention_matches_the_twins(&gpu(), family);
-    }
-    std::env::remove_var("LRMOE_FLASH");
-}
-
-fn fused_attention_matches_the_twins(g: &Gpu, family: &str) {
+    let g = gpu();
     let mut r = Rng(seed());
     // (n_seq, seq, heads, kv_heads, head_dim): every head width the
-    // kernels have, sequences not a multiple of the 64- or 128-row blocks,
-    // shorter than one block, one of a single token, grouped and plain
-    // heads.
+    // kernels have, sequences not a multiple of the 64-row blocks, one of a
+    // single token, grouped and plain heads.
     for dims in [
         (2, 100, 4, 2, 16),
         (1, 130, 2, 1, 32),
@@ -417,7 +408,6 @@ fn fused_attention_matches_the_twins(g: &Gpu, family: &str) {
         (1, 300, 4, 2, 128),
         (1, 1, 2, 2, 64),
     ] {
-        let dims_w = (dims, family);
         let (n_seq, seq, heads, kv, dh) = dims;
         let nq = n_seq * heads * seq * dh;
         let nk = n_seq * kv * seq * dh;
@@ -438,13 +428,13 @@ fn fused_attention_matches_the_twins(g: &Gpu, family: &str) {
         let lse_got = g.download(&lse2, n_seq * heads * seq).unwrap();
         // P is rounded to bf16 for P·V and the output to bf16: ≤ 1% in norm.
         let e = rel(&wide(&o_got), &o_want);
-        assert!(e <= 1e-2, "{dims_w:?}: output off by {e:.2e}");
+        assert!(e <= 1e-2, "{dims:?}: output off by {e:.2e}");
         let lse_err = lse_got
             .iter()
             .zip(&lse_want)
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
-        assert!(lse_err <= 2e-3, "{dims_w:?}: lse2 off by {lse_err:.2e}");
+        assert!(lse_err <= 2e-3, "{dims:?}: lse2 off by {lse_err:.2e}");
         let (dq, dk, dv) = g
             .flash_attention_backward(
                 dims,
@@ -478,11 +468,11 @@ fn fused_attention_matches_the_twins(g: &Gpu, family: &str) {
                 .sqrt();
             assert!(
                 got.iter().all(|x| x.is_finite()),
-                "{dims_w:?}: {name} not finite"
+                "{dims:?}: {name} not finite"
             );
             assert!(
                 diff <= 2e-2 * norm.max(1e-2 * (n as f64).sqrt()),
-                "{dims_w:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
+                "{dims:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
             );
         }
     }

@@ -36,9 +36,8 @@ pub(crate) struct DenseFns {
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
     to_bf16: CudaFunction,
-    /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV,
-    /// dQ, of the kernel family [`flash_family`] picks.
-    flash: Vec<(usize, [FlashKernel; 3])>,
+    /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
+    flash: Vec<(usize, [CudaFunction; 3])>,
     flash_dot: CudaFunction,
     /// Which attention path runs (`LRMOE_ATTENTION`): `materialized` —
     /// scores and probabilities as grouped GEMMs and softmax kernels;
@@ -56,44 +55,11 @@ enum AttnPath {
     Materialized,
 }
 
-/// One fused-attention kernel: the function, the rows (queries, or keys
-/// for dK/dV) a block of 128 threads owns, its dynamic shared memory.
-struct FlashKernel {
-    f: CudaFunction,
-    rows: usize,
-    smem: u32,
-}
-
-/// The fused-attention kernels of head width `dh` (`kernels/dense.cu`):
-/// `(name, rows a block, dynamic shared memory)` for the forward, dK/dV
-/// and dQ. One 16-row slice a warp (64-row blocks), or two (128-query
-/// blocks, each K and V fragment feeding both) for the forward and dQ:
-/// `LRMOE_FLASH=1` or `2`; unset, two at head width 128 and one below,
-/// the faster of the two at each width on one H200 (`docs/benchmarks.md`).
-/// Shared memory: `dh + 8` bf16 a tile row.
-fn flash_family(dh: usize) -> [(String, usize, u32); 3] {
-    let l = dh as u32 + 8;
-    let two = match std::env::var("LRMOE_FLASH").as_deref() {
-        Ok("1") => false,
-        Ok("2") => true,
-        _ => dh >= 128,
-    };
-    // dK/dV: its 64 keys and values, two stages of Q and dO, and 256
-    // floats of row statistics.
-    let kv = (format!("flash_bwd_kv_{dh}"), 64, 768 * l + 1024);
-    if two {
-        [
-            (format!("flash_fwd2_{dh}"), 128, 768 * l),
-            kv,
-            (format!("flash_bwd_q2_{dh}"), 128, 768 * l),
-        ]
-    } else {
-        [
-            (format!("flash_fwd_{dh}"), 64, 512 * l),
-            kv,
-            (format!("flash_bwd_q_{dh}"), 64, 512 * l),
-        ]
-    }
+/// Dynamic shared memory of the fused attention kernels for head width
+/// `dh`: forward, dK/dV, dQ (layouts in `kernels/dense.cu`).
+fn flash_smem(dh: usize) -> [u32; 3] {
+    let dh = dh as u32;
+    [512 * (dh + 8), 768 * (dh + 8) + 1024, 512 * (dh + 8)]
 }
 
 impl DenseFns {
@@ -124,17 +90,19 @@ impl DenseFns {
             flash: [16usize, 32, 64, 128]
                 .into_iter()
                 .map(|dh| {
-                    let load = |(name, rows, smem): (String, usize, u32)| {
-                        let f = f(&name)?;
-                        f.set_attribute(
+                    let fns = [
+                        f(&format!("flash_fwd_{dh}"))?,
+                        f(&format!("flash_bwd_kv_{dh}"))?,
+                        f(&format!("flash_bwd_q_{dh}"))?,
+                    ];
+                    for (func, bytes) in fns.iter().zip(flash_smem(dh)) {
+                        func.set_attribute(
                             cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            smem as i32,
+                            bytes as i32,
                         )
                         .map_err(cuda)?;
-                        Ok(FlashKernel { f, rows, smem })
-                    };
-                    let [a, b, c] = flash_family(dh);
-                    Ok((dh, [load(a)?, load(b)?, load(c)?]))
+                    }
+                    Ok((dh, fns))
                 })
                 .collect::<Result<_, KernelError>>()?,
             flash_dot: f("flash_bwd_dot")?,
@@ -150,7 +118,7 @@ impl DenseFns {
         self.flash_fns(dh).is_some() && self.attention == AttnPath::Fused
     }
 
-    fn flash_fns(&self, dh: usize) -> Option<&[FlashKernel; 3]> {
+    fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 3]> {
         self.flash.iter().find(|(d, _)| *d == dh).map(|(_, f)| f)
     }
 }
@@ -1031,13 +999,12 @@ impl Gpu {
                 got: y,
             });
         }
-        let k = &fns[which];
         Ok((
-            &k.f,
+            &fns[which],
             LaunchConfig {
-                grid_dim: (seq.div_ceil(k.rows) as u32, y as u32, 1),
+                grid_dim: (seq.div_ceil(64) as u32, y as u32, 1),
                 block_dim: (128, 1, 1),
-                shared_mem_bytes: k.smem,
+                shared_mem_bytes: flash_smem(dh)[which],
             },
         ))
     }
