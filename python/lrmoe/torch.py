@@ -212,7 +212,11 @@ class MoE(nn.Module):
     ``tile_trim``, ``aux_loss_coeff``, ``expert_bias_rate``
     (DeepSeek-V3's balancing bias, updated after each training forward),
     ``keep_projections`` (CUDA: keep the forward's ``x·W_gate``, ``x·W_up``
-    for the backward instead of recomputing them; more memory), …
+    for the backward instead of recomputing them: two grouped GEMMs fewer
+    for ``2 · ffn`` bf16 values a routed pair, what PyTorch's block keeps
+    for its autograd; default ``True`` under ``mode="full"``, whose exact
+    backward reads every pair's projections, and ``False`` otherwise, where
+    the backward recomputes only the rows it keeps), …
     Unknown keys raise ``ValueError``.
 
     After a call: ``last_forward`` (``expert_load``, ``aux_loss``) and,
@@ -246,6 +250,11 @@ class MoE(nn.Module):
         self.seed = int(seed)
         self.return_router_logits = return_router_logits
         rate = float(settings.get("expert_bias_rate", 0.0))
+        if "keep_projections" not in settings:
+            # The exact backward reads every pair's projections: keeping
+            # them costs what the block it replaces keeps, and saves their
+            # recomputation; a planned backward recomputes its kept rows only.
+            settings["keep_projections"] = settings.get("mode", "lrmoe") == "full"
         self._layer = Layer(h, f, e, num_experts_per_tok, norm_topk_prob, seed, **settings)
         self._device_layers: dict = {}
         kw = dict(dtype=dtype or torch.float32, device=device)
