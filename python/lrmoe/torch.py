@@ -250,11 +250,6 @@ class MoE(nn.Module):
         self.seed = int(seed)
         self.return_router_logits = return_router_logits
         rate = float(settings.get("expert_bias_rate", 0.0))
-        if "keep_projections" not in settings:
-            # The exact backward reads every pair's projections: keeping
-            # them costs what the block it replaces keeps, and saves their
-            # recomputation; a planned backward recomputes its kept rows only.
-            settings["keep_projections"] = settings.get("mode", "lrmoe") == "full"
         self._layer = Layer(h, f, e, num_experts_per_tok, norm_topk_prob, seed, **settings)
         self._device_layers: dict = {}
         kw = dict(dtype=dtype or torch.float32, device=device)

@@ -69,6 +69,13 @@ pub(super) fn pairs_per_rank(cfg: &TrainConfig, mcfg: &ModelConfig) -> f64 {
     (cfg.data.batch_size / cfg.moe.ranks * cfg.data.seq_len * mcfg.top_k) as f64
 }
 
+/// Whether the backward reads the forward's projections instead of
+/// recomputing them: as asked, else in `full` mode only (the exact
+/// backward reads every pair's; a planned one recomputes its kept rows).
+pub(super) fn keeps_projections(moe: &MoeSection) -> bool {
+    moe.keep_projections.unwrap_or(moe.mode == Mode::Full)
+}
+
 /// One MoE layer call's settings from an `[moe]` section, as the trainer
 /// makes them: `shape` is `(d_model, ffn)`, `pairs_per_rank` the average
 /// routed pairs per rank of a call (the token buffer's unit),
@@ -88,7 +95,7 @@ pub fn layer_call_config(
         hot_bias: moe.hot_bias,
         zipf_skew: moe.zipf_skew,
         aux_loss_coeff: moe.aux_loss_coeff,
-        keep_projections: moe.keep_projections,
+        keep_projections: keeps_projections(moe),
         ..CallConfig::default()
     };
     let rule = lrm_score::Rule::from_name(&moe.selection_rule).unwrap_or_default();
@@ -153,7 +160,7 @@ pub(super) fn run_call_config(
 ) -> CallConfig {
     let device_rows = device_rows(cfg, whole_gpu);
     let call = call_config(cfg, mcfg, placement, device_rows);
-    if cfg.moe.keep_projections && !(whole_gpu && cfg.moe.ranks == 1) {
+    if cfg.moe.keep_projections == Some(true) && !(whole_gpu && cfg.moe.ranks == 1) {
         tracing::warn!(
             "moe.keep_projections has no effect here: it applies to the device model on one rank (--device cuda, moe.ranks = 1)"
         );

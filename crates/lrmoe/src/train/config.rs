@@ -230,9 +230,12 @@ pub struct MoeSection {
     /// forward (`2 · ffn` bf16 values a routed pair) so the backward skips
     /// recomputing them — two grouped GEMMs fewer, the memory PyTorch's
     /// layer spends the same way. Elsewhere it has no effect (the run says
-    /// so once). Off by default: LRMoE spends that memory on token buffers
-    /// instead.
-    pub keep_projections: bool,
+    /// so once when it was asked for). Unset: on in `full` mode, whose
+    /// exact backward reads every pair's projections, off in the planned
+    /// modes, which recompute only the rows they keep and spend the memory
+    /// on token buffers instead.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keep_projections: Option<bool>,
 }
 
 impl Default for MoeSection {
@@ -258,7 +261,7 @@ impl Default for MoeSection {
             expert_bias_rate: 0.0,
             fit_budget: false,
             tile_trim: layer::TileAlign::DEVICE.max_drop,
-            keep_projections: false,
+            keep_projections: None,
         }
     }
 }

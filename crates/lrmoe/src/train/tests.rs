@@ -19,7 +19,7 @@ fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
 }
 
 /// `moe.keep_projections` reaches every mode's call settings (the
-/// device executor reads it there), off unless asked for.
+/// device executor reads it there); unset, it is on in `full` mode only.
 #[test]
 fn keep_projections_reaches_the_call_in_every_mode() {
     let place = Placement {
@@ -34,8 +34,11 @@ fn keep_projections_reaches_the_call_in_every_mode() {
             assert_eq!(call.keep_projections, keep, "{mode}");
         }
     }
-    let moe = moe_section_from_json("{}", 4).unwrap();
-    assert!(!layer_call_config(&moe, (16, 8), 32.0, &place, true, 0).keep_projections);
+    for (mode, keep) in [("full", true), ("lrmoe", false), ("capacity", false)] {
+        let moe = moe_section_from_json(&format!(r#"{{"mode": "{mode}"}}"#), 4).unwrap();
+        let call = layer_call_config(&moe, (16, 8), 32.0, &place, true, 0);
+        assert_eq!(call.keep_projections, keep, "{mode} unset");
+    }
 }
 
 #[test]
