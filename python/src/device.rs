@@ -182,7 +182,7 @@ fn capsule<'py, T: DeviceRepr>(
 }
 
 /// The forward's device state, kept for the backward (opaque to Python).
-#[pyclass(module = "lrmoe._lrmoe", frozen)]
+#[pyclass(module = "lrmoe._lrmoe")]
 pub struct DeviceSavedPy {
     inner: DeviceSaved,
     call: layer::CallConfig,
@@ -356,7 +356,7 @@ impl DeviceLayer {
         &self,
         py: Python<'py>,
         weights: (u64, u64, u64, u64),
-        saved: &DeviceSavedPy,
+        mut saved: PyRefMut<'_, DeviceSavedPy>,
         dy: u64,
         stream: u64,
     ) -> PyResult<(Vec<Bound<'py, PyCapsule>>, String)> {
@@ -365,11 +365,14 @@ impl DeviceLayer {
         let dys = self.rows(dy, saved.tokens)?;
         let planner = DevicePlanner::new(self.cfg, saved.call.clone()).map_err(value_error)?;
         self.enter(stream)?;
-        let g = layer::device::backward(
+        // The forward rows are released once the kept rows are gathered, as
+        // autograd frees saved tensors (a second backward, under
+        // `retain_graph`, still runs: it gathers from the input).
+        let g = layer::device::backward_releasing(
             &self.gpu,
             DeviceComm::Local,
             &w,
-            &saved.inner,
+            &mut saved.inner,
             &dys,
             &planner,
         )

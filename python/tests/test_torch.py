@@ -257,6 +257,29 @@ def test_cuda_exact_default_keeps_projections_and_equals_recomputing():
 
 
 @needs_cuda
+@pytest.mark.parametrize("settings", [dict(mode="full"),
+                                      dict(mode="lrmoe", buffer_fraction=0.5)])
+def test_cuda_second_backward_under_retain_graph_equals_the_first(settings):
+    """The backward releases the forward's rows once it has gathered the
+    kept ones (as autograd frees saved tensors); a second backward of the
+    same graph (``retain_graph=True``) gathers them from the input and
+    gives the same bits."""
+    _, moe = cuda_pair(seed=5, **settings)
+    xm = torch.randn(4, 50, 64, device="cuda").bfloat16().requires_grad_(True)
+    dy = torch.randn(4, 50, 64, device="cuda").bfloat16()
+    y, _ = moe(xm)
+    grads = []
+    for _ in range(2):
+        y.backward(dy, retain_graph=True)
+        params = (xm, moe.router, moe.w_gate, moe.w_up, moe.w_down)
+        grads.append([p.grad.clone() for p in params])
+        for p in params:
+            p.grad = None
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@needs_cuda
 def test_cuda_keeps_what_the_cpu_path_keeps_at_r_below_one():
     settings = dict(mode="lrmoe", buffer_fraction=0.5, selection_rule="top_q", tile_trim=0.0)
     _, moe = cuda_pair(seed=1, **settings)

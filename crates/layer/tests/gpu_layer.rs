@@ -613,3 +613,111 @@ fn in_process_exchange_equals_host_staging_bit_for_bit() {
         }
     }
 }
+
+/// `backward_releasing` (the owner's forward rows released once the kept
+/// rows are gathered) gives the bits of `backward` (the saved state kept
+/// whole), and a second backward of the released state — its `x` rows
+/// then gathered from the input, as a call with replicas does — gives
+/// them again: on one rank and on 2 in-process ranks, at r = 1 (projections
+/// kept and recomputed) and with a binding budget under top-q and
+/// priority sampling.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn releasing_backward_equals_the_kept_state_bit_for_bit() {
+    use kernels::cpu::random_bf16;
+    use layer::Retention;
+    let gpu = Gpu::open(0).unwrap();
+    gpu.set_poison(true);
+    let cfg = MoeConfig {
+        hidden: 64,
+        ffn: 128,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: true,
+    };
+    let t = 384;
+    let calls = [
+        (
+            "r = 1, projections kept",
+            Retention::Full,
+            true,
+            lrm_score::Rule::TopQ,
+        ),
+        (
+            "r = 1, recomputed",
+            Retention::Full,
+            false,
+            lrm_score::Rule::TopQ,
+        ),
+        (
+            "r = 0.5, top-q",
+            Retention::Ratio(0.5),
+            false,
+            lrm_score::Rule::TopQ,
+        ),
+        (
+            "r = 0.5, priority",
+            Retention::Ratio(0.5),
+            false,
+            lrm_score::Rule::Priority,
+        ),
+        (
+            "r = 0.5, kept",
+            Retention::Ratio(0.5),
+            true,
+            lrm_score::Rule::TopQ,
+        ),
+    ];
+    let one = |comm: DeviceComm<'_>| -> Result<(), String> {
+        let r = comm.rank() as u64;
+        let w = device::random_weights(&gpu, comm, &cfg).map_err(|e| e.to_string())?;
+        let x = gpu.upload(&random_bf16(t * cfg.hidden, 71 + r)).unwrap();
+        let dy = gpu.upload(&random_bf16(t * cfg.hidden, 72 + r)).unwrap();
+        for (what, retention, keep, rule) in calls.clone() {
+            let binding = matches!(retention, Retention::Ratio(_));
+            let call = CallConfig {
+                retention,
+                keep_projections: keep,
+                rule,
+                ..CallConfig::default()
+            };
+            let planner = DevicePlanner::new(cfg, call).unwrap();
+            let err = |e: layer::LayerError| format!("{what}: {e}");
+            let mut sv = device::forward(&gpu, comm, &cfg, &w, &x, &planner).map_err(err)?;
+            let runs = [
+                device::backward(&gpu, comm, &w, &sv, &dy, &planner).map_err(err)?,
+                device::backward_releasing(&gpu, comm, &w, &mut sv, &dy, &planner).map_err(err)?,
+                device::backward(&gpu, comm, &w, &sv, &dy, &planner).map_err(err)?,
+            ];
+            let host = |g: &layer::device::DeviceGrads| {
+                let n = |s: &kernels::gpu::CudaSlice<u16>| gpu.download(s, s.len()).unwrap();
+                (
+                    n(&g.dx),
+                    gpu.download(&g.router, g.router.len()).unwrap(),
+                    [n(&g.experts.gate), n(&g.experts.up), n(&g.experts.down)],
+                    (g.kept_pairs, g.kept_total),
+                )
+            };
+            let want = host(&runs[0]);
+            // kept_total counts every rank's kept pairs.
+            if binding && want.3 .1 >= t * cfg.top_k * comm.world_size() {
+                return Err(format!("{what}: the budget does not bind"));
+            }
+            for (i, g) in runs[1..].iter().enumerate() {
+                if host(g) != want {
+                    return Err(format!("{what}: backward {} differs from the first", i + 2));
+                }
+            }
+        }
+        Ok(())
+    };
+    one(DeviceComm::Local).unwrap();
+    let results = run_local(2, Duration::from_secs(300), |tr| {
+        one(DeviceComm::Staged(tr)).map_err(layer::LayerError::Config)
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        if let Err(e) = r {
+            panic!("EP = 2, rank {rank}: {e}");
+        }
+    }
+}

@@ -1017,7 +1017,9 @@ mod imp {
 
         /// The backward of `f`: every parameter's gradient, in the order of
         /// [`Self::params`].
-        fn backward(&self, f: &Forward) -> Result<Backward, ModelError> {
+        /// Each layer's MoE backward releases its forward rows once it has
+        /// gathered the kept ones (`layer::device::backward_releasing`).
+        fn backward(&self, f: &mut Forward) -> Result<Backward, ModelError> {
             let g = &*self.gpu;
             let cfg = &self.cfg;
             let n = f.n_seq * f.seq;
@@ -1027,7 +1029,12 @@ mod imp {
             let mut block_grads: Vec<Vec<(Share, Grad)>> = Vec::with_capacity(self.blocks.len());
             let mut stats = Vec::with_capacity(self.blocks.len());
             let mut moe_ms = Vec::new();
-            for (b, s) in self.blocks.iter().zip(&f.blocks).rev() {
+            // Each block's state is released once its backward has read it
+            // (the MoE layer's forward rows as soon as the kept ones are
+            // gathered), as autograd frees saved tensors.
+            let saved = std::mem::take(&mut f.blocks);
+            for (b, mut s) in self.blocks.iter().rev().zip(saved.into_iter().rev()) {
+                let s = &mut s;
                 let (mg, st, span) = self.moe_backward(b, s, &dx, n)?;
                 self.tick("moe backward")?;
                 moe_ms.push(span);
@@ -1132,7 +1139,7 @@ mod imp {
         fn moe_backward(
             &self,
             b: &Block,
-            s: &Saved,
+            s: &mut Saved,
             dx: &CudaSlice<f32>,
             n: usize,
         ) -> Result<(layer::device::DeviceGrads, BackwardStats, Span), ModelError> {
@@ -1150,7 +1157,9 @@ mod imp {
             };
             self.comm.phase(super::phase::MOE_BACKWARD)?;
             let t0 = g.mark().map_err(k)?;
-            let mg = layer::device::backward(g, self.comm, &b.moe, &s.moe, &dxb, &planner)?;
+            let mg = layer::device::backward_releasing(
+                g, self.comm, &b.moe, &mut s.moe, &dxb, &planner,
+            )?;
             let t1 = g.mark().map_err(k)?;
             self.comm.phase(super::phase::DENSE_BACKWARD)?;
             let pool_peak = pool_base
@@ -1434,9 +1443,9 @@ mod imp {
             self.tick("start")?;
             for i in 0..micro {
                 let m0 = g.mark().map_err(k)?;
-                let f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
+                let mut f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
                 let m1 = g.mark().map_err(k)?;
-                let (grads, st, bwd_ms) = self.backward(&f)?;
+                let (grads, st, bwd_ms) = self.backward(&mut f)?;
                 let m2 = g.mark().map_err(k)?;
                 acc = Some(accumulate(&g, acc, grads, micro)?);
                 self.tick("micro-batch accumulation")?;
@@ -1497,8 +1506,8 @@ mod imp {
             starts: &[usize],
             seq: usize,
         ) -> Result<(f64, Model<f32>), ModelError> {
-            let f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
-            let (grads, _, _) = self.backward(&f)?;
+            let mut f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
+            let (grads, _, _) = self.backward(&mut f)?;
             let grads = self.sum_dense(grads)?;
             layer::device::settle(self.comm)?;
             let g = self.gpu.clone();

@@ -14,8 +14,7 @@ use crate::LayerError;
 
 use super::comm::{copy_rows, exchange_rows, packed_parts, Flight, Overlap};
 use super::common::{
-    elems, exclusive_scan, expand, off_rank, pack_blocks, permute4, permute_rows, Laps, OwnedRows,
-    Wts,
+    elems, exclusive_scan, expand, off_rank, pack_blocks, permute4, permute_rows, Held, Laps, Wts,
 };
 use super::forward::DeviceSaved;
 use super::weights::{local_weights, DeviceWeights};
@@ -375,10 +374,12 @@ pub(super) type OwnerKept<'a> = (
 /// An owner's kept `x` rows (and projections, if kept) from its forward
 /// rows (expert, source, pair order), masked by its slice of the global
 /// selection: the kept rows in the order the sources sent their `g·δ`
-/// rows.
+/// rows. Taken forward rows are moved where every row is kept, and
+/// released here once the kept ones are gathered (before the experts'
+/// intermediates and gradients are allocated).
 pub(super) fn owner_kept_rows<'a>(
     gpu: &Gpu,
-    own: &'a OwnedRows,
+    own: Held<'a>,
     (kept_g, global): (Option<&CudaSlice<u8>>, &[u32]),
     (rank, el, n_r, (h, f)): (usize, usize, usize, (usize, usize)),
 ) -> Result<OwnerKept<'a>, LayerError> {
@@ -409,8 +410,16 @@ pub(super) fn owner_kept_rows<'a>(
         // grouping below is the identity, so the forward's rows serve as
         // they are (measured: a 0.3 ms copy of 131 072 rows of 2048 per
         // call on the A3B expert shape).
-        let ab = (own.ab.as_ref()).map(|(a, b)| (Cow::Borrowed(a), Cow::Borrowed(b)));
-        return Ok((Cow::Borrowed(&own.x), ab));
+        return Ok(match own {
+            Held::Borrowed(own) => (
+                Cow::Borrowed(&own.x),
+                (own.ab.as_ref()).map(|(a, b)| (Cow::Borrowed(a), Cow::Borrowed(b))),
+            ),
+            Held::Taken(own) => (
+                Cow::Owned(own.x),
+                own.ab.map(|(a, b)| (Cow::Owned(a), Cow::Owned(b))),
+            ),
+        });
     }
     // SAFETY: own.expert and m hold hi - lo entries (this owner's forward
     // rows, expert-major); kb is the prefix sum of the rows this rank's
@@ -456,16 +465,16 @@ pub(super) fn send_kept(
     comm: DeviceComm<'_>,
     sv: &DeviceSaved,
     lay: &InstanceLayout,
-    (pair, rows): (&CudaSlice<u32>, usize),
+    (pair, rows, owned): (&CudaSlice<u32>, usize, bool),
     dk_send: CudaSlice<u16>,
 ) -> Result<KeptFlights, LayerError> {
     let (h, k) = (sv.cfg.hidden, sv.cfg.top_k);
     let travel =
         |rows: CudaSlice<u16>| exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true);
-    let x_fl = match sv.owned_rows {
-        Some(_) => None,
+    let x_fl = match owned {
+        true => None,
         // SAFETY: as for the g·δ rows (pack_kept).
-        None => Some(travel(unsafe {
+        false => Some(travel(unsafe {
             gpu.gather_scaled(&sv.x, pair, k, None, rows, h)
         }?)?),
     };
@@ -474,18 +483,18 @@ pub(super) fn send_kept(
 
 /// Backward stage 4, on the instance: the kept `x` and `g·δ` rows in
 /// instance order (an owner that kept its forward rows takes `x` from
-/// them, masked by the selection; borrowed where nothing is masked or
-/// moved).
+/// them, masked by the selection; borrowed or moved where nothing is
+/// masked or moved).
 pub(super) fn receive_kept<'a>(
     gpu: &Gpu,
-    sv: &'a DeviceSaved,
+    (sv, own): (&DeviceSaved, Option<Held<'a>>),
     lay: &InstanceLayout,
     (x_fl, d_fl): KeptFlights,
     selection: (Option<&CudaSlice<u8>>, &[u32]),
     (rank, el): (usize, usize),
 ) -> Result<(OwnerKept<'a>, CudaSlice<u16>), LayerError> {
     let (h, f, n_r) = (sv.cfg.hidden, sv.cfg.ffn, lay.recv.perm.len);
-    let xk = match (x_fl, &sv.owned_rows) {
+    let xk = match (x_fl, own) {
         (Some(fl), _) => (
             Cow::Owned(permute_rows(gpu, fl.finish()?.0, &lay.recv.perm, h)?),
             None,
@@ -547,12 +556,43 @@ pub(super) fn experts_backward(
 /// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
 /// (top-q, or priority sampling with the plan's seed); the planner splits
 /// the kept pairs over the instances; only kept rows travel and are
-/// multiplied.
+/// multiplied. `sv` stays whole: the backward may run again on it.
 pub fn backward(
     gpu: &Gpu,
     comm: DeviceComm<'_>,
     w: &DeviceWeights,
     sv: &DeviceSaved,
+    dy: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceGrads, LayerError> {
+    let own = sv.owned_rows.as_ref().map(Held::Borrowed);
+    backward_of(gpu, comm, w, (sv, own), dy, planner)
+}
+
+/// [`backward`], releasing the owner's forward rows (`hidden` values per
+/// routed pair, the largest part of `sv`) as soon as the kept rows are
+/// gathered from them, as autograd frees a saved tensor once its backward
+/// has read it: at `r < 1` the backward's peak holds only the kept rows.
+/// Equal results. Another backward of the same `sv` still runs (it takes
+/// its `x` rows from the input, as a call with replicas does); on several
+/// ranks every rank must call the same one of the two.
+pub fn backward_releasing(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    w: &DeviceWeights,
+    sv: &mut DeviceSaved,
+    dy: &CudaSlice<u16>,
+    planner: &DevicePlanner,
+) -> Result<DeviceGrads, LayerError> {
+    let own = sv.owned_rows.take().map(|r| Held::Taken(Box::new(r)));
+    backward_of(gpu, comm, w, (sv, own), dy, planner)
+}
+
+fn backward_of(
+    gpu: &Gpu,
+    comm: DeviceComm<'_>,
+    w: &DeviceWeights,
+    (sv, own): (&DeviceSaved, Option<Held<'_>>),
     dy: &CudaSlice<u16>,
     planner: &DevicePlanner,
 ) -> Result<DeviceGrads, LayerError> {
@@ -574,12 +614,13 @@ pub fn backward(
     laps.lap(gpu, "pack")?;
     // Stage 4: kept rows travel; the router gradient's sum over ranks
     // follows on the communicator's stream.
-    let flights = send_kept(gpu, comm, sv, &lay, (&pk.pair, pk.rows), pk.dk_send)?;
+    let owned = own.is_some();
+    let flights = send_kept(gpu, comm, sv, &lay, (&pk.pair, pk.rows, owned), pk.dk_send)?;
     laps.sent(gpu, comm, "kept rows out")?;
     let router_fl = comm.start_sum(gpu, ks.router)?;
     laps.sent(gpu, comm, "router sum")?;
     let selection = (ks.kept_g.as_ref(), &ks.global[..]);
-    let ((xk, abk), dk) = receive_kept(gpu, sv, &lay, flights, selection, (rank, el))?;
+    let ((xk, abk), dk) = receive_kept(gpu, (sv, own), &lay, flights, selection, (rank, el))?;
     laps.lap(gpu, "a2a kept rows")?;
     let wts = local_weights(w, &sv.weights);
     let abk = abk.as_ref().map(|(a, b)| (&**a, &**b));
@@ -609,11 +650,7 @@ pub fn backward(
     comm.settle()?;
     laps.lap(gpu, "replica grads")?;
     laps.print("backward", rank)?;
-    let x_rows = if sv.owned_rows.is_some() {
-        0
-    } else {
-        off_rank(&lay.send, rank)
-    };
+    let x_rows = if owned { 0 } else { off_rank(&lay.send, rank) };
     let rows = off_rank(&lay.send, rank) + x_rows + off_rank(&lay.recv.from, rank);
     Ok(DeviceGrads {
         dx,

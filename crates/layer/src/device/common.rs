@@ -30,6 +30,26 @@ pub(super) struct OwnedRows {
     pub(super) global: (usize, usize),
 }
 
+/// An owner's forward rows as the backward holds them: borrowed from the
+/// saved state (which stays whole, for another backward of the same
+/// forward), or taken from it (released as soon as the kept rows are
+/// gathered from them, as autograd frees a saved tensor once its backward
+/// has read it).
+pub(super) enum Held<'a> {
+    Borrowed(&'a OwnedRows),
+    Taken(Box<OwnedRows>),
+}
+
+impl std::ops::Deref for Held<'_> {
+    type Target = OwnedRows;
+    fn deref(&self) -> &OwnedRows {
+        match self {
+            Held::Borrowed(r) => r,
+            Held::Taken(r) => r,
+        }
+    }
+}
+
 /// The timeline of one call, logged when `LRMOE_EP_PROFILE=1`: a timed
 /// mark on the compute stream after each phase, and for each exchange the
 /// compute stream's mark where it was started and the communicator
