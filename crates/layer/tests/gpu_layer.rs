@@ -626,6 +626,7 @@ fn in_process_exchange_equals_host_staging_bit_for_bit() {
 fn releasing_backward_equals_the_kept_state_bit_for_bit() {
     use kernels::cpu::random_bf16;
     use layer::Retention;
+    use lrm_score::Rule::{Priority, TopQ};
     let gpu = Gpu::open(0).unwrap();
     gpu.set_poison(true);
     let cfg = MoeConfig {
@@ -637,36 +638,11 @@ fn releasing_backward_equals_the_kept_state_bit_for_bit() {
     };
     let t = 384;
     let calls = [
-        (
-            "r = 1, projections kept",
-            Retention::Full,
-            true,
-            lrm_score::Rule::TopQ,
-        ),
-        (
-            "r = 1, recomputed",
-            Retention::Full,
-            false,
-            lrm_score::Rule::TopQ,
-        ),
-        (
-            "r = 0.5, top-q",
-            Retention::Ratio(0.5),
-            false,
-            lrm_score::Rule::TopQ,
-        ),
-        (
-            "r = 0.5, priority",
-            Retention::Ratio(0.5),
-            false,
-            lrm_score::Rule::Priority,
-        ),
-        (
-            "r = 0.5, kept",
-            Retention::Ratio(0.5),
-            true,
-            lrm_score::Rule::TopQ,
-        ),
+        ("r = 1, projections kept", Retention::Full, true, TopQ),
+        ("r = 1, recomputed", Retention::Full, false, TopQ),
+        ("r = 0.5, top-q", Retention::Ratio(0.5), false, TopQ),
+        ("r = 0.5, priority", Retention::Ratio(0.5), false, Priority),
+        ("r = 0.5, kept", Retention::Ratio(0.5), true, TopQ),
     ];
     let one = |comm: DeviceComm<'_>| -> Result<(), String> {
         let r = comm.rank() as u64;

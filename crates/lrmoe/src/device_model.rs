@@ -1034,8 +1034,7 @@ mod imp {
             // gathered), as autograd frees saved tensors.
             let saved = std::mem::take(&mut f.blocks);
             for (b, mut s) in self.blocks.iter().rev().zip(saved.into_iter().rev()) {
-                let s = &mut s;
-                let (mg, st, span) = self.moe_backward(b, s, &dx, n)?;
+                let (mg, st, span) = self.moe_backward(b, &mut s, &dx, n)?;
                 self.tick("moe backward")?;
                 moe_ms.push(span);
                 stats.push(st);
@@ -1051,7 +1050,7 @@ mod imp {
                 )
                 .map_err(k)?;
                 self.tick("norms backward")?;
-                let mut bg = self.attention_backward(b, s, f, &mut dx)?;
+                let mut bg = self.attention_backward(b, &s, f, &mut dx)?;
                 bg.push(Grad::F32(d_norm2));
                 let mut bg: Vec<(Share, Grad)> =
                     bg.into_iter().map(|x| (Share::Dense, x)).collect();

@@ -471,12 +471,13 @@ pub(super) fn send_kept(
     let (h, k) = (sv.cfg.hidden, sv.cfg.top_k);
     let travel =
         |rows: CudaSlice<u16>| exchange_rows(gpu, comm, rows, (&lay.send, &lay.recv.from), h, true);
-    let x_fl = match owned {
-        true => None,
+    let x_fl = if owned {
+        None
+    } else {
         // SAFETY: as for the g·δ rows (pack_kept).
-        false => Some(travel(unsafe {
+        Some(travel(unsafe {
             gpu.gather_scaled(&sv.x, pair, k, None, rows, h)
-        }?)?),
+        }?)?)
     };
     Ok((x_fl, travel(dk_send)?))
 }

@@ -21,6 +21,10 @@
 //! nothing per pair (a kept pair may be computed on another instance in the
 //! backward); without replicas the owners keep their forward rows, since
 //! kept pairs cannot move, and the backward sends only `g·δ` rows.
+//! `backward` leaves that saved state whole (another backward may run on
+//! it); `backward_releasing` frees the owner's forward rows as soon as
+//! the kept rows are gathered from them, as autograd frees saved tensors
+//! (the device trainer and the Python module call it).
 //!
 //! LRMoE backward: the router gradient is complete and local (each source
 //! kept its pairs' outputs; it runs while the host plans), then summed over
