@@ -64,6 +64,33 @@ extern "C" __global__ void embed_bwd(const float* __restrict__ dx, const uint32_
     }
 }
 
+// Eight consecutive elements from 8 · c (16-byte aligned): f32 or bf16 to
+// f32, and back (a bf16 store, or an f32 add).
+__device__ __forceinline__ void load8(const float* p, long long c, float v[8]) {
+    float4 a = reinterpret_cast<const float4*>(p)[2 * c], b = reinterpret_cast<const float4*>(p)[2 * c + 1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+__device__ __forceinline__ void load8(const uint16_t* p, long long c, float v[8]) {
+    uint4 q = reinterpret_cast<const uint4*>(p)[c];
+    uint32_t u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int j = 0; j < 4; j++) v[2 * j] = __uint_as_float(u[j] << 16), v[2 * j + 1] = __uint_as_float(u[j] & 0xffff0000u);
+}
+__device__ __forceinline__ void put8(float* p, long long c, const float v[8]) {
+    float4* q = reinterpret_cast<float4*>(p) + 2 * c;
+    float4 a = q[0], b = q[1];
+    q[0] = make_float4(a.x + v[0], a.y + v[1], a.z + v[2], a.w + v[3]);
+    q[1] = make_float4(b.x + v[4], b.y + v[5], b.z + v[6], b.w + v[7]);
+}
+__device__ __forceinline__ void put8(uint16_t* p, long long c, const float v[8]) {
+    uint4 q;
+    q.x = (uint32_t)to_bf(v[0]) | ((uint32_t)to_bf(v[1]) << 16);
+    q.y = (uint32_t)to_bf(v[2]) | ((uint32_t)to_bf(v[3]) << 16);
+    q.z = (uint32_t)to_bf(v[4]) | ((uint32_t)to_bf(v[5]) << 16);
+    q.w = (uint32_t)to_bf(v[6]) | ((uint32_t)to_bf(v[7]) << 16);
+    reinterpret_cast<uint4*>(p)[c] = q;
+}
+
 // y = x / rms(x) ⊙ w per row of d (one warp per row), inv[row] = 1 / rms.
 template <typename X>
 __device__ void rmsnorm_fwd(const X* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ y,
@@ -84,13 +111,53 @@ __device__ void rmsnorm_fwd(const X* __restrict__ x, const float* __restrict__ w
         if (lane == 0) inv[r] = iv;
     }
 }
+// The same for wide rows (d a multiple of 256, x, w and y 16-byte aligned:
+// the model's hidden width): each lane reads eight consecutive columns at
+// a time in 16-byte loads.
+template <typename X>
+__device__ void rmsnorm_fwd_wide(const X* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ y,
+                                 float* __restrict__ inv, int rows, int d, float eps) {
+    int lane = threadIdx.x & 31;
+    int warps = (gridDim.x * blockDim.x) >> 5, chunks = d >> 8;
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        long long row = (long long)r * (d >> 3);  // the row's first eight-column chunk
+        float s = 0.f, v[8], wv[8];
+        for (int k = 0; k < chunks; k++) {
+            load8(x, row + k * 32 + lane, v);
+#pragma unroll
+            for (int j = 0; j < 8; j++) s = fmaf(v[j], v[j], s);
+        }
+        s = warp_sum(s);
+        float iv = rsqrtf(s / d + eps);
+        for (int k = 0; k < chunks; k++) {
+            int c = k * 32 + lane;
+            load8(x, row + c, v);
+            load8(w, c, wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = v[j] * iv * wv[j];
+            put8(y, row + c, v);
+        }
+        if (lane == 0) inv[r] = iv;
+    }
+}
+// Whether rows of d take the wide kernels: d a multiple of 256 and every
+// row buffer 16-byte aligned.
+__device__ __forceinline__ bool wide_rows(int d, const void* a, const void* b, const void* c, const void* e) {
+    return d % 256 == 0 && (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)e) & 15) == 0;
+}
 extern "C" __global__ void rmsnorm_fwd_f32(const float* x, const float* w, uint16_t* y, float* inv, int rows, int d,
                                            float eps) {
-    rmsnorm_fwd(x, w, y, inv, rows, d, eps);
+    if (wide_rows(d, x, w, y, y))
+        rmsnorm_fwd_wide(x, w, y, inv, rows, d, eps);
+    else
+        rmsnorm_fwd(x, w, y, inv, rows, d, eps);
 }
 extern "C" __global__ void rmsnorm_fwd_bf16(const uint16_t* x, const float* w, uint16_t* y, float* inv, int rows,
                                             int d, float eps) {
-    rmsnorm_fwd(x, w, y, inv, rows, d, eps);
+    if (wide_rows(d, x, w, y, y))
+        rmsnorm_fwd_wide(x, w, y, inv, rows, d, eps);
+    else
+        rmsnorm_fwd(x, w, y, inv, rows, d, eps);
 }
 
 // Backward of rmsnorm_fwd: dx = dy⊙w·inv − x·(Σ dy⊙w⊙x)·inv³/d per row;
@@ -151,30 +218,112 @@ __device__ void rmsnorm_bwd_rows(const X* __restrict__ x, const float* __restric
     }
 }
 
-template <typename X, typename DX>
+// The rows of a warp for wide rows (wide_rows: the model's hidden width):
+// each lane takes eight consecutive columns at a time in 16-byte loads (a
+// row of 2048 is eight such chunks a lane). CH > 0 (d = 256 · CH): each
+// lane keeps its 8 · CH columns' share of dw in registers over all its
+// rows and adds it to shared memory once; CH = 0: every row's share goes
+// to shared memory.
+template <int CH, typename X, typename DX>
+__device__ void rmsnorm_bwd_wide(const X* __restrict__ x, const float* __restrict__ w,
+                                 const float* __restrict__ inv, const uint16_t* __restrict__ dy, DX* __restrict__ dx,
+                                 float* sdw, int rows, int d) {
+    int lane = threadIdx.x & 31;
+    int warps = (gridDim.x * blockDim.x) >> 5, chunks = CH > 0 ? CH : d >> 8;
+    float acc[CH > 0 ? CH : 1][8];
+#pragma unroll
+    for (int k = 0; k < (CH > 0 ? CH : 1); k++)
+#pragma unroll
+        for (int j = 0; j < 8; j++) acc[k][j] = 0.f;
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < rows; r += warps) {
+        long long row = (long long)r * (d >> 3);  // the row's first eight-column chunk
+        float iv = inv[r];
+        float dot = 0.f;
+#pragma unroll(CH > 0 ? CH : 1)
+        for (int k = 0; k < chunks; k++) {
+            int c = k * 32 + lane;
+            float g[8], xv[8], wv[8];
+            load8(dy, row + c, g);
+            load8(x, row + c, xv);
+            load8(w, c, wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) dot = fmaf(g[j] * wv[j], xv[j], dot);
+        }
+        dot = warp_sum(dot);
+        float cc = dot * iv * iv * iv / d;
+#pragma unroll(CH > 0 ? CH : 1)
+        for (int k = 0; k < chunks; k++) {
+            int c = k * 32 + lane;
+            float g[8], xv[8], wv[8], v[8];
+            load8(dy, row + c, g);
+            load8(x, row + c, xv);
+            load8(w, c, wv);
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                v[j] = g[j] * wv[j] * iv - xv[j] * cc;
+                if constexpr (CH > 0) {
+                    acc[k][j] = fmaf(g[j] * xv[j], iv, acc[k][j]);
+                } else {
+                    atomicAdd(&sdw[8 * c + j], g[j] * xv[j] * iv);
+                }
+            }
+            put8(dx, row + c, v);
+        }
+    }
+    if constexpr (CH > 0) {
+#pragma unroll
+        for (int k = 0; k < CH; k++)
+#pragma unroll
+            for (int j = 0; j < 8; j++) atomicAdd(&sdw[8 * (k * 32 + lane) + j], acc[k][j]);
+    }
+}
+
+// WIDE: the kernels for widths that are multiples of 256 (their own
+// entries, so that the wide rows' registers do not cost the head norms
+// occupancy); rows that are not 16-byte aligned fall back to CPL = 0.
+template <bool WIDE, typename X, typename DX>
 __device__ void rmsnorm_bwd(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
                             const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* __restrict__ dw, int rows,
                             int d) {
     extern __shared__ float sdw[];
     for (int i = threadIdx.x; i < d; i += blockDim.x) sdw[i] = 0.f;
     __syncthreads();
-    switch (d) {
-        case 64: rmsnorm_bwd_rows<2>(x, w, inv, dy, dx, sdw, rows, d); break;
-        case 128: rmsnorm_bwd_rows<4>(x, w, inv, dy, dx, sdw, rows, d); break;
-        case 256: rmsnorm_bwd_rows<8>(x, w, inv, dy, dx, sdw, rows, d); break;
-        case 512: rmsnorm_bwd_rows<16>(x, w, inv, dy, dx, sdw, rows, d); break;
-        default: rmsnorm_bwd_rows<0>(x, w, inv, dy, dx, sdw, rows, d);
+    if constexpr (WIDE) {
+        if (!wide_rows(d, x, w, dy, dx))
+            rmsnorm_bwd_rows<0>(x, w, inv, dy, dx, sdw, rows, d);
+        else if (d == 2048)
+            rmsnorm_bwd_wide<8>(x, w, inv, dy, dx, sdw, rows, d);
+        else if (d == 1024)
+            rmsnorm_bwd_wide<4>(x, w, inv, dy, dx, sdw, rows, d);
+        else
+            rmsnorm_bwd_wide<0>(x, w, inv, dy, dx, sdw, rows, d);
+    } else {
+        switch (d) {
+            case 64: rmsnorm_bwd_rows<2>(x, w, inv, dy, dx, sdw, rows, d); break;
+            case 128: rmsnorm_bwd_rows<4>(x, w, inv, dy, dx, sdw, rows, d); break;
+            case 256: rmsnorm_bwd_rows<8>(x, w, inv, dy, dx, sdw, rows, d); break;
+            case 512: rmsnorm_bwd_rows<16>(x, w, inv, dy, dx, sdw, rows, d); break;
+            default: rmsnorm_bwd_rows<0>(x, w, inv, dy, dx, sdw, rows, d);
+        }
     }
     __syncthreads();
     for (int i = threadIdx.x; i < d; i += blockDim.x) atomicAdd(dw + i, sdw[i]);
 }
 extern "C" __global__ void rmsnorm_bwd_f32(const float* x, const float* w, const float* inv, const uint16_t* dy,
                                            float* dx, float* dw, int rows, int d) {
-    rmsnorm_bwd(x, w, inv, dy, dx, dw, rows, d);
+    rmsnorm_bwd<false>(x, w, inv, dy, dx, dw, rows, d);
 }
 extern "C" __global__ void rmsnorm_bwd_bf16(const uint16_t* x, const float* w, const float* inv, const uint16_t* dy,
                                             uint16_t* dx, float* dw, int rows, int d) {
-    rmsnorm_bwd(x, w, inv, dy, dx, dw, rows, d);
+    rmsnorm_bwd<false>(x, w, inv, dy, dx, dw, rows, d);
+}
+extern "C" __global__ void rmsnorm_bwd_wide_f32(const float* x, const float* w, const float* inv, const uint16_t* dy,
+                                                float* dx, float* dw, int rows, int d) {
+    rmsnorm_bwd<true>(x, w, inv, dy, dx, dw, rows, d);
+}
+extern "C" __global__ void rmsnorm_bwd_wide_bf16(const uint16_t* x, const float* w, const float* inv,
+                                                 const uint16_t* dy, uint16_t* dx, float* dw, int rows, int d) {
+    rmsnorm_bwd<true>(x, w, inv, dy, dx, dw, rows, d);
 }
 
 // Token-major rows [n_seq·seq, heads·dh] ↔ head-major [n_seq, heads, seq,
@@ -643,6 +792,21 @@ __device__ __forceinline__ const uint16_t* kv_tile(uint16_t* tiles, const uint16
     __syncthreads();
     return tiles + (j & 1) * 2 * B * LT<DH>;
 }
+// The stored dS of one (sequence, query head): one 64 × 64 tile per
+// (query block qb, key block kb ≤ qb), at qb·(qb + 1)/2 + kb; a tile is
+// 512 16-byte words, [key slice w][query chunk nq][lane]: the A fragment
+// of dSᵀ's 16 × 16 block (keys 16w.., queries 16nq..) that lane holds.
+__device__ __forceinline__ long long ds_tiles(int seq) {
+    long long nb = (seq + B - 1) / B;
+    return nb * (nb + 1) / 2;
+}
+// An 8 × 8 bf16 matrix transposed across the warp (each lane's 32-bit
+// fragment: row lane / 4, columns 2·(lane % 4) and + 1).
+__device__ __forceinline__ uint32_t movt(uint32_t x) {
+    uint32_t y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+    return y;
+}
 }  // namespace fa
 
 // Forward: each warp keeps its 16 rows' Q fragments, scores, bf16
@@ -773,7 +937,8 @@ template <int DH>
 __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __restrict__ k,
                              const uint16_t* __restrict__ v, const uint16_t* __restrict__ dout,
                              const float* __restrict__ lse2, const float* __restrict__ dd, uint16_t* __restrict__ dk,
-                             uint16_t* __restrict__ dv, int seq, int heads, int kv, float sl, float scale) {
+                             uint16_t* __restrict__ dv, uint4* __restrict__ ds, int seq, int heads, int kv, float sl,
+                             float scale) {
     using namespace fa;
     constexpr int L = LT<DH>;
     extern __shared__ __align__(128) unsigned char smem[];
@@ -852,12 +1017,20 @@ __device__ void flash_bwd_kv(const uint16_t* __restrict__ q, const uint16_t* __r
                 sa[n][i] = p;
                 ga[n][i] = p * (ga[n][i] - Ds[c]) * scale;
             }
-        // dV += Pᵀ dO and dK += dSᵀ Q, one 16-query chunk at a time.
+        // dV += Pᵀ dO and dK += dSᵀ Q, one 16-query chunk at a time; with
+        // ds, each dSᵀ fragment (bf16, as the products use it) is also
+        // stored for flash_bwd_q_ds.
+        uint4* dst = nullptr;
+        if (ds != nullptr) {
+            long long bh = (long long)b * heads + hk * group + it / per_head;
+            dst = ds + (bh * ds_tiles(seq) + (long long)qb * (qb + 1) / 2 + kb) * 512 + warp * 128 + lane;
+        }
 #pragma unroll
         for (int nq = 0; nq < B / 16; nq++) {
             uint32_t pt[4], st[4];
             to_a(pt, sa[2 * nq], sa[2 * nq + 1]);
             to_a(st, ga[2 * nq], ga[2 * nq + 1]);
+            if (dst != nullptr) dst[nq * 32] = make_uint4(st[0], st[1], st[2], st[3]);
 #pragma unroll
             for (int dp = 0; dp < DH / 16; dp++) {
                 uint32_t bf[4];
@@ -952,6 +1125,60 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     store_acc<DH>(dqa, dq + (long long)bh * seq * DH, row0, seq, 1.f, 1.f);
 }
 
+// dQ from the dS tiles flash_bwd_kv stored: for one block of 64 queries of
+// one (sequence, head), dQ = Σ_{key blocks ≤ it} dS · K, no recomputation
+// (one product instead of three). Each warp owns 16 queries; it reads the
+// dSᵀ fragments of its query chunk and transposes them in registers
+// (movmatrix: the A fragment of dS). K tiles go through shared memory, the
+// next loading while this one is used. The longest query blocks first.
+template <int DH>
+__device__ void flash_bwd_q_ds(const uint16_t* __restrict__ k, const uint4* __restrict__ ds, uint16_t* __restrict__ dq,
+                               int seq, int heads, int kv) {
+    using namespace fa;
+    constexpr int L = LT<DH>;
+    extern __shared__ __align__(128) unsigned char smem[];
+    uint16_t* tiles = reinterpret_cast<uint16_t*>(smem);  // 2 stages × K [B][L]
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int qb = gridDim.x - 1 - blockIdx.x, bh = blockIdx.y;
+    const uint16_t* K = k + kv_head(bh, heads, kv) * seq * DH;
+    const uint4* tile = ds + ((long long)bh * ds_tiles(seq) + (long long)qb * (qb + 1) / 2) * 512 + warp * 32 + lane;
+    int row0 = qb * B + warp * 16;
+    load_tile_async<DH>(tiles, K, 0, seq);
+    cp_async_commit();
+    float dqa[DH / 8][4];
+#pragma unroll
+    for (int n = 0; n < DH / 8; n++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) dqa[n][i] = 0.f;
+    for (int j = 0; j <= qb; j++) {
+        uint4 x[B / 16];
+#pragma unroll
+        for (int n = 0; n < B / 16; n++) x[n] = tile[(long long)j * 512 + n * 128];
+        if (j < qb) {
+            load_tile_async<DH>(tiles + ((j + 1) & 1) * B * L, K, (j + 1) * B, seq);
+            cp_async_commit();
+            cp_async_wait<1>();
+        } else {
+            cp_async_wait<0>();
+        }
+        __syncthreads();
+        const uint16_t* Ks = tiles + (j & 1) * B * L;
+#pragma unroll
+        for (int n = 0; n < B / 16; n++) {
+            // dSᵀ's fragment (keys × queries) → dS's (queries × keys): the
+            // off-diagonal 8 × 8 quarters swap places.
+            uint32_t dsf[4] = {movt(x[n].x), movt(x[n].z), movt(x[n].y), movt(x[n].w)};
+#pragma unroll
+            for (int dp = 0; dp < DH / 16; dp++) {
+                uint32_t bf[4];
+                ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
+                mma2(dqa[2 * dp], dqa[2 * dp + 1], dsf, bf);
+            }
+        }
+        __syncthreads();
+    }
+    store_acc<DH>(dqa, dq + (long long)bh * seq * DH, row0, seq, 1.f, 1.f);
+}
 
 #define LRMOE_FLASH(DH)                                                                                                \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_fwd_##DH(                                                  \
@@ -961,13 +1188,17 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128) flash_bwd_kv_##DH(                                               \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
-        const float* dd, uint16_t* dk, uint16_t* dv, int seq, int heads, int kv, float sl, float scale) {             \
-        flash_bwd_kv<DH>(q, k, v, dout, lse2, dd, dk, dv, seq, heads, kv, sl, scale);                                  \
+        const float* dd, uint16_t* dk, uint16_t* dv, uint4* ds, int seq, int heads, int kv, float sl, float scale) {   \
+        flash_bwd_kv<DH>(q, k, v, dout, lse2, dd, dk, dv, ds, seq, heads, kv, sl, scale);                              \
     }                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_q_##DH(                                                \
         const uint16_t* q, const uint16_t* k, const uint16_t* v, const uint16_t* dout, const float* lse2,             \
         const float* dd, uint16_t* dq, int seq, int heads, int kv, float sl, float scale) {                           \
         flash_bwd_q<DH>(q, k, v, dout, lse2, dd, dq, seq, heads, kv, sl, scale);                                       \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(128, 3) flash_bwd_q_ds_##DH(const uint16_t* k, const uint4* ds,         \
+                                                                            uint16_t* dq, int seq, int heads, int kv) { \
+        flash_bwd_q_ds<DH>(k, ds, dq, seq, heads, kv);                                                                 \
     }
 LRMOE_FLASH(16)
 LRMOE_FLASH(32)

@@ -31,7 +31,7 @@ impl Timing {
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
 pub use imp::{
-    dense::{AttnSaved, AttnShape, GradElem},
+    dense::{AttnDq, AttnSaved, AttnShape, GradElem},
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };

@@ -8,7 +8,7 @@
 
 use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
 use kernels::dense::*;
-use kernels::gpu::Gpu;
+use kernels::gpu::{AttnDq, Gpu};
 
 mod common;
 
@@ -73,13 +73,15 @@ fn rmsnorm_forward_and_backward_match_the_twins() {
     let g = gpu();
     let mut r = Rng(seed());
     // Widths below, at and past a warp's multiples (100: not one), many
-    // rows per warp (the head norms: 40 000 rows of 128) and wide rows.
+    // rows per warp (the head norms: 40 000 rows of 128) and wide rows
+    // (multiples of 256: 1024 and 2048 with dw in registers, 4096 without).
     for &(rows, d) in &[
         (1, 8),
         (333, 64),
         (40_000, 128),
         (4000, 100),
         (2048, 512),
+        (100, 1024),
         (17, 2048),
         (3000, 2048),
         (300, 3000),
@@ -435,45 +437,44 @@ fn fused_attention_forward_and_backward_match_the_twins() {
             .map(|(a, b)| (a - b).abs())
             .fold(0f32, f32::max);
         assert!(lse_err <= 2e-3, "{dims:?}: lse2 off by {lse_err:.2e}");
-        let (dq, dk, dv) = g
-            .flash_attention_backward(
-                dims,
-                (&qd, &kd, &vd),
-                (&o, &lse2),
-                &g.upload(&dout).unwrap(),
-            )
-            .unwrap();
         let (dq_w, dk_w, dv_w) =
             flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
-        // P and dS are rounded to bf16 for the products, D comes from the
-        // bf16 output, the gradients are bf16: ≤ 2% in norm, with a floor
-        // where the exact gradient is zero (a single key: dS = P·(dP − D)
-        // cancels, and only rounding remains).
-        for (name, got, want, n) in [
-            ("dq", &dq, &dq_w, nq),
-            ("dk", &dk, &dk_w, nk),
-            ("dv", &dv, &dv_w, nk),
-        ] {
-            let got = wide(&g.download(got, n).unwrap());
-            let diff = got
-                .iter()
-                .zip(want.iter())
-                .map(|(a, b)| f64::from(a - b).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            let norm = want
-                .iter()
-                .map(|b| f64::from(*b).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            assert!(
-                got.iter().all(|x| x.is_finite()),
-                "{dims:?}: {name} not finite"
-            );
-            assert!(
-                diff <= 2e-2 * norm.max(1e-2 * (n as f64).sqrt()),
-                "{dims:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
-            );
+        let doutd = g.upload(&dout).unwrap();
+        // dQ both ways: from the dS the dK/dV kernel stores, and recomputed.
+        for path in [AttnDq::Stored, AttnDq::Recompute] {
+            let (dq, dk, dv) = g
+                .flash_attention_backward_with(dims, (&qd, &kd, &vd), (&o, &lse2), &doutd, path)
+                .unwrap();
+            // P and dS are rounded to bf16 for the products, D comes from the
+            // bf16 output, the gradients are bf16: ≤ 2% in norm, with a floor
+            // where the exact gradient is zero (a single key: dS = P·(dP − D)
+            // cancels, and only rounding remains).
+            for (name, got, want, n) in [
+                ("dq", &dq, &dq_w, nq),
+                ("dk", &dk, &dk_w, nk),
+                ("dv", &dv, &dv_w, nk),
+            ] {
+                let got = wide(&g.download(got, n).unwrap());
+                let diff = got
+                    .iter()
+                    .zip(want.iter())
+                    .map(|(a, b)| f64::from(a - b).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                let norm = want
+                    .iter()
+                    .map(|b| f64::from(*b).powi(2))
+                    .sum::<f64>()
+                    .sqrt();
+                assert!(
+                    got.iter().all(|x| x.is_finite()),
+                    "{dims:?}: {name} not finite"
+                );
+                assert!(
+                    diff <= 2e-2 * norm.max(1e-2 * (n as f64).sqrt()),
+                    "{dims:?} {path:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
+                );
+            }
         }
     }
     // A head width without kernels is an error, not a launch.

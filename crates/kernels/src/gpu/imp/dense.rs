@@ -25,6 +25,8 @@ pub(crate) struct DenseFns {
     norm_bf16: CudaFunction,
     norm_bwd_f32: CudaFunction,
     norm_bwd_bf16: CudaFunction,
+    norm_bwd_wide_f32: CudaFunction,
+    norm_bwd_wide_bf16: CudaFunction,
     heads: CudaFunction,
     softmax: CudaFunction,
     softmax_bwd: CudaFunction,
@@ -37,7 +39,7 @@ pub(crate) struct DenseFns {
     adam_bf16: CudaFunction,
     to_bf16: CudaFunction,
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
-    flash: Vec<(usize, [CudaFunction; 3])>,
+    flash: Vec<(usize, [CudaFunction; 4])>,
     flash_dot: CudaFunction,
     /// Which attention path runs (`LRMOE_ATTENTION`): `materialized` —
     /// scores and probabilities as grouped GEMMs and softmax kernels;
@@ -56,10 +58,40 @@ enum AttnPath {
 }
 
 /// Dynamic shared memory of the fused attention kernels for head width
-/// `dh`: forward, dK/dV, dQ (layouts in `kernels/dense.cu`).
-fn flash_smem(dh: usize) -> [u32; 3] {
+/// `dh`: forward, dK/dV, dQ recomputing, dQ from stored dS (layouts in
+/// `kernels/dense.cu`).
+fn flash_smem(dh: usize) -> [u32; 4] {
     let dh = dh as u32;
-    [512 * (dh + 8), 768 * (dh + 8) + 1024, 512 * (dh + 8)]
+    [
+        512 * (dh + 8),
+        768 * (dh + 8) + 1024,
+        512 * (dh + 8),
+        256 * (dh + 8),
+    ]
+}
+
+/// How the fused attention backward gets dQ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnDq {
+    /// The dK/dV kernel stores dS (bf16, 2 bytes per causal score, tiled),
+    /// a second kernel reads it: dQ = dS·K, one product. The default while
+    /// the stored dS of one call stays within [`ATTN_DS_MAX_BYTES`].
+    Stored,
+    /// A second kernel recomputes S, dP and dS per query block (three
+    /// products, no score memory): long sequences.
+    Recompute,
+}
+
+/// The most stored dS one attention backward may allocate (bytes) before it
+/// recomputes instead ([`AttnDq`]); `LRMOE_ATTENTION_DQ=recompute` or
+/// `=stored` overrides the choice.
+pub const ATTN_DS_MAX_BYTES: usize = 2 << 30;
+
+/// Bytes of stored dS for `n_seq · heads` heads of `seq` rows: one 64 × 64
+/// bf16 tile per causal block pair.
+pub fn attn_ds_bytes(n_seq: usize, seq: usize, heads: usize) -> usize {
+    let nb = seq.div_ceil(64);
+    n_seq * heads * nb * (nb + 1) / 2 * 64 * 64 * 2
 }
 
 impl DenseFns {
@@ -76,6 +108,8 @@ impl DenseFns {
             norm_bf16: f("rmsnorm_fwd_bf16")?,
             norm_bwd_f32: f("rmsnorm_bwd_f32")?,
             norm_bwd_bf16: f("rmsnorm_bwd_bf16")?,
+            norm_bwd_wide_f32: f("rmsnorm_bwd_wide_f32")?,
+            norm_bwd_wide_bf16: f("rmsnorm_bwd_wide_bf16")?,
             heads: f("heads_bf16")?,
             softmax: f("softmax_causal_fwd")?,
             softmax_bwd: f("softmax_causal_bwd")?,
@@ -94,6 +128,7 @@ impl DenseFns {
                         f(&format!("flash_fwd_{dh}"))?,
                         f(&format!("flash_bwd_kv_{dh}"))?,
                         f(&format!("flash_bwd_q_{dh}"))?,
+                        f(&format!("flash_bwd_q_ds_{dh}"))?,
                     ];
                     for (func, bytes) in fns.iter().zip(flash_smem(dh)) {
                         func.set_attribute(
@@ -118,7 +153,7 @@ impl DenseFns {
         self.flash_fns(dh).is_some() && self.attention == AttnPath::Fused
     }
 
-    fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 3]> {
+    fn flash_fns(&self, dh: usize) -> Option<&[CudaFunction; 4]> {
         self.flash.iter().find(|(d, _)| *d == dh).map(|(_, f)| f)
     }
 }
@@ -491,7 +526,16 @@ impl Gpu {
         rows: usize,
     ) -> Result<(), KernelError> {
         at_least("dx", rows * w.len(), dx.len())?;
-        self.norm_bwd_any(&self.dense.norm_bwd_f32, x, w, inv, dy, dx, dw, rows)
+        self.norm_bwd_any(
+            (&self.dense.norm_bwd_f32, &self.dense.norm_bwd_wide_f32),
+            x,
+            w,
+            inv,
+            dy,
+            dx,
+            dw,
+            rows,
+        )
     }
 
     /// Backward of [`Gpu::rmsnorm_bf16`]: returns the input gradient
@@ -507,14 +551,25 @@ impl Gpu {
     ) -> Result<CudaSlice<u16>, KernelError> {
         // SAFETY: uninitialised output; the kernel writes every row.
         let mut dx = unsafe { self.uninit::<u16>(rows * w.len()) }?;
-        self.norm_bwd_any(&self.dense.norm_bwd_bf16, x, w, inv, dy, &mut dx, dw, rows)?;
+        self.norm_bwd_any(
+            (&self.dense.norm_bwd_bf16, &self.dense.norm_bwd_wide_bf16),
+            x,
+            w,
+            inv,
+            dy,
+            &mut dx,
+            dw,
+            rows,
+        )?;
         Ok(dx)
     }
 
     #[allow(clippy::too_many_arguments)]
+    /// `f`: the kernels for any width (dw in registers up to 512) and for
+    /// wider rows that are multiples of 256 (16-byte loads).
     fn norm_bwd_any<X: cudarc::driver::DeviceRepr, D: cudarc::driver::DeviceRepr>(
         &self,
-        f: &CudaFunction,
+        (f, f_wide): (&CudaFunction, &CudaFunction),
         x: &CudaSlice<X>,
         w: &CudaSlice<f32>,
         inv: &CudaSlice<f32>,
@@ -540,7 +595,9 @@ impl Gpu {
                 got: d,
             })?;
         let (ri, di) = (dim("rows", rows)?, dim("width", d)?);
-        let mut l = self.stream.launch_builder(f);
+        let mut l = self
+            .stream
+            .launch_builder(if d % 256 == 0 && d > 512 { f_wide } else { f });
         l.arg(x)
             .arg(w)
             .arg(inv)
@@ -1057,18 +1114,41 @@ impl Gpu {
     /// gradient `dout` (head-major): `dq`, `dk`, `dv` (head-major bf16),
     /// recomputing the probabilities from `lse2`; dK/dV per key block
     /// (every query head of the group in one block, no atomics), dQ per
-    /// query block. Twin: [`crate::dense::flash_attention_backward_reference`].
+    /// query block, from the dS the dK/dV kernel stored while it fits
+    /// [`ATTN_DS_MAX_BYTES`] ([`AttnDq`]). Twin:
+    /// [`crate::dense::flash_attention_backward_reference`].
     #[allow(clippy::type_complexity)]
     pub fn flash_attention_backward(
+        &self,
+        dims: crate::dense::AttnDims,
+        qkv: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        saved: (&CudaSlice<u16>, &CudaSlice<f32>),
+        dout: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let (n_seq, seq, heads, _, _) = dims;
+        let path = match std::env::var("LRMOE_ATTENTION_DQ").as_deref() {
+            Ok("recompute") => AttnDq::Recompute,
+            Ok("stored") => AttnDq::Stored,
+            _ if attn_ds_bytes(n_seq, seq, heads) <= ATTN_DS_MAX_BYTES => AttnDq::Stored,
+            _ => AttnDq::Recompute,
+        };
+        self.flash_attention_backward_with(dims, qkv, saved, dout, path)
+    }
+
+    /// [`Gpu::flash_attention_backward`] with dQ's path chosen by the
+    /// caller.
+    #[allow(clippy::type_complexity)]
+    pub fn flash_attention_backward_with(
         &self,
         dims: crate::dense::AttnDims,
         (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
         (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
         dout: &CudaSlice<u16>,
+        path: AttnDq,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, kv, dh) = dims;
         let (fkv, ckv) = self.flash_launch(dims, 1)?;
-        let (fq, cq) = self.flash_launch(dims, 2)?;
+        let (fq, cq) = self.flash_launch(dims, if path == AttnDq::Stored { 3 } else { 2 })?;
         let rows = n_seq * heads * seq;
         at_least("q", rows * dh, q.len())?;
         at_least("k", n_seq * kv * seq * dh, k.len())?;
@@ -1095,6 +1175,18 @@ impl Gpu {
         let (sq, h, g) = (dim("seq", seq)?, dim("heads", heads)?, dim("kv_heads", kv)?);
         let scale = 1.0 / (dh as f32).sqrt();
         let sl = std::f32::consts::LOG2_E * scale;
+        // The stored dS: every causal tile is written by the dK/dV kernel
+        // (one block per key block and kv head visits every query block at
+        // or after it, for every query head of the group).
+        let mut ds = match path {
+            AttnDq::Stored => {
+                let n = attn_ds_bytes(n_seq, seq, heads) / 2;
+                // SAFETY: uninitialised; written whole before flash_bwd_q_ds reads it.
+                Some(unsafe { self.uninit::<u16>(n) }?)
+            }
+            AttnDq::Recompute => None,
+        };
+        let null: u64 = 0;
         let mut l = self.stream.launch_builder(fkv);
         l.arg(q)
             .arg(k)
@@ -1104,20 +1196,35 @@ impl Gpu {
             .arg(&d)
             .arg(&mut dk)
             .arg(&mut dv);
+        match ds.as_mut() {
+            Some(ds) => l.arg(ds),
+            None => l.arg(&null),
+        };
         l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
-        // SAFETY: (u16*×4, f32*×2, u16*×2, int×3, float×2); sizes checked.
+        // SAFETY: (u16*×4, f32*×2, u16*×2, uint4* or null, int×3,
+        // float×2); sizes checked; ds holds attn_ds_bytes.
         unsafe { l.launch(ckv) }.map_err(cuda)?;
         let mut l = self.stream.launch_builder(fq);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(dout)
-            .arg(lse2)
-            .arg(&d)
-            .arg(&mut dq);
-        l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
-        // SAFETY: (u16*×4, f32*×2, u16*, int×3, float×2); sizes checked.
-        unsafe { l.launch(cq) }.map_err(cuda)?;
+        match ds.as_ref() {
+            Some(ds) => {
+                l.arg(k).arg(ds).arg(&mut dq);
+                l.arg(&sq).arg(&h).arg(&g);
+                // SAFETY: (u16*, uint4*, u16*, int×3); ds written whole above.
+                unsafe { l.launch(cq) }.map_err(cuda)?;
+            }
+            None => {
+                l.arg(q)
+                    .arg(k)
+                    .arg(v)
+                    .arg(dout)
+                    .arg(lse2)
+                    .arg(&d)
+                    .arg(&mut dq);
+                l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
+                // SAFETY: (u16*×4, f32*×2, u16*, int×3, float×2); sizes checked.
+                unsafe { l.launch(cq) }.map_err(cuda)?;
+            }
+        }
         Ok((dq, dk, dv))
     }
 }
