@@ -632,7 +632,8 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __
 // reads key/value head hq / (heads / kv). Scores are s = scale · q·k; the
 // kernels work in base 2 (sl = scale · log2 e), so the forward's row
 // statistic is lse2 = log2 Σ_{j ≤ i} 2^(sl·q·k_j) and the probabilities
-// p = 2^(sl·q·k − lse2). No seq × seq matrix is stored. Blocks of 64
+// p = 2^(sl·q·k − lse2). The forward stores no seq × seq matrix (the
+// backward stores dS for the call while it fits, AttnDq). Blocks of 64
 // queries or keys, 4 warps of 16 rows each; rows past seq are zero-filled
 // and never written. Only the diagonal block is masked: every other block
 // a kernel visits lies wholly below the diagonal and inside the sequence.
