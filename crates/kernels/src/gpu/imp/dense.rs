@@ -38,7 +38,8 @@ pub(crate) struct DenseFns {
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
     to_bf16: CudaFunction,
-    /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV, dQ.
+    /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV,
+    /// dQ recomputing, dQ from the stored dS.
     flash: Vec<(usize, [CudaFunction; 4])>,
     flash_dot: CudaFunction,
     /// Which attention path runs (`LRMOE_ATTENTION`): `materialized` —
@@ -564,9 +565,9 @@ impl Gpu {
         Ok(dx)
     }
 
-    #[allow(clippy::too_many_arguments)]
     /// `f`: the kernels for any width (dw in registers up to 512) and for
     /// wider rows that are multiples of 256 (16-byte loads).
+    #[allow(clippy::too_many_arguments)]
     fn norm_bwd_any<X: cudarc::driver::DeviceRepr, D: cudarc::driver::DeviceRepr>(
         &self,
         (f, f_wide): (&CudaFunction, &CudaFunction),
