@@ -808,6 +808,18 @@ __device__ __forceinline__ uint32_t movt(uint32_t x) {
     asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
     return y;
 }
+// dQ += dS·K for one 16-key chunk n of a K tile: dsf is the A fragment of
+// the warp's 16 queries × those keys.
+template <int DH>
+__device__ __forceinline__ void dq_add(float (*dqa)[4], const uint32_t (&dsf)[4], const uint16_t* Ks, int lane,
+                                       int n) {
+#pragma unroll
+    for (int dp = 0; dp < DH / 16; dp++) {
+        uint32_t bf[4];
+        ldsm_t(bf, Ks + b_at<LT<DH>>(lane, n * 16, dp * 16));
+        mma2(dqa[2 * dp], dqa[2 * dp + 1], dsf, bf);
+    }
+}
 }  // namespace fa
 
 // Forward: each warp keeps its 16 rows' Q fragments, scores, bf16
@@ -1114,12 +1126,7 @@ __device__ void flash_bwd_q(const uint16_t* __restrict__ q, const uint16_t* __re
                 }
             uint32_t dsf[4];
             to_a(dsf, ga[0], ga[1]);
-#pragma unroll
-            for (int dp = 0; dp < DH / 16; dp++) {
-                uint32_t bf[4];
-                ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
-                mma2(dqa[2 * dp], dqa[2 * dp + 1], dsf, bf);
-            }
+            dq_add<DH>(dqa, dsf, Ks, lane, n);
         }
         __syncthreads();
     }
@@ -1169,12 +1176,7 @@ __device__ void flash_bwd_q_ds(const uint16_t* __restrict__ k, const uint4* __re
             // dSᵀ's fragment (keys × queries) → dS's (queries × keys): the
             // off-diagonal 8 × 8 quarters swap places.
             uint32_t dsf[4] = {movt(x[n].x), movt(x[n].z), movt(x[n].y), movt(x[n].w)};
-#pragma unroll
-            for (int dp = 0; dp < DH / 16; dp++) {
-                uint32_t bf[4];
-                ldsm_t(bf, Ks + b_at<L>(lane, n * 16, dp * 16));
-                mma2(dqa[2 * dp], dqa[2 * dp + 1], dsf, bf);
-            }
+            dq_add<DH>(dqa, dsf, Ks, lane, n);
         }
         __syncthreads();
     }

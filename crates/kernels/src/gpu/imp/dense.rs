@@ -71,6 +71,23 @@ fn flash_smem(dh: usize) -> [u32; 4] {
     ]
 }
 
+/// The inputs both the dK/dV and the recomputing dQ kernel take: q, k, v,
+/// dO, lse2 and D.
+#[allow(clippy::type_complexity)]
+fn flash_bwd_inputs<'a>(
+    l: &mut cudarc::driver::LaunchArgs<'a>,
+    (q, k, v, dout, lse2, d): (
+        &'a CudaSlice<u16>,
+        &'a CudaSlice<u16>,
+        &'a CudaSlice<u16>,
+        &'a CudaSlice<u16>,
+        &'a CudaSlice<f32>,
+        &'a CudaSlice<f32>,
+    ),
+) {
+    l.arg(q).arg(k).arg(v).arg(dout).arg(lse2).arg(d);
+}
+
 /// How the fused attention backward gets dQ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttnDq {
@@ -1188,15 +1205,10 @@ impl Gpu {
             AttnDq::Recompute => None,
         };
         let null: u64 = 0;
+        let inputs = (q, k, v, dout, lse2, &d);
         let mut l = self.stream.launch_builder(fkv);
-        l.arg(q)
-            .arg(k)
-            .arg(v)
-            .arg(dout)
-            .arg(lse2)
-            .arg(&d)
-            .arg(&mut dk)
-            .arg(&mut dv);
+        flash_bwd_inputs(&mut l, inputs);
+        l.arg(&mut dk).arg(&mut dv);
         match ds.as_mut() {
             Some(ds) => l.arg(ds),
             None => l.arg(&null),
@@ -1214,13 +1226,8 @@ impl Gpu {
                 unsafe { l.launch(cq) }.map_err(cuda)?;
             }
             None => {
-                l.arg(q)
-                    .arg(k)
-                    .arg(v)
-                    .arg(dout)
-                    .arg(lse2)
-                    .arg(&d)
-                    .arg(&mut dq);
+                flash_bwd_inputs(&mut l, inputs);
+                l.arg(&mut dq);
                 l.arg(&sq).arg(&h).arg(&g).arg(&sl).arg(&scale);
                 // SAFETY: (u16*×4, f32*×2, u16*, int×3, float×2); sizes checked.
                 unsafe { l.launch(cq) }.map_err(cuda)?;
