@@ -3,7 +3,9 @@
 # their CPU twins and the device model's tests, then attention alone and
 # the whole device model with the fused kernels (LRMOE_ATTENTION=fused) and
 # with the materialised scores (LRMOE_ATTENTION=materialized), beside
-# PyTorch's SDPA, in one call. The device model's tests run on both paths.
+# PyTorch's SDPA, in one call; attention alone also with the fused
+# backward's dQ recomputed (LRMOE_ATTENTION_DQ=recompute). The device
+# model's tests run on both paths.
 # (Unset, the fused kernels run at every head width they have.)
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/
@@ -21,6 +23,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
 fi
 echo "== attention alone (median device ms)"
 echo "fused:"; LRMOE_ATTENTION=fused timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
+echo "fused, dQ recomputed (the kernels before the stored dS):"
+LRMOE_ATTENTION=fused LRMOE_ATTENTION_DQ=recompute timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
 echo "materialised:"; LRMOE_ATTENTION=materialized timeout 120 .device/lrmoe-attn-bench 2>&1 | tail -2
 echo "SDPA:"; timeout 120 python3 benches/torch_attention.py 2>&1 | tail -4
 mini() { # tag config layers seq batch steps
