@@ -145,19 +145,22 @@ __device__ void rmsnorm_fwd_wide(const X* __restrict__ x, const float* __restric
 __device__ __forceinline__ bool wide_rows(int d, const void* a, const void* b, const void* c, const void* e) {
     return d % 256 == 0 && (((uintptr_t)a | (uintptr_t)b | (uintptr_t)c | (uintptr_t)e) & 15) == 0;
 }
-extern "C" __global__ void rmsnorm_fwd_f32(const float* x, const float* w, uint16_t* y, float* inv, int rows, int d,
-                                           float eps) {
+// Either of the two above, by the width and alignment.
+template <typename X>
+__device__ void rmsnorm_fwd_any(const X* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ y,
+                                float* __restrict__ inv, int rows, int d, float eps) {
     if (wide_rows(d, x, w, y, y))
         rmsnorm_fwd_wide(x, w, y, inv, rows, d, eps);
     else
         rmsnorm_fwd(x, w, y, inv, rows, d, eps);
 }
+extern "C" __global__ void rmsnorm_fwd_f32(const float* x, const float* w, uint16_t* y, float* inv, int rows, int d,
+                                           float eps) {
+    rmsnorm_fwd_any(x, w, y, inv, rows, d, eps);
+}
 extern "C" __global__ void rmsnorm_fwd_bf16(const uint16_t* x, const float* w, uint16_t* y, float* inv, int rows,
                                             int d, float eps) {
-    if (wide_rows(d, x, w, y, y))
-        rmsnorm_fwd_wide(x, w, y, inv, rows, d, eps);
-    else
-        rmsnorm_fwd(x, w, y, inv, rows, d, eps);
+    rmsnorm_fwd_any(x, w, y, inv, rows, d, eps);
 }
 
 // Backward of rmsnorm_fwd: dx = dy⊙w·inv − x·(Σ dy⊙w⊙x)·inv³/d per row;

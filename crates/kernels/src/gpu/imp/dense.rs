@@ -49,6 +49,9 @@ pub(crate) struct DenseFns {
     /// (one H200, 2026-12-02: `docs/benchmarks.md`). The fused path keeps
     /// no `seq × seq` probabilities.
     attention: AttnPath,
+    /// dQ's path when forced (`LRMOE_ATTENTION_DQ=recompute|stored`);
+    /// `None`: by the stored dS's size ([`ATTN_DS_MAX_BYTES`]).
+    attention_dq: Option<AttnDq>,
 }
 
 /// The attention path of [`DenseFns::attention`].
@@ -162,6 +165,11 @@ impl DenseFns {
             attention: match std::env::var("LRMOE_ATTENTION") {
                 Ok(v) if v.eq_ignore_ascii_case("materialized") => AttnPath::Materialized,
                 _ => AttnPath::Fused,
+            },
+            attention_dq: match std::env::var("LRMOE_ATTENTION_DQ").as_deref() {
+                Ok("recompute") => Some(AttnDq::Recompute),
+                Ok("stored") => Some(AttnDq::Stored),
+                _ => None,
             },
         })
     }
@@ -1144,11 +1152,10 @@ impl Gpu {
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, _, _) = dims;
-        let path = match std::env::var("LRMOE_ATTENTION_DQ").as_deref() {
-            Ok("recompute") => AttnDq::Recompute,
-            Ok("stored") => AttnDq::Stored,
-            _ if attn_ds_bytes(n_seq, seq, heads) <= ATTN_DS_MAX_BYTES => AttnDq::Stored,
-            _ => AttnDq::Recompute,
+        let path = match self.dense.attention_dq {
+            Some(forced) => forced,
+            None if attn_ds_bytes(n_seq, seq, heads) <= ATTN_DS_MAX_BYTES => AttnDq::Stored,
+            None => AttnDq::Recompute,
         };
         self.flash_attention_backward_with(dims, qkv, saved, dout, path)
     }
