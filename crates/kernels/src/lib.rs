@@ -40,7 +40,9 @@
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy, gradient squared norms and the fused AdamW update
 //!   (clip read on the device), and fused causal grouped-query attention
-//!   (FlashAttention-2's forward and backward, twins in f64). `Gpu` runs
+//!   (FlashAttention-2's forward and backward, twins in f64; the backward
+//!   stores dS for its dQ while that fits `gpu::ATTN_DS_MAX_BYTES`,
+//!   `gpu::AttnDq`, and recomputes it past that). `Gpu` runs
 //!   them on device buffers (`gpu/imp/dense.rs`); attention runs fused, or
 //!   materialised as the grouped GEMM with one group per (sequence,
 //!   key/value head) and the causal softmax kernels.
