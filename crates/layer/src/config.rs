@@ -175,8 +175,7 @@ pub(crate) fn shape(
 }
 
 /// `got >= expected` (a buffer at least that long), or the shape error
-/// naming `what` (the device executor's buffers).
-#[cfg(feature = "cuda")]
+/// naming `what` (the stages' buffers).
 pub(crate) fn at_least(
     what: impl Into<String>,
     expected: usize,

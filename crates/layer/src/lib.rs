@@ -159,6 +159,7 @@
 #[doc = include_str!("../README.md")]
 struct ReadmeDoctests;
 
+pub mod backend;
 mod config;
 pub mod device;
 mod dispatch;
@@ -167,6 +168,7 @@ mod experts;
 mod moe;
 mod plan;
 mod router;
+pub mod stages;
 pub mod timeline;
 pub mod transport;
 

@@ -5,11 +5,10 @@
 use kernels::gpu::{CudaSlice, Gpu, Mark};
 use kernels::KernelError;
 
-use crate::config::at_least;
 use crate::LayerError;
 
-use super::common::exclusive_scan;
 use super::DeviceComm;
+use crate::stages::common::exclusive_scan;
 
 impl DeviceComm<'_> {
     /// Every rank's bytes, rank order.
@@ -309,10 +308,13 @@ pub(super) fn staged(e: crate::TransportError) -> KernelError {
     }
 }
 
-/// An exchange started by [`DeviceComm::start`].
-pub(super) enum Flight<T> {
-    /// One rank: the buffers, untouched.
+/// An exchange started by [`DeviceComm::start`] (the device backend's
+/// exchange in flight).
+pub enum Flight<T> {
+    /// One rank, or collectives the host waited for: the receive buffer
+    /// and the send buffers, done.
     Here(CudaSlice<T>, Vec<CudaSlice<T>>),
+    /// On the communicator's stream.
     #[cfg(feature = "nccl")]
     Away(kernels::comm::InFlight<T>),
 }
@@ -336,9 +338,6 @@ impl<T> Flight<T> {
             #[cfg(feature = "nccl")]
             Self::Away(f) => f.buffers_mut(),
         }
-    }
-    pub(super) fn recv_mut(&mut self) -> Result<&mut CudaSlice<T>, KernelError> {
-        Ok(self.buffers_mut()?.1)
     }
     /// Orders the compute stream after the exchange; the receive buffer
     /// and the send buffers.
@@ -454,102 +453,4 @@ pub(super) fn comm_sms(comm: DeviceComm<'_>) -> u32 {
             .and_then(|v| v.parse().ok())
             .unwrap_or(16)
     })
-}
-
-/// Keeps [`comm_sms`] SMs out of the GEMMs while it lives.
-pub(super) struct Overlap<'a>(&'a Gpu);
-
-impl<'a> Overlap<'a> {
-    pub(super) fn new(gpu: &'a Gpu, comm: DeviceComm<'_>) -> Self {
-        gpu.set_gemm_sm_reserve(comm_sms(comm));
-        Self(gpu)
-    }
-}
-
-impl Drop for Overlap<'_> {
-    fn drop(&mut self) {
-        self.0.set_gemm_sm_reserve(0);
-    }
-}
-
-/// The parts of an exchange of rows of `width` from one packed buffer
-/// (`send[d]` rows to rank `d`, consecutive) into one packed buffer
-/// (`recv[s]` rows from rank `s`, consecutive), the own rank's message
-/// left out of both (its region of the receive buffer is the caller's).
-#[allow(clippy::type_complexity)]
-pub(super) fn packed_parts(
-    send: &[usize],
-    recv: &[usize],
-    rank: usize,
-    width: usize,
-) -> (Vec<(usize, usize, usize)>, Vec<(usize, usize)>) {
-    let (so, ro) = (exclusive_scan(send), exclusive_scan(recv));
-    let sp = (0..send.len())
-        .map(|d| {
-            let n = if d == rank { 0 } else { send[d] * width };
-            (0, so[d] * width, n)
-        })
-        .collect();
-    let rp = (0..recv.len())
-        .map(|s| {
-            let n = if s == rank { 0 } else { recv[s] * width };
-            (ro[s] * width, n)
-        })
-        .collect();
-    (sp, rp)
-}
-
-/// Starts an exchange of the packed rows `send` (`send_rows[d]` rows of
-/// `width` to rank `d`) into a fresh packed buffer (`recv_rows[s]` rows from
-/// rank `s`); the own rows are copied on the compute stream when
-/// `copy_own` (else their region stays unwritten). One rank: every row is
-/// its own, and `send` is handed through as the received rows.
-pub(super) fn exchange_rows<T: kernels::gpu::DeviceRepr + bytemuck::Pod + Default>(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
-    send: CudaSlice<T>,
-    (send_rows, recv_rows): (&[usize], &[usize]),
-    width: usize,
-    copy_own: bool,
-) -> Result<Flight<T>, LayerError> {
-    if comm.world_size() == 1 {
-        return Ok(Flight::Here(send, Vec::new()));
-    }
-    let rank = comm.rank();
-    let (sp, rp) = packed_parts(send_rows, recv_rows, rank, width);
-    let total: usize = recv_rows.iter().sum();
-    // SAFETY: the exchange writes every other rank's region and the copy
-    // below the own one; without `copy_own` the caller reads no row of it.
-    let recv = unsafe { gpu.uninit::<T>(total * width) }?;
-    let mut fl = comm.start(gpu, vec![send], &sp, recv, &rp)?;
-    if copy_own {
-        let (a, b) = (
-            exclusive_scan(send_rows)[rank],
-            exclusive_scan(recv_rows)[rank],
-        );
-        let (sends, recv) = fl.buffers_mut()?;
-        copy_rows(gpu, &sends[0], a, recv, b, (send_rows[rank], width))?;
-    }
-    Ok(fl)
-}
-
-/// Copies `rows` rows of `width` from row `a` of `from` to row `b` of `to`
-/// (the message to self of an exchange).
-pub(super) fn copy_rows<T: kernels::gpu::DeviceRepr>(
-    gpu: &Gpu,
-    from: &CudaSlice<T>,
-    a: usize,
-    to: &mut CudaSlice<T>,
-    b: usize,
-    (rows, width): (usize, usize),
-) -> Result<(), LayerError> {
-    if rows == 0 {
-        return Ok(());
-    }
-    at_least("rows to copy", (a + rows) * width, from.len())?;
-    at_least("rows to copy into", (b + rows) * width, to.len())?;
-    let v = from.slice(a * width..(a + rows) * width);
-    let mut t = to.slice_mut(b * width..(b + rows) * width);
-    gpu.copy(&v, &mut t)?;
-    Ok(())
 }

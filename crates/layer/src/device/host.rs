@@ -9,11 +9,11 @@ use crate::config::{Experts, MoeConfig};
 use crate::plan::DevicePlanner;
 use crate::LayerError;
 
-use super::backward::backward;
-use super::common::world_of;
-use super::forward::forward;
+use super::backend::Device;
+use super::calls::{backward, forward};
 use super::weights::{random_weights, set_logit_bias, set_selection_bias, weights};
 use super::{DeviceComm, HostForward, HostGrads};
+use crate::stages::common::world_of;
 
 /// The forward from host data (bf16 bits): this rank's router copy, its
 /// experts' block and its tokens in; this rank's output, every source's
@@ -166,7 +166,7 @@ pub fn bench(
     hot: f32,
     iters: usize,
 ) -> Result<Vec<BenchRow>, LayerError> {
-    let (_, _, el) = world_of(comm, cfg)?;
+    let (_, _, el) = world_of(&Device::new(gpu, comm), cfg)?;
     let (t, h, e, r) = (tokens, cfg.hidden, cfg.n_experts, comm.rank() as u64);
     let mut w = random_weights(gpu, comm, cfg)?;
     if hot != 0.0 {

@@ -72,19 +72,19 @@ use crate::Transport;
 use crate::{DevicePlanner, LayerError, MoeConfig};
 
 #[cfg(feature = "cuda")]
-mod backward;
+mod backend;
+#[cfg(feature = "cuda")]
+mod calls;
 #[cfg(feature = "cuda")]
 mod comm;
-#[cfg(feature = "cuda")]
-mod common;
-#[cfg(feature = "cuda")]
-mod forward;
 #[cfg(feature = "cuda")]
 mod host;
 #[cfg(feature = "cuda")]
 mod weights;
 #[cfg(feature = "cuda")]
-pub use {backward::*, comm::*, forward::*, host::*, weights::*};
+pub use {backend::*, calls::*, comm::*, host::*, weights::*};
+
+pub use crate::stages::Grads;
 
 /// How this rank reaches the others: alone (one GPU, EP = 1), through an
 /// NCCL communicator, or through any host [`Transport`].
@@ -174,7 +174,7 @@ pub struct HostForward {
     /// This rank's auxiliary balancing loss (0 when off).
     pub aux_loss: f64,
     #[cfg(feature = "cuda")]
-    pub(crate) state: Box<(weights::DeviceWeights, forward::DeviceSaved)>,
+    pub(crate) state: Box<(weights::DeviceWeights, calls::DeviceSaved)>,
 }
 
 impl std::fmt::Debug for HostForward {
@@ -184,27 +184,6 @@ impl std::fmt::Debug for HostForward {
             .field("counts", &self.counts)
             .finish()
     }
-}
-
-/// Gradients and figures of one backward on one rank, in buffers `B`
-/// (bf16 bits) and `R` (the router's, f32): [`DeviceGrads`] on the
-/// device, [`HostGrads`] copied back.
-#[derive(Debug, Clone)]
-pub struct Grads<B, R> {
-    /// Input gradient of this rank's tokens, `T × H`.
-    pub dx: B,
-    /// Router gradient summed over ranks, `H × E`.
-    pub router: R,
-    /// This rank's experts' gradients (replicas' summed in): gate and up
-    /// `E_l × H × F`, down `E_l × F × H`.
-    pub experts: crate::config::Experts<B>,
-    /// Kept pairs this rank's instances processed.
-    pub kept_pairs: usize,
-    /// Kept pairs over all ranks (what the selection kept).
-    pub kept_total: usize,
-    /// Bytes this rank sent to other ranks in the backward (scores, kept
-    /// rows, dX rows, replica gradients; not the router's all-reduce).
-    pub bytes_sent: usize,
 }
 
 /// [`Grads`] copied back to the host.

@@ -4,33 +4,34 @@
 
 use kernels::cpu::{fan_in_scaled, random_bf16};
 use kernels::gpu::{CudaSlice, Gpu};
-use pack::ep::replica_traffic;
 
 use crate::config::shape;
 use crate::config::{Experts, MoeConfig};
-use crate::plan::{one_instance_each, EpPlan};
+use crate::stages::common::world_of;
+use crate::stages::Weights;
 use crate::LayerError;
 
-use super::common::{elems, pack_blocks, per_expert, world_of, Wts};
+use super::backend::{Cuda, Device};
 use super::DeviceComm;
+
+/// One finite value per expert, uploaded.
+fn per_expert(
+    gpu: &Gpu,
+    cfg: &MoeConfig,
+    v: &[f32],
+    what: &'static str,
+) -> Result<CudaSlice<f32>, LayerError> {
+    shape(format!("{what} (one per expert)"), cfg.n_experts, v.len())?;
+    if v.iter().any(|b| !b.is_finite()) {
+        return Err(LayerError::NonFinite(what));
+    }
+    Ok(gpu.upload(v)?)
+}
 
 /// One rank's weights on its device, bf16: the router `H × E` (every rank
 /// holds it) and the rank's own experts, `E_l × H × F` (gate, up) and
 /// `E_l × F × H` (down).
-pub struct DeviceWeights {
-    pub(super) router: CudaSlice<u16>,
-    /// A constant added to the router logits of each expert (the forced
-    /// hot-expert workload), if any.
-    pub(super) bias: Option<CudaSlice<f32>>,
-    /// The balancing bias added to the router probabilities for the top-k
-    /// choice only (`CallConfig::expert_bias`), if any.
-    pub(super) sel_bias: Option<CudaSlice<f32>>,
-    pub(super) experts: Experts<CudaSlice<u16>>,
-}
-
-/// The weights of this rank's instances in one call (its own experts and
-/// the replicas it received), in the order of its local expert list.
-pub(super) type LocalWeights = Experts<CudaSlice<u16>>;
+pub type DeviceWeights = Weights<Cuda>;
 
 /// Uploads one rank's weights (bf16 bits): the full router and the
 /// rank's block of experts.
@@ -41,7 +42,7 @@ pub fn weights(
     router: &[u16],
     (gate, up, down): (&[u16], &[u16], &[u16]),
 ) -> Result<DeviceWeights, LayerError> {
-    let (_, _, el) = world_of(comm, cfg)?;
+    let (_, _, el) = world_of(&Device::new(gpu, comm), cfg)?;
     let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
     shape("router", h * e, router.len())?;
     shape("gate (this rank's experts)", el * h * f, gate.len())?;
@@ -107,7 +108,7 @@ pub unsafe fn borrow_weights(
     router: u64,
     (gate, up, down): (u64, u64, u64),
 ) -> Result<BorrowedWeights, LayerError> {
-    let (_, _, el) = world_of(comm, cfg)?;
+    let (_, _, el) = world_of(&Device::new(gpu, comm), cfg)?;
     let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
     // SAFETY: the caller's contract, per buffer.
     let take = |p: u64, n: usize| unsafe { gpu.borrow::<u16>(p, n) };
@@ -132,12 +133,12 @@ pub unsafe fn borrow_weights(
     )))
 }
 
-impl DeviceWeights {
+impl Weights<Cuda> {
     /// Zeroed weights of this rank (the router and its block of experts),
     /// for a device-resident optimizer to write in place
     /// ([`DeviceWeights::buffers_mut`]).
     pub fn zeros(gpu: &Gpu, comm: DeviceComm<'_>, cfg: &MoeConfig) -> Result<Self, LayerError> {
-        let (_, _, el) = world_of(comm, cfg)?;
+        let (_, _, el) = world_of(&Device::new(gpu, comm), cfg)?;
         let (h, f, e) = (cfg.hidden, cfg.ffn, cfg.n_experts);
         Ok(Self {
             router: gpu.zeros::<u16>(h * e)?,
@@ -189,83 +190,6 @@ pub fn set_selection_bias(
     Ok(())
 }
 
-/// The weights of this rank's instances for `plan`: owners send every
-/// replicated expert's weights to the replicas' ranks (one all-to-all per
-/// tensor); `None` where this rank holds only its own block (no plan yet,
-/// or one instance per expert).
-pub(super) fn replica_weights(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
-    cfg: &MoeConfig,
-    w: &DeviceWeights,
-    plan: Option<&EpPlan>,
-    local: &[Vec<usize>],
-    el: usize,
-) -> Result<(Option<LocalWeights>, usize), LayerError> {
-    let rank = comm.rank();
-    let Some(plan) = plan.filter(|plan| !one_instance_each(&plan.instances)) else {
-        return Ok((None, 0));
-    };
-    let hf = cfg.hidden * cfg.ffn;
-    let traffic = replica_traffic(&plan.instances, local, rank, el);
-    let mut got = Vec::with_capacity(3);
-    for t in [&w.experts.gate, &w.experts.up, &w.experts.down] {
-        let packed = pack_blocks(gpu, t, &traffic.weights_out, hf)?;
-        got.push(comm.exchange(
-            gpu,
-            packed,
-            &elems(&traffic.weights_send, hf),
-            &elems(&traffic.weights_recv, hf),
-        )?);
-    }
-    let bytes = traffic.weights_out.len() * 3 * hf * 2;
-    let n_in: usize = traffic.weights_recv.iter().sum();
-    if n_in == 0 {
-        return Ok((None, bytes));
-    }
-    // This rank's instances, ascending: replicas below its block, its
-    // block, replicas above.
-    let below = traffic.below;
-    let nl = local[rank].len();
-    let build = |own: &CudaSlice<u16>, rep: &CudaSlice<u16>| {
-        // SAFETY: the three copies below write all nl blocks.
-        let mut t = unsafe { gpu.uninit::<u16>(nl * hf) }?;
-        let parts = [
-            (rep, 0, below, 0),
-            (own, 0, el, below),
-            (rep, below, n_in, below + el),
-        ];
-        for (from, a, b, at) in parts {
-            if b > a {
-                let v = from.slice(a * hf..b * hf);
-                let mut to = t.slice_mut(at * hf..(at + b - a) * hf);
-                gpu.copy(&v, &mut to)?;
-            }
-        }
-        Ok::<_, LayerError>(t)
-    };
-    Ok((
-        Some(LocalWeights {
-            gate: build(&w.experts.gate, &got[0])?,
-            up: build(&w.experts.up, &got[1])?,
-            down: build(&w.experts.down, &got[2])?,
-        }),
-        bytes,
-    ))
-}
-
-/// The expert weights this rank's instances compute with: the replica
-/// copies it received, or its own block.
-pub(super) fn local_weights<'a>(
-    w: &'a DeviceWeights,
-    received: &'a Option<LocalWeights>,
-) -> Wts<'a> {
-    match received {
-        Some(lw) => lw.as_ref(),
-        None => w.experts.as_ref(),
-    }
-}
-
 /// This rank's random weights of the benchmarks (fan-in scaled bf16; the
 /// router the same on every rank, each rank's experts its own).
 pub fn random_weights(
@@ -273,7 +197,7 @@ pub fn random_weights(
     comm: DeviceComm<'_>,
     cfg: &MoeConfig,
 ) -> Result<DeviceWeights, LayerError> {
-    let (_, _, el) = world_of(comm, cfg)?;
+    let (_, _, el) = world_of(&Device::new(gpu, comm), cfg)?;
     let (h, f, e, r) = (cfg.hidden, cfg.ffn, cfg.n_experts, comm.rank() as u64);
     let scale = fan_in_scaled;
     weights(

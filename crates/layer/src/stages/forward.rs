@@ -1,69 +1,68 @@
-//! The device forward: route → plan → dispatch → experts → combine, and
-//! the state it keeps for the backward ([`DeviceSaved`]).
+//! The forward: route → plan → dispatch → experts → combine, and the state
+//! it keeps for the backward ([`Saved`]).
 
-use kernels::gpu::{CudaSlice, Gpu, Routed};
 use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs};
 
+use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Wts};
 use crate::config::at_least;
 use crate::config::MoeConfig;
 use crate::plan::{check_plan, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
 
-use super::comm::{copy_rows, exchange_rows, packed_parts, Flight, Overlap};
 use super::common::{
-    exclusive_scan, expand, off_rank, permute4, world_of, Laps, OwnedRows, Projections, Wts,
+    copy_rows, exchange_rows, exclusive_scan, off_rank, packed_parts, permute4, world_of, Laps,
+    OwnedRows, Projections,
 };
-use super::weights::{local_weights, replica_weights, DeviceWeights, LocalWeights};
-use super::DeviceComm;
+use super::weights::{local_weights, replica_weights, LocalWeights, Weights};
 
 /// Forward state kept for the backward: the source's routing, outputs and
 /// norms, and, in calls without replicas, the owner's forward rows.
-pub struct DeviceSaved {
-    pub(super) cfg: MoeConfig,
-    pub(super) tokens: usize,
+pub struct Saved<F: Family> {
+    pub(crate) cfg: MoeConfig,
+    pub(crate) tokens: usize,
     /// This source's pairs that reached an expert (all `tokens · k` unless
     /// the capacity factor dropped some), in expert-major rows.
-    pub(super) rows: usize,
-    pub(super) per_rank: usize,
-    pub(super) x: CudaSlice<u16>,
-    pub(super) routed: Routed,
+    pub(crate) rows: usize,
+    pub(crate) per_rank: usize,
+    pub(crate) x: F::Buf<F::V>,
+    pub(crate) routed: F::Routed,
     /// Pair → this source's expert-major row (`DROPPED` for a pair the
     /// capacity dropped), and row → pair.
-    pub(super) dst: CudaSlice<u32>,
-    pub(super) src: CudaSlice<u32>,
+    pub(crate) dst: F::Buf<u32>,
+    pub(crate) src: F::Buf<u32>,
     /// Pair → row of `o` (send order).
-    pub(super) row_of_pair: CudaSlice<u32>,
+    pub(crate) row_of_pair: F::Buf<u32>,
     /// Output rows of this source's pairs, send order (and a zero row for
     /// dropped pairs).
-    pub(super) o: CudaSlice<u16>,
+    pub(crate) o: F::Buf<F::V>,
     /// `‖h‖²` of this source's pairs, expert-major.
-    pub(super) h_sq: CudaSlice<f32>,
+    pub(crate) h_sq: F::Buf<f32>,
     /// This source's expert offsets (`E + 1`).
-    pub(super) offsets: Vec<u32>,
+    pub(crate) offsets: Vec<u32>,
     /// The global expert-major order of the backward's selection.
-    pub(super) order: SelectionOrder,
-    pub(super) counts_all: Vec<Vec<u32>>,
-    pub(super) plan: EpPlan,
-    pub(super) local: Vec<Vec<usize>>,
-    pub(super) weights: Option<LocalWeights>,
+    pub(crate) order: SelectionOrder<F>,
+    pub(crate) counts_all: Vec<Vec<u32>>,
+    pub(crate) plan: EpPlan,
+    pub(crate) local: Vec<Vec<usize>>,
+    pub(crate) weights: Option<LocalWeights<F>>,
     /// Without replicas in the call, this rank's forward rows as an owner
     /// (as they arrived), each expert-major row's local expert and the
     /// group offsets:
     /// the backward's kept pairs cannot move, so their `x` rows are taken
     /// from here instead of travelling again.
-    pub(super) owned_rows: Option<OwnedRows>,
+    pub(crate) owned_rows: Option<OwnedRows<F>>,
     /// Layer output for this rank's tokens, `T × H`.
-    pub y: CudaSlice<u16>,
+    pub y: F::Buf<F::V>,
     /// Bytes this rank sent to other ranks in the forward's all-to-alls
     /// (rows, their outputs and norms, replica weights).
     pub bytes_sent: usize,
     /// This rank's auxiliary balancing loss (0 when off) and its gradient
     /// with respect to every router probability, one per expert.
     pub aux_loss: f64,
-    pub(super) aux_dp: Option<CudaSlice<f32>>,
+    pub(crate) aux_dp: Option<F::Buf<f32>>,
 }
 
-impl DeviceSaved {
+impl<F: Family> Saved<F> {
     /// Every source's routed pairs per global expert, `[world][experts]`.
     pub fn routed_counts(&self) -> &[Vec<u32>] {
         &self.counts_all
@@ -82,24 +81,25 @@ impl DeviceSaved {
 
 /// The router's output on this rank's tokens (GEMM, biases, softmax,
 /// top-k, counts) and the auxiliary loss's terms.
-pub(super) fn route_rows(
-    gpu: &Gpu,
+#[allow(clippy::type_complexity)]
+fn route_rows<B: Backend>(
+    b: &B,
     cfg: &MoeConfig,
-    w: &DeviceWeights,
-    x: &CudaSlice<u16>,
+    w: &Weights<B::F>,
+    x: &Rows<B>,
     planner: &DevicePlanner,
     world: usize,
-) -> Result<(Routed, f64, Option<CudaSlice<f32>>), LayerError> {
+) -> Result<(RoutedOf<B>, f64, Option<Buf<B, f32>>), LayerError> {
     let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
-    let routed = gpu.route(
+    let routed = b.route(
         &w.router,
         x,
         w.bias.as_ref(),
         w.sel_bias.as_ref(),
-        (x.len() / h, h, e, k),
+        (B::len(x) / h, h, e, k),
         cfg.renormalize,
     )?;
-    let (aux_loss, aux_dp) = aux_terms(gpu, planner.aux_loss_coeff(), &routed, world)?;
+    let (aux_loss, aux_dp) = aux_terms(b, planner.aux_loss_coeff(), &routed, world)?;
     Ok((routed, aux_loss, aux_dp))
 }
 
@@ -107,23 +107,25 @@ pub(super) fn route_rows(
 /// under a capacity factor (the baseline) only each expert's first
 /// `crate::router::expert_capacity` pairs: the others reach no expert, in
 /// the forward or the backward.
-pub(super) fn group_and_cap(
-    gpu: &Gpu,
-    routed: &Routed,
+fn group_and_cap<B: Backend>(
+    b: &B,
+    routed: &RoutedOf<B>,
     capacity_factor: Option<f64>,
     p: usize,
     e: usize,
-) -> Result<Capped, LayerError> {
-    let base = exclusive_scan(&routed.counts);
-    // SAFETY: idx holds p experts below e (route's output); base is the
-    // prefix sum of route's own counts of those experts.
-    let (dst, src) = unsafe { gpu.group(&routed.idx, None, None, &base[..e], p, p, e) }?;
+) -> Result<Capped<B::F>, LayerError> {
+    let counts = B::routed_counts(routed);
+    let base = exclusive_scan(counts);
+    // SAFETY: the experts are p experts below e (route's output); base is
+    // the prefix sum of route's own counts of those experts.
+    let (dst, src) =
+        unsafe { b.group(B::routed_experts(routed), None, None, &base[..e], p, p, e) }?;
     match crate::router::expert_capacity(capacity_factor, p, e)? {
-        Some(cap) if routed.counts.iter().any(|&c| c as usize > cap) => {
-            cap_rows(gpu, &routed.counts, cap, &src, &dst, p)
+        Some(cap) if counts.iter().any(|&c| c as usize > cap) => {
+            cap_rows(b, counts, cap, &src, &dst, p)
         }
         _ => Ok(Capped {
-            counts: routed.counts.clone(),
+            counts: counts.to_vec(),
             src,
             dst_fwd: None,
             dst,
@@ -132,31 +134,31 @@ pub(super) fn group_and_cap(
 }
 
 /// The forward's plan as far as it is known before the experts run.
-pub(super) struct ForwardPlan {
+struct ForwardPlan {
     /// Every rank's rows per expert.
-    pub(super) counts_all: Vec<Vec<u32>>,
+    counts_all: Vec<Vec<u32>>,
     /// The whole plan, when the call has replica slots (otherwise the
     /// controller runs while the experts compute).
-    pub(super) early: Option<EpPlan>,
+    early: Option<EpPlan>,
     /// Without replica slots: every expert's rows to its owner.
-    pub(super) owner_split: Vec<Vec<Vec<u32>>>,
+    owner_split: Vec<Vec<Vec<u32>>>,
     /// Each rank's instances.
-    pub(super) local: Vec<Vec<usize>>,
+    local: Vec<Vec<usize>>,
     /// This source's layout of the split.
-    pub(super) lay: InstanceLayout,
+    lay: InstanceLayout,
 }
 
 /// Everyone's counts, then the split every rank follows. Without replica
 /// slots (alike on every rank) the split is the routed counts, each
 /// expert's to its owner: the rows go out now and the controller (the
 /// backward's quotas) runs on the host while the experts compute.
-pub(super) fn forward_plan(
-    comm: DeviceComm<'_>,
+fn forward_plan<B: Backend>(
+    b: &B,
     planner: &DevicePlanner,
     counts: &[u32],
     (rank, world, el): (usize, usize, usize),
 ) -> Result<ForwardPlan, LayerError> {
-    let counts_all = comm.all_gather_counts(counts)?;
+    let counts_all = b.all_gather_counts(counts)?;
     let early = if planner.owners_only() {
         None
     } else {
@@ -187,18 +189,20 @@ pub(super) fn forward_plan(
     })
 }
 
+/// Outputs and `‖h‖²` of the rows one source sent to this rank.
+type Outs<B> = (Rows<B>, Buf<B, f32>);
+
 /// Each source's expert outputs and `‖h‖²` back to it (the own ones
 /// copied), in the layout the source sent its rows in: `(o, ‖h‖²)` of this
 /// source's `n` rows.
-#[allow(clippy::type_complexity)]
-pub(super) fn return_outputs(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
-    mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
+fn return_outputs<B: Backend>(
+    b: &B,
+    mut outs: Vec<Option<Outs<B>>>,
     lay: &InstanceLayout,
-    (rank, world, n, h): (usize, usize, usize, usize),
-    laps: &mut Laps,
-) -> Result<(CudaSlice<u16>, CudaSlice<f32>), LayerError> {
+    (n, h): (usize, usize),
+    laps: &mut Laps<B::F>,
+) -> Result<Outs<B>, LayerError> {
+    let (rank, world) = (b.rank(), b.world_size());
     let soff = exclusive_scan(&lay.send);
     let own = outs[rank]
         .take()
@@ -228,27 +232,14 @@ pub(super) fn return_outputs(
         let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
         // SAFETY: the exchanges write every other rank's region, the copies
         // the own one.
-        let (o_buf, h_buf) = unsafe { (gpu.uninit::<u16>(n * h)?, gpu.uninit::<f32>(n)?) };
-        let mut fo = comm.start(gpu, o_sends, &op, o_buf, &orp)?;
-        let mut fh = comm.start(gpu, h_sends, &hp, h_buf, &hrp)?;
-        laps.sent(gpu, comm, "o, |h|^2 back")?;
-        copy_rows(
-            gpu,
-            &own.0,
-            0,
-            fo.recv_mut()?,
-            soff[rank],
-            (lay.send[rank], h),
-        )?;
-        copy_rows(
-            gpu,
-            &own.1,
-            0,
-            fh.recv_mut()?,
-            soff[rank],
-            (lay.send[rank], 1),
-        )?;
-        (fo.finish()?.0, fh.finish()?.0)
+        let (o_buf, h_buf) = unsafe { (b.uninit(n * h)?, b.uninit::<f32>(n)?) };
+        let mut fo = b.start(o_sends, &op, o_buf, &orp)?;
+        let mut fh = b.start(h_sends, &hp, h_buf, &hrp)?;
+        laps.sent(b, "o, |h|^2 back")?;
+        let at = (soff[rank], lay.send[rank]);
+        copy_rows(b, &own.0, 0, B::flight_buffers(&mut fo)?.1, at.0, (at.1, h))?;
+        copy_rows(b, &own.1, 0, B::flight_buffers(&mut fh)?.1, at.0, (at.1, 1))?;
+        (b.finish(fo)?.0, b.finish(fh)?.0)
     })
 }
 
@@ -257,48 +248,40 @@ pub(super) fn return_outputs(
 /// and their router gradient term, are zero), the rows' `‖h‖²` in this
 /// source's grouped order, and `y = Σ_k g · o`.
 #[allow(clippy::type_complexity)]
-pub(super) fn combine_pairs(
-    gpu: &Gpu,
-    (dst, dst_fwd): (&CudaSlice<u32>, Option<&CudaSlice<u32>>),
+fn combine_pairs<B: Backend>(
+    b: &B,
+    (dst, dst_fwd): (&Buf<B, u32>, Option<&Buf<B, u32>>),
     lay: &InstanceLayout,
-    (o, hsq_send): (CudaSlice<u16>, CudaSlice<f32>),
-    routed: &Routed,
+    (o, hsq_send): Outs<B>,
+    routed: &RoutedOf<B>,
     (tokens, h, k, n): (usize, usize, usize, usize),
-) -> Result<
-    (
-        CudaSlice<u32>,
-        CudaSlice<u16>,
-        CudaSlice<f32>,
-        CudaSlice<u16>,
-    ),
-    LayerError,
-> {
+) -> Result<(Buf<B, u32>, Rows<B>, Buf<B, f32>, Rows<B>), LayerError> {
     let p = tokens * k;
     let (row_of_pair, o) = match dst_fwd {
         None => {
-            let send_inv = expand(gpu, &lay.send_inv)?;
+            let send_inv = b.expand(&lay.send_inv)?;
             // SAFETY: dst maps every pair to its grouped row (< n = p, no
             // drops); send_inv is a permutation of 0..n.
-            (unsafe { gpu.gather32(&send_inv, dst, p) }?, o)
+            (unsafe { b.gather32(&send_inv, dst, p) }?, o)
         }
         Some(dst_fwd) => {
             let mut ext = lay.send_inv.clone();
             ext.push(n as u32, 1);
-            let send_inv = expand(gpu, &ext)?;
-            let mut o_ext = gpu.zeros::<u16>((n + 1) * h)?;
+            let send_inv = b.expand(&ext)?;
+            let mut o_ext = b.zeros((n + 1) * h)?;
             if n > 0 {
-                gpu.copy(&o.slice(0..n * h), &mut o_ext.slice_mut(0..n * h))?;
+                b.copy(&o, 0, &mut o_ext, 0, n * h)?;
             }
             // SAFETY: dst_fwd maps every pair to a grouped row (< n) or to
             // n; ext maps 0..n onto the n rows of o and n to the zero row.
-            (unsafe { gpu.gather32(&send_inv, dst_fwd, p) }?, o_ext)
+            (unsafe { b.gather32(&send_inv, dst_fwd, p) }?, o_ext)
         }
     };
-    let h_sq = permute4(gpu, hsq_send, &lay.send_inv)?;
+    let h_sq = permute4(b, hsq_send, &lay.send_inv)?;
+    let gates = B::routed_gates(routed);
     // SAFETY: row_of_pair holds p rows of o (n rows came back, plus the
     // zero row when pairs were dropped).
-    let y =
-        unsafe { gpu.combine_rows(&o, &row_of_pair, Some(&routed.gates), None, (tokens, h, k)) }?;
+    let y = unsafe { b.combine_rows(&o, &row_of_pair, Some(gates), None, (tokens, h, k)) }?;
     Ok((row_of_pair, o, h_sq, y))
 }
 
@@ -306,13 +289,13 @@ pub(super) fn combine_pairs(
 /// replicas): the rows as they arrived, their expert-major permutation, each
 /// row's expert, and this rank's experts' range `experts` in the global
 /// expert-major order.
-pub(super) fn owned_rows(
-    gpu: &Gpu,
+fn owned_rows<B: Backend>(
+    b: &B,
     lay: &InstanceLayout,
-    (xr, ab): (CudaSlice<u16>, Option<Projections>),
+    (xr, ab): (Rows<B>, Option<Projections<B>>),
     goffsets: &[u32],
     (rank, el): (usize, usize),
-) -> Result<OwnedRows, LayerError> {
+) -> Result<OwnedRows<B::F>, LayerError> {
     let experts = rank * el..(rank + 1) * el;
     let key = Runs::segments(lay.recv.per_expert.iter().map(|&c| c as usize));
     Ok(OwnedRows {
@@ -321,10 +304,10 @@ pub(super) fn owned_rows(
         perm: if lay.recv.perm.is_identity() {
             None
         } else {
-            Some(expand(gpu, &lay.recv.perm)?)
+            Some(b.expand(&lay.recv.perm)?)
         },
-        expert: expand(gpu, &key)?,
-        offsets: gpu.upload(&lay.recv.offsets)?,
+        expert: b.expand(&key)?,
+        offsets: b.upload(&lay.recv.offsets)?,
         global: (
             goffsets[experts.start] as usize,
             goffsets[experts.end] as usize,
@@ -334,29 +317,29 @@ pub(super) fn owned_rows(
 
 /// The forward's rows of this source in destination order: each grouped
 /// row's token of `x` (`n` rows of `h`; a pair's token is `pair / k`).
-pub(super) fn rows_to_send(
-    gpu: &Gpu,
-    x: &CudaSlice<u16>,
-    src: &CudaSlice<u32>,
+fn rows_to_send<B: Backend>(
+    b: &B,
+    x: &Rows<B>,
+    src: &Buf<B, u32>,
     send_order: &Runs,
     (n, k, h): (usize, usize, usize),
-) -> Result<CudaSlice<u16>, LayerError> {
+) -> Result<Rows<B>, LayerError> {
     let reordered;
     let pair_of_send = if send_order.is_identity() {
         src
     } else {
-        let send_order = expand(gpu, send_order)?;
+        let send_order = b.expand(send_order)?;
         // SAFETY: send_order is a permutation of the n grouped rows.
-        reordered = unsafe { gpu.gather32(src, &send_order, n) }?;
+        reordered = unsafe { b.gather32(src, &send_order, n) }?;
         &reordered
     };
     // SAFETY: every pair id is below p = tokens · k, so pair / k is a token.
-    Ok(unsafe { gpu.gather_scaled(x, pair_of_send, k, None, n, h) }?)
+    unsafe { b.gather_rows(x, pair_of_send, k, None, n, h) }
 }
 
 /// The controller's plan when no replica slot exists (computed while the
 /// experts run): it must keep every pair with its owner.
-pub(super) fn late_plan(
+fn late_plan(
     planner: &DevicePlanner,
     counts_all: &[Vec<u32>],
     owner_split: &[Vec<Vec<u32>>],
@@ -372,93 +355,76 @@ pub(super) fn late_plan(
     Ok(plan)
 }
 
+/// What the experts' stage hands on: the outputs and `‖h‖²` per source,
+/// the rows received, the own rows' projections when asked for, and the
+/// answer of the host work run meanwhile.
+type ExpertsOut<B, R> = (Vec<Option<Outs<B>>>, Rows<B>, Option<Projections<B>>, R);
+
 /// Forward stage: each source's rows through this rank's instances, in
 /// the instance-major order they came in (no regrouping) — its own rows
 /// while the others travel (and `meanwhile` runs on the host), then every
 /// other source's. Returns the outputs and `‖h‖²` per source, the rows
 /// received, the own rows' projections when `keep` asks for them, and
 /// `meanwhile`'s answer.
-#[allow(clippy::type_complexity)]
-pub(super) fn experts_forward<R>(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
-    fl: Flight<u16>,
+fn experts_forward<B: Backend, R>(
+    b: &B,
+    fl: B::Flight<crate::backend::Val<B>>,
     lay: &InstanceLayout,
-    (wts, h, f, keep): (Wts<'_>, usize, usize, bool),
-    laps: &mut Laps,
+    (wts, h, f, keep): (Wts<'_, B>, usize, usize, bool),
+    laps: &mut Laps<B::F>,
     meanwhile: impl FnOnce() -> Result<R, LayerError>,
-) -> Result<
-    (
-        Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>>,
-        CudaSlice<u16>,
-        Option<Projections>,
-        R,
-    ),
-    LayerError,
-> {
-    let (rank, world) = (comm.rank(), comm.world_size());
+) -> Result<ExpertsOut<B, R>, LayerError> {
+    let (rank, world) = (b.rank(), b.world_size());
     let (soff, roff) = (exclusive_scan(&lay.send), exclusive_scan(&lay.recv.from));
-    let mut outs: Vec<Option<(CudaSlice<u16>, CudaSlice<f32>)>> =
-        (0..world).map(|_| None).collect();
-    let mut kept_ab = None;
-    let overlap = Overlap::new(gpu, comm);
-    {
-        let xs = fl.outgoing()?;
+    let mut outs: Vec<Option<Outs<B>>> = (0..world).map(|_| None).collect();
+    let overlap = Overlap::new(b);
+    let kept_ab = {
+        let xs = B::outgoing(&fl)?;
         let (a, m) = (soff[rank] * h, lay.send[rank] * h);
-        at_least("rows to this rank", a + m, xs.len())?;
+        at_least("rows to this rank", a + m, B::len(xs))?;
         let chunks = &lay.recv.chunks[rank];
-        let rows = xs.slice(a..a + m);
-        outs[rank] = Some(if keep {
-            let (o, h_sq, ab) =
-                gpu.experts_forward_keep(chunks, &rows, wts.into_tuple(), (h, f))?;
-            kept_ab = Some(ab);
-            (o, h_sq)
-        } else {
-            gpu.experts_forward_dev(chunks, &rows, wts.into_tuple(), (h, f))?
-        });
-    }
+        let (o, h_sq, ab) = b.experts_forward(chunks, xs, a..a + m, wts, (h, f), keep)?;
+        outs[rank] = Some((o, h_sq));
+        ab
+    };
     let answer = meanwhile()?;
-    laps.lap(gpu, "experts (own rows)")?;
+    laps.lap(b, "experts (own rows)")?;
     // One rank: its rows are the ones it sent itself.
-    let xr = fl.finish()?.0;
+    let xr = b.finish(fl)?.0;
     drop(overlap);
     for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
         let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
-        at_least("rows from a source", a + m, xr.len())?;
-        outs[s] = Some(gpu.experts_forward_dev(
-            &lay.recv.chunks[s],
-            &xr.slice(a..a + m),
-            wts.into_tuple(),
-            (h, f),
-        )?);
+        at_least("rows from a source", a + m, B::len(&xr))?;
+        let chunks = &lay.recv.chunks[s];
+        let (o, h_sq, _) = b.experts_forward(chunks, &xr, a..a + m, wts, (h, f), false)?;
+        outs[s] = Some((o, h_sq));
     }
     Ok((outs, xr, kept_ab, answer))
 }
 
-/// The global expert-major order the backward's selection runs in, on the
-/// device.
-pub(super) struct SelectionOrder {
+/// The global expert-major order the backward's selection runs in.
+pub(crate) struct SelectionOrder<F: Family> {
     /// Global expert-major order (expert, source, pair) → position in the
     /// all-gathered scores. It also serves as the selection's ids: within
     /// an expert it increases with (source, pair), the tie rule.
-    pub(super) perm: CudaSlice<u32>,
+    pub(crate) perm: F::Buf<u32>,
     /// Whether `perm` is the identity.
-    pub(super) identity: bool,
+    pub(crate) identity: bool,
     /// This source's rows' global positions.
-    pub(super) mine: CudaSlice<u32>,
+    pub(crate) mine: F::Buf<u32>,
     /// The global expert offsets (`E + 1`).
-    pub(super) offsets: Vec<u32>,
+    pub(crate) offsets: Vec<u32>,
     /// The expert of each of this source's expert-major rows.
-    pub(super) expert_of_row: CudaSlice<u32>,
+    pub(crate) expert_of_row: F::Buf<u32>,
 }
 
-pub(super) fn selection_order(
-    gpu: &Gpu,
+fn selection_order<B: Backend>(
+    b: &B,
     counts_all: &[Vec<u32>],
     counts: &[u32],
     rank: usize,
     p: usize,
-) -> Result<SelectionOrder, LayerError> {
+) -> Result<SelectionOrder<B::F>, LayerError> {
     let pack::ep::GlobalOrder {
         perm,
         mine,
@@ -468,41 +434,40 @@ pub(super) fn selection_order(
     let expert_of_row = Runs::segments(counts.iter().map(|&c| c as usize));
     Ok(SelectionOrder {
         identity: perm.is_identity(),
-        perm: expand(gpu, &perm)?,
-        mine: expand(gpu, &mine)?,
+        perm: b.expand(&perm)?,
+        mine: b.expand(&mine)?,
         offsets,
-        expert_of_row: expand(gpu, &expert_of_row)?,
+        expert_of_row: b.expand(&expert_of_row)?,
     })
 }
 
 /// The tokens in `x` (`tokens × hidden`); a length that is not a whole
 /// number of rows is an error.
-pub(super) fn tokens_of(x: &CudaSlice<u16>, h: usize) -> Result<usize, LayerError> {
-    if x.len() % h != 0 && x.len() > 1 {
+fn tokens_of(len: usize, h: usize) -> Result<usize, LayerError> {
+    if len % h != 0 && len > 1 {
         return Err(LayerError::Shape {
             what: "x (tokens × hidden)".into(),
-            expected: x.len() / h * h,
-            got: x.len(),
+            expected: len / h * h,
+            got: len,
         });
     }
-    Ok(x.len() / h)
+    Ok(len / h)
 }
 
-/// The forward on this rank's tokens `x` (`tokens × hidden`, bf16 on the
-/// device); every rank calls it with the same layer, the same tokens per
-/// rank and a planner that answers alike on every rank.
-pub fn forward(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
+/// The forward on this rank's tokens `x` (`tokens × hidden`); every rank
+/// calls it with the same layer, the same tokens per rank and a planner
+/// that answers alike on every rank.
+pub(crate) fn forward<B: Backend>(
+    b: &B,
     cfg: &MoeConfig,
-    w: &DeviceWeights,
-    x: &CudaSlice<u16>,
+    w: &Weights<B::F>,
+    x: &Rows<B>,
     planner: &DevicePlanner,
-) -> Result<DeviceSaved, LayerError> {
-    let (rank, world, el) = world_of(comm, cfg)?;
+) -> Result<Saved<B::F>, LayerError> {
+    let (rank, world, el) = world_of(b, cfg)?;
     let (h, f, k) = (cfg.hidden, cfg.ffn, cfg.top_k);
-    let mut laps = Laps::new(gpu)?;
-    let d = dispatch(gpu, comm, cfg, w, x, planner, &mut laps)?;
+    let mut laps = Laps::new(b)?;
+    let d = dispatch(b, cfg, w, x, planner, &mut laps)?;
     let (fp, n, p) = (d.fp, d.offsets[cfg.n_experts] as usize, d.tokens * k);
     // The controller, while the experts compute (owners only).
     let controller = || match fp.early {
@@ -512,34 +477,27 @@ pub fn forward(
     // Projections are kept on one rank only, where its own rows are every
     // row it holds, in the order the backward reads them.
     let keep_ab = d.keep_rows && world == 1 && planner.keep_projections();
-    let wts = local_weights(w, &d.weights);
+    let wts = local_weights::<B>(w, &d.weights);
     let lay = &fp.lay;
-    let (outs, xr, ab, plan) = experts_forward(
-        gpu,
-        comm,
-        d.rows,
-        lay,
-        (wts, h, f, keep_ab),
-        &mut laps,
-        controller,
-    )?;
-    laps.lap(gpu, "a2a x + experts")?;
+    let (outs, xr, ab, plan) =
+        experts_forward(b, d.rows, lay, (wts, h, f, keep_ab), &mut laps, controller)?;
+    laps.lap(b, "a2a x + experts")?;
     // Each source's outputs and norms go back; the own ones are copied.
-    let returned = return_outputs(gpu, comm, outs, lay, (rank, world, n, h), &mut laps)?;
-    laps.lap(gpu, "a2a o")?;
+    let returned = return_outputs(b, outs, lay, (n, h), &mut laps)?;
+    laps.lap(b, "a2a o")?;
     let maps = (&d.capped.dst, d.capped.dst_fwd.as_ref());
     let (row_of_pair, o, h_sq, y) =
-        combine_pairs(gpu, maps, lay, returned, &d.routed, (d.tokens, h, k, n))?;
-    laps.lap(gpu, "combine")?;
-    let order = selection_order(gpu, &fp.counts_all, &d.capped.counts, rank, p)?;
+        combine_pairs(b, maps, lay, returned, &d.routed, (d.tokens, h, k, n))?;
+    laps.lap(b, "combine")?;
+    let order = selection_order(b, &fp.counts_all, &d.capped.counts, rank, p)?;
     let owned_rows = (d.keep_rows)
-        .then(|| owned_rows(gpu, lay, (xr, ab), &order.offsets, (rank, el)))
+        .then(|| owned_rows(b, lay, (xr, ab), &order.offsets, (rank, el)))
         .transpose()?;
-    comm.settle()?;
-    laps.print("forward", rank)?;
+    b.settle()?;
+    laps.print(b, "forward")?;
     let sent_rows = off_rank(&lay.send, rank) + off_rank(&lay.recv.from, rank);
     let bytes_sent = sent_rows * h * 2 + off_rank(&lay.recv.from, rank) * 4 + d.w_bytes;
-    Ok(DeviceSaved {
+    Ok(Saved {
         cfg: *cfg,
         tokens: d.tokens,
         rows: n,
@@ -567,54 +525,53 @@ pub fn forward(
 
 /// The forward up to the experts: this source's routing, the plan as far
 /// as it is known, the replica weights, and its rows on their way out.
-struct Dispatched {
+struct Dispatched<B: Backend> {
     tokens: usize,
-    routed: Routed,
+    routed: RoutedOf<B>,
     aux_loss: f64,
-    aux_dp: Option<CudaSlice<f32>>,
-    capped: Capped,
+    aux_dp: Option<Buf<B, f32>>,
+    capped: Capped<B::F>,
     /// Expert offsets of this source's rows that reach an expert (`E + 1`).
     offsets: Vec<u32>,
     fp: ForwardPlan,
-    weights: Option<LocalWeights>,
+    weights: Option<LocalWeights<B::F>>,
     w_bytes: usize,
     /// The rows in flight to the experts' instances.
-    rows: Flight<u16>,
+    rows: B::Flight<crate::backend::Val<B>>,
     /// Whether owners keep their forward rows for the backward.
     keep_rows: bool,
 }
 
 /// Route → group (and cap) → plan → replica weights → rows out.
-fn dispatch(
-    gpu: &Gpu,
-    comm: DeviceComm<'_>,
+fn dispatch<B: Backend>(
+    b: &B,
     cfg: &MoeConfig,
-    w: &DeviceWeights,
-    x: &CudaSlice<u16>,
+    w: &Weights<B::F>,
+    x: &Rows<B>,
     planner: &DevicePlanner,
-    laps: &mut Laps,
-) -> Result<Dispatched, LayerError> {
-    let (rank, world, el) = world_of(comm, cfg)?;
+    laps: &mut Laps<B::F>,
+) -> Result<Dispatched<B>, LayerError> {
+    let (rank, world, el) = world_of(b, cfg)?;
     let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
-    let tokens = tokens_of(x, h)?;
-    let (routed, aux_loss, aux_dp) = route_rows(gpu, cfg, w, x, planner, world)?;
-    laps.lap(gpu, "route")?;
-    let capped = group_and_cap(gpu, &routed, planner.capacity_factor(), tokens * k, e)?;
+    let tokens = tokens_of(B::len(x), h)?;
+    let (routed, aux_loss, aux_dp) = route_rows(b, cfg, w, x, planner, world)?;
+    laps.lap(b, "route")?;
+    let capped = group_and_cap(b, &routed, planner.capacity_factor(), tokens * k, e)?;
     // Rows reaching an expert (p without dropping), grouped by expert.
     let offsets = exclusive_scan(&capped.counts);
     let n = offsets[e] as usize;
-    let fp = forward_plan(comm, planner, &capped.counts, (rank, world, el))?;
-    laps.lap(gpu, "counts+plan")?;
-    let (weights, w_bytes) = replica_weights(gpu, comm, cfg, w, fp.early.as_ref(), &fp.local, el)?;
-    laps.lap(gpu, "replica weights")?;
-    let xs = rows_to_send(gpu, x, &capped.src, &fp.lay.send_order, (n, k, h))?;
-    laps.lap(gpu, "pack x")?;
+    let fp = forward_plan(b, planner, &capped.counts, (rank, world, el))?;
+    laps.lap(b, "counts+plan")?;
+    let (weights, w_bytes) = replica_weights(b, cfg, w, fp.early.as_ref(), &fp.local, el)?;
+    laps.lap(b, "replica weights")?;
+    let xs = rows_to_send(b, x, &capped.src, &fp.lay.send_order, (n, k, h))?;
+    laps.lap(b, "pack x")?;
     // Without replicas (decided from the plan, so alike on every rank)
     // owners keep their forward rows (source-major) for the backward.
     let keep_rows = (fp.early.as_ref()).is_none_or(|plan| one_instance_each(&plan.instances));
     let lay = &fp.lay;
-    let rows = exchange_rows(gpu, comm, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
-    laps.sent(gpu, comm, "x out")?;
+    let rows = exchange_rows(b, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
+    laps.sent(b, "x out")?;
     Ok(Dispatched {
         tokens,
         routed,
@@ -630,52 +587,54 @@ fn dispatch(
     })
 }
 
-/// The auxiliary loss and its per-expert probability gradient on the
-/// device (`crate::router::aux_loss_terms`, `P_e` by a column mean on the
-/// GPU); `(0, None)` when off.
-pub(super) fn aux_terms(
-    gpu: &Gpu,
+/// The auxiliary loss and its per-expert probability gradient
+/// (`crate::router::aux_loss_terms`, `P_e` by a column mean in the
+/// backend); `(0, None)` when off.
+fn aux_terms<B: Backend>(
+    b: &B,
     alpha: f64,
-    r: &Routed,
+    r: &RoutedOf<B>,
     world: usize,
-) -> Result<(f64, Option<CudaSlice<f32>>), LayerError> {
-    let counts: Vec<u64> = r.counts.iter().map(|&c| u64::from(c)).collect();
-    let (loss, dp) = crate::router::aux_loss_terms(alpha, &counts, r.tokens, world, || {
-        let mean_p = gpu.download(&gpu.col_mean(&r.probs, r.tokens, r.experts)?, r.experts)?;
+) -> Result<(f64, Option<Buf<B, f32>>), LayerError> {
+    let counts: Vec<u64> = B::routed_counts(r).iter().map(|&c| u64::from(c)).collect();
+    let (tokens, experts) = (B::routed_tokens(r), counts.len());
+    let (loss, dp) = crate::router::aux_loss_terms(alpha, &counts, tokens, world, || {
+        let mean = b.col_mean(B::routed_probs(r), tokens, experts)?;
+        let mean_p = b.download(&mean, experts)?;
         Ok(mean_p.into_iter().map(f64::from).collect())
     })?;
     if dp.is_empty() {
         return Ok((0.0, None));
     }
     let dp: Vec<f32> = dp.into_iter().map(|v| v as f32).collect();
-    Ok((loss, Some(gpu.upload(&dp)?)))
+    Ok((loss, Some(b.upload(&dp)?)))
 }
 
 /// The rows that reach an expert under a capacity, and their index maps.
-pub(super) struct Capped {
+pub(crate) struct Capped<F: Family> {
     /// Rows per expert.
-    pub(super) counts: Vec<u32>,
+    pub(crate) counts: Vec<u32>,
     /// Row → pair.
-    pub(super) src: CudaSlice<u32>,
+    pub(crate) src: F::Buf<u32>,
     /// Pair → row, or `DROPPED`.
-    pub(super) dst: CudaSlice<u32>,
+    pub(crate) dst: F::Buf<u32>,
     /// Pair → row, or the row count for a dropped pair (the forward's
     /// zero output row); `None` when nothing was dropped.
-    pub(super) dst_fwd: Option<CudaSlice<u32>>,
+    pub(crate) dst_fwd: Option<F::Buf<u32>>,
 }
 
 /// Keeps the first `cap` rows of each expert (rows grouped by expert in
 /// pair order, so the first `cap` pairs of each expert): the host builds
-/// the row maps from the counts, the device composes them with the
+/// the row maps from the counts, the backend composes them with the
 /// grouping.
-pub(super) fn cap_rows(
-    gpu: &Gpu,
+fn cap_rows<B: Backend>(
+    b: &B,
     routed: &[u32],
     cap: usize,
-    src: &CudaSlice<u32>,
-    dst: &CudaSlice<u32>,
+    src: &Buf<B, u32>,
+    dst: &Buf<B, u32>,
     p: usize,
-) -> Result<Capped, LayerError> {
+) -> Result<Capped<B::F>, LayerError> {
     let counts: Vec<u32> = routed.iter().map(|&c| c.min(cap as u32)).collect();
     let n: usize = counts.iter().map(|&c| c as usize).sum();
     let (mut keep, mut place, mut place_fwd) = (
@@ -702,20 +661,16 @@ pub(super) fn cap_rows(
             "routed counts add up to {row} pairs, {p} routed"
         )));
     }
-    let (keep, place, place_fwd) = (
-        gpu.upload(&keep)?,
-        gpu.upload(&place)?,
-        gpu.upload(&place_fwd)?,
-    );
+    let (keep, place, place_fwd) = (b.upload(&keep)?, b.upload(&place)?, b.upload(&place_fwd)?);
     // SAFETY: keep holds n rows below p (the grouped rows src maps); dst
     // maps every pair to one of the p grouped rows, which place and
     // place_fwd (p entries each) map on.
     unsafe {
         Ok(Capped {
             counts,
-            src: gpu.gather32(src, &keep, n)?,
-            dst: gpu.gather32(&place, dst, p)?,
-            dst_fwd: Some(gpu.gather32(&place_fwd, dst, p)?),
+            src: b.gather32(src, &keep, n)?,
+            dst: b.gather32(&place, dst, p)?,
+            dst_fwd: Some(b.gather32(&place_fwd, dst, p)?),
         })
     }
 }
