@@ -53,10 +53,39 @@ pub trait DeviceElem {}
 #[cfg(not(feature = "cuda"))]
 impl<T> DeviceElem for T {}
 
+/// A backend's scalar: routing weights, probabilities, norms, scores,
+/// the router's gradient (`f32` on the device).
+pub trait Scalar: Elem + PartialOrd {
+    /// `v` rounded to the scalar.
+    fn from_f64(v: f64) -> Self;
+    /// The scalar, widened.
+    fn to_f64(self) -> f64;
+}
+
+impl Scalar for f32 {
+    fn from_f64(v: f64) -> Self {
+        v as f32
+    }
+    fn to_f64(self) -> f64 {
+        f64::from(self)
+    }
+}
+
+impl Scalar for f64 {
+    fn from_f64(v: f64) -> Self {
+        v
+    }
+    fn to_f64(self) -> f64 {
+        self
+    }
+}
+
 /// The types of a backend's memory (see the module doc).
 pub trait Family: 'static {
     /// An activation or weight value as stored (bf16 bits on the device).
     type V: Elem;
+    /// Its scalar.
+    type S: Scalar;
     /// A buffer of `E`.
     type Buf<E: Elem>: Clone;
     /// The router's output on one rank's tokens.
@@ -73,6 +102,8 @@ pub type Buf<B, E> = <<B as Backend>::F as Family>::Buf<E>;
 pub type Rows<B> = Buf<B, Val<B>>;
 /// Backend `B`'s activation value.
 pub type Val<B> = <<B as Backend>::F as Family>::V;
+/// Backend `B`'s scalar.
+pub type Sc<B> = <<B as Backend>::F as Family>::S;
 /// Backend `B`'s router output.
 pub type RoutedOf<B> = <<B as Backend>::F as Family>::Routed;
 /// The three expert weight tensors an instance computes with.
@@ -90,6 +121,8 @@ pub trait Backend {
     where
         Self: 'a;
 
+    /// Refuses a layer this backend cannot run (the device's alignments).
+    fn check_layer(cfg: &crate::MoeConfig) -> Result<(), LayerError>;
     /// This rank.
     fn rank(&self) -> usize;
     /// Ranks in the group.
@@ -175,15 +208,16 @@ pub trait Backend {
         src: &Rows<Self>,
         pair: &Buf<Self, u32>,
         div: usize,
-        scale: Option<&Buf<Self, f32>>,
+        scale: Option<&Buf<Self, Sc<Self>>>,
         n_out: usize,
         width: usize,
     ) -> Result<Rows<Self>, LayerError>;
-    /// `src[idx[j]]` for `j < n` (4-byte elements).
+    /// `src[idx[j]]` for `j < n` (4-byte elements on the device); an
+    /// index of `DROPPED` yields all-ones bits (`DROPPED` for `u32`).
     ///
     /// # Safety
     ///
-    /// `idx` holds `n` indices of `src`.
+    /// `idx` holds `n` indices of `src` or `DROPPED`.
     unsafe fn gather32<E: Elem>(
         &self,
         src: &Buf<Self, E>,
@@ -212,7 +246,7 @@ pub trait Backend {
         &self,
         o: &Rows<Self>,
         row: &Buf<Self, u32>,
-        gates: Option<&Buf<Self, f32>>,
+        gates: Option<&Buf<Self, Sc<Self>>>,
         base: Option<&Rows<Self>>,
         dims: (usize, usize, usize),
     ) -> Result<Rows<Self>, LayerError>;
@@ -226,8 +260,8 @@ pub trait Backend {
         &self,
         router: &Rows<Self>,
         x: &Rows<Self>,
-        bias: Option<&Buf<Self, f32>>,
-        sel_bias: Option<&Buf<Self, f32>>,
+        bias: Option<&Buf<Self, Sc<Self>>>,
+        sel_bias: Option<&Buf<Self, Sc<Self>>>,
         dims: (usize, usize, usize, usize),
         renormalize: bool,
     ) -> Result<RoutedOf<Self>, LayerError>;
@@ -236,20 +270,20 @@ pub trait Backend {
     /// The expert of each pair.
     fn routed_experts(r: &RoutedOf<Self>) -> &Buf<Self, u32>;
     /// The routing weight of each pair.
-    fn routed_gates(r: &RoutedOf<Self>) -> &Buf<Self, f32>;
+    fn routed_gates(r: &RoutedOf<Self>) -> &Buf<Self, Sc<Self>>;
     /// The router probabilities, `tokens × experts`.
-    fn routed_probs(r: &RoutedOf<Self>) -> &Buf<Self, f32>;
+    fn routed_probs(r: &RoutedOf<Self>) -> &Buf<Self, Sc<Self>>;
     /// Tokens routed.
     fn routed_tokens(r: &RoutedOf<Self>) -> usize;
     /// Column means of `t × e` values.
     fn col_mean(
         &self,
-        x: &Buf<Self, f32>,
+        x: &Buf<Self, Sc<Self>>,
         t: usize,
         e: usize,
-    ) -> Result<Buf<Self, f32>, LayerError>;
+    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// The router's backward from every pair's output (`o[row[pair]]`):
-    /// its weight gradient (f32) and its part of `dX`.
+    /// its weight gradient (scalars) and its part of `dX`.
     ///
     /// # Safety
     ///
@@ -257,19 +291,20 @@ pub trait Backend {
     unsafe fn router_backward(
         &self,
         r: &RoutedOf<Self>,
-        aux_dp: Option<&Buf<Self, f32>>,
+        aux_dp: Option<&Buf<Self, Sc<Self>>>,
         router: &Rows<Self>,
         x: &Rows<Self>,
         dy: &Rows<Self>,
         o: &Rows<Self>,
         row: &Buf<Self, u32>,
         h: usize,
-    ) -> Result<(Buf<Self, f32>, Rows<Self>), LayerError>;
+    ) -> Result<(Buf<Self, Sc<Self>>, Rows<Self>), LayerError>;
 
     // ---- scores and selection ----
 
     /// `Σ x²` of each of `n` rows of `d` values.
-    fn row_sq(&self, x: &Rows<Self>, n: usize, d: usize) -> Result<Buf<Self, f32>, LayerError>;
+    fn row_sq(&self, x: &Rows<Self>, n: usize, d: usize)
+        -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// `g² · ‖δ‖² · ‖h‖²` of `n` rows (row `j` is pair `src[j]`, token
     /// `src[j] / k`).
     ///
@@ -278,13 +313,13 @@ pub trait Backend {
     /// `src` holds `n` pairs of `gates`, `h_sq` `n` entries.
     unsafe fn scores_from_norms(
         &self,
-        gates: &Buf<Self, f32>,
-        dy_sq: &Buf<Self, f32>,
-        h_sq: &Buf<Self, f32>,
+        gates: &Buf<Self, Sc<Self>>,
+        dy_sq: &Buf<Self, Sc<Self>>,
+        h_sq: &Buf<Self, Sc<Self>>,
         src: &Buf<Self, u32>,
         n: usize,
         k: usize,
-    ) -> Result<Buf<Self, f32>, LayerError>;
+    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// Per segment `e` of `offsets`, flags its `quotas[e]` best rows by
     /// score (ties to the smaller id); a non-finite score sets `err`.
     ///
@@ -294,7 +329,7 @@ pub trait Backend {
     /// of `scores`, `ids` and `kept`; `quotas` holds `groups`.
     unsafe fn select(
         &self,
-        scores: &Buf<Self, f32>,
+        scores: &Buf<Self, Sc<Self>>,
         ids: &Buf<Self, u32>,
         offsets: &Buf<Self, u32>,
         quotas: &Buf<Self, u32>,
@@ -305,11 +340,11 @@ pub trait Backend {
     /// Priority sampling's keys `score / u(seed, id)`.
     fn priority_keys(
         &self,
-        score: &Buf<Self, f32>,
+        score: &Buf<Self, Sc<Self>>,
         id: &Buf<Self, u32>,
         seed: u64,
         n: usize,
-    ) -> Result<Buf<Self, f32>, LayerError>;
+    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// Priority sampling's weights from the threshold (the key kept at
     /// `q + 1` but not at `q`).
     ///
@@ -318,20 +353,20 @@ pub trait Backend {
     /// `offsets` partitions the `n` rows every buffer holds into `groups`.
     unsafe fn priority_weights(
         &self,
-        rho: &Buf<Self, f32>,
-        score: &Buf<Self, f32>,
+        rho: &Buf<Self, Sc<Self>>,
+        score: &Buf<Self, Sc<Self>>,
         kept: (&Buf<Self, u8>, &Buf<Self, u8>),
         offsets: &Buf<Self, u32>,
         n: usize,
         groups: usize,
-    ) -> Result<Buf<Self, f32>, LayerError>;
+    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// `a ⊙ b` of `n` values.
     fn mul(
         &self,
-        a: &Buf<Self, f32>,
-        b: &Buf<Self, f32>,
+        a: &Buf<Self, Sc<Self>>,
+        b: &Buf<Self, Sc<Self>>,
         n: usize,
-    ) -> Result<Buf<Self, f32>, LayerError>;
+    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
     /// Flagged rows per key (keys below `groups`).
     fn kept_counts(
         &self,
@@ -354,7 +389,14 @@ pub trait Backend {
         w: Wts<'_, Self>,
         dims: (usize, usize),
         keep: bool,
-    ) -> Result<(Rows<Self>, Buf<Self, f32>, Option<(Rows<Self>, Rows<Self>)>), LayerError>;
+    ) -> Result<
+        (
+            Rows<Self>,
+            Buf<Self, Sc<Self>>,
+            Option<(Rows<Self>, Rows<Self>)>,
+        ),
+        LayerError,
+    >;
     /// The experts' data gradient of grouped rows `x` with output
     /// gradients `dd` (recomputing the projections, or from `ab` where
     /// the forward kept them), and what the weight gradients need.
@@ -413,7 +455,7 @@ pub trait Backend {
         f: Self::Flight<E>,
     ) -> Result<(Buf<Self, E>, Vec<Buf<Self, E>>), LayerError>;
     /// Starts the sum of `buf` over ranks beside the computation.
-    fn start_sum(&self, buf: Buf<Self, f32>) -> Result<Self::Flight<f32>, LayerError>;
+    fn start_sum(&self, buf: Buf<Self, Sc<Self>>) -> Result<Self::Flight<Sc<Self>>, LayerError>;
     /// Waits, with the collectives' deadline, for every collective started
     /// so far.
     fn settle(&self) -> Result<(), LayerError>;

@@ -165,6 +165,7 @@ pub mod device;
 mod dispatch;
 pub mod dist;
 mod experts;
+pub mod host;
 mod moe;
 mod plan;
 mod router;
@@ -253,5 +254,7 @@ impl From<kernels::KernelError> for LayerError {
     }
 }
 
+#[cfg(test)]
+mod host_tests;
 #[cfg(test)]
 mod tests;

@@ -259,16 +259,11 @@ impl CallPlan {
     }
 }
 
-/// The controller's cost model for this layer with `T` elements. Only the
-/// byte sizes bind here (the budgets are bytes); the rates are nominal.
-fn cost_model<T>(cfg: &MoeConfig) -> CostModel {
-    CostModel::swiglu_expert(
-        cfg.hidden,
-        cfg.ffn,
-        std::mem::size_of::<T>() as u64,
-        1e11,
-        1e12,
-    )
+/// The controller's cost model for this layer with elements of `bytes`.
+/// Only the byte sizes bind here (the budgets are bytes); the rates are
+/// nominal.
+fn cost_model(cfg: &MoeConfig, bytes: u64) -> CostModel {
+    CostModel::swiglu_expert(cfg.hidden, cfg.ffn, bytes, 1e11, 1e12)
 }
 
 /// The controller's plan for one call from the all-gathered routed counts
@@ -281,7 +276,18 @@ pub fn plan_call<T>(
     routed: Vec<Vec<u64>>,
     placement: &Placement,
 ) -> Result<CallPlan, LayerError> {
-    let cost = cost_model::<T>(cfg);
+    plan_call_bytes(cfg, bwd, routed, placement, std::mem::size_of::<T>() as u64)
+}
+
+/// [`plan_call`] with elements of `bytes`.
+fn plan_call_bytes(
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    routed: Vec<Vec<u64>>,
+    placement: &Placement,
+    bytes: u64,
+) -> Result<CallPlan, LayerError> {
+    let cost = cost_model(cfg, bytes);
     let (budgets, policy) = call_budgets(bwd, routed.len())?;
     let inputs = quota::Inputs {
         counts: &routed,
@@ -488,6 +494,17 @@ pub fn device_plan_call(
     call: &CallConfig,
     routed: &[Vec<u32>],
 ) -> Result<CallPlan, LayerError> {
+    plan_over_blocks(cfg, call, routed, 2)
+}
+
+/// [`device_plan_call`] with rows of `bytes` elements (bf16 on the
+/// device, the host backend's `f32` or `f64`).
+fn plan_over_blocks(
+    cfg: &MoeConfig,
+    call: &CallConfig,
+    routed: &[Vec<u32>],
+    bytes: u64,
+) -> Result<CallPlan, LayerError> {
     cfg.validate()?;
     let n_ranks = routed.len();
     if n_ranks == 0 || cfg.n_experts % n_ranks != 0 {
@@ -509,7 +526,7 @@ pub fn device_plan_call(
             .collect(),
         replicas: vec![],
     };
-    let plan = plan_call::<u16>(cfg, call, counts, &placement)?;
+    let plan = plan_call_bytes(cfg, call, counts, &placement, bytes)?;
     if plan.selection != Selection::PerExpert {
         return Err(LayerError::Config(
             "the device executors select per expert: per-source send budgets are not supported there yet".into(),
@@ -687,6 +704,8 @@ pub struct DevicePlanner {
     /// Per-expert quotas that replace the controller's (a plan replayed
     /// from elsewhere).
     fixed: Option<Vec<u32>>,
+    /// Bytes of one row element, for the controller's budgets (2: bf16).
+    value_bytes: u64,
 }
 
 impl DevicePlanner {
@@ -700,6 +719,7 @@ impl DevicePlanner {
             call,
             last: std::sync::Mutex::new(None),
             fixed: None,
+            value_bytes: 2,
         })
     }
 
@@ -732,6 +752,7 @@ impl DevicePlanner {
             },
             last: std::sync::Mutex::new(None),
             fixed: None,
+            value_bytes: 2,
         }
     }
 
@@ -739,6 +760,13 @@ impl DevicePlanner {
     /// tiles ([`CallConfig::tile_align`]).
     pub fn tile_aligned(mut self, align: TileAlign) -> Self {
         self.call.tile_align = Some(align);
+        self
+    }
+
+    /// The same planner for rows of `T` (the host backend's `f32` or
+    /// `f64`): the controller's budgets count `T`'s bytes.
+    pub fn for_values<T>(mut self) -> Self {
+        self.value_bytes = std::mem::size_of::<T>() as u64;
         self
     }
 
@@ -812,7 +840,7 @@ impl DevicePlanner {
     /// (`[sources][experts]`): the controller's quotas, replicas and caps,
     /// and the forward's pairs spread over the instances (exact solver).
     pub fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, LayerError> {
-        let plan = device_plan_call(&self.cfg, &self.call, routed)?;
+        let plan = plan_over_blocks(&self.cfg, &self.call, routed, self.value_bytes)?;
         let instances = plan.placement.all_instances();
         let forward = self.solve(routed, &instances, None, self.call.forward_solver())?;
         let priority_seed = plan.priority_seed(&self.call);

@@ -19,6 +19,7 @@ pub struct Cuda;
 
 impl Family for Cuda {
     type V = u16;
+    type S = f32;
     type Buf<E: Elem> = CudaSlice<E>;
     type Routed = Routed;
     type Rest = ExpertsBackward;
@@ -54,6 +55,9 @@ impl Backend for Device<'_> {
     where
         Self: 'b;
 
+    fn check_layer(cfg: &crate::MoeConfig) -> Result<(), LayerError> {
+        crate::plan::check_device_shape(cfg)
+    }
     fn rank(&self) -> usize {
         self.comm.rank()
     }

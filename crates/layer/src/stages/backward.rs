@@ -6,7 +6,7 @@ use std::borrow::Cow;
 
 use pack::ep::{instance_layout, replica_traffic, InstanceLayout};
 
-use crate::backend::{Backend, Buf, Family, Overlap, Rows, Wts};
+use crate::backend::{Backend, Buf, Family, Overlap, Rows, Sc, Wts};
 use crate::config::{Experts, MoeConfig};
 use crate::plan::{check_split, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
@@ -39,7 +39,7 @@ pub struct Grads<B, R> {
 }
 
 /// [`Grads`] in backend `B`'s buffers.
-pub type GradsOf<B> = Grads<Rows<B>, Buf<B, f32>>;
+pub type GradsOf<B> = Grads<Rows<B>, Buf<B, Sc<B>>>;
 
 /// The backward's selection: per row of this source, whether it is kept
 /// (`u8` flags, expert-major), the flags over every source's rows in the
@@ -49,7 +49,7 @@ pub type GradsOf<B> = Grads<Rows<B>, Buf<B, f32>>;
 type Selected<'g, B> = (
     Buf<B, u8>,
     Option<Buf<B, u8>>,
-    Option<Buf<B, f32>>,
+    Option<Buf<B, Sc<B>>>,
     Option<<B as Backend>::Later<'g, u32>>,
 );
 
@@ -62,7 +62,7 @@ type Selected<'g, B> = (
 fn keep_every_row<'g, B: Backend>(
     b: &'g B,
     sv: &Saved<B::F>,
-    scores: &Buf<B, f32>,
+    scores: &Buf<B, Sc<B>>,
     err: &mut Buf<B, u32>,
 ) -> Result<Selected<'g, B>, LayerError> {
     let (n, e) = (sv.rows, sv.cfg.n_experts);
@@ -82,9 +82,9 @@ fn keep_every_row<'g, B: Backend>(
 fn gather_scores<B: Backend>(
     b: &B,
     sv: &Saved<B::F>,
-    scores: Buf<B, f32>,
+    scores: Buf<B, Sc<B>>,
     laps: &mut Laps<B::F>,
-) -> Result<Buf<B, f32>, LayerError> {
+) -> Result<Buf<B, Sc<B>>, LayerError> {
     let (rank, world) = (b.rank(), b.world_size());
     let n = sv.rows;
     let p = sv.tokens * sv.cfg.top_k;
@@ -92,7 +92,7 @@ fn gather_scores<B: Backend>(
     if n < p {
         // Every source contributes p slots to the gather; only its first n
         // are routed rows (order.perm never points past them).
-        let mut padded = b.zeros::<f32>(p)?;
+        let mut padded = b.zeros::<Sc<B>>(p)?;
         if n > 0 {
             b.copy(&scores, 0, &mut padded, 0, n)?;
         }
@@ -123,7 +123,7 @@ fn gather_scores<B: Backend>(
 fn select_over_sources<'g, B: Backend>(
     b: &'g B,
     sv: &Saved<B::F>,
-    scores: Buf<B, f32>,
+    scores: Buf<B, Sc<B>>,
     err: &mut Buf<B, u32>,
     laps: &mut Laps<B::F>,
 ) -> Result<Selected<'g, B>, LayerError> {
@@ -194,12 +194,12 @@ fn select_over_sources<'g, B: Backend>(
 struct KeptSet<F: Family> {
     mask: F::Buf<u8>,
     kept_g: Option<F::Buf<u8>>,
-    pair_weight: Option<F::Buf<f32>>,
+    pair_weight: Option<F::Buf<F::S>>,
     /// `min(q_e, n_e)` per expert, over every source.
     global: Vec<u32>,
     /// Kept pairs per source and expert.
     kept: Vec<Vec<u32>>,
-    router: F::Buf<f32>,
+    router: F::Buf<F::S>,
     dx_router: F::Buf<F::V>,
 }
 

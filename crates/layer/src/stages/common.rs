@@ -6,7 +6,6 @@ use pack::ep::{experts_per_rank, Runs};
 use crate::backend::{Backend, Buf, Elem, Family, Rows};
 use crate::config::at_least;
 use crate::config::MoeConfig;
-use crate::plan::check_device_shape;
 use crate::LayerError;
 
 /// The projections `x·W_gate`, `x·W_up` of expert rows (`rows × F` each).
@@ -133,7 +132,7 @@ pub(crate) fn world_of<B: Backend>(
     b: &B,
     cfg: &MoeConfig,
 ) -> Result<(usize, usize, usize), LayerError> {
-    check_device_shape(cfg)?;
+    B::check_layer(cfg)?;
     let (rank, world) = (b.rank(), b.world_size());
     Ok((rank, world, experts_per_rank(cfg.n_experts, world)?))
 }

@@ -3,7 +3,7 @@
 
 use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs};
 
-use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Wts};
+use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Sc, Scalar, Wts};
 use crate::config::at_least;
 use crate::config::MoeConfig;
 use crate::plan::{check_plan, one_instance_each, DevicePlanner, EpPlan};
@@ -36,7 +36,7 @@ pub struct Saved<F: Family> {
     /// dropped pairs).
     pub(crate) o: F::Buf<F::V>,
     /// `‖h‖²` of this source's pairs, expert-major.
-    pub(crate) h_sq: F::Buf<f32>,
+    pub(crate) h_sq: F::Buf<F::S>,
     /// This source's expert offsets (`E + 1`).
     pub(crate) offsets: Vec<u32>,
     /// The global expert-major order of the backward's selection.
@@ -59,7 +59,7 @@ pub struct Saved<F: Family> {
     /// This rank's auxiliary balancing loss (0 when off) and its gradient
     /// with respect to every router probability, one per expert.
     pub aux_loss: f64,
-    pub(crate) aux_dp: Option<F::Buf<f32>>,
+    pub(crate) aux_dp: Option<F::Buf<F::S>>,
 }
 
 impl<F: Family> Saved<F> {
@@ -89,7 +89,7 @@ fn route_rows<B: Backend>(
     x: &Rows<B>,
     planner: &DevicePlanner,
     world: usize,
-) -> Result<(RoutedOf<B>, f64, Option<Buf<B, f32>>), LayerError> {
+) -> Result<(RoutedOf<B>, f64, Option<Buf<B, Sc<B>>>), LayerError> {
     let (h, e, k) = (cfg.hidden, cfg.n_experts, cfg.top_k);
     let routed = b.route(
         &w.router,
@@ -190,7 +190,7 @@ fn forward_plan<B: Backend>(
 }
 
 /// Outputs and `‖h‖²` of the rows one source sent to this rank.
-type Outs<B> = (Rows<B>, Buf<B, f32>);
+type Outs<B> = (Rows<B>, Buf<B, Sc<B>>);
 
 /// Each source's expert outputs and `‖h‖²` back to it (the own ones
 /// copied), in the layout the source sent its rows in: `(o, ‖h‖²)` of this
@@ -232,7 +232,7 @@ fn return_outputs<B: Backend>(
         let hrp = packed_parts(&lay.recv.from, &lay.send, rank, 1).1;
         // SAFETY: the exchanges write every other rank's region, the copies
         // the own one.
-        let (o_buf, h_buf) = unsafe { (b.uninit(n * h)?, b.uninit::<f32>(n)?) };
+        let (o_buf, h_buf) = unsafe { (b.uninit(n * h)?, b.uninit::<Sc<B>>(n)?) };
         let mut fo = b.start(o_sends, &op, o_buf, &orp)?;
         let mut fh = b.start(h_sends, &hp, h_buf, &hrp)?;
         laps.sent(b, "o, |h|^2 back")?;
@@ -255,7 +255,7 @@ fn combine_pairs<B: Backend>(
     (o, hsq_send): Outs<B>,
     routed: &RoutedOf<B>,
     (tokens, h, k, n): (usize, usize, usize, usize),
-) -> Result<(Buf<B, u32>, Rows<B>, Buf<B, f32>, Rows<B>), LayerError> {
+) -> Result<(Buf<B, u32>, Rows<B>, Buf<B, Sc<B>>, Rows<B>), LayerError> {
     let p = tokens * k;
     let (row_of_pair, o) = match dst_fwd {
         None => {
@@ -529,7 +529,7 @@ struct Dispatched<B: Backend> {
     tokens: usize,
     routed: RoutedOf<B>,
     aux_loss: f64,
-    aux_dp: Option<Buf<B, f32>>,
+    aux_dp: Option<Buf<B, Sc<B>>>,
     capped: Capped<B::F>,
     /// Expert offsets of this source's rows that reach an expert (`E + 1`).
     offsets: Vec<u32>,
@@ -590,23 +590,24 @@ fn dispatch<B: Backend>(
 /// The auxiliary loss and its per-expert probability gradient
 /// (`crate::router::aux_loss_terms`, `P_e` by a column mean in the
 /// backend); `(0, None)` when off.
+#[allow(clippy::type_complexity)]
 fn aux_terms<B: Backend>(
     b: &B,
     alpha: f64,
     r: &RoutedOf<B>,
     world: usize,
-) -> Result<(f64, Option<Buf<B, f32>>), LayerError> {
+) -> Result<(f64, Option<Buf<B, Sc<B>>>), LayerError> {
     let counts: Vec<u64> = B::routed_counts(r).iter().map(|&c| u64::from(c)).collect();
     let (tokens, experts) = (B::routed_tokens(r), counts.len());
     let (loss, dp) = crate::router::aux_loss_terms(alpha, &counts, tokens, world, || {
         let mean = b.col_mean(B::routed_probs(r), tokens, experts)?;
         let mean_p = b.download(&mean, experts)?;
-        Ok(mean_p.into_iter().map(f64::from).collect())
+        Ok(mean_p.into_iter().map(Scalar::to_f64).collect())
     })?;
     if dp.is_empty() {
         return Ok((0.0, None));
     }
-    let dp: Vec<f32> = dp.into_iter().map(|v| v as f32).collect();
+    let dp: Vec<Sc<B>> = dp.into_iter().map(Sc::<B>::from_f64).collect();
     Ok((loss, Some(b.upload(&dp)?)))
 }
 

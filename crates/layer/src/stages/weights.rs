@@ -17,10 +17,10 @@ pub struct Weights<F: Family> {
     pub(crate) router: F::Buf<F::V>,
     /// A constant added to the router logits of each expert (the forced
     /// hot-expert workload), if any.
-    pub(crate) bias: Option<F::Buf<f32>>,
+    pub(crate) bias: Option<F::Buf<F::S>>,
     /// The balancing bias added to the router probabilities for the top-k
     /// choice only (`CallConfig::expert_bias`), if any.
-    pub(crate) sel_bias: Option<F::Buf<f32>>,
+    pub(crate) sel_bias: Option<F::Buf<F::S>>,
     pub(crate) experts: Experts<F::Buf<F::V>>,
 }
 

@@ -1,0 +1,846 @@
+//! The host backend: the [`Backend`] contract on CPU rows of `f32` or
+//! `f64` over any [`Transport`]. Buffers are `Vec`s, every exchange is
+//! finished when it starts, and every index a primitive reads is checked
+//! (an index out of range is an error, not undefined behaviour). The
+//! expert GEMMs run on the CPU in the layer's precision
+//! (`kernels::cpu::matmul`).
+
+use std::marker::PhantomData;
+use std::ops::Range;
+use std::time::Instant;
+
+use kernels::cpu::{matmul, silu, swiglu_backward, Op, Real, DROPPED};
+use pack::ep::Runs;
+
+use crate::backend::{Backend, Elem, Family, Scalar, Wts};
+use crate::config::{at_least, Experts};
+use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport};
+use crate::LayerError;
+
+/// CPU memory holding values `T` (`f32` or `f64`).
+pub struct HostMem<T>(PhantomData<T>);
+
+/// The router's output on the host.
+#[derive(Debug, Clone)]
+pub struct HostRouted<T> {
+    /// Router probabilities, `tokens × experts`.
+    pub probs: Vec<T>,
+    /// Expert of each pair, `tokens · top_k`.
+    pub idx: Vec<u32>,
+    /// Routing weight of each pair.
+    pub gates: Vec<T>,
+    /// Routed pairs per expert.
+    pub counts: Vec<u32>,
+    /// Tokens routed.
+    pub tokens: usize,
+    /// Experts per token.
+    pub top_k: usize,
+    /// Whether the top-k weights were renormalised.
+    pub renormalize: bool,
+}
+
+impl<T: Real + Scalar> Family for HostMem<T> {
+    type V = T;
+    type S = T;
+    type Buf<E: Elem> = Vec<E>;
+    type Routed = HostRouted<T>;
+    /// The host computes the weight gradients with the data gradient.
+    type Rest = Experts<Vec<T>>;
+    type Mark = Instant;
+}
+
+/// One rank of the host executor: its transport.
+pub struct Host<'a, T> {
+    t: &'a dyn Transport,
+    _values: PhantomData<T>,
+}
+
+impl<'a, T> Host<'a, T> {
+    /// The backend of the rank `t` is.
+    pub fn new(t: &'a dyn Transport) -> Self {
+        Self {
+            t,
+            _values: PhantomData,
+        }
+    }
+}
+
+/// `v[i]`, or the shape error naming `what`.
+fn at<E: Copy>(v: &[E], i: usize, what: &'static str) -> Result<E, LayerError> {
+    v.get(i).copied().ok_or_else(|| LayerError::Shape {
+        what: what.into(),
+        expected: i + 1,
+        got: v.len(),
+    })
+}
+
+fn transport(e: crate::TransportError) -> LayerError {
+    LayerError::Transport(e)
+}
+
+/// `x · W` of the `n` rows of `x` (`n × k`) and `W` (`k × m`).
+fn mm<T: Real>(
+    x: &[T],
+    w: &[T],
+    (n, k, m): (usize, usize, usize),
+    op: Op,
+) -> Result<Vec<T>, LayerError> {
+    let mut out = vec![T::zero(); n * m];
+    if n > 0 {
+        matmul(&mut out, x, Op::N, w, op, (n, k, m), false)?;
+    }
+    Ok(out)
+}
+
+impl<T: Real + Scalar> Backend for Host<'_, T> {
+    type F = HostMem<T>;
+    type Flight<E: Elem> = (Vec<E>, Vec<Vec<E>>);
+    type Later<'b, E: Elem>
+        = Vec<E>
+    where
+        Self: 'b;
+
+    fn check_layer(cfg: &crate::MoeConfig) -> Result<(), LayerError> {
+        cfg.validate()
+    }
+    fn rank(&self) -> usize {
+        self.t.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.t.world_size()
+    }
+
+    fn upload<E: Elem>(&self, v: &[E]) -> Result<Vec<E>, LayerError> {
+        Ok(v.to_vec())
+    }
+    fn download<E: Elem>(&self, b: &Vec<E>, n: usize) -> Result<Vec<E>, LayerError> {
+        at_least("elements to download", n, b.len())?;
+        Ok(b[..n].to_vec())
+    }
+    fn download_later<E: Elem>(&self, b: &Vec<E>, n: usize) -> Result<Vec<E>, LayerError> {
+        self.download(b, n)
+    }
+    fn wait<E: Elem>(&self, later: Vec<E>) -> Result<Vec<E>, LayerError> {
+        Ok(later)
+    }
+    fn zeros<E: Elem>(&self, n: usize) -> Result<Vec<E>, LayerError> {
+        Ok(vec![E::default(); n])
+    }
+    unsafe fn uninit<E: Elem>(&self, n: usize) -> Result<Vec<E>, LayerError> {
+        self.zeros(n)
+    }
+    fn len<E: Elem>(b: &Vec<E>) -> usize {
+        b.len()
+    }
+    fn copy<E: Elem>(
+        &self,
+        from: &Vec<E>,
+        a: usize,
+        to: &mut Vec<E>,
+        at: usize,
+        n: usize,
+    ) -> Result<(), LayerError> {
+        at_least("elements to copy", a + n, from.len())?;
+        at_least("elements to copy into", at + n, to.len())?;
+        to[at..at + n].copy_from_slice(&from[a..a + n]);
+        Ok(())
+    }
+    fn add_into(
+        &self,
+        to: &mut Vec<T>,
+        at: usize,
+        from: &Vec<T>,
+        a: usize,
+        n: usize,
+    ) -> Result<(), LayerError> {
+        at_least("elements to add", a + n, from.len())?;
+        at_least("elements to add into", at + n, to.len())?;
+        for (d, &s) in to[at..at + n].iter_mut().zip(&from[a..a + n]) {
+            *d += s;
+        }
+        Ok(())
+    }
+    fn expand(&self, map: &Runs) -> Result<Vec<u32>, LayerError> {
+        Ok(map.expand())
+    }
+
+    unsafe fn group(
+        &self,
+        expert: &Vec<u32>,
+        keep: Option<&Vec<u8>>,
+        _seg: Option<&Vec<u32>>,
+        base: &[u32],
+        n: usize,
+        out: usize,
+        groups: usize,
+    ) -> Result<(Vec<u32>, Vec<u32>), LayerError> {
+        at_least("group bases", groups, base.len())?;
+        let mut next: Vec<u32> = base[..groups].to_vec();
+        let (mut dst, mut src) = (vec![DROPPED; n], vec![0u32; out]);
+        for (i, d) in dst.iter_mut().enumerate() {
+            if let Some(k) = keep {
+                if at(k, i, "group flags")? == 0 {
+                    continue;
+                }
+            }
+            let e = at(expert, i, "group keys")? as usize;
+            let pos = *next
+                .get(e)
+                .ok_or_else(|| LayerError::Config(format!("group key {e} of {groups}")))?;
+            *src.get_mut(pos as usize)
+                .ok_or_else(|| LayerError::Config(format!("grouped position {pos} of {out}")))? =
+                i as u32;
+            *d = pos;
+            next[e] += 1;
+        }
+        Ok((dst, src))
+    }
+    unsafe fn gather_rows(
+        &self,
+        src: &Vec<T>,
+        pair: &Vec<u32>,
+        div: usize,
+        scale: Option<&Vec<T>>,
+        n_out: usize,
+        width: usize,
+    ) -> Result<Vec<T>, LayerError> {
+        let mut out = vec![T::zero(); n_out * width];
+        for (j, row) in out.chunks_exact_mut(width.max(1)).enumerate().take(n_out) {
+            let p = at(pair, j, "gathered pairs")? as usize;
+            let r = p / div;
+            at_least("gathered rows", (r + 1) * width, src.len())?;
+            let s = match scale {
+                Some(sc) => at(sc, p, "gather scales")?,
+                None => T::one(),
+            };
+            for (d, &v) in row.iter_mut().zip(&src[r * width..(r + 1) * width]) {
+                *d = v * s;
+            }
+        }
+        Ok(out)
+    }
+    unsafe fn gather32<E: Elem>(
+        &self,
+        src: &Vec<E>,
+        idx: &Vec<u32>,
+        n: usize,
+    ) -> Result<Vec<E>, LayerError> {
+        at_least("gather indices", n, idx.len())?;
+        let mut dropped = E::default();
+        bytemuck::bytes_of_mut(&mut dropped).fill(0xFF);
+        (idx[..n].iter())
+            .map(|&i| match i {
+                DROPPED => Ok(dropped),
+                i => at(src, i as usize, "gathered values"),
+            })
+            .collect()
+    }
+    unsafe fn gather_flags(
+        &self,
+        src: &Vec<u8>,
+        idx: &Vec<u32>,
+        n: usize,
+    ) -> Result<Vec<u8>, LayerError> {
+        // SAFETY: checked like any host gather.
+        unsafe { self.gather32(src, idx, n) }
+    }
+    unsafe fn combine_rows(
+        &self,
+        o: &Vec<T>,
+        row: &Vec<u32>,
+        gates: Option<&Vec<T>>,
+        base: Option<&Vec<T>>,
+        (tokens, h, k): (usize, usize, usize),
+    ) -> Result<Vec<T>, LayerError> {
+        let mut y = match base {
+            Some(b) => {
+                at_least("combine base", tokens * h, b.len())?;
+                b[..tokens * h].to_vec()
+            }
+            None => vec![T::zero(); tokens * h],
+        };
+        for t in 0..tokens {
+            for j in 0..k {
+                let p = t * k + j;
+                let r = at(row, p, "combine rows")?;
+                if r == DROPPED {
+                    continue;
+                }
+                let r = r as usize;
+                at_least("combined rows", (r + 1) * h, o.len())?;
+                let g = match gates {
+                    Some(g) => at(g, p, "combine gates")?,
+                    None => T::one(),
+                };
+                for (d, &v) in y[t * h..(t + 1) * h].iter_mut().zip(&o[r * h..(r + 1) * h]) {
+                    *d += g * v;
+                }
+            }
+        }
+        Ok(y)
+    }
+
+    fn route(
+        &self,
+        router: &Vec<T>,
+        x: &Vec<T>,
+        bias: Option<&Vec<T>>,
+        sel_bias: Option<&Vec<T>>,
+        (tokens, h, e, k): (usize, usize, usize, usize),
+        renormalize: bool,
+    ) -> Result<HostRouted<T>, LayerError> {
+        at_least("router input", tokens * h, x.len())?;
+        let mut probs = mm(&x[..tokens * h], router, (tokens, h, e), Op::N)?;
+        if let Some(b) = bias {
+            for row in probs.chunks_exact_mut(e) {
+                row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+            }
+        }
+        crate::router::softmax_rows(&mut probs, e);
+        let (mut idx, mut gates) = (vec![0u32; tokens * k], vec![T::zero(); tokens * k]);
+        let mut biased = vec![T::zero(); e];
+        for t in 0..tokens {
+            let row = &probs[t * e..(t + 1) * e];
+            let sel = &mut idx[t * k..(t + 1) * k];
+            match sel_bias {
+                Some(b) => {
+                    for ((o, &p), &bb) in biased.iter_mut().zip(row).zip(b) {
+                        *o = p + bb;
+                    }
+                    crate::router::top_k(&biased, k, sel);
+                }
+                None => crate::router::top_k(row, k, sel),
+            }
+            let g = &mut gates[t * k..(t + 1) * k];
+            for (gj, &ex) in g.iter_mut().zip(sel.iter()) {
+                *gj = row[ex as usize];
+            }
+            if renormalize {
+                let s: T = g.iter().copied().sum();
+                g.iter_mut().for_each(|v| *v = *v / s);
+            }
+        }
+        let mut counts = vec![0u32; e];
+        for &ex in &idx {
+            counts[ex as usize] += 1;
+        }
+        Ok(HostRouted {
+            probs,
+            idx,
+            gates,
+            counts,
+            tokens,
+            top_k: k,
+            renormalize,
+        })
+    }
+    fn routed_counts(r: &HostRouted<T>) -> &[u32] {
+        &r.counts
+    }
+    fn routed_experts(r: &HostRouted<T>) -> &Vec<u32> {
+        &r.idx
+    }
+    fn routed_gates(r: &HostRouted<T>) -> &Vec<T> {
+        &r.gates
+    }
+    fn routed_probs(r: &HostRouted<T>) -> &Vec<T> {
+        &r.probs
+    }
+    fn routed_tokens(r: &HostRouted<T>) -> usize {
+        r.tokens
+    }
+    fn col_mean(&self, x: &Vec<T>, t: usize, e: usize) -> Result<Vec<T>, LayerError> {
+        at_least("column values", t * e, x.len())?;
+        let mut m = vec![0f64; e];
+        for row in x[..t * e].chunks_exact(e.max(1)) {
+            for (a, &v) in m.iter_mut().zip(row) {
+                *a += v.wide();
+            }
+        }
+        Ok(m.into_iter().map(|v| T::of(v / t.max(1) as f64)).collect())
+    }
+    unsafe fn router_backward(
+        &self,
+        r: &HostRouted<T>,
+        aux_dp: Option<&Vec<T>>,
+        router: &Vec<T>,
+        x: &Vec<T>,
+        dy: &Vec<T>,
+        o: &Vec<T>,
+        row: &Vec<u32>,
+        h: usize,
+    ) -> Result<(Vec<T>, Vec<T>), LayerError> {
+        let (n_tok, k) = (r.tokens, r.top_k);
+        let e = r.counts.len();
+        at_least("router dy", n_tok * h, dy.len())?;
+        let mut dlogits = vec![T::zero(); n_tok * e];
+        let mut dp = vec![T::zero(); e];
+        for t in 0..n_tok {
+            let dyt = &dy[t * h..(t + 1) * h];
+            let mut dg = vec![T::zero(); k];
+            for (j, d) in dg.iter_mut().enumerate() {
+                let rr = at(row, t * k + j, "router rows")? as usize;
+                at_least("router outputs", (rr + 1) * h, o.len())?;
+                *d = dyt
+                    .iter()
+                    .zip(&o[rr * h..(rr + 1) * h])
+                    .map(|(&a, &b)| a * b)
+                    .sum();
+            }
+            let p = &r.probs[t * e..(t + 1) * e];
+            dp.iter_mut().for_each(|v| *v = T::zero());
+            let sel = &r.idx[t * k..(t + 1) * k];
+            if r.renormalize {
+                let s: T = sel.iter().map(|&ex| p[ex as usize]).sum();
+                let g = &r.gates[t * k..(t + 1) * k];
+                let dot: T = dg.iter().zip(g).map(|(&a, &b)| a * b).sum();
+                for (j, &ex) in sel.iter().enumerate() {
+                    dp[ex as usize] = (dg[j] - dot) / s;
+                }
+            } else {
+                for (j, &ex) in sel.iter().enumerate() {
+                    dp[ex as usize] = dg[j];
+                }
+            }
+            if let Some(a) = aux_dp {
+                for (d, &c) in dp.iter_mut().zip(a) {
+                    *d += c;
+                }
+            }
+            let dot: T = p.iter().zip(&dp).map(|(&a, &b)| a * b).sum();
+            for (i, dl) in dlogits[t * e..(t + 1) * e].iter_mut().enumerate() {
+                *dl = p[i] * (dp[i] - dot);
+            }
+        }
+        let mut d_router = vec![T::zero(); h * e];
+        if n_tok > 0 {
+            let xs = &x[..n_tok * h];
+            matmul(
+                &mut d_router,
+                xs,
+                Op::T,
+                &dlogits,
+                Op::N,
+                (h, n_tok, e),
+                false,
+            )?;
+        }
+        let dx = mm(&dlogits, router, (n_tok, e, h), Op::T)?;
+        Ok((d_router, dx))
+    }
+
+    fn row_sq(&self, x: &Vec<T>, n: usize, d: usize) -> Result<Vec<T>, LayerError> {
+        at_least("rows to square", n * d, x.len())?;
+        Ok(x[..n * d]
+            .chunks_exact(d.max(1))
+            .map(|r| T::of(r.iter().map(|&v| v.wide() * v.wide()).sum()))
+            .collect())
+    }
+    unsafe fn scores_from_norms(
+        &self,
+        gates: &Vec<T>,
+        dy_sq: &Vec<T>,
+        h_sq: &Vec<T>,
+        src: &Vec<u32>,
+        n: usize,
+        k: usize,
+    ) -> Result<Vec<T>, LayerError> {
+        (0..n)
+            .map(|j| {
+                let p = at(src, j, "score pairs")? as usize;
+                let g = at(gates, p, "score gates")?.wide();
+                let d = at(dy_sq, p / k, "score dy norms")?.wide();
+                Ok(T::of(g * g * d * at(h_sq, j, "score h norms")?.wide()))
+            })
+            .collect()
+    }
+    unsafe fn select(
+        &self,
+        scores: &Vec<T>,
+        ids: &Vec<u32>,
+        offsets: &Vec<u32>,
+        quotas: &Vec<u32>,
+        kept: &mut Vec<u8>,
+        err: &mut Vec<u32>,
+        groups: usize,
+    ) -> Result<(), LayerError> {
+        at_least("selection offsets", groups + 1, offsets.len())?;
+        at_least("selection quotas", groups, quotas.len())?;
+        let n = offsets[groups] as usize;
+        at_least("selection scores", n, scores.len())?;
+        at_least("selection ids", n, ids.len())?;
+        at_least("selection flags", n, kept.len())?;
+        if scores[..n].iter().any(|v| !v.wide().is_finite()) {
+            if let Some(e0) = err.first_mut() {
+                *e0 = 1;
+            }
+        }
+        for g in 0..groups {
+            let (lo, hi) = (offsets[g] as usize, offsets[g + 1] as usize);
+            if lo > hi || hi > n {
+                return Err(LayerError::Config("selection offsets not ascending".into()));
+            }
+            let mut idx: Vec<usize> = (lo..hi).collect();
+            idx.sort_by(|&a, &b| {
+                (scores[b].wide().total_cmp(&scores[a].wide())).then(ids[a].cmp(&ids[b]))
+            });
+            for (rank, &i) in idx.iter().enumerate() {
+                kept[i] = u8::from(rank < quotas[g] as usize);
+            }
+        }
+        Ok(())
+    }
+    fn priority_keys(
+        &self,
+        score: &Vec<T>,
+        id: &Vec<u32>,
+        seed: u64,
+        n: usize,
+    ) -> Result<Vec<T>, LayerError> {
+        (0..n)
+            .map(|i| {
+                let s = at(score, i, "priority scores")?.wide();
+                let u = lrm_score::uniform(seed, u64::from(at(id, i, "priority ids")?));
+                Ok(T::of(s.sqrt() / u))
+            })
+            .collect()
+    }
+    unsafe fn priority_weights(
+        &self,
+        rho: &Vec<T>,
+        score: &Vec<T>,
+        (kept_q, kept_q1): (&Vec<u8>, &Vec<u8>),
+        offsets: &Vec<u32>,
+        n: usize,
+        groups: usize,
+    ) -> Result<Vec<T>, LayerError> {
+        at_least("priority offsets", groups + 1, offsets.len())?;
+        for (what, len) in [
+            ("priority keys", rho.len()),
+            ("priority scores", score.len()),
+            ("priority flags", kept_q.len().min(kept_q1.len())),
+        ] {
+            at_least(what, n, len)?;
+        }
+        let mut w = vec![T::zero(); n];
+        for seg in offsets[..groups + 1].windows(2) {
+            let (lo, hi) = (seg[0] as usize, (seg[1] as usize).min(n));
+            let tau = (lo..hi)
+                .find(|&i| kept_q1[i] != 0 && kept_q[i] == 0)
+                .map_or(0.0, |i| rho[i].wide());
+            for i in lo..hi {
+                let a = score[i].wide().sqrt();
+                w[i] = if kept_q[i] == 0 {
+                    T::zero()
+                } else if a > 0.0 {
+                    T::of(a.max(tau) / a)
+                } else {
+                    T::one()
+                };
+            }
+        }
+        Ok(w)
+    }
+    fn mul(&self, a: &Vec<T>, b: &Vec<T>, n: usize) -> Result<Vec<T>, LayerError> {
+        at_least("factors", n, a.len().min(b.len()))?;
+        Ok(a[..n].iter().zip(&b[..n]).map(|(&x, &y)| x * y).collect())
+    }
+    fn kept_counts(
+        &self,
+        key: &Vec<u32>,
+        keep: &Vec<u8>,
+        n: usize,
+        groups: usize,
+    ) -> Result<Vec<u32>, LayerError> {
+        at_least("counted keys", n, key.len().min(keep.len()))?;
+        let mut c = vec![0u32; groups];
+        for (&k, &f) in key[..n].iter().zip(&keep[..n]) {
+            if f != 0 {
+                *c.get_mut(k as usize)
+                    .ok_or_else(|| LayerError::Config(format!("key {k} of {groups}")))? += 1;
+            }
+        }
+        Ok(c)
+    }
+
+    fn experts_forward(
+        &self,
+        offsets: &[u32],
+        x: &Vec<T>,
+        rows: Range<usize>,
+        w: Wts<'_, Self>,
+        (h, f): (usize, usize),
+        keep: bool,
+    ) -> Result<(Vec<T>, Vec<T>, Option<(Vec<T>, Vec<T>)>), LayerError> {
+        at_least("expert rows", rows.end, x.len())?;
+        let x = &x[rows];
+        let n = x.len() / h;
+        let (mut o, mut h_sq) = (vec![T::zero(); n * h], vec![T::zero(); n]);
+        let (mut ka, mut kb) = if keep {
+            (vec![T::zero(); n * f], vec![T::zero(); n * f])
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        for (g, seg) in offsets.windows(2).enumerate() {
+            let (lo, hi) = (seg[0] as usize, seg[1] as usize);
+            if hi <= lo {
+                continue;
+            }
+            let m = hi - lo;
+            let wg = block(w.gate, g, h * f)?;
+            let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
+            let xs = &x[lo * h..hi * h];
+            let a = mm(xs, wg, (m, h, f), Op::N)?;
+            let b = mm(xs, wu, (m, h, f), Op::N)?;
+            let hh: Vec<T> = a.iter().zip(&b).map(|(&p, &q)| silu(p) * q).collect();
+            for (s, r) in h_sq[lo..hi].iter_mut().zip(hh.chunks_exact(f)) {
+                *s = r.iter().map(|&v| v * v).sum();
+            }
+            o[lo * h..hi * h].copy_from_slice(&mm(&hh, wd, (m, f, h), Op::N)?);
+            if keep {
+                ka[lo * f..hi * f].copy_from_slice(&a);
+                kb[lo * f..hi * f].copy_from_slice(&b);
+            }
+        }
+        Ok((o, h_sq, keep.then_some((ka, kb))))
+    }
+    fn experts_backward_data(
+        &self,
+        offsets: &[u32],
+        x: &Vec<T>,
+        ab: Option<(&Vec<T>, &Vec<T>)>,
+        dd: &Vec<T>,
+        w: Wts<'_, Self>,
+        (h, f): (usize, usize),
+    ) -> Result<(Vec<T>, Experts<Vec<T>>), LayerError> {
+        let groups = offsets.len().saturating_sub(1);
+        let n = offsets.last().copied().unwrap_or(0) as usize;
+        at_least("expert rows", n * h, x.len().min(dd.len()))?;
+        let mut dx = vec![T::zero(); n * h];
+        let mut gr = Experts {
+            gate: vec![T::zero(); groups * h * f],
+            up: vec![T::zero(); groups * h * f],
+            down: vec![T::zero(); groups * f * h],
+        };
+        for (g, seg) in offsets.windows(2).enumerate() {
+            let (lo, hi) = (seg[0] as usize, seg[1] as usize);
+            if hi <= lo {
+                continue;
+            }
+            let m = hi - lo;
+            let wg = block(w.gate, g, h * f)?;
+            let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
+            let (xs, ds) = (&x[lo * h..hi * h], &dd[lo * h..hi * h]);
+            let (a, b) = match ab {
+                Some((pa, pb)) => {
+                    at_least("kept projections", hi * f, pa.len().min(pb.len()))?;
+                    (pa[lo * f..hi * f].to_vec(), pb[lo * f..hi * f].to_vec())
+                }
+                None => (mm(xs, wg, (m, h, f), Op::N)?, mm(xs, wu, (m, h, f), Op::N)?),
+            };
+            let hh: Vec<T> = a.iter().zip(&b).map(|(&p, &q)| silu(p) * q).collect();
+            let dh = mm(ds, wd, (m, h, f), Op::T)?;
+            let (mut da, mut db) = (vec![T::zero(); m * f], vec![T::zero(); m * f]);
+            swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
+            let (rg, rd) = (g * h * f..(g + 1) * h * f, g * f * h..(g + 1) * f * h);
+            let ru = rg.clone();
+            matmul(&mut gr.down[rd], &hh, Op::T, ds, Op::N, (f, m, h), false)?;
+            matmul(&mut gr.gate[rg], xs, Op::T, &da, Op::N, (h, m, f), false)?;
+            matmul(&mut gr.up[ru], xs, Op::T, &db, Op::N, (h, m, f), false)?;
+            let dxs = &mut dx[lo * h..hi * h];
+            matmul(dxs, &da, Op::N, wg, Op::T, (m, f, h), false)?;
+            matmul(dxs, &db, Op::N, wu, Op::T, (m, f, h), true)?;
+        }
+        Ok((dx, gr))
+    }
+    fn experts_backward_weights(
+        &self,
+        rest: Experts<Vec<T>>,
+        _x: &Vec<T>,
+        _dd: &Vec<T>,
+    ) -> Result<Experts<Vec<T>>, LayerError> {
+        Ok(rest)
+    }
+
+    fn all_gather_counts(&self, mine: &[u32]) -> Result<Vec<Vec<u32>>, LayerError> {
+        let all = all_gather(self.t, mine).map_err(transport)?;
+        if all.len() != self.t.world_size() || all.iter().any(|c| c.len() != mine.len()) {
+            return Err(LayerError::Config(
+                "counts of another shape from a peer".into(),
+            ));
+        }
+        Ok(all)
+    }
+    fn exchange<E: Elem>(
+        &self,
+        send: Vec<E>,
+        send_counts: &[usize],
+        recv_counts: &[usize],
+    ) -> Result<Vec<E>, LayerError> {
+        if self.t.world_size() == 1 {
+            return Ok(send);
+        }
+        let (got, counts) = all_to_all(self.t, &send, send_counts).map_err(transport)?;
+        if counts != recv_counts {
+            return Err(LayerError::Config(format!(
+                "rank {}: received {counts:?} elements, the plan says {recv_counts:?}",
+                self.t.rank()
+            )));
+        }
+        Ok(got)
+    }
+    fn start<E: Elem>(
+        &self,
+        sends: Vec<Vec<E>>,
+        send_parts: &[(usize, usize, usize)],
+        mut recv: Vec<E>,
+        recv_parts: &[(usize, usize)],
+    ) -> Result<(Vec<E>, Vec<Vec<E>>), LayerError> {
+        let (rank, world) = (self.t.rank(), self.t.world_size());
+        if world == 1 {
+            return Ok((recv, sends));
+        }
+        if send_parts.len() != world || recv_parts.len() != world {
+            return Err(LayerError::Config("all-to-all parts: one per rank".into()));
+        }
+        let (mut out, mut counts) = (Vec::new(), Vec::with_capacity(world));
+        for (d, &(b, off, n)) in send_parts.iter().enumerate() {
+            let n = if d == rank { 0 } else { n };
+            if n > 0 {
+                let buf = sends.get(b).ok_or_else(|| {
+                    LayerError::Config("an all-to-all part names no send buffer".into())
+                })?;
+                at_least("all-to-all send part", off + n, buf.len())?;
+                out.extend_from_slice(&buf[off..off + n]);
+            }
+            counts.push(n);
+        }
+        let (got, got_counts) = all_to_all(self.t, &out, &counts).map_err(transport)?;
+        let mut from = 0;
+        for (s, (&(off, n), &c)) in recv_parts.iter().zip(&got_counts).enumerate() {
+            let want = if s == rank { 0 } else { n };
+            if c != want {
+                return Err(LayerError::Config(format!(
+                    "rank {rank}: {c} elements from rank {s}, the plan says {want}"
+                )));
+            }
+            at_least("all-to-all receive part", off + c, recv.len())?;
+            recv[off..off + c].copy_from_slice(&got[from..from + c]);
+            from += c;
+        }
+        Ok((recv, sends))
+    }
+    fn handed<E: Elem>(&self, recv: Vec<E>, sends: Vec<Vec<E>>) -> (Vec<E>, Vec<Vec<E>>) {
+        (recv, sends)
+    }
+    fn outgoing<E: Elem>(f: &(Vec<E>, Vec<Vec<E>>)) -> Result<&Vec<E>, LayerError> {
+        Ok(f.1.first().unwrap_or(&f.0))
+    }
+    fn flight_buffers<E: Elem>(
+        f: &mut (Vec<E>, Vec<Vec<E>>),
+    ) -> Result<(&[Vec<E>], &mut Vec<E>), LayerError> {
+        Ok((&f.1, &mut f.0))
+    }
+    fn finish<E: Elem>(
+        &self,
+        f: (Vec<E>, Vec<Vec<E>>),
+    ) -> Result<(Vec<E>, Vec<Vec<E>>), LayerError> {
+        Ok(f)
+    }
+    fn start_sum(&self, mut buf: Vec<T>) -> Result<(Vec<T>, Vec<Vec<T>>), LayerError> {
+        all_reduce_sum(self.t, &mut buf).map_err(transport)?;
+        Ok((buf, Vec::new()))
+    }
+    fn settle(&self) -> Result<(), LayerError> {
+        Ok(())
+    }
+    fn reserve_for_exchange(&self, _on: bool) {}
+
+    fn mark(&self) -> Result<Instant, LayerError> {
+        Ok(Instant::now())
+    }
+    fn comm_mark(&self) -> Result<Option<Instant>, LayerError> {
+        Ok(None)
+    }
+    fn ms_between(&self, earlier: &Instant, later: &Instant) -> Result<f64, LayerError> {
+        Ok(later.saturating_duration_since(*earlier).as_secs_f64() * 1e3)
+    }
+}
+
+/// Block `g` of `size` values of a stacked expert tensor.
+fn block<T>(w: &[T], g: usize, size: usize) -> Result<&[T], LayerError> {
+    w.get(g * size..(g + 1) * size)
+        .ok_or_else(|| LayerError::Config(format!("expert block {g} past its weights")))
+}
+
+/// Forward state of the host backend.
+pub type HostSaved<T> = crate::stages::Saved<HostMem<T>>;
+/// One rank's weights on the host.
+pub type HostWeights<T> = crate::stages::Weights<HostMem<T>>;
+/// The host backend's gradients: `dx`, this rank's experts' (replicas
+/// summed in) and the router's summed over ranks.
+pub type HostStageGrads<T> = crate::stages::Grads<Vec<T>, Vec<T>>;
+
+/// Rank `rank`'s weights of `world` from the whole layer's: the router,
+/// its block of experts (`E / world` of them, stacked) and the call's
+/// router biases (the forced workloads' logit bias, the balancing bias).
+pub fn rank_weights<T: Real + Scalar>(
+    cfg: &crate::MoeConfig,
+    call: &crate::CallConfig,
+    params: &crate::MoeParams<T>,
+    (rank, world): (usize, usize),
+) -> Result<HostWeights<T>, LayerError> {
+    params.validate(cfg)?;
+    let el = pack::ep::experts_per_rank(cfg.n_experts, world)?;
+    let own = params
+        .experts
+        .get(rank * el..(rank + 1) * el)
+        .ok_or_else(|| LayerError::Config(format!("rank {rank} of {world}")))?;
+    let stack = |part: fn(&crate::ExpertWeights<T>) -> &Vec<T>| -> Vec<T> {
+        own.iter().flat_map(|e| part(e).iter().copied()).collect()
+    };
+    let values = |v: &[f64]| v.iter().map(|&b| T::of(b)).collect::<Vec<T>>();
+    Ok(crate::stages::Weights {
+        router: params.router.clone(),
+        bias: call.logit_bias(cfg.n_experts)?.map(|b| values(&b)),
+        sel_bias: call.selection_bias(cfg.n_experts)?.map(values),
+        experts: Experts {
+            gate: stack(|e| &e.gate),
+            up: stack(|e| &e.up),
+            down: stack(|e| &e.down),
+        },
+    })
+}
+
+/// The layer's stages ([`crate::stages`]) forward on this rank's tokens
+/// `x` (`tokens × hidden`) on the host backend; every rank calls it with
+/// the same layer and tokens per rank, and a planner made for `T`
+/// ([`crate::DevicePlanner::for_values`]).
+pub fn forward<T: Real + Scalar>(
+    t: &dyn Transport,
+    cfg: &crate::MoeConfig,
+    w: &HostWeights<T>,
+    x: &[T],
+    planner: &crate::DevicePlanner,
+) -> Result<HostSaved<T>, LayerError> {
+    if x.iter().any(|v| !v.is_finite()) {
+        return Err(LayerError::NonFinite("layer input"));
+    }
+    crate::stages::forward::forward(&Host::new(t), cfg, w, &x.to_vec(), planner)
+}
+
+/// The stages' LRMoE backward of a [`forward`] for output gradient `dy`.
+pub fn backward<T: Real + Scalar>(
+    t: &dyn Transport,
+    w: &HostWeights<T>,
+    sv: &HostSaved<T>,
+    dy: &[T],
+    planner: &crate::DevicePlanner,
+) -> Result<HostStageGrads<T>, LayerError> {
+    let own = sv
+        .owned_rows
+        .as_ref()
+        .map(crate::stages::common::Held::Borrowed);
+    let b = Host::<T>::new(t);
+    crate::stages::backward::backward(&b, w, (sv, own), &dy.to_vec(), planner)
+}
