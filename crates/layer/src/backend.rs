@@ -80,6 +80,12 @@ impl Scalar for f64 {
     }
 }
 
+/// A value the host backend computes in (`f32`, `f64`): the layer's
+/// public entry points take it.
+pub trait Value: kernels::cpu::Real + Scalar {}
+
+impl<T: kernels::cpu::Real + Scalar> Value for T {}
+
 /// The types of a backend's memory (see the module doc).
 pub trait Family: 'static {
     /// An activation or weight value as stored (bf16 bits on the device).
@@ -320,46 +326,26 @@ pub trait Backend {
         n: usize,
         k: usize,
     ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
-    /// Per segment `e` of `offsets`, flags its `quotas[e]` best rows by
-    /// score (ties to the smaller id); a non-finite score sets `err`.
+    /// Per segment `g` of `offsets` (`quotas.len() + 1` ascending
+    /// offsets ending at the rows' count), the rule's choice of
+    /// `quotas[g]` rows by score, ties to the smaller id; the sampling
+    /// rules draw from `(seed, id)`. Returns each row's kept flag and, for
+    /// the unbiased rules, its weight (0 where dropped). A non-finite score
+    /// sets `err` (the flags are then meaningless). A backend may refuse a
+    /// rule it cannot run.
     ///
     /// # Safety
     ///
-    /// `offsets` holds `groups + 1` ascending offsets ending at the length
-    /// of `scores`, `ids` and `kept`; `quotas` holds `groups`.
+    /// `scores` and `ids` hold one entry per row.
     unsafe fn select(
         &self,
         scores: &Buf<Self, Sc<Self>>,
         ids: &Buf<Self, u32>,
-        offsets: &Buf<Self, u32>,
-        quotas: &Buf<Self, u32>,
-        kept: &mut Buf<Self, u8>,
+        offsets: &[u32],
+        quotas: &[u32],
+        rule: (lrm_score::Rule, u64),
         err: &mut Buf<Self, u32>,
-        groups: usize,
-    ) -> Result<(), LayerError>;
-    /// Priority sampling's keys `score / u(seed, id)`.
-    fn priority_keys(
-        &self,
-        score: &Buf<Self, Sc<Self>>,
-        id: &Buf<Self, u32>,
-        seed: u64,
-        n: usize,
-    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
-    /// Priority sampling's weights from the threshold (the key kept at
-    /// `q + 1` but not at `q`).
-    ///
-    /// # Safety
-    ///
-    /// `offsets` partitions the `n` rows every buffer holds into `groups`.
-    unsafe fn priority_weights(
-        &self,
-        rho: &Buf<Self, Sc<Self>>,
-        score: &Buf<Self, Sc<Self>>,
-        kept: (&Buf<Self, u8>, &Buf<Self, u8>),
-        offsets: &Buf<Self, u32>,
-        n: usize,
-        groups: usize,
-    ) -> Result<Buf<Self, Sc<Self>>, LayerError>;
+    ) -> Result<(Buf<Self, u8>, Option<Buf<Self, Sc<Self>>>), LayerError>;
     /// `a ⊙ b` of `n` values.
     fn mul(
         &self,
@@ -460,7 +446,7 @@ pub trait Backend {
     /// so far.
     fn settle(&self) -> Result<(), LayerError>;
     /// Whether the grouped GEMMs leave room for an exchange running beside
-    /// them (on while an [`Overlap`] lives).
+    /// them (on while the stages overlap an exchange with them).
     fn reserve_for_exchange(&self, on: bool);
 
     // ---- the timeline (`LRMOE_EP_PROFILE=1`) ----

@@ -14,21 +14,117 @@ use pack::ep::Runs;
 
 use crate::backend::{Backend, Elem, Family, Scalar, Wts};
 use crate::config::{at_least, Experts};
+use crate::experts::ExpertBackend;
 use crate::transport::{all_gather, all_reduce_sum, all_to_all, Transport};
 use crate::LayerError;
 
 /// CPU memory holding values `T` (`f32` or `f64`).
 pub struct HostMem<T>(PhantomData<T>);
 
+/// A host buffer: a `Vec` whose bytes are metered on its thread (the
+/// host backward's peak of live buffers, `BackwardStats::buffer_bytes`).
+#[derive(Debug)]
+pub struct HostBuf<E> {
+    v: Vec<E>,
+}
+
+thread_local! {
+    static LIVE: std::cell::Cell<i64> = const { std::cell::Cell::new(0) };
+    static PEAK: std::cell::Cell<i64> = const { std::cell::Cell::new(0) };
+}
+
+fn meter(delta: i64) {
+    // `try_with`: a thread being torn down frees without counting.
+    let _ = LIVE.try_with(|l| {
+        l.set(l.get() + delta);
+        let _ = PEAK.try_with(|p| p.set(p.get().max(l.get())));
+    });
+}
+
+/// Runs an exchange that receives `n` elements of `E`, metering the
+/// received bytes the transport hands over before they are typed (both
+/// copies live at once).
+fn received_as_bytes<E, R>(n: usize, f: impl FnOnce() -> R) -> R {
+    let bytes = (n * std::mem::size_of::<E>()) as i64;
+    meter(bytes);
+    let r = f();
+    meter(-bytes);
+    r
+}
+
+/// The bytes of host buffers live on this thread now; the peak restarts
+/// from here.
+pub(crate) fn meter_start() -> i64 {
+    let live = LIVE.with(std::cell::Cell::get);
+    PEAK.with(|p| p.set(live));
+    live
+}
+
+/// The most bytes of host buffers live on this thread since
+/// [`meter_start`] returned `base`, above `base`.
+pub(crate) fn meter_peak_since(base: i64) -> u64 {
+    (PEAK.with(std::cell::Cell::get) - base).max(0) as u64
+}
+
+impl<E> HostBuf<E> {
+    fn bytes(&self) -> i64 {
+        (self.v.capacity() * std::mem::size_of::<E>()) as i64
+    }
+    /// The values.
+    pub fn into_vec(mut self) -> Vec<E> {
+        meter(-self.bytes());
+        std::mem::take(&mut self.v)
+    }
+}
+
+impl<E> From<Vec<E>> for HostBuf<E> {
+    fn from(v: Vec<E>) -> Self {
+        let b = Self { v };
+        meter(b.bytes());
+        b
+    }
+}
+
+impl<E> FromIterator<E> for HostBuf<E> {
+    fn from_iter<I: IntoIterator<Item = E>>(iter: I) -> Self {
+        Self::from(iter.into_iter().collect::<Vec<E>>())
+    }
+}
+
+impl<E> Drop for HostBuf<E> {
+    fn drop(&mut self) {
+        meter(-self.bytes());
+    }
+}
+
+impl<E: Clone> Clone for HostBuf<E> {
+    fn clone(&self) -> Self {
+        Self::from(self.v.clone())
+    }
+}
+
+impl<E> std::ops::Deref for HostBuf<E> {
+    type Target = [E];
+    fn deref(&self) -> &[E] {
+        &self.v
+    }
+}
+
+impl<E> std::ops::DerefMut for HostBuf<E> {
+    fn deref_mut(&mut self) -> &mut [E] {
+        &mut self.v
+    }
+}
+
 /// The router's output on the host.
 #[derive(Debug, Clone)]
 pub struct HostRouted<T> {
     /// Router probabilities, `tokens × experts`.
-    pub probs: Vec<T>,
+    pub probs: HostBuf<T>,
     /// Expert of each pair, `tokens · top_k`.
-    pub idx: Vec<u32>,
+    pub idx: HostBuf<u32>,
     /// Routing weight of each pair.
-    pub gates: Vec<T>,
+    pub gates: HostBuf<T>,
     /// Routed pairs per expert.
     pub counts: Vec<u32>,
     /// Tokens routed.
@@ -42,24 +138,31 @@ pub struct HostRouted<T> {
 impl<T: Real + Scalar> Family for HostMem<T> {
     type V = T;
     type S = T;
-    type Buf<E: Elem> = Vec<E>;
+    type Buf<E: Elem> = HostBuf<E>;
     type Routed = HostRouted<T>;
     /// The host computes the weight gradients with the data gradient.
-    type Rest = Experts<Vec<T>>;
+    type Rest = Experts<HostBuf<T>>;
     type Mark = Instant;
 }
 
-/// One rank of the host executor: its transport.
+/// One rank of the host executor: its transport, and where its expert
+/// GEMMs run.
 pub struct Host<'a, T> {
     t: &'a dyn Transport,
+    experts: ExpertBackend,
     _values: PhantomData<T>,
 }
 
 impl<'a, T> Host<'a, T> {
-    /// The backend of the rank `t` is.
+    /// The backend of the rank `t` is, its experts on the CPU.
     pub fn new(t: &'a dyn Transport) -> Self {
+        Self::with_experts(t, ExpertBackend::Cpu)
+    }
+    /// The backend of the rank `t` is, its experts on `experts`.
+    pub fn with_experts(t: &'a dyn Transport, experts: ExpertBackend) -> Self {
         Self {
             t,
+            experts,
             _values: PhantomData,
         }
     }
@@ -94,7 +197,7 @@ fn mm<T: Real>(
 
 impl<T: Real + Scalar> Backend for Host<'_, T> {
     type F = HostMem<T>;
-    type Flight<E: Elem> = (Vec<E>, Vec<Vec<E>>);
+    type Flight<E: Elem> = (HostBuf<E>, Vec<HostBuf<E>>);
     type Later<'b, E: Elem>
         = Vec<E>
     where
@@ -110,33 +213,33 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         self.t.world_size()
     }
 
-    fn upload<E: Elem>(&self, v: &[E]) -> Result<Vec<E>, LayerError> {
-        Ok(v.to_vec())
+    fn upload<E: Elem>(&self, v: &[E]) -> Result<HostBuf<E>, LayerError> {
+        Ok(v.to_vec().into())
     }
-    fn download<E: Elem>(&self, b: &Vec<E>, n: usize) -> Result<Vec<E>, LayerError> {
+    fn download<E: Elem>(&self, b: &HostBuf<E>, n: usize) -> Result<Vec<E>, LayerError> {
         at_least("elements to download", n, b.len())?;
         Ok(b[..n].to_vec())
     }
-    fn download_later<E: Elem>(&self, b: &Vec<E>, n: usize) -> Result<Vec<E>, LayerError> {
+    fn download_later<E: Elem>(&self, b: &HostBuf<E>, n: usize) -> Result<Vec<E>, LayerError> {
         self.download(b, n)
     }
     fn wait<E: Elem>(&self, later: Vec<E>) -> Result<Vec<E>, LayerError> {
         Ok(later)
     }
-    fn zeros<E: Elem>(&self, n: usize) -> Result<Vec<E>, LayerError> {
-        Ok(vec![E::default(); n])
+    fn zeros<E: Elem>(&self, n: usize) -> Result<HostBuf<E>, LayerError> {
+        Ok(vec![E::default(); n].into())
     }
-    unsafe fn uninit<E: Elem>(&self, n: usize) -> Result<Vec<E>, LayerError> {
+    unsafe fn uninit<E: Elem>(&self, n: usize) -> Result<HostBuf<E>, LayerError> {
         self.zeros(n)
     }
-    fn len<E: Elem>(b: &Vec<E>) -> usize {
+    fn len<E: Elem>(b: &HostBuf<E>) -> usize {
         b.len()
     }
     fn copy<E: Elem>(
         &self,
-        from: &Vec<E>,
+        from: &HostBuf<E>,
         a: usize,
-        to: &mut Vec<E>,
+        to: &mut HostBuf<E>,
         at: usize,
         n: usize,
     ) -> Result<(), LayerError> {
@@ -147,9 +250,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     fn add_into(
         &self,
-        to: &mut Vec<T>,
+        to: &mut HostBuf<T>,
         at: usize,
-        from: &Vec<T>,
+        from: &HostBuf<T>,
         a: usize,
         n: usize,
     ) -> Result<(), LayerError> {
@@ -160,20 +263,20 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         }
         Ok(())
     }
-    fn expand(&self, map: &Runs) -> Result<Vec<u32>, LayerError> {
-        Ok(map.expand())
+    fn expand(&self, map: &Runs) -> Result<HostBuf<u32>, LayerError> {
+        Ok(map.expand().into())
     }
 
     unsafe fn group(
         &self,
-        expert: &Vec<u32>,
-        keep: Option<&Vec<u8>>,
-        _seg: Option<&Vec<u32>>,
+        expert: &HostBuf<u32>,
+        keep: Option<&HostBuf<u8>>,
+        _seg: Option<&HostBuf<u32>>,
         base: &[u32],
         n: usize,
         out: usize,
         groups: usize,
-    ) -> Result<(Vec<u32>, Vec<u32>), LayerError> {
+    ) -> Result<(HostBuf<u32>, HostBuf<u32>), LayerError> {
         at_least("group bases", groups, base.len())?;
         let mut next: Vec<u32> = base[..groups].to_vec();
         let (mut dst, mut src) = (vec![DROPPED; n], vec![0u32; out]);
@@ -193,17 +296,17 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             *d = pos;
             next[e] += 1;
         }
-        Ok((dst, src))
+        Ok((dst.into(), src.into()))
     }
     unsafe fn gather_rows(
         &self,
-        src: &Vec<T>,
-        pair: &Vec<u32>,
+        src: &HostBuf<T>,
+        pair: &HostBuf<u32>,
         div: usize,
-        scale: Option<&Vec<T>>,
+        scale: Option<&HostBuf<T>>,
         n_out: usize,
         width: usize,
-    ) -> Result<Vec<T>, LayerError> {
+    ) -> Result<HostBuf<T>, LayerError> {
         let mut out = vec![T::zero(); n_out * width];
         for (j, row) in out.chunks_exact_mut(width.max(1)).enumerate().take(n_out) {
             let p = at(pair, j, "gathered pairs")? as usize;
@@ -217,14 +320,14 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 *d = v * s;
             }
         }
-        Ok(out)
+        Ok(out.into())
     }
     unsafe fn gather32<E: Elem>(
         &self,
-        src: &Vec<E>,
-        idx: &Vec<u32>,
+        src: &HostBuf<E>,
+        idx: &HostBuf<u32>,
         n: usize,
-    ) -> Result<Vec<E>, LayerError> {
+    ) -> Result<HostBuf<E>, LayerError> {
         at_least("gather indices", n, idx.len())?;
         let mut dropped = E::default();
         bytemuck::bytes_of_mut(&mut dropped).fill(0xFF);
@@ -237,21 +340,21 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     unsafe fn gather_flags(
         &self,
-        src: &Vec<u8>,
-        idx: &Vec<u32>,
+        src: &HostBuf<u8>,
+        idx: &HostBuf<u32>,
         n: usize,
-    ) -> Result<Vec<u8>, LayerError> {
+    ) -> Result<HostBuf<u8>, LayerError> {
         // SAFETY: checked like any host gather.
         unsafe { self.gather32(src, idx, n) }
     }
     unsafe fn combine_rows(
         &self,
-        o: &Vec<T>,
-        row: &Vec<u32>,
-        gates: Option<&Vec<T>>,
-        base: Option<&Vec<T>>,
+        o: &HostBuf<T>,
+        row: &HostBuf<u32>,
+        gates: Option<&HostBuf<T>>,
+        base: Option<&HostBuf<T>>,
         (tokens, h, k): (usize, usize, usize),
-    ) -> Result<Vec<T>, LayerError> {
+    ) -> Result<HostBuf<T>, LayerError> {
         let mut y = match base {
             Some(b) => {
                 at_least("combine base", tokens * h, b.len())?;
@@ -277,15 +380,15 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 }
             }
         }
-        Ok(y)
+        Ok(y.into())
     }
 
     fn route(
         &self,
-        router: &Vec<T>,
-        x: &Vec<T>,
-        bias: Option<&Vec<T>>,
-        sel_bias: Option<&Vec<T>>,
+        router: &HostBuf<T>,
+        x: &HostBuf<T>,
+        bias: Option<&HostBuf<T>>,
+        sel_bias: Option<&HostBuf<T>>,
         (tokens, h, e, k): (usize, usize, usize, usize),
         renormalize: bool,
     ) -> Result<HostRouted<T>, LayerError> {
@@ -293,7 +396,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         let mut probs = mm(&x[..tokens * h], router, (tokens, h, e), Op::N)?;
         if let Some(b) = bias {
             for row in probs.chunks_exact_mut(e) {
-                row.iter_mut().zip(b).for_each(|(v, &bb)| *v += bb);
+                row.iter_mut().zip(b.iter()).for_each(|(v, &bb)| *v += bb);
             }
         }
         crate::router::softmax_rows(&mut probs, e);
@@ -304,7 +407,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             let sel = &mut idx[t * k..(t + 1) * k];
             match sel_bias {
                 Some(b) => {
-                    for ((o, &p), &bb) in biased.iter_mut().zip(row).zip(b) {
+                    for ((o, &p), &bb) in biased.iter_mut().zip(row).zip(b.iter()) {
                         *o = p + bb;
                     }
                     crate::router::top_k(&biased, k, sel);
@@ -325,9 +428,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             counts[ex as usize] += 1;
         }
         Ok(HostRouted {
-            probs,
-            idx,
-            gates,
+            probs: probs.into(),
+            idx: idx.into(),
+            gates: gates.into(),
             counts,
             tokens,
             top_k: k,
@@ -337,19 +440,19 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     fn routed_counts(r: &HostRouted<T>) -> &[u32] {
         &r.counts
     }
-    fn routed_experts(r: &HostRouted<T>) -> &Vec<u32> {
+    fn routed_experts(r: &HostRouted<T>) -> &HostBuf<u32> {
         &r.idx
     }
-    fn routed_gates(r: &HostRouted<T>) -> &Vec<T> {
+    fn routed_gates(r: &HostRouted<T>) -> &HostBuf<T> {
         &r.gates
     }
-    fn routed_probs(r: &HostRouted<T>) -> &Vec<T> {
+    fn routed_probs(r: &HostRouted<T>) -> &HostBuf<T> {
         &r.probs
     }
     fn routed_tokens(r: &HostRouted<T>) -> usize {
         r.tokens
     }
-    fn col_mean(&self, x: &Vec<T>, t: usize, e: usize) -> Result<Vec<T>, LayerError> {
+    fn col_mean(&self, x: &HostBuf<T>, t: usize, e: usize) -> Result<HostBuf<T>, LayerError> {
         at_least("column values", t * e, x.len())?;
         let mut m = vec![0f64; e];
         for row in x[..t * e].chunks_exact(e.max(1)) {
@@ -362,14 +465,14 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     unsafe fn router_backward(
         &self,
         r: &HostRouted<T>,
-        aux_dp: Option<&Vec<T>>,
-        router: &Vec<T>,
-        x: &Vec<T>,
-        dy: &Vec<T>,
-        o: &Vec<T>,
-        row: &Vec<u32>,
+        aux_dp: Option<&HostBuf<T>>,
+        router: &HostBuf<T>,
+        x: &HostBuf<T>,
+        dy: &HostBuf<T>,
+        o: &HostBuf<T>,
+        row: &HostBuf<u32>,
         h: usize,
-    ) -> Result<(Vec<T>, Vec<T>), LayerError> {
+    ) -> Result<(HostBuf<T>, HostBuf<T>), LayerError> {
         let (n_tok, k) = (r.tokens, r.top_k);
         let e = r.counts.len();
         at_least("router dy", n_tok * h, dy.len())?;
@@ -403,7 +506,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 }
             }
             if let Some(a) = aux_dp {
-                for (d, &c) in dp.iter_mut().zip(a) {
+                for (d, &c) in dp.iter_mut().zip(a.iter()) {
                     *d += c;
                 }
             }
@@ -426,10 +529,10 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             )?;
         }
         let dx = mm(&dlogits, router, (n_tok, e, h), Op::T)?;
-        Ok((d_router, dx))
+        Ok((d_router.into(), dx.into()))
     }
 
-    fn row_sq(&self, x: &Vec<T>, n: usize, d: usize) -> Result<Vec<T>, LayerError> {
+    fn row_sq(&self, x: &HostBuf<T>, n: usize, d: usize) -> Result<HostBuf<T>, LayerError> {
         at_least("rows to square", n * d, x.len())?;
         Ok(x[..n * d]
             .chunks_exact(d.max(1))
@@ -438,13 +541,13 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     unsafe fn scores_from_norms(
         &self,
-        gates: &Vec<T>,
-        dy_sq: &Vec<T>,
-        h_sq: &Vec<T>,
-        src: &Vec<u32>,
+        gates: &HostBuf<T>,
+        dy_sq: &HostBuf<T>,
+        h_sq: &HostBuf<T>,
+        src: &HostBuf<u32>,
         n: usize,
         k: usize,
-    ) -> Result<Vec<T>, LayerError> {
+    ) -> Result<HostBuf<T>, LayerError> {
         (0..n)
             .map(|j| {
                 let p = at(src, j, "score pairs")? as usize;
@@ -456,102 +559,58 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     unsafe fn select(
         &self,
-        scores: &Vec<T>,
-        ids: &Vec<u32>,
-        offsets: &Vec<u32>,
-        quotas: &Vec<u32>,
-        kept: &mut Vec<u8>,
-        err: &mut Vec<u32>,
-        groups: usize,
-    ) -> Result<(), LayerError> {
-        at_least("selection offsets", groups + 1, offsets.len())?;
-        at_least("selection quotas", groups, quotas.len())?;
+        scores: &HostBuf<T>,
+        ids: &HostBuf<u32>,
+        offsets: &[u32],
+        quotas: &[u32],
+        (rule, seed): (lrm_score::Rule, u64),
+        err: &mut HostBuf<u32>,
+    ) -> Result<(HostBuf<u8>, Option<HostBuf<T>>), LayerError> {
+        let groups = quotas.len();
+        crate::config::shape("selection offsets", groups + 1, offsets.len())?;
         let n = offsets[groups] as usize;
-        at_least("selection scores", n, scores.len())?;
-        at_least("selection ids", n, ids.len())?;
-        at_least("selection flags", n, kept.len())?;
-        if scores[..n].iter().any(|v| !v.wide().is_finite()) {
-            if let Some(e0) = err.first_mut() {
-                *e0 = 1;
-            }
-        }
-        for g in 0..groups {
-            let (lo, hi) = (offsets[g] as usize, offsets[g + 1] as usize);
-            if lo > hi || hi > n {
+        at_least("selection scores", n, scores.len().min(ids.len()))?;
+        let mut expert = Vec::with_capacity(n);
+        for (g, seg) in offsets.windows(2).enumerate() {
+            if seg[1] < seg[0] || seg[1] as usize > n {
                 return Err(LayerError::Config("selection offsets not ascending".into()));
             }
-            let mut idx: Vec<usize> = (lo..hi).collect();
-            idx.sort_by(|&a, &b| {
-                (scores[b].wide().total_cmp(&scores[a].wide())).then(ids[a].cmp(&ids[b]))
-            });
-            for (rank, &i) in idx.iter().enumerate() {
-                kept[i] = u8::from(rank < quotas[g] as usize);
+            expert.extend(std::iter::repeat_n(g as u32, (seg[1] - seg[0]) as usize));
+        }
+        let score: Vec<f32> = scores[..n].iter().map(|v| v.wide() as f32).collect();
+        let id: Vec<u64> = ids[..n].iter().map(|&i| u64::from(i)).collect();
+        let quotas: Vec<usize> = quotas.iter().map(|&q| q as usize).collect();
+        let (mut kept, mut weight) = (vec![false; n], vec![0f32; n]);
+        let candidates = lrm_score::Candidates {
+            expert: &expert,
+            id: &id,
+            score: &score,
+        };
+        match lrm_score::select(candidates, &quotas, rule, seed, &mut kept, &mut weight) {
+            Ok(_) => {}
+            Err(lrm_score::ScoreError::NonFinite { .. }) => {
+                if let Some(e0) = err.first_mut() {
+                    *e0 = 1;
+                }
             }
+            Err(e) => return Err(e.into()),
         }
-        Ok(())
+        let flags = kept.iter().map(|&k| u8::from(k)).collect();
+        let weights = (rule != lrm_score::Rule::TopQ)
+            .then(|| weight.iter().map(|&w| T::of(f64::from(w))).collect());
+        Ok((flags, weights))
     }
-    fn priority_keys(
-        &self,
-        score: &Vec<T>,
-        id: &Vec<u32>,
-        seed: u64,
-        n: usize,
-    ) -> Result<Vec<T>, LayerError> {
-        (0..n)
-            .map(|i| {
-                let s = at(score, i, "priority scores")?.wide();
-                let u = lrm_score::uniform(seed, u64::from(at(id, i, "priority ids")?));
-                Ok(T::of(s.sqrt() / u))
-            })
-            .collect()
-    }
-    unsafe fn priority_weights(
-        &self,
-        rho: &Vec<T>,
-        score: &Vec<T>,
-        (kept_q, kept_q1): (&Vec<u8>, &Vec<u8>),
-        offsets: &Vec<u32>,
-        n: usize,
-        groups: usize,
-    ) -> Result<Vec<T>, LayerError> {
-        at_least("priority offsets", groups + 1, offsets.len())?;
-        for (what, len) in [
-            ("priority keys", rho.len()),
-            ("priority scores", score.len()),
-            ("priority flags", kept_q.len().min(kept_q1.len())),
-        ] {
-            at_least(what, n, len)?;
-        }
-        let mut w = vec![T::zero(); n];
-        for seg in offsets[..groups + 1].windows(2) {
-            let (lo, hi) = (seg[0] as usize, (seg[1] as usize).min(n));
-            let tau = (lo..hi)
-                .find(|&i| kept_q1[i] != 0 && kept_q[i] == 0)
-                .map_or(0.0, |i| rho[i].wide());
-            for i in lo..hi {
-                let a = score[i].wide().sqrt();
-                w[i] = if kept_q[i] == 0 {
-                    T::zero()
-                } else if a > 0.0 {
-                    T::of(a.max(tau) / a)
-                } else {
-                    T::one()
-                };
-            }
-        }
-        Ok(w)
-    }
-    fn mul(&self, a: &Vec<T>, b: &Vec<T>, n: usize) -> Result<Vec<T>, LayerError> {
+    fn mul(&self, a: &HostBuf<T>, b: &HostBuf<T>, n: usize) -> Result<HostBuf<T>, LayerError> {
         at_least("factors", n, a.len().min(b.len()))?;
         Ok(a[..n].iter().zip(&b[..n]).map(|(&x, &y)| x * y).collect())
     }
     fn kept_counts(
         &self,
-        key: &Vec<u32>,
-        keep: &Vec<u8>,
+        key: &HostBuf<u32>,
+        keep: &HostBuf<u8>,
         n: usize,
         groups: usize,
-    ) -> Result<Vec<u32>, LayerError> {
+    ) -> Result<HostBuf<u32>, LayerError> {
         at_least("counted keys", n, key.len().min(keep.len()))?;
         let mut c = vec![0u32; groups];
         for (&k, &f) in key[..n].iter().zip(&keep[..n]) {
@@ -560,20 +619,25 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                     .ok_or_else(|| LayerError::Config(format!("key {k} of {groups}")))? += 1;
             }
         }
-        Ok(c)
+        Ok(c.into())
     }
 
     fn experts_forward(
         &self,
         offsets: &[u32],
-        x: &Vec<T>,
+        x: &HostBuf<T>,
         rows: Range<usize>,
         w: Wts<'_, Self>,
         (h, f): (usize, usize),
         keep: bool,
-    ) -> Result<(Vec<T>, Vec<T>, Option<(Vec<T>, Vec<T>)>), LayerError> {
+    ) -> Result<(HostBuf<T>, HostBuf<T>, Option<(HostBuf<T>, HostBuf<T>)>), LayerError> {
         at_least("expert rows", rows.end, x.len())?;
         let x = &x[rows];
+        if let ExpertBackend::Bf16(ops) = &self.experts {
+            let w = slices(w);
+            let (o, h_sq) = crate::experts::bf16_forward(ops.as_ref(), offsets, x, w, (h, f))?;
+            return Ok((o.into(), h_sq.into(), None));
+        }
         let n = x.len() / h;
         let (mut o, mut h_sq) = (vec![T::zero(); n * h], vec![T::zero(); n]);
         let (mut ka, mut kb) = if keep {
@@ -590,9 +654,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             let wg = block(w.gate, g, h * f)?;
             let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
             let xs = &x[lo * h..hi * h];
-            let a = mm(xs, wg, (m, h, f), Op::N)?;
-            let b = mm(xs, wu, (m, h, f), Op::N)?;
-            let hh: Vec<T> = a.iter().zip(&b).map(|(&p, &q)| silu(p) * q).collect();
+            let a = HostBuf::from(mm(xs, wg, (m, h, f), Op::N)?);
+            let b = HostBuf::from(mm(xs, wu, (m, h, f), Op::N)?);
+            let hh: HostBuf<T> = a.iter().zip(b.iter()).map(|(&p, &q)| silu(p) * q).collect();
             for (s, r) in h_sq[lo..hi].iter_mut().zip(hh.chunks_exact(f)) {
                 *s = r.iter().map(|&v| v * v).sum();
             }
@@ -602,20 +666,31 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 kb[lo * f..hi * f].copy_from_slice(&b);
             }
         }
-        Ok((o, h_sq, keep.then_some((ka, kb))))
+        Ok((o.into(), h_sq.into(), keep.then(|| (ka.into(), kb.into()))))
     }
     fn experts_backward_data(
         &self,
         offsets: &[u32],
-        x: &Vec<T>,
-        ab: Option<(&Vec<T>, &Vec<T>)>,
-        dd: &Vec<T>,
+        x: &HostBuf<T>,
+        ab: Option<(&HostBuf<T>, &HostBuf<T>)>,
+        dd: &HostBuf<T>,
         w: Wts<'_, Self>,
         (h, f): (usize, usize),
-    ) -> Result<(Vec<T>, Experts<Vec<T>>), LayerError> {
+    ) -> Result<(HostBuf<T>, Experts<HostBuf<T>>), LayerError> {
         let groups = offsets.len().saturating_sub(1);
         let n = offsets.last().copied().unwrap_or(0) as usize;
         at_least("expert rows", n * h, x.len().min(dd.len()))?;
+        if let ExpertBackend::Bf16(ops) = &self.experts {
+            let (xs, ds) = (&x[..n * h], &dd[..n * h]);
+            let (dx, g) =
+                crate::experts::bf16_backward(ops.as_ref(), offsets, (xs, ds), slices(w), (h, f))?;
+            let g = Experts {
+                gate: g.gate.into(),
+                up: g.up.into(),
+                down: g.down.into(),
+            };
+            return Ok((dx.into(), g));
+        }
         let mut dx = vec![T::zero(); n * h];
         let mut gr = Experts {
             gate: vec![T::zero(); groups * h * f],
@@ -631,16 +706,25 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             let wg = block(w.gate, g, h * f)?;
             let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
             let (xs, ds) = (&x[lo * h..hi * h], &dd[lo * h..hi * h]);
-            let (a, b) = match ab {
+            let (a, b): (HostBuf<T>, HostBuf<T>) = match ab {
                 Some((pa, pb)) => {
                     at_least("kept projections", hi * f, pa.len().min(pb.len()))?;
-                    (pa[lo * f..hi * f].to_vec(), pb[lo * f..hi * f].to_vec())
+                    (
+                        pa[lo * f..hi * f].to_vec().into(),
+                        pb[lo * f..hi * f].to_vec().into(),
+                    )
                 }
-                None => (mm(xs, wg, (m, h, f), Op::N)?, mm(xs, wu, (m, h, f), Op::N)?),
+                None => (
+                    mm(xs, wg, (m, h, f), Op::N)?.into(),
+                    mm(xs, wu, (m, h, f), Op::N)?.into(),
+                ),
             };
-            let hh: Vec<T> = a.iter().zip(&b).map(|(&p, &q)| silu(p) * q).collect();
-            let dh = mm(ds, wd, (m, h, f), Op::T)?;
-            let (mut da, mut db) = (vec![T::zero(); m * f], vec![T::zero(); m * f]);
+            let hh: HostBuf<T> = a.iter().zip(b.iter()).map(|(&p, &q)| silu(p) * q).collect();
+            let dh = HostBuf::from(mm(ds, wd, (m, h, f), Op::T)?);
+            let (mut da, mut db) = (
+                HostBuf::from(vec![T::zero(); m * f]),
+                HostBuf::from(vec![T::zero(); m * f]),
+            );
             swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
             let (rg, rd) = (g * h * f..(g + 1) * h * f, g * f * h..(g + 1) * f * h);
             let ru = rg.clone();
@@ -651,14 +735,19 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             matmul(dxs, &da, Op::N, wg, Op::T, (m, f, h), false)?;
             matmul(dxs, &db, Op::N, wu, Op::T, (m, f, h), true)?;
         }
-        Ok((dx, gr))
+        let gr = Experts {
+            gate: gr.gate.into(),
+            up: gr.up.into(),
+            down: gr.down.into(),
+        };
+        Ok((dx.into(), gr))
     }
     fn experts_backward_weights(
         &self,
-        rest: Experts<Vec<T>>,
-        _x: &Vec<T>,
-        _dd: &Vec<T>,
-    ) -> Result<Experts<Vec<T>>, LayerError> {
+        rest: Experts<HostBuf<T>>,
+        _x: &HostBuf<T>,
+        _dd: &HostBuf<T>,
+    ) -> Result<Experts<HostBuf<T>>, LayerError> {
         Ok(rest)
     }
 
@@ -673,14 +762,18 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     fn exchange<E: Elem>(
         &self,
-        send: Vec<E>,
+        send: HostBuf<E>,
         send_counts: &[usize],
         recv_counts: &[usize],
-    ) -> Result<Vec<E>, LayerError> {
+    ) -> Result<HostBuf<E>, LayerError> {
         if self.t.world_size() == 1 {
             return Ok(send);
         }
-        let (got, counts) = all_to_all(self.t, &send, send_counts).map_err(transport)?;
+        let incoming: usize = recv_counts.iter().sum();
+        let (got, counts) = received_as_bytes::<E, _>(incoming, || {
+            all_to_all(self.t, &send, send_counts).map_err(transport)
+        })?;
+        let got = HostBuf::from(got);
         if counts != recv_counts {
             return Err(LayerError::Config(format!(
                 "rank {}: received {counts:?} elements, the plan says {recv_counts:?}",
@@ -691,11 +784,11 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     fn start<E: Elem>(
         &self,
-        sends: Vec<Vec<E>>,
+        sends: Vec<HostBuf<E>>,
         send_parts: &[(usize, usize, usize)],
-        mut recv: Vec<E>,
+        mut recv: HostBuf<E>,
         recv_parts: &[(usize, usize)],
-    ) -> Result<(Vec<E>, Vec<Vec<E>>), LayerError> {
+    ) -> Result<(HostBuf<E>, Vec<HostBuf<E>>), LayerError> {
         let (rank, world) = (self.t.rank(), self.t.world_size());
         if world == 1 {
             return Ok((recv, sends));
@@ -715,7 +808,14 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             }
             counts.push(n);
         }
-        let (got, got_counts) = all_to_all(self.t, &out, &counts).map_err(transport)?;
+        // The copies going out and coming in are this backend's buffers too.
+        let out = HostBuf::from(out);
+        let incoming: usize = recv_parts.iter().map(|&(_, n)| n).sum();
+        let (got, got_counts) = received_as_bytes::<E, _>(incoming, || {
+            all_to_all(self.t, &out, &counts).map_err(transport)
+        })?;
+        let got = HostBuf::from(got);
+        drop(out);
         let mut from = 0;
         for (s, (&(off, n), &c)) in recv_parts.iter().zip(&got_counts).enumerate() {
             let want = if s == rank { 0 } else { n };
@@ -730,24 +830,28 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         }
         Ok((recv, sends))
     }
-    fn handed<E: Elem>(&self, recv: Vec<E>, sends: Vec<Vec<E>>) -> (Vec<E>, Vec<Vec<E>>) {
+    fn handed<E: Elem>(
+        &self,
+        recv: HostBuf<E>,
+        sends: Vec<HostBuf<E>>,
+    ) -> (HostBuf<E>, Vec<HostBuf<E>>) {
         (recv, sends)
     }
-    fn outgoing<E: Elem>(f: &(Vec<E>, Vec<Vec<E>>)) -> Result<&Vec<E>, LayerError> {
+    fn outgoing<E: Elem>(f: &(HostBuf<E>, Vec<HostBuf<E>>)) -> Result<&HostBuf<E>, LayerError> {
         Ok(f.1.first().unwrap_or(&f.0))
     }
     fn flight_buffers<E: Elem>(
-        f: &mut (Vec<E>, Vec<Vec<E>>),
-    ) -> Result<(&[Vec<E>], &mut Vec<E>), LayerError> {
+        f: &mut (HostBuf<E>, Vec<HostBuf<E>>),
+    ) -> Result<(&[HostBuf<E>], &mut HostBuf<E>), LayerError> {
         Ok((&f.1, &mut f.0))
     }
     fn finish<E: Elem>(
         &self,
-        f: (Vec<E>, Vec<Vec<E>>),
-    ) -> Result<(Vec<E>, Vec<Vec<E>>), LayerError> {
+        f: (HostBuf<E>, Vec<HostBuf<E>>),
+    ) -> Result<(HostBuf<E>, Vec<HostBuf<E>>), LayerError> {
         Ok(f)
     }
-    fn start_sum(&self, mut buf: Vec<T>) -> Result<(Vec<T>, Vec<Vec<T>>), LayerError> {
+    fn start_sum(&self, mut buf: HostBuf<T>) -> Result<(HostBuf<T>, Vec<HostBuf<T>>), LayerError> {
         all_reduce_sum(self.t, &mut buf).map_err(transport)?;
         Ok((buf, Vec::new()))
     }
@@ -767,6 +871,15 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
 }
 
+/// The instances' weights as slices.
+fn slices<T>(w: Experts<&HostBuf<T>>) -> Experts<&[T]> {
+    Experts {
+        gate: w.gate,
+        up: w.up,
+        down: w.down,
+    }
+}
+
 /// Block `g` of `size` values of a stacked expert tensor.
 fn block<T>(w: &[T], g: usize, size: usize) -> Result<&[T], LayerError> {
     w.get(g * size..(g + 1) * size)
@@ -777,9 +890,6 @@ fn block<T>(w: &[T], g: usize, size: usize) -> Result<&[T], LayerError> {
 pub type HostSaved<T> = crate::stages::Saved<HostMem<T>>;
 /// One rank's weights on the host.
 pub type HostWeights<T> = crate::stages::Weights<HostMem<T>>;
-/// The host backend's gradients: `dx`, this rank's experts' (replicas
-/// summed in) and the router's summed over ranks.
-pub type HostStageGrads<T> = crate::stages::Grads<Vec<T>, Vec<T>>;
 
 /// Rank `rank`'s weights of `world` from the whole layer's: the router,
 /// its block of experts (`E / world` of them, stacked) and the call's
@@ -801,46 +911,13 @@ pub fn rank_weights<T: Real + Scalar>(
     };
     let values = |v: &[f64]| v.iter().map(|&b| T::of(b)).collect::<Vec<T>>();
     Ok(crate::stages::Weights {
-        router: params.router.clone(),
-        bias: call.logit_bias(cfg.n_experts)?.map(|b| values(&b)),
-        sel_bias: call.selection_bias(cfg.n_experts)?.map(values),
+        router: params.router.clone().into(),
+        bias: call.logit_bias(cfg.n_experts)?.map(|b| values(&b).into()),
+        sel_bias: (call.selection_bias(cfg.n_experts)?).map(|b| values(b).into()),
         experts: Experts {
-            gate: stack(|e| &e.gate),
-            up: stack(|e| &e.up),
-            down: stack(|e| &e.down),
+            gate: stack(|e| &e.gate).into(),
+            up: stack(|e| &e.up).into(),
+            down: stack(|e| &e.down).into(),
         },
     })
-}
-
-/// The layer's stages ([`crate::stages`]) forward on this rank's tokens
-/// `x` (`tokens × hidden`) on the host backend; every rank calls it with
-/// the same layer and tokens per rank, and a planner made for `T`
-/// ([`crate::DevicePlanner::for_values`]).
-pub fn forward<T: Real + Scalar>(
-    t: &dyn Transport,
-    cfg: &crate::MoeConfig,
-    w: &HostWeights<T>,
-    x: &[T],
-    planner: &crate::DevicePlanner,
-) -> Result<HostSaved<T>, LayerError> {
-    if x.iter().any(|v| !v.is_finite()) {
-        return Err(LayerError::NonFinite("layer input"));
-    }
-    crate::stages::forward::forward(&Host::new(t), cfg, w, &x.to_vec(), planner)
-}
-
-/// The stages' LRMoE backward of a [`forward`] for output gradient `dy`.
-pub fn backward<T: Real + Scalar>(
-    t: &dyn Transport,
-    w: &HostWeights<T>,
-    sv: &HostSaved<T>,
-    dy: &[T],
-    planner: &crate::DevicePlanner,
-) -> Result<HostStageGrads<T>, LayerError> {
-    let own = sv
-        .owned_rows
-        .as_ref()
-        .map(crate::stages::common::Held::Borrowed);
-    let b = Host::<T>::new(t);
-    crate::stages::backward::backward(&b, w, (sv, own), &dy.to_vec(), planner)
 }

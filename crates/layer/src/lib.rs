@@ -5,8 +5,9 @@
 //! `hidden → ffn`; `w_down`: `ffn → hidden`), output
 //! `y_t = Σ_k g_{t,k} · expert_{e_k}(x_t)`. Expert parallelism runs over a
 //! [`Transport`]: each rank holds its own tokens; an expert's owner rank and
-//! its replicas compute its pairs. Generic over `f32`/`f64`
-//! ([`kernels::cpu::Real`]); GEMMs go through `kernels::cpu::matmul`.
+//! its replicas compute its pairs. On the host generic over `f32`/`f64`
+//! ([`Value`]), on the device bf16 (see "One layer, two backends" below).
+//! Experts are owned in contiguous blocks: expert `e` by rank `e / (E / W)`.
 //!
 //! ## Forward ([`forward`]) — always complete
 //!
@@ -20,14 +21,16 @@
 //!    (in this call's forward and backward) — a rank never reads its own
 //!    copy of an expert it neither owns nor received.
 //! 4. Every routed pair is dispatched (pairs spread over instances by
-//!    `redistribute`'s exact solver), computed, and its output row `o` and
-//!    the squared norm `‖h‖²` of the down projection's input returned to the
-//!    source, which combines `y`.
+//!    `redistribute`'s exact solver, the same on every rank), computed, and
+//!    its output row `o` and the squared norm `‖h‖²` of the down
+//!    projection's input returned to the source, which combines `y`.
 //!
-//! The source keeps `x`, the router state, `o` and `‖h‖²` per pair. Expert
-//! instances keep only the replica weights they received: the backward
-//! recomputes `a = x·W_gate`,
-//! `b = x·W_up`, `h = silu(a)⊙b` for the kept pairs only.
+//! The source keeps `x`, the router state, `o` and `‖h‖²` per pair. In a
+//! call with replicas the instances keep only the replica weights they
+//! received: the backward recomputes `a = x·W_gate`, `b = x·W_up`,
+//! `h = silu(a)⊙b` for the kept pairs only; without replicas kept pairs
+//! cannot move, so owners keep their forward rows and the backward sends
+//! only `g·δ` rows.
 //!
 //! ## Backward ([`backward`]) — in the LRMoE order
 //!
@@ -37,18 +40,18 @@
 //! 3. Keep the best pairs within the quotas (`lrm_score::select_top`, see
 //!    "Selection" below).
 //! 4. Redistribute the kept pairs over the existing instances
-//!    (`redistribute`, solved on rank 0 and broadcast so every rank uses the
-//!    same plan).
+//!    (`redistribute`, solved alike on every rank from the all-gathered
+//!    kept counts).
 //! 5. Pack `[x_t | g·δ_t]` rows of kept pairs into dense per-destination,
 //!    per-expert blocks (`pack`), exchange only those, regroup per expert,
 //!    run the expert GEMMs (recompute, `dW_down`, `dW_gate`, `dW_up`, `dX`)
 //!    on the compacted rows, return `dX` rows and scatter-add them.
 //! 6. Gradients: each replica's expert gradients go to the expert's owner and
-//!    are summed there; the owners' sums are then all-gathered (the model
-//!    around the layer keeps every expert on every rank) and the router's
-//!    gradient is all-reduced (data parallel).
+//!    are summed there, and the router's gradient is summed over ranks
+//!    (data parallel); on the host the owners' sums are then all-gathered
+//!    (the model around the layer keeps every expert on every rank).
 //!
-//! ## Selection — one rule for every executor
+//! ## Selection — one rule for every backend
 //!
 //! The controller's quota is per expert, `q_e`; [`CallPlan::selection`]
 //! says which pairs compete for it:
@@ -78,8 +81,8 @@
 //! scale the kept pairs' `g·δ` rows, so their expert and input gradients
 //! are unbiased estimates of the exact ones. The random rules draw from
 //! [`CallConfig::rule_seed`] mixed with the call's routed counts — the
-//! same on every rank. The device executor runs top-q and priority
-//! sampling.
+//! same on every rank. The device backend runs top-q and priority
+//! sampling, per expert; the host backend every rule and both selections.
 //!
 //! [`Retention::Surplus`] is the quota policy that trims only the ranks
 //! whose load exceeds their fair share of the kept-pair budget.
@@ -87,12 +90,12 @@
 //! [`CallConfig::aux_loss_coeff`] adds the Switch/GShard auxiliary
 //! load-balancing loss `α · E · Σ_e f_e · P_e` on each rank's tokens
 //! ([`Saved::aux_loss`]; its router and input gradients are part of
-//! [`backward`]'s, finite-difference checked); both executors.
+//! [`backward`]'s, finite-difference checked); both backends.
 //!
 //! [`CallConfig::replica_load`] makes a call's replicas SYMI-like (from the
 //! previous call's load, `quota::replicas_by_load`) instead of the
 //! controller's; with `redistribute::Solver::Even` the pairs are split
-//! evenly over the instances in forward and backward. Both executors.
+//! evenly over the instances in forward and backward. Both backends.
 //!
 //! [`CallConfig::expert_bias`] is DeepSeek-V3's auxiliary-loss-free
 //! balancing bias: `b_e` is added to expert `e`'s router probability for
@@ -100,7 +103,7 @@
 //! gradient changes form); the caller moves it between calls
 //! (`b_e += γ · sign(mean load − load_e)`, the `lrmoe` trainer's
 //! `moe.expert_bias_rate`). [`BackwardStats::expert_load`] reports the
-//! call's routed pairs per expert over all ranks. Both executors.
+//! call's routed pairs per expert over all ranks. Both backends.
 //!
 //! With unlimited sends the controller's flow network has one cell per
 //! expert, so every split of `q_e` over sources is placeable within the
@@ -114,14 +117,11 @@
 //! gradient.
 //!
 //! Backward buffers (packed rows, received rows, per-expert intermediates,
-//! returned `dX`) are sized by the kept pairs, not the routed ones, and the
-//! host executor drops each as soon as the next stage has read it;
-//! [`BackwardStats::buffer_bytes`] reports the peak of those live at once
-//! per rank (`tests/host_memory.rs` holds it to the measured peak). That
-//! peak is about six `hidden`-wide rows per kept pair (packed, received as
-//! bytes and as values), where the controller's budget counts two
-//! (`quota::CostModel::row_bytes`): the budget bounds the pairs, not yet
-//! the executor's bytes.
+//! returned `dX`) are sized by the kept pairs, not the routed ones, and
+//! each is dropped as soon as the next stage has read it; on the host
+//! [`BackwardStats::buffer_bytes`] reports the peak of the backend's
+//! buffers live at once per rank (metered as they are made and dropped;
+//! `tests/host_memory.rs` holds it to the allocator's measured peak).
 //!
 //! ## Not here
 //!
@@ -130,27 +130,38 @@
 //! as bf16 grouped operations through [`ExpertBackend::Bf16`]), no file
 //! I/O.
 //!
-//! ## Executors
+//! ## One layer, two backends
 //!
-//! The host executor ([`forward`], [`backward`]) runs on CPU rows over any
-//! [`Transport`]. The device executor ([`device`], feature `cuda`) runs the
-//! same plan on device buffers: one GPU is EP = 1
-//! ([`device::DeviceComm::Local`]), several GPUs exchange over NCCL, and
-//! in-process ranks sharing one GPU exchange through any host
-//! [`Transport`] ([`device::DeviceComm::Staged`]: device to device
-//! between the ranks of [`run_local`] and [`run_local_timed`], for tests
-//! and for [`timeline`]'s N-GPU timing, where the ranks take turns on the
-//! GPU and record their work and collectives). Both
-//! follow [`CallPlan`] from [`plan_call`] (the device executor through
-//! [`DevicePlanner`], which resolves it into an [`EpPlan`]), select per
-//! expert as above, redistribute kept pairs with `redistribute`, and move
-//! and multiply only kept rows; the device executor also runs the
-//! capacity-factor baseline. It refuses what it cannot run
-//! ([`check_device_call`], [`check_device_shape`]). Its weights can be
-//! another library's device buffers, borrowed by address and never freed
-//! here (`device::borrow_weights`: the Python package's CUDA path). [`dist`] has the one network piece:
-//! the TCP rendezvous that hands out the NCCL id, and [`NcclTransport`]
-//! (one process per GPU; NCCL itself lives in `kernels::comm`).
+//! The layer's stages are written once ([`stages`]), generic over the
+//! [`backend::Backend`] contract — the primitives a call needs (route,
+//! count keys, group and gather rows by `pack::ep`'s index maps, grouped
+//! GEMMs, scores, selection, combine, row exchanges and sums) with their
+//! buffers ([`backend::Family`]). One plan per call ([`DevicePlanner`]:
+//! the controller's [`CallPlan`] resolved into an [`EpPlan`] — instances,
+//! the forward's split, quotas, caps, the selection rule) is handed to the
+//! stages; experts are owned in contiguous blocks of `E / W`.
+//!
+//! * The host backend ([`host::Host`]: CPU rows of `f32`/`f64` over any
+//!   [`Transport`], every index checked) runs [`forward`] and
+//!   [`backward`], which take the whole layer's [`MoeParams`] and return
+//!   its gradients on every rank, with the call's [`BackwardStats`].
+//!   Its expert GEMMs run in the layer's precision, or as bf16 grouped
+//!   operations ([`ExpertBackend::Bf16`]).
+//! * The device backend (`device::Device`, feature `cuda`) runs
+//!   `device::forward` and `device::backward` on device buffers: one
+//!   GPU is EP = 1 ([`device::DeviceComm::Local`]), several GPUs exchange
+//!   over NCCL, and in-process ranks sharing one GPU exchange through any
+//!   host [`Transport`] ([`device::DeviceComm::Staged`]: device to device
+//!   between the ranks of [`run_local`] and [`run_local_timed`], for tests
+//!   and for [`timeline`]'s N-GPU timing). It refuses what its kernels
+//!   cannot run ([`check_device_call`]: the random and proportional rules,
+//!   selection per source; [`check_device_shape`]). Its weights can be
+//!   another library's device buffers, borrowed by address and never freed
+//!   here (`device::borrow_weights`: the Python package's CUDA path).
+//!
+//! [`dist`] has the one network piece: the TCP rendezvous that hands out
+//! the NCCL id, and [`NcclTransport`] (one process per GPU; NCCL itself
+//! lives in `kernels::comm`).
 
 #![deny(missing_docs)]
 
@@ -162,7 +173,6 @@ struct ReadmeDoctests;
 pub mod backend;
 mod config;
 pub mod device;
-mod dispatch;
 pub mod dist;
 mod experts;
 pub mod host;
@@ -173,6 +183,7 @@ pub mod stages;
 pub mod timeline;
 pub mod transport;
 
+pub use backend::Value;
 pub use config::{ExpertWeights, Experts, MoeConfig, MoeParams};
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
@@ -254,7 +265,5 @@ impl From<kernels::KernelError> for LayerError {
     }
 }
 
-#[cfg(test)]
-mod host_tests;
 #[cfg(test)]
 mod tests;

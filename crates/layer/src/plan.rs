@@ -485,10 +485,8 @@ fn water_fill(load: &[f64], budget: f64) -> f64 {
 /// The plan of one call for a device executor, from every source's routed
 /// counts per expert (`routed[s][e]`; one source for one GPU): the same
 /// [`plan_call`] the host executor runs (bf16 rows, the controller under
-/// [`Retention::Budgeted`], replicas when `replica_slots_per_rank > 0`),
-/// selected per expert ([`Selection::PerExpert`]). Experts are owned in
-/// contiguous blocks. A call binding a per-source send budget is refused:
-/// the device executors select per expert only.
+/// [`Retention::Budgeted`], replicas when `replica_slots_per_rank > 0`).
+/// Experts are owned in contiguous blocks.
 pub fn device_plan_call(
     cfg: &MoeConfig,
     call: &CallConfig,
@@ -526,13 +524,7 @@ fn plan_over_blocks(
             .collect(),
         replicas: vec![],
     };
-    let plan = plan_call_bytes(cfg, call, counts, &placement, bytes)?;
-    if plan.selection != Selection::PerExpert {
-        return Err(LayerError::Config(
-            "the device executors select per expert: per-source send budgets are not supported there yet".into(),
-        ));
-    }
-    Ok(plan)
+    plan_call_bytes(cfg, call, counts, &placement, bytes)
 }
 
 /// Rejects layers the device operations cannot run: widths must be
@@ -575,6 +567,9 @@ pub fn check_device_call(call: &CallConfig) -> Result<(), LayerError> {
     if !matches!(call.rule, lrm_score::Rule::TopQ | lrm_score::Rule::Priority) {
         return refuse(format!("the {} selection rule", call.rule.name()));
     }
+    if selection_of(call) == Selection::PerSourceExpert {
+        return refuse("selection per source (a binding per-source send budget)".into());
+    }
     Ok(())
 }
 
@@ -596,11 +591,25 @@ pub struct EpPlan {
     pub quotas: Vec<u32>,
     /// Per-rank pair caps the backward's redistribution honours, if any.
     pub caps: Option<Vec<u64>>,
-    /// `None`: each expert keeps its `quotas[e]` best scores (top-q).
-    /// `Some(seed)`: priority sampling with this call's seed — the `q`
-    /// largest keys `√score / u(seed, id)`, kept pairs weighted
-    /// `max(√score, τ) / √score` (unbiased; `lrm_score::Rule::Priority`).
-    pub priority_seed: Option<u64>,
+    /// How each quota is filled ([`lrm_score::Rule`]): top-q (the `q`
+    /// best scores), or a sampling rule drawing from [`EpPlan::seed`] —
+    /// priority sampling keeps the `q` largest keys `√score / u(seed, id)`
+    /// and weights kept pairs `max(√score, τ) / √score` (unbiased).
+    pub rule: lrm_score::Rule,
+    /// This call's seed of the sampling rules (the same on every rank).
+    pub seed: u64,
+    /// With [`Selection::PerSourceExpert`] (a per-source send budget
+    /// binds): each source's quota of each expert, `[source][expert]`,
+    /// selected over that source's pairs alone; `None`: per expert over
+    /// every source's pairs ([`EpPlan::quotas`]).
+    pub cells: Option<Vec<Vec<u32>>>,
+}
+
+impl EpPlan {
+    /// The seed of this call's priority sampling (`None`: another rule).
+    pub fn priority_seed(&self) -> Option<u64> {
+        (self.rule == lrm_score::Rule::Priority).then_some(self.seed)
+    }
 }
 
 /// Whether every expert has exactly one instance (its owner): no replica
@@ -709,17 +718,26 @@ pub struct DevicePlanner {
 }
 
 impl DevicePlanner {
-    /// A planner for this layer and call settings. Capacity-factor dropping
-    /// and the forced hot workload are the host executor's only.
+    /// A planner for this layer and call settings on the device
+    /// ([`check_device_call`]).
     pub fn new(cfg: MoeConfig, call: CallConfig) -> Result<Self, LayerError> {
-        cfg.validate()?;
         check_device_call(&call)?;
+        let mut p = Self::host(cfg, call)?;
+        p.value_bytes = 2;
+        Ok(p)
+    }
+
+    /// A planner for this layer and call settings on the host backend
+    /// (every rule and selection; rows of `f32` unless
+    /// [`DevicePlanner::for_values`] says otherwise).
+    pub fn host(cfg: MoeConfig, call: CallConfig) -> Result<Self, LayerError> {
+        cfg.validate()?;
         Ok(Self {
             cfg,
             call,
             last: std::sync::Mutex::new(None),
             fixed: None,
-            value_bytes: 2,
+            value_bytes: 4,
         })
     }
 
@@ -843,7 +861,15 @@ impl DevicePlanner {
         let plan = plan_over_blocks(&self.cfg, &self.call, routed, self.value_bytes)?;
         let instances = plan.placement.all_instances();
         let forward = self.solve(routed, &instances, None, self.call.forward_solver())?;
-        let priority_seed = plan.priority_seed(&self.call);
+        let cells = (plan.selection == Selection::PerSourceExpert).then(|| {
+            (plan.kept.iter())
+                .map(|row| {
+                    row.iter()
+                        .map(|&q| u32::try_from(q).unwrap_or(u32::MAX))
+                        .collect()
+                })
+                .collect()
+        });
         let quotas = match &self.fixed {
             Some(q) if q.len() == self.cfg.n_experts => q.clone(),
             Some(q) => {
@@ -860,7 +886,9 @@ impl DevicePlanner {
             instances,
             forward,
             caps: plan.caps.clone(),
-            priority_seed,
+            rule: self.call.rule,
+            seed: call_seed(self.call.rule_seed, &plan.routed),
+            cells,
         };
         if let Ok(mut l) = self.last.lock() {
             *l = Some(plan);

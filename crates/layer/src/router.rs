@@ -1,5 +1,6 @@
-//! The router of the host executor: softmax over the router logits, the
-//! top-k experts of each token, and the capacity-factor baseline's mask.
+//! The router's rules: softmax over the router logits and the top-k experts
+//! of each token (the host backend's), the capacity-factor baseline's
+//! capacity and the auxiliary loss's terms (every backend's).
 
 use kernels::cpu::Real;
 
@@ -52,26 +53,6 @@ pub(crate) fn expert_capacity(
             "capacity factor {f} must be positive"
         ))),
     }
-}
-
-/// Which pairs reach their expert: all, or the first
-/// [`expert_capacity`] per expert in pair order.
-pub(crate) fn capacity_mask(
-    factor: Option<f64>,
-    expert_of_pair: &[u32],
-    n_experts: usize,
-) -> Result<Vec<bool>, LayerError> {
-    let Some(cap) = expert_capacity(factor, expert_of_pair.len(), n_experts)? else {
-        return Ok(vec![true; expert_of_pair.len()]);
-    };
-    let mut used = vec![0usize; n_experts];
-    Ok(expert_of_pair
-        .iter()
-        .map(|&e| {
-            used[e as usize] += 1;
-            used[e as usize] <= cap
-        })
-        .collect())
 }
 
 /// The Switch/GShard auxiliary loss `α · E · Σ_e f_e · P_e` of one rank's

@@ -14,9 +14,9 @@
 //! (data parallel, gradients all-reduced) and runs the MoE layers with
 //! expert parallelism over the same transport.
 
-use kernels::cpu::{matmul, Op, Real};
+use kernels::cpu::{matmul, Op};
 use layer::transport::all_reduce_sum;
-use layer::{BackwardStats, CallConfig, CallPlan, MoeConfig, MoeParams, Saved, Transport};
+use layer::{BackwardStats, CallConfig, CallPlan, MoeConfig, MoeParams, Saved, Transport, Value};
 use quota::Placement;
 use serde::{Deserialize, Serialize};
 
@@ -235,14 +235,14 @@ impl Rng {
             .wrapping_add(1442695040888963407);
         (self.0 >> 11) as f64 / (1u64 << 53) as f64
     }
-    fn fill<T: Real>(&mut self, v: &mut [T], scale: f64) {
+    fn fill<T: Value>(&mut self, v: &mut [T], scale: f64) {
         for x in v {
             *x = T::of((2.0 * self.uniform() - 1.0) * scale);
         }
     }
 }
 
-impl<T: Real> Model<T> {
+impl<T: Value> Model<T> {
     /// Zeros of the configured shapes.
     pub fn zeros(cfg: &ModelConfig) -> Self {
         let d = cfg.d_model;
@@ -370,7 +370,7 @@ impl<T: Real> Model<T> {
 }
 
 /// `y = x / rms(x) ⊙ w` per row of `w.len()`; returns `1 / rms` per row.
-fn rmsnorm<T: Real>(x: &[T], w: &[T], eps: f64, y: &mut [T]) -> Vec<T> {
+fn rmsnorm<T: Value>(x: &[T], w: &[T], eps: f64, y: &mut [T]) -> Vec<T> {
     let d = w.len();
     x.chunks_exact(d)
         .zip(y.chunks_exact_mut(d))
@@ -386,7 +386,7 @@ fn rmsnorm<T: Real>(x: &[T], w: &[T], eps: f64, y: &mut [T]) -> Vec<T> {
 }
 
 /// Backward of [`rmsnorm`]: adds into `dx` and `dw`.
-fn rmsnorm_backward<T: Real>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T], dw: &mut [T]) {
+fn rmsnorm_backward<T: Value>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T], dw: &mut [T]) {
     let d = w.len();
     for (r, ((xr, dyr), dxr)) in x
         .chunks_exact(d)
@@ -410,7 +410,7 @@ fn rmsnorm_backward<T: Real>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T]
 }
 
 /// Per-block activations kept for the backward.
-struct BlockCache<T> {
+struct BlockCache<T: Value> {
     x_in: Vec<T>,
     /// The attention half's.
     at: AttnForward<T>,
@@ -420,7 +420,7 @@ struct BlockCache<T> {
 }
 
 /// Activations of one forward, for [`backward`].
-pub struct Cache<T> {
+pub struct Cache<T: Value> {
     tokens: Vec<u32>,
     targets: Vec<u32>,
     blocks: Vec<BlockCache<T>>,
@@ -436,7 +436,7 @@ pub struct Cache<T> {
     pub aux_loss: f64,
 }
 
-impl<T> Cache<T> {
+impl<T: Value> Cache<T> {
     /// The controller's plan of each block's MoE call (routing, quotas,
     /// replicas).
     pub fn moe_plans(&self) -> impl Iterator<Item = &CallPlan> {
@@ -477,7 +477,7 @@ pub(crate) fn layer_call_of(run: &MoeRun<'_>, li: usize) -> Option<CallConfig> {
 }
 
 /// Rearranges `[n, h·dh]` (token-major) into `[h, n, dh]` per sequence.
-fn split_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut [T]) {
+fn split_heads<T: Value>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut [T]) {
     let d = heads * dh;
     let n_seq = x.len() / (seq * d);
     for b in 0..n_seq {
@@ -495,7 +495,7 @@ fn split_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut 
 /// multiple of `dh`; token `i` at position `i % seq`) by RoPE with base
 /// `theta`; `inverse` rotates by the negative angle (the transpose: the
 /// backward of the rotation).
-fn rope<T: Real>(x: &mut [T], seq: usize, width: usize, dh: usize, theta: f64, inverse: bool) {
+fn rope<T: Value>(x: &mut [T], seq: usize, width: usize, dh: usize, theta: f64, inverse: bool) {
     let half = dh / 2;
     let sign = if inverse { -1.0 } else { 1.0 };
     let table: Vec<(T, T)> = (0..seq)
@@ -520,7 +520,7 @@ fn rope<T: Real>(x: &mut [T], seq: usize, width: usize, dh: usize, theta: f64, i
 }
 
 /// Inverse of [`split_heads`].
-fn merge_heads<T: Real>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut [T]) {
+fn merge_heads<T: Value>(x: &[T], seq: usize, heads: usize, dh: usize, out: &mut [T]) {
     let d = heads * dh;
     let n_seq = out.len() / (seq * d);
     for b in 0..n_seq {
@@ -560,7 +560,7 @@ fn check_batch(
 }
 
 /// Token embeddings (plus learned positions, when the model has them).
-fn embed<T: Real>(cfg: &ModelConfig, model: &Model<T>, tokens: &[u32], seq: usize) -> Vec<T> {
+fn embed<T: Value>(cfg: &ModelConfig, model: &Model<T>, tokens: &[u32], seq: usize) -> Vec<T> {
     let d = cfg.d_model;
     let mut x = vec![T::zero(); tokens.len() * d];
     for (i, (row, &t)) in x.chunks_exact_mut(d).zip(tokens).enumerate() {
@@ -598,7 +598,7 @@ struct AttnForward<T> {
 /// Pre-norm, projections, the optional q/k norms and RoPE, and causal
 /// grouped-query attention per (sequence, query head); query head `j`
 /// reads key/value head `j / group`.
-fn attention_forward<T: Real>(
+fn attention_forward<T: Value>(
     cfg: &ModelConfig,
     b: &Block<T>,
     x: &[T],
@@ -675,7 +675,7 @@ fn attention_forward<T: Real>(
 
 /// Scaled scores `p` (`seq × seq`, one head) to causal softmax rows, in
 /// place: future positions get probability zero.
-fn causal_softmax<T: Real>(p: &mut [T], seq: usize, scale: T) {
+fn causal_softmax<T: Value>(p: &mut [T], seq: usize, scale: T) {
     for (i, row) in p.chunks_exact_mut(seq).enumerate() {
         let mut max = T::neg_infinity();
         for (j, s) in row.iter_mut().enumerate() {
@@ -701,7 +701,7 @@ fn causal_softmax<T: Real>(p: &mut [T], seq: usize, scale: T) {
 /// place): pre-norm, the layer call (with the block's balancing bias, if
 /// any); returns the norm's inverse RMS, the layer's saved state and the
 /// call's wall seconds.
-fn moe_forward<T: Real, X: Transport>(
+fn moe_forward<T: Value, X: Transport>(
     comm: &X,
     cfg: &ModelConfig,
     run: &MoeRun<'_>,
@@ -731,7 +731,7 @@ fn moe_forward<T: Real, X: Transport>(
 /// Final norm, LM head and softmax probabilities; the mean cross-entropy
 /// of `targets` in nats. Returns `(loss, inv_f, hf, probs)`.
 #[allow(clippy::type_complexity)]
-fn head_loss<T: Real>(
+fn head_loss<T: Value>(
     cfg: &ModelConfig,
     model: &Model<T>,
     x: &[T],
@@ -769,7 +769,7 @@ fn head_loss<T: Real>(
 
 /// Loss (mean cross-entropy over this rank's tokens, in nats) and cache.
 /// `tokens` and `targets` are `n_seq × seq` row-major.
-pub fn forward<T: Real, X: Transport>(
+pub fn forward<T: Value, X: Transport>(
     comm: &X,
     cfg: &ModelConfig,
     model: &Model<T>,
@@ -834,7 +834,7 @@ pub struct Gradients<T> {
 /// The LM head's and final norm's backward: `g.head`, `g.norm_f`, and the
 /// gradient of the residual stream at the top, `dx`. `d loss / d logits =
 /// (p − onehot) / (n · world)`.
-fn head_backward<T: Real>(
+fn head_backward<T: Value>(
     cfg: &ModelConfig,
     model: &Model<T>,
     cache: &Cache<T>,
@@ -884,7 +884,7 @@ fn head_backward<T: Real>(
 /// context gradient `dctx` (head-major): `(dq, dk, dv)`, head-major; a
 /// key/value head sums the gradients of its group's queries.
 #[allow(clippy::type_complexity)]
-fn heads_backward<T: Real>(
+fn heads_backward<T: Value>(
     cfg: &ModelConfig,
     c: &AttnForward<T>,
     dctx: &[T],
@@ -954,7 +954,7 @@ fn heads_backward<T: Real>(
 /// The attention branch's backward, `x_mid = x_in + attn(norm1(x_in)) ·
 /// Wo`: the block's attention gradients into `gb`, and `dx` (the gradient
 /// at `x_mid`) to the gradient at `x_in`, in place.
-fn attention_backward<T: Real>(
+fn attention_backward<T: Value>(
     cfg: &ModelConfig,
     b: &Block<T>,
     c: &BlockCache<T>,
@@ -1020,7 +1020,7 @@ fn attention_backward<T: Real>(
 
 /// The embeddings' gradients (token, and learned position when the model
 /// has it) from the gradient at the bottom of the residual stream.
-fn embed_backward<T: Real>(
+fn embed_backward<T: Value>(
     cfg: &ModelConfig,
     cache: &Cache<T>,
     dx: &[T],
@@ -1047,7 +1047,7 @@ fn embed_backward<T: Real>(
 /// Gradients of the mean loss over *all* ranks' tokens (each rank holds the
 /// same number), summed over ranks so every rank gets the same result; and
 /// each MoE layer's backward figures for this rank.
-pub fn backward<T: Real, X: Transport>(
+pub fn backward<T: Value, X: Transport>(
     comm: &X,
     cfg: &ModelConfig,
     model: &Model<T>,
@@ -1139,7 +1139,9 @@ mod tests {
         bwd: &CallConfig,
     ) -> (f64, Model<f64>) {
         let placement = Placement {
-            owner: (0..cfg.n_experts).map(|e| e % ranks).collect(),
+            owner: (0..cfg.n_experts)
+                .map(|e| e * ranks / cfg.n_experts)
+                .collect(),
             replicas: vec![],
         };
         let run = MoeRun {

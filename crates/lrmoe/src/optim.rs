@@ -1,7 +1,5 @@
 //! AdamW with global-norm gradient clipping, over [`Model`] tensors.
 
-use kernels::cpu::Real;
-
 use crate::model::Model;
 
 /// AdamW hyper-parameters.
@@ -68,7 +66,7 @@ fn decays(name: &str) -> bool {
 
 /// Clips `grads` to global norm `cfg.clip` and applies one AdamW update at
 /// learning rate `lr`. Returns the gradient norm before clipping.
-pub fn step<T: Real>(
+pub fn step<T: layer::Value>(
     cfg: &AdamWConfig,
     model: &mut Model<T>,
     grads: &Model<T>,

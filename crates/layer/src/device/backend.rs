@@ -255,41 +255,49 @@ impl Backend for Device<'_> {
         &self,
         scores: &CudaSlice<f32>,
         ids: &CudaSlice<u32>,
-        offsets: &CudaSlice<u32>,
-        quotas: &CudaSlice<u32>,
-        kept: &mut CudaSlice<u8>,
+        offsets: &[u32],
+        quotas: &[u32],
+        (rule, seed): (lrm_score::Rule, u64),
         err: &mut CudaSlice<u32>,
-        groups: usize,
-    ) -> Result<(), LayerError> {
-        // SAFETY: the caller's contract is the operation's.
-        Ok(unsafe {
-            self.gpu
-                .launch_select(scores, ids, offsets, quotas, kept, err, groups)
-        }?)
-    }
-    fn priority_keys(
-        &self,
-        score: &CudaSlice<f32>,
-        id: &CudaSlice<u32>,
-        seed: u64,
-        n: usize,
-    ) -> Result<CudaSlice<f32>, LayerError> {
-        Ok(self.gpu.priority_keys_dev(score, id, seed, n)?)
-    }
-    unsafe fn priority_weights(
-        &self,
-        rho: &CudaSlice<f32>,
-        score: &CudaSlice<f32>,
-        kept: (&CudaSlice<u8>, &CudaSlice<u8>),
-        offsets: &CudaSlice<u32>,
-        n: usize,
-        groups: usize,
-    ) -> Result<CudaSlice<f32>, LayerError> {
-        // SAFETY: the caller's contract is the operation's.
-        Ok(unsafe {
-            self.gpu
-                .priority_weights_dev(rho, score, kept, offsets, n, groups)
-        }?)
+    ) -> Result<(CudaSlice<u8>, Option<CudaSlice<f32>>), LayerError> {
+        let groups = quotas.len();
+        crate::config::shape("selection offsets", groups + 1, offsets.len())?;
+        let n = offsets[groups] as usize;
+        let (god, qd) = (self.gpu.upload(offsets)?, self.gpu.upload(quotas)?);
+        // Top-q by score, or priority sampling: top-q by key, weights from
+        // the threshold (the key kept at q + 1 but not at q).
+        let keys = match rule {
+            lrm_score::Rule::TopQ => None,
+            lrm_score::Rule::Priority => Some(self.gpu.priority_keys_dev(scores, ids, seed, n)?),
+            other => {
+                return Err(LayerError::Config(format!(
+                    "the {} selection rule runs on the host executor only",
+                    other.name()
+                )))
+            }
+        };
+        let by = keys.as_ref().unwrap_or(scores);
+        let mut select = |q: &CudaSlice<u32>| -> Result<CudaSlice<u8>, LayerError> {
+            // SAFETY: the selection writes a flag for every row.
+            let mut kept = unsafe { self.gpu.uninit::<u8>(n) }?;
+            // SAFETY: offsets has `groups + 1` ascending entries ending at
+            // n (the caller's rows: scores, ids); q holds `groups`.
+            unsafe { (self.gpu).launch_select(by, ids, &god, q, &mut kept, &mut *err, groups) }?;
+            Ok(kept)
+        };
+        let kept = select(&qd)?;
+        let weights = match &keys {
+            Some(rho) => {
+                let more: Vec<u32> = quotas.iter().map(|q| q.saturating_add(1)).collect();
+                let kept1 = select(&self.gpu.upload(&more)?)?;
+                // SAFETY: offsets partitions the n rows every buffer holds.
+                Some(unsafe {
+                    (self.gpu).priority_weights_dev(rho, scores, (&kept, &kept1), &god, n, groups)
+                }?)
+            }
+            None => None,
+        };
+        Ok((kept, weights))
     }
     fn mul(
         &self,

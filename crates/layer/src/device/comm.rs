@@ -308,7 +308,7 @@ pub(super) fn staged(e: crate::TransportError) -> KernelError {
     }
 }
 
-/// An exchange started by [`DeviceComm::start`] (the device backend's
+/// An exchange started by `DeviceComm::start` (the device backend's
 /// exchange in flight).
 pub enum Flight<T> {
     /// One rank, or collectives the host waited for: the receive buffer

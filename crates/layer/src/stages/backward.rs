@@ -6,8 +6,8 @@ use std::borrow::Cow;
 
 use pack::ep::{instance_layout, replica_traffic, InstanceLayout};
 
-use crate::backend::{Backend, Buf, Family, Overlap, Rows, Sc, Wts};
-use crate::config::{Experts, MoeConfig};
+use crate::backend::{Backend, Buf, Family, Overlap, Rows, Sc, Val, Wts};
+use crate::config::{at_least, Experts, MoeConfig};
 use crate::plan::{check_split, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
 
@@ -43,9 +43,9 @@ pub type GradsOf<B> = Grads<Rows<B>, Buf<B, Sc<B>>>;
 
 /// The backward's selection: per row of this source, whether it is kept
 /// (`u8` flags, expert-major), the flags over every source's rows in the
-/// global order, each pair's routing weight times the rule's weight
-/// (priority sampling), and this source's kept rows per expert (read on the
-/// host later).
+/// global order (`None` when every pair is kept), each pair's routing
+/// weight times the rule's weight (the unbiased rules), and this source's
+/// kept rows per expert (read on the host later).
 type Selected<'g, B> = (
     Buf<B, u8>,
     Option<Buf<B, u8>>,
@@ -65,41 +65,36 @@ fn keep_every_row<'g, B: Backend>(
     scores: &Buf<B, Sc<B>>,
     err: &mut Buf<B, u32>,
 ) -> Result<Selected<'g, B>, LayerError> {
-    let (n, e) = (sv.rows, sv.cfg.n_experts);
     let own: Vec<u32> = sv.offsets.windows(2).map(|w| w[1] - w[0]).collect();
-    let (seg, quotas) = (b.upload(&sv.offsets)?, b.upload(&own)?);
-    // SAFETY: the selection writes a flag for every row.
-    let mut kept = unsafe { b.uninit::<u8>(n) }?;
-    // SAFETY: offsets are this source's E + 1 ascending expert offsets
-    // ending at n, the length of the scores, ids (src) and flags;
-    // quotas holds E.
-    unsafe { b.select(scores, &sv.src, &seg, &quotas, &mut kept, err, e) }?;
+    let top_q = (lrm_score::Rule::TopQ, 0);
+    // SAFETY: src holds one id per expert-major row, as the scores do.
+    let (kept, _) = unsafe { b.select(scores, &sv.src, &sv.offsets, &own, top_q, err) }?;
     Ok((kept, None, None, None))
 }
 
-/// Every source's scores on every rank, rank-major (`p` slots per source,
-/// the first `n` its routed rows).
-fn gather_scores<B: Backend>(
+/// Every source's `p` values on every rank, rank-major (`p` slots per
+/// source, the first `n` its routed rows; the rest zero).
+fn gather_all<B: Backend, E: crate::backend::Elem>(
     b: &B,
     sv: &Saved<B::F>,
-    scores: Buf<B, Sc<B>>,
+    vals: Buf<B, E>,
     laps: &mut Laps<B::F>,
-) -> Result<Buf<B, Sc<B>>, LayerError> {
+) -> Result<Buf<B, E>, LayerError> {
     let (rank, world) = (b.rank(), b.world_size());
     let n = sv.rows;
     let p = sv.tokens * sv.cfg.top_k;
-    let mut scores = scores;
+    let mut vals = vals;
     if n < p {
         // Every source contributes p slots to the gather; only its first n
         // are routed rows (order.perm never points past them).
-        let mut padded = b.zeros::<Sc<B>>(p)?;
+        let mut padded = b.zeros::<E>(p)?;
         if n > 0 {
-            b.copy(&scores, 0, &mut padded, 0, n)?;
+            b.copy(&vals, 0, &mut padded, 0, n)?;
         }
-        scores = padded;
+        vals = padded;
     }
     if world == 1 {
-        return Ok(scores);
+        return Ok(vals);
     }
     // Every other rank gets the one buffer whole; their p each land
     // rank-major.
@@ -107,19 +102,40 @@ fn gather_scores<B: Backend>(
         .map(|d| (0, 0, if d == rank { 0 } else { p }))
         .collect();
     let rp = packed_parts(&vec![p; world], &vec![p; world], rank, 1).1;
-    // SAFETY: the exchange writes every other rank's p scores, the copy
+    // SAFETY: the exchange writes every other rank's p values, the copy
     // below the own ones.
-    let mut fl = b.start(vec![scores], &sp, unsafe { b.uninit(world * p) }?, &rp)?;
+    let mut fl = b.start(vec![vals], &sp, unsafe { b.uninit(world * p) }?, &rp)?;
     laps.sent(b, "scores")?;
     let (sends, recv) = B::flight_buffers(&mut fl)?;
     copy_rows(b, &sends[0], 0, recv, rank, (1, p))?;
     Ok(b.finish(fl)?.0)
 }
 
+/// Each pair's routing weight times the rule's weight of its row
+/// (`w_rows`, one per row of `rows`, which `rows_of` maps this source's
+/// expert-major rows into).
+fn pair_weights<B: Backend>(
+    b: &B,
+    sv: &Saved<B::F>,
+    w_rows: &Buf<B, Sc<B>>,
+    rows_of: Option<&Buf<B, u32>>,
+) -> Result<Buf<B, Sc<B>>, LayerError> {
+    let (n, p) = (sv.rows, sv.tokens * sv.cfg.top_k);
+    // This source's pairs: (global row →) expert-major row → pair.
+    // SAFETY: rows_of maps this source's n rows into the rows w_rows
+    // holds; dst maps each pair to one of the n rows or DROPPED.
+    let w_pair = unsafe {
+        match rows_of {
+            Some(mine) => b.gather32(&b.gather32(w_rows, mine, n)?, &sv.dst, p)?,
+            None => b.gather32(w_rows, &sv.dst, p)?,
+        }
+    };
+    b.mul(B::routed_gates(&sv.routed), &w_pair, p)
+}
+
 /// The same per-expert selection on every rank over every source's pairs:
-/// the scores all-gathered in the global expert-major order, top-q by score
-/// or priority sampling (top-q by key, weights from the threshold: the key
-/// kept at q + 1 but not at q), this source's flags and kept counts.
+/// the scores all-gathered in the global expert-major order, the plan's
+/// rule within each expert's quota, this source's flags and kept counts.
 fn select_over_sources<'g, B: Backend>(
     b: &'g B,
     sv: &Saved<B::F>,
@@ -128,9 +144,8 @@ fn select_over_sources<'g, B: Backend>(
     laps: &mut Laps<B::F>,
 ) -> Result<Selected<'g, B>, LayerError> {
     let (n, e) = (sv.rows, sv.cfg.n_experts);
-    let p = sv.tokens * sv.cfg.top_k;
     let n_all = sv.order.offsets[e] as usize;
-    let all = gather_scores(b, sv, scores, laps)?;
+    let all = gather_all(b, sv, scores, laps)?;
     laps.lap(b, "scores+gather")?;
     // The same per-expert selection on every rank, over every source's pairs.
     let g_scores = if sv.order.identity {
@@ -139,41 +154,21 @@ fn select_over_sources<'g, B: Backend>(
         // SAFETY: order.perm holds n_all indices into the W·p gathered scores.
         unsafe { b.gather32(&all, &sv.order.perm, n_all) }?
     };
-    let qd = b.upload(&sv.plan.quotas)?;
-    let god = b.upload(&sv.order.offsets)?;
-    // Top-q by score, or priority sampling: top-q by key, weights from the
-    // threshold (the key kept at q + 1 but not at q).
-    let keys = match sv.plan.priority_seed {
-        Some(seed) => Some(b.priority_keys(&g_scores, &sv.order.perm, seed, n_all)?),
-        None => None,
-    };
-    let by = keys.as_ref().unwrap_or(&g_scores);
-    let mut select = |quotas: &Buf<B, u32>| -> Result<Buf<B, u8>, LayerError> {
-        // SAFETY: the selection writes a flag for every row.
-        let mut kept = unsafe { b.uninit::<u8>(n_all) }?;
-        // SAFETY: order.offsets has E + 1 ascending entries ending at n_all,
-        // the length of the scores, ids and flags; quotas holds E.
-        unsafe { b.select(by, &sv.order.perm, &god, quotas, &mut kept, &mut *err, e) }?;
-        Ok(kept)
-    };
-    let kept_g = select(&qd)?;
-    let pair_weight = match &keys {
-        Some(rho) => {
-            let more: Vec<u32> = sv.plan.quotas.iter().map(|q| q.saturating_add(1)).collect();
-            let kept_g1 = select(&b.upload(&more)?)?;
-            // SAFETY: order.offsets partitions the n_all rows every buffer
-            // holds.
-            let wt =
-                unsafe { b.priority_weights(rho, &g_scores, (&kept_g, &kept_g1), &god, n_all, e) }?;
-            // This source's pairs: global row → expert-major row → pair.
-            // SAFETY: order.mine maps this source's n rows into the n_all
-            // global rows; dst maps each pair to one of the p rows.
-            let w_pair = unsafe {
-                let w_rows = b.gather32(&wt, &sv.order.mine, n)?;
-                b.gather32(&w_rows, &sv.dst, p)
-            }?;
-            Some(b.mul(B::routed_gates(&sv.routed), &w_pair, p)?)
-        }
+    let rule = (sv.plan.rule, sv.plan.seed);
+    // SAFETY: order.perm holds one id per row of the global order, which
+    // increases with (source, pair) within an expert: the tie rule.
+    let (kept_g, weights) = unsafe {
+        b.select(
+            &g_scores,
+            &sv.order.perm,
+            &sv.order.offsets,
+            &sv.plan.quotas,
+            rule,
+            err,
+        )
+    }?;
+    let pair_weight = match &weights {
+        Some(w) => Some(pair_weights(b, sv, w, Some(&sv.order.mine))?),
         None => None,
     };
     // SAFETY: order.mine maps this source's n rows into the n_all flags.
@@ -185,22 +180,56 @@ fn select_over_sources<'g, B: Backend>(
     Ok((mask, Some(kept_g), pair_weight, Some(mine)))
 }
 
+/// Selection per source ([`crate::Selection::PerSourceExpert`], a
+/// per-source send budget binds): this source keeps its own cell's quota
+/// of each expert over its own pairs; the flags are then all-gathered in
+/// the global order, for the owners' masks.
+fn select_per_source<'g, B: Backend>(
+    b: &'g B,
+    sv: &Saved<B::F>,
+    (scores, cells): (Buf<B, Sc<B>>, &[u32]),
+    err: &mut Buf<B, u32>,
+    laps: &mut Laps<B::F>,
+) -> Result<Selected<'g, B>, LayerError> {
+    let (n, e) = (sv.rows, sv.cfg.n_experts);
+    let n_all = sv.order.offsets[e] as usize;
+    let rule = (sv.plan.rule, sv.plan.seed);
+    // SAFETY: src holds one id per expert-major row, as the scores do.
+    let (mask, weights) = unsafe { b.select(&scores, &sv.src, &sv.offsets, cells, rule, err) }?;
+    let pair_weight = match &weights {
+        Some(w) => Some(pair_weights(b, sv, w, None)?),
+        None => None,
+    };
+    let all = gather_all(b, sv, mask.clone(), laps)?;
+    let kept_g = if sv.order.identity {
+        all
+    } else {
+        // SAFETY: order.perm holds n_all indices into the W·p gathered flags.
+        unsafe { b.gather_flags(&all, &sv.order.perm, n_all) }?
+    };
+    let mine_d = b.kept_counts(&sv.order.expert_of_row, &mask, n, e)?;
+    let mine = b.download_later(&mine_d, e)?;
+    Ok((mask, Some(kept_g), pair_weight, Some(mine)))
+}
+
 /// The backward's kept set: per row of this source whether it is kept
 /// (expert-major), the flags over every source's rows (global order; `None`
 /// when every pair is kept), each pair's routing weight times the rule's
-/// weight (priority sampling), the kept pairs per expert over every source
+/// weight (the unbiased rules), the kept pairs per expert over every source
 /// and per (source, expert), and the router's gradients (its sum over ranks
 /// not yet started).
 struct KeptSet<F: Family> {
     mask: F::Buf<u8>,
     kept_g: Option<F::Buf<u8>>,
     pair_weight: Option<F::Buf<F::S>>,
-    /// `min(q_e, n_e)` per expert, over every source.
+    /// Kept pairs per expert, over every source.
     global: Vec<u32>,
     /// Kept pairs per source and expert.
     kept: Vec<Vec<u32>>,
     router: F::Buf<F::S>,
     dx_router: F::Buf<F::V>,
+    /// This source's rows' scores, when the caller asked for them.
+    scores: Option<F::Buf<F::S>>,
 }
 
 /// Backward stage 1: the LRM scores of this source's pairs, the selection
@@ -212,7 +241,7 @@ fn score_and_select<B: Backend>(
     w: &Weights<B::F>,
     sv: &Saved<B::F>,
     dy: &Rows<B>,
-    laps: &mut Laps<B::F>,
+    (laps, keep_scores): (&mut Laps<B::F>, bool),
 ) -> Result<KeptSet<B::F>, LayerError> {
     let (h, k, n) = (sv.cfg.hidden, sv.cfg.top_k, sv.rows);
     let dy_sq = b.row_sq(dy, sv.tokens, h)?;
@@ -220,24 +249,34 @@ fn score_and_select<B: Backend>(
     // SAFETY: src maps the n expert-major rows to pairs (< p = t · k) and
     // h_sq holds n entries.
     let scores = unsafe { b.scores_from_norms(gates, &dy_sq, &sv.h_sq, &sv.src, n, k) }?;
+    let kept_scores = keep_scores.then(|| scores.clone());
     let mut err = b.upload(&[0u32])?;
-    // The selection flags exactly min(q_e, n_e) rows of expert e's segment
-    // (its contract, tested against `select_top_reference`) when no score
-    // is non-finite (checked below): the kept pairs per expert.
+    // Top-q and priority sampling flag exactly min(q_e, n_e) rows of
+    // expert e's segment (their contract, tested against
+    // `select_top_reference`) when no score is non-finite (checked below).
     let segments = sv.order.offsets.windows(2);
-    let global: Vec<u32> = (sv.plan.quotas.iter().zip(segments.clone()))
-        .map(|(&q, w)| q.min(w[1] - w[0]))
-        .collect();
+    let exact = matches!(
+        sv.plan.rule,
+        lrm_score::Rule::TopQ | lrm_score::Rule::Priority
+    );
     // Every pair kept — each expert's quota covers its pairs over every
     // source (full retention, or a budget that does not bind): no score
     // crosses ranks and every rank already knows the kept counts.
-    let keep_all = (sv.plan.quotas.iter().zip(segments)).all(|(&q, w)| q >= w[1] - w[0]);
-    let (mask, kept_g, pair_weight, mine) = if keep_all {
-        let selected = keep_every_row(b, sv, &scores, &mut err)?;
-        laps.lap(b, "scores+gather")?;
-        selected
-    } else {
-        select_over_sources(b, sv, scores, &mut err, laps)?
+    let keep_all = sv.plan.cells.is_none()
+        && (sv.plan.quotas.iter().zip(segments.clone())).all(|(&q, w)| q >= w[1] - w[0]);
+    let (mask, kept_g, pair_weight, mine) = match &sv.plan.cells {
+        _ if keep_all => {
+            let selected = keep_every_row(b, sv, &scores, &mut err)?;
+            laps.lap(b, "scores+gather")?;
+            selected
+        }
+        Some(cells) => {
+            let cells = cells
+                .get(b.rank())
+                .ok_or(LayerError::Config("no cell quotas".into()))?;
+            select_per_source(b, sv, (scores, cells), &mut err, laps)?
+        }
+        None => select_over_sources(b, sv, scores, &mut err, laps)?,
     };
     let flag = b.download_later(&err, 1)?;
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
@@ -258,12 +297,27 @@ fn score_and_select<B: Backend>(
     b.settle()?;
     if b.wait(flag)?[0] != 0 {
         return Err(LayerError::NonFinite(
-            "a LRM score of the device backward (non-finite dy?)",
+            "a LRM score of the backward (non-finite dy?)",
         ));
     }
-    let kept = match mine {
-        None => sv.counts_all.clone(),
-        Some(mine) => agreed_kept(b, &b.wait(mine)?, &global)?,
+    let (kept, global) = match mine {
+        None => (
+            sv.counts_all.clone(),
+            sv.counts_all
+                .iter()
+                .fold(vec![0; sv.cfg.n_experts], |acc, r| add(acc, r)),
+        ),
+        Some(mine) => {
+            let mine = b.wait(mine)?;
+            let kept = b.all_gather_counts(&mine)?;
+            let global = kept
+                .iter()
+                .fold(vec![0; sv.cfg.n_experts], |acc, r| add(acc, r));
+            if exact && sv.plan.cells.is_none() {
+                agreed_kept(&sv.plan.quotas, segments, &global)?;
+            }
+            (kept, global)
+        }
     };
     laps.lap(b, "select + router")?;
     Ok(KeptSet {
@@ -274,26 +328,33 @@ fn score_and_select<B: Backend>(
         kept,
         router,
         dx_router,
+        scores: kept_scores,
     })
 }
 
-/// Every source's kept pairs per expert, all-gathered, and checked against
-/// this rank's own count of the global selection (`global`).
-fn agreed_kept<B: Backend>(
-    b: &B,
-    mine: &[u32],
+/// `acc + row`, element-wise.
+fn add(mut acc: Vec<u32>, row: &[u32]) -> Vec<u32> {
+    acc.iter_mut().zip(row).for_each(|(a, &r)| *a += r);
+    acc
+}
+
+/// Every source's kept pairs per expert (`global`, summed over the
+/// all-gathered counts) against this rank's own count of the global
+/// selection, `min(q_e, n_e)` per expert.
+fn agreed_kept<'a>(
+    quotas: &[u32],
+    segments: impl Iterator<Item = &'a [u32]>,
     global: &[u32],
-) -> Result<Vec<Vec<u32>>, LayerError> {
-    let kept = b.all_gather_counts(mine)?;
-    for (ex, &g) in global.iter().enumerate() {
-        let sum: u64 = kept.iter().map(|row| u64::from(row[ex])).sum();
-        if sum != u64::from(g) {
+) -> Result<(), LayerError> {
+    for (ex, ((&q, seg), &sum)) in quotas.iter().zip(segments).zip(global).enumerate() {
+        let g = q.min(seg[1] - seg[0]);
+        if sum != g {
             return Err(LayerError::Kernel(kernels::KernelError::Comm(format!(
                 "ranks disagree on expert {ex}'s kept pairs ({sum} reported, {g} selected here)"
             ))));
         }
     }
-    Ok(kept)
+    Ok(())
 }
 
 /// Backward stage 2: the planner's redistribution of the kept pairs over
@@ -304,12 +365,14 @@ fn redistribute_kept<F: Family>(
     sv: &Saved<F>,
     kept: &[Vec<u32>],
     rank: usize,
-) -> Result<InstanceLayout, LayerError> {
+) -> Result<(InstanceLayout, Vec<u64>), LayerError> {
     let split = planner.backward(&sv.plan, kept)?;
     check_split(&split, kept, &sv.plan.instances)?;
+    let loads: Vec<u64> = (0..kept.len())
+        .map(|r| split.iter().flatten().map(|c| u64::from(c[r])).sum())
+        .collect();
     if let Some(caps) = &sv.plan.caps {
-        for (r, &cap) in caps.iter().enumerate() {
-            let load: u64 = split.iter().flatten().map(|c| u64::from(c[r])).sum();
+        for (r, (&cap, &load)) in caps.iter().zip(&loads).enumerate() {
             if load > cap {
                 return Err(LayerError::Config(format!(
                     "the redistribution gives rank {r} {load} pairs, over its cap {cap}"
@@ -317,7 +380,7 @@ fn redistribute_kept<F: Family>(
             }
         }
     }
-    Ok(instance_layout(&split, &sv.local, rank)?)
+    Ok((instance_layout(&split, &sv.local, rank)?, loads))
 }
 
 /// This source's kept rows, compacted: each row's kept position (`place`,
@@ -545,13 +608,29 @@ fn experts_backward<B: Backend>(
     Ok((dx_rows, grads))
 }
 
+/// What a backward saw, for the host executor's figures (only when asked
+/// for: the device executor never is).
+pub(crate) struct Trace<F: Family> {
+    /// This source's expert-major rows' LRM scores and kept flags.
+    pub(crate) scores: F::Buf<F::S>,
+    pub(crate) mask: F::Buf<u8>,
+    /// Kept pairs per source and expert.
+    pub(crate) kept: Vec<Vec<u32>>,
+    /// Kept pairs each rank's instances process.
+    pub(crate) loads: Vec<u64>,
+    /// Milliseconds of each phase of the call, in order.
+    pub(crate) laps: Vec<(&'static str, f64)>,
+}
+
 /// The LRMoE backward for `dy` (this rank's tokens, `tokens × hidden`):
 /// expert `e` keeps `plan.quotas[e]` pairs over all sources by LRM score
-/// (top-q, or priority sampling with the plan's seed); the planner splits
-/// the kept pairs over the instances; only kept rows travel and are
-/// multiplied. The owner's forward rows are borrowed from `sv` (another
-/// backward of it may run) or `own` takes them (released as soon as the
-/// kept rows are gathered from them).
+/// (top-q, or the plan's sampling rule); the planner splits the kept pairs
+/// over the instances; only kept rows travel and are multiplied. The
+/// owner's forward rows are borrowed from `sv` (another backward of it may
+/// run) or `own` takes them (released as soon as the kept rows are
+/// gathered from them). The device executor's (the host's asks for the
+/// trace).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn backward<B: Backend>(
     b: &B,
     w: &Weights<B::F>,
@@ -559,19 +638,26 @@ pub(crate) fn backward<B: Backend>(
     dy: &Rows<B>,
     planner: &DevicePlanner,
 ) -> Result<GradsOf<B>, LayerError> {
+    Ok(backward_traced(b, w, (sv, own), dy, planner, false)?.0)
+}
+
+/// [`backward`], and with `trace` what it saw ([`Trace`]).
+#[allow(clippy::type_complexity)]
+pub(crate) fn backward_traced<B: Backend>(
+    b: &B,
+    w: &Weights<B::F>,
+    (sv, own): (&Saved<B::F>, Option<Held<'_, B::F>>),
+    dy: &Rows<B>,
+    planner: &DevicePlanner,
+    trace: bool,
+) -> Result<(GradsOf<B>, Option<Trace<B::F>>), LayerError> {
     let cfg = &sv.cfg;
     let (t, h, k) = (sv.tokens, cfg.hidden, cfg.top_k);
-    let (rank, world, el) = (b.rank(), b.world_size(), sv.per_rank);
-    if B::len(dy) < t * h {
-        return Err(LayerError::Shape {
-            what: "dy (tokens × hidden)".into(),
-            expected: t * h,
-            got: B::len(dy),
-        });
-    }
-    let mut laps = Laps::new(b)?;
-    let ks = score_and_select(b, w, sv, dy, &mut laps)?;
-    let lay = redistribute_kept(planner, sv, &ks.kept, rank)?;
+    let (rank, el) = (b.rank(), sv.per_rank);
+    at_least("dy (tokens × hidden)", t * h, B::len(dy))?;
+    let mut laps = Laps::new(b, trace)?;
+    let ks = score_and_select(b, w, sv, dy, (&mut laps, trace))?;
+    let (lay, loads) = redistribute_kept(planner, sv, &ks.kept, rank)?;
     laps.lap(b, "redistribute")?;
     let pk = pack_kept(b, sv, &ks, &lay, dy, rank)?;
     laps.lap(b, "pack")?;
@@ -589,6 +675,7 @@ pub(crate) fn backward<B: Backend>(
     let abk = abk.as_ref().map(|(a, c)| (&**a, &**c));
     let dims = (h, cfg.ffn);
     let (dx_rows, grads) = experts_backward(b, &lay, (&xk, abk, &dk), wts, dims, &mut laps)?;
+    drop((xk, dk));
     // Stage 6, on the source: scatter-add the kept pairs' dX into the tokens.
     let kinv = b.expand(&lay.send_inv)?;
     // SAFETY: dst maps pairs to expert-major rows (< n) or DROPPED, place
@@ -606,16 +693,42 @@ pub(crate) fn backward<B: Backend>(
     b.settle()?;
     laps.lap(b, "replica grads")?;
     laps.print(b, "backward")?;
-    let x_rows = if owned { 0 } else { off_rank(&lay.send, rank) };
-    let rows = off_rank(&lay.send, rank) + x_rows + off_rank(&lay.recv.from, rank);
-    Ok(Grads {
+    let kept_total = ks.kept.iter().flatten().map(|&c| c as usize).sum();
+    let traced = match (trace, ks.scores) {
+        (true, Some(scores)) => Some(Trace {
+            scores,
+            mask: ks.mask,
+            kept: ks.kept,
+            loads,
+            laps: laps.intervals(b)?,
+        }),
+        _ => None,
+    };
+    let bytes_sent = sent_bytes(sv, &lay, (rank, b.world_size()), owned) + g_bytes;
+    let g = Grads {
         dx,
         router,
         experts,
         kept_pairs: lay.recv.perm.len,
-        kept_total: ks.kept.iter().flatten().map(|&c| c as usize).sum(),
-        bytes_sent: t * k * 4 * (world - 1) + rows * h * 2 + g_bytes,
-    })
+        kept_total,
+        bytes_sent,
+    };
+    Ok((g, traced))
+}
+
+/// Bytes this rank sends to others in a backward: scores, kept `x` rows
+/// where they travel, `g·δ` rows, `dX` replies.
+fn sent_bytes<F: Family>(
+    sv: &Saved<F>,
+    lay: &InstanceLayout,
+    (rank, world): (usize, usize),
+    owned: bool,
+) -> usize {
+    let (t, h, k) = (sv.tokens, sv.cfg.hidden, sv.cfg.top_k);
+    let (v, sc) = (std::mem::size_of::<F::V>(), std::mem::size_of::<F::S>());
+    let x_rows = if owned { 0 } else { off_rank(&lay.send, rank) };
+    let rows = off_rank(&lay.send, rank) + x_rows + off_rank(&lay.recv.from, rank);
+    t * k * sc * (world - 1) + rows * h * v
 }
 
 /// This rank's own experts' gradients from those of its instances
@@ -658,5 +771,8 @@ fn owner_gradients<B: Backend>(
         up: owners_sum(&grads.up)?,
         down: owners_sum(&grads.down)?,
     };
-    Ok((summed, out_blocks.len() * 3 * hf * 2))
+    Ok((
+        summed,
+        out_blocks.len() * 3 * hf * std::mem::size_of::<Val<B>>(),
+    ))
 }

@@ -34,6 +34,8 @@ pub(crate) struct OwnedRows<F: Family> {
 /// has read it).
 pub(crate) enum Held<'a, F: Family> {
     Borrowed(&'a OwnedRows<F>),
+    /// The device executor's `backward_releasing`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     Taken(Box<OwnedRows<F>>),
 }
 
@@ -57,17 +59,21 @@ impl<F: Family> std::ops::Deref for Held<'_, F> {
 /// close behind the host's is a device that waited for the host).
 pub(crate) struct Laps<F: Family> {
     start: Option<F::Mark>,
+    /// Whether [`Laps::print`] logs (`LRMOE_EP_PROFILE=1`).
+    log: bool,
     host0: std::time::Instant,
     compute: Vec<(&'static str, F::Mark, f64)>,
     comm: Vec<(&'static str, F::Mark, F::Mark)>,
 }
 
 impl<F: Family> Laps<F> {
-    pub(crate) fn new<B: Backend<F = F>>(b: &B) -> Result<Self, LayerError> {
+    /// Records when `LRMOE_EP_PROFILE=1`, or when `always`.
+    pub(crate) fn new<B: Backend<F = F>>(b: &B, always: bool) -> Result<Self, LayerError> {
         static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-        let on = *ON.get_or_init(|| std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"));
+        let log = *ON.get_or_init(|| std::env::var("LRMOE_EP_PROFILE").as_deref() == Ok("1"));
         Ok(Self {
-            start: if on { Some(b.mark()?) } else { None },
+            start: if log || always { Some(b.mark()?) } else { None },
+            log,
             host0: std::time::Instant::now(),
             compute: Vec::new(),
             comm: Vec::new(),
@@ -97,8 +103,26 @@ impl<F: Family> Laps<F> {
         }
         Ok(())
     }
-    pub(crate) fn print<B: Backend<F = F>>(&self, b: &B, what: &str) -> Result<(), LayerError> {
+    /// Each compute phase's milliseconds, in order (none unless
+    /// recording).
+    pub(crate) fn intervals<B: Backend<F = F>>(
+        &self,
+        b: &B,
+    ) -> Result<Vec<(&'static str, f64)>, LayerError> {
         let Some(t0) = &self.start else {
+            return Ok(Vec::new());
+        };
+        let mut at = 0.0;
+        let mut out = Vec::with_capacity(self.compute.len());
+        for (n, m, _) in &self.compute {
+            let t = b.ms_between(t0, m)?;
+            out.push((*n, t - at));
+            at = t;
+        }
+        Ok(out)
+    }
+    pub(crate) fn print<B: Backend<F = F>>(&self, b: &B, what: &str) -> Result<(), LayerError> {
+        let Some(t0) = self.start.as_ref().filter(|_| self.log) else {
             return Ok(());
         };
         let mut parts = Vec::new();

@@ -466,7 +466,7 @@ pub(crate) fn forward<B: Backend>(
 ) -> Result<Saved<B::F>, LayerError> {
     let (rank, world, el) = world_of(b, cfg)?;
     let (h, f, k) = (cfg.hidden, cfg.ffn, cfg.top_k);
-    let mut laps = Laps::new(b)?;
+    let mut laps = Laps::new(b, false)?;
     let d = dispatch(b, cfg, w, x, planner, &mut laps)?;
     let (fp, n, p) = (d.fp, d.offsets[cfg.n_experts] as usize, d.tokens * k);
     // The controller, while the experts compute (owners only).
