@@ -232,6 +232,36 @@ struct KeptSet<F: Family> {
     scores: Option<F::Buf<F::S>>,
 }
 
+/// The plan's selection of this source's rows by their scores: every row
+/// where every quota covers its expert, per source where the plan has
+/// cells, else per expert over every source's rows.
+fn select_rows<'g, B: Backend>(
+    b: &'g B,
+    sv: &Saved<B::F>,
+    scores: Buf<B, Sc<B>>,
+    err: &mut Buf<B, u32>,
+    laps: &mut Laps<B::F>,
+) -> Result<Selected<'g, B>, LayerError> {
+    // Every pair kept — each expert's quota covers its pairs over every
+    // source (full retention, or a budget that does not bind): no score
+    // crosses ranks and every rank already knows the kept counts.
+    let segments = sv.order.offsets.windows(2);
+    let keep_all = sv.plan.cells.is_none()
+        && (sv.plan.quotas.iter().zip(segments)).all(|(&q, w)| q >= w[1] - w[0]);
+    match &sv.plan.cells {
+        _ if keep_all => {
+            let selected = keep_every_row(b, sv, &scores, err)?;
+            laps.lap(b, "scores+gather")?;
+            Ok(selected)
+        }
+        Some(cells) => {
+            let cells = (cells.get(b.rank())).ok_or(LayerError::Config("no cell quotas".into()))?;
+            select_per_source(b, sv, (scores, cells), err, laps)
+        }
+        None => select_over_sources(b, sv, scores, err, laps),
+    }
+}
+
 /// Backward stage 1: the LRM scores of this source's pairs, the selection
 /// within the plan's quotas, and the router's backward (complete and
 /// local: it keeps the backend busy while the host waits for the kept
@@ -251,48 +281,13 @@ fn score_and_select<B: Backend>(
     let scores = unsafe { b.scores_from_norms(gates, &dy_sq, &sv.h_sq, &sv.src, n, k) }?;
     let kept_scores = keep_scores.then(|| scores.clone());
     let mut err = b.upload(&[0u32])?;
-    // Top-q and priority sampling flag exactly min(q_e, n_e) rows of
-    // expert e's segment (their contract, tested against
-    // `select_top_reference`) when no score is non-finite (checked below).
-    let segments = sv.order.offsets.windows(2);
-    let exact = matches!(
-        sv.plan.rule,
-        lrm_score::Rule::TopQ | lrm_score::Rule::Priority
-    );
-    // Every pair kept — each expert's quota covers its pairs over every
-    // source (full retention, or a budget that does not bind): no score
-    // crosses ranks and every rank already knows the kept counts.
-    let keep_all = sv.plan.cells.is_none()
-        && (sv.plan.quotas.iter().zip(segments.clone())).all(|(&q, w)| q >= w[1] - w[0]);
-    let (mask, kept_g, pair_weight, mine) = match &sv.plan.cells {
-        _ if keep_all => {
-            let selected = keep_every_row(b, sv, &scores, &mut err)?;
-            laps.lap(b, "scores+gather")?;
-            selected
-        }
-        Some(cells) => {
-            let cells = cells
-                .get(b.rank())
-                .ok_or(LayerError::Config("no cell quotas".into()))?;
-            select_per_source(b, sv, (scores, cells), &mut err, laps)?
-        }
-        None => select_over_sources(b, sv, scores, &mut err, laps)?,
-    };
+    let (mask, kept_g, pair_weight, mine) = select_rows(b, sv, scores, &mut err, laps)?;
     let flag = b.download_later(&err, 1)?;
     // SAFETY: row_of_pair maps each of the p pairs to a row of o (the
     // forward's p returned rows).
     let (router, dx_router) = unsafe {
-        let aux = sv.aux_dp.as_ref();
-        b.router_backward(
-            &sv.routed,
-            aux,
-            &w.router,
-            &sv.x,
-            dy,
-            &sv.o,
-            &sv.row_of_pair,
-            h,
-        )
+        let (aux, rows) = (sv.aux_dp.as_ref(), &sv.row_of_pair);
+        b.router_backward(&sv.routed, aux, &w.router, &sv.x, dy, &sv.o, rows, h)
     }?;
     b.settle()?;
     if b.wait(flag)?[0] != 0 {
@@ -300,25 +295,11 @@ fn score_and_select<B: Backend>(
             "a LRM score of the backward (non-finite dy?)",
         ));
     }
-    let (kept, global) = match mine {
-        None => (
-            sv.counts_all.clone(),
-            sv.counts_all
-                .iter()
-                .fold(vec![0; sv.cfg.n_experts], |acc, r| add(acc, r)),
-        ),
-        Some(mine) => {
-            let mine = b.wait(mine)?;
-            let kept = b.all_gather_counts(&mine)?;
-            let global = kept
-                .iter()
-                .fold(vec![0; sv.cfg.n_experts], |acc, r| add(acc, r));
-            if exact && sv.plan.cells.is_none() {
-                agreed_kept(&sv.plan.quotas, segments, &global)?;
-            }
-            (kept, global)
-        }
+    let mine = match mine {
+        Some(m) => Some(b.wait(m)?),
+        None => None,
     };
+    let (kept, global) = kept_counts(b, sv, mine)?;
     laps.lap(b, "select + router")?;
     Ok(KeptSet {
         mask,
@@ -330,6 +311,38 @@ fn score_and_select<B: Backend>(
         dx_router,
         scores: kept_scores,
     })
+}
+
+/// The kept pairs per (source, expert) and per expert: the forward's
+/// counts when every pair is kept (`mine` is `None`), else every source's
+/// own count all-gathered — checked against this rank's count of the
+/// global selection where the rule keeps exactly `min(q_e, n_e)` (top-q
+/// and priority sampling flag that many rows of expert e's segment when no
+/// score is non-finite: their contract, tested against
+/// `select_top_reference`).
+#[allow(clippy::type_complexity)]
+fn kept_counts<B: Backend>(
+    b: &B,
+    sv: &Saved<B::F>,
+    mine: Option<Vec<u32>>,
+) -> Result<(Vec<Vec<u32>>, Vec<u32>), LayerError> {
+    let sum = |rows: &[Vec<u32>]| {
+        rows.iter()
+            .fold(vec![0; sv.cfg.n_experts], |a, r| add(a, r))
+    };
+    let Some(mine) = mine else {
+        return Ok((sv.counts_all.clone(), sum(&sv.counts_all)));
+    };
+    let kept = b.all_gather_counts(&mine)?;
+    let global = sum(&kept);
+    let exact = matches!(
+        sv.plan.rule,
+        lrm_score::Rule::TopQ | lrm_score::Rule::Priority
+    );
+    if exact && sv.plan.cells.is_none() {
+        agreed_kept(&sv.plan.quotas, sv.order.offsets.windows(2), &global)?;
+    }
+    Ok((kept, global))
 }
 
 /// `acc + row`, element-wise.
