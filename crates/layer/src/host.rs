@@ -651,12 +651,10 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 continue;
             }
             let m = hi - lo;
-            let wg = block(w.gate, g, h * f)?;
-            let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
+            let (wg, wu, wd) = blocks(w, g, (h, f))?;
             let xs = &x[lo * h..hi * h];
-            let a = HostBuf::from(mm(xs, wg, (m, h, f), Op::N)?);
-            let b = HostBuf::from(mm(xs, wu, (m, h, f), Op::N)?);
-            let hh: HostBuf<T> = a.iter().zip(b.iter()).map(|(&p, &q)| silu(p) * q).collect();
+            let (a, b) = projections(xs, (wg, wu), (m, h, f))?;
+            let hh = swiglu_rows(&a, &b);
             for (s, r) in h_sq[lo..hi].iter_mut().zip(hh.chunks_exact(f)) {
                 *s = r.iter().map(|&v| v * v).sum();
             }
@@ -703,8 +701,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                 continue;
             }
             let m = hi - lo;
-            let wg = block(w.gate, g, h * f)?;
-            let (wu, wd) = (block(w.up, g, h * f)?, block(w.down, g, f * h)?);
+            let (wg, wu, wd) = blocks(w, g, (h, f))?;
             let (xs, ds) = (&x[lo * h..hi * h], &dd[lo * h..hi * h]);
             let (a, b): (HostBuf<T>, HostBuf<T>) = match ab {
                 Some((pa, pb)) => {
@@ -714,12 +711,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
                         pb[lo * f..hi * f].to_vec().into(),
                     )
                 }
-                None => (
-                    mm(xs, wg, (m, h, f), Op::N)?.into(),
-                    mm(xs, wu, (m, h, f), Op::N)?.into(),
-                ),
+                None => projections(xs, (wg, wu), (m, h, f))?,
             };
-            let hh: HostBuf<T> = a.iter().zip(b.iter()).map(|(&p, &q)| silu(p) * q).collect();
+            let hh = swiglu_rows(&a, &b);
             let dh = HostBuf::from(mm(ds, wd, (m, h, f), Op::T)?);
             let (mut da, mut db) = (
                 HostBuf::from(vec![T::zero(); m * f]),
@@ -878,6 +872,40 @@ fn slices<T>(w: Experts<&HostBuf<T>>) -> Experts<&[T]> {
         up: w.up,
         down: w.down,
     }
+}
+
+/// Instance `g`'s gate, up and down blocks of the stacked weights.
+#[allow(clippy::type_complexity)]
+fn blocks<'a, T>(
+    w: Wts<'a, Host<'_, T>>,
+    g: usize,
+    (h, f): (usize, usize),
+) -> Result<(&'a [T], &'a [T], &'a [T]), LayerError>
+where
+    T: Real + Scalar,
+{
+    Ok((
+        block(w.gate, g, h * f)?,
+        block(w.up, g, h * f)?,
+        block(w.down, g, f * h)?,
+    ))
+}
+
+/// `a = x·W_gate` and `b = x·W_up` of `m` rows.
+fn projections<T: Real>(
+    xs: &[T],
+    (wg, wu): (&[T], &[T]),
+    (m, h, f): (usize, usize, usize),
+) -> Result<(HostBuf<T>, HostBuf<T>), LayerError> {
+    Ok((
+        mm(xs, wg, (m, h, f), Op::N)?.into(),
+        mm(xs, wu, (m, h, f), Op::N)?.into(),
+    ))
+}
+
+/// `h = silu(a) ⊙ b`.
+fn swiglu_rows<T: Real>(a: &[T], b: &[T]) -> HostBuf<T> {
+    a.iter().zip(b).map(|(&p, &q)| silu(p) * q).collect()
 }
 
 /// Block `g` of `size` values of a stacked expert tensor.

@@ -180,6 +180,13 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         whole_gpu,
     } = where_it_runs(cfg, opts)?;
     let ranks = cfg.moe.ranks;
+    if mcfg.n_experts % ranks != 0 {
+        return Err(TrainError::Config(format!(
+            "model.n_experts = {} is not a multiple of moe.ranks = {ranks}: \
+             each rank owns an equal block of experts",
+            mcfg.n_experts
+        )));
+    }
     if let Some(t) = &opts.transport {
         if t.world_size() != ranks {
             return Err(TrainError::Config(format!(
