@@ -11,6 +11,7 @@ use std::time::Instant;
 
 use kernels::cpu::{matmul, silu, swiglu_backward, Op, Real, DROPPED};
 use pack::ep::Runs;
+use rayon::prelude::*;
 
 use crate::backend::{Backend, Elem, Family, Scalar, Wts};
 use crate::config::{at_least, Experts};
@@ -307,18 +308,31 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         n_out: usize,
         width: usize,
     ) -> Result<HostBuf<T>, LayerError> {
-        let mut out = vec![T::zero(); n_out * width];
-        for (j, row) in out.chunks_exact_mut(width.max(1)).enumerate().take(n_out) {
-            let p = at(pair, j, "gathered pairs")? as usize;
-            let r = p / div;
-            at_least("gathered rows", (r + 1) * width, src.len())?;
-            let s = match scale {
-                Some(sc) => at(sc, p, "gather scales")?,
-                None => T::one(),
-            };
-            for (d, &v) in row.iter_mut().zip(&src[r * width..(r + 1) * width]) {
-                *d = v * s;
+        at_least("gathered pairs", n_out, pair.len())?;
+        let pair = &pair[..n_out];
+        if let Some(&p) = pair.iter().max() {
+            at_least(
+                "gathered rows",
+                (p as usize / div.max(1) + 1) * width,
+                src.len(),
+            )?;
+            if let Some(sc) = scale {
+                at_least("gather scales", p as usize + 1, sc.len())?;
             }
+        }
+        let mut out = vec![T::zero(); n_out * width];
+        if width > 0 {
+            out.par_chunks_mut(width).zip(pair).for_each(|(row, &p)| {
+                let r = p as usize / div.max(1);
+                let from = &src[r * width..(r + 1) * width];
+                match scale {
+                    Some(sc) => {
+                        let s = sc[p as usize];
+                        row.iter_mut().zip(from).for_each(|(d, &v)| *d = v * s);
+                    }
+                    None => row.copy_from_slice(from),
+                }
+            });
         }
         Ok(out.into())
     }
@@ -329,14 +343,22 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         n: usize,
     ) -> Result<HostBuf<E>, LayerError> {
         at_least("gather indices", n, idx.len())?;
+        let idx = &idx[..n];
+        if let Some(&i) = idx.iter().filter(|&&i| i != DROPPED).max() {
+            at_least("gathered values", i as usize + 1, src.len())?;
+        }
         let mut dropped = E::default();
         bytemuck::bytes_of_mut(&mut dropped).fill(0xFF);
-        (idx[..n].iter())
-            .map(|&i| match i {
-                DROPPED => Ok(dropped),
-                i => at(src, i as usize, "gathered values"),
+        Ok(idx
+            .iter()
+            .map(|&i| {
+                if i == DROPPED {
+                    dropped
+                } else {
+                    src[i as usize]
+                }
             })
-            .collect()
+            .collect())
     }
     unsafe fn gather_flags(
         &self,
@@ -355,6 +377,14 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         base: Option<&HostBuf<T>>,
         (tokens, h, k): (usize, usize, usize),
     ) -> Result<HostBuf<T>, LayerError> {
+        let p = tokens * k;
+        at_least("combine rows", p, row.len())?;
+        if let Some(&r) = row[..p].iter().filter(|&&r| r != DROPPED).max() {
+            at_least("combined rows", (r as usize + 1) * h, o.len())?;
+        }
+        if let Some(g) = gates {
+            at_least("combine gates", p, g.len())?;
+        }
         let mut y = match base {
             Some(b) => {
                 at_least("combine base", tokens * h, b.len())?;
@@ -362,23 +392,18 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             }
             None => vec![T::zero(); tokens * h],
         };
-        for t in 0..tokens {
-            for j in 0..k {
-                let p = t * k + j;
-                let r = at(row, p, "combine rows")?;
-                if r == DROPPED {
-                    continue;
+        if h > 0 {
+            y.par_chunks_mut(h).enumerate().for_each(|(t, yt)| {
+                for j in 0..k {
+                    let r = row[t * k + j];
+                    if r == DROPPED {
+                        continue;
+                    }
+                    let g = gates.map_or(T::one(), |g| g[t * k + j]);
+                    let from = &o[r as usize * h..(r as usize + 1) * h];
+                    yt.iter_mut().zip(from).for_each(|(d, &v)| *d += g * v);
                 }
-                let r = r as usize;
-                at_least("combined rows", (r + 1) * h, o.len())?;
-                let g = match gates {
-                    Some(g) => at(g, p, "combine gates")?,
-                    None => T::one(),
-                };
-                for (d, &v) in y[t * h..(t + 1) * h].iter_mut().zip(&o[r * h..(r + 1) * h]) {
-                    *d += g * v;
-                }
-            }
+            });
         }
         Ok(y.into())
     }
@@ -548,14 +573,17 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         n: usize,
         k: usize,
     ) -> Result<HostBuf<T>, LayerError> {
-        (0..n)
-            .map(|j| {
-                let p = at(src, j, "score pairs")? as usize;
-                let g = at(gates, p, "score gates")?.wide();
-                let d = at(dy_sq, p / k, "score dy norms")?.wide();
-                Ok(T::of(g * g * d * at(h_sq, j, "score h norms")?.wide()))
+        at_least("score pairs", n, src.len().min(h_sq.len()))?;
+        if let Some(&p) = src[..n].iter().max() {
+            at_least("score gates", p as usize + 1, gates.len())?;
+            at_least("score dy norms", p as usize / k.max(1) + 1, dy_sq.len())?;
+        }
+        Ok((src[..n].iter().zip(&h_sq[..n]))
+            .map(|(&p, &hs)| {
+                let g = gates[p as usize].wide();
+                T::of(g * g * dy_sq[p as usize / k.max(1)].wide() * hs.wide())
             })
-            .collect()
+            .collect())
     }
     unsafe fn select(
         &self,
