@@ -673,11 +673,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
         } else {
             (Vec::new(), Vec::new())
         };
-        for (g, seg) in offsets.windows(2).enumerate() {
-            let (lo, hi) = (seg[0] as usize, seg[1] as usize);
-            if hi <= lo {
-                continue;
-            }
+        for (g, lo, hi) in non_empty(offsets) {
             let m = hi - lo;
             let (wg, wu, wd) = blocks(w, g, (h, f))?;
             let xs = &x[lo * h..hi * h];
@@ -723,11 +719,7 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             up: vec![T::zero(); groups * h * f],
             down: vec![T::zero(); groups * f * h],
         };
-        for (g, seg) in offsets.windows(2).enumerate() {
-            let (lo, hi) = (seg[0] as usize, seg[1] as usize);
-            if hi <= lo {
-                continue;
-            }
+        for (g, lo, hi) in non_empty(offsets) {
             let m = hi - lo;
             let (wg, wu, wd) = blocks(w, g, (h, f))?;
             let (xs, ds) = (&x[lo * h..hi * h], &dd[lo * h..hi * h]);
@@ -900,6 +892,13 @@ fn slices<T>(w: Experts<&HostBuf<T>>) -> Experts<&[T]> {
         up: w.up,
         down: w.down,
     }
+}
+
+/// The non-empty groups of `offsets`: (group, first row, end row).
+fn non_empty(offsets: &[u32]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    (offsets.windows(2).enumerate())
+        .map(|(g, s)| (g, s[0] as usize, s[1] as usize))
+        .filter(|&(_, lo, hi)| hi > lo)
 }
 
 /// Instance `g`'s gate, up and down blocks of the stacked weights.
