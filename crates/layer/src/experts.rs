@@ -45,7 +45,7 @@ impl PartialEq for ExpertBackend {
 }
 
 /// Group offsets as the grouped GEMM takes them.
-fn offsets(offsets: &[u32]) -> Result<Vec<i32>, LayerError> {
+fn gemm_offsets(offsets: &[u32]) -> Result<Vec<i32>, LayerError> {
     offsets
         .iter()
         .map(|&o| {
@@ -77,7 +77,7 @@ fn with_stacked<T: Real, R>(
 /// `‖h‖²`.
 pub(crate) fn bf16_forward<T: Real>(
     ops: &dyn GroupedOps,
-    offsets_: &[u32],
+    offsets: &[u32],
     x: &[T],
     w: Experts<&[T]>,
     dims: (usize, usize),
@@ -85,7 +85,7 @@ pub(crate) fn bf16_forward<T: Real>(
     if x.is_empty() {
         return Ok((Vec::new(), Vec::new()));
     }
-    let off = offsets(offsets_)?;
+    let off = gemm_offsets(offsets)?;
     let xb = to_bf16(x);
     let (o, h_sq) = with_stacked(w, dims, |w| ops.experts_forward(&off, &xb, w))?;
     Ok((
@@ -99,7 +99,7 @@ pub(crate) fn bf16_forward<T: Real>(
 /// the instances' weight gradients.
 pub(crate) fn bf16_backward<T: Real>(
     ops: &dyn GroupedOps,
-    offsets_: &[u32],
+    offsets: &[u32],
     (x, d): (&[T], &[T]),
     w: Experts<&[T]>,
     dims: (usize, usize),
@@ -118,7 +118,7 @@ pub(crate) fn bf16_backward<T: Real>(
         };
         return Ok((Vec::new(), g));
     }
-    let off = offsets(offsets_)?;
+    let off = gemm_offsets(offsets)?;
     let (xb, db) = (to_bf16(x), to_bf16(d));
     let r = with_stacked(w, dims, |w| ops.experts_backward(&off, &xb, &db, w))?;
     let g = Experts {

@@ -723,23 +723,25 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
             let m = hi - lo;
             let (wg, wu, wd) = blocks(w, g, (h, f))?;
             let (xs, ds) = (&x[lo * h..hi * h], &dd[lo * h..hi * h]);
-            let (a, b): (HostBuf<T>, HostBuf<T>) = match ab {
+            // The forward's projections where kept, else recomputed.
+            let recomputed;
+            let (a, b): (&[T], &[T]) = match ab {
                 Some((pa, pb)) => {
                     at_least("kept projections", hi * f, pa.len().min(pb.len()))?;
-                    (
-                        pa[lo * f..hi * f].to_vec().into(),
-                        pb[lo * f..hi * f].to_vec().into(),
-                    )
+                    (&pa[lo * f..hi * f], &pb[lo * f..hi * f])
                 }
-                None => projections(xs, (wg, wu), (m, h, f))?,
+                None => {
+                    recomputed = projections(xs, (wg, wu), (m, h, f))?;
+                    (&recomputed.0, &recomputed.1)
+                }
             };
-            let hh = swiglu_rows(&a, &b);
+            let hh = swiglu_rows(a, b);
             let dh = HostBuf::from(mm(ds, wd, (m, h, f), Op::T)?);
             let (mut da, mut db) = (
                 HostBuf::from(vec![T::zero(); m * f]),
                 HostBuf::from(vec![T::zero(); m * f]),
             );
-            swiglu_backward(&a, &b, &dh, &mut da, &mut db)?;
+            swiglu_backward(a, b, &dh, &mut da, &mut db)?;
             let (rg, rd) = (g * h * f..(g + 1) * h * f, g * f * h..(g + 1) * f * h);
             let ru = rg.clone();
             matmul(&mut gr.down[rd], &hh, Op::T, ds, Op::N, (f, m, h), false)?;

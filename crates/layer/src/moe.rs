@@ -20,7 +20,6 @@ pub struct Saved<T: Real + Scalar> {
     sv: HostSaved<T>,
     w: HostWeights<T>,
     planner: DevicePlanner,
-    expert_of_pair: Vec<u32>,
     /// The call's plan.
     pub plan: CallPlan,
 }
@@ -37,7 +36,7 @@ impl<T: Real + Scalar> std::fmt::Debug for Saved<T> {
 impl<T: Real + Scalar> Saved<T> {
     /// Expert of each of this rank's pairs (`token · top_k + slot`).
     pub fn expert_of_pair(&self) -> &[u32] {
-        &self.expert_of_pair
+        &self.sv.routed.idx
     }
     /// Routing weight of each pair.
     pub fn gate(&self) -> &[T] {
@@ -115,7 +114,8 @@ pub fn forward<T: Real + Scalar, X: Transport>(
     placement: &Placement,
     x: &[T],
 ) -> Result<(Vec<T>, Saved<T>), LayerError> {
-    check_forward_inputs(cfg, params, placement, x, comm.world_size())?;
+    check_forward_inputs(cfg, placement, x, comm.world_size())?;
+    // `rank_weights` checks the parameters against the layer.
     let (rank, world) = (comm.rank(), comm.world_size());
     let w = crate::host::rank_weights(cfg, bwd, params, (rank, world))?;
     let planner = DevicePlanner::host(*cfg, bwd.clone())?.for_values::<T>();
@@ -124,31 +124,27 @@ pub fn forward<T: Real + Scalar, X: Transport>(
     let plan = planner
         .take_last_plan()
         .ok_or_else(|| LayerError::Config("the forward made no plan".into()))?;
-    let expert_of_pair = sv.routed.idx.to_vec();
     Ok((
         sv.y.to_vec(),
         Saved {
             sv,
             w,
             planner,
-            expert_of_pair,
             plan,
         },
     ))
 }
 
-/// The forward's inputs against the layer's shape: widths, the
-/// placement's experts (owned in contiguous blocks, no standing replica),
+/// The forward's inputs against the layer's shape (the parameters are
+/// `host::rank_weights`'s to check): widths, the placement's experts (owned in contiguous blocks, no standing replica),
 /// finite values.
 fn check_forward_inputs<T: Real>(
     cfg: &MoeConfig,
-    params: &MoeParams<T>,
     placement: &Placement,
     x: &[T],
     world: usize,
 ) -> Result<(), LayerError> {
     cfg.validate()?;
-    params.validate(cfg)?;
     let hd = cfg.hidden;
     if x.len() % hd != 0 {
         return Err(LayerError::Shape {
@@ -283,9 +279,7 @@ fn stats_of<T: Real + Scalar>(
         kept,
         scores,
         pairs_per_rank: trace.loads,
-        expert_load: (0..sv.cfg.n_experts)
-            .map(|e| sv.counts_all.iter().map(|c| u64::from(c[e])).sum())
-            .collect(),
+        expert_load: sv.expert_load(),
         buffer_bytes: peak,
         bytes_sent,
         times,

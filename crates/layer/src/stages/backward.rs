@@ -73,11 +73,12 @@ fn keep_every_row<'g, B: Backend>(
 }
 
 /// Every source's `p` values on every rank, rank-major (`p` slots per
-/// source, the first `n` its routed rows; the rest zero).
+/// source, the first `n` its routed rows; the rest zero); `what` names the
+/// exchange on the timeline.
 fn gather_all<B: Backend, E: crate::backend::Elem>(
     b: &B,
     sv: &Saved<B::F>,
-    vals: Buf<B, E>,
+    (vals, what): (Buf<B, E>, &'static str),
     laps: &mut Laps<B::F>,
 ) -> Result<Buf<B, E>, LayerError> {
     let (rank, world) = (b.rank(), b.world_size());
@@ -105,7 +106,7 @@ fn gather_all<B: Backend, E: crate::backend::Elem>(
     // SAFETY: the exchange writes every other rank's p values, the copy
     // below the own ones.
     let mut fl = b.start(vec![vals], &sp, unsafe { b.uninit(world * p) }?, &rp)?;
-    laps.sent(b, "scores")?;
+    laps.sent(b, what)?;
     let (sends, recv) = B::flight_buffers(&mut fl)?;
     copy_rows(b, &sends[0], 0, recv, rank, (1, p))?;
     Ok(b.finish(fl)?.0)
@@ -145,7 +146,7 @@ fn select_over_sources<'g, B: Backend>(
 ) -> Result<Selected<'g, B>, LayerError> {
     let (n, e) = (sv.rows, sv.cfg.n_experts);
     let n_all = sv.order.offsets[e] as usize;
-    let all = gather_all(b, sv, scores, laps)?;
+    let all = gather_all(b, sv, (scores, "scores"), laps)?;
     laps.lap(b, "scores+gather")?;
     // The same per-expert selection on every rank, over every source's pairs.
     let g_scores = if sv.order.identity {
@@ -200,7 +201,7 @@ fn select_per_source<'g, B: Backend>(
         Some(w) => Some(pair_weights(b, sv, w, None)?),
         None => None,
     };
-    let all = gather_all(b, sv, mask.clone(), laps)?;
+    let all = gather_all(b, sv, (mask.clone(), "kept flags"), laps)?;
     let kept_g = if sv.order.identity {
         all
     } else {
