@@ -193,6 +193,7 @@ pub mod phase {
 
 #[cfg(feature = "cuda")]
 mod imp {
+    use std::cell::RefCell;
     use std::sync::Arc;
 
     use kernels::cpu::GemmVariant;
@@ -202,6 +203,7 @@ mod imp {
     use layer::{BackwardStats, CallConfig, DevicePlanner, ExpertWeights};
 
     use super::{check, DeviceStep};
+    use crate::block::{self, Dense, Family, Norm, Pass, QkvGrads};
     use crate::model::{Model, ModelConfig, ModelError};
     use crate::optim::{AdamWConfig, AdamWState};
 
@@ -289,14 +291,43 @@ mod imp {
         k_inv: CudaSlice<f32>,
     }
 
-    /// The final norm's output rows (bf16) and `1 / rms`, the loss sum and
-    /// the logits' gradient.
-    type HeadLoss = (
-        CudaSlice<u16>,
-        CudaSlice<f32>,
-        CudaSlice<f32>,
-        CudaSlice<u16>,
-    );
+    /// The device model's buffers, [`crate::block`]'s family: the residual
+    /// stream and norms f32, GEMM rows bf16.
+    struct DevF;
+
+    impl Family for DevF {
+        type Stream = CudaSlice<f32>;
+        type Rows = CudaSlice<u16>;
+        type Inv = CudaSlice<f32>;
+        type Attn = DevAttn;
+        type Moe = DeviceSaved;
+        type MoeGrads = DevMoeGrads;
+        type Grad = Grad;
+        type Top = DevTop;
+    }
+
+    /// What attention keeps: the raw q/k projections and their norms
+    /// (with `qk_norm`), the attention kernel's saved state.
+    struct DevAttn {
+        qk_raw: Option<HeadNorms>,
+        att: AttnSaved,
+    }
+
+    /// One MoE layer call's gradients: the router's (summed over ranks by
+    /// the executor) and this rank's experts'.
+    struct DevMoeGrads {
+        router: CudaSlice<f32>,
+        experts: layer::Experts<CudaSlice<u16>>,
+    }
+
+    /// What the head keeps: the final norm's input, `1 / rms` and output
+    /// rows (bf16), and the logits' gradient.
+    struct DevTop {
+        x_final: CudaSlice<f32>,
+        inv_f: CudaSlice<f32>,
+        hf: CudaSlice<u16>,
+        dlogits: CudaSlice<u16>,
+    }
 
     /// A timed span on the device (two events).
     type Span = (kernels::gpu::Mark, kernels::gpu::Mark);
@@ -305,37 +336,39 @@ mod imp {
     /// layer's figures and the MoE layers' spans.
     type Backward = (Vec<(Share, Grad)>, Vec<BackwardStats>, Vec<Span>);
 
-    /// Activations one block keeps for its backward.
-    struct Saved {
-        x_in: CudaSlice<f32>,
-        inv1: CudaSlice<f32>,
-        a: CudaSlice<u16>,
-        /// q/k projections before their head norms, and the norms' 1/rms.
-        qk_raw: Option<HeadNorms>,
-        att: AttnSaved,
-        attn: CudaSlice<u16>,
-        x_mid: CudaSlice<f32>,
-        inv2: CudaSlice<f32>,
-        moe: DeviceSaved,
+    /// One forward's batch on the device: its windows' tokens and targets,
+    /// each token's position (learned positions only), the group offsets
+    /// of the one-group projections and of attention (one group per
+    /// sequence and key/value head), and the tokens the loss is a mean over
+    /// (the scale of the logits' gradient).
+    struct Batch {
+        n_seq: usize,
+        seq: usize,
+        tok: CudaSlice<u32>,
+        tgt: CudaSlice<u32>,
+        pos_idx: Option<CudaSlice<u32>>,
+        one: CudaSlice<i32>,
+        att: CudaSlice<i32>,
+        shape: AttnShape,
+        total_tokens: usize,
+    }
+
+    /// One pass of the model on a batch: [`crate::block`]'s device
+    /// backend. The MoE calls' spans and plans and the loss sum are
+    /// collected as the pass runs.
+    struct Dev<'m, 'a> {
+        m: &'m DeviceModel<'a>,
+        b: &'m Batch,
+        spans: RefCell<Vec<Span>>,
+        plans: RefCell<Vec<layer::CallPlan>>,
+        loss_sum: RefCell<Option<CudaSlice<f32>>>,
     }
 
     /// One forward's state.
     struct Forward {
-        n_seq: usize,
-        seq: usize,
-        tok: CudaSlice<u32>,
-        /// Each token's position (learned positions only).
-        pos_idx: Option<CudaSlice<u32>>,
-        /// Group offsets of the one-group projections and of attention
-        /// (one group per sequence and key/value head).
-        one: CudaSlice<i32>,
-        att: CudaSlice<i32>,
-        blocks: Vec<Saved>,
-        x_final: CudaSlice<f32>,
-        inv_f: CudaSlice<f32>,
-        hf: CudaSlice<u16>,
+        batch: Batch,
+        pass: Pass<DevF>,
         loss_sum: CudaSlice<f32>,
-        dlogits: CudaSlice<u16>,
         aux_loss: f64,
         moe_ms: Vec<Span>,
         plans: Vec<layer::CallPlan>,
@@ -787,147 +820,17 @@ mod imp {
             Ok(())
         }
 
-        /// One block's forward on the residual stream `x` (`n × d`, updated in
-        /// place): the attention half, then the MoE layer; what the
-        /// backward keeps, the MoE call's span and its plan.
-        fn block_forward(
-            &self,
-            (b, call): (&Block, &CallConfig),
-            x: &mut CudaSlice<f32>,
-            shape: AttnShape,
-            (one, att): (&CudaSlice<i32>, &CudaSlice<i32>),
-        ) -> Result<(Saved, Span, layer::CallPlan), ModelError> {
-            let g = &*self.gpu;
-            let (n, d) = (shape.n_seq * shape.seq, self.cfg.d_model);
-            let (qd, eps) = (
-                self.cfg.n_heads * self.cfg.head_width(),
-                self.cfg.eps() as f32,
-            );
-            self.comm.phase(super::phase::DENSE_FORWARD)?;
-            let x_in = g.duplicate(x).map_err(k)?;
-            let (a, inv1) = g.rmsnorm(x, &b.norm1.p, n, eps).map_err(k)?;
-            self.tick("norms")?;
-            let (qk_raw, att_saved, attn) = self.attention_half(b, &a, shape, (one, att))?;
-            let o = g
-                .gemm_dev(GemmVariant::Forward, one, 1, n, &attn, &b.wo16, qd, d)
-                .map_err(k)?;
-            g.add_into(x, &o, n * d).map_err(k)?;
-            self.tick("o projection")?;
-            let x_mid = g.duplicate(x).map_err(k)?;
-            let (m, inv2) = g.rmsnorm(x, &b.norm2.p, n, eps).map_err(k)?;
-            self.tick("norms")?;
-            let moe_cfg = self.cfg.moe();
-            let planner = DevicePlanner::new(moe_cfg, call.clone())?;
-            self.comm.phase(super::phase::MOE_FORWARD)?;
-            let t0 = g.mark().map_err(k)?;
-            let sv = layer::device::forward(g, self.comm, &moe_cfg, &b.moe, &m, &planner)?;
-            let t1 = g.mark().map_err(k)?;
-            self.comm.phase(super::phase::DENSE_FORWARD)?;
-            let plan = match planner.take_last_plan() {
-                Some(p) => p,
-                None => layer::device_plan_call(&moe_cfg, call, sv.routed_counts())?,
-            };
-            g.add_into(x, &sv.y, n * d).map_err(k)?;
-            self.tick("moe forward")?;
-            let saved = Saved {
-                x_in,
-                inv1,
-                a,
-                qk_raw,
-                att: att_saved,
-                attn,
-                x_mid,
-                inv2,
-                moe: sv,
-            };
-            Ok((saved, (t0, t1), plan))
-        }
-
-        /// Attention on the normed rows `a`: the q/k/v projections, the
-        /// head norms (raw projections kept), attention; its saved state
-        /// and output rows (before the output projection).
-        fn attention_half(
-            &self,
-            b: &Block,
-            a: &CudaSlice<u16>,
-            shape: AttnShape,
-            (one, att): (&CudaSlice<i32>, &CudaSlice<i32>),
-        ) -> Result<(Option<HeadNorms>, AttnSaved, CudaSlice<u16>), ModelError> {
-            let (g, cfg) = (&*self.gpu, &self.cfg);
-            let n = shape.n_seq * shape.seq;
-            let (d, h, kv, dh) = (cfg.d_model, cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-            let (qd, kd, eps) = (h * dh, kv * dh, cfg.eps() as f32);
-            let proj = |w: &CudaSlice<u16>, width: usize| {
-                g.gemm_dev(GemmVariant::Forward, one, 1, n, a, w, d, width)
-                    .map_err(k)
-            };
-            let (mut qt, mut kt, vt) = (proj(&b.wq16, qd)?, proj(&b.wk16, kd)?, proj(&b.wv16, kd)?);
-            let mut qk_raw = None;
-            if let (Some(qn), Some(kn)) = (&b.q_norm, &b.k_norm) {
-                let (qo, q_inv) = g.rmsnorm_bf16(&qt, &qn.p, n * h, eps).map_err(k)?;
-                let (ko, k_inv) = g.rmsnorm_bf16(&kt, &kn.p, n * kv, eps).map_err(k)?;
-                qk_raw = Some(HeadNorms {
-                    q: std::mem::replace(&mut qt, qo),
-                    k: std::mem::replace(&mut kt, ko),
-                    q_inv,
-                    k_inv,
-                });
-            }
-            self.tick("qkv projections")?;
-            let (attn, att_saved) = g
-                .attention_forward(shape, att, (&qt, &kt, &vt))
-                .map_err(k)?;
-            self.tick("attention")?;
-            Ok((qk_raw, att_saved, attn))
-        }
-
-        /// The final norm, the LM head and the cross-entropy on the residual
-        /// stream `x` (`n` rows): the normed rows and their `1 / rms`, the
-        /// loss sum and the logits' gradient (scaled by `1 / total_tokens`).
-        fn head_loss(
-            &self,
-            x: &CudaSlice<f32>,
-            (tgt, one): (&CudaSlice<u32>, &CudaSlice<i32>),
-            n: usize,
-            total_tokens: usize,
-        ) -> Result<HeadLoss, ModelError> {
-            let g = &*self.gpu;
-            let (d, vocab, eps) = (self.cfg.d_model, self.cfg.vocab, self.cfg.eps() as f32);
-            let (hf, inv_f) = g.rmsnorm(x, &self.norm_f.p, n, eps).map_err(k)?;
-            self.tick("norms")?;
-            let logits = g
-                .gemm_dev(GemmVariant::Forward, one, 1, n, &hf, &self.head16, d, vocab)
-                .map_err(k)?;
-            self.tick("lm head")?;
-            let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
-            // SAFETY: targets are corpus tokens, below the vocabulary.
-            let dlogits = unsafe {
-                g.cross_entropy(
-                    &logits,
-                    tgt,
-                    &mut loss_sum,
-                    (n, vocab),
-                    1.0 / total_tokens.max(1) as f32,
-                )
-            }
-            .map_err(k)?;
-            self.tick("cross-entropy")?;
-            Ok((hf, inv_f, loss_sum, dlogits))
-        }
-
-        /// The forward on the windows at `starts` (of the training corpus,
-        /// or the validation one), through the loss and its logits'
-        /// gradient.
-        /// `total_tokens`: the tokens the loss is a mean over (this
-        /// forward's, over every rank and micro-batch of the step), the
-        /// scale of the logits' gradient.
-        fn forward(
+        /// The windows at `starts` (of the training corpus, or the
+        /// validation one) on the device, with their positions and group
+        /// offsets; `total_tokens`: the tokens the loss is a mean over
+        /// (this forward's, over every rank and micro-batch of the step).
+        fn batch(
             &self,
             starts: &[usize],
             seq: usize,
             val: bool,
             total_tokens: usize,
-        ) -> Result<Forward, ModelError> {
+        ) -> Result<Batch, ModelError> {
             let g = &*self.gpu;
             let cfg = &self.cfg;
             check(cfg, Some(seq), 1)?;
@@ -939,58 +842,70 @@ mod imp {
             }
             let n_seq = starts.len();
             let n = n_seq * seq;
-            let d = cfg.d_model;
             let corpus = if val { &self.val } else { &self.train };
             let st = self.starts(starts, seq, val)?;
             // SAFETY: every window lies inside the corpus (checked above).
             let (tok, tgt) = unsafe { g.batch_windows(corpus, &st, n_seq, seq) }.map_err(k)?;
-            // SAFETY: corpus tokens are below the corpus vocabulary, which
-            // the model's vocabulary covers (TrainConfig::model_config).
-            let mut x = unsafe { g.embed(&self.embed.p, &tok, n, d) }.map_err(k)?;
             let pos_idx = match &self.pos {
-                Some(pos) => {
+                Some(_) => {
                     let p: Vec<u32> = (0..n).map(|i| (i % seq) as u32).collect();
-                    let pd = g.upload(&p).map_err(k)?;
-                    // SAFETY: positions are below seq ≤ max_seq, the table's rows.
-                    unsafe { g.embed_add(&pos.p, &pd, &mut x, n, d) }.map_err(k)?;
-                    Some(pd)
+                    Some(g.upload(&p).map_err(k)?)
                 }
                 None => None,
             };
             let one = g.even_offsets(1, n).map_err(k)?;
-            self.tick("embedding")?;
             let shape = attn_shape(cfg, n_seq, seq);
             let att = g
                 .even_offsets(shape.groups(), shape.rows_each())
                 .map_err(k)?;
-            let mut blocks = Vec::with_capacity(self.blocks.len());
-            let mut aux_loss = 0.0;
-            let mut moe_ms = Vec::new();
-            let mut plans = Vec::new();
-            for (li, b) in self.blocks.iter().enumerate() {
-                let call = self.layer_call(li);
-                let (saved, span, plan) =
-                    self.block_forward((b, &call), &mut x, shape, (&one, &att))?;
-                moe_ms.push(span);
-                plans.push(plan);
-                aux_loss += saved.moe.aux_loss;
-                blocks.push(saved);
-            }
-            let (hf, inv_f, loss_sum, dlogits) =
-                self.head_loss(&x, (&tgt, &one), n, total_tokens)?;
-            Ok(Forward {
+            Ok(Batch {
                 n_seq,
                 seq,
                 tok,
+                tgt,
                 pos_idx,
                 one,
                 att,
-                blocks,
-                x_final: x,
-                inv_f,
-                hf,
+                shape,
+                total_tokens,
+            })
+        }
+
+        /// A pass of this model on `b` ([`crate::block`]'s backend).
+        fn pass<'m>(&'m self, b: &'m Batch) -> Dev<'m, 'a> {
+            Dev {
+                m: self,
+                b,
+                spans: RefCell::new(Vec::new()),
+                plans: RefCell::new(Vec::new()),
+                loss_sum: RefCell::new(None),
+            }
+        }
+
+        /// The forward on the windows at `starts` (see [`Self::batch`]),
+        /// through the loss and its logits' gradient: [`crate::block`]'s
+        /// pass.
+        fn forward(
+            &self,
+            starts: &[usize],
+            seq: usize,
+            val: bool,
+            total_tokens: usize,
+        ) -> Result<Forward, ModelError> {
+            let batch = self.batch(starts, seq, val, total_tokens)?;
+            let dev = self.pass(&batch);
+            let pass = block::forward(&dev)?;
+            let aux_loss = pass.blocks.iter().map(|s| s.moe.aux_loss).sum();
+            let loss_sum = dev
+                .loss_sum
+                .take()
+                .ok_or(ModelError::Config("the forward kept no loss".into()))?;
+            let (moe_ms, plans) = (dev.spans.take(), dev.plans.take());
+            drop(dev);
+            Ok(Forward {
+                batch,
+                pass,
                 loss_sum,
-                dlogits,
                 aux_loss,
                 moe_ms,
                 plans,
@@ -1015,246 +930,33 @@ mod imp {
             Ok(loss)
         }
 
-        /// The backward of `f`: every parameter's gradient, in the order of
-        /// [`Self::params`].
-        /// Each layer's MoE backward releases its forward rows once it has
-        /// gathered the kept ones (`layer::device::backward_releasing`).
-        fn backward(&self, f: &mut Forward) -> Result<Backward, ModelError> {
-            let g = &*self.gpu;
-            let cfg = &self.cfg;
-            let n = f.n_seq * f.seq;
-            let d = cfg.d_model;
-            self.comm.phase(super::phase::DENSE_BACKWARD)?;
-            let (d_head, mut dx, d_norm_f) = self.head_backward(f)?;
-            let mut block_grads: Vec<Vec<(Share, Grad)>> = Vec::with_capacity(self.blocks.len());
-            let mut stats = Vec::with_capacity(self.blocks.len());
-            let mut moe_ms = Vec::new();
-            // Each block's state is released once its backward has read it
-            // (the MoE layer's forward rows as soon as the kept ones are
-            // gathered), as autograd frees saved tensors.
-            let saved = std::mem::take(&mut f.blocks);
-            for (b, mut s) in self.blocks.iter().rev().zip(saved.into_iter().rev()) {
-                let (mg, st, span) = self.moe_backward(b, &mut s, &dx, n)?;
-                self.tick("moe backward")?;
-                moe_ms.push(span);
-                stats.push(st);
-                let mut d_norm2 = g.zeros::<f32>(d).map_err(k)?;
-                g.rmsnorm_backward(
-                    &s.x_mid,
-                    &b.norm2.p,
-                    &s.inv2,
-                    &mg.dx,
-                    &mut dx,
-                    &mut d_norm2,
-                    n,
-                )
-                .map_err(k)?;
-                self.tick("norms backward")?;
-                let mut bg = self.attention_backward(b, &s, f, &mut dx)?;
-                bg.push(Grad::F32(d_norm2));
-                let mut bg: Vec<(Share, Grad)> =
-                    bg.into_iter().map(|x| (Share::Dense, x)).collect();
-                bg.extend([
-                    (Share::Router, Grad::F32(mg.router)),
-                    (Share::Expert, Grad::Bf16(mg.experts.gate)),
-                    (Share::Expert, Grad::Bf16(mg.experts.up)),
-                    (Share::Expert, Grad::Bf16(mg.experts.down)),
+        /// The backward of `pass` on `batch`: every parameter's gradient,
+        /// in the order of [`Self::params`]. Each block's state is released
+        /// once its backward has read it (the MoE layer's forward rows as
+        /// soon as the kept ones are gathered), as autograd frees saved
+        /// tensors.
+        fn backward(&self, batch: &Batch, pass: Pass<DevF>) -> Result<Backward, ModelError> {
+            let dev = self.pass(batch);
+            let mut pg = block::backward(&dev, pass)?;
+            let stats = std::mem::take(&mut pg.stats);
+            let mut grads = vec![(Share::Dense, pg.embed)];
+            grads.extend(pg.pos.map(|p| (Share::Dense, p)));
+            for b in pg.blocks {
+                let q = b.qkv;
+                grads.extend([b.norm1, q.wq, q.wk, q.wv, b.wo].map(|x| (Share::Dense, x)));
+                if let Some((qn, kn)) = q.head_norms {
+                    grads.extend([(Share::Dense, qn), (Share::Dense, kn)]);
+                }
+                grads.extend([
+                    (Share::Dense, b.norm2),
+                    (Share::Router, Grad::F32(b.moe.router)),
+                    (Share::Expert, Grad::Bf16(b.moe.experts.gate)),
+                    (Share::Expert, Grad::Bf16(b.moe.experts.up)),
+                    (Share::Expert, Grad::Bf16(b.moe.experts.down)),
                 ]);
-                block_grads.push(bg);
             }
-            block_grads.reverse();
-            stats.reverse();
-            let mut d_embed = g.zeros::<f32>(cfg.vocab * d).map_err(k)?;
-            // SAFETY: tokens below the vocabulary (the forward embedded them).
-            unsafe { g.embed_backward(&dx, &f.tok, &mut d_embed, n, d) }.map_err(k)?;
-            let mut grads = vec![(Share::Dense, Grad::F32(d_embed))];
-            if let Some(pd) = &f.pos_idx {
-                let mut d_pos = g.zeros::<f32>(cfg.max_seq * d).map_err(k)?;
-                // SAFETY: positions below seq ≤ max_seq.
-                unsafe { g.embed_backward(&dx, pd, &mut d_pos, n, d) }.map_err(k)?;
-                grads.push((Share::Dense, Grad::F32(d_pos)));
-            }
-            grads.extend(block_grads.into_iter().flatten());
-            grads.push((Share::Dense, Grad::F32(d_norm_f)));
-            grads.push((Share::Dense, Grad::Bf16(d_head)));
-            self.tick("embedding backward")?;
-            Ok((grads, stats, moe_ms))
-        }
-
-        /// The LM head's and the final norm's backward: the head's weight
-        /// gradient, the residual stream's gradient (f32) and the final
-        /// norm's gain gradient.
-        #[allow(clippy::type_complexity)]
-        fn head_backward(
-            &self,
-            f: &Forward,
-        ) -> Result<(CudaSlice<u16>, CudaSlice<f32>, CudaSlice<f32>), ModelError> {
-            let g = &*self.gpu;
-            let n = f.n_seq * f.seq;
-            let (d, vocab, one) = (self.cfg.d_model, self.cfg.vocab, &f.one);
-            let d_head = g
-                .gemm_dev(
-                    GemmVariant::WeightGrad,
-                    one,
-                    1,
-                    n,
-                    &f.hf,
-                    &f.dlogits,
-                    d,
-                    vocab,
-                )
-                .map_err(k)?;
-            let dhf = g
-                .gemm_dev(
-                    GemmVariant::DataGrad,
-                    one,
-                    1,
-                    n,
-                    &f.dlogits,
-                    &self.head16,
-                    d,
-                    vocab,
-                )
-                .map_err(k)?;
-            self.tick("lm head backward")?;
-            let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
-            let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
-            g.rmsnorm_backward(
-                &f.x_final,
-                &self.norm_f.p,
-                &f.inv_f,
-                &dhf,
-                &mut dx,
-                &mut d_norm_f,
-                n,
-            )
-            .map_err(k)?;
-            self.tick("norms backward")?;
-            Ok((d_head, dx, d_norm_f))
-        }
-
-        /// One block's MoE layer backward from the residual stream's
-        /// gradient `dx`: the layer's gradients, its figures and its span.
-        fn moe_backward(
-            &self,
-            b: &Block,
-            s: &mut Saved,
-            dx: &CudaSlice<f32>,
-            n: usize,
-        ) -> Result<(layer::device::DeviceGrads, BackwardStats, Span), ModelError> {
-            let g = &*self.gpu;
-            let (cfg, d) = (&self.cfg, self.cfg.d_model);
-            let moe_cfg = cfg.moe();
-            let dxb = g.to_bf16(dx, n * d).map_err(k)?;
-            let planner = DevicePlanner::new(moe_cfg, self.call.clone())?;
-            // One rank per GPU: the pool's peak during the call is this
-            // layer's backward (ranks staged through one GPU share the
-            // pool, so they report the kept rows instead, below).
-            let pool_base = match self.comm {
-                layer::device::DeviceComm::Staged(_) => None,
-                _ => Some(g.pool_reset_peak().map_err(k)?),
-            };
-            self.comm.phase(super::phase::MOE_BACKWARD)?;
-            let t0 = g.mark().map_err(k)?;
-            let mg = layer::device::backward_releasing(
-                g, self.comm, &b.moe, &mut s.moe, &dxb, &planner,
-            )?;
-            let t1 = g.mark().map_err(k)?;
-            self.comm.phase(super::phase::DENSE_BACKWARD)?;
-            let pool_peak = pool_base
-                .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
-                .transpose()
-                .map_err(k)?;
-            let st = BackwardStats {
-                expert_load: s.moe.expert_load(),
-                routed_pairs: n * cfg.top_k,
-                kept_pairs: mg.kept_pairs,
-                kept: vec![],
-                scores: vec![],
-                pairs_per_rank: vec![mg.kept_pairs as u64],
-                // The most device memory the backward call held above
-                // what was in use when it started (its pool's peak);
-                // staged ranks: the kept `[x | g·δ]` bf16 rows, the
-                // controller's unit.
-                buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
-                bytes_sent: mg.bytes_sent as u64,
-                times: layer::StageTimes::default(),
-            };
-            Ok((mg, st, (t0, t1)))
-        }
-
-        /// One block's attention half backward, the residual stream's
-        /// gradient `dx` updated in place: the gradients of `norm1`, the
-        /// q/k/v/o projections and the head norms, in parameter order.
-        fn attention_backward(
-            &self,
-            b: &Block,
-            s: &Saved,
-            f: &Forward,
-            dx: &mut CudaSlice<f32>,
-        ) -> Result<Vec<Grad>, ModelError> {
-            let (g, cfg) = (&*self.gpu, &self.cfg);
-            let (n, d) = (f.n_seq * f.seq, cfg.d_model);
-            let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
-            let (qd, kd) = (h * dh, kv * dh);
-            let (one, att) = (&f.one, &f.att);
-            let shape = attn_shape(cfg, f.n_seq, f.seq);
-            // Attention branch.
-            let dxb = g.to_bf16(dx, n * d).map_err(k)?;
-            let d_wo = g
-                .gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.attn, &dxb, qd, d)
-                .map_err(k)?;
-            let dattn = g
-                .gemm_dev(GemmVariant::DataGrad, one, 1, n, &dxb, &b.wo16, qd, d)
-                .map_err(k)?;
-            self.tick("o projection backward")?;
-            let (mut dqt, mut dkt, dvt) = g
-                .attention_backward(shape, att, &s.att, &dattn)
-                .map_err(k)?;
-            self.tick("attention backward")?;
-            let mut norms = Vec::new();
-            if let (Some(raw), Some(qn), Some(kn)) = (&s.qk_raw, &b.q_norm, &b.k_norm) {
-                let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
-                let mut d_kn = g.zeros::<f32>(dh).map_err(k)?;
-                dqt = g
-                    .rmsnorm_bf16_backward(&raw.q, &qn.p, &raw.q_inv, &dqt, &mut d_qn, n * h)
-                    .map_err(k)?;
-                dkt = g
-                    .rmsnorm_bf16_backward(&raw.k, &kn.p, &raw.k_inv, &dkt, &mut d_kn, n * kv)
-                    .map_err(k)?;
-                norms = vec![Grad::F32(d_qn), Grad::F32(d_kn)];
-            }
-            let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
-                g.gemm_dev(GemmVariant::WeightGrad, one, 1, n, &s.a, dproj, d, width)
-                    .map_err(k)
-            };
-            let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
-                g.gemm_dev(GemmVariant::DataGrad, one, 1, n, dproj, w, d, width)
-                    .map_err(k)
-            };
-            let (d_wq, d_wk, d_wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
-            let da = g
-                .add(
-                    &dgrad(&dqt, &b.wq16, qd)?,
-                    &dgrad(&dkt, &b.wk16, kd)?,
-                    n * d,
-                )
-                .map_err(k)?;
-            let da = g.add(&da, &dgrad(&dvt, &b.wv16, kd)?, n * d).map_err(k)?;
-            self.tick("qkv projections backward")?;
-            let mut d_norm1 = g.zeros::<f32>(d).map_err(k)?;
-            g.rmsnorm_backward(&s.x_in, &b.norm1.p, &s.inv1, &da, dx, &mut d_norm1, n)
-                .map_err(k)?;
-            self.tick("norms backward")?;
-            let mut bg = vec![
-                Grad::F32(d_norm1),
-                Grad::Bf16(d_wq),
-                Grad::Bf16(d_wk),
-                Grad::Bf16(d_wv),
-                Grad::Bf16(d_wo),
-            ];
-            bg.extend(norms);
-            Ok(bg)
+            grads.extend([(Share::Dense, pg.norm_f), (Share::Dense, pg.head)]);
+            Ok((grads, stats, dev.spans.take()))
         }
 
         /// The replicated dense weights' gradients summed over the ranks
@@ -1442,9 +1144,9 @@ mod imp {
             self.tick("start")?;
             for i in 0..micro {
                 let m0 = g.mark().map_err(k)?;
-                let mut f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
+                let f = self.forward(&starts[i * chunk..(i + 1) * chunk], seq, false, total)?;
                 let m1 = g.mark().map_err(k)?;
-                let (grads, st, bwd_ms) = self.backward(&mut f)?;
+                let (grads, st, bwd_ms) = self.backward(&f.batch, f.pass)?;
                 let m2 = g.mark().map_err(k)?;
                 acc = Some(accumulate(&g, acc, grads, micro)?);
                 self.tick("micro-batch accumulation")?;
@@ -1505,8 +1207,8 @@ mod imp {
             starts: &[usize],
             seq: usize,
         ) -> Result<(f64, Model<f32>), ModelError> {
-            let mut f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
-            let (grads, _, _) = self.backward(&mut f)?;
+            let f = self.forward(starts, seq, false, starts.len() * seq * self.world)?;
+            let (grads, _, _) = self.backward(&f.batch, f.pass)?;
             let grads = self.sum_dense(grads)?;
             layer::device::settle(self.comm)?;
             let g = self.gpu.clone();
@@ -1559,6 +1261,349 @@ mod imp {
             m.head = next(m.head.len())?;
             let l = g.download(&f.loss_sum, 1).map_err(k)?[0];
             Ok((f64::from(l) / (starts.len() * seq) as f64, m))
+        }
+    }
+
+    impl Dev<'_, '_> {
+        /// Rows in the batch.
+        fn n(&self) -> usize {
+            self.b.n_seq * self.b.seq
+        }
+
+        /// One-group GEMM over the batch's rows.
+        fn gemm(
+            &self,
+            v: GemmVariant,
+            (x, w): (&CudaSlice<u16>, &CudaSlice<u16>),
+            (kd, nd): (usize, usize),
+        ) -> Result<CudaSlice<u16>, ModelError> {
+            let n = self.n();
+            self.m
+                .gpu
+                .gemm_dev(v, &self.b.one, 1, n, x, w, kd, nd)
+                .map_err(k)
+        }
+    }
+
+    impl Dense for Dev<'_, '_> {
+        type F = DevF;
+
+        fn n_layers(&self) -> usize {
+            self.m.blocks.len()
+        }
+
+        fn phase(&self, name: &'static str) -> Result<(), ModelError> {
+            Ok(self.m.comm.phase(name)?)
+        }
+
+        fn tick(&self, name: &'static str) -> Result<(), ModelError> {
+            self.m.tick(name)
+        }
+
+        fn embed(&self) -> Result<CudaSlice<f32>, ModelError> {
+            let (g, b, d) = (&*self.m.gpu, self.b, self.m.cfg.d_model);
+            let n = self.n();
+            // SAFETY: corpus tokens are below the corpus vocabulary, which
+            // the model's vocabulary covers (TrainConfig::model_config).
+            let mut x = unsafe { g.embed(&self.m.embed.p, &b.tok, n, d) }.map_err(k)?;
+            if let (Some(pos), Some(pd)) = (&self.m.pos, &b.pos_idx) {
+                // SAFETY: positions are below seq ≤ max_seq, the table's rows.
+                unsafe { g.embed_add(&pos.p, pd, &mut x, n, d) }.map_err(k)?;
+            }
+            Ok(x)
+        }
+
+        fn copy(&self, x: &CudaSlice<f32>) -> Result<CudaSlice<f32>, ModelError> {
+            self.m.gpu.duplicate(x).map_err(k)
+        }
+
+        fn norm(
+            &self,
+            li: usize,
+            which: Norm,
+            x: &CudaSlice<f32>,
+        ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), ModelError> {
+            let eps = self.m.cfg.eps() as f32;
+            let w = gain(&self.m.blocks[li], which);
+            self.m.gpu.rmsnorm(x, w, self.n(), eps).map_err(k)
+        }
+
+        fn attention(
+            &self,
+            li: usize,
+            a: &CudaSlice<u16>,
+        ) -> Result<(DevAttn, CudaSlice<u16>), ModelError> {
+            let (g, cfg, blk) = (&*self.m.gpu, &self.m.cfg, &self.m.blocks[li]);
+            let n = self.n();
+            let (d, h, kv, dh) = (cfg.d_model, cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd, eps) = (h * dh, kv * dh, cfg.eps() as f32);
+            let proj = |w: &CudaSlice<u16>, width: usize| {
+                self.gemm(GemmVariant::Forward, (a, w), (d, width))
+            };
+            let (mut qt, mut kt) = (proj(&blk.wq16, qd)?, proj(&blk.wk16, kd)?);
+            let vt = proj(&blk.wv16, kd)?;
+            let mut qk_raw = None;
+            if let (Some(qn), Some(kn)) = (&blk.q_norm, &blk.k_norm) {
+                let (qo, q_inv) = g.rmsnorm_bf16(&qt, &qn.p, n * h, eps).map_err(k)?;
+                let (ko, k_inv) = g.rmsnorm_bf16(&kt, &kn.p, n * kv, eps).map_err(k)?;
+                qk_raw = Some(HeadNorms {
+                    q: std::mem::replace(&mut qt, qo),
+                    k: std::mem::replace(&mut kt, ko),
+                    q_inv,
+                    k_inv,
+                });
+            }
+            self.tick("qkv projections")?;
+            let (attn, att) = g
+                .attention_forward(self.b.shape, &self.b.att, (&qt, &kt, &vt))
+                .map_err(k)?;
+            self.tick("attention")?;
+            Ok((DevAttn { qk_raw, att }, attn))
+        }
+
+        fn out_project(
+            &self,
+            li: usize,
+            attn: &CudaSlice<u16>,
+            x: &mut CudaSlice<f32>,
+        ) -> Result<(), ModelError> {
+            let cfg = &self.m.cfg;
+            let (d, qd) = (cfg.d_model, cfg.n_heads * cfg.head_width());
+            let wo = &self.m.blocks[li].wo16;
+            let o = self.gemm(GemmVariant::Forward, (attn, wo), (qd, d))?;
+            self.m.gpu.add_into(x, &o, self.n() * d).map_err(k)
+        }
+
+        fn moe_forward(
+            &self,
+            li: usize,
+            m: &CudaSlice<u16>,
+            x: &mut CudaSlice<f32>,
+        ) -> Result<DeviceSaved, ModelError> {
+            let (g, comm) = (&*self.m.gpu, self.m.comm);
+            let call = self.m.layer_call(li);
+            let moe_cfg = self.m.cfg.moe();
+            let planner = DevicePlanner::new(moe_cfg, call.clone())?;
+            comm.phase(super::phase::MOE_FORWARD)?;
+            let t0 = g.mark().map_err(k)?;
+            let blk = &self.m.blocks[li];
+            let sv = layer::device::forward(g, comm, &moe_cfg, &blk.moe, m, &planner)?;
+            let t1 = g.mark().map_err(k)?;
+            comm.phase(super::phase::DENSE_FORWARD)?;
+            let plan = match planner.take_last_plan() {
+                Some(p) => p,
+                None => layer::device_plan_call(&moe_cfg, &call, sv.routed_counts())?,
+            };
+            g.add_into(x, &sv.y, self.n() * self.m.cfg.d_model)
+                .map_err(k)?;
+            self.spans.borrow_mut().push((t0, t1));
+            self.plans.borrow_mut().push(plan);
+            Ok(sv)
+        }
+
+        fn head_loss(&self, x: CudaSlice<f32>) -> Result<DevTop, ModelError> {
+            let (g, m) = (&*self.m.gpu, self.m);
+            let (d, vocab, eps) = (m.cfg.d_model, m.cfg.vocab, m.cfg.eps() as f32);
+            let n = self.n();
+            let (hf, inv_f) = g.rmsnorm(&x, &m.norm_f.p, n, eps).map_err(k)?;
+            self.tick("norms")?;
+            let logits = self.gemm(GemmVariant::Forward, (&hf, &m.head16), (d, vocab))?;
+            self.tick("lm head")?;
+            let mut loss_sum = g.zeros::<f32>(1).map_err(k)?;
+            let scale = 1.0 / self.b.total_tokens.max(1) as f32;
+            // SAFETY: targets are corpus tokens, below the vocabulary.
+            let dlogits =
+                unsafe { g.cross_entropy(&logits, &self.b.tgt, &mut loss_sum, (n, vocab), scale) }
+                    .map_err(k)?;
+            self.tick("cross-entropy")?;
+            *self.loss_sum.borrow_mut() = Some(loss_sum);
+            Ok(DevTop {
+                x_final: x,
+                inv_f,
+                hf,
+                dlogits,
+            })
+        }
+
+        fn head_backward(&self, top: DevTop) -> Result<(CudaSlice<f32>, Grad, Grad), ModelError> {
+            let (g, m) = (&*self.m.gpu, self.m);
+            let n = self.n();
+            let (d, vocab) = (m.cfg.d_model, m.cfg.vocab);
+            let d_head = self.gemm(GemmVariant::WeightGrad, (&top.hf, &top.dlogits), (d, vocab))?;
+            let dhf = self.gemm(GemmVariant::DataGrad, (&top.dlogits, &m.head16), (d, vocab))?;
+            self.tick("lm head backward")?;
+            let mut dx = g.zeros::<f32>(n * d).map_err(k)?;
+            let mut d_norm_f = g.zeros::<f32>(d).map_err(k)?;
+            g.rmsnorm_backward(
+                &top.x_final,
+                &m.norm_f.p,
+                &top.inv_f,
+                &dhf,
+                &mut dx,
+                &mut d_norm_f,
+                n,
+            )
+            .map_err(k)?;
+            self.tick("norms backward")?;
+            Ok((dx, Grad::F32(d_norm_f), Grad::Bf16(d_head)))
+        }
+
+        fn moe_backward(
+            &self,
+            li: usize,
+            mut sv: DeviceSaved,
+            dx: &CudaSlice<f32>,
+        ) -> Result<(CudaSlice<u16>, DevMoeGrads, BackwardStats), ModelError> {
+            let (g, m) = (&*self.m.gpu, self.m);
+            let (n, d) = (self.n(), m.cfg.d_model);
+            let dxb = g.to_bf16(dx, n * d).map_err(k)?;
+            let planner = DevicePlanner::new(m.cfg.moe(), m.call.clone())?;
+            // One rank per GPU: the pool's peak during the call is this
+            // layer's backward (ranks staged through one GPU share the
+            // pool, so they report the kept rows instead, below).
+            let pool_base = match m.comm {
+                layer::device::DeviceComm::Staged(_) => None,
+                _ => Some(g.pool_reset_peak().map_err(k)?),
+            };
+            m.comm.phase(super::phase::MOE_BACKWARD)?;
+            let t0 = g.mark().map_err(k)?;
+            let blk = &m.blocks[li];
+            let mg =
+                layer::device::backward_releasing(g, m.comm, &blk.moe, &mut sv, &dxb, &planner)?;
+            let t1 = g.mark().map_err(k)?;
+            m.comm.phase(super::phase::DENSE_BACKWARD)?;
+            let pool_peak = pool_base
+                .map(|base| g.pool_peak_bytes().map(|p| p.saturating_sub(base)))
+                .transpose()
+                .map_err(k)?;
+            self.spans.borrow_mut().push((t0, t1));
+            let st = BackwardStats {
+                expert_load: sv.expert_load(),
+                routed_pairs: n * m.cfg.top_k,
+                kept_pairs: mg.kept_pairs,
+                kept: vec![],
+                scores: vec![],
+                pairs_per_rank: vec![mg.kept_pairs as u64],
+                // The most device memory the backward call held above
+                // what was in use when it started (its pool's peak);
+                // staged ranks: the kept `[x | g·δ]` bf16 rows, the
+                // controller's unit.
+                buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
+                bytes_sent: mg.bytes_sent as u64,
+                times: layer::StageTimes::default(),
+            };
+            let grads = DevMoeGrads {
+                router: mg.router,
+                experts: mg.experts,
+            };
+            Ok((mg.dx, grads, st))
+        }
+
+        fn norm_backward(
+            &self,
+            li: usize,
+            which: Norm,
+            (x, inv): (&CudaSlice<f32>, &CudaSlice<f32>),
+            dy: &CudaSlice<u16>,
+            dx: &mut CudaSlice<f32>,
+        ) -> Result<Grad, ModelError> {
+            let g = &*self.m.gpu;
+            let mut dw = g.zeros::<f32>(self.m.cfg.d_model).map_err(k)?;
+            let w = gain(&self.m.blocks[li], which);
+            g.rmsnorm_backward(x, w, inv, dy, dx, &mut dw, self.n())
+                .map_err(k)?;
+            Ok(Grad::F32(dw))
+        }
+
+        fn out_project_backward(
+            &self,
+            li: usize,
+            attn: &CudaSlice<u16>,
+            dx: &CudaSlice<f32>,
+        ) -> Result<(Grad, CudaSlice<u16>), ModelError> {
+            let cfg = &self.m.cfg;
+            let (d, qd) = (cfg.d_model, cfg.n_heads * cfg.head_width());
+            let dxb = self.m.gpu.to_bf16(dx, self.n() * d).map_err(k)?;
+            let d_wo = self.gemm(GemmVariant::WeightGrad, (attn, &dxb), (qd, d))?;
+            let wo = &self.m.blocks[li].wo16;
+            let dattn = self.gemm(GemmVariant::DataGrad, (&dxb, wo), (qd, d))?;
+            Ok((Grad::Bf16(d_wo), dattn))
+        }
+
+        fn attention_backward(
+            &self,
+            li: usize,
+            at: DevAttn,
+            a: &CudaSlice<u16>,
+            dattn: CudaSlice<u16>,
+        ) -> Result<(CudaSlice<u16>, QkvGrads<Grad>), ModelError> {
+            let (g, cfg, blk) = (&*self.m.gpu, &self.m.cfg, &self.m.blocks[li]);
+            let n = self.n();
+            let (d, h, kv, dh) = (cfg.d_model, cfg.n_heads, cfg.kv_heads(), cfg.head_width());
+            let (qd, kd) = (h * dh, kv * dh);
+            let (mut dqt, mut dkt, dvt) = g
+                .attention_backward(self.b.shape, &self.b.att, &at.att, &dattn)
+                .map_err(k)?;
+            self.tick("attention backward")?;
+            let mut head_norms = None;
+            if let (Some(raw), Some(qn), Some(kn)) = (&at.qk_raw, &blk.q_norm, &blk.k_norm) {
+                let mut d_qn = g.zeros::<f32>(dh).map_err(k)?;
+                let mut d_kn = g.zeros::<f32>(dh).map_err(k)?;
+                dqt = g
+                    .rmsnorm_bf16_backward(&raw.q, &qn.p, &raw.q_inv, &dqt, &mut d_qn, n * h)
+                    .map_err(k)?;
+                dkt = g
+                    .rmsnorm_bf16_backward(&raw.k, &kn.p, &raw.k_inv, &dkt, &mut d_kn, n * kv)
+                    .map_err(k)?;
+                head_norms = Some((Grad::F32(d_qn), Grad::F32(d_kn)));
+            }
+            let wgrad = |dproj: &CudaSlice<u16>, width: usize| {
+                self.gemm(GemmVariant::WeightGrad, (a, dproj), (d, width))
+                    .map(Grad::Bf16)
+            };
+            let dgrad = |dproj: &CudaSlice<u16>, w: &CudaSlice<u16>, width: usize| {
+                self.gemm(GemmVariant::DataGrad, (dproj, w), (d, width))
+            };
+            let (wq, wk, wv) = (wgrad(&dqt, qd)?, wgrad(&dkt, kd)?, wgrad(&dvt, kd)?);
+            let da = g
+                .add(
+                    &dgrad(&dqt, &blk.wq16, qd)?,
+                    &dgrad(&dkt, &blk.wk16, kd)?,
+                    n * d,
+                )
+                .map_err(k)?;
+            let da = g.add(&da, &dgrad(&dvt, &blk.wv16, kd)?, n * d).map_err(k)?;
+            let grads = QkvGrads {
+                wq,
+                wk,
+                wv,
+                head_norms,
+            };
+            Ok((da, grads))
+        }
+
+        fn embed_backward(&self, dx: &CudaSlice<f32>) -> Result<(Grad, Option<Grad>), ModelError> {
+            let (g, m, b) = (&*self.m.gpu, self.m, self.b);
+            let (n, d) = (self.n(), m.cfg.d_model);
+            let mut d_embed = g.zeros::<f32>(m.cfg.vocab * d).map_err(k)?;
+            // SAFETY: tokens below the vocabulary (the forward embedded them).
+            unsafe { g.embed_backward(dx, &b.tok, &mut d_embed, n, d) }.map_err(k)?;
+            let mut d_pos = None;
+            if let Some(pd) = &b.pos_idx {
+                let mut dp = g.zeros::<f32>(m.cfg.max_seq * d).map_err(k)?;
+                // SAFETY: positions below seq ≤ max_seq.
+                unsafe { g.embed_backward(dx, pd, &mut dp, n, d) }.map_err(k)?;
+                d_pos = Some(Grad::F32(dp));
+            }
+            Ok((Grad::F32(d_embed), d_pos))
+        }
+    }
+
+    /// Block `b`'s pre-norm gain `which`.
+    fn gain(b: &Block, which: Norm) -> &CudaSlice<f32> {
+        match which {
+            Norm::Attention => &b.norm1.p,
+            Norm::Moe => &b.norm2.p,
         }
     }
 }

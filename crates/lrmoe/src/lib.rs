@@ -53,6 +53,7 @@ pub use pack;
 pub use quota;
 pub use redistribute;
 
+mod block;
 pub mod compare;
 pub mod data;
 pub mod device_model;

@@ -18,6 +18,8 @@ use kernels::cpu::{matmul, Op};
 use layer::transport::all_reduce_sum;
 use layer::{BackwardStats, CallConfig, CallPlan, MoeConfig, MoeParams, Saved, Transport, Value};
 use quota::Placement;
+
+use crate::block::{self, Norm, Pass, PassGrads, QkvGrads};
 use serde::{Deserialize, Serialize};
 
 /// Errors of the model.
@@ -409,25 +411,11 @@ fn rmsnorm_backward<T: Value>(x: &[T], w: &[T], inv: &[T], dy: &[T], dx: &mut [T
     }
 }
 
-/// Per-block activations kept for the backward.
-struct BlockCache<T: Value> {
-    x_in: Vec<T>,
-    /// The attention half's.
-    at: AttnForward<T>,
-    x_mid: Vec<T>,
-    inv2: Vec<T>,
-    moe: Saved<T>,
-}
-
 /// Activations of one forward, for [`backward`].
 pub struct Cache<T: Value> {
     tokens: Vec<u32>,
     targets: Vec<u32>,
-    blocks: Vec<BlockCache<T>>,
-    x_final: Vec<T>,
-    inv_f: Vec<T>,
-    hf: Vec<T>,
-    probs: Vec<T>,
+    pass: Pass<HostF<T>>,
     /// Wall time spent in the MoE layers' forwards, seconds.
     pub moe_seconds: f64,
     /// The MoE layers' auxiliary balancing losses on this rank, summed (0
@@ -440,7 +428,7 @@ impl<T: Value> Cache<T> {
     /// The controller's plan of each block's MoE call (routing, quotas,
     /// replicas).
     pub fn moe_plans(&self) -> impl Iterator<Item = &CallPlan> {
-        self.blocks.iter().map(|b| &b.moe.plan)
+        self.pass.blocks.iter().map(|b| &b.moe.plan)
     }
 }
 
@@ -575,11 +563,8 @@ fn embed<T: Value>(cfg: &ModelConfig, model: &Model<T>, tokens: &[u32], seq: usi
     x
 }
 
-/// The attention half of a block's forward, up to (not including) the
-/// output projection: what the backward keeps of it.
-struct AttnForward<T> {
-    inv1: Vec<T>,
-    a: Vec<T>,
+/// What attention keeps for its backward (the CPU backend's).
+pub(crate) struct AttnForward<T> {
     /// Query and key projections before their head norms, token-major, and
     /// the norms' `1 / rms` per head row (empty without `qk_norm`).
     q_raw: Vec<T>,
@@ -592,30 +577,29 @@ struct AttnForward<T> {
     k: Vec<T>,
     v: Vec<T>,
     probs: Vec<T>,
-    attn: Vec<T>,
 }
 
-/// Pre-norm, projections, the optional q/k norms and RoPE, and causal
-/// grouped-query attention per (sequence, query head); query head `j`
-/// reads key/value head `j / group`.
+/// The projections of the normed rows `a`, the optional q/k norms and
+/// RoPE, and causal grouped-query attention per (sequence, query head);
+/// query head `j` reads key/value head `j / group`. What the backward
+/// keeps, and the context rows (token-major, before the output
+/// projection).
 fn attention_forward<T: Value>(
     cfg: &ModelConfig,
     b: &Block<T>,
-    x: &[T],
+    a: &[T],
     seq: usize,
-) -> Result<AttnForward<T>, ModelError> {
+) -> Result<(AttnForward<T>, Vec<T>), ModelError> {
     let d = cfg.d_model;
     let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
     let (qd, kd, group) = (h * dh, kv * dh, h / kv);
     let eps = cfg.eps();
-    let n = x.len() / d;
+    let n = a.len() / d;
     let n_seq = n / seq;
     let scale = T::of(1.0 / (dh as f64).sqrt());
-    let mut a = vec![T::zero(); n * d];
-    let inv1 = rmsnorm(x, &b.norm1, eps, &mut a);
     let proj = |w: &[T], width: usize| -> Result<Vec<T>, ModelError> {
         let mut o = vec![T::zero(); n * width];
-        matmul(&mut o, &a, Op::N, w, Op::N, (n, d, width), false)?;
+        matmul(&mut o, a, Op::N, w, Op::N, (n, d, width), false)?;
         Ok(o)
     };
     let (mut qt, mut kt, vt) = (proj(&b.wq, qd)?, proj(&b.wk, kd)?, proj(&b.wv, kd)?);
@@ -658,9 +642,7 @@ fn attention_forward<T: Value>(
     }
     let mut attn = vec![T::zero(); n * qd];
     merge_heads(&ctx, seq, h, dh, &mut attn);
-    Ok(AttnForward {
-        inv1,
-        a,
+    let saved = AttnForward {
         q_raw,
         k_raw,
         q_inv,
@@ -669,8 +651,8 @@ fn attention_forward<T: Value>(
         k,
         v,
         probs,
-        attn,
-    })
+    };
+    Ok((saved, attn))
 }
 
 /// Scaled scores `p` (`seq × seq`, one head) to causal softmax rows, in
@@ -697,50 +679,28 @@ fn causal_softmax<T: Value>(p: &mut [T], seq: usize, scale: T) {
     }
 }
 
-/// The MoE half of block `li`'s forward on the residual `x` (updated in
-/// place): pre-norm, the layer call (with the block's balancing bias, if
-/// any); returns the norm's inverse RMS, the layer's saved state and the
-/// call's wall seconds.
-fn moe_forward<T: Value, X: Transport>(
-    comm: &X,
-    cfg: &ModelConfig,
-    run: &MoeRun<'_>,
-    li: usize,
-    b: &Block<T>,
-    x: &mut [T],
-) -> Result<(Vec<T>, Saved<T>, f64), ModelError> {
-    let mut m = vec![T::zero(); x.len()];
-    let inv2 = rmsnorm(x, &b.norm2, cfg.eps(), &mut m);
-    let clock = std::time::Instant::now();
-    let layer_call;
-    let call = match layer_call_of(run, li) {
-        Some(c) => {
-            layer_call = c;
-            &layer_call
-        }
-        None => run.backward,
-    };
-    let (y, moe) = layer::forward(comm, &cfg.moe(), call, &b.moe, run.placement, &m)?;
-    let secs = clock.elapsed().as_secs_f64();
-    for (xv, yv) in x.iter_mut().zip(&y) {
-        *xv += *yv;
-    }
-    Ok((inv2, moe, secs))
+/// What the head keeps for its backward (the CPU backend's).
+pub(crate) struct Top<T> {
+    /// Mean cross-entropy of the targets, nats.
+    loss: f64,
+    x_final: Vec<T>,
+    inv_f: Vec<T>,
+    hf: Vec<T>,
+    probs: Vec<T>,
 }
 
 /// Final norm, LM head and softmax probabilities; the mean cross-entropy
-/// of `targets` in nats. Returns `(loss, inv_f, hf, probs)`.
-#[allow(clippy::type_complexity)]
+/// of `targets` in nats.
 fn head_loss<T: Value>(
     cfg: &ModelConfig,
     model: &Model<T>,
-    x: &[T],
+    x: Vec<T>,
     targets: &[u32],
-) -> Result<(f64, Vec<T>, Vec<T>, Vec<T>), ModelError> {
+) -> Result<Top<T>, ModelError> {
     let (d, v_n) = (cfg.d_model, cfg.vocab);
     let n = targets.len();
     let mut hf = vec![T::zero(); n * d];
-    let inv_f = rmsnorm(x, &model.norm_f, cfg.eps(), &mut hf);
+    let inv_f = rmsnorm(&x, &model.norm_f, cfg.eps(), &mut hf);
     let mut probs = vec![T::zero(); n * v_n];
     matmul(
         &mut probs,
@@ -764,7 +724,184 @@ fn head_loss<T: Value>(
         }
         loss -= row[t as usize].wide().max(1e-300).ln();
     }
-    Ok((loss / n as f64, inv_f, hf, probs))
+    Ok(Top {
+        loss: loss / n as f64,
+        x_final: x,
+        inv_f,
+        hf,
+        probs,
+    })
+}
+
+/// The CPU model's buffers (`T` slices), [`crate::block`]'s family.
+pub(crate) struct HostF<T>(std::marker::PhantomData<T>);
+
+impl<T: Value> block::Family for HostF<T> {
+    type Stream = Vec<T>;
+    type Rows = Vec<T>;
+    type Inv = Vec<T>;
+    type Attn = AttnForward<T>;
+    type Moe = Saved<T>;
+    type MoeGrads = MoeParams<T>;
+    type Grad = Vec<T>;
+    type Top = Top<T>;
+}
+
+/// One rank's pass on the CPU: [`crate::block`]'s host backend.
+struct HostPass<'a, T: Value, X: Transport> {
+    comm: &'a X,
+    cfg: &'a ModelConfig,
+    model: &'a Model<T>,
+    run: &'a MoeRun<'a>,
+    tokens: &'a [u32],
+    targets: &'a [u32],
+    seq: usize,
+    /// Wall seconds in the MoE layers' calls so far.
+    moe_seconds: std::cell::Cell<f64>,
+}
+
+impl<T: Value, X: Transport> HostPass<'_, T, X> {
+    fn gain(&self, li: usize, which: Norm) -> &[T] {
+        let b = &self.model.blocks[li];
+        match which {
+            Norm::Attention => &b.norm1,
+            Norm::Moe => &b.norm2,
+        }
+    }
+
+    fn timed<R>(&self, f: impl FnOnce() -> R) -> R {
+        let clock = std::time::Instant::now();
+        let r = f();
+        self.moe_seconds
+            .set(self.moe_seconds.get() + clock.elapsed().as_secs_f64());
+        r
+    }
+}
+
+impl<T: Value, X: Transport> block::Dense for HostPass<'_, T, X> {
+    type F = HostF<T>;
+
+    fn n_layers(&self) -> usize {
+        self.model.blocks.len()
+    }
+
+    fn embed(&self) -> Result<Vec<T>, ModelError> {
+        Ok(embed(self.cfg, self.model, self.tokens, self.seq))
+    }
+
+    fn copy(&self, x: &Vec<T>) -> Result<Vec<T>, ModelError> {
+        Ok(x.clone())
+    }
+
+    fn norm(&self, li: usize, which: Norm, x: &Vec<T>) -> Result<(Vec<T>, Vec<T>), ModelError> {
+        let mut y = vec![T::zero(); x.len()];
+        let inv = rmsnorm(x, self.gain(li, which), self.cfg.eps(), &mut y);
+        Ok((y, inv))
+    }
+
+    fn attention(&self, li: usize, a: &Vec<T>) -> Result<(AttnForward<T>, Vec<T>), ModelError> {
+        attention_forward(self.cfg, &self.model.blocks[li], a, self.seq)
+    }
+
+    fn out_project(&self, li: usize, attn: &Vec<T>, x: &mut Vec<T>) -> Result<(), ModelError> {
+        let (d, qd) = (self.cfg.d_model, self.cfg.n_heads * self.cfg.head_width());
+        let n = x.len() / d;
+        let wo = &self.model.blocks[li].wo;
+        Ok(matmul(x, attn, Op::N, wo, Op::N, (n, qd, d), true)?)
+    }
+
+    fn moe_forward(&self, li: usize, m: &Vec<T>, x: &mut Vec<T>) -> Result<Saved<T>, ModelError> {
+        let layer_call;
+        let call = match layer_call_of(self.run, li) {
+            Some(c) => {
+                layer_call = c;
+                &layer_call
+            }
+            None => self.run.backward,
+        };
+        let (moe_cfg, b) = (self.cfg.moe(), &self.model.blocks[li]);
+        let (y, moe) = self
+            .timed(|| layer::forward(self.comm, &moe_cfg, call, &b.moe, self.run.placement, m))?;
+        for (xv, yv) in x.iter_mut().zip(&y) {
+            *xv += *yv;
+        }
+        Ok(moe)
+    }
+
+    fn head_loss(&self, x: Vec<T>) -> Result<Top<T>, ModelError> {
+        head_loss(self.cfg, self.model, x, self.targets)
+    }
+
+    fn head_backward(&self, top: Top<T>) -> Result<(Vec<T>, Vec<T>, Vec<T>), ModelError> {
+        head_backward(
+            self.cfg,
+            self.model,
+            top,
+            self.targets,
+            self.comm.world_size(),
+        )
+    }
+
+    fn moe_backward(
+        &self,
+        li: usize,
+        moe: Saved<T>,
+        dx: &Vec<T>,
+    ) -> Result<(Vec<T>, MoeParams<T>, BackwardStats), ModelError> {
+        let (moe_cfg, b) = (self.cfg.moe(), &self.model.blocks[li]);
+        Ok(self
+            .timed(|| layer::backward(self.comm, &moe_cfg, self.run.backward, &b.moe, &moe, dx))?)
+    }
+
+    fn norm_backward(
+        &self,
+        li: usize,
+        which: Norm,
+        (x, inv): (&Vec<T>, &Vec<T>),
+        dy: &Vec<T>,
+        dx: &mut Vec<T>,
+    ) -> Result<Vec<T>, ModelError> {
+        let w = self.gain(li, which);
+        let mut dw = vec![T::zero(); w.len()];
+        rmsnorm_backward(x, w, inv, dy, dx, &mut dw);
+        Ok(dw)
+    }
+
+    fn out_project_backward(
+        &self,
+        li: usize,
+        attn: &Vec<T>,
+        dx: &Vec<T>,
+    ) -> Result<(Vec<T>, Vec<T>), ModelError> {
+        let (d, qd) = (self.cfg.d_model, self.cfg.n_heads * self.cfg.head_width());
+        let n = dx.len() / d;
+        let mut d_wo = vec![T::zero(); qd * d];
+        matmul(&mut d_wo, attn, Op::T, dx, Op::N, (qd, n, d), false)?;
+        let mut dattn = vec![T::zero(); n * qd];
+        let wo = &self.model.blocks[li].wo;
+        matmul(&mut dattn, dx, Op::N, wo, Op::T, (n, d, qd), false)?;
+        Ok((d_wo, dattn))
+    }
+
+    fn attention_backward(
+        &self,
+        li: usize,
+        att: AttnForward<T>,
+        a: &Vec<T>,
+        dattn: Vec<T>,
+    ) -> Result<(Vec<T>, QkvGrads<Vec<T>>), ModelError> {
+        attention_backward(self.cfg, &self.model.blocks[li], &att, a, &dattn, self.seq)
+    }
+
+    fn embed_backward(&self, dx: &Vec<T>) -> Result<(Vec<T>, Option<Vec<T>>), ModelError> {
+        Ok(embed_backward(
+            self.cfg,
+            self.model,
+            self.tokens,
+            dx,
+            self.seq,
+        ))
+    }
 }
 
 /// Loss (mean cross-entropy over this rank's tokens, in nats) and cache.
@@ -780,45 +917,30 @@ pub fn forward<T: Value, X: Transport>(
 ) -> Result<(f64, Cache<T>), ModelError> {
     cfg.validate()?;
     check_batch(cfg, tokens, targets, seq)?;
-    let (d, qd) = (cfg.d_model, cfg.n_heads * cfg.head_width());
-    let n = tokens.len();
-    let mut x = embed(cfg, model, tokens, seq);
-    let mut blocks = Vec::with_capacity(cfg.n_layers);
-    let mut moe_seconds = 0.0;
-    for (li, b) in model.blocks.iter().enumerate() {
-        let x_in = x.clone();
-        let at = attention_forward(cfg, b, &x, seq)?;
-        matmul(&mut x, &at.attn, Op::N, &b.wo, Op::N, (n, qd, d), true)?;
-        let x_mid = x.clone();
-        let (inv2, moe, secs) = moe_forward(comm, cfg, run, li, b, &mut x)?;
-        moe_seconds += secs;
-        blocks.push(BlockCache {
-            x_in,
-            at,
-            x_mid,
-            inv2,
-            moe,
-        });
-    }
-    let (loss, inv_f, hf, probs) = head_loss(cfg, model, &x, targets)?;
-    let aux_loss = blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
+    let be = HostPass {
+        comm,
+        cfg,
+        model,
+        run,
+        tokens,
+        targets,
+        seq,
+        moe_seconds: 0.0.into(),
+    };
+    let pass = block::forward(&be)?;
+    let loss = pass.top.loss;
+    let aux_loss = pass.blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
     if !loss.is_finite() || !aux_loss.is_finite() {
         return Err(ModelError::NonFinite("loss"));
     }
-    Ok((
-        loss,
-        Cache {
-            tokens: tokens.to_vec(),
-            targets: targets.to_vec(),
-            blocks,
-            x_final: x,
-            inv_f,
-            hf,
-            probs,
-            moe_seconds,
-            aux_loss,
-        },
-    ))
+    let cache = Cache {
+        tokens: tokens.to_vec(),
+        targets: targets.to_vec(),
+        pass,
+        moe_seconds: be.moe_seconds.get(),
+        aux_loss,
+    };
+    Ok((loss, cache))
 }
 
 /// What [`backward`] returns.
@@ -831,27 +953,29 @@ pub struct Gradients<T> {
     pub moe_seconds: f64,
 }
 
-/// The LM head's and final norm's backward: `g.head`, `g.norm_f`, and the
-/// gradient of the residual stream at the top, `dx`. `d loss / d logits =
-/// (p − onehot) / (n · world)`.
+/// The LM head's and final norm's backward: the gradient of the residual
+/// stream at the top, the final norm's and the head's gradients.
+/// `d loss / d logits = (p − onehot) / (n · world)`.
+#[allow(clippy::type_complexity)]
 fn head_backward<T: Value>(
     cfg: &ModelConfig,
     model: &Model<T>,
-    cache: &Cache<T>,
-    world: f64,
-    g: &mut Model<T>,
-) -> Result<Vec<T>, ModelError> {
+    top: Top<T>,
+    targets: &[u32],
+    world: usize,
+) -> Result<(Vec<T>, Vec<T>, Vec<T>), ModelError> {
     let (d, v_n) = (cfg.d_model, cfg.vocab);
-    let n = cache.tokens.len();
-    let inv_n = T::of(1.0 / (n as f64 * world));
-    let mut dlogits = cache.probs.clone();
-    for (row, &t) in dlogits.chunks_exact_mut(v_n).zip(&cache.targets) {
+    let n = targets.len();
+    let inv_n = T::of(1.0 / (n as f64 * world as f64));
+    let mut dlogits = top.probs;
+    for (row, &t) in dlogits.chunks_exact_mut(v_n).zip(targets) {
         row[t as usize] -= T::one();
         row.iter_mut().for_each(|v| *v *= inv_n);
     }
+    let mut d_head = vec![T::zero(); d * v_n];
     matmul(
-        &mut g.head,
-        &cache.hf,
+        &mut d_head,
+        &top.hf,
         Op::T,
         &dlogits,
         Op::N,
@@ -869,15 +993,16 @@ fn head_backward<T: Value>(
         false,
     )?;
     let mut dx = vec![T::zero(); n * d];
+    let mut d_norm_f = vec![T::zero(); d];
     rmsnorm_backward(
-        &cache.x_final,
+        &top.x_final,
         &model.norm_f,
-        &cache.inv_f,
+        &top.inv_f,
         &dhf,
         &mut dx,
-        &mut g.norm_f,
+        &mut d_norm_f,
     );
-    Ok(dx)
+    Ok((dx, d_norm_f, d_head))
 }
 
 /// Causal attention's backward per (sequence, query head) from the
@@ -951,27 +1076,24 @@ fn heads_backward<T: Value>(
     Ok((dq, dk, dv))
 }
 
-/// The attention branch's backward, `x_mid = x_in + attn(norm1(x_in)) ·
-/// Wo`: the block's attention gradients into `gb`, and `dx` (the gradient
-/// at `x_mid`) to the gradient at `x_in`, in place.
+/// Attention's backward from the context rows' gradient `dattn`
+/// (token-major): the gradient at the normed rows `a`, and the q/k/v
+/// projections' (and head norms') gradients.
 fn attention_backward<T: Value>(
     cfg: &ModelConfig,
     b: &Block<T>,
-    c: &BlockCache<T>,
-    gb: &mut Block<T>,
-    dx: &mut [T],
+    c: &AttnForward<T>,
+    a: &[T],
+    dattn: &[T],
     seq: usize,
-) -> Result<(), ModelError> {
+) -> Result<(Vec<T>, QkvGrads<Vec<T>>), ModelError> {
     let d = cfg.d_model;
     let (h, kv, dh) = (cfg.n_heads, cfg.kv_heads(), cfg.head_width());
     let (qd, kd) = (h * dh, kv * dh);
-    let n = dx.len() / d;
-    matmul(&mut gb.wo, &c.at.attn, Op::T, dx, Op::N, (qd, n, d), false)?;
-    let mut dattn = vec![T::zero(); n * qd];
-    matmul(&mut dattn, dx, Op::N, &b.wo, Op::T, (n, d, qd), false)?;
+    let n = dattn.len() / qd;
     let mut dctx = vec![T::zero(); n * qd];
-    split_heads(&dattn, seq, h, dh, &mut dctx);
-    let (dq, dk, dv) = heads_backward(cfg, &c.at, &dctx, seq)?;
+    split_heads(dattn, seq, h, dh, &mut dctx);
+    let (dq, dk, dv) = heads_backward(cfg, c, &dctx, seq)?;
     // Back to token-major rows, through the rotation and the head norms.
     let by_token = |t: &[T], heads: usize| {
         let mut o = vec![T::zero(); t.len()];
@@ -983,96 +1105,126 @@ fn attention_backward<T: Value>(
         rope(&mut dqt, seq, qd, dh, theta, true);
         rope(&mut dkt, seq, kd, dh, theta, true);
     }
+    let mut head_norms = None;
     if cfg.qk_norm {
-        for (dt, raw, w, inv, gw) in [
-            (
-                &mut dqt,
-                &c.at.q_raw,
-                &b.q_norm,
-                &c.at.q_inv,
-                &mut gb.q_norm,
-            ),
-            (
-                &mut dkt,
-                &c.at.k_raw,
-                &b.k_norm,
-                &c.at.k_inv,
-                &mut gb.k_norm,
-            ),
-        ] {
-            let mut draw = vec![T::zero(); dt.len()];
-            rmsnorm_backward(raw, w, inv, dt, &mut draw, gw);
+        let norm_back = |dt: &mut Vec<T>, raw: &[T], w: &[T], inv: &[T]| {
+            let (mut draw, mut gw) = (vec![T::zero(); dt.len()], vec![T::zero(); w.len()]);
+            rmsnorm_backward(raw, w, inv, dt, &mut draw, &mut gw);
             *dt = draw;
-        }
+            gw
+        };
+        let gq = norm_back(&mut dqt, &c.q_raw, &b.q_norm, &c.q_inv);
+        let gk = norm_back(&mut dkt, &c.k_raw, &b.k_norm, &c.k_inv);
+        head_norms = Some((gq, gk));
     }
     let mut da = vec![T::zero(); n * d];
-    for (dproj, w, gw, width) in [
-        (&dqt, &b.wq, &mut gb.wq, qd),
-        (&dkt, &b.wk, &mut gb.wk, kd),
-        (&dvt, &b.wv, &mut gb.wv, kd),
-    ] {
-        matmul(gw, &c.at.a, Op::T, dproj, Op::N, (d, n, width), false)?;
+    let mut proj_back = |dproj: &[T], w: &[T], width: usize| -> Result<Vec<T>, ModelError> {
+        let mut gw = vec![T::zero(); d * width];
+        matmul(&mut gw, a, Op::T, dproj, Op::N, (d, n, width), false)?;
         matmul(&mut da, dproj, Op::N, w, Op::T, (n, width, d), true)?;
-    }
-    rmsnorm_backward(&c.x_in, &b.norm1, &c.at.inv1, &da, dx, &mut gb.norm1);
-    Ok(())
+        Ok(gw)
+    };
+    let wq = proj_back(&dqt, &b.wq, qd)?;
+    let wk = proj_back(&dkt, &b.wk, kd)?;
+    let wv = proj_back(&dvt, &b.wv, kd)?;
+    let grads = QkvGrads {
+        wq,
+        wk,
+        wv,
+        head_norms,
+    };
+    Ok((da, grads))
 }
 
-/// The embeddings' gradients (token, and learned position when the model
-/// has it) from the gradient at the bottom of the residual stream.
+/// The embeddings' gradients (token; learned position when the model has
+/// them) from the gradient at the bottom of the residual stream.
 fn embed_backward<T: Value>(
     cfg: &ModelConfig,
-    cache: &Cache<T>,
+    model: &Model<T>,
+    tokens: &[u32],
     dx: &[T],
     seq: usize,
-    g: &mut Model<T>,
-) {
+) -> (Vec<T>, Option<Vec<T>>) {
     let d = cfg.d_model;
-    for (i, (row, &t)) in dx.chunks_exact(d).zip(&cache.tokens).enumerate() {
-        for (gv, &v) in g.embed[t as usize * d..(t as usize + 1) * d]
+    let mut g_embed = vec![T::zero(); model.embed.len()];
+    let mut g_pos = (!model.pos.is_empty()).then(|| vec![T::zero(); model.pos.len()]);
+    for (i, (row, &t)) in dx.chunks_exact(d).zip(tokens).enumerate() {
+        for (gv, &v) in g_embed[t as usize * d..(t as usize + 1) * d]
             .iter_mut()
             .zip(row)
         {
             *gv += v;
         }
-        if !g.pos.is_empty() {
+        if let Some(g_pos) = &mut g_pos {
             let p = i % seq;
-            for (gv, &v) in g.pos[p * d..(p + 1) * d].iter_mut().zip(row) {
+            for (gv, &v) in g_pos[p * d..(p + 1) * d].iter_mut().zip(row) {
                 *gv += v;
             }
         }
+    }
+    (g_embed, g_pos)
+}
+
+/// A pass's gradients as a [`Model`] of gradients.
+fn model_grads<T: Value>(g: PassGrads<HostF<T>>) -> Model<T> {
+    let blocks = g
+        .blocks
+        .into_iter()
+        .map(|b| {
+            let (q_norm, k_norm) = b.qkv.head_norms.unwrap_or_default();
+            Block {
+                norm1: b.norm1,
+                wq: b.qkv.wq,
+                wk: b.qkv.wk,
+                wv: b.qkv.wv,
+                wo: b.wo,
+                q_norm,
+                k_norm,
+                norm2: b.norm2,
+                moe: b.moe,
+            }
+        })
+        .collect();
+    Model {
+        embed: g.embed,
+        pos: g.pos.unwrap_or_default(),
+        blocks,
+        norm_f: g.norm_f,
+        head: g.head,
     }
 }
 
 /// Gradients of the mean loss over *all* ranks' tokens (each rank holds the
 /// same number), summed over ranks so every rank gets the same result; and
-/// each MoE layer's backward figures for this rank.
+/// each MoE layer's backward figures for this rank. The cache is consumed:
+/// each block's activations are released once its backward has read them.
 pub fn backward<T: Value, X: Transport>(
     comm: &X,
     cfg: &ModelConfig,
     model: &Model<T>,
     run: &MoeRun<'_>,
-    cache: &Cache<T>,
+    cache: Cache<T>,
     seq: usize,
 ) -> Result<Gradients<T>, ModelError> {
-    let mut g = Model::<T>::zeros(cfg);
-    let mut dx = head_backward(cfg, model, cache, comm.world_size() as f64, &mut g)?;
-    let mut stats = Vec::with_capacity(cfg.n_layers);
-    let mut moe_seconds = 0.0;
-    for (li, (b, c)) in model.blocks.iter().zip(&cache.blocks).enumerate().rev() {
-        let gb = &mut g.blocks[li];
-        // MoE branch: x = x_mid + moe(norm2(x_mid)).
-        let clock = std::time::Instant::now();
-        let (dm, moe_grads, st) =
-            layer::backward(comm, &cfg.moe(), run.backward, &b.moe, &c.moe, &dx)?;
-        moe_seconds += clock.elapsed().as_secs_f64();
-        gb.moe = moe_grads;
-        stats.push(st);
-        rmsnorm_backward(&c.x_mid, &b.norm2, &c.inv2, &dm, &mut dx, &mut gb.norm2);
-        attention_backward(cfg, b, c, gb, &mut dx, seq)?;
-    }
-    embed_backward(cfg, cache, &dx, seq, &mut g);
-    stats.reverse();
+    let Cache {
+        tokens,
+        targets,
+        pass,
+        ..
+    } = cache;
+    let be = HostPass {
+        comm,
+        cfg,
+        model,
+        run,
+        tokens: &tokens,
+        targets: &targets,
+        seq,
+        moe_seconds: 0.0.into(),
+    };
+    let mut pg = block::backward(&be, pass)?;
+    let stats = std::mem::take(&mut pg.stats);
+    let mut g = model_grads(pg);
     // Dense weights are data parallel: sum every rank's contribution. The
     // MoE layers already summed theirs.
     for (name, t) in g.tensors_mut() {
@@ -1089,7 +1241,7 @@ pub fn backward<T: Value, X: Transport>(
     Ok(Gradients {
         grads: g,
         moe_stats: stats,
-        moe_seconds,
+        moe_seconds: be.moe_seconds.get(),
     })
 }
 
@@ -1162,9 +1314,10 @@ mod tests {
                 &targets[r * per..(r + 1) * per],
                 seq,
             )?;
-            let g = backward(t, cfg, model, &run, &c, seq)?;
             // The objective the gradients belong to.
-            Ok((l + c.aux_loss, g.grads))
+            let objective = l + c.aux_loss;
+            let g = backward(t, cfg, model, &run, c, seq)?;
+            Ok((objective, g.grads))
         });
         let mut total = 0.0;
         let mut grads = None;

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use layer::transport::all_gather;
-use layer::{CallConfig, Transport};
+use layer::{CallConfig, CallPlan, Transport};
 use quota::Placement;
 
 use crate::data::{
@@ -294,8 +294,8 @@ pub(super) struct StepGrads {
     pub(super) loss: f64,
     pub(super) aux_loss: f64,
     pub(super) moe_seconds: f64,
-    /// The first micro-batch's activations (its plans feed the metrics).
-    pub(super) cache: model::Cache<f32>,
+    /// The first micro-batch's MoE plans (they feed the metrics).
+    pub(super) plans: Vec<CallPlan>,
     /// The accumulated gradients; `moe_stats` are the first micro-batch's.
     pub(super) grads: model::Gradients<f32>,
     /// Kept and routed pairs per layer, summed over micro-batches.
@@ -439,19 +439,21 @@ pub(super) fn step_grads<X: Transport>(
     }
     let chunk = sequences / micro * seq;
     let (mut loss, mut aux_loss, mut moe_seconds) = (0.0, 0.0, 0.0);
-    let mut first: Option<(model::Cache<f32>, model::Gradients<f32>)> = None;
+    let mut first: Option<(Vec<CallPlan>, model::Gradients<f32>)> = None;
     let mut tally = Tally::new(mcfg);
     for i in 0..micro {
         let r = i * chunk..(i + 1) * chunk;
         let (l, cache) =
             model::forward(comm, mcfg, model, run, &tokens[r.clone()], &targets[r], seq)?;
-        let g = model::backward(comm, mcfg, model, run, &cache, seq)?;
         loss += l / micro as f64;
         aux_loss += cache.aux_loss / micro as f64;
-        moe_seconds += cache.moe_seconds + g.moe_seconds;
+        moe_seconds += cache.moe_seconds;
+        let plans: Vec<CallPlan> = cache.moe_plans().cloned().collect();
+        let g = model::backward(comm, mcfg, model, run, cache, seq)?;
+        moe_seconds += g.moe_seconds;
         tally.add(mcfg, &g.moe_stats, me, ranks);
         match &mut first {
-            None => first = Some((cache, g)),
+            None => first = Some((plans, g)),
             Some((_, acc)) => {
                 for ((_, a), (_, b)) in acc.grads.tensors_mut().into_iter().zip(g.grads.tensors()) {
                     a.iter_mut().zip(b).for_each(|(x, y)| *x += *y);
@@ -459,7 +461,7 @@ pub(super) fn step_grads<X: Transport>(
             }
         }
     }
-    let Some((cache, mut grads)) = first else {
+    let Some((plans, mut grads)) = first else {
         return Err(TrainError::Config("a step of zero micro-batches".into()));
     };
     if micro > 1 {
@@ -472,7 +474,7 @@ pub(super) fn step_grads<X: Transport>(
         loss,
         aux_loss,
         moe_seconds,
-        cache,
+        plans,
         grads,
         kept_routed: tally.0,
         busiest: tally.1,
@@ -787,7 +789,7 @@ pub(super) fn train_step<X: Transport>(
         aux_loss: sg.aux_loss,
         moe_seconds: sg.moe_seconds,
         grad_norm,
-        plans: sg.cache.moe_plans().cloned().collect(),
+        plans: sg.plans,
         stats: sg.grads.moe_stats,
         kept_routed: sg.kept_routed,
         busiest: sg.busiest,

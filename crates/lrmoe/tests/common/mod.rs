@@ -78,7 +78,7 @@ pub fn cpu_loss_and_grads(
     };
     let mut out = run_local(1, Duration::from_secs(60), |t| {
         let (l, c) = model::forward(t, cfg, m, &run, &tok, &tgt, seq)?;
-        let g = model::backward(t, cfg, m, &run, &c, seq)?;
+        let g = model::backward(t, cfg, m, &run, c, seq)?;
         Ok::<_, model::ModelError>((l, g.grads))
     });
     out.remove(0).unwrap()
