@@ -9,7 +9,9 @@
 //! the metrics; checkpoints download the weights only when saved.
 //!
 //! The math is [`crate::model`]'s (the CPU model is the reference the
-//! device tests hold it to): embedding (plus the learned positions when
+//! device tests hold it to), and so is the order: both are backends of
+//! `crate::block`, where the block's and the pass's forward and backward
+//! are written once; this file supplies the device's primitives. Embedding (plus the learned positions when
 //! the model has no RoPE), per block RMSNorm → q/k/v projections →
 //! per-head q/k RMSNorm → RoPE → causal grouped-query attention → output
 //! projection → residual → RMSNorm → the MoE layer through

@@ -11,7 +11,9 @@
 //!   optionally on the GPU) — and [`device_model`], the same model
 //!   resident on the GPU (one, or launched ranks with experts sharded; its
 //!   MoE layers through the layer crate's device executor), held to
-//!   [`model`] by device tests,
+//!   [`model`] by device tests; both are backends of one definition of
+//!   the block and the pass (`block`, crate-private: forward and
+//!   backward written once over a `Dense` contract),
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
 //!   rank per launched process) and the time-to-target comparison;
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make

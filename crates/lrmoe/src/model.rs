@@ -13,6 +13,9 @@
 //! of a [`layer::Transport`] holds a full copy of the dense weights
 //! (data parallel, gradients all-reduced) and runs the MoE layers with
 //! expert parallelism over the same transport.
+//!
+//! The block's and the pass's order is `crate::block`'s (written once for
+//! this model and the device model); this file holds the CPU primitives.
 
 use kernels::cpu::{matmul, Op};
 use layer::transport::all_reduce_sum;

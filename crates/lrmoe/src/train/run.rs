@@ -170,15 +170,13 @@ pub(super) fn where_it_runs(cfg: &TrainConfig, opts: &RunOptions) -> Result<Wher
     })
 }
 
-/// Trains with `cfg`; returns rank 0's summary (every launched rank gets
-/// the same figures).
-pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
-    let Where {
-        corpus,
-        mcfg,
-        staged,
-        whole_gpu,
-    } = where_it_runs(cfg, opts)?;
+/// The ranks the run has: each owns an equal block of experts, and a
+/// launched group has as many.
+fn check_ranks(
+    cfg: &TrainConfig,
+    opts: &RunOptions,
+    mcfg: &ModelConfig,
+) -> Result<usize, TrainError> {
     let ranks = cfg.moe.ranks;
     if mcfg.n_experts % ranks != 0 {
         return Err(TrainError::Config(format!(
@@ -195,6 +193,19 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
             )));
         }
     }
+    Ok(ranks)
+}
+
+/// Trains with `cfg`; returns rank 0's summary (every launched rank gets
+/// the same figures).
+pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, TrainError> {
+    let Where {
+        corpus,
+        mcfg,
+        staged,
+        whole_gpu,
+    } = where_it_runs(cfg, opts)?;
+    let ranks = check_ranks(cfg, opts, &mcfg)?;
     let unigram = unigram_baseline(&corpus);
     let ckpt = cfg.run.out_dir.join(CHECKPOINT);
     let (initial, metrics) = open_run(cfg, opts, &mcfg, &corpus)?;
