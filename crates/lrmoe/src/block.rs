@@ -22,7 +22,24 @@
 
 use layer::BackwardStats;
 
-use crate::model::ModelError;
+/// The phases a timed rank's work is recorded under
+/// (`layer::timeline`; the simulator's per-phase table).
+pub mod phase {
+    /// Embedding, attention, norms, the LM head and loss.
+    pub const DENSE_FORWARD: &str = "dense forward";
+    /// The MoE layers' forward calls.
+    pub const MOE_FORWARD: &str = "moe forward";
+    /// The dense parts' backward.
+    pub const DENSE_BACKWARD: &str = "dense backward";
+    /// The MoE layers' backward calls.
+    pub const MOE_BACKWARD: &str = "moe backward";
+    /// The data-parallel sums of dense gradients and the global norm.
+    pub const GRADIENT_SUMS: &str = "gradient sums";
+    /// AdamW and the step's scalars.
+    pub const OPTIMIZER: &str = "optimizer";
+    /// The phases of the MoE layers.
+    pub const MOE: [&str; 2] = [MOE_FORWARD, MOE_BACKWARD];
+}
 
 /// Which of a block's two pre-norms.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,49 +88,52 @@ type Top<D> = <<D as Dense>::F as Family>::Top;
 pub(crate) trait Dense {
     /// The backend's buffer types.
     type F: Family;
+    /// The backend's error.
+    type Error;
 
     /// Blocks in the model.
     fn n_layers(&self) -> usize;
     /// The phase the work from here on belongs to (timed in-process ranks;
     /// elsewhere nothing).
-    fn phase(&self, _name: &'static str) -> Result<(), ModelError> {
+    fn phase(&self, _name: &'static str) -> Result<(), Self::Error> {
         Ok(())
     }
     /// Profiling: the work since the previous boundary is part `name`'s
     /// (nothing unless the backend profiles).
-    fn tick(&self, _name: &'static str) -> Result<(), ModelError> {
+    fn tick(&self, _name: &'static str) -> Result<(), Self::Error> {
         Ok(())
     }
     /// The token (and position) embeddings of the batch.
-    fn embed(&self) -> Result<Stream<Self>, ModelError>;
+    fn embed(&self) -> Result<Stream<Self>, Self::Error>;
     /// A copy of the residual stream.
-    fn copy(&self, x: &Stream<Self>) -> Result<Stream<Self>, ModelError>;
+    fn copy(&self, x: &Stream<Self>) -> Result<Stream<Self>, Self::Error>;
     /// Block `li`'s pre-norm `which` of `x`: the rows and their `1 / rms`.
     fn norm(
         &self,
         li: usize,
         which: Norm,
         x: &Stream<Self>,
-    ) -> Result<(Rows<Self>, Inv<Self>), ModelError>;
+    ) -> Result<(Rows<Self>, Inv<Self>), Self::Error>;
     /// Block `li`'s attention on normed rows `a`, up to (not including) the
     /// output projection: its saved state and context rows.
-    fn attention(&self, li: usize, a: &Rows<Self>) -> Result<(Attn<Self>, Rows<Self>), ModelError>;
+    fn attention(&self, li: usize, a: &Rows<Self>)
+        -> Result<(Attn<Self>, Rows<Self>), Self::Error>;
     /// `x += attn · Wo` (block `li`'s output projection).
     fn out_project(
         &self,
         li: usize,
         attn: &Rows<Self>,
         x: &mut Stream<Self>,
-    ) -> Result<(), ModelError>;
+    ) -> Result<(), Self::Error>;
     /// `x += moe(m)`: block `li`'s MoE layer call; what it keeps.
     fn moe_forward(
         &self,
         li: usize,
         m: &Rows<Self>,
         x: &mut Stream<Self>,
-    ) -> Result<Moe<Self>, ModelError>;
+    ) -> Result<Moe<Self>, Self::Error>;
     /// The final norm, the LM head and the loss on the top of the stream.
-    fn head_loss(&self, x: Stream<Self>) -> Result<Top<Self>, ModelError>;
+    fn head_loss(&self, x: Stream<Self>) -> Result<Top<Self>, Self::Error>;
 
     /// The head's backward: the gradient at the top of the stream, the
     /// final norm's and the head's gradients.
@@ -121,7 +141,7 @@ pub(crate) trait Dense {
     fn head_backward(
         &self,
         top: Top<Self>,
-    ) -> Result<(Stream<Self>, Grad<Self>, Grad<Self>), ModelError>;
+    ) -> Result<(Stream<Self>, Grad<Self>, Grad<Self>), Self::Error>;
     /// Block `li`'s MoE layer backward from the stream's gradient `dx`:
     /// the gradient at the layer's input rows, the layer's gradients and
     /// its figures.
@@ -130,7 +150,7 @@ pub(crate) trait Dense {
         li: usize,
         moe: Moe<Self>,
         dx: &Stream<Self>,
-    ) -> Result<(Rows<Self>, MoeGrads<Self>, BackwardStats), ModelError>;
+    ) -> Result<(Rows<Self>, MoeGrads<Self>, BackwardStats), Self::Error>;
     /// Block `li`'s pre-norm `which` backward: `dx += norm'(dy)` at the
     /// norm's input `x`; the gain's gradient.
     fn norm_backward(
@@ -140,7 +160,7 @@ pub(crate) trait Dense {
         saved: (&Stream<Self>, &Inv<Self>),
         dy: &Rows<Self>,
         dx: &mut Stream<Self>,
-    ) -> Result<Grad<Self>, ModelError>;
+    ) -> Result<Grad<Self>, Self::Error>;
     /// The output projection's backward from the stream's gradient `dx`:
     /// `Wo`'s gradient and the context rows' gradient.
     fn out_project_backward(
@@ -148,23 +168,25 @@ pub(crate) trait Dense {
         li: usize,
         attn: &Rows<Self>,
         dx: &Stream<Self>,
-    ) -> Result<(Grad<Self>, Rows<Self>), ModelError>;
+    ) -> Result<(Grad<Self>, Rows<Self>), Self::Error>;
     /// Attention's backward from the context rows' gradient: the gradient
     /// at the normed rows `a`, and the q/k/v projections' (and head
     /// norms') gradients.
+    #[allow(clippy::type_complexity)]
     fn attention_backward(
         &self,
         li: usize,
         att: Attn<Self>,
         a: &Rows<Self>,
         dattn: Rows<Self>,
-    ) -> Result<(Rows<Self>, QkvGrads<Grad<Self>>), ModelError>;
+    ) -> Result<(Rows<Self>, QkvGrads<Grad<Self>>), Self::Error>;
     /// The embeddings' gradients (token; learned position where the model
     /// has them) from the gradient at the bottom of the stream.
+    #[allow(clippy::type_complexity)]
     fn embed_backward(
         &self,
         dx: &Stream<Self>,
-    ) -> Result<(Grad<Self>, Option<Grad<Self>>), ModelError>;
+    ) -> Result<(Grad<Self>, Option<Grad<Self>>), Self::Error>;
 }
 
 /// What one block's backward reads, kept by its forward.
@@ -218,8 +240,8 @@ pub(crate) fn block_forward<D: Dense>(
     be: &D,
     li: usize,
     x: &mut Stream<D>,
-) -> Result<BlockSaved<D::F>, ModelError> {
-    be.phase(crate::device_model::phase::DENSE_FORWARD)?;
+) -> Result<BlockSaved<D::F>, D::Error> {
+    be.phase(phase::DENSE_FORWARD)?;
     let x_in = be.copy(x)?;
     let (a, inv1) = be.norm(li, Norm::Attention, x)?;
     be.tick("norms")?;
@@ -251,7 +273,7 @@ pub(crate) fn block_backward<D: Dense>(
     li: usize,
     s: BlockSaved<D::F>,
     dx: &mut Stream<D>,
-) -> Result<(BlockGrads<D::F>, BackwardStats), ModelError> {
+) -> Result<(BlockGrads<D::F>, BackwardStats), D::Error> {
     let BlockSaved {
         x_in,
         inv1,
@@ -285,7 +307,7 @@ pub(crate) fn block_backward<D: Dense>(
 }
 
 /// The forward of the backend's batch through the loss.
-pub(crate) fn forward<D: Dense>(be: &D) -> Result<Pass<D::F>, ModelError> {
+pub(crate) fn forward<D: Dense>(be: &D) -> Result<Pass<D::F>, D::Error> {
     let mut x = be.embed()?;
     be.tick("embedding")?;
     let blocks = (0..be.n_layers())
@@ -297,8 +319,8 @@ pub(crate) fn forward<D: Dense>(be: &D) -> Result<Pass<D::F>, ModelError> {
 
 /// The backward of `pass`: every gradient, each block's state released
 /// once its backward has read it.
-pub(crate) fn backward<D: Dense>(be: &D, pass: Pass<D::F>) -> Result<PassGrads<D::F>, ModelError> {
-    be.phase(crate::device_model::phase::DENSE_BACKWARD)?;
+pub(crate) fn backward<D: Dense>(be: &D, pass: Pass<D::F>) -> Result<PassGrads<D::F>, D::Error> {
+    be.phase(phase::DENSE_BACKWARD)?;
     let (mut dx, norm_f, head) = be.head_backward(pass.top)?;
     let n = pass.blocks.len();
     let mut blocks = Vec::with_capacity(n);

@@ -174,24 +174,7 @@ impl DeviceModel<'_> {
     }
 }
 
-/// The phases a timed rank's work is recorded under
-/// (`layer::timeline`; the simulator's per-phase table).
-pub mod phase {
-    /// Embedding, attention, norms, the LM head and loss.
-    pub const DENSE_FORWARD: &str = "dense forward";
-    /// The MoE layers' forward calls.
-    pub const MOE_FORWARD: &str = "moe forward";
-    /// The dense parts' backward.
-    pub const DENSE_BACKWARD: &str = "dense backward";
-    /// The MoE layers' backward calls.
-    pub const MOE_BACKWARD: &str = "moe backward";
-    /// The data-parallel sums of dense gradients and the global norm.
-    pub const GRADIENT_SUMS: &str = "gradient sums";
-    /// AdamW and the step's scalars.
-    pub const OPTIMIZER: &str = "optimizer";
-    /// The phases of the MoE layers.
-    pub const MOE: [&str; 2] = [MOE_FORWARD, MOE_BACKWARD];
-}
+pub use crate::block::phase;
 
 #[cfg(feature = "cuda")]
 mod imp {
@@ -1289,6 +1272,7 @@ mod imp {
 
     impl Dense for Dev<'_, '_> {
         type F = DevF;
+        type Error = ModelError;
 
         fn n_layers(&self) -> usize {
             self.m.blocks.len()

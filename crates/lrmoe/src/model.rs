@@ -783,6 +783,7 @@ impl<T: Value, X: Transport> HostPass<'_, T, X> {
 
 impl<T: Value, X: Transport> block::Dense for HostPass<'_, T, X> {
     type F = HostF<T>;
+    type Error = ModelError;
 
     fn n_layers(&self) -> usize {
         self.model.blocks.len()
