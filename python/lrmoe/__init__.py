@@ -152,11 +152,12 @@ def _f32(name: str, a: Any, shape: Sequence[int]) -> np.ndarray:
 class LayerSaved:
     """The forward's state for :meth:`Layer.backward` (opaque)."""
 
-    def __init__(self, native: Any, tokens: int, n_experts: int):
+    def __init__(self, native: Any, tokens: int):
         self._native = native
         self.tokens = tokens
-        #: Routed pairs per expert of this call.
-        self.expert_load = np.asarray(native.expert_load(n_experts), dtype=np.int64)
+        #: Pairs per expert of this call that reached it (a capacity
+        #: factor's dropped pairs not counted).
+        self.expert_load = np.asarray(native.expert_load(), dtype=np.int64)
         #: The call's auxiliary balancing loss (0 when off).
         self.aux_loss = float(native.aux_loss())
 
@@ -203,7 +204,7 @@ class Layer:
         w = self._weights(router, gate, up, down)
         bias = None if expert_bias is None else [float(b) for b in np.asarray(expert_bias).reshape(-1)]
         y, native = self._native.forward(*w, np.ascontiguousarray(x).tobytes(), bias)
-        saved = LayerSaved(native, x.shape[0], self.n_experts)
+        saved = LayerSaved(native, x.shape[0])
         return np.frombuffer(y, dtype="<f4").reshape(x.shape).copy(), saved
 
     def backward(self, router, gate, up, down, saved: LayerSaved, dy):

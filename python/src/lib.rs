@@ -146,15 +146,10 @@ struct Saved {
 
 #[pymethods]
 impl Saved {
-    /// Routed pairs per expert of this call (pairs that reached an expert).
-    fn expert_load(&self, n_experts: usize) -> Vec<u64> {
-        let mut load = vec![0u64; n_experts];
-        for &e in self.inner.expert_of_pair() {
-            if let Some(l) = load.get_mut(e as usize) {
-                *l += 1;
-            }
-        }
-        load
+    /// Pairs per expert of this call that reached it (a capacity
+    /// factor's dropped pairs not counted).
+    fn expert_load(&self) -> Vec<u64> {
+        self.inner.expert_load()
     }
 
     /// The call's auxiliary load-balancing loss (0 when off).

@@ -14,6 +14,18 @@ def close(a, b, what, rtol=2e-4, atol=2e-5):
     assert err <= rtol + atol, f"{what}: max error {err:.3g} (relative to {scale:.3g})"
 
 
+def test_expert_load_counts_the_pairs_a_capacity_keeps():
+    rng = np.random.default_rng(3)
+    w, x, _ = ref.random_layer(rng)
+    layer = lrmoe.Layer(16, 24, 6, 2, True, mode="capacity", capacity_factor=0.5, fit_budget=False)
+    _, saved = layer.forward(*w, x)
+    _, st = ref.forward(w, x, 2, True)
+    routed = np.bincount(st["order"].ravel(), minlength=6)
+    cap = int(np.ceil(0.5 * routed.sum() / 6))
+    assert routed.max() > cap, "the case must drop pairs"
+    np.testing.assert_array_equal(saved.expert_load, np.minimum(routed, cap))
+
+
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_full_backward_is_exact(renormalize):
     rng = np.random.default_rng(1)

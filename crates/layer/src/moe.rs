@@ -38,6 +38,11 @@ impl<T: Real + Scalar> Saved<T> {
     pub fn expert_of_pair(&self) -> &[u32] {
         &self.sv.routed.idx
     }
+    /// Pairs that reached each expert in this call, summed over the ranks
+    /// (a capacity factor's dropped pairs not counted).
+    pub fn expert_load(&self) -> Vec<u64> {
+        self.sv.expert_load()
+    }
     /// Routing weight of each pair.
     pub fn gate(&self) -> &[T] {
         &self.sv.routed.gates
