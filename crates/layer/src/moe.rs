@@ -120,7 +120,6 @@ pub fn forward<T: Real + Scalar, X: Transport>(
     x: &[T],
 ) -> Result<(Vec<T>, Saved<T>), LayerError> {
     check_forward_inputs(cfg, placement, x, comm.world_size())?;
-    // `rank_weights` checks the parameters against the layer.
     let (rank, world) = (comm.rank(), comm.world_size());
     let w = crate::host::rank_weights(cfg, bwd, params, (rank, world))?;
     let planner = DevicePlanner::host(*cfg, bwd.clone())?.for_values::<T>();
@@ -140,9 +139,9 @@ pub fn forward<T: Real + Scalar, X: Transport>(
     ))
 }
 
-/// The forward's inputs against the layer's shape (the parameters are
-/// `host::rank_weights`'s to check): widths, the placement's experts (owned in contiguous blocks, no standing replica),
-/// finite values.
+/// The forward's inputs against the layer's shape: widths, the
+/// placement's experts (owned in contiguous blocks, no standing replica),
+/// finite values. The parameters are `host::rank_weights`'s to check.
 fn check_forward_inputs<T: Real>(
     cfg: &MoeConfig,
     placement: &Placement,

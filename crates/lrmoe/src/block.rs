@@ -274,27 +274,17 @@ pub(crate) fn block_backward<D: Dense>(
     s: BlockSaved<D::F>,
     dx: &mut Stream<D>,
 ) -> Result<(BlockGrads<D::F>, BackwardStats), D::Error> {
-    let BlockSaved {
-        x_in,
-        inv1,
-        a,
-        att,
-        attn,
-        x_mid,
-        inv2,
-        moe,
-    } = s;
-    let (dm, moe, stats) = be.moe_backward(li, moe, dx)?;
+    let (dm, moe, stats) = be.moe_backward(li, s.moe, dx)?;
     be.tick("moe backward")?;
-    let norm2 = be.norm_backward(li, Norm::Moe, (&x_mid, &inv2), &dm, dx)?;
-    drop((dm, x_mid, inv2));
+    let norm2 = be.norm_backward(li, Norm::Moe, (&s.x_mid, &s.inv2), &dm, dx)?;
+    drop((dm, s.x_mid, s.inv2));
     be.tick("norms backward")?;
-    let (wo, dattn) = be.out_project_backward(li, &attn, dx)?;
-    drop(attn);
+    let (wo, dattn) = be.out_project_backward(li, &s.attn, dx)?;
+    drop(s.attn);
     be.tick("o projection backward")?;
-    let (da, qkv) = be.attention_backward(li, att, &a, dattn)?;
+    let (da, qkv) = be.attention_backward(li, s.att, &s.a, dattn)?;
     be.tick("qkv projections backward")?;
-    let norm1 = be.norm_backward(li, Norm::Attention, (&x_in, &inv1), &da, dx)?;
+    let norm1 = be.norm_backward(li, Norm::Attention, (&s.x_in, &s.inv1), &da, dx)?;
     be.tick("norms backward")?;
     let grads = BlockGrads {
         norm1,

@@ -856,8 +856,8 @@ mod imp {
             })
         }
 
-        /// A pass of this model on `b` ([`crate::block`]'s backend).
-        fn pass<'m>(&'m self, b: &'m Batch) -> Dev<'m, 'a> {
+        /// This model on `b` as [`crate::block`]'s backend.
+        fn backend<'m>(&'m self, b: &'m Batch) -> Dev<'m, 'a> {
             Dev {
                 m: self,
                 b,
@@ -878,7 +878,7 @@ mod imp {
             total_tokens: usize,
         ) -> Result<Forward, ModelError> {
             let batch = self.batch(starts, seq, val, total_tokens)?;
-            let dev = self.pass(&batch);
+            let dev = self.backend(&batch);
             let pass = block::forward(&dev)?;
             let aux_loss = pass.blocks.iter().map(|s| s.moe.aux_loss).sum();
             let loss_sum = dev
@@ -921,7 +921,7 @@ mod imp {
         /// soon as the kept ones are gathered), as autograd frees saved
         /// tensors.
         fn backward(&self, batch: &Batch, pass: Pass<DevF>) -> Result<Backward, ModelError> {
-            let dev = self.pass(batch);
+            let dev = self.backend(batch);
             let mut pg = block::backward(&dev, pass)?;
             let stats = std::mem::take(&mut pg.stats);
             let mut grads = vec![(Share::Dense, pg.embed)];

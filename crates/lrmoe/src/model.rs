@@ -21,9 +21,9 @@ use kernels::cpu::{matmul, Op};
 use layer::transport::all_reduce_sum;
 use layer::{BackwardStats, CallConfig, CallPlan, MoeConfig, MoeParams, Saved, Transport, Value};
 use quota::Placement;
+use serde::{Deserialize, Serialize};
 
 use crate::block::{self, Norm, Pass, PassGrads, QkvGrads};
-use serde::{Deserialize, Serialize};
 
 /// Errors of the model.
 #[derive(Debug, thiserror::Error)]
@@ -763,7 +763,27 @@ struct HostPass<'a, T: Value, X: Transport> {
     moe_seconds: std::cell::Cell<f64>,
 }
 
-impl<T: Value, X: Transport> HostPass<'_, T, X> {
+impl<'a, T: Value, X: Transport> HostPass<'a, T, X> {
+    /// Rank `comm`'s pass of `model` on `tokens → targets` (sequences of
+    /// `seq`).
+    fn new(
+        (comm, cfg, model): (&'a X, &'a ModelConfig, &'a Model<T>),
+        run: &'a MoeRun<'a>,
+        (tokens, targets): (&'a [u32], &'a [u32]),
+        seq: usize,
+    ) -> Self {
+        Self {
+            comm,
+            cfg,
+            model,
+            run,
+            tokens,
+            targets,
+            seq,
+            moe_seconds: 0.0.into(),
+        }
+    }
+
     fn gain(&self, li: usize, which: Norm) -> &[T] {
         let b = &self.model.blocks[li];
         match which {
@@ -921,16 +941,7 @@ pub fn forward<T: Value, X: Transport>(
 ) -> Result<(f64, Cache<T>), ModelError> {
     cfg.validate()?;
     check_batch(cfg, tokens, targets, seq)?;
-    let be = HostPass {
-        comm,
-        cfg,
-        model,
-        run,
-        tokens,
-        targets,
-        seq,
-        moe_seconds: 0.0.into(),
-    };
+    let be = HostPass::new((comm, cfg, model), run, (tokens, targets), seq);
     let pass = block::forward(&be)?;
     let loss = pass.top.loss;
     let aux_loss = pass.blocks.iter().map(|b| b.moe.aux_loss()).sum::<f64>();
@@ -1216,16 +1227,7 @@ pub fn backward<T: Value, X: Transport>(
         pass,
         ..
     } = cache;
-    let be = HostPass {
-        comm,
-        cfg,
-        model,
-        run,
-        tokens: &tokens,
-        targets: &targets,
-        seq,
-        moe_seconds: 0.0.into(),
-    };
+    let be = HostPass::new((comm, cfg, model), run, (&tokens, &targets), seq);
     let mut pg = block::backward(&be, pass)?;
     let stats = std::mem::take(&mut pg.stats);
     let mut g = model_grads(pg);
