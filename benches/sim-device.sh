@@ -84,6 +84,9 @@ if sims:
     line += (f"; simulated step {med('step_s')*1e3:.2f} ms = {tokens/med('step_s'):,.0f} tokens/s, MoE {med('moe_s')*1e3:.2f} ms,"
              f" collectives {med('collectives_s')*1e3:.2f} ms, all ranks' work {med('work_all_ranks_s')*1e3:.2f} ms; phases ms "
              + ", ".join(f"{p} {v*1e3:.2f}" for p, v in ph.items()))
+    held = [max(s.get("held_bytes") or [0]) for s in sims]
+    if max(held) > 0:
+        line += f"; most one rank held at once {max(held) / 2**20:,.0f} MiB"
 print(line)
 P
   done

@@ -31,11 +31,12 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// timelines rank 0 simulates; returns rank 0's simulated figures.
 fn rank(
     t: &layer::LocalTransport,
-    gpu: &kernels::gpu::Gpu,
+    gpu: &std::sync::Arc<kernels::gpu::Gpu>,
     cfg: &MoeConfig,
     planner: &DevicePlanner,
 ) -> Result<Vec<lrmoe::simulate::Simulated>, layer::LayerError> {
     use kernels::cpu::random_bf16;
+    t.set_clock(std::sync::Arc::new(layer::device::GpuClock(gpu.clone())))?;
     let comm = DeviceComm::Staged(t);
     let h = cfg.hidden;
     let r = t.rank() as u64;
@@ -79,7 +80,7 @@ fn main() -> anyhow::Result<()> {
         worlds
     };
     let r: f64 = std::env::var("LRMOE_SIM_R").map_or(Ok(1.0), |v| v.parse())?;
-    let gpu = kernels::gpu::Gpu::open(0)?;
+    let gpu = std::sync::Arc::new(kernels::gpu::Gpu::open(0)?);
     let cfg = MoeConfig {
         hidden: 2048,
         ffn: 768,
@@ -109,6 +110,7 @@ fn main() -> anyhow::Result<()> {
     );
     println!("| ranks | simulated fwd ms | simulated bwd ms | simulated total ms | of which collectives ms | ÷ one GPU | one GPU's work for all ranks ÷ N ms |");
     println!("|---|---|---|---|---|---|---|");
+    let mut parts = Vec::new();
     for world in worlds {
         let results = layer::run_local_timed(world, Duration::from_secs(600), |t| {
             rank(t, &gpu, &cfg, &planner)
@@ -124,9 +126,7 @@ fn main() -> anyhow::Result<()> {
         let pick = |f: &dyn Fn(&lrmoe::simulate::Simulated) -> f64| {
             median(sims.iter().map(f).collect()) * 1e3
         };
-        let phase = |p: &'static str| {
-            move |s: &lrmoe::simulate::Simulated| s.phases.get(p).copied().unwrap_or(0.0)
-        };
+        let phase = |p: &'static str| move |s: &lrmoe::simulate::Simulated| s.phase_s(p);
         let fwd = pick(&phase(lrmoe::device_model::phase::MOE_FORWARD));
         let bwd = pick(&phase(lrmoe::device_model::phase::MOE_BACKWARD));
         let total = pick(&|s| s.step_s);
@@ -135,6 +135,34 @@ fn main() -> anyhow::Result<()> {
         println!(
             "| {world} | {fwd:.2} | {bwd:.2} | {total:.2} | {coll:.2} | {:.3} | {work:.2} |",
             total / one_ms
+        );
+        parts.push((world, sims));
+    }
+    // Where each simulated layer call goes: its parts (medians, ms) and
+    // each rank's most memory held at once (MiB).
+    for (world, sims) in parts {
+        let Some(first) = sims.first() else { continue };
+        let split: Vec<String> = first
+            .phases
+            .keys()
+            .map(|p| {
+                let ms = median(
+                    sims.iter()
+                        .map(|s| s.phases.get(p).copied().unwrap_or(0.0))
+                        .collect(),
+                );
+                format!("{p} {:.2}", ms * 1e3)
+            })
+            .collect();
+        let held: Vec<String> = first
+            .held_bytes
+            .iter()
+            .map(|b| format!("{:.0}", *b as f64 / 1048576.0))
+            .collect();
+        println!("\n{world} ranks, ms: {}", split.join(", "));
+        println!(
+            "{world} ranks, most held at once per rank, MiB: {}",
+            held.join(" ")
         );
     }
     Ok(())

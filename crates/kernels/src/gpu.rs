@@ -1939,6 +1939,12 @@ mod imp {
             Ok(pool_usage(&self.ctx, false)?.1)
         }
 
+        /// The pool's bytes in use now and its high-water mark since
+        /// [`Gpu::pool_reset_peak`].
+        pub fn pool_usage(&self) -> Result<(u64, u64), KernelError> {
+            pool_usage(&self.ctx, false)
+        }
+
         /// Waits for the stream, then hands the pool's freed memory back to
         /// the driver, so `cuMemGetInfo` counts live buffers only.
         pub fn trim_pool(&self) -> Result<(), KernelError> {

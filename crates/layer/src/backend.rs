@@ -449,7 +449,12 @@ pub trait Backend {
     /// them (on while the stages overlap an exchange with them).
     fn reserve_for_exchange(&self, on: bool);
 
-    // ---- the timeline (`LRMOE_EP_PROFILE=1`) ----
+    // ---- the timeline (`LRMOE_EP_PROFILE=1`, timed in-process ranks) ----
+
+    /// Timed in-process ranks: the work since the last part is part `name`
+    /// of the current phase ([`crate::Transport::part`]). Elsewhere
+    /// nothing.
+    fn part(&self, name: &'static str) -> Result<(), LayerError>;
 
     /// A mark on the computation's timeline.
     fn mark(&self) -> Result<<Self::F as Family>::Mark, LayerError>;

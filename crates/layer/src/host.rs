@@ -876,6 +876,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     }
     fn reserve_for_exchange(&self, _on: bool) {}
 
+    fn part(&self, name: &'static str) -> Result<(), LayerError> {
+        self.t.part(name).map_err(transport)
+    }
     fn mark(&self) -> Result<Instant, LayerError> {
         Ok(Instant::now())
     }

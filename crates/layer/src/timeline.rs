@@ -4,21 +4,30 @@
 //! turns: a rank holds the turn while it runs its own work and gives it up
 //! whenever it waits for its peers (every collective of its
 //! [`crate::LocalTransport`]), so no other rank's kernels run beside its
-//! own. Before giving the turn up it waits for its GPU work (the sync hook,
-//! [`crate::LocalTransport::on_pause`]); the time from taking the turn to
-//! that point is one [`Entry::Work`] of the current phase
-//! ([`crate::Transport::phase`]). Every collective is recorded with
-//! the bytes this rank sent to each other rank ([`Entry::Exchange`]) or
-//! summed ([`Entry::Reduce`]). A cluster model turns the ranks' entries
-//! into the time N GPUs would take (`lrmoe`'s simulator): work between two
-//! collectives ends with its slowest rank, a collective takes what the
-//! links need for its bytes.
+//! own. With a [`Clock`] ([`crate::LocalTransport::set_clock`]) every
+//! boundary of the rank's work is a mark on its GPU's stream (a CUDA event,
+//! no wait); before giving the turn up the rank waits for its GPU work and
+//! reads each piece's device time between its two marks. So a piece is what
+//! the rank's GPU took for it, host time included only where the GPU waited
+//! for the host, as on a GPU of its own. Without a clock a piece is host
+//! time. Each piece is one [`Entry::Work`] of the current phase
+//! ([`crate::Transport::phase`]), or of a part of it
+//! ([`crate::Transport::part`]: recorded as `"<phase>: <part>"`). Every
+//! collective is recorded with the bytes this rank sent to each other rank
+//! ([`Entry::Exchange`]) or summed ([`Entry::Reduce`]), and each step ends
+//! with the most device memory the rank held at once ([`Entry::Held`], from
+//! the clock's pool: while a rank holds the turn no other rank allocates or
+//! frees, so the pool's changes are its own). A cluster model turns the
+//! ranks' entries into the time N GPUs would take (`lrmoe`'s simulator):
+//! work between two collectives ends with its slowest rank, a collective
+//! takes what the links need for its bytes.
 //!
 //! Work in a phase whose name starts with `(` is bookkeeping of the
 //! simulation itself (staging copies that NCCL would not make) and is
 //! recorded but not counted.
 
-use std::sync::{Condvar, Mutex};
+use std::any::Any;
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -32,8 +41,8 @@ pub enum Entry {
     Work {
         /// The phase it belongs to.
         phase: String,
-        /// Seconds from taking the turn (or the phase's start) to the
-        /// GPU's completion.
+        /// Seconds the rank's GPU took for it (host seconds without a
+        /// [`Clock`]).
         seconds: f64,
     },
     /// An exchange: `bytes_to[d]` bytes to rank `d` (zero to itself).
@@ -50,15 +59,23 @@ pub enum Entry {
         /// Bytes of the buffer each rank sums.
         bytes: u64,
     },
+    /// The step's last entry with a [`Clock`]: the most device memory this
+    /// rank held at once during the step, bytes (its buffers in the
+    /// clock's pool, from the run's start).
+    Held {
+        /// Bytes.
+        bytes: u64,
+    },
 }
 
 impl Entry {
-    /// The phase of the entry.
+    /// The phase of the entry (empty for [`Entry::Held`]).
     pub fn phase(&self) -> &str {
         match self {
             Self::Work { phase, .. }
             | Self::Exchange { phase, .. }
             | Self::Reduce { phase, .. } => phase,
+            Self::Held { .. } => "",
         }
     }
 }
@@ -112,15 +129,52 @@ impl Turns {
     }
 }
 
-/// A hook that waits for a rank's GPU work.
-pub type SyncHook = Box<dyn Fn() -> Result<(), String> + Send + Sync>;
+/// A point in a rank's GPU work ([`Clock::mark`]).
+pub type Tick = Box<dyn Any + Send>;
+
+/// A rank's GPU as the timeline sees it (timed in-process ranks,
+/// [`crate::LocalTransport::set_clock`]).
+pub trait Clock: Send + Sync {
+    /// Marks the work enqueued so far, without waiting.
+    fn mark(&self) -> Result<Tick, String>;
+    /// Seconds from `earlier` to `later` (both marks of this clock; waits
+    /// for them).
+    fn seconds(&self, earlier: &Tick, later: &Tick) -> Result<f64, String>;
+    /// Waits for the work enqueued so far.
+    fn wait(&self) -> Result<(), String>;
+    /// The device pool's bytes in use now; resets its high-water mark to
+    /// them.
+    fn reset_peak(&self) -> Result<u64, String>;
+    /// The device pool's bytes in use now and its high-water mark since the
+    /// last [`Clock::reset_peak`].
+    fn usage(&self) -> Result<(u64, u64), String>;
+}
+
+/// What a rank's clock has seen of its memory: the bytes it holds (the
+/// pool's changes while it held the turn) and the most it held at once.
+#[derive(Debug, Default, Clone, Copy)]
+struct Memory {
+    /// Bytes this rank holds (as of its last pause).
+    own: i64,
+    /// Every other rank's bytes while this rank holds the turn.
+    others: i64,
+    /// The most this rank held at once since the step began.
+    peak: i64,
+}
 
 /// One rank's recorder.
 pub(crate) struct Recorder {
     pub(crate) phase: String,
     pub(crate) since: Instant,
     pub(crate) entries: Vec<Entry>,
-    pub(crate) sync: Option<SyncHook>,
+    clock: Option<Arc<dyn Clock>>,
+    /// With a clock: this turn's marks, and the work entries waiting for
+    /// theirs (entry, earlier mark, later mark).
+    ticks: Vec<Tick>,
+    pending: Vec<(usize, usize, usize)>,
+    /// The first entry of the current phase not yet given to a part.
+    unparted: usize,
+    memory: Memory,
 }
 
 impl std::fmt::Debug for Recorder {
@@ -128,6 +182,7 @@ impl std::fmt::Debug for Recorder {
         f.debug_struct("Recorder")
             .field("phase", &self.phase)
             .field("entries", &self.entries.len())
+            .field("clock", &self.clock.is_some())
             .finish()
     }
 }
@@ -138,21 +193,131 @@ impl Recorder {
             phase: "start".into(),
             since: Instant::now(),
             entries: Vec::new(),
-            sync: None,
+            clock: None,
+            ticks: Vec::new(),
+            pending: Vec::new(),
+            unparted: 0,
+            memory: Memory::default(),
         }
     }
 
-    /// Waits for the GPU and closes the current piece of work.
+    /// Times this rank's work with `clock` from its next turn on.
+    pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
+        self.clock = Some(clock);
+    }
+
+    /// Closes the current piece of work (a mark with a clock, host time
+    /// without).
     pub(crate) fn close_work(&mut self) -> Result<(), String> {
-        if let Some(sync) = &self.sync {
-            sync()?;
-        }
-        let seconds = self.since.elapsed().as_secs_f64();
+        let seconds = match &self.clock {
+            Some(c) if !self.ticks.is_empty() => {
+                self.ticks.push(c.mark()?);
+                let at = self.ticks.len() - 1;
+                self.pending.push((self.entries.len(), at - 1, at));
+                0.0
+            }
+            _ => self.since.elapsed().as_secs_f64(),
+        };
         self.entries.push(Entry::Work {
             phase: self.phase.clone(),
             seconds,
         });
         self.since = Instant::now();
+        Ok(())
+    }
+
+    /// Moves to phase `name` (closing the current piece). Bookkeeping in
+    /// the middle of a phase leaves its parts open: the pieces before it
+    /// still go to the part that ends after it.
+    pub(crate) fn set_phase(&mut self, name: &str) -> Result<(), String> {
+        if self.phase != name {
+            self.close_work()?;
+            if !is_bookkeeping(&self.phase) && !is_bookkeeping(name) {
+                self.unparted = self.entries.len();
+            }
+            self.phase = name.to_string();
+        }
+        Ok(())
+    }
+
+    /// Closes the current piece and gives it, with every piece of the
+    /// phase since the last part, to part `name` (`"<phase>: <name>"`).
+    pub(crate) fn part(&mut self, name: &str) -> Result<(), String> {
+        self.close_work()?;
+        let label = format!("{}: {name}", self.phase);
+        for e in &mut self.entries[self.unparted..] {
+            if let Entry::Work { phase, .. } = e {
+                if *phase == self.phase {
+                    phase.clone_from(&label);
+                }
+            }
+        }
+        self.unparted = self.entries.len();
+        Ok(())
+    }
+
+    /// The turn is taken: the first mark, and the other ranks' bytes.
+    pub(crate) fn begin_turn(&mut self) -> Result<(), String> {
+        self.since = Instant::now();
+        if let Some(c) = &self.clock {
+            self.ticks = vec![c.mark()?];
+            let used = c.reset_peak()? as i64;
+            self.memory.others = used - self.memory.own;
+        }
+        Ok(())
+    }
+
+    /// The turn ends: waits for the GPU, reads every piece's seconds and
+    /// this turn's memory.
+    pub(crate) fn end_turn(&mut self) -> Result<(), String> {
+        let Some(c) = &self.clock else {
+            return Ok(());
+        };
+        if self.ticks.is_empty() {
+            return Ok(());
+        }
+        c.wait()?;
+        for &(e, a, b) in &self.pending {
+            let s = c.seconds(&self.ticks[a], &self.ticks[b])?;
+            if let Some(Entry::Work { seconds, .. }) = self.entries.get_mut(e) {
+                *seconds = s;
+            }
+        }
+        self.pending.clear();
+        let (used, high) = c.usage()?;
+        let m = &mut self.memory;
+        m.own = used as i64 - m.others;
+        m.peak = m.peak.max(high as i64 - m.others);
+        self.ticks.clear();
+        Ok(())
+    }
+
+    /// Closes the step: settles the turn so far (and begins the rest of
+    /// it), appends [`Entry::Held`] with a clock, and hands the entries
+    /// over.
+    pub(crate) fn take_step(&mut self) -> Result<Vec<Entry>, String> {
+        self.close_work()?;
+        if self.clock.is_some() && !self.ticks.is_empty() {
+            self.end_turn()?;
+            let held = self.memory.peak.max(0) as u64;
+            self.entries.push(Entry::Held { bytes: held });
+            self.memory.peak = self.memory.own;
+            self.begin_turn()?;
+        }
+        self.unparted = 0;
+        Ok(std::mem::take(&mut self.entries))
+    }
+
+    /// Drops the timeline so far (settling the turn's marks first).
+    pub(crate) fn discard(&mut self) -> Result<(), String> {
+        self.close_work()?;
+        if self.clock.is_some() && !self.ticks.is_empty() {
+            self.end_turn()?;
+            self.memory.peak = self.memory.own;
+            self.begin_turn()?;
+        }
+        self.entries.clear();
+        self.unparted = 0;
         Ok(())
     }
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use kernels::cpu::Real;
 
-use crate::timeline::{Entry, Recorder, SyncHook, Turns};
+use crate::timeline::{Clock, Entry, Recorder, Turns};
 
 /// Errors of a collective.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -68,6 +68,12 @@ pub trait Transport: Sync {
     /// Timed in-process ranks ([`run_local_timed`]): the phase the work
     /// from here on belongs to (closes the current one). Elsewhere a no-op.
     fn phase(&self, _name: &str) -> Result<(), TransportError> {
+        Ok(())
+    }
+    /// Timed in-process ranks: the work since the last part of the current
+    /// phase (or its start) is part `name` of it (recorded as
+    /// `"<phase>: <name>"`). Elsewhere a no-op.
+    fn part(&self, _name: &str) -> Result<(), TransportError> {
         Ok(())
     }
     /// Timed in-process ranks: work from here on (`true`) is the
@@ -317,8 +323,8 @@ impl LocalTransport {
         }
     }
 
-    /// Timed: closes this rank's work, records the collective and gives the
-    /// GPU's turn up.
+    /// Timed: closes this rank's work, records the collective, settles the
+    /// turn's marks and gives the GPU's turn up.
     fn pause(&self, record: Record) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
             r.close_work().map_err(|m| self.sync_failed(m))?;
@@ -328,6 +334,7 @@ impl LocalTransport {
                 Record::Reduce(bytes) => r.entries.push(Entry::Reduce { phase, bytes }),
                 Record::Quiet => {}
             }
+            r.end_turn().map_err(|m| self.sync_failed(m))?;
         }
         if let Some(t) = &self.shared.turns {
             t.release(self.rank);
@@ -341,17 +348,22 @@ impl LocalTransport {
             t.acquire(self.rank, self.shared.timeout)?;
         }
         if let Some(mut r) = self.recorder() {
-            r.since = Instant::now();
+            r.begin_turn().map_err(|m| self.sync_failed(m))?;
         }
         Ok(())
     }
 
-    /// Timed: `hook` waits for this rank's GPU work; it runs before each
-    /// piece of work is closed.
-    pub fn on_pause(&self, hook: SyncHook) {
+    /// Timed: this rank's work is timed on `clock` (its GPU's stream) from
+    /// here on, and its memory read from `clock`'s pool. Call it from the
+    /// rank's own thread (which holds the turn), before its first device
+    /// buffer if its memory is to be counted from the start.
+    pub fn set_clock(&self, clock: Arc<dyn Clock>) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
-            r.sync = Some(hook);
+            r.close_work().map_err(|m| self.sync_failed(m))?;
+            r.set_clock(clock);
+            r.begin_turn().map_err(|m| self.sync_failed(m))?;
         }
+        Ok(())
     }
 
     /// Whether this rank belongs to a timed group.
@@ -481,10 +493,14 @@ impl Transport for LocalTransport {
 
     fn phase(&self, name: &str) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
-            if r.phase != name {
-                r.close_work().map_err(|m| self.sync_failed(m))?;
-                r.phase = name.to_string();
-            }
+            r.set_phase(name).map_err(|m| self.sync_failed(m))?;
+        }
+        Ok(())
+    }
+
+    fn part(&self, name: &str) -> Result<(), TransportError> {
+        if let Some(mut r) = self.recorder() {
+            r.part(name).map_err(|m| self.sync_failed(m))?;
         }
         Ok(())
     }
@@ -551,8 +567,7 @@ impl Transport for LocalTransport {
         let Some(mut r) = self.recorder() else {
             return Ok(());
         };
-        r.close_work().map_err(|m| self.sync_failed(m))?;
-        let entries = std::mem::take(&mut r.entries);
+        let entries = r.take_step().map_err(|m| self.sync_failed(m))?;
         drop(r);
         let mut p = self
             .shared
@@ -577,8 +592,7 @@ impl Transport for LocalTransport {
 
     fn discard_timeline(&self) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
-            r.close_work().map_err(|m| self.sync_failed(m))?;
-            r.entries.clear();
+            r.discard().map_err(|m| self.sync_failed(m))?;
         }
         Ok(())
     }
@@ -912,6 +926,127 @@ mod tests {
                     }
                 ]
             );
+        }
+    }
+
+    /// A host stand-in for a GPU clock: marks are instants, the pool a
+    /// counter the ranks move.
+    #[derive(Default)]
+    struct FakePool {
+        used: AtomicU64,
+        high: AtomicU64,
+    }
+
+    impl FakePool {
+        fn alloc(&self, n: u64) {
+            let u = self.used.fetch_add(n, Ordering::SeqCst) + n;
+            self.high.fetch_max(u, Ordering::SeqCst);
+        }
+        fn free(&self, n: u64) {
+            self.used.fetch_sub(n, Ordering::SeqCst);
+        }
+    }
+
+    impl crate::timeline::Clock for Arc<FakePool> {
+        fn mark(&self) -> Result<crate::timeline::Tick, String> {
+            Ok(Box::new(Instant::now()))
+        }
+        fn seconds(
+            &self,
+            a: &crate::timeline::Tick,
+            b: &crate::timeline::Tick,
+        ) -> Result<f64, String> {
+            let t = |x: &crate::timeline::Tick| x.downcast_ref::<Instant>().copied();
+            match (t(a), t(b)) {
+                (Some(a), Some(b)) => Ok(b.duration_since(a).as_secs_f64()),
+                _ => Err("not a mark of this clock".into()),
+            }
+        }
+        fn wait(&self) -> Result<(), String> {
+            Ok(())
+        }
+        fn reset_peak(&self) -> Result<u64, String> {
+            let u = self.used.load(Ordering::SeqCst);
+            self.high.store(u, Ordering::SeqCst);
+            Ok(u)
+        }
+        fn usage(&self) -> Result<(u64, u64), String> {
+            Ok((
+                self.used.load(Ordering::SeqCst),
+                self.high.load(Ordering::SeqCst),
+            ))
+        }
+    }
+
+    #[test]
+    fn a_clock_times_parts_and_counts_each_ranks_own_memory() {
+        let pool = Arc::new(FakePool::default());
+        pool.alloc(1000); // held before the ranks start: nobody's
+        let res = run_local_timed(2, Duration::from_secs(10), |t| {
+            let r = t.rank() as u64;
+            t.set_clock(Arc::new(Arc::clone(&pool)))?;
+            pool.alloc(10 * (r + 1));
+            t.phase("a")?;
+            std::thread::sleep(Duration::from_millis(5));
+            t.part("x")?;
+            std::thread::sleep(Duration::from_millis(2));
+            if r == 1 {
+                pool.alloc(100);
+            }
+            all_gather(t, &[1u8])?;
+            t.bookkeeping(true)?;
+            std::thread::sleep(Duration::from_millis(1));
+            t.bookkeeping(false)?;
+            std::thread::sleep(Duration::from_millis(3));
+            t.part("y")?;
+            if r == 1 {
+                pool.free(100);
+            }
+            all_gather(t, &[1u8])?;
+            t.close_step(0)?;
+            // The next step starts from what the rank holds now.
+            all_gather(t, &[1u8])?;
+            t.close_step(1)?;
+            t.fence()?;
+            Ok::<_, TransportError>((t.take_step(0), t.take_step(1)))
+        });
+        let (mut s0, mut s1) = (None, None);
+        for r in res {
+            let (a, b) = r.unwrap();
+            s0 = s0.or(a);
+            s1 = s1.or(b);
+        }
+        let (s0, s1) = (s0.unwrap(), s1.unwrap());
+        let held = |v: &Vec<Entry>| match v.last() {
+            Some(Entry::Held { bytes }) => *bytes,
+            other => panic!("ends with {other:?}"),
+        };
+        assert_eq!(s0.iter().map(held).collect::<Vec<_>>(), vec![10, 120]);
+        assert_eq!(s1.iter().map(held).collect::<Vec<_>>(), vec![10, 20]);
+        for v in &s0 {
+            let work = |p: &str| -> f64 {
+                v.iter()
+                    .filter_map(|e| match e {
+                        Entry::Work { phase, seconds } if phase == p => Some(*seconds),
+                        _ => None,
+                    })
+                    .sum()
+            };
+            assert!(work("a: x") >= 0.005 && work("a: x") < 0.5, "{v:?}");
+            // y: before and after the first exchange and the bookkeeping
+            // (neither counted in it).
+            assert!(work("a: y") >= 0.005 && work("a: y") < 0.5, "{v:?}");
+            assert!(work("(staging)") >= 0.001, "{v:?}");
+            let y_pieces = v.iter().filter(|e| e.phase() == "a: y").count();
+            assert_eq!(y_pieces, 3, "{v:?}");
+            // After the last part: the phase's own tail.
+            assert!(work("a") < 0.002, "the parts took the work: {v:?}");
+            let ex: Vec<&str> = v
+                .iter()
+                .filter(|e| matches!(e, Entry::Exchange { .. }))
+                .map(Entry::phase)
+                .collect();
+            assert_eq!(ex, vec!["a", "a"], "collectives keep the phase");
         }
     }
 

@@ -614,6 +614,130 @@ fn in_process_exchange_equals_host_staging_bit_for_bit() {
     }
 }
 
+/// Timed ranks with a GPU clock (`LocalTransport::set_clock`): each piece
+/// of work is device time between two marks, the layer's parts are
+/// recorded under their phase, and each rank's `Held` is its own memory:
+/// on one rank the pool's high-water mark over the same call run untimed
+/// (within 1%); on two ranks, 64 MiB that rank 1 alone holds across the
+/// exchanges (while rank 0 runs) show in rank 1's figure and not in rank
+/// 0's.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn timed_ranks_read_device_time_and_their_own_memory() {
+    use layer::device::{host_call, GpuClock};
+    use layer::timeline::Entry;
+    use layer::Transport;
+    let gpu = std::sync::Arc::new(Gpu::open(0).unwrap());
+    let moe = MoeConfig {
+        hidden: 256,
+        ffn: 512,
+        n_experts: 16,
+        top_k: 4,
+        renormalize: true,
+    };
+    let (h, f, e, tokens) = (moe.hidden, moe.ffn, moe.n_experts, 2048);
+    let bits =
+        |n: usize, seed: u64| kernels::cpu::fan_in_scaled(kernels::cpu::random_bf16(n, seed), h);
+    const EXTRA: usize = 64 << 20;
+    for world in [1usize, 2] {
+        let el = e / world;
+        let body = |t: &layer::LocalTransport| {
+            if t.timed() {
+                t.set_clock(std::sync::Arc::new(GpuClock(gpu.clone())))?;
+            }
+            let start = gpu.pool_reset_peak()?;
+            let r = t.rank() as u64;
+            let extra = (r == 1).then(|| gpu.zeros::<u8>(EXTRA)).transpose()?;
+            let p = DevicePlanner::ratio(&moe, 0.5);
+            t.phase("moe")?;
+            let out = host_call(
+                &gpu,
+                DeviceComm::Staged(t),
+                &moe,
+                &bits(h * e, 1),
+                (
+                    &bits(el * h * f, 10 + r),
+                    &bits(el * h * f, 20 + r),
+                    &bits(el * f * h, 30 + r),
+                ),
+                &bits(tokens * h, 40 + r),
+                &bits(tokens * h, 50 + r),
+                &p,
+            )?;
+            // The whole call's high-water mark (untimed: timed turns reset
+            // it).
+            let (_, high) = gpu.pool_usage()?;
+            drop((out, extra));
+            t.close_step(0)?;
+            t.fence()?;
+            Ok::<_, layer::LayerError>((high - start, t.take_step(0)))
+        };
+        let mut all = None;
+        for (rank, res) in layer::run_local_timed(world, Duration::from_secs(600), body)
+            .into_iter()
+            .enumerate()
+        {
+            let (_, steps) = res.unwrap_or_else(|e| panic!("{world} ranks, rank {rank}: {e}"));
+            all = all.or(steps);
+        }
+        let all = all.expect("rank 0 took the step");
+        let held: Vec<u64> = all
+            .iter()
+            .map(|v| match v.last() {
+                Some(Entry::Held { bytes }) => *bytes,
+                other => panic!("{world} ranks: the step ends with {other:?}"),
+            })
+            .collect();
+        for v in &all {
+            let parts: Vec<&str> = v
+                .iter()
+                .filter_map(|e| match e {
+                    Entry::Work { phase, seconds } => {
+                        assert!(*seconds >= 0.0 && seconds.is_finite(), "{e:?}");
+                        phase.strip_prefix("moe: ")
+                    }
+                    _ => None,
+                })
+                .collect();
+            for want in ["route", "experts dX", "scatter"] {
+                assert!(
+                    parts.contains(&want),
+                    "{world} ranks: no part {want} in {parts:?}"
+                );
+            }
+            let busy: f64 = v
+                .iter()
+                .filter_map(|e| match e {
+                    Entry::Work { phase, seconds } if phase.starts_with("moe") => Some(*seconds),
+                    _ => None,
+                })
+                .sum();
+            assert!(busy > 1e-5, "{world} ranks: {busy} s of work");
+        }
+        eprintln!("{world} ranks: held {held:?} bytes");
+        if world == 1 {
+            let untimed = run_local(1, Duration::from_secs(600), body)
+                .pop()
+                .expect("one rank")
+                .unwrap_or_else(|e| panic!("untimed: {e}"))
+                .0;
+            eprintln!("1 rank untimed: the pool's high-water mark {untimed} bytes");
+            assert!(
+                held[0].abs_diff(untimed) <= untimed / 100,
+                "one rank holds {} bytes, the pool's high-water mark is {untimed}",
+                held[0]
+            );
+        } else {
+            let more = held[1] as i64 - held[0] as i64;
+            let extra = EXTRA as i64;
+            assert!(
+                (more - extra).abs() < extra / 8,
+                "rank 1 holds {more} bytes more than rank 0, not about {extra}"
+            );
+        }
+    }
+}
+
 /// `backward_releasing` (the owner's forward rows released once the kept
 /// rows are gathered) gives the bits of `backward` (the saved state kept
 /// whole), and a second backward of the released state — its `x` rows

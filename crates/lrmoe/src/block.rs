@@ -39,6 +39,19 @@ pub mod phase {
     pub const OPTIMIZER: &str = "optimizer";
     /// The phases of the MoE layers.
     pub const MOE: [&str; 2] = [MOE_FORWARD, MOE_BACKWARD];
+
+    /// Whether a recorded phase is `phase` or one of its parts
+    /// (`"<phase>: <part>"`, `layer::Transport::part`).
+    pub fn within(recorded: &str, phase: &str) -> bool {
+        recorded
+            .strip_prefix(phase)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with(": "))
+    }
+
+    /// Whether a recorded phase belongs to the MoE layers.
+    pub fn is_moe(recorded: &str) -> bool {
+        MOE.iter().any(|p| within(recorded, p))
+    }
 }
 
 /// Which of a block's two pre-norms.

@@ -99,8 +99,8 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         .any(|r| r.evals.iter().any(|p| p.simulated_s.is_some()));
     let (sim_head, sim_rule) = if simulated {
         (
-            " simulated time to target (s) | simulated MoE-layer time to target (s) |",
-            "---|---|",
+            " simulated time to target (s) | simulated MoE-layer time to target (s) | measured most held on one rank (MiB) |",
+            "---|---|---|",
         )
     } else {
         ("", "")
@@ -135,9 +135,10 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         let moe = fmt(point.map_or(0.0, |p| p.moe_s));
         let sim = if simulated {
             format!(
-                " {} | {} |",
+                " {} | {} | {:.1} |",
                 opt(point.and_then(|p| p.simulated_s), above),
-                opt(point.and_then(|p| p.simulated_moe_s), above)
+                opt(point.and_then(|p| p.simulated_moe_s), above),
+                r.max_held_bytes as f64 / (1 << 20) as f64
             )
         } else {
             String::new()

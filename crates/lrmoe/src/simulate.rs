@@ -32,8 +32,24 @@ pub struct Simulated {
     pub collectives_s: f64,
     /// Every rank's own work summed (what one GPU ran), seconds.
     pub work_all_ranks_s: f64,
-    /// Seconds per phase, collectives included.
+    /// Seconds per phase, collectives included; the MoE layers' work is
+    /// split into their parts (`"moe forward: route"`, …), their
+    /// collectives and any work after the last part stay under the phase.
     pub phases: BTreeMap<String, f64>,
+    /// The most device memory each rank held at once during the step,
+    /// bytes (rank order; empty where the ranks were not timed on a GPU).
+    pub held_bytes: Vec<u64>,
+}
+
+impl Simulated {
+    /// Seconds of `phase` with its parts.
+    pub fn phase_s(&self, phase: &str) -> f64 {
+        self.phases
+            .iter()
+            .filter(|(p, _)| crate::device_model::phase::within(p, phase))
+            .map(|(_, s)| s)
+            .sum()
+    }
 }
 
 /// Why timelines cannot be simulated.
@@ -52,11 +68,13 @@ pub enum SimError {
 struct Cut<'a> {
     stretches: Vec<BTreeMap<&'a str, f64>>,
     collectives: Vec<&'a Entry>,
+    held: Option<u64>,
 }
 
 fn cut(entries: &[Entry]) -> Cut<'_> {
     let mut stretches = vec![BTreeMap::new()];
     let mut collectives = Vec::new();
+    let mut held = None;
     for e in entries {
         match e {
             Entry::Work { phase, seconds } => {
@@ -68,7 +86,8 @@ fn cut(entries: &[Entry]) -> Cut<'_> {
                         .or_insert(0.0) += seconds;
                 }
             }
-            _ => {
+            Entry::Held { bytes } => held = Some(held.unwrap_or(0).max(*bytes)),
+            Entry::Exchange { .. } | Entry::Reduce { .. } => {
                 collectives.push(e);
                 stretches.push(BTreeMap::new());
             }
@@ -77,6 +96,7 @@ fn cut(entries: &[Entry]) -> Cut<'_> {
     Cut {
         stretches,
         collectives,
+        held,
     }
 }
 
@@ -111,7 +131,9 @@ fn collective_s(i: usize, records: &[&Entry], cluster: &Cluster) -> Result<f64, 
                 .unwrap_or(0);
             Ok(cluster.all_reduce_s(most, n)?)
         }
-        Entry::Work { .. } => Err(SimError::Mismatch(format!("collective {i} is work"))),
+        Entry::Work { .. } | Entry::Held { .. } => Err(SimError::Mismatch(format!(
+            "collective {i} is not a collective"
+        ))),
     }
 }
 
@@ -164,10 +186,12 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         step += s;
         collectives += s;
     }
-    let moe_s = crate::device_model::phase::MOE
+    let moe_s = phases
         .iter()
-        .filter_map(|p| phases.get(*p))
+        .filter(|(p, _)| crate::device_model::phase::is_moe(p))
+        .map(|(_, s)| s)
         .sum();
+    let held_bytes = cuts.iter().map(|c| c.held).collect::<Option<Vec<u64>>>();
     let work_all_ranks_s = cuts
         .iter()
         .flat_map(|c| c.stretches.iter().flat_map(|s| s.values()))
@@ -179,6 +203,7 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         collectives_s: collectives,
         work_all_ranks_s,
         phases,
+        held_bytes: held_bytes.unwrap_or_default(),
     })
 }
 
@@ -223,9 +248,9 @@ mod tests {
             ],
             vec![
                 work("dense forward", 1.5),
-                work("moe forward", 0.5),
+                work("moe forward: route", 0.5),
                 ex("moe forward", vec![2_000_000_000, 0]),
-                work("moe forward", 1.0),
+                work("moe forward: combine", 1.0),
                 Entry::Reduce {
                     phase: "gradient sums".into(),
                     bytes: 400_000_000,
@@ -242,8 +267,31 @@ mod tests {
         assert!((s.moe_s - (2.0 + 0.02 + 1.0)).abs() < 1e-12, "{s:?}");
         assert!((s.collectives_s - 0.024).abs() < 1e-12);
         assert_eq!(s.phases["dense forward"], 1.0);
+        // Stretch 1's slowest rank is rank 1, whose work is a part.
+        assert_eq!(s.phases["moe forward: combine"], 1.0);
+        assert!((s.phase_s("moe forward") - (2.0 + 0.02 + 1.0)).abs() < 1e-12);
+        assert_eq!(s.phase_s("moe"), 0.0, "a prefix of a word is not a part");
         assert!((s.work_all_ranks_s - 6.75).abs() < 1e-12);
         assert_eq!(s.ranks, 2);
+        assert!(s.held_bytes.is_empty(), "untimed ranks hold nothing known");
+    }
+
+    #[test]
+    fn each_rank_holds_its_largest_mark() {
+        let held = |b| Entry::Held { bytes: b };
+        let t = vec![
+            vec![work("optimizer", 1.0), held(7)],
+            vec![work("optimizer", 2.0), held(9)],
+        ];
+        let s = simulate(&t, &Cluster::default()).unwrap();
+        assert_eq!(s.held_bytes, vec![7, 9]);
+        assert_eq!(s.step_s, 2.0, "a mark of memory is not a collective");
+        // One rank without the figure: none is reported.
+        let t = vec![vec![held(7)], vec![work("optimizer", 2.0)]];
+        assert!(simulate(&t, &Cluster::default())
+            .unwrap()
+            .held_bytes
+            .is_empty());
     }
 
     #[test]

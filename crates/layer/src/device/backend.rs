@@ -417,6 +417,9 @@ impl Backend for Device<'_> {
             .set_gemm_sm_reserve(if on { comm_sms(self.comm) } else { 0 });
     }
 
+    fn part(&self, name: &'static str) -> Result<(), LayerError> {
+        self.comm.part(name)
+    }
     fn mark(&self) -> Result<Mark, LayerError> {
         Ok(self.gpu.mark()?)
     }

@@ -76,13 +76,15 @@ mod backend;
 #[cfg(feature = "cuda")]
 mod calls;
 #[cfg(feature = "cuda")]
+mod clock;
+#[cfg(feature = "cuda")]
 mod comm;
 #[cfg(feature = "cuda")]
 mod host;
 #[cfg(feature = "cuda")]
 mod weights;
 #[cfg(feature = "cuda")]
-pub use {backend::*, calls::*, comm::*, host::*, weights::*};
+pub use {backend::*, calls::*, clock::*, comm::*, host::*, weights::*};
 
 pub use crate::stages::Grads;
 
@@ -142,6 +144,16 @@ impl DeviceComm<'_> {
     pub fn phase(&self, name: &str) -> Result<(), crate::LayerError> {
         if let Self::Staged(t) = self {
             t.phase(name)?;
+        }
+        Ok(())
+    }
+
+    /// Timed in-process ranks: the work since the last part is part
+    /// `name` of the current phase (see [`crate::timeline`]). Elsewhere
+    /// nothing.
+    pub fn part(&self, name: &str) -> Result<(), crate::LayerError> {
+        if let Self::Staged(t) = self {
+            t.part(name)?;
         }
         Ok(())
     }

@@ -84,6 +84,7 @@ impl<F: Family> Laps<F> {
         b: &B,
         name: &'static str,
     ) -> Result<(), LayerError> {
+        b.part(name)?;
         if self.start.is_some() {
             let host = self.host0.elapsed().as_secs_f64() * 1e3;
             self.compute.push((name, b.mark()?, host));

@@ -132,6 +132,12 @@ pub struct TrainSummary {
     /// `metrics.jsonl`); 0 in summaries written before it was recorded.
     #[serde(default)]
     pub max_rank_peak_bytes: u64,
+    /// Timed in-process ranks on a GPU: the most device memory one rank
+    /// held at once, measured from the pool (`simulated.held_bytes` in
+    /// `metrics.jsonl`: all of that rank's buffers, the dense model's and
+    /// the optimizer's too); 0 elsewhere.
+    #[serde(default)]
+    pub max_held_bytes: u64,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }

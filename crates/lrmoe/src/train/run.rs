@@ -285,11 +285,14 @@ pub(super) fn run_ranks(
     match &opts.transport {
         Some(t) => vec![rank_loop(t.as_ref(), lp, initial, device_model)],
         None if staged => layer::run_local_timed(ranks, Duration::from_secs(600), |comm| {
+            // Timed on the GPU's stream, memory counted from the first
+            // buffer.
+            #[cfg(feature = "cuda")]
+            if let Some(gpu) = opts.gpu.clone() {
+                comm.set_clock(std::sync::Arc::new(layer::device::GpuClock(gpu)))?;
+            }
             let comm_d = layer::device::DeviceComm::Staged(comm);
             let own = new_device_model(opts, comm_d, lp.mcfg, initial, call, lp.corpus)?;
-            if let Some(gpu) = opts.gpu.clone() {
-                comm.on_pause(Box::new(move || gpu.sync().map_err(|e| e.to_string())));
-            }
             rank_loop(comm, lp, initial, Some(&own))
         }),
         None => layer::run_local(ranks, Duration::from_secs(600), |comm| {
@@ -1008,6 +1011,7 @@ pub(super) fn finish<X: Transport>(
         max_buffer_bytes: s.logged.max_buffer,
         max_expert_bytes: s.logged.max_experts,
         max_rank_peak_bytes: s.logged.max_rank_peak,
+        max_held_bytes: s.logged.max_held,
         stop_reason: reason,
     }))
 }

@@ -41,6 +41,8 @@ pub(super) struct Logged {
     pub(super) max_buffer: u64,
     pub(super) max_experts: u64,
     pub(super) max_rank_peak: u64,
+    /// The most device memory one timed rank held at once (measured).
+    pub(super) max_held: u64,
 }
 
 impl Logged {
@@ -64,6 +66,10 @@ impl Logged {
     pub(super) fn add_step(&mut self, m: &StepMetrics) {
         self.max_experts = self.max_experts.max(m.expert_bytes);
         self.max_rank_peak = self.max_rank_peak.max(m.rank_peak_bytes);
+        if let Some(sim) = &m.simulated {
+            let held = sim.held_bytes.iter().copied().max().unwrap_or(0);
+            self.max_held = self.max_held.max(held);
+        }
         for l in &m.layers {
             self.add(l.kept_fraction, l.buffer_bytes);
         }
@@ -75,6 +81,15 @@ impl Logged {
         self.max_experts = self.max_experts.max(experts);
         let peak = line["rank_peak_bytes"].as_u64().unwrap_or(0);
         self.max_rank_peak = self.max_rank_peak.max(peak);
+        let held = line["simulated"]["held_bytes"]
+            .as_array()
+            .into_iter()
+            .flatten();
+        let held = held
+            .filter_map(serde_json::Value::as_u64)
+            .max()
+            .unwrap_or(0);
+        self.max_held = self.max_held.max(held);
         for l in line["layers"].as_array().into_iter().flatten() {
             if let Some(k) = l["kept_fraction"].as_f64() {
                 self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
