@@ -1,7 +1,8 @@
 //! `lrmoe-sim-bench`: the MoE layer on N simulated GPUs, measured on one.
 //!
-//! N in-process ranks take turns on this GPU (`layer::run_local_timed`),
-//! each running the device executor's forward and backward on its own
+//! N in-process ranks take turns on this GPU (`layer::run_local_timed`,
+//! each timed on the GPU's stream, `layer::device::GpuClock`), each
+//! running the device executor's forward and backward on its own
 //! 16 384 tokens (Qwen3-30B-A3B expert shape: 128 experts owned in blocks,
 //! hidden 2048, ffn 768, top-8, random router); their timelines go through
 //! the cluster model (`lrmoe::simulate`, `cluster::Cluster::default()`).
@@ -10,6 +11,8 @@
 //! exchange does not run beside the compute stream), so its check is the
 //! measurement taken on 2 × H200 before the executor overlapped its
 //! exchanges: 1.65× the one-GPU layer (2026-11-30, `docs/benchmarks.md`).
+//! After the table: each world's parts of the layer call and each rank's
+//! most memory held at once.
 //!
 //! Usage: `lrmoe-sim-bench [ranks …]` (default `2 4 8`); `LRMOE_SIM_R`
 //! (default `1`) the retention.
