@@ -61,7 +61,9 @@ pub enum Entry {
     },
     /// The step's last entry with a [`Clock`]: the most device memory this
     /// rank held at once during the step, bytes (its buffers in the
-    /// clock's pool, from the run's start).
+    /// clock's pool since the clock was set; a buffer the ranks share,
+    /// such as a workspace the GPU keeps, counts for the rank that
+    /// allocated it).
     Held {
         /// Bytes.
         bytes: u64,

@@ -489,6 +489,22 @@ impl layer::Transport for HostStaged<'_> {
     }
 }
 
+/// 16 experts, top-4, of the given widths (the in-process rank tests).
+fn sixteen_experts(hidden: usize, ffn: usize) -> MoeConfig {
+    MoeConfig {
+        hidden,
+        ffn,
+        n_experts: 16,
+        top_k: 4,
+        renormalize: true,
+    }
+}
+
+/// `n` random bf16 values scaled for a fan-in of `h`.
+fn fan_in_bits(n: usize, seed: u64, h: usize) -> Vec<u16> {
+    kernels::cpu::fan_in_scaled(kernels::cpu::random_bf16(n, seed), h)
+}
+
 /// In-process ranks exchange rows device to device (`Transport::swap_offers`):
 /// the same bits as the host-staged exchange, on 2 and 4 ranks, with and
 /// without replicas, at r = 1 and 0.5 — and the same again with the ranks
@@ -499,16 +515,9 @@ fn in_process_exchange_equals_host_staging_bit_for_bit() {
     use layer::device::host_call;
     use layer::Transport;
     let gpu = Gpu::open(0).unwrap();
-    let moe = MoeConfig {
-        hidden: 128,
-        ffn: 256,
-        n_experts: 16,
-        top_k: 4,
-        renormalize: true,
-    };
+    let moe = sixteen_experts(128, 256);
     let (h, f, e, tokens) = (moe.hidden, moe.ffn, moe.n_experts, 512);
-    let bits =
-        |n: usize, seed: u64| kernels::cpu::fan_in_scaled(kernels::cpu::random_bf16(n, seed), h);
+    let bits = |n: usize, seed: u64| fan_in_bits(n, seed, h);
     for timed in [false, true] {
         for world in [2, 4] {
             let el = e / world;
@@ -628,16 +637,9 @@ fn timed_ranks_read_device_time_and_their_own_memory() {
     use layer::timeline::Entry;
     use layer::Transport;
     let gpu = std::sync::Arc::new(Gpu::open(0).unwrap());
-    let moe = MoeConfig {
-        hidden: 256,
-        ffn: 512,
-        n_experts: 16,
-        top_k: 4,
-        renormalize: true,
-    };
+    let moe = sixteen_experts(256, 512);
     let (h, f, e, tokens) = (moe.hidden, moe.ffn, moe.n_experts, 2048);
-    let bits =
-        |n: usize, seed: u64| kernels::cpu::fan_in_scaled(kernels::cpu::random_bf16(n, seed), h);
+    let bits = |n: usize, seed: u64| fan_in_bits(n, seed, h);
     const EXTRA: usize = 64 << 20;
     for world in [1usize, 2] {
         let el = e / world;
