@@ -19,7 +19,8 @@
 #           capacity) to TARGET (default 1.9; 2.4 for a3b2) within CMP_STEPS
 #           (default 300) or CMP_MIN minutes (default 1.6) each, the
 #           simulated times beside the measured ones; SKEW sets
-#           `moe.zipf_skew` (default 0), RULE `moe.selection_rule`
+#           `moe.zipf_skew` (default 0), BIAS `moe.expert_bias_rate` (the
+#           loss-free balancing bias; default 0), RULE `moe.selection_rule`
 #           (default priority; top_q is the paper's), SEED the seed.
 #           CMP_MODEL=a3b2v is the A3B shape with a 128-symbol
 #           vocabulary (16 ranks' replicated dense state fits one GPU);
@@ -112,6 +113,7 @@ seq_len = ${CMP_SEQ:-512}
 batch_size = ${CMP_BATCH:-32}
 [moe]
 zipf_skew = ${SKEW:-0.0}
+expert_bias_rate = ${BIAS:-0.0}
 selection_rule = "${RULE:-priority}"
 [run]
 eval_every = $every
