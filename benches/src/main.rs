@@ -349,6 +349,8 @@ fn planning_table(budget: Duration) {
         (128usize, 8usize, 0usize, 1.0f64),
         (128, 8, 1, 0.6),
         (128, 8, 2, 0.8),
+        (128, 16, 0, 1.0),
+        (128, 16, 0, 0.6),
         (256, 32, 1, 0.6),
     ] {
         let cfg = layer::MoeConfig {
