@@ -153,11 +153,14 @@
 //!   over NCCL, and in-process ranks sharing one GPU exchange through any
 //!   host [`Transport`] ([`device::DeviceComm::Staged`]: device to device
 //!   between the ranks of [`run_local`] and [`run_local_timed`], for tests
-//!   and for [`timeline`]'s N-GPU timing). It refuses what its kernels
-//!   cannot run ([`check_device_call`]: the random and proportional rules,
-//!   selection per source; [`check_device_shape`]). Its weights can be
-//!   another library's device buffers, borrowed by address and never freed
-//!   here (`device::borrow_weights`: the Python package's CUDA path).
+//!   and for [`timeline`]'s N-GPU timing: each rank's work timed by CUDA
+//!   events on its stream, `device::GpuClock`, split into the layer's
+//!   parts, with the most pool memory the rank held). It refuses what its
+//!   kernels cannot run ([`check_device_call`]: the random and
+//!   proportional rules, selection per source; [`check_device_shape`]).
+//!   Its weights can be another library's device buffers, borrowed by
+//!   address and never freed here (`device::borrow_weights`: the Python
+//!   package's CUDA path).
 //!
 //! [`dist`] has the one network piece: the TCP rendezvous that hands out
 //! the NCCL id, and [`NcclTransport`] (one process per GPU; NCCL itself

@@ -203,7 +203,8 @@ impl Recorder {
         }
     }
 
-    /// Times this rank's work with `clock` from its next turn on.
+    /// Times this rank's work with `clock` from the next
+    /// [`Recorder::begin_turn`] on.
     pub(crate) fn set_clock(&mut self, clock: Arc<dyn Clock>) {
         self.clock = Some(clock);
     }
@@ -294,32 +295,36 @@ impl Recorder {
         Ok(())
     }
 
-    /// Closes the step: settles the turn so far (and begins the rest of
-    /// it), appends [`Entry::Held`] with a clock, and hands the entries
-    /// over.
-    pub(crate) fn take_step(&mut self) -> Result<Vec<Entry>, String> {
+    /// Ends a step inside the turn: closes the current piece and, with a
+    /// clock, settles the turn so far, begins the rest of it and returns
+    /// the most this rank held during the step (the next step starts from
+    /// what it holds now). The entries stay for the caller.
+    fn end_step(&mut self) -> Result<Option<u64>, String> {
         self.close_work()?;
-        if self.clock.is_some() && !self.ticks.is_empty() {
-            self.end_turn()?;
-            let held = self.memory.peak.max(0) as u64;
-            self.entries.push(Entry::Held { bytes: held });
-            self.memory.peak = self.memory.own;
-            self.begin_turn()?;
-        }
         self.unparted = 0;
+        if self.clock.is_none() || self.ticks.is_empty() {
+            return Ok(None);
+        }
+        self.end_turn()?;
+        let held = self.memory.peak.max(0) as u64;
+        self.memory.peak = self.memory.own;
+        self.begin_turn()?;
+        Ok(Some(held))
+    }
+
+    /// Closes the step and hands its entries over, [`Entry::Held`] last
+    /// with a clock.
+    pub(crate) fn take_step(&mut self) -> Result<Vec<Entry>, String> {
+        if let Some(bytes) = self.end_step()? {
+            self.entries.push(Entry::Held { bytes });
+        }
         Ok(std::mem::take(&mut self.entries))
     }
 
     /// Drops the timeline so far (settling the turn's marks first).
     pub(crate) fn discard(&mut self) -> Result<(), String> {
-        self.close_work()?;
-        if self.clock.is_some() && !self.ticks.is_empty() {
-            self.end_turn()?;
-            self.memory.peak = self.memory.own;
-            self.begin_turn()?;
-        }
+        self.end_step()?;
         self.entries.clear();
-        self.unparted = 0;
         Ok(())
     }
 }
