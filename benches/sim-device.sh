@@ -9,7 +9,9 @@
 #           on MODEL (mini: qwen3-moe-mini, 32 × 512 tokens; a3b2: two
 #           layers of the Qwen3-30B-A3B shape, 8 × 2048), same global batch
 #           at every N: wall tokens/s and the simulated step
-#           (metrics.jsonl's `simulated`);
+#           (metrics.jsonl's `simulated`); SIM_EVERY sets
+#           `run.simulate_every` (default 1: every step timed; here and in
+#           compare);
 #   compare `lrmoe train --compare` on CMP_MODEL (mini, default: 32 × 512
 #           tokens a step, evaluations every 25 steps; a3b2: two layers of
 #           the Qwen3-30B-A3B shape, 32 × 512 — four sequences per rank at
@@ -69,6 +71,7 @@ eval_every = 1000
 eval_batches = 1
 checkpoint = false
 out_dir = "/tmp/sim$r"
+simulate_every = ${SIM_EVERY:-1}
 T
     /usr/bin/time -f "ranks $r: %e s wall" timeout 300 .device/lrmoe train --device cuda --model-config $cfgj --layers $layers \
       --config /tmp/sim$r.toml --no-progress --force 2>&1 | tail -1
@@ -77,8 +80,10 @@ import json, statistics, sys
 r, tokens = sys.argv[1], int(sys.argv[2])
 rows = [json.loads(l) for l in open(f"/tmp/sim{r}/metrics.jsonl")][5:]
 tps = statistics.median(x["tokens_per_s"] for x in rows)
-sims = [x["simulated"] for x in rows if "simulated" in x]
-line = f"ranks {r}: wall tokens/s {tps:,.0f}, loss {rows[-1]['loss']:.4f}"
+mean = len(rows) * tokens / sum(tokens / x["tokens_per_s"] for x in rows)
+# the timed steps' own figures (an untimed step carries the last timed one's)
+sims = [x["simulated"] for x in rows if "simulated" in x and x["simulated"].get("timed_step", x["step"]) == x["step"]]
+line = f"ranks {r}: wall tokens/s median {tps:,.0f}, over all steps {mean:,.0f} ({len(sims)} timed), loss {rows[-1]['loss']:.6f}"
 if sims:
     med = lambda k: statistics.median(s[k] for s in sims)
     ph = {p: statistics.median(s["phases"].get(p, 0.0) for s in sims) for p in sims[0]["phases"]}
@@ -119,6 +124,7 @@ selection_rule = "${RULE:-priority}"
 eval_every = $every
 eval_batches = $evals
 checkpoint = false
+simulate_every = ${SIM_EVERY:-1}
 T
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
   time timeout 590 .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \

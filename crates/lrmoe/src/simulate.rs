@@ -37,8 +37,13 @@ pub struct Simulated {
     /// collectives and any work after the last part stay under the phase.
     pub phases: BTreeMap<String, f64>,
     /// The most device memory each rank held at once during the step,
-    /// bytes (rank order; empty where the ranks were not timed on a GPU).
+    /// bytes (rank order; empty where the ranks were not timed on a GPU,
+    /// or their memory could no longer be told apart).
     pub held_bytes: Vec<u64>,
+    /// The step these figures were timed at, numbered as `metrics.jsonl`
+    /// numbers steps: this step, or for a step run untimed
+    /// (`run.simulate_every`), the last timed one.
+    pub timed_step: usize,
 }
 
 impl Simulated {
@@ -204,6 +209,7 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         work_all_ranks_s,
         phases,
         held_bytes: held_bytes.unwrap_or_default(),
+        timed_step: 0,
     })
 }
 

@@ -271,3 +271,109 @@ fn two_ranks_on_one_gpu_train_like_the_cpu_model() {
         }
     }
 }
+
+/// `lrmoe train` with 2 staged in-process ranks on this GPU, every step
+/// timed and one in three (`run.simulate_every = 3`): the untimed steps run
+/// the ranks side by side, yet the losses are the same bits, every step
+/// carries simulated figures (an untimed one the last timed step's), and
+/// the timed steps before any untimed one report each rank's memory.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn sampled_timing_trains_the_same_bits_as_timing_every_step() {
+    use lrmoe::train::{train, RunOptions, TrainConfig};
+    let gpu = Arc::new(lrmoe::kernels::gpu::Gpu::open(0).unwrap());
+    let dir = std::env::temp_dir().join(format!("lrmoe-sampled-{}", std::process::id()));
+    let run = |every: usize| -> Vec<serde_json::Value> {
+        let out = dir.join(format!("every{every}"));
+        let text = format!(
+            r#"seed = 5
+steps = 8
+[model]
+d_model = 64
+n_layers = 2
+n_heads = 4
+n_kv_heads = 2
+head_dim = 16
+qk_norm = true
+rope_theta = 10000.0
+ffn = 32
+n_experts = 8
+top_k = 2
+[data]
+seq_len = 32
+batch_size = 8
+[moe]
+ranks = 2
+executor = "device"
+mode = "lrmoe"
+[run]
+out_dir = "{}"
+eval_every = 4
+eval_batches = 1
+checkpoint = false
+simulate_every = {every}
+"#,
+            out.display()
+        );
+        let cfg = TrainConfig::from_toml(&text).unwrap();
+        let opts = RunOptions {
+            resume: false,
+            progress: false,
+            transport: None,
+            gpu: Some(gpu.clone()),
+            stop: Default::default(),
+            force: true,
+        };
+        train(&cfg, &opts).unwrap();
+        std::fs::read_to_string(out.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .filter(|v: &serde_json::Value| v.get("step").is_some() && v.get("loss").is_some())
+            .collect()
+    };
+    let all = run(1);
+    let sampled = run(3);
+    assert_eq!(all.len(), 8);
+    assert_eq!(sampled.len(), 8);
+    let timed_at = |rows: &[serde_json::Value]| -> Vec<u64> {
+        rows.iter()
+            .map(|r| r["simulated"]["timed_step"].as_u64().expect("simulated"))
+            .collect()
+    };
+    let steps: Vec<u64> = all.iter().map(|r| r["step"].as_u64().unwrap()).collect();
+    assert_eq!(timed_at(&all), steps, "every step timed");
+    let first = steps[0];
+    let want: Vec<u64> = steps
+        .iter()
+        .map(|&s| {
+            let i = s - first;
+            let t = if i < 2 || i % 3 == 1 { i } else { i - (i - 1) % 3 };
+            t + first
+        })
+        .collect();
+    assert_eq!(timed_at(&sampled), want);
+    for (a, b) in all.iter().zip(&sampled) {
+        assert_eq!(
+            a["loss"].as_f64().unwrap().to_bits(),
+            b["loss"].as_f64().unwrap().to_bits(),
+            "step {}: the losses differ",
+            a["step"]
+        );
+    }
+    for rows in [&all, &sampled] {
+        for r in &rows[..2] {
+            let held = r["simulated"]["held_bytes"].as_array().unwrap();
+            assert_eq!(held.len(), 2, "{r}");
+            assert!(held.iter().all(|h| h.as_u64().unwrap() > 0), "{r}");
+        }
+    }
+    let later: Vec<&serde_json::Value> = sampled
+        .iter()
+        .filter(|r| r["simulated"]["timed_step"] == r["step"])
+        .skip(2)
+        .map(|r| &r["simulated"]["held_bytes"])
+        .collect();
+    println!("sampled: held bytes of the timed steps after an untimed stretch: {later:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -205,13 +205,11 @@ impl DeviceComm<'_> {
         match self {
             Self::Local => Ok(Flight::Here(buf, Vec::new())),
             Self::Staged(t) => {
-                if let Some(summed) = sum_in_process(gpu, *t, std::slice::from_ref(&buf)) {
-                    let sum = summed?.pop().ok_or_else(|| {
-                        KernelError::Comm("the sum over ranks went missing".into())
-                    })?;
-                    return Ok(Flight::Here(sum, Vec::new()));
-                }
                 let mut buf = buf;
+                if let Some(summed) = sum_in_process(gpu, *t, std::slice::from_mut(&mut buf)) {
+                    summed?;
+                    return Ok(Flight::Here(buf, Vec::new()));
+                }
                 let mut host = gpu.download_range(&buf, 0, buf.len())?;
                 t.all_reduce_sum_f32(&mut host).map_err(staged)?;
                 gpu.upload_range(&host, &mut buf, 0)?;
@@ -360,9 +358,11 @@ pub fn sum_over_ranks(
     comm: DeviceComm<'_>,
     bufs: Vec<CudaSlice<f32>>,
 ) -> Result<Vec<CudaSlice<f32>>, LayerError> {
+    let mut bufs = bufs;
     if let DeviceComm::Staged(t) = comm {
-        if let Some(summed) = sum_in_process(gpu, t, &bufs) {
-            return Ok(summed?);
+        if let Some(summed) = sum_in_process(gpu, t, &mut bufs) {
+            summed?;
+            return Ok(bufs);
         }
     }
     let flights = bufs
@@ -376,18 +376,22 @@ pub fn sum_over_ranks(
 }
 
 /// [`sum_over_ranks`] between in-process ranks sharing this GPU (`None`
-/// where they do not share memory): every rank publishes its buffers'
-/// addresses (one swap, recorded as one sum of all their bytes, as NCCL
-/// runs the sums in one group), then sums every buffer over the ranks in
-/// rank order from zero, device to device — the host-staged sum's order,
-/// so the same bits — and waits until every rank has read every buffer
-/// before handing the sums back.
+/// where they do not share memory), in place: every rank publishes its
+/// buffers' addresses (one swap, recorded as one sum of all their bytes, as
+/// NCCL runs the sums in one group); each rank sums its share of every
+/// buffer ([`share`]) over the ranks in rank order from zero — the
+/// host-staged sum's order, so the same bits — into its own buffer, and
+/// once every rank has, copies the other shares from their summing ranks
+/// (a reduce-scatter and an all-gather, device to device: each rank reads
+/// about twice its buffers, not once per rank). Every rank reads only
+/// shares nobody writes at the time, and waits until every rank has read
+/// before its buffers are handed back.
 pub(super) fn sum_in_process(
     gpu: &Gpu,
     t: &dyn crate::Transport,
-    bufs: &[CudaSlice<f32>],
-) -> Option<Result<Vec<CudaSlice<f32>>, KernelError>> {
-    let world = t.world_size();
+    bufs: &mut [CudaSlice<f32>],
+) -> Option<Result<(), KernelError>> {
+    let (world, me) = (t.world_size(), t.rank());
     let addresses = match bufs
         .iter()
         .map(|b| gpu.address(b, 0))
@@ -401,33 +405,61 @@ pub(super) fn sum_in_process(
         return Some(Err(e));
     }
     let all = t.swap_sum_addresses(&addresses, bytes)?;
-    let sum = |all: Vec<Vec<u64>>| -> Result<Vec<CudaSlice<f32>>, KernelError> {
+    let at = |addr: u64, off: usize| addr + bytes_of::<f32>(off);
+    let sum = |all: Vec<Vec<u64>>, bufs: &mut [CudaSlice<f32>]| -> Result<(), KernelError> {
         if all.len() != world || all.iter().any(|a| a.len() != bufs.len()) {
             return Err(KernelError::Comm(
                 "buffer addresses of another shape from a peer".into(),
             ));
         }
         t.bookkeeping(true).map_err(staged)?;
-        let mut sums = Vec::with_capacity(bufs.len());
-        for (i, b) in bufs.iter().enumerate() {
-            let n = b.len();
+        // This rank's share of every sum, into its own buffer (the peers
+        // read other shares of it meanwhile).
+        for (i, b) in bufs.iter_mut().enumerate() {
+            let (off, n) = share(b.len(), world, me);
+            if n == 0 {
+                continue;
+            }
             let mut acc = gpu.zeros::<f32>(n)?;
             // SAFETY: overwritten by each copy below before it is read.
             let mut part = unsafe { gpu.uninit::<f32>(n) }?;
             for peer in &all {
-                // SAFETY: every rank's buffer `i` holds `n` f32 (the ranks
-                // run the same model) and stays untouched until the fence.
-                unsafe { gpu.copy_from_address(peer[i], &mut part, 0, n) }?;
+                // SAFETY: every rank's buffer `i` holds the same length
+                // (the ranks run the same model), and its share `me` is
+                // written by nobody (each rank writes its own share of its
+                // own buffer) until the fences below.
+                unsafe { gpu.copy_from_address(at(peer[i], off), &mut part, 0, n) }?;
                 gpu.add_f32(&mut acc, &part, n)?;
             }
-            sums.push(acc);
+            let from = gpu.address(&acc, 0)?;
+            // SAFETY: `acc` holds `n` elements and lives past the sync.
+            unsafe { gpu.copy_from_address(from, b, off, n) }?;
+        }
+        gpu.sync()?;
+        t.fence().map_err(staged)?;
+        // The other shares, summed by their ranks.
+        for (i, b) in bufs.iter_mut().enumerate() {
+            for (q, peer) in all.iter().enumerate().filter(|&(q, _)| q != me) {
+                let (off, n) = share(b.len(), world, q);
+                // SAFETY: rank `q`'s share `q` is final (the fence above)
+                // and nobody writes it again before the fence below.
+                unsafe { gpu.copy_from_address(at(peer[i], off), b, off, n) }?;
+            }
         }
         gpu.sync()?;
         t.bookkeeping(false).map_err(staged)?;
         t.fence().map_err(staged)?;
-        Ok(sums)
+        Ok(())
     };
-    Some(all.map_err(staged).and_then(sum))
+    Some(all.map_err(staged).and_then(|all| sum(all, bufs)))
+}
+
+/// Rank `rank`'s share of `len` elements among `world` ranks: (first
+/// element, count), contiguous, in rank order, the first `len % world`
+/// ranks one longer.
+pub(super) fn share(len: usize, world: usize, rank: usize) -> (usize, usize) {
+    let (base, extra) = (len / world, len % world);
+    (rank * base + rank.min(extra), base + usize::from(rank < extra))
 }
 
 /// Waits, with the communicator's deadline, for every collective started
@@ -453,4 +485,25 @@ pub(super) fn comm_sms(comm: DeviceComm<'_>) -> u32 {
             .and_then(|v| v.parse().ok())
             .unwrap_or(16)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::share;
+
+    #[test]
+    fn shares_tile_the_buffer_in_rank_order() {
+        for len in [0, 1, 5, 16, 17, 1000] {
+            for world in 1..=9 {
+                let mut next = 0;
+                for r in 0..world {
+                    let (off, n) = share(len, world, r);
+                    assert_eq!(off, next, "len {len}, world {world}, rank {r}");
+                    assert!(n == len / world || n == len / world + 1);
+                    next = off + n;
+                }
+                assert_eq!(next, len);
+            }
+        }
+    }
 }

@@ -193,6 +193,7 @@ pub(super) fn load_checkpoint(
         sim,
         expert_bias,
         last_load: Vec::new(),
+        last_sim: None,
         logged: Logged::default(),
     })
 }
