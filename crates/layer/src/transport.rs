@@ -1154,7 +1154,10 @@ mod tests {
             t.set_timed(true)?;
             step(3)?;
             t.fence()?;
-            Ok::<_, TransportError>((side_by_side, (0..4).map(|s| t.take_step(s)).collect::<Vec<_>>()))
+            Ok::<_, TransportError>((
+                side_by_side,
+                (0..4).map(|s| t.take_step(s)).collect::<Vec<_>>(),
+            ))
         });
         let mut steps: Vec<Option<Vec<Vec<Entry>>>> = vec![None; 4];
         for r in res {
@@ -1171,11 +1174,19 @@ mod tests {
             _ => None,
         };
         let s0 = steps[0].as_ref().expect("step 0 timed");
-        assert_eq!(s0.iter().map(held).collect::<Vec<_>>(), vec![Some(10), Some(20), Some(30)]);
+        assert_eq!(
+            s0.iter().map(held).collect::<Vec<_>>(),
+            vec![Some(10), Some(20), Some(30)]
+        );
         assert!(steps[1].is_none(), "an untimed step recorded nothing");
         let s2 = steps[2].as_ref().expect("step 2 timed");
-        assert_eq!(s2.iter().map(held).collect::<Vec<_>>(), vec![Some(10), Some(20), Some(30)]);
-        assert!(s2.iter().all(|v| v.iter().any(|e| matches!(e, Entry::Exchange { .. }))));
+        assert_eq!(
+            s2.iter().map(held).collect::<Vec<_>>(),
+            vec![Some(10), Some(20), Some(30)]
+        );
+        assert!(s2
+            .iter()
+            .all(|v| v.iter().any(|e| matches!(e, Entry::Exchange { .. }))));
         let s3 = steps[3].as_ref().expect("step 3 timed");
         assert!(s3.iter().all(|v| held(v).is_none()), "{s3:?}");
         assert!(s3.iter().all(|v| v.iter().any(|e| e.phase() == "a")));

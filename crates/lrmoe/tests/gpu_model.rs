@@ -348,7 +348,11 @@ simulate_every = {every}
         .iter()
         .map(|&s| {
             let i = s - first;
-            let t = if i < 2 || i % 3 == 1 { i } else { i - (i - 1) % 3 };
+            let t = if i < 2 || i % 3 == 1 {
+                i
+            } else {
+                i - (i - 1) % 3
+            };
             t + first
         })
         .collect();

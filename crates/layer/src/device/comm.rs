@@ -459,7 +459,10 @@ pub(super) fn sum_in_process(
 /// ranks one longer.
 pub(super) fn share(len: usize, world: usize, rank: usize) -> (usize, usize) {
     let (base, extra) = (len / world, len % world);
-    (rank * base + rank.min(extra), base + usize::from(rank < extra))
+    (
+        rank * base + rank.min(extra),
+        base + usize::from(rank < extra),
+    )
 }
 
 /// Waits, with the communicator's deadline, for every collective started
