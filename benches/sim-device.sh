@@ -9,9 +9,7 @@
 #           on MODEL (mini: qwen3-moe-mini, 32 × 512 tokens; a3b2: two
 #           layers of the Qwen3-30B-A3B shape, 8 × 2048), same global batch
 #           at every N: wall tokens/s and the simulated step
-#           (metrics.jsonl's `simulated`); SIM_EVERY sets
-#           `run.simulate_every` (default 1: every step timed; here and in
-#           compare);
+#           (metrics.jsonl's `simulated`);
 #   compare `lrmoe train --compare` on CMP_MODEL (mini, default: 32 × 512
 #           tokens a step, evaluations every 25 steps; a3b2: two layers of
 #           the Qwen3-30B-A3B shape, 32 × 512 — four sequences per rank at
@@ -33,6 +31,12 @@
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
+#   hot     the 2-GPU time-to-loss table of docs/benchmarks.md ("Time to a
+#           validation loss", measured on 2 × H200 on 2026-12-01) simulated
+#           with 2 staged ranks, the same command: benches/hot-compare.toml,
+#           all four modes to 2.1, `--fit-budget`, seed SEED (default 1);
+#           CALL_US sets `cluster.call_overhead_us` (default 0); files in
+#           $OUT/hotTAG.
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-sim-bench && cp target/release/lrmoe-sim-bench .device/
@@ -71,7 +75,6 @@ eval_every = 1000
 eval_batches = 1
 checkpoint = false
 out_dir = "/tmp/sim$r"
-simulate_every = ${SIM_EVERY:-1}
 T
     /usr/bin/time -f "ranks $r: %e s wall" timeout 300 .device/lrmoe train --device cuda --model-config $cfgj --layers $layers \
       --config /tmp/sim$r.toml --no-progress --force 2>&1 | tail -1
@@ -80,10 +83,8 @@ import json, statistics, sys
 r, tokens = sys.argv[1], int(sys.argv[2])
 rows = [json.loads(l) for l in open(f"/tmp/sim{r}/metrics.jsonl")][5:]
 tps = statistics.median(x["tokens_per_s"] for x in rows)
-mean = len(rows) * tokens / sum(tokens / x["tokens_per_s"] for x in rows)
-# the timed steps' own figures (an untimed step carries the last timed one's)
-sims = [x["simulated"] for x in rows if "simulated" in x and x["simulated"].get("timed_step", x["step"]) == x["step"]]
-line = f"ranks {r}: wall tokens/s median {tps:,.0f}, over all steps {mean:,.0f} ({len(sims)} timed), loss {rows[-1]['loss']:.6f}"
+sims = [x["simulated"] for x in rows if "simulated" in x]
+line = f"ranks {r}: wall tokens/s {tps:,.0f}, loss {rows[-1]['loss']:.4f}"
 if sims:
     med = lambda k: statistics.median(s[k] for s in sims)
     ph = {p: statistics.median(s["phases"].get(p, 0.0) for s in sims) for p in sims[0]["phases"]}
@@ -124,7 +125,6 @@ selection_rule = "${RULE:-priority}"
 eval_every = $every
 eval_batches = $evals
 checkpoint = false
-simulate_every = ${SIM_EVERY:-1}
 T
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
   time timeout 590 .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
@@ -134,4 +134,13 @@ T
   echo "compare: rc=$?"
   grep -E "^\||^Target" "$OUT/cmp${TAG:-}.log"
   grep -iE "error|panicked" "$OUT/cmp${TAG:-}.log" | head -3
+fi
+if part hot; then
+  { cat benches/hot-compare.toml; printf '[cluster]\ncall_overhead_us = %s\n' "${CALL_US:-0}"; } > /tmp/hot.toml
+  time timeout 590 .device/lrmoe train --config /tmp/hot.toml --compare --modes full,replicate,capacity,lrmoe \
+    --target-val-loss 2.1 --fit-budget --seed "${SEED:-1}" --device cuda --executor device \
+    --out "$OUT/hot${TAG:-}" --no-progress > "$OUT/hot${TAG:-}.log" 2>&1
+  echo "hot: rc=$?"
+  grep -E "^\|" "$OUT/hot${TAG:-}.log"
+  grep -iE "error|panicked" "$OUT/hot${TAG:-}.log" | head -3
 fi

@@ -20,6 +20,10 @@
 //!   the ring crosses, plus the class's latency once (the fixed cost of a
 //!   collective call, as fitted; NCCL pipelines the ring's steps);
 //!   **all-gather** ([`Cluster::all_gather_s`]) `n−1` steps.
+//! * **A call's own cost** ([`Cluster::call_s`]): the simulator adds
+//!   `call_overhead_us` to every collective, for the fixed costs of the
+//!   executor's collective path that the links do not have (0 by default;
+//!   on small layer calls they dominate: `docs/benchmarks.md`).
 //! * **Phases** are bulk-synchronous ([`bulk_synchronous`]): a phase ends
 //!   when its slowest rank does; overlapped work takes the longer of the two
 //!   ([`overlapped`]) — exactly what the executor overlaps, nothing more.
@@ -76,6 +80,12 @@ pub struct Cluster {
     pub inter_gb_per_s: f64,
     /// Inter-node latency, µs.
     pub inter_latency_us: f64,
+    /// The executor's own fixed cost of one collective call, µs, beside the
+    /// links' (host waits, launches on the communicator's stream, the
+    /// deadline's polling): added to every collective the simulator counts,
+    /// bytes or none. 0 by default (the links alone); see
+    /// [`Cluster::call_s`].
+    pub call_overhead_us: f64,
 }
 
 impl Default for Cluster {
@@ -86,6 +96,7 @@ impl Default for Cluster {
             intra_latency_us: 56.0,
             inter_gb_per_s: 45.0,
             inter_latency_us: 30.0,
+            call_overhead_us: 0.0,
         }
     }
 }
@@ -125,6 +136,7 @@ impl Cluster {
         for (field, v) in [
             ("intra_latency_us", self.intra_latency_us),
             ("inter_latency_us", self.inter_latency_us),
+            ("call_overhead_us", self.call_overhead_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ClusterError::Field {
@@ -135,6 +147,12 @@ impl Cluster {
             }
         }
         Ok(())
+    }
+
+    /// The executor's fixed cost of one collective call, seconds
+    /// ([`Cluster::call_overhead_us`]).
+    pub fn call_s(&self) -> f64 {
+        self.call_overhead_us * 1e-6
     }
 
     /// The class of the link from rank `a` to rank `b`.

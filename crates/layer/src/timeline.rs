@@ -25,14 +25,6 @@
 //! Work in a phase whose name starts with `(` is bookkeeping of the
 //! simulation itself (staging copies that NCCL would not make) and is
 //! recorded but not counted.
-//!
-//! Timing can be switched off and on between steps, by every rank at the
-//! same point ([`crate::Transport::set_timed`]): untimed, the ranks run side
-//! by side (no turns, nothing recorded), which is faster in wall time; back
-//! on, every rank first waits for its GPU work and for its peers, so no
-//! untimed work is timed. What each rank holds is carried across: if the
-//! pool's use then differs from when timing stopped, the ranks' memory is
-//! no longer reported.
 
 use std::any::Any;
 use std::sync::{Arc, Condvar, Mutex};
@@ -170,12 +162,6 @@ struct Memory {
     others: i64,
     /// The most this rank held at once since the step began.
     peak: i64,
-    /// Whether `own` is still this rank's alone: false once the ranks ran
-    /// side by side untimed and the pool's use no longer matched what the
-    /// ranks held before ([`Recorder::check_memory`]).
-    known: bool,
-    /// The pool's use when timing last stopped.
-    left_at: Option<u64>,
 }
 
 /// One rank's recorder.
@@ -213,10 +199,7 @@ impl Recorder {
             ticks: Vec::new(),
             pending: Vec::new(),
             unparted: 0,
-            memory: Memory {
-                known: true,
-                ..Memory::default()
-            },
+            memory: Memory::default(),
         }
     }
 
@@ -314,9 +297,8 @@ impl Recorder {
 
     /// Ends a step inside the turn: closes the current piece and, with a
     /// clock, settles the turn so far, begins the rest of it and returns
-    /// the most this rank held during the step if its memory is known (the
-    /// next step starts from what it holds now). The entries stay for the
-    /// caller.
+    /// the most this rank held during the step (the next step starts from
+    /// what it holds now). The entries stay for the caller.
     fn end_step(&mut self) -> Result<Option<u64>, String> {
         self.close_work()?;
         self.unparted = 0;
@@ -327,35 +309,7 @@ impl Recorder {
         let held = self.memory.peak.max(0) as u64;
         self.memory.peak = self.memory.own;
         self.begin_turn()?;
-        Ok(self.memory.known.then_some(held))
-    }
-
-    /// Waits for the GPU work this rank enqueued (with a clock).
-    pub(crate) fn wait_gpu(&self) -> Result<(), String> {
-        self.clock.as_ref().map_or(Ok(()), |c| c.wait())
-    }
-
-    /// Timing stops, every rank out of the turns and its GPU work done:
-    /// notes the pool's use.
-    pub(crate) fn leave_memory(&mut self) -> Result<(), String> {
-        if let Some(c) = &self.clock {
-            self.memory.left_at = Some(c.usage()?.0);
-        }
-        Ok(())
-    }
-
-    /// Timing resumes after the ranks ran side by side untimed (their
-    /// allocations interleaved in the one pool), every rank's GPU work
-    /// done: if the pool's use differs from when timing stopped, which rank
-    /// holds the difference cannot be told, and this rank's memory is no
-    /// longer reported ([`Entry::Held`] is left out).
-    pub(crate) fn check_memory(&mut self) -> Result<(), String> {
-        if let Some(c) = &self.clock {
-            if Some(c.usage()?.0) != self.memory.left_at {
-                self.memory.known = false;
-            }
-        }
-        Ok(())
+        Ok(Some(held))
     }
 
     /// Closes the step and hands its entries over, [`Entry::Held`] last

@@ -114,14 +114,6 @@ pub trait Transport: Sync {
     fn close_step(&self, _step: usize) -> Result<(), TransportError> {
         Ok(())
     }
-    /// Timed in-process ranks: whether the work from here on is timed
-    /// (`true`, the start) or run side by side with the other ranks,
-    /// untimed and unrecorded (`false`: faster in wall time). Every rank
-    /// must switch at the same point of its work; switching timing back on
-    /// waits for every rank. Elsewhere a no-op.
-    fn set_timed(&self, _on: bool) -> Result<(), TransportError> {
-        Ok(())
-    }
     /// Timed in-process ranks: drops this rank's timeline so far (what lies
     /// between two timed steps). Elsewhere a no-op.
     fn discard_timeline(&self) -> Result<(), TransportError> {
@@ -300,8 +292,6 @@ pub struct LocalTransport {
     sent: AtomicU64,
     /// Timed groups ([`run_local_timed`]): this rank's timeline.
     recorder: Option<Mutex<Recorder>>,
-    /// Timed groups: whether timing is on ([`Transport::set_timed`]).
-    timing: std::sync::atomic::AtomicBool,
     /// The phase before [`Transport::bookkeeping`] began.
     resume_phase: Mutex<Option<String>>,
 }
@@ -317,28 +307,10 @@ enum Record {
 }
 
 impl LocalTransport {
-    /// This rank's recorder while timing is on.
     fn recorder(&self) -> Option<std::sync::MutexGuard<'_, Recorder>> {
-        if self.timing.load(Ordering::Relaxed) {
-            self.recorder_any()
-        } else {
-            None
-        }
-    }
-
-    /// This rank's recorder, timing on or off.
-    fn recorder_any(&self) -> Option<std::sync::MutexGuard<'_, Recorder>> {
         self.recorder
             .as_ref()
             .map(|r| r.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    /// The one GPU's turns while timing is on.
-    fn turns(&self) -> Option<&Turns> {
-        self.shared
-            .turns
-            .as_ref()
-            .filter(|_| self.timing.load(Ordering::Relaxed))
     }
 
     fn sync_failed(&self, message: String) -> TransportError {
@@ -364,7 +336,7 @@ impl LocalTransport {
             }
             r.end_turn().map_err(|m| self.sync_failed(m))?;
         }
-        if let Some(t) = self.turns() {
+        if let Some(t) = &self.shared.turns {
             t.release(self.rank);
         }
         Ok(())
@@ -372,7 +344,7 @@ impl LocalTransport {
 
     /// Timed: takes the GPU's turn back.
     fn resume(&self) -> Result<(), TransportError> {
-        if let Some(t) = self.turns() {
+        if let Some(t) = &self.shared.turns {
             t.acquire(self.rank, self.shared.timeout)?;
         }
         if let Some(mut r) = self.recorder() {
@@ -618,43 +590,6 @@ impl Transport for LocalTransport {
         p.remove(&step).map(|v| v.into_iter().flatten().collect())
     }
 
-    fn set_timed(&self, on: bool) -> Result<(), TransportError> {
-        if self.recorder.is_none() || self.timing.load(Ordering::Relaxed) == on {
-            return Ok(());
-        }
-        let fail = |m| self.sync_failed(m);
-        let barrier = || self.shared.barrier.wait(self.rank, self.shared.timeout);
-        if on {
-            // No rank's untimed work may be running, on the host or the
-            // GPU, when the turns resume; every rank reads the pool before
-            // any allocates again.
-            if let Some(r) = self.recorder_any() {
-                r.wait_gpu().map_err(fail)?;
-            }
-            barrier()?;
-            if let Some(mut r) = self.recorder_any() {
-                r.check_memory().map_err(fail)?;
-            }
-            barrier()?;
-            self.timing.store(true, Ordering::Relaxed);
-            self.resume()
-        } else {
-            // Out of the turn with its GPU work settled (`pause` waits);
-            // the pool read once no rank runs.
-            if let Some(mut r) = self.recorder() {
-                r.discard().map_err(fail)?;
-            }
-            self.pause(Record::Quiet)?;
-            self.timing.store(false, Ordering::Relaxed);
-            barrier()?;
-            if let Some(mut r) = self.recorder_any() {
-                r.entries.clear();
-                r.leave_memory().map_err(fail)?;
-            }
-            barrier()
-        }
-    }
-
     fn discard_timeline(&self) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
             r.discard().map_err(|m| self.sync_failed(m))?;
@@ -756,7 +691,6 @@ where
                     shared: Arc::clone(&shared),
                     sent: AtomicU64::new(0),
                     recorder: timed.then(|| Mutex::new(Recorder::new())),
-                    timing: std::sync::atomic::AtomicBool::new(timed),
                     resume_phase: Mutex::new(None),
                 };
                 let f = &f;
@@ -1114,82 +1048,6 @@ mod tests {
                 .collect();
             assert_eq!(ex, vec!["a", "a"], "collectives keep the phase");
         }
-    }
-
-    #[test]
-    fn untimed_stretches_run_side_by_side_and_keep_memory_while_the_pool_agrees() {
-        let pool = Arc::new(FakePool::default());
-        pool.alloc(1000); // nobody's
-        let arrived = AtomicU64::new(0);
-        let res = run_local_timed(3, Duration::from_secs(10), |t| {
-            let r = t.rank() as u64;
-            t.set_clock(Arc::new(Arc::clone(&pool)))?;
-            pool.alloc(10 * (r + 1));
-            let step = |s: usize| -> Result<(), TransportError> {
-                t.discard_timeline()?;
-                t.phase("a")?;
-                all_gather(t, &[1u8])?;
-                t.close_step(s)
-            };
-            step(0)?;
-            t.set_timed(false)?;
-            // Untimed: every rank reaches this point before any leaves it,
-            // which turns would forbid (a rank holding the turn here would
-            // keep the others out).
-            arrived.fetch_add(1, Ordering::SeqCst);
-            let deadline = Instant::now() + Duration::from_secs(5);
-            while arrived.load(Ordering::SeqCst) < 3 && Instant::now() < deadline {
-                std::thread::yield_now();
-            }
-            let side_by_side = arrived.load(Ordering::SeqCst) == 3;
-            pool.alloc(7); // freed again before timing resumes
-            step(1)?;
-            pool.free(7);
-            t.set_timed(true)?;
-            step(2)?;
-            t.set_timed(false)?;
-            if r == 1 {
-                pool.alloc(50); // kept: whose it is cannot be told
-            }
-            t.set_timed(true)?;
-            step(3)?;
-            t.fence()?;
-            Ok::<_, TransportError>((
-                side_by_side,
-                (0..4).map(|s| t.take_step(s)).collect::<Vec<_>>(),
-            ))
-        });
-        let mut steps: Vec<Option<Vec<Vec<Entry>>>> = vec![None; 4];
-        for r in res {
-            let (side_by_side, got) = r.unwrap();
-            assert!(side_by_side, "the untimed stretch took turns");
-            for (s, g) in got.into_iter().enumerate() {
-                if g.is_some() {
-                    steps[s] = g;
-                }
-            }
-        }
-        let held = |v: &Vec<Entry>| match v.last() {
-            Some(Entry::Held { bytes }) => Some(*bytes),
-            _ => None,
-        };
-        let s0 = steps[0].as_ref().expect("step 0 timed");
-        assert_eq!(
-            s0.iter().map(held).collect::<Vec<_>>(),
-            vec![Some(10), Some(20), Some(30)]
-        );
-        assert!(steps[1].is_none(), "an untimed step recorded nothing");
-        let s2 = steps[2].as_ref().expect("step 2 timed");
-        assert_eq!(
-            s2.iter().map(held).collect::<Vec<_>>(),
-            vec![Some(10), Some(20), Some(30)]
-        );
-        assert!(s2
-            .iter()
-            .all(|v| v.iter().any(|e| matches!(e, Entry::Exchange { .. }))));
-        let s3 = steps[3].as_ref().expect("step 3 timed");
-        assert!(s3.iter().all(|v| held(v).is_none()), "{s3:?}");
-        assert!(s3.iter().all(|v| v.iter().any(|e| e.phase() == "a")));
     }
 
     #[test]

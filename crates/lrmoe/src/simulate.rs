@@ -28,8 +28,12 @@ pub struct Simulated {
     pub step_s: f64,
     /// Its MoE layers (their work and their collectives), seconds.
     pub moe_s: f64,
-    /// Its collectives, seconds.
+    /// Its collectives, seconds (each with `cluster.call_overhead_us`).
     pub collectives_s: f64,
+    /// The collectives counted (the simulation's own bookkeeping not).
+    pub calls: usize,
+    /// Those of them in the MoE layers.
+    pub moe_calls: usize,
     /// Every rank's own work summed (what one GPU ran), seconds.
     pub work_all_ranks_s: f64,
     /// Seconds per phase, collectives included; the MoE layers' work is
@@ -37,13 +41,8 @@ pub struct Simulated {
     /// collectives and any work after the last part stay under the phase.
     pub phases: BTreeMap<String, f64>,
     /// The most device memory each rank held at once during the step,
-    /// bytes (rank order; empty where the ranks were not timed on a GPU,
-    /// or their memory could no longer be told apart).
+    /// bytes (rank order; empty where the ranks were not timed on a GPU).
     pub held_bytes: Vec<u64>,
-    /// The step these figures were timed at, numbered as `metrics.jsonl`
-    /// numbers steps: this step, or for a step run untimed
-    /// (`run.simulate_every`), the last timed one.
-    pub timed_step: usize,
 }
 
 impl Simulated {
@@ -159,6 +158,7 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
     }
     let mut phases: BTreeMap<String, f64> = BTreeMap::new();
     let (mut step, mut collectives) = (0.0, 0.0);
+    let (mut calls, mut moe_calls) = (0, 0);
     for k in 0..=n_coll {
         // The stretch before collective k (or after the last): the slowest
         // rank's, split over phases as that rank's is.
@@ -186,10 +186,14 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         if is_bookkeeping(phase) {
             continue;
         }
-        let s = collective_s(k, &records, cluster)?;
+        let s = collective_s(k, &records, cluster)? + cluster.call_s();
         *phases.entry(phase.to_string()).or_insert(0.0) += s;
         step += s;
         collectives += s;
+        calls += 1;
+        if crate::device_model::phase::is_moe(phase) {
+            moe_calls += 1;
+        }
     }
     let moe_s = phases
         .iter()
@@ -206,10 +210,11 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         step_s: step,
         moe_s,
         collectives_s: collectives,
+        calls,
+        moe_calls,
         work_all_ranks_s,
         phases,
         held_bytes: held_bytes.unwrap_or_default(),
-        timed_step: 0,
     })
 }
 
@@ -239,6 +244,7 @@ mod tests {
             intra_latency_us: 0.0,
             inter_gb_per_s: 10.0,
             inter_latency_us: 0.0,
+            call_overhead_us: 0.0,
         };
         let t = vec![
             vec![
@@ -280,6 +286,19 @@ mod tests {
         assert!((s.work_all_ranks_s - 6.75).abs() < 1e-12);
         assert_eq!(s.ranks, 2);
         assert!(s.held_bytes.is_empty(), "untimed ranks hold nothing known");
+        assert_eq!((s.calls, s.moe_calls), (2, 1));
+        // A fixed cost per call: 1 ms more for each of the two.
+        let slow = simulate(
+            &t,
+            &Cluster {
+                call_overhead_us: 1000.0,
+                ..c
+            },
+        )
+        .unwrap();
+        assert!((slow.step_s - (want + 0.002)).abs() < 1e-12, "{slow:?}");
+        assert!((slow.moe_s - (s.moe_s + 0.001)).abs() < 1e-12, "{slow:?}");
+        assert!((slow.collectives_s - 0.026).abs() < 1e-12);
     }
 
     #[test]

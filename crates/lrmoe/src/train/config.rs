@@ -287,14 +287,6 @@ pub struct RunSection {
     /// Measured as the sum of the slowest rank's step times, so every rank
     /// stops after the same step.
     pub max_minutes: Option<f64>,
-    /// In-process ranks simulating GPUs (`--executor device`, `moe.ranks` >
-    /// 1 on one GPU): time one step in this many — steps 0 and 1, then
-    /// every `simulate_every`-th (1, 1 + k, 1 + 2k, …). The steps between
-    /// run the ranks side by side untimed, several times faster in wall
-    /// time, and take the last timed step's simulated figures
-    /// (`simulated.timed_step` in `metrics.jsonl` says which). 1: every step
-    /// timed.
-    pub simulate_every: usize,
 }
 
 impl Default for RunSection {
@@ -307,7 +299,6 @@ impl Default for RunSection {
             checkpoint: true,
             target_val_loss: None,
             max_minutes: None,
-            simulate_every: 1,
         }
     }
 }
@@ -539,9 +530,6 @@ impl TrainConfig {
                     "run.max_minutes = {m:?} must be a number of minutes in (0, {MAX_MINUTES}] (leave it out for no cap)"
                 ));
             }
-        }
-        if self.run.simulate_every == 0 {
-            return bad("run.simulate_every = 0: time at least one step in every run.simulate_every (1: all)".into());
         }
         if let Some(t) = self.run.target_val_loss {
             if !(t.is_finite() && t > 0.0) {

@@ -193,7 +193,6 @@ pub(super) fn load_checkpoint(
         sim,
         expert_bias,
         last_load: Vec::new(),
-        last_sim: None,
         logged: Logged::default(),
     })
 }

@@ -96,7 +96,6 @@ pub(super) fn fresh_state(cfg: &TrainConfig, mcfg: &ModelConfig) -> State {
         sim: None,
         expert_bias: Vec::new(),
         last_load: Vec::new(),
-        last_sim: None,
         logged: Logged::default(),
     }
 }
@@ -548,18 +547,12 @@ pub(super) fn rank_loop<X: Transport>(
         let clock = Instant::now();
         let lr = lr_at(&cfg.optim, s.step, cfg.steps);
         // Timed in-process ranks: the step's timeline alone (the loop's
-        // evaluations, logs and checkpoints between steps are dropped);
-        // the steps between timed ones run side by side.
-        comm.set_timed(timed_step(cfg.run.simulate_every, s.step))?;
+        // evaluations, logs and checkpoints between steps are dropped).
         comm.discard_timeline()?;
         let out = train_step(comm, lp, &mut s, micro, lr, device_model)?;
         comm.close_step(s.step)?;
         let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
         let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
-        let simulated = match simulated {
-            Some(sm) => Some(s.last_sim.insert(sm).clone()),
-            None => s.last_sim.clone(),
-        };
         account(cfg, &mut s, &out, agreed.step_s, simulated.as_ref());
         let step_micro = micro;
         let (layers, next, buffers) = gather_layers(comm, lp, &out, micro)?;
@@ -655,7 +648,6 @@ pub(super) fn rank_state(lp: &Loop<'_>, initial: &State, on_device: bool) -> Sta
             evals: initial.evals.clone(),
             expert_bias: initial.expert_bias.clone(),
             last_load: initial.last_load.clone(),
-            last_sim: None,
             ..*initial
         }
     } else {
@@ -705,16 +697,9 @@ pub(super) fn reached_now(cfg: &TrainConfig, s: &State) -> Option<EvalPoint> {
         .copied()
 }
 
-/// Whether step `step` is timed when one in `every` is
-/// (`run.simulate_every`): steps 0 and 1 (the first pays one-off costs),
-/// then 1 + k·`every`.
-pub(super) fn timed_step(every: usize, step: usize) -> bool {
-    every <= 1 || step == 0 || step % every == 1
-}
-
 /// Rank 0 of timed in-process ranks: step `step` on as many GPUs of
 /// `cluster` (every rank closed it before the collective that follows
-/// its `close_step`), if it was timed; `None` elsewhere.
+/// its `close_step`); `None` elsewhere.
 pub(super) fn simulated_step<X: Transport>(
     comm: &X,
     cluster: &cluster::Cluster,
@@ -724,13 +709,7 @@ pub(super) fn simulated_step<X: Transport>(
         return Ok(None);
     }
     comm.take_step(step)
-        .map(|t| {
-            crate::simulate::simulate(&t, cluster).map(|mut sm| {
-                // Numbered as the metrics number steps (from 1).
-                sm.timed_step = step + 1;
-                sm
-            })
-        })
+        .map(|t| crate::simulate::simulate(&t, cluster))
         .transpose()
         .map_err(|e| TrainError::Config(format!("step {step}: {e}")))
 }

@@ -27,10 +27,6 @@ pub(super) struct State {
     /// SYMI-like replicas follow it; not in the checkpoint: a resumed run's
     /// first step has no history).
     pub(super) last_load: Vec<Vec<u64>>,
-    /// Rank 0 of timed in-process ranks: the last timed step's simulated
-    /// figures, which the untimed steps after it take (not in the
-    /// checkpoint: a resumed run times its first step).
-    pub(super) last_sim: Option<crate::simulate::Simulated>,
     /// The run's kept fractions and buffers so far (not in the checkpoint:
     /// a resumed run reads them back from `metrics.jsonl` as it cuts it
     /// back, [`truncate_metrics`]).

@@ -154,16 +154,3 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
     });
     assert!(bad[0].is_err());
 }
-
-#[test]
-fn one_step_in_simulate_every_is_timed_and_zero_is_refused() {
-    let timed: Vec<usize> = (0..12).filter(|&s| run::timed_step(4, s)).collect();
-    assert_eq!(timed, vec![0, 1, 5, 9]);
-    assert!((0..5).all(|s| run::timed_step(1, s)));
-    let mut cfg = TrainConfig::default();
-    cfg.run.simulate_every = 0;
-    let e = cfg.validate().unwrap_err().to_string();
-    assert!(e.contains("run.simulate_every"), "{e}");
-    cfg.run.simulate_every = 3;
-    cfg.validate().unwrap();
-}
