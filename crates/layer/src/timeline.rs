@@ -27,6 +27,7 @@
 //! recorded but not counted.
 
 use std::any::Any;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -87,11 +88,32 @@ pub fn is_bookkeeping(phase: &str) -> bool {
     phase.starts_with('(')
 }
 
+/// How long a waiting in-process rank spins, yielding its core, before it
+/// sleeps: a hand-off then takes microseconds, not a sleeping thread's
+/// wake-up (tens of them, and every peer wakes at a release).
+pub(crate) const SPIN: Duration = Duration::from_millis(1);
+
+/// Spins, yielding, until `done()` or [`SPIN`] has passed; whether done.
+pub(crate) fn spin(done: impl Fn() -> bool) -> bool {
+    let until = Instant::now() + SPIN;
+    loop {
+        if done() {
+            return true;
+        }
+        if Instant::now() >= until {
+            return false;
+        }
+        std::thread::yield_now();
+    }
+}
+
 /// The one GPU's turn, held by at most one rank.
 #[derive(Debug, Default)]
 pub(crate) struct Turns {
     holder: Mutex<Option<usize>>,
     cv: Condvar,
+    /// Whether a rank holds the turn (read while spinning).
+    held: AtomicBool,
 }
 
 impl Turns {
@@ -101,6 +123,7 @@ impl Turns {
     /// reports it.)
     pub(crate) fn acquire(&self, rank: usize, timeout: Duration) -> Result<(), TransportError> {
         let deadline = Instant::now() + timeout;
+        spin(|| !self.held.load(Ordering::Acquire));
         let mut h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
         while h.is_some() {
             let now = Instant::now();
@@ -118,6 +141,7 @@ impl Turns {
                 .0;
         }
         *h = Some(rank);
+        self.held.store(true, Ordering::Release);
         Ok(())
     }
 
@@ -126,6 +150,7 @@ impl Turns {
         let mut h = self.holder.lock().unwrap_or_else(|p| p.into_inner());
         if *h == Some(rank) {
             *h = None;
+            self.held.store(false, Ordering::Release);
             self.cv.notify_all();
         }
     }

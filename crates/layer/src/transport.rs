@@ -212,6 +212,10 @@ struct Barrier {
     state: Mutex<BarrierState>,
     cv: Condvar,
     n: usize,
+    /// The state's generation and whether it is aborted, read while
+    /// spinning ([`crate::timeline::spin`]).
+    generation: AtomicU64,
+    aborted: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -236,9 +240,15 @@ impl Barrier {
         if s.arrived == self.n {
             s.arrived = 0;
             s.generation += 1;
+            self.generation.store(s.generation, Ordering::Release);
             self.cv.notify_all();
             return Ok(());
         }
+        drop(s);
+        crate::timeline::spin(|| {
+            self.generation.load(Ordering::Acquire) != gen || self.aborted.load(Ordering::Acquire)
+        });
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         while s.generation == gen {
             if let Some(reason) = &s.aborted {
                 return Err(TransportError::PeerFailed {
@@ -250,6 +260,7 @@ impl Barrier {
             if now >= deadline {
                 let reason = format!("rank {rank} timed out");
                 s.aborted = Some(reason);
+                self.aborted.store(true, Ordering::Release);
                 self.cv.notify_all();
                 return Err(TransportError::Timeout {
                     rank,
@@ -268,6 +279,7 @@ impl Barrier {
     fn abort(&self, reason: String) {
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.aborted.get_or_insert(reason);
+        self.aborted.store(true, Ordering::Release);
         self.cv.notify_all();
     }
 }
@@ -678,6 +690,8 @@ where
             state: Mutex::default(),
             cv: Condvar::new(),
             n,
+            generation: AtomicU64::new(0),
+            aborted: std::sync::atomic::AtomicBool::new(false),
         },
         timeout,
         turns: timed.then(Turns::default),
