@@ -55,7 +55,11 @@
 //!   `k[s][e] = ⌊ρ·n[s][e]⌋`, with `ρ` the largest feasible value (bisection
 //!   over `ρ = j / 2²⁰`, augmenting the last feasible flow instead of
 //!   recomputing it; `ρ = 1` is tried first so unlimited budgets keep every
-//!   pair). Feasibility is monotone in `ρ` and in the budgets, so a
+//!   pair; past 12 ranks the bisection starts from bounds that need no flow
+//!   — every expert on its owner or split evenly over its instances fits
+//!   below, the experts one rank alone holds overflow it above — and up to
+//!   12 ranks each check is Gale's subset condition instead of a flow).
+//!   Feasibility is monotone in `ρ` and in the budgets, so a
 //!   larger budget never lowers a quota.
 //! * **Max-min fair:** first the uniform `ρ*` (this maximises the smallest
 //!   retention ratio up to the floor), then, keeping every `k[s][e] ≥
@@ -619,6 +623,14 @@ fn uniform_feasible(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> bool {
     net.graph.max_flow(0, net.sink) == want
 }
 
+/// The pairs every cell keeps at ratio `num`.
+fn kept_at(net: &Network, inputs: &Inputs<'_>, num: u64) -> u64 {
+    net.cells
+        .iter()
+        .map(|&(s, e, _, _)| cell_counts(inputs, s, e, num).1)
+        .sum()
+}
+
 /// Raises every cell's mandatory capacity to `⌊num/DEN · n[s][e]⌋` on top of
 /// the current flow (capacities only grow); returns the pairs wanted.
 fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
@@ -632,15 +644,20 @@ fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
 }
 
 /// The largest feasible uniform ratio numerator by max-flow: `DEN` if every
-/// pair fits, else a bisection of `[0, DEN)` that augments the last feasible
-/// flow (raising the ratio only raises capacities).
-fn flow_search(net: &mut Network, inputs: &Inputs<'_>) -> u64 {
+/// pair fits, else a bisection of `[lo, hi)` (`bracket`: `lo` feasible or
+/// 0, `hi` infeasible; `(0, DEN)` knows nothing) that augments the last
+/// feasible flow (raising the ratio only raises capacities).
+fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u64 {
     if uniform_feasible(net, inputs, RATIO_DEN) {
         return RATIO_DEN;
     }
-    uniform_feasible(net, inputs, 0);
-    let mut saved = (net.graph.snapshot(), 0u64);
-    let (mut lo, mut hi) = (0u64, RATIO_DEN);
+    let (mut lo, mut hi) = (bracket.0.min(RATIO_DEN - 1), bracket.1.min(RATIO_DEN));
+    if lo >= hi || !uniform_feasible(net, inputs, lo) {
+        // A bracket that does not hold (it never should): search it all.
+        (lo, hi) = (0, RATIO_DEN);
+        uniform_feasible(net, inputs, 0);
+    }
+    let mut saved = (net.graph.snapshot(), kept_at(net, inputs, lo));
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         net.graph.restore(&saved.0);
@@ -654,6 +671,86 @@ fn flow_search(net: &mut Network, inputs: &Inputs<'_>) -> u64 {
         }
     }
     lo
+}
+
+/// Bounds on the largest feasible ratio numerator that need no flow, from
+/// one pass over the counts: `lo` passes a sufficient condition (every
+/// expert's kept pairs split evenly over its instances, or all on its
+/// owner, fit every rank's capacity with a pair of slack per instance for
+/// the rounding, and every source's kept pairs fit its sends), `hi` fails a
+/// necessary one (the experts only one rank holds fit it, all kept pairs
+/// fit all ranks, each source's fit its sends, each with the floors' most
+/// loss). `flow_search` checks `lo` with a flow before it trusts it.
+fn ratio_bracket(
+    inputs: &Inputs<'_>,
+    placement: &Placement,
+    caps: &[u64],
+    send: &[u64],
+) -> (u64, u64) {
+    let den = RATIO_DEN as f64;
+    let (n_ranks, n_experts) = (inputs.n_ranks(), inputs.n_experts());
+    let routed = inputs.routed_per_expert();
+    let mut cells = vec![0u64; n_experts];
+    for row in inputs.counts {
+        for (e, &n) in row.iter().enumerate() {
+            cells[e] += u64::from(n > 0);
+        }
+    }
+    let mut owned = vec![0.0f64; n_ranks];
+    let mut even = vec![0.0f64; n_ranks];
+    let mut slots = vec![0.0f64; n_ranks];
+    let mut alone = vec![(0.0f64, 0.0f64); n_ranks];
+    for e in 0..n_experts {
+        let n = routed[e] as f64;
+        let mut inst = placement.instances(e);
+        inst.sort_unstable();
+        inst.dedup();
+        owned[placement.owner[e]] += n;
+        for &r in &inst {
+            even[r] += n / inst.len() as f64;
+            slots[r] += 1.0;
+        }
+        if let [r] = inst[..] {
+            alone[r].0 += n;
+            alone[r].1 += cells[e] as f64;
+        }
+    }
+    let cap = |c: u64| {
+        if c == u64::MAX {
+            f64::INFINITY
+        } else {
+            c as f64
+        }
+    };
+    // num ≤ room·DEN/load for every (room, load): the largest such num.
+    let most = |pairs: &mut dyn Iterator<Item = (f64, f64)>| -> f64 {
+        pairs
+            .filter(|&(_, load)| load > 0.0)
+            .map(|(room, load)| (room.max(0.0) * den / load).floor())
+            .fold(den, f64::min)
+    };
+    let sends = |slack: f64| {
+        inputs.counts.iter().zip(send).map(move |(row, &c)| {
+            let busy = row.iter().filter(|&&n| n > 0).count() as f64;
+            (cap(c) + slack * busy, row.iter().sum::<u64>() as f64)
+        })
+    };
+    let by_owner = most(&mut (0..n_ranks).map(|r| (cap(caps[r]), owned[r])));
+    let by_split = most(&mut (0..n_ranks).map(|r| (cap(caps[r]) - slots[r], even[r])));
+    let lo = by_owner.max(by_split).min(most(&mut sends(0.0)));
+    let total_cap = caps.iter().map(|&c| cap(c)).sum::<f64>();
+    let all_cells = cells.iter().sum::<u64>() as f64;
+    let total = routed.iter().sum::<u64>() as f64;
+    let hi = most(&mut (0..n_ranks).map(|r| (cap(caps[r]) + alone[r].1, alone[r].0)))
+        .min(most(&mut std::iter::once((total_cap + all_cells, total))))
+        .min(most(&mut sends(1.0)));
+    // `hi` is the largest num the necessary condition allows: the first
+    // infeasible one is past it.
+    // A margin for the floating point: `lo` is checked with a flow anyway,
+    // `hi` must not cut off a feasible ratio.
+    let lo = (lo * (1.0 - 1e-9) - 1.0).max(0.0) as u64;
+    let hi = (hi * (1.0 + 1e-9)).min(den) as u64 + 2;
+    (lo, hi.max(lo + 1))
 }
 
 /// Feasibility by Gale's theorem when sources are unconstrained and ranks are
@@ -743,7 +840,11 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     let hall = HallCheck::new(inputs, &placement, &caps, &send);
     let num = match &hall {
         Some(h) => h.largest_feasible(inputs),
-        None => flow_search(&mut net, inputs),
+        None => flow_search(
+            &mut net,
+            inputs,
+            ratio_bracket(inputs, &placement, &caps, &send),
+        ),
     };
     // Leave the network holding the feasible uniform flow at `num`.
     let ok = uniform_feasible(&mut net, inputs, num);

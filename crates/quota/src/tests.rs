@@ -173,7 +173,23 @@ proptest! {
         let (caps, send) = capacities(&inputs, &c.placement).unwrap();
         let hall = HallCheck::new(&inputs, &c.placement, &caps, &send).expect("few ranks, unlimited sends");
         let mut net = build_network(&inputs, &c.placement, &caps, &send);
-        prop_assert_eq!(hall.largest_feasible(&inputs), flow_search(&mut net, &inputs));
+        prop_assert_eq!(hall.largest_feasible(&inputs), flow_search(&mut net, &inputs, (0, RATIO_DEN)));
+    }
+
+    #[test]
+    fn the_bracket_holds_and_the_bracketed_search_finds_the_same_ratio(c in case_strategy()) {
+        let cost = cost();
+        let inputs = inputs(&c, &cost);
+        let (caps, send) = capacities(&inputs, &c.placement).unwrap();
+        let (lo, hi) = ratio_bracket(&inputs, &c.placement, &caps, &send);
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        let plain = flow_search(&mut net, &inputs, (0, RATIO_DEN));
+        prop_assert!(lo < hi);
+        if plain < RATIO_DEN {
+            prop_assert!(lo <= plain && plain < hi, "bracket [{}, {}) misses {}", lo, hi, plain);
+        }
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        prop_assert_eq!(flow_search(&mut net, &inputs, (lo, hi)), plain);
     }
 
     #[test]
