@@ -721,10 +721,12 @@ fn layer_times(
 ) -> Result<(f64, f64), ReplayError> {
     let cost = cfg.cost();
     let act = cost.act_row_bytes;
-    // An exchange the other way (the transpose) takes as long.
+    // An exchange the other way (the transpose) takes as long; each is one
+    // collective call (`cluster.call_overhead_us`, 0 by default).
     let ex = |m: &[Vec<u64>], bytes_each: u64| {
         cfg.cluster
             .exchange_scaled_s(m, bytes_each)
+            .map(|s| s + cfg.cluster.call_s())
             .map_err(|e| ReplayError::Invalid(e.to_string()))
     };
     let compute = |pairs: &[Vec<u64>], flops: f64| {
