@@ -5,7 +5,8 @@
 //! Raising the peak only raises sink capacities, so a flow found for one
 //! peak stays valid for every larger one and is *augmented*, not recomputed:
 //! the search starts at the lower bound (usually already optimal), gallops
-//! upward, then bisects from a saved residual state.
+//! upward, then bisects from a saved residual state. When every expert is
+//! held by one rank the assignment is forced and no flow is built.
 
 use crate::flow::{EdgeId, FlowGraph};
 use crate::{peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
@@ -80,12 +81,45 @@ fn flows_of(net: &Network, problem: &Problem) -> ExpertFlows {
         .collect()
 }
 
+/// The one assignment there is when every expert is held by one rank (its
+/// instances all the same rank): every kept pair on it. `None` when some
+/// expert has instances on two ranks, or a rank's pairs exceed its
+/// capacity (the search then reports it).
+fn forced(problem: &Problem, kept: &[u64]) -> Option<ExpertFlows> {
+    let mut on = vec![0u64; problem.n_ranks];
+    for (inst, &k) in problem.instances.iter().zip(kept) {
+        let (&first, rest) = inst.split_first()?;
+        if rest.iter().any(|&r| r != first) {
+            return None;
+        }
+        on[first] = on[first].checked_add(k)?;
+    }
+    if on.iter().enumerate().any(|(r, &n)| n > problem.cap(r)) {
+        return None;
+    }
+    Some(
+        problem
+            .instances
+            .iter()
+            .zip(kept)
+            .map(|(inst, &k)| {
+                let mut f = vec![0; inst.len()];
+                f[0] = k;
+                f
+            })
+            .collect(),
+    )
+}
+
 /// Optimal expert-level flows; `kept` is [`Problem::kept_per_expert`].
 pub(crate) fn solve(
     problem: &Problem,
     load: &LoadModel,
     kept: &[u64],
 ) -> Result<ExpertFlows, RedistributeError> {
+    if let Some(f) = forced(problem, kept) {
+        return Ok(f);
+    }
     let total: u64 = kept.iter().sum();
     let mut net = build(problem, kept);
     let c = load.compute_per_pair;

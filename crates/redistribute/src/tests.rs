@@ -93,6 +93,24 @@ proptest! {
     }
 
     #[test]
+    fn one_instance_an_expert_is_the_forced_assignment_or_infeasible(p in problem_strategy(5, 8, 12)) {
+        let mut p = p;
+        p.instances.iter_mut().for_each(|i| i.truncate(1));
+        let exact = check(&p, &cfg(Solver::Exact));
+        let ilp = check(&p, &cfg(Solver::Ilp));
+        match (exact, ilp) {
+            (Ok(exact), Ok(ilp)) => {
+                prop_assert_eq!(exact.peak, ilp.peak);
+                for r in &exact.routes {
+                    prop_assert_eq!(r.rank, p.instances[r.expert][0]);
+                }
+            }
+            (Err(RedistributeError::Infeasible { .. }), Err(_)) => {}
+            (e, i) => prop_assert!(false, "exact {:?} against ILP {:?}", e.map(|a| a.peak), i.map(|a| a.peak)),
+        }
+    }
+
+    #[test]
     fn ilp_with_network_term_conserves_and_beats_greedy(p in problem_strategy(3, 4, 6)) {
         let mut p = p;
         p.rank_capacity = None;
