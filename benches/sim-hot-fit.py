@@ -56,7 +56,7 @@ def main():
         c = (secs / steps - moe) / calls
     else:
         c = 0.0
-    print(f"| mode | steps (sim. / measured) | MoE calls a step | simulated MoE s | + fitted cost | measured MoE s | ratio |")
+    print("| mode | steps (sim. / measured) | MoE calls a step | simulated MoE s | + fitted cost | measured MoE s | ratio |")
     print("|---|---|---|---|---|---|---|")
     for m, (reached, (moe, calls)) in res.items():
         steps, secs = MEASURED[m][seed]

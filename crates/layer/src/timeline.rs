@@ -91,7 +91,7 @@ pub fn is_bookkeeping(phase: &str) -> bool {
 /// How long a waiting in-process rank spins, yielding its core, before it
 /// sleeps: a hand-off then takes microseconds, not a sleeping thread's
 /// wake-up (tens of them, and every peer wakes at a release).
-pub(crate) const SPIN: Duration = Duration::from_millis(1);
+const SPIN: Duration = Duration::from_millis(1);
 
 /// Spins, yielding, until `done()` or [`SPIN`] has passed; whether done.
 pub(crate) fn spin(done: impl Fn() -> bool) -> bool {

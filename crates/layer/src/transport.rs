@@ -4,7 +4,7 @@
 //! The NCCL implementation (issue #5) implements the same [`Transport`].
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -215,7 +215,7 @@ struct Barrier {
     /// The state's generation and whether it is aborted, read while
     /// spinning ([`crate::timeline::spin`]).
     generation: AtomicU64,
-    aborted: std::sync::atomic::AtomicBool,
+    aborted: AtomicBool,
 }
 
 #[derive(Debug, Default)]
@@ -691,7 +691,7 @@ where
             cv: Condvar::new(),
             n,
             generation: AtomicU64::new(0),
-            aborted: std::sync::atomic::AtomicBool::new(false),
+            aborted: AtomicBool::new(false),
         },
         timeout,
         turns: timed.then(Turns::default),

@@ -610,8 +610,9 @@ fn floor_ratio(n: u64, num: u64) -> u64 {
     ((u128::from(n) * u128::from(num)) / u128::from(RATIO_DEN)) as u64
 }
 
-/// Whether every cell can keep `⌊num/DEN · n[s][e]⌋` pairs.
-fn uniform_feasible(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> bool {
+/// Whether every cell can keep `⌊num/DEN · n[s][e]⌋` pairs: the flow of
+/// those pairs, from none, if so.
+fn uniform_flow(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> Option<u64> {
     net.graph.clear_flow();
     let mut want = 0u64;
     for &(s, e, mandatory, extra) in &net.cells {
@@ -620,15 +621,7 @@ fn uniform_feasible(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> bool {
         net.graph.set_capacity(extra, 0);
         net.graph.set_capacity(mandatory, k);
     }
-    net.graph.max_flow(0, net.sink) == want
-}
-
-/// The pairs every cell keeps at ratio `num`.
-fn kept_at(net: &Network, inputs: &Inputs<'_>, num: u64) -> u64 {
-    net.cells
-        .iter()
-        .map(|&(s, e, _, _)| cell_counts(inputs, s, e, num).1)
-        .sum()
+    (net.graph.max_flow(0, net.sink) == want).then_some(want)
 }
 
 /// Raises every cell's mandatory capacity to `⌊num/DEN · n[s][e]⌋` on top of
@@ -648,16 +641,19 @@ fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
 /// 0, `hi` infeasible; `(0, DEN)` knows nothing) that augments the last
 /// feasible flow (raising the ratio only raises capacities).
 fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u64 {
-    if uniform_feasible(net, inputs, RATIO_DEN) {
+    if uniform_flow(net, inputs, RATIO_DEN).is_some() {
         return RATIO_DEN;
     }
     let (mut lo, mut hi) = (bracket.0.min(RATIO_DEN - 1), bracket.1.min(RATIO_DEN));
-    if lo >= hi || !uniform_feasible(net, inputs, lo) {
-        // A bracket that does not hold (it never should): search it all.
-        (lo, hi) = (0, RATIO_DEN);
-        uniform_feasible(net, inputs, 0);
-    }
-    let mut saved = (net.graph.snapshot(), kept_at(net, inputs, lo));
+    let kept = match uniform_flow(net, inputs, lo).filter(|_| lo < hi) {
+        Some(kept) => kept,
+        None => {
+            // A bracket that does not hold (it never should): search it all.
+            (lo, hi) = (0, RATIO_DEN);
+            uniform_flow(net, inputs, 0).unwrap_or(0)
+        }
+    };
+    let mut saved = (net.graph.snapshot(), kept);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
         net.graph.restore(&saved.0);
@@ -744,10 +740,10 @@ fn ratio_bracket(
     let hi = most(&mut (0..n_ranks).map(|r| (cap(caps[r]) + alone[r].1, alone[r].0)))
         .min(most(&mut std::iter::once((total_cap + all_cells, total))))
         .min(most(&mut sends(1.0)));
-    // `hi` is the largest num the necessary condition allows: the first
-    // infeasible one is past it.
-    // A margin for the floating point: `lo` is checked with a flow anyway,
-    // `hi` must not cut off a feasible ratio.
+    // `hi` is the largest num the necessary condition allows, so the first
+    // infeasible one is past it; with a margin for the floating point (`lo`
+    // is checked with a flow anyway, `hi` must not cut off a feasible
+    // ratio).
     let lo = (lo * (1.0 - 1e-9) - 1.0).max(0.0) as u64;
     let hi = (hi * (1.0 + 1e-9)).min(den) as u64 + 2;
     (lo, hi.max(lo + 1))
@@ -847,7 +843,7 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
         ),
     };
     // Leave the network holding the feasible uniform flow at `num`.
-    let ok = uniform_feasible(&mut net, inputs, num);
+    let ok = uniform_flow(&mut net, inputs, num).is_some();
     debug_assert!(ok, "invariant: the searched ratio is feasible");
 
     if policy == Policy::Maxmin {
