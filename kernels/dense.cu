@@ -621,6 +621,39 @@ extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restric
         x[i] += y[i];
 }
 
+// Many f32 sums in one launch, through device addresses (in-process ranks
+// sharing one GPU read each other's buffers): part j writes dst[j][i] for
+// i < len[j] from the k sources src[j*k .. j*k+k][i], in source order —
+// from 0.0f (acc = 0; acc += s0; acc += s1; …: the order and bits of adding
+// each source into a zeroed buffer) when from_zero, else from the first
+// source (k = 1: an exact copy). A destination may be one of its own
+// sources (each element is read before it is written, by one thread).
+// One block per chunk of SUM_CHUNK elements; chunk_end[j] is the inclusive
+// prefix sum of part j's chunks.
+#define SUM_CHUNK 4096
+extern "C" __global__ void sum_parts_f32(const unsigned long long* __restrict__ dst,
+                                         const unsigned long long* __restrict__ src,
+                                         const long long* __restrict__ len,
+                                         const long long* __restrict__ chunk_end, int parts, int k,
+                                         int from_zero) {
+    const long long c = blockIdx.x;
+    int lo = 0, hi = parts - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi) / 2;
+        if (chunk_end[mid] > c) hi = mid;
+        else lo = mid + 1;
+    }
+    const long long base = (c - (lo ? chunk_end[lo - 1] : 0)) * SUM_CHUNK;
+    const long long end = min(base + SUM_CHUNK, len[lo]);
+    float* d = reinterpret_cast<float*>(dst[lo]);
+    const unsigned long long* s = src + (long long)lo * k;
+    for (long long i = base + threadIdx.x; i < end; i += blockDim.x) {
+        float acc = from_zero ? 0.0f : reinterpret_cast<const float*>(s[0])[i];
+        for (int p = from_zero ? 0 : 1; p < k; ++p) acc += reinterpret_cast<const float*>(s[p])[i];
+        d[i] = acc;
+    }
+}
+
 // y = bf16(x) (weights' working copies, the residual's input to a GEMM).
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x, uint16_t* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)

@@ -419,8 +419,41 @@ pub fn adamw_reference(
     p.iter().map(|&x| to_bf16_bits(x)).collect()
 }
 
+/// Twin of `Gpu::sum_parts`: the sum of `sources`, element by element, in
+/// source order — from `0.0` when `from_zero` (the bits of adding each
+/// source into a zeroed buffer), else from the first source (one source:
+/// an exact copy). Every source holds at least the first's length.
+pub fn sum_parts_reference(sources: &[&[f32]], from_zero: bool) -> Vec<f32> {
+    let Some(first) = sources.first() else {
+        return Vec::new();
+    };
+    (0..first.len())
+        .map(|i| {
+            let (start, rest) = if from_zero {
+                (0.0f32, sources)
+            } else {
+                (first[i], &sources[1..])
+            };
+            rest.iter().fold(start, |acc, s| acc + s[i])
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn sum_parts_twin_keeps_order_and_signed_zero() {
+        use super::sum_parts_reference;
+        let (a, b, c) = ([1e8f32, -0.0], [1.0f32, -0.0], [-1e8f32, -0.0]);
+        // ((0 + 1e8) + 1) - 1e8 = 0 in f32: order matters.
+        assert_eq!(sum_parts_reference(&[&a, &b, &c], true), vec![0.0, 0.0]);
+        assert_eq!(sum_parts_reference(&[&a, &c, &b], true), vec![1.0, 0.0]);
+        let copy = sum_parts_reference(&[&c], false);
+        assert!(copy[1].is_sign_negative(), "a copy keeps −0");
+        assert!(sum_parts_reference(&[&c], true)[1].is_sign_positive());
+        assert!(sum_parts_reference(&[], true).is_empty());
+    }
+
     #[test]
     fn attention_twin_gradients_match_finite_differences() {
         // 2 sequences of 5, 4 query heads on 2 key/value heads, width 4.

@@ -31,7 +31,7 @@ impl Timing {
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
 pub use imp::{
-    dense::{attn_ds_bytes, AttnDq, AttnSaved, AttnShape, GradElem, ATTN_DS_MAX_BYTES},
+    dense::{attn_ds_bytes, AttnDq, AttnSaved, AttnShape, GradElem, SumPart, ATTN_DS_MAX_BYTES},
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };

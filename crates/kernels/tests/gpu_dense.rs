@@ -532,3 +532,93 @@ fn one_group_gemms_match_the_cpu_twin() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn sums_and_copies_through_addresses_match_the_twin_bit_for_bit() {
+    use kernels::gpu::SumPart;
+    let g = gpu();
+    let mut r = Rng(seed());
+    // Lengths around the kernel's 4096-element chunks, an empty part, and
+    // one destination that is also its first source (in place).
+    let lens = [1usize, 4095, 4096, 4097, 0, 10_000, 33];
+    let k = 5;
+    let srcs: Vec<Vec<Vec<f32>>> = lens
+        .iter()
+        .map(|&n| {
+            (0..k)
+                .map(|_| {
+                    let mut v = r.f32s(n, 1e3);
+                    if n > 0 {
+                        v[0] = -0.0; // signed zeros: the sum from 0.0 loses them, a copy keeps them
+                    }
+                    v
+                })
+                .collect()
+        })
+        .collect();
+    let dev: Vec<Vec<_>> = srcs
+        .iter()
+        .map(|p| p.iter().map(|s| g.upload(s).unwrap()).collect())
+        .collect();
+    for from_zero in [true, false] {
+        for kk in [1, k] {
+            // Poisoned destinations; part 3 sums into its own first source.
+            let mut dsts: Vec<_> = lens
+                .iter()
+                .map(|&n| g.upload(&vec![f32::NAN; n.max(1)]).unwrap())
+                .collect();
+            let own = g.upload(&srcs[3][0]).unwrap();
+            let parts: Vec<SumPart> = lens
+                .iter()
+                .enumerate()
+                .map(|(j, &n)| {
+                    let first = if j == 3 {
+                        g.address(&own, 0).unwrap()
+                    } else {
+                        g.address(&dev[j][0], 0).unwrap()
+                    };
+                    let mut s = vec![first];
+                    s.extend((1..kk).map(|p| g.address(&dev[j][p], 0).unwrap()));
+                    let dst = if j == 3 {
+                        first
+                    } else {
+                        g.address(&dsts[j], 0).unwrap()
+                    };
+                    SumPart { dst, srcs: s, n }
+                })
+                .collect();
+            // SAFETY: every address holds its part's n f32 and lives past
+            // the downloads below.
+            unsafe { g.sum_parts(&parts, from_zero) }.unwrap();
+            dsts[3] = own;
+            for (j, &n) in lens.iter().enumerate() {
+                let views: Vec<&[f32]> = srcs[j][..kk].iter().map(|v| v.as_slice()).collect();
+                let want = sum_parts_reference(&views, from_zero);
+                let got = g.download(&dsts[j], n).unwrap();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "part {j}, from_zero {from_zero}, {kk} sources"
+                );
+            }
+        }
+    }
+    // Parts with different numbers of sources are refused.
+    let a = g.address(&dev[1][0], 0).unwrap();
+    let bad = [
+        SumPart {
+            dst: a,
+            srcs: vec![a],
+            n: 1,
+        },
+        SumPart {
+            dst: a,
+            srcs: vec![a, a],
+            n: 1,
+        },
+    ];
+    // SAFETY: refused before any launch.
+    assert!(unsafe { g.sum_parts(&bad, true) }.is_err());
+}

@@ -2,7 +2,7 @@
 //! rows (NCCL, or device to device between in-process ranks), sums over
 //! ranks, and the exchange overlap guard.
 
-use kernels::gpu::{CudaSlice, Gpu, Mark};
+use kernels::gpu::{CudaSlice, Gpu, Mark, SumPart};
 use kernels::KernelError;
 
 use crate::LayerError;
@@ -383,7 +383,8 @@ pub fn sum_over_ranks(
 /// host-staged sum's order, so the same bits — into its own buffer, and
 /// once every rank has, copies the other shares from their summing ranks
 /// (a reduce-scatter and an all-gather, device to device: each rank reads
-/// about twice its buffers, not once per rank). Every rank reads only
+/// about twice its buffers, not once per rank; one kernel launch each, for
+/// all buffers, through the peers' addresses). Every rank reads only
 /// shares nobody writes at the time, and waits until every rank has read
 /// before its buffers are handed back.
 pub(super) fn sum_in_process(
@@ -413,39 +414,52 @@ pub(super) fn sum_in_process(
             ));
         }
         t.bookkeeping(true).map_err(staged)?;
-        // This rank's share of every sum, into its own buffer (the peers
-        // read other shares of it meanwhile).
-        for (i, b) in bufs.iter_mut().enumerate() {
-            let (off, n) = share(b.len(), world, me);
-            if n == 0 {
-                continue;
-            }
-            let mut acc = gpu.zeros::<f32>(n)?;
-            // SAFETY: overwritten by each copy below before it is read.
-            let mut part = unsafe { gpu.uninit::<f32>(n) }?;
-            for peer in &all {
-                // SAFETY: every rank's buffer `i` holds the same length
-                // (the ranks run the same model), and its share `me` is
-                // written by nobody (each rank writes its own share of its
-                // own buffer) until the fences below.
-                unsafe { gpu.copy_from_address(at(peer[i], off), &mut part, 0, n) }?;
-                gpu.add_f32(&mut acc, &part, n)?;
-            }
-            let from = gpu.address(&acc, 0)?;
-            // SAFETY: `acc` holds `n` elements and lives past the sync.
-            unsafe { gpu.copy_from_address(from, b, off, n) }?;
-        }
+        let mine = bufs
+            .iter()
+            .map(|b| gpu.address(b, 0))
+            .collect::<Result<Vec<u64>, KernelError>>()?;
+        // This rank's share of every sum, in place in its own buffer (the
+        // peers read other shares of it meanwhile): one launch for all.
+        let sums: Vec<SumPart> = bufs
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                let (off, n) = share(b.len(), world, me);
+                let srcs = all.iter().map(|peer| at(peer[i], off)).collect();
+                SumPart {
+                    dst: at(mine[i], off),
+                    srcs,
+                    n,
+                }
+            })
+            .collect();
+        // SAFETY: every rank's buffer `i` holds the same length (the ranks
+        // run the same model) and stays allocated until the last fence;
+        // share `me` of every buffer is written by this rank only, and read
+        // by nobody else, until the fence below.
+        unsafe { gpu.sum_parts(&sums, true) }?;
         gpu.sync()?;
         t.fence().map_err(staged)?;
-        // The other shares, summed by their ranks.
-        for (i, b) in bufs.iter_mut().enumerate() {
-            for (q, peer) in all.iter().enumerate().filter(|&(q, _)| q != me) {
-                let (off, n) = share(b.len(), world, q);
-                // SAFETY: rank `q`'s share `q` is final (the fence above)
-                // and nobody writes it again before the fence below.
-                unsafe { gpu.copy_from_address(at(peer[i], off), b, off, n) }?;
-            }
-        }
+        // The other shares, summed by their ranks: one launch for all.
+        let copies: Vec<SumPart> = bufs
+            .iter()
+            .enumerate()
+            .flat_map(|(i, b)| {
+                let (all, mine) = (&all, &mine);
+                (0..world).filter(|&q| q != me).map(move |q| {
+                    let (off, n) = share(b.len(), world, q);
+                    SumPart {
+                        dst: at(mine[i], off),
+                        srcs: vec![at(all[q][i], off)],
+                        n,
+                    }
+                })
+            })
+            .collect();
+        // SAFETY: rank `q`'s share `q` is final (the fence above) and
+        // nobody writes it again before the fence below; this rank's
+        // shares other than its own are read by nobody.
+        unsafe { gpu.sum_parts(&copies, false) }?;
         gpu.sync()?;
         t.bookkeeping(false).map_err(staged)?;
         t.fence().map_err(staged)?;

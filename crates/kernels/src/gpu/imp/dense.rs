@@ -16,6 +16,21 @@ use crate::cpu::GemmVariant;
 use crate::dense::AdamHp;
 use crate::KernelError;
 
+/// Elements a block of `sum_parts` covers (`SUM_CHUNK` in `dense.cu`).
+const SUM_CHUNK: usize = 4096;
+
+/// One sum of [`Gpu::sum_parts`]: `n` f32 at device address `dst` become
+/// the sum of the `n` f32 at each of `srcs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SumPart {
+    /// Where the sum goes.
+    pub dst: u64,
+    /// What is summed, in order.
+    pub srcs: Vec<u64>,
+    /// Elements.
+    pub n: usize,
+}
+
 /// The dense module's functions.
 pub(crate) struct DenseFns {
     embed_fwd: CudaFunction,
@@ -32,6 +47,7 @@ pub(crate) struct DenseFns {
     softmax_bwd: CudaFunction,
     add_into: CudaFunction,
     add_f32: CudaFunction,
+    sum_parts: CudaFunction,
     xent: CudaFunction,
     sq_f32: CudaFunction,
     sq_bf16: CudaFunction,
@@ -136,6 +152,7 @@ impl DenseFns {
             softmax_bwd: f("softmax_causal_bwd")?,
             add_into: f("add_into_f32")?,
             add_f32: f("add_f32")?,
+            sum_parts: f("sum_parts_f32")?,
             xent: f("cross_entropy")?,
             sq_f32: f("sq_sum_f32")?,
             sq_bf16: f("sq_sum_bf16")?,
@@ -753,6 +770,74 @@ impl Gpu {
         n: usize,
     ) -> Result<(), KernelError> {
         self.accumulate(&self.dense.add_f32, x, y, n)
+    }
+
+    /// Many f32 sums through device addresses in one launch (twin:
+    /// [`crate::dense::sum_parts_reference`]): each part's `n` elements at
+    /// `dst` become the sum of its sources' `n` elements, in source order,
+    /// from `0.0` when `from_zero`, else from the first source (one source:
+    /// an exact copy). A destination may be one of its own sources. Every
+    /// part has the same number of sources (at least one). In-process ranks
+    /// sharing this GPU sum and gather their gradients with it.
+    ///
+    /// # Safety
+    ///
+    /// Every address holds its part's `n` f32 on this GPU's context, stays
+    /// allocated until the stream reaches the kernel, and no other work
+    /// writes a source or the destination meanwhile.
+    pub unsafe fn sum_parts(&self, parts: &[SumPart], from_zero: bool) -> Result<(), KernelError> {
+        let parts: Vec<&SumPart> = parts.iter().filter(|p| p.n > 0).collect();
+        let Some(k) = parts.first().map(|p| p.srcs.len()) else {
+            return Ok(());
+        };
+        if let Some(p) = parts.iter().find(|p| p.srcs.len() != k || k == 0) {
+            return Err(KernelError::Shape {
+                what: "sum_parts sources (the first part's count, at least one)",
+                expected: k.max(1),
+                got: p.srcs.len(),
+            });
+        }
+        // One table: destinations, sources (k a part), lengths, inclusive
+        // chunk prefix sums.
+        let np = parts.len();
+        let mut table: Vec<u64> = Vec::with_capacity(np * (k + 3));
+        table.extend(parts.iter().map(|p| p.dst));
+        table.extend(parts.iter().flat_map(|p| p.srcs.iter().copied()));
+        table.extend(parts.iter().map(|p| p.n as u64));
+        let mut chunks = 0u64;
+        for p in &parts {
+            chunks += p.n.div_ceil(SUM_CHUNK) as u64;
+            table.push(chunks);
+        }
+        let blocks = u32::try_from(chunks).map_err(|_| KernelError::Shape {
+            what: "sum_parts chunks of 4096 elements",
+            expected: u32::MAX as usize,
+            got: chunks as usize,
+        })?;
+        let dev = self.upload(&table)?;
+        let at = |i: usize| self.address(&dev, i);
+        let (d, s, l, c) = (at(0)?, at(np)?, at(np * (1 + k))?, at(np * (2 + k))?);
+        let (np32, k32, fz) = (np as i32, k as i32, i32::from(from_zero));
+        let mut b = self.stream.launch_builder(&self.dense.sum_parts);
+        b.arg(&d)
+            .arg(&s)
+            .arg(&l)
+            .arg(&c)
+            .arg(&np32)
+            .arg(&k32)
+            .arg(&fz);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: (u64*, u64*, long long*, long long*, int, int, int): the
+        // table holds np, np·k, np and np entries at those addresses and
+        // lives until its drop, ordered after the kernel on this stream;
+        // the addresses in it are the caller's promise.
+        unsafe { b.launch(cfg) }.map_err(cuda)?;
+        drop(dev);
+        Ok(())
     }
 
     /// Launches an accumulating kernel `(f32* x, const Y* y, long long n)`.
