@@ -27,7 +27,9 @@
 #           CMP_SEQ × CMP_BATCH (default 512 × 32) the tokens a step,
 #           EVERY the evaluation interval, FIT=0 runs each mode without
 #           the budget (fixed ownership unbatched: the memory it needs),
-#           TAG names the run's files ($OUT/cmpTAG, cmpTAG.log).
+#           TAG names the run's files ($OUT/cmpTAG, cmpTAG.log),
+#           CMP_TIMEOUT the seconds the whole comparison may take
+#           (default 590: one device call; lower it to fit two in one).
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
@@ -127,7 +129,7 @@ eval_batches = $evals
 checkpoint = false
 T
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
-  time timeout 590 .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
+  time timeout ${CMP_TIMEOUT:-590} .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
     --model-config $cmpj --config /tmp/cmp.toml --steps ${CMP_STEPS:-300} \
     --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} $fit \
     --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp${TAG:-}" --no-progress > "$OUT/cmp${TAG:-}.log" 2>&1
