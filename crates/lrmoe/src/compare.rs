@@ -1,10 +1,13 @@
 //! `lrmoe train --compare`: full backward, replication only, LRMoE and
 //! capacity-factor token dropping trained to the same target validation loss; a table and an SVG
-//! plot of validation loss against wall time.
+//! plot of validation loss against wall time, and — for in-process ranks timed on one GPU — a
+//! second plot against the simulated MoE-layer time on that many GPUs, labelled with the cluster
+//! model's parameters. `lrmoe redraw` writes the table and plots again from `compare.json`.
 
 use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::fsutil::write_atomic;
 use crate::train::{train, Mode, RunOptions, TrainConfig, TrainError, TrainSummary};
@@ -18,17 +21,36 @@ pub struct Report {
     pub files: Vec<String>,
 }
 
-#[derive(Serialize)]
-struct CompareJson<'a> {
-    target_val_loss: f64,
-    runs: &'a [TrainSummary],
+/// The GPUs a comparison's simulated times are for (in-process ranks timed
+/// on one GPU, `crate::simulate`).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SimulatedOn {
+    /// GPUs (one per rank).
+    pub gpus: usize,
+    /// The cluster model the times went through.
+    pub cluster: cluster::Cluster,
+}
+
+/// `compare.json`: the target, the runs, and what their simulated times are for.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Comparison {
+    /// Target validation loss, nats per token.
+    pub target_val_loss: f64,
+    /// Present when the runs carry simulated times (files written before
+    /// 2026-12-03 lack it: their plots say "simulated" without parameters).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulated_on: Option<SimulatedOn>,
+    /// One summary per mode, in the order trained.
+    pub runs: Vec<TrainSummary>,
 }
 
 /// The modes a comparison trains unless told otherwise.
 pub const MODES: [Mode; 4] = [Mode::Full, Mode::Replicate, Mode::Lrmoe, Mode::Capacity];
 
 /// Trains each of `modes` into `out_dir/<mode>` and writes
-/// `compare.{md,json,svg,png}`.
+/// `compare.{md,json,svg,png}` (and `compare-simulated.{svg,png}` when
+/// the runs carry simulated times).
 pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Report, TrainError> {
     if modes.is_empty() {
         return Err(TrainError::Config(
@@ -50,43 +72,119 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
             break;
         }
     }
-    let table = table(target, &runs);
-    let dir = &cfg.run.out_dir;
+    let simulated_on = has_simulated(&runs).then_some(SimulatedOn {
+        gpus: cfg.moe.ranks,
+        cluster: cfg.cluster,
+    });
+    let comparison = Comparison {
+        target_val_loss: target,
+        simulated_on,
+        runs,
+    };
+    let table = table(&comparison);
     if !opts.writes() {
         return Ok(Report {
             table,
             files: vec![],
         });
     }
-    let io = |p: &std::path::Path| {
-        let p = p.to_path_buf();
-        move |error| TrainError::Io {
-            path: p.display().to_string(),
-            error,
-        }
-    };
-    let md = dir.join("compare.md");
-    write_atomic(&md, table.as_bytes()).map_err(io(&md))?;
+    let dir = &cfg.run.out_dir;
     let json = dir.join("compare.json");
-    let body = serde_json::to_string_pretty(&CompareJson {
-        target_val_loss: target,
-        runs: &runs,
-    })
-    .unwrap_or_default();
+    let body = serde_json::to_string_pretty(&comparison).unwrap_or_default();
     write_atomic(&json, body.as_bytes()).map_err(io(&json))?;
-    let charts = plot(&dir.join("compare"), target, &runs)
-        .map_err(|e| TrainError::Config(format!("plot: {e}")))?;
+    let mut files = vec![json];
+    files.extend(write_table_and_plots(dir, &comparison, &table)?);
     Ok(Report {
         table,
-        files: [md, json]
-            .into_iter()
-            .chain(charts)
-            .map(|p| p.display().to_string())
-            .collect(),
+        files: files.iter().map(|p| p.display().to_string()).collect(),
     })
 }
 
-fn table(target: f64, runs: &[TrainSummary]) -> String {
+/// Reads a `compare.json` and writes its table and plots again into
+/// `out_dir` (`compare.md`, `compare.{svg,png}`, and
+/// `compare-simulated.{svg,png}` when the runs carry simulated times).
+pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
+    let text = std::fs::read_to_string(json).map_err(io(json))?;
+    let comparison: Comparison = serde_json::from_str(&text)
+        .map_err(|e| TrainError::Config(format!("{}: not a compare.json: {e}", json.display())))?;
+    if comparison.runs.is_empty() {
+        return Err(TrainError::Config(format!(
+            "{}: the comparison has no runs",
+            json.display()
+        )));
+    }
+    if !comparison.target_val_loss.is_finite() {
+        return Err(TrainError::Config(format!(
+            "{}: target_val_loss must be a finite number",
+            json.display()
+        )));
+    }
+    if let Some(s) = &comparison.simulated_on {
+        s.cluster.validate().map_err(|e| {
+            TrainError::Config(format!("{}: simulated_on.cluster: {e}", json.display()))
+        })?;
+        if s.gpus == 0 {
+            return Err(TrainError::Config(format!(
+                "{}: simulated_on.gpus must be at least 1",
+                json.display()
+            )));
+        }
+    }
+    std::fs::create_dir_all(out_dir).map_err(io(out_dir))?;
+    let table = table(&comparison);
+    let files = write_table_and_plots(out_dir, &comparison, &table)?;
+    Ok(Report {
+        table,
+        files: files.iter().map(|p| p.display().to_string()).collect(),
+    })
+}
+
+fn io(p: &Path) -> impl FnOnce(std::io::Error) -> TrainError {
+    let path = p.display().to_string();
+    move |error| TrainError::Io { path, error }
+}
+
+fn has_simulated(runs: &[TrainSummary]) -> bool {
+    runs.iter()
+        .any(|r| r.evals.iter().any(|p| p.simulated_s.is_some()))
+}
+
+fn write_table_and_plots(
+    dir: &Path,
+    c: &Comparison,
+    table: &str,
+) -> Result<Vec<PathBuf>, TrainError> {
+    let md = dir.join("compare.md");
+    write_atomic(&md, table.as_bytes()).map_err(io(&md))?;
+    let plot_error = |e: crate::plots::PlotError| TrainError::Config(format!("plot: {e}"));
+    let mut files = vec![md];
+    files.extend(plot(&dir.join("compare"), c, false).map_err(plot_error)?);
+    if has_simulated(&c.runs) {
+        files.extend(plot(&dir.join("compare-simulated"), c, true).map_err(plot_error)?);
+    }
+    Ok(files)
+}
+
+/// The cluster model in one line, for the table and the simulated plot.
+pub fn describe(s: &SimulatedOn) -> String {
+    let c = &s.cluster;
+    let mut line = format!(
+        "{} GPUs, {} a node; intra-node {} GB/s and {} µs, inter-node {} GB/s and {} µs per GPU and direction",
+        s.gpus,
+        c.gpus_per_node,
+        c.intra_gb_per_s,
+        c.intra_latency_us,
+        c.inter_gb_per_s,
+        c.inter_latency_us
+    );
+    if c.call_overhead_us > 0.0 {
+        let _ = write!(line, ", {} µs a collective call", c.call_overhead_us);
+    }
+    line
+}
+
+fn table(c: &Comparison) -> String {
+    let (target, runs) = (c.target_val_loss, &c.runs);
     let mut t = String::new();
     let _ = writeln!(
         t,
@@ -94,9 +192,17 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
         runs[0].unigram_val_loss
     );
     // Timed in-process ranks add the simulated times on their GPUs.
-    let simulated = runs
-        .iter()
-        .any(|r| r.evals.iter().any(|p| p.simulated_s.is_some()));
+    let simulated = has_simulated(runs);
+    if simulated {
+        let on = c
+            .simulated_on
+            .as_ref()
+            .map_or_else(|| "the run's cluster model".to_string(), describe);
+        let _ = writeln!(
+            t,
+            "Simulated columns: in-process ranks timed on one GPU, the step on {on}; no overlap of exchanges and compute. The other times are the in-process run's own (ranks taking turns).\n"
+        );
+    }
     let (sim_head, sim_rule) = if simulated {
         (
             " simulated time to target (s) | simulated MoE-layer time to target (s) | measured most held on one rank (MiB) |",
@@ -157,31 +263,62 @@ fn table(target: f64, runs: &[TrainSummary]) -> String {
     t
 }
 
-/// Validation loss against wall time, one line per run, with the target
-/// as a dashed line: `<stem>.svg` and `<stem>.png`.
+/// Validation loss against wall time (or, `simulated`, against the
+/// simulated MoE-layer time), one line per run, with the target as a
+/// dashed line: `<stem>.svg` and `<stem>.png`.
 fn plot(
-    stem: &std::path::Path,
-    target: f64,
-    runs: &[TrainSummary],
-) -> Result<Vec<std::path::PathBuf>, crate::plots::PlotError> {
-    let series: Vec<crate::plots::Series> = runs
+    stem: &Path,
+    c: &Comparison,
+    simulated: bool,
+) -> Result<Vec<PathBuf>, crate::plots::PlotError> {
+    let series: Vec<crate::plots::Series> = c
+        .runs
         .iter()
         .map(|r| crate::plots::Series {
             name: r.mode.to_string(),
-            points: r.evals.iter().map(|p| (p.wall_s, p.val_loss)).collect(),
+            points: r
+                .evals
+                .iter()
+                .filter_map(|p| {
+                    let x = if simulated {
+                        p.simulated_moe_s?
+                    } else {
+                        p.wall_s
+                    };
+                    Some((x, p.val_loss))
+                })
+                .collect(),
         })
         .collect();
+    let (title, x) = if simulated {
+        let on = c.simulated_on.as_ref().map_or_else(
+            || "simulated MoE-layer time (s)".to_string(),
+            |s| format!("simulated MoE-layer time (s): {}", describe(s)),
+        );
+        let gpus = c
+            .simulated_on
+            .map_or(String::new(), |s| format!(", {} GPUs", s.gpus));
+        (
+            format!("validation loss against MoE-layer time, simulated{gpus}"),
+            on,
+        )
+    } else {
+        (
+            "validation loss against wall time".to_string(),
+            "wall time (s)".to_string(),
+        )
+    };
     crate::plots::lines(
         stem,
         crate::plots::Labels {
-            title: "validation loss against wall time",
-            x: "wall time (s)",
+            title: &title,
+            x: &x,
             y: "validation loss (nats/token)",
         },
         &series,
         Some(&crate::plots::Reference {
-            y: target,
-            label: format!("target {target:.3}"),
+            y: c.target_val_loss,
+            label: format!("target {:.3}", c.target_val_loss),
         }),
     )
 }

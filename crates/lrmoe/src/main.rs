@@ -56,6 +56,18 @@ enum Command {
     /// replication and LRMoE under one per-rank budget.
     #[command(allow_negative_numbers = true)]
     Replay(ReplayArgs),
+    /// Write a comparison's table and plots again from its compare.json
+    /// (`train --compare` writes it): compare.md, compare.{svg,png} against
+    /// wall time and, for simulated ranks, compare-simulated.{svg,png}
+    /// against the simulated MoE-layer time.
+    Redraw {
+        /// The comparison (compare.json).
+        #[arg(long)]
+        input: PathBuf,
+        /// Folder to write into (default: the input's folder).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// One MoE layer's forward and LRMoE backward from safetensors files.
     #[command(allow_negative_numbers = true)]
     LayerGrad {
@@ -575,6 +587,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Replay(a) => replay(&a),
+        Command::Redraw { input, out } => {
+            let dir = out.unwrap_or_else(|| match input.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            });
+            let report = lrmoe::compare::redraw(&input, &dir)?;
+            println!("{}", report.table);
+            println!("wrote {}", report.files.join(", "));
+            Ok(())
+        }
         Command::LayerGrad {
             weights,
             inputs,

@@ -1111,3 +1111,123 @@ fn toml_errors_say_line_and_column_on_one_line() {
         "{err}"
     );
 }
+
+#[test]
+fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
+    let dir = tmp("redraw");
+    let cfg = tiny_config(&dir, "target_val_loss = 50.0");
+    let out = dir.join("cmp");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg.to_str().unwrap(),
+        "--compare",
+        "--modes",
+        "full,lrmoe",
+        "--steps",
+        "3",
+        "--no-progress",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    let json = out.join("compare.json");
+    let table = std::fs::read_to_string(out.join("compare.md")).unwrap();
+
+    // Redrawn elsewhere: the same table, both plots, no simulated plot (CPU ranks).
+    let again = dir.join("again");
+    let (ok, stdout, err) = lrmoe(&[
+        "redraw",
+        "--input",
+        json.to_str().unwrap(),
+        "--out",
+        again.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    assert!(stdout.contains("| LRMoE | yes |"), "{stdout}");
+    assert_eq!(
+        std::fs::read_to_string(again.join("compare.md")).unwrap(),
+        table
+    );
+    for f in ["compare.svg", "compare.png"] {
+        assert!(
+            std::fs::metadata(again.join(f)).unwrap().len() > 1000,
+            "{f}"
+        );
+    }
+    assert!(!again.join("compare-simulated.svg").exists());
+
+    // With simulated times and the GPUs they are for: a second plot, and the
+    // table names the cluster model.
+    let mut c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for run in c["runs"].as_array_mut().unwrap() {
+        for (i, e) in run["evals"].as_array_mut().unwrap().iter_mut().enumerate() {
+            e["simulated_s"] = serde_json::json!(0.5 * (i + 1) as f64);
+            e["simulated_moe_s"] = serde_json::json!(0.2 * (i + 1) as f64);
+        }
+    }
+    c["simulated_on"] = serde_json::json!({
+        "gpus": 16,
+        "cluster": {"gpus_per_node": 8, "intra_gb_per_s": 336.0, "intra_latency_us": 56.0,
+                    "inter_gb_per_s": 45.0, "inter_latency_us": 30.0, "call_overhead_us": 0.0}
+    });
+    let sim = dir.join("sim.json");
+    std::fs::write(&sim, c.to_string()).unwrap();
+    let (ok, stdout, err) = lrmoe(&["redraw", "--input", sim.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(
+        stdout.contains("16 GPUs, 8 a node; intra-node 336 GB/s and 56 µs"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("simulated MoE-layer time to target"),
+        "{stdout}"
+    );
+    // Written beside the input.
+    assert!(dir.join("compare-simulated.svg").exists());
+    assert!(dir.join("compare-simulated.png").exists());
+
+    // Bad input: one line, nothing written.
+    let bad_cases = [
+        (
+            "{\"target_val_loss\": 2.0, \"runs\": [",
+            "not a compare.json",
+        ),
+        ("{\"target_val_loss\": 2.0, \"runs\": []}", "has no runs"),
+    ];
+    let empty = dir.join("empty");
+    for (i, (text, needle)) in bad_cases.iter().enumerate() {
+        let f = dir.join(format!("bad{i}.json"));
+        std::fs::write(&f, text).unwrap();
+        let (ok, _, err) = lrmoe(&[
+            "redraw",
+            "--input",
+            f.to_str().unwrap(),
+            "--out",
+            empty.to_str().unwrap(),
+        ]);
+        assert!(!ok);
+        one_line_error(&err, needle);
+    }
+    c["simulated_on"]["gpus"] = serde_json::json!(0);
+    let zero = dir.join("zero.json");
+    std::fs::write(&zero, c.to_string()).unwrap();
+    let (ok, _, err) = lrmoe(&[
+        "redraw",
+        "--input",
+        zero.to_str().unwrap(),
+        "--out",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "simulated_on.gpus must be at least 1");
+    let (ok, _, err) = lrmoe(&[
+        "redraw",
+        "--input",
+        dir.join("absent.json").to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "absent.json");
+    assert!(!empty.exists(), "nothing written on bad input");
+}
