@@ -134,7 +134,7 @@ T
     --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} $fit \
     --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp${TAG:-}" --no-progress > "$OUT/cmp${TAG:-}.log" 2>&1
   echo "compare: rc=$?"
-  grep -E "^\||^Target" "$OUT/cmp${TAG:-}.log"
+  grep -E "^\||^Target|^Simulated" "$OUT/cmp${TAG:-}.log"
   grep -iE "error|panicked" "$OUT/cmp${TAG:-}.log" | head -3
 fi
 if part hot; then
