@@ -1189,12 +1189,17 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     assert!(dir.join("compare-simulated.png").exists());
 
     // Bad input: one line, nothing written.
+    c["simulated_on"]["gpus"] = serde_json::json!(0);
     let bad_cases = [
         (
-            "{\"target_val_loss\": 2.0, \"runs\": [",
+            "{\"target_val_loss\": 2.0, \"runs\": [".to_string(),
             "not a compare.json",
         ),
-        ("{\"target_val_loss\": 2.0, \"runs\": []}", "has no runs"),
+        (
+            "{\"target_val_loss\": 2.0, \"runs\": []}".to_string(),
+            "has no runs",
+        ),
+        (c.to_string(), "simulated_on.gpus must be at least 1"),
     ];
     let empty = dir.join("empty");
     for (i, (text, needle)) in bad_cases.iter().enumerate() {
@@ -1210,18 +1215,6 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
         assert!(!ok);
         one_line_error(&err, needle);
     }
-    c["simulated_on"]["gpus"] = serde_json::json!(0);
-    let zero = dir.join("zero.json");
-    std::fs::write(&zero, c.to_string()).unwrap();
-    let (ok, _, err) = lrmoe(&[
-        "redraw",
-        "--input",
-        zero.to_str().unwrap(),
-        "--out",
-        empty.to_str().unwrap(),
-    ]);
-    assert!(!ok);
-    one_line_error(&err, "simulated_on.gpus must be at least 1");
     let (ok, _, err) = lrmoe(&[
         "redraw",
         "--input",
