@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::fsutil::write_atomic;
-use crate::train::{train, Mode, RunOptions, TrainConfig, TrainError, TrainSummary};
+use crate::train::{io_err, train, Mode, RunOptions, TrainConfig, TrainError, TrainSummary};
 
 /// What the comparison wrote.
 #[derive(Debug, Clone)]
@@ -91,7 +91,7 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
     let dir = &cfg.run.out_dir;
     let json = dir.join("compare.json");
     let body = serde_json::to_string_pretty(&comparison).unwrap_or_default();
-    write_atomic(&json, body.as_bytes()).map_err(io(&json))?;
+    write_atomic(&json, body.as_bytes()).map_err(io_err(&json))?;
     let mut files = vec![json];
     files.extend(write_table_and_plots(dir, &comparison, &table)?);
     Ok(Report {
@@ -104,7 +104,7 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
 /// `out_dir` (`compare.md`, `compare.{svg,png}`, and
 /// `compare-simulated.{svg,png}` when the runs carry simulated times).
 pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
-    let text = std::fs::read_to_string(json).map_err(io(json))?;
+    let text = std::fs::read_to_string(json).map_err(io_err(json))?;
     let comparison: Comparison = serde_json::from_str(&text)
         .map_err(|e| TrainError::Config(format!("{}: not a compare.json: {e}", json.display())))?;
     if comparison.runs.is_empty() {
@@ -130,18 +130,13 @@ pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
             )));
         }
     }
-    std::fs::create_dir_all(out_dir).map_err(io(out_dir))?;
+    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     let table = table(&comparison);
     let files = write_table_and_plots(out_dir, &comparison, &table)?;
     Ok(Report {
         table,
         files: files.iter().map(|p| p.display().to_string()).collect(),
     })
-}
-
-fn io(p: &Path) -> impl FnOnce(std::io::Error) -> TrainError {
-    let path = p.display().to_string();
-    move |error| TrainError::Io { path, error }
 }
 
 fn has_simulated(runs: &[TrainSummary]) -> bool {
@@ -155,7 +150,7 @@ fn write_table_and_plots(
     table: &str,
 ) -> Result<Vec<PathBuf>, TrainError> {
     let md = dir.join("compare.md");
-    write_atomic(&md, table.as_bytes()).map_err(io(&md))?;
+    write_atomic(&md, table.as_bytes()).map_err(io_err(&md))?;
     let plot_error = |e: crate::plots::PlotError| TrainError::Config(format!("plot: {e}"));
     let mut files = vec![md];
     files.extend(plot(&dir.join("compare"), c, false).map_err(plot_error)?);
@@ -166,7 +161,7 @@ fn write_table_and_plots(
 }
 
 /// The cluster model in one line, for the table and the simulated plot.
-pub fn describe(s: &SimulatedOn) -> String {
+fn describe(s: &SimulatedOn) -> String {
     let c = &s.cluster;
     let mut line = format!(
         "{} GPUs, {} a node; intra-node {} GB/s and {} µs, inter-node {} GB/s and {} µs per GPU and direction",
@@ -290,23 +285,22 @@ fn plot(
                 .collect(),
         })
         .collect();
-    let (title, x) = if simulated {
-        let on = c.simulated_on.as_ref().map_or_else(
-            || "simulated MoE-layer time (s)".to_string(),
-            |s| format!("simulated MoE-layer time (s): {}", describe(s)),
-        );
-        let gpus = c
-            .simulated_on
-            .map_or(String::new(), |s| format!(", {} GPUs", s.gpus));
-        (
-            format!("validation loss against MoE-layer time, simulated{gpus}"),
-            on,
-        )
-    } else {
-        (
+    let (title, x) = match (simulated, &c.simulated_on) {
+        (false, _) => (
             "validation loss against wall time".to_string(),
             "wall time (s)".to_string(),
-        )
+        ),
+        (true, Some(s)) => (
+            format!(
+                "validation loss against MoE-layer time, simulated, {} GPUs",
+                s.gpus
+            ),
+            format!("simulated MoE-layer time (s): {}", describe(s)),
+        ),
+        (true, None) => (
+            "validation loss against MoE-layer time, simulated".to_string(),
+            "simulated MoE-layer time (s)".to_string(),
+        ),
     };
     crate::plots::lines(
         stem,

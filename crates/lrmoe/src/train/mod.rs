@@ -74,7 +74,7 @@ impl From<layer::TransportError> for TrainError {
     }
 }
 
-fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> TrainError + '_ {
     move |error| TrainError::Io {
         path: path.display().to_string(),
         error,
