@@ -39,7 +39,9 @@
 //!   RMSNorm forward/backward (f32 residual or bf16 head rows), the
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy, gradient squared norms and the fused AdamW update
-//!   (clip read on the device), and fused causal grouped-query attention
+//!   (clip read on the device), many sums or copies through device
+//!   addresses in one launch (`sum_parts_reference`, `Gpu::sum_parts`: the
+//!   in-process ranks' reduce-scatter and all-gather), and fused causal grouped-query attention
 //!   (FlashAttention-2's forward and backward, twins in f64; the backward
 //!   stores dS for its dQ while that fits `gpu::ATTN_DS_MAX_BYTES`,
 //!   `gpu::AttnDq`, and recomputes it past that). `Gpu` runs
