@@ -124,6 +124,11 @@ fn kernels() -> Result<()> {
                 "-I{}",
                 cutlass.join("tools/util/include").display()
             ))
+            // The Hopper FMHA's collectives and kernels (attention.cu).
+            .arg(format!(
+                "-I{}",
+                cutlass.join("examples/88_hopper_fmha").display()
+            ))
             .arg(format!("-L{}", cu13.join("lib").display()))
             .arg("-o")
             .arg(&tmp)

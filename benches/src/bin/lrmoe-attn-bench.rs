@@ -11,11 +11,13 @@
 //! Prints one JSON line per shape: median device ms of the forward and of
 //! forward + backward (10 runs after 3 warm-ups, CUDA events), the same
 //! for the fused kernels alone (`kernels_*`: no RoPE or layout passes), the
-//! path taken, and the bytes of probabilities the forward keeps (0 when
-//! fused).
+//! path taken, the bytes of probabilities the forward keeps (0 when
+//! fused), and each forward kernel alone where it takes the shape
+//! (`forward_kernels_ms`: the `mma.sync` kernel and CUTLASS's two
+//! schedules, `LRMOE_ATTENTION_FWD`).
 
 use kernels::cpu::random_bf16;
-use kernels::gpu::{AttnShape, Gpu};
+use kernels::gpu::{AttnFwd, AttnShape, Gpu};
 
 fn main() -> anyhow::Result<()> {
     lrmoe_benches::init_process();
@@ -71,6 +73,21 @@ fn main() -> anyhow::Result<()> {
             median_ms(&gpu, || kernels_only(false))?,
             median_ms(&gpu, || kernels_only(true))?,
         );
+        // Each forward kernel alone where it takes the shape.
+        let mut by_kernel = serde_json::Map::new();
+        for (label, kernel) in [
+            ("mma", AttnFwd::Mma),
+            ("cooperative", AttnFwd::Cooperative),
+            ("pingpong", AttnFwd::Pingpong),
+        ] {
+            if gpu.flash_forward_takes(kernel, dims) {
+                let ms = median_ms(&gpu, || {
+                    gpu.flash_attention_forward_with(dims, &qt, &kt, &vt, kernel)?;
+                    Ok(())
+                })?;
+                by_kernel.insert(label.into(), ms.into());
+            }
+        }
         let fused = gpu
             .attention_forward(shape, &att, (&qt, &kt, &vt))?
             .1
@@ -82,6 +99,7 @@ fn main() -> anyhow::Result<()> {
                 "batch": n_seq, "seq": seq, "heads": h, "kv_heads": kv, "head_dim": dh,
                 "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
                 "kernels_fwd_ms": kfwd, "kernels_fwd_bwd_ms": kfwd_bwd,
+                "forward_kernels_ms": by_kernel,
                 "path": if fused { "fused" } else { "materialised" },
                 "saved_probs_bytes": if fused { 0 } else { rows * seq * 2 },
             })

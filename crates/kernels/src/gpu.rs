@@ -31,7 +31,9 @@ impl Timing {
 pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZeroBits};
 #[cfg(feature = "cuda")]
 pub use imp::{
-    dense::{attn_ds_bytes, AttnDq, AttnSaved, AttnShape, GradElem, SumPart, ATTN_DS_MAX_BYTES},
+    dense::{
+        attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, SumPart, ATTN_DS_MAX_BYTES,
+    },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
 };
@@ -267,6 +269,31 @@ mod imp {
         *mut std::ffi::c_void,
     ) -> i32;
 
+    static ATTN_SO: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../kernels/out/liblrmoe_attention.so"
+    ));
+
+    /// `lrmoe_flash_fwd_supports(n_seq, heads, kv, seq, dh)`.
+    pub(crate) type AttnSupportsFn = unsafe extern "C" fn(i32, i32, i32, i32, i32) -> i32;
+    /// `lrmoe_flash_fwd(schedule, n_seq, heads, kv, seq, dh, q, k, v, o,
+    /// lse2, sm_count, stream)`.
+    pub(crate) type AttnFwdFn = unsafe extern "C" fn(
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut f32,
+        i32,
+        *mut std::ffi::c_void,
+    ) -> i32;
+
     /// The CUTLASS grouped GEMM library, written from the embedded bytes to a
     /// content-named file in the temporary folder and opened with dlopen.
     struct GemmLib {
@@ -275,30 +302,70 @@ mod imp {
         run: RunFn,
     }
 
-    fn load_gemm() -> Result<GemmLib, KernelError> {
+    /// The CUTLASS attention forward library (`kernels/lib/attention.cu`),
+    /// opened as [`GemmLib`] is.
+    pub(crate) struct AttnLib {
+        _lib: libloading::Library,
+        pub(crate) supports: AttnSupportsFn,
+        pub(crate) forward: AttnFwdFn,
+    }
+
+    /// Writes an embedded library to a content-named file in the temporary
+    /// folder (once; atomically) and opens it.
+    ///
+    /// # Safety
+    /// `bytes` must be a library `cargo xtask kernels` built from
+    /// `kernels/lib/`, whose initialisers only register CUDA kernels.
+    unsafe fn open_embedded(bytes: &[u8], stem: &str) -> Result<libloading::Library, KernelError> {
         let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &b in GEMM_SO {
+        for &b in bytes {
             h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
         }
-        let path = std::env::temp_dir().join(format!("lrmoe-gemm-{h:016x}.so"));
+        let path = std::env::temp_dir().join(format!("lrmoe-{stem}-{h:016x}.so"));
         if !path.exists() {
             let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-            std::fs::write(&tmp, GEMM_SO)
+            std::fs::write(&tmp, bytes)
                 .and_then(|()| std::fs::rename(&tmp, &path))
                 .map_err(|e| {
                     KernelError::Cuda(format!(
-                        "cannot write the grouped GEMM library to {}: {e}",
+                        "cannot write the {stem} library to {}: {e}",
                         path.display()
                     ))
                 })?;
         }
+        // SAFETY: the caller's contract.
+        unsafe { libloading::Library::new(&path) }
+            .map_err(|e| KernelError::Cuda(format!("dlopen {}: {e}", path.display())))
+    }
+
+    fn load_attention() -> Result<AttnLib, KernelError> {
+        // SAFETY: 1. the library is the one `cargo xtask kernels` built from
+        // kernels/lib/attention.cu, embedded in this binary; 2. its
+        // initialisers only register CUDA kernels; 3. the symbols' types are
+        // the `extern "C"` signatures declared in that file.
+        unsafe {
+            let lib = open_embedded(ATTN_SO, "attention")?;
+            let supports = *lib
+                .get::<AttnSupportsFn>(b"lrmoe_flash_fwd_supports\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let forward = *lib
+                .get::<AttnFwdFn>(b"lrmoe_flash_fwd\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            Ok(AttnLib {
+                _lib: lib,
+                supports,
+                forward,
+            })
+        }
+    }
+
+    fn load_gemm() -> Result<GemmLib, KernelError> {
         // SAFETY: 1. the library is the one `cargo xtask kernels` built from
         // kernels/lib/grouped_gemm.cu, embedded in this binary; 2. its
         // initialisers only register CUDA kernels; 3. the symbols' types are
         // the `extern "C"` signatures declared in that file.
         unsafe {
-            let lib = libloading::Library::new(&path)
-                .map_err(|e| KernelError::Cuda(format!("dlopen {}: {e}", path.display())))?;
+            let lib = open_embedded(GEMM_SO, "gemm")?;
             let workspace = *lib
                 .get::<WorkspaceFn>(b"lrmoe_grouped_gemm_workspace\0")
                 .map_err(|e| KernelError::Cuda(e.to_string()))?;
@@ -425,6 +492,8 @@ mod imp {
         router: CudaFunction,
         combine: CudaFunction,
         gemm: GemmLib,
+        /// The CUTLASS attention forward ([`Gpu::flash_attention_forward`]).
+        pub(crate) attn: AttnLib,
         f_group: CudaFunction,
         f_gather_scaled: CudaFunction,
         f_gather32: CudaFunction,
@@ -604,6 +673,7 @@ mod imp {
                 router: module.load_function("router_topk").map_err(cuda)?,
                 combine: module.load_function("combine_bf16").map_err(cuda)?,
                 gemm: load_gemm()?,
+                attn: load_attention()?,
                 f_group: module.load_function("group_by_expert").map_err(cuda)?,
                 f_gather_scaled: module.load_function("gather_scaled_u16").map_err(cuda)?,
                 f_gather32: module.load_function("gather_32").map_err(cuda)?,

@@ -9,7 +9,9 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use super::{at_least, cuda, dim, Gpu};
 use crate::cpu::GemmVariant;
@@ -68,6 +70,38 @@ pub(crate) struct DenseFns {
     /// dQ's path when forced (`LRMOE_ATTENTION_DQ=recompute|stored`);
     /// `None`: by the stored dS's size ([`ATTN_DS_MAX_BYTES`]).
     attention_dq: Option<AttnDq>,
+    /// The fused forward's kernel (`LRMOE_ATTENTION_FWD=mma|cooperative|
+    /// pingpong`); unset: [`AttnFwd::DEFAULT`] where the CUTLASS library
+    /// takes the shape, the `mma.sync` kernel elsewhere.
+    attention_fwd: AttnFwd,
+}
+
+/// Which kernel runs the fused attention forward.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttnFwd {
+    /// `flash_fwd_*` of `kernels/dense.cu`: `mma.sync`, every head width
+    /// of the fused path and any sequence length.
+    Mma,
+    /// CUTLASS's Hopper FMHA (`kernels/lib/attention.cu`: TMA, `wgmma`),
+    /// two consumer warp groups on one query tile.
+    Cooperative,
+    /// The same, persistent, the two warp groups on alternate tiles.
+    Pingpong,
+}
+
+impl AttnFwd {
+    /// The forward the model runs unless `LRMOE_ATTENTION_FWD` says
+    /// otherwise (the faster CUTLASS schedule on both model shapes; H200,
+    /// 2026-12-03: `docs/benchmarks.md`, "Attention").
+    pub const DEFAULT: AttnFwd = AttnFwd::Cooperative;
+
+    fn schedule(self) -> Option<i32> {
+        match self {
+            AttnFwd::Mma => None,
+            AttnFwd::Cooperative => Some(0),
+            AttnFwd::Pingpong => Some(1),
+        }
+    }
 }
 
 /// The attention path of [`DenseFns::attention`].
@@ -187,6 +221,12 @@ impl DenseFns {
                 Ok("recompute") => Some(AttnDq::Recompute),
                 Ok("stored") => Some(AttnDq::Stored),
                 _ => None,
+            },
+            attention_fwd: match std::env::var("LRMOE_ATTENTION_FWD").as_deref() {
+                Ok("mma") => AttnFwd::Mma,
+                Ok("pingpong") => AttnFwd::Pingpong,
+                Ok("cooperative") => AttnFwd::Cooperative,
+                _ => AttnFwd::DEFAULT,
             },
         })
     }
@@ -984,6 +1024,10 @@ impl Gpu {
             .arg(&hp.bc2)
             .arg(norm_sq)
             .arg(&hp.clip);
+        // (Measured on the H200, 2026-12-03, 2²⁸ parameters: one resident
+        // wave of blocks, a contiguous stretch a block, or one thread per
+        // four parameters and no loop were 9%, 44% and 2% slower than this
+        // grid-stride launch: `docs/benchmarks.md`, "AdamW".)
         // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long, float×7,
         // f32*, float); n entries each, norm_sq one.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
@@ -1182,6 +1226,10 @@ impl Gpu {
     /// scale `1/√dh`: the output (head-major bf16) and each row's
     /// `log2 Σ_j exp(scale·q·k_j)` (f32), with no score matrix in memory.
     /// Twin: [`crate::dense::flash_attention_reference`].
+    ///
+    /// The kernel is `LRMOE_ATTENTION_FWD`'s ([`AttnFwd::DEFAULT`] unset)
+    /// where it takes the shape ([`Gpu::flash_forward_takes`]), the
+    /// `mma.sync` kernel elsewhere.
     pub fn flash_attention_forward(
         &self,
         dims: crate::dense::AttnDims,
@@ -1189,12 +1237,101 @@ impl Gpu {
         k: &CudaSlice<u16>,
         v: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let chosen = self.dense.attention_fwd;
+        let kernel = if self.flash_forward_takes(chosen, dims) {
+            chosen
+        } else {
+            AttnFwd::Mma
+        };
+        self.flash_attention_forward_with(dims, q, k, v, kernel)
+    }
+
+    /// Whether forward kernel `kernel` takes `dims`: the `mma.sync` kernel
+    /// every head width of the fused path; CUTLASS's head widths 64 and 128
+    /// with `seq` a multiple of 128.
+    pub fn flash_forward_takes(&self, kernel: AttnFwd, dims: crate::dense::AttnDims) -> bool {
         let (n_seq, seq, heads, kv, dh) = dims;
-        let (f, cfg) = self.flash_launch(dims, 0)?;
+        match kernel {
+            AttnFwd::Mma => self.dense.flash_fns(dh).is_some(),
+            _ => {
+                let d = |x: usize| i32::try_from(x).ok();
+                match (d(n_seq), d(heads), d(kv), d(seq), d(dh)) {
+                    // SAFETY: a pure function of five integers.
+                    (Some(a), Some(b), Some(c), Some(e), Some(f)) => unsafe {
+                        (self.attn.supports)(a, b, c, e, f) != 0
+                    },
+                    _ => false,
+                }
+            }
+        }
+    }
+
+    /// [`Gpu::flash_attention_forward`] on the kernel the caller names (an
+    /// error where it does not take the shape).
+    pub fn flash_attention_forward_with(
+        &self,
+        dims: crate::dense::AttnDims,
+        q: &CudaSlice<u16>,
+        k: &CudaSlice<u16>,
+        v: &CudaSlice<u16>,
+        kernel: AttnFwd,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<f32>), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
         at_least("q", n_seq * heads * seq * dh, q.len())?;
         at_least("k", n_seq * kv * seq * dh, k.len())?;
         at_least("v", n_seq * kv * seq * dh, v.len())?;
         let rows = n_seq * heads * seq;
+        if let Some(schedule) = kernel.schedule() {
+            if !self.flash_forward_takes(kernel, dims) {
+                return Err(KernelError::Shape {
+                    what: "the CUTLASS attention forward's shape (head_dim 64 or 128, seq a multiple of 128)",
+                    expected: 128,
+                    got: if dh == 64 || dh == 128 { seq } else { dh },
+                });
+            }
+            // SAFETY: uninitialised outputs; the library writes every row
+            // of every head (seq is a whole number of query tiles).
+            let mut o = unsafe { self.uninit::<u16>(rows * dh) }?;
+            // SAFETY: as above, one entry per row.
+            let mut lse2 = unsafe { self.uninit::<f32>(rows) }?;
+            self.ctx.bind_to_thread().map_err(cuda)?;
+            let rc = {
+                let (pq, _q) = q.device_ptr(&self.stream);
+                let (pk, _k) = k.device_ptr(&self.stream);
+                let (pv, _v) = v.device_ptr(&self.stream);
+                let (po, _o) = o.device_ptr_mut(&self.stream);
+                let (pl, _l) = lse2.device_ptr_mut(&self.stream);
+                // SAFETY: 1. the library's `lrmoe_flash_fwd` with the
+                // declared C signature; 2. q, k, v, o, lse2 are live device
+                // allocations of the lengths checked above (the shape in
+                // i32, as `flash_forward_takes` checked); 3. the stream
+                // belongs to the current context.
+                unsafe {
+                    (self.attn.forward)(
+                        schedule,
+                        n_seq as i32,
+                        heads as i32,
+                        kv as i32,
+                        seq as i32,
+                        dh as i32,
+                        pq as *const std::ffi::c_void,
+                        pk as *const std::ffi::c_void,
+                        pv as *const std::ffi::c_void,
+                        po as *mut std::ffi::c_void,
+                        pl as *mut f32,
+                        self.n_sms as i32,
+                        self.stream.cu_stream() as *mut std::ffi::c_void,
+                    )
+                }
+            };
+            if rc != 0 {
+                return Err(KernelError::Cuda(format!(
+                    "CUTLASS attention forward failed with code {rc}"
+                )));
+            }
+            return Ok((o, lse2));
+        }
+        let (f, cfg) = self.flash_launch(dims, 0)?;
         // SAFETY: uninitialised outputs; the kernel writes every row < seq
         // of every head (each query block of each head is one block).
         let mut o = unsafe { self.uninit::<u16>(rows * dh) }?;
