@@ -103,6 +103,7 @@ fn kernels() -> Result<()> {
         .and_then(Path::parent)
         .context("nvidia package outside site-packages")?;
     let cutlass = site.join("cutlass_library/source");
+    let fmha = patched_fmha(&cutlass, &root)?;
     for src in kernels::artifacts::lib_sources(&root)? {
         if !cutlass.join("include/cutlass/cutlass.h").exists() {
             bail!(
@@ -125,10 +126,7 @@ fn kernels() -> Result<()> {
                 cutlass.join("tools/util/include").display()
             ))
             // The Hopper FMHA's collectives and kernels (attention.cu).
-            .arg(format!(
-                "-I{}",
-                cutlass.join("examples/88_hopper_fmha").display()
-            ))
+            .arg(format!("-I{}", fmha.display()))
             .arg(format!("-L{}", cu13.join("lib").display()))
             .arg("-o")
             .arg(&tmp)
@@ -140,6 +138,61 @@ fn kernels() -> Result<()> {
     std::fs::write(out.join("STAMP"), format!("{stamp}\n"))?;
     eprintln!("xtask: kernels/out is fresh ({stamp})");
     Ok(())
+}
+
+/// Edits to CUTLASS 4.2's Hopper FMHA example (`examples/88_hopper_fmha`
+/// of the pinned wheel) for a bf16 backward: upstream builds the backward
+/// for fp16 only, where `half_t` converts from `float` on assignment and
+/// `bfloat16_t` does not. (file, text, replacement); each text must occur
+/// exactly once.
+const FMHA_PATCHES: &[(&str, &str, &str)] = &[
+    (
+        "kernel/fmha_kernel_bwd_convert.hpp",
+        "value_dest[v] = value_src[v];",
+        "value_dest[v] = static_cast<Element>(value_src[v]);",
+    ),
+    (
+        "collective/fmha_collective_bwd_tma_warpspecialized.hpp",
+        "acc_DS(i) = acc_P(i) * params.scale_softmax * (acc_DP(i) - reg_ODO(i));",
+        "acc_DS(i) = static_cast<Element>(acc_P(i) * params.scale_softmax * (acc_DP(i) - reg_ODO(i)));",
+    ),
+];
+
+/// The FMHA example's headers copied from the wheel to
+/// `target/cutlass-fmha/` with [`FMHA_PATCHES`] applied; the folder to
+/// include.
+fn patched_fmha(cutlass: &Path, root: &Path) -> Result<PathBuf> {
+    fn copy(from: &Path, to: &Path) -> Result<()> {
+        std::fs::create_dir_all(to)?;
+        for e in std::fs::read_dir(from)? {
+            let e = e?;
+            let (src, dst) = (e.path(), to.join(e.file_name()));
+            if e.file_type()?.is_dir() {
+                copy(&src, &dst)?;
+            } else {
+                std::fs::copy(&src, &dst)?;
+            }
+        }
+        Ok(())
+    }
+    let from = cutlass.join("examples/88_hopper_fmha");
+    let to = root.join("target/cutlass-fmha/88_hopper_fmha");
+    if to.exists() {
+        std::fs::remove_dir_all(&to)?;
+    }
+    copy(&from, &to).with_context(|| format!("copying {}", from.display()))?;
+    for (file, text, with) in FMHA_PATCHES {
+        let path = to.join(file);
+        let src = std::fs::read_to_string(&path)?;
+        if src.matches(text).count() != 1 {
+            bail!(
+                "{} no longer holds `{text}` exactly once: the CUTLASS wheel changed",
+                path.display()
+            );
+        }
+        std::fs::write(&path, src.replace(text, with))?;
+    }
+    Ok(to)
 }
 
 fn ci() -> Result<()> {

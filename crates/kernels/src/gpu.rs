@@ -294,6 +294,31 @@ mod imp {
         *mut std::ffi::c_void,
     ) -> i32;
 
+    /// `lrmoe_flash_bwd_workspace(n_seq, heads, kv, seq, dh)`.
+    pub(crate) type AttnBwdWsFn = unsafe extern "C" fn(i32, i32, i32, i32, i32) -> usize;
+    /// `lrmoe_flash_bwd(n_seq, heads, kv, seq, dh, q, k, v, o, lse2, dout,
+    /// dq, dk, dv, workspace, ws_bytes, sm_count, stream)`.
+    pub(crate) type AttnBwdFn = unsafe extern "C" fn(
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const f32,
+        *const std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        usize,
+        i32,
+        *mut std::ffi::c_void,
+    ) -> i32;
+
     /// The CUTLASS grouped GEMM library, written from the embedded bytes to a
     /// content-named file in the temporary folder and opened with dlopen.
     struct GemmLib {
@@ -302,12 +327,14 @@ mod imp {
         run: RunFn,
     }
 
-    /// The CUTLASS attention forward library (`kernels/lib/attention.cu`),
-    /// opened as [`GemmLib`] is.
+    /// The CUTLASS attention library (`kernels/lib/attention.cu`: forward
+    /// and backward), opened as [`GemmLib`] is.
     pub(crate) struct AttnLib {
         _lib: libloading::Library,
         pub(crate) supports: AttnSupportsFn,
         pub(crate) forward: AttnFwdFn,
+        pub(crate) backward_workspace: AttnBwdWsFn,
+        pub(crate) backward: AttnBwdFn,
     }
 
     /// Writes an embedded library to a content-named file in the temporary
@@ -351,10 +378,18 @@ mod imp {
             let forward = *lib
                 .get::<AttnFwdFn>(b"lrmoe_flash_fwd\0")
                 .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let backward_workspace = *lib
+                .get::<AttnBwdWsFn>(b"lrmoe_flash_bwd_workspace\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let backward = *lib
+                .get::<AttnBwdFn>(b"lrmoe_flash_bwd\0")
+                .map_err(|e| KernelError::Cuda(e.to_string()))?;
             Ok(AttnLib {
                 _lib: lib,
                 supports,
                 forward,
+                backward_workspace,
+                backward,
             })
         }
     }
@@ -492,7 +527,8 @@ mod imp {
         router: CudaFunction,
         combine: CudaFunction,
         gemm: GemmLib,
-        /// The CUTLASS attention forward ([`Gpu::flash_attention_forward`]).
+        /// The CUTLASS attention kernels ([`Gpu::flash_attention_forward`],
+        /// [`Gpu::flash_attention_backward`]).
         pub(crate) attn: AttnLib,
         f_group: CudaFunction,
         f_gather_scaled: CudaFunction,

@@ -47,7 +47,12 @@
 //!   `gpu::AttnDq`, and recomputes it past that). `Gpu` runs
 //!   them on device buffers (`gpu/imp/dense.rs`); attention runs fused, or
 //!   materialised as the grouped GEMM with one group per (sequence,
-//!   key/value head) and the causal softmax kernels.
+//!   key/value head) and the causal softmax kernels. Where the shape allows
+//!   (head width 64 or 128, sequences of whole 128-row tiles) the fused
+//!   forward and backward run through CUTLASS's Hopper FMHA instead
+//!   (`kernels/lib/attention.cu` → `liblrmoe_attention.so`, opened as the
+//!   grouped GEMM is; `gpu::AttnFwd`, `gpu::AttnDq::Cutlass`), tested
+//!   against the same twins.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins

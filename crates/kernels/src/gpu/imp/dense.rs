@@ -151,7 +151,19 @@ pub enum AttnDq {
     /// A second kernel recomputes S, dP and dS per query block (three
     /// products, no score memory): long sequences.
     Recompute,
+    /// Not these kernels: CUTLASS's Hopper backward (`kernels/lib/
+    /// attention.cu`: TMA, `wgmma`; dQ summed in f32 by atomics; grouped
+    /// heads' dK and dV per query head, then summed), where it takes the
+    /// shape (as its forward, [`Gpu::flash_forward_takes`]).
+    Cutlass,
 }
+
+/// The narrowest head for which the backward defaults to CUTLASS's (where
+/// it takes the shape and `LRMOE_ATTENTION_DQ` is unset): measured on one
+/// H200 (2026-12-03, `docs/benchmarks.md`, "Attention"), CUTLASS's
+/// backward is 9% faster than the `mma.sync` kernels at head width 128
+/// (Qwen3-30B-A3B) and 20% slower at 64 (qwen3-moe-mini).
+const ATTN_BWD_CUTLASS_MIN_HEAD_DIM: usize = 128;
 
 /// The most stored dS one attention backward may allocate (bytes) before it
 /// recomputes instead ([`AttnDq`]); `LRMOE_ATTENTION_DQ=recompute` or
@@ -220,6 +232,7 @@ impl DenseFns {
             attention_dq: match std::env::var("LRMOE_ATTENTION_DQ").as_deref() {
                 Ok("recompute") => Some(AttnDq::Recompute),
                 Ok("stored") => Some(AttnDq::Stored),
+                Ok("cutlass") => Some(AttnDq::Cutlass),
                 _ => None,
             },
             attention_fwd: match std::env::var("LRMOE_ATTENTION_FWD").as_deref() {
@@ -1363,7 +1376,8 @@ impl Gpu {
     /// recomputing the probabilities from `lse2`; dK/dV per key block
     /// (every query head of the group in one block, no atomics), dQ per
     /// query block, from the dS the dK/dV kernel stored while it fits
-    /// [`ATTN_DS_MAX_BYTES`] ([`AttnDq`]). Twin:
+    /// [`ATTN_DS_MAX_BYTES`] ([`AttnDq`]); at head width 128 where CUTLASS
+    /// takes the shape, CUTLASS's backward ([`AttnDq::Cutlass`]). Twin:
     /// [`crate::dense::flash_attention_backward_reference`].
     #[allow(clippy::type_complexity)]
     pub fn flash_attention_backward(
@@ -1374,8 +1388,11 @@ impl Gpu {
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, _, _) = dims;
+        let cutlass = self.flash_forward_takes(AttnFwd::Cooperative, dims);
         let path = match self.dense.attention_dq {
+            Some(AttnDq::Cutlass) if !cutlass => AttnDq::Stored,
             Some(forced) => forced,
+            None if cutlass && dims.4 >= ATTN_BWD_CUTLASS_MIN_HEAD_DIM => AttnDq::Cutlass,
             None if attn_ds_bytes(n_seq, seq, heads) <= ATTN_DS_MAX_BYTES => AttnDq::Stored,
             None => AttnDq::Recompute,
         };
@@ -1393,6 +1410,9 @@ impl Gpu {
         dout: &CudaSlice<u16>,
         path: AttnDq,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        if path == AttnDq::Cutlass {
+            return self.cutlass_attention_backward(dims, (q, k, v), (o, lse2), dout);
+        }
         let (n_seq, seq, heads, kv, dh) = dims;
         let (fkv, ckv) = self.flash_launch(dims, 1)?;
         let (fq, cq) = self.flash_launch(dims, if path == AttnDq::Stored { 3 } else { 2 })?;
@@ -1431,7 +1451,7 @@ impl Gpu {
                 // SAFETY: uninitialised; written whole before flash_bwd_q_ds reads it.
                 Some(unsafe { self.uninit::<u16>(n) }?)
             }
-            AttnDq::Recompute => None,
+            _ => None,
         };
         let null: u64 = 0;
         let inputs = (q, k, v, dout, lse2, &d);
@@ -1461,6 +1481,91 @@ impl Gpu {
                 // SAFETY: (u16*×4, f32*×2, u16*, int×3, float×2); sizes checked.
                 unsafe { l.launch(cq) }.map_err(cuda)?;
             }
+        }
+        Ok((dq, dk, dv))
+    }
+
+    /// [`AttnDq::Cutlass`]: the backward through `lrmoe_flash_bwd`.
+    #[allow(clippy::type_complexity)]
+    fn cutlass_attention_backward(
+        &self,
+        dims: crate::dense::AttnDims,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        dout: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        if !self.flash_forward_takes(AttnFwd::Cooperative, dims) {
+            return Err(KernelError::Shape {
+                what: "the CUTLASS attention backward's shape (head_dim 64 or 128, seq a multiple of 128)",
+                expected: 128,
+                got: if dh == 64 || dh == 128 { seq } else { dh },
+            });
+        }
+        let rows = n_seq * heads * seq;
+        let nk = n_seq * kv * seq * dh;
+        at_least("q", rows * dh, q.len())?;
+        at_least("k", nk, k.len())?;
+        at_least("v", nk, v.len())?;
+        at_least("o", rows * dh, o.len())?;
+        at_least("dout", rows * dh, dout.len())?;
+        at_least("lse2", rows, lse2.len())?;
+        let (a, b, c, d, e) = (n_seq as i32, heads as i32, kv as i32, seq as i32, dh as i32);
+        // SAFETY: a pure function of five integers (checked to fit above).
+        let ws_bytes = unsafe { (self.attn.backward_workspace)(a, b, c, d, e) };
+        // SAFETY: scratch the library writes before it reads.
+        let mut ws = unsafe { self.uninit::<u8>(ws_bytes) }?;
+        // SAFETY: every row < seq of every head is written.
+        let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
+        // SAFETY: every key row of every key/value head is written.
+        let mut dk = unsafe { self.uninit::<u16>(nk) }?;
+        // SAFETY: as dk.
+        let mut dv = unsafe { self.uninit::<u16>(nk) }?;
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let rc = {
+            let (pq, _q) = q.device_ptr(&self.stream);
+            let (pk, _k) = k.device_ptr(&self.stream);
+            let (pv, _v) = v.device_ptr(&self.stream);
+            let (po, _o) = o.device_ptr(&self.stream);
+            let (pl, _l) = lse2.device_ptr(&self.stream);
+            let (pd, _d) = dout.device_ptr(&self.stream);
+            let (pdq, _dq) = dq.device_ptr_mut(&self.stream);
+            let (pdk, _dk) = dk.device_ptr_mut(&self.stream);
+            let (pdv, _dv) = dv.device_ptr_mut(&self.stream);
+            let (pw, _w) = ws.device_ptr_mut(&self.stream);
+            let cp = |p: u64| p as *const std::ffi::c_void;
+            let mp = |p: u64| p as *mut std::ffi::c_void;
+            // SAFETY: 1. the library's `lrmoe_flash_bwd` with the declared
+            // C signature; 2. every pointer is a live device allocation of
+            // the length checked above, the workspace the size the library
+            // asked for; 3. the stream belongs to the current context.
+            unsafe {
+                (self.attn.backward)(
+                    a,
+                    b,
+                    c,
+                    d,
+                    e,
+                    cp(pq),
+                    cp(pk),
+                    cp(pv),
+                    cp(po),
+                    pl as *const f32,
+                    cp(pd),
+                    mp(pdq),
+                    mp(pdk),
+                    mp(pdv),
+                    mp(pw),
+                    ws_bytes,
+                    self.n_sms as i32,
+                    self.stream.cu_stream() as *mut std::ffi::c_void,
+                )
+            }
+        };
+        if rc != 0 {
+            return Err(KernelError::Cuda(format!(
+                "CUTLASS attention backward failed with code {rc}"
+            )));
         }
         Ok((dq, dk, dv))
     }
