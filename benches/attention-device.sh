@@ -6,7 +6,10 @@
 # PyTorch's SDPA, in one call; attention alone also with the fused
 # backward's dQ recomputed (LRMOE_ATTENTION_DQ=recompute). The device
 # model's tests run on both paths.
-# (Unset, the fused kernels run at every head width they have.)
+# (Unset, the fused kernels run at every head width they have; at head
+# widths 64 and 128 with whole 128-row tiles the forward is CUTLASS's
+# FMHA, and at 128 the backward too: LRMOE_ATTENTION_FWD=mma and
+# LRMOE_ATTENTION_DQ=stored give the mma.sync kernels.)
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features nccl && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-attn-bench  # → .device/
