@@ -365,6 +365,17 @@ mod imp {
             .map_err(|e| KernelError::Cuda(format!("dlopen {}: {e}", path.display())))
     }
 
+    /// The function `name` (NUL-terminated) of `lib`.
+    ///
+    /// # Safety
+    /// `T` must be the symbol's type as the library declares it.
+    unsafe fn symbol<T: Copy>(lib: &libloading::Library, name: &[u8]) -> Result<T, KernelError> {
+        // SAFETY: the caller's contract.
+        unsafe { lib.get::<T>(name) }
+            .map(|f| *f)
+            .map_err(|e| KernelError::Cuda(e.to_string()))
+    }
+
     fn load_attention() -> Result<AttnLib, KernelError> {
         // SAFETY: 1. the library is the one `cargo xtask kernels` built from
         // kernels/lib/attention.cu, embedded in this binary; 2. its
@@ -372,18 +383,10 @@ mod imp {
         // the `extern "C"` signatures declared in that file.
         unsafe {
             let lib = open_embedded(ATTN_SO, "attention")?;
-            let supports = *lib
-                .get::<AttnSupportsFn>(b"lrmoe_flash_fwd_supports\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
-            let forward = *lib
-                .get::<AttnFwdFn>(b"lrmoe_flash_fwd\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
-            let backward_workspace = *lib
-                .get::<AttnBwdWsFn>(b"lrmoe_flash_bwd_workspace\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
-            let backward = *lib
-                .get::<AttnBwdFn>(b"lrmoe_flash_bwd\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let supports: AttnSupportsFn = symbol(&lib, b"lrmoe_flash_fwd_supports\0")?;
+            let forward: AttnFwdFn = symbol(&lib, b"lrmoe_flash_fwd\0")?;
+            let backward_workspace: AttnBwdWsFn = symbol(&lib, b"lrmoe_flash_bwd_workspace\0")?;
+            let backward: AttnBwdFn = symbol(&lib, b"lrmoe_flash_bwd\0")?;
             Ok(AttnLib {
                 _lib: lib,
                 supports,
@@ -401,18 +404,49 @@ mod imp {
         // the `extern "C"` signatures declared in that file.
         unsafe {
             let lib = open_embedded(GEMM_SO, "gemm")?;
-            let workspace = *lib
-                .get::<WorkspaceFn>(b"lrmoe_grouped_gemm_workspace\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
-            let run = *lib
-                .get::<RunFn>(b"lrmoe_grouped_gemm\0")
-                .map_err(|e| KernelError::Cuda(e.to_string()))?;
+            let workspace: WorkspaceFn = symbol(&lib, b"lrmoe_grouped_gemm_workspace\0")?;
+            let run: RunFn = symbol(&lib, b"lrmoe_grouped_gemm\0")?;
             Ok(GemmLib {
                 _lib: lib,
                 workspace,
                 run,
             })
         }
+    }
+
+    /// The embedded libraries open and name their symbols without a GPU
+    /// (they link the CUDA runtime statically and reach the driver only
+    /// when called), and the attention library's pure functions answer as
+    /// its header says.
+    #[cfg(test)]
+    #[test]
+    fn the_embedded_libraries_open_and_answer_shape_questions() {
+        load_gemm().unwrap();
+        let a = load_attention().unwrap();
+        let (takes, ws) = (a.supports, a.backward_workspace);
+        // SAFETY: a pure function of five integers.
+        let t = |d: [i32; 5]| unsafe { takes(d[0], d[1], d[2], d[3], d[4]) != 0 };
+        assert!(t([8, 32, 4, 2048, 128]) && t([32, 8, 2, 512, 64]) && t([1, 2, 2, 128, 64]));
+        for bad in [
+            [1, 2, 1, 100, 64],
+            [1, 2, 1, 128, 32],
+            [1, 3, 2, 128, 64],
+            [0, 2, 2, 128, 64],
+            [1, 2, 0, 128, 64],
+        ] {
+            assert!(!t(bad), "{bad:?}");
+        }
+        // SAFETY: as above.
+        let bytes = |d: [i32; 5]| unsafe { ws(d[0], d[1], d[2], d[3], d[4]) };
+        assert_eq!(bytes([1, 2, 1, 100, 64]), 0);
+        // Rows of 128 × 2 heads: the statistic twice and dQ in f32, plus dK
+        // and dV per query head in bf16 for grouped heads.
+        let rows = 256usize;
+        assert_eq!(bytes([1, 2, 2, 128, 64]), rows * 4 * 2 + rows * 64 * 4);
+        assert_eq!(
+            bytes([1, 2, 1, 128, 64]),
+            rows * 4 * 2 + rows * 64 * 4 + 2 * rows * 64 * 2
+        );
     }
 
     fn variant_code(v: GemmVariant) -> i32 {

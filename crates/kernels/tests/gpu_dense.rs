@@ -8,7 +8,7 @@
 
 use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
 use kernels::dense::*;
-use kernels::gpu::{AttnDq, AttnFwd, Gpu};
+use kernels::gpu::{AttnDq, AttnFwd, CudaSlice, Gpu};
 
 mod common;
 
@@ -391,6 +391,105 @@ fn attention_products_as_grouped_gemms() {
     }
 }
 
+/// One attention case: random bf16 inputs for `dims` (q and k of scale 2,
+/// v and dout of 1) on the host and the device, and the f64 twins' output,
+/// row statistic and gradients.
+struct AttnCase {
+    dims: AttnDims,
+    q: CudaSlice<u16>,
+    k: CudaSlice<u16>,
+    v: CudaSlice<u16>,
+    dout: CudaSlice<u16>,
+    o: Vec<f32>,
+    lse2: Vec<f32>,
+    grads: [Vec<f32>; 3],
+}
+
+fn attention_case(g: &Gpu, r: &mut Rng, dims: AttnDims) -> AttnCase {
+    let (n_seq, seq, heads, kv, dh) = dims;
+    let (nq, nk) = (n_seq * heads * seq * dh, n_seq * kv * seq * dh);
+    let (q, k, v, dout) = (
+        r.bf16s(nq, 2.0),
+        r.bf16s(nk, 2.0),
+        r.bf16s(nk, 1.0),
+        r.bf16s(nq, 1.0),
+    );
+    let (o, lse2) = flash_attention_reference(dims, &q, &k, &v).unwrap();
+    let (dq, dk, dv) = flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
+    AttnCase {
+        dims,
+        q: g.upload(&q).unwrap(),
+        k: g.upload(&k).unwrap(),
+        v: g.upload(&v).unwrap(),
+        dout: g.upload(&dout).unwrap(),
+        o,
+        lse2,
+        grads: [dq, dk, dv],
+    }
+}
+
+/// A forward's output and row statistic against the twin: P is rounded to
+/// bf16 for P·V and the output to bf16, ≤ 1% in norm; the statistic within
+/// 2·10⁻³; every element written (the poison is NaN).
+fn check_attention_forward(
+    g: &Gpu,
+    c: &AttnCase,
+    (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+    what: &str,
+) {
+    let dims = c.dims;
+    let got = wide(&g.download(o, c.o.len()).unwrap());
+    assert!(got.iter().all(|x| x.is_finite()), "{dims:?} {what}: output");
+    let e = rel(&got, &c.o);
+    assert!(e <= 1e-2, "{dims:?} {what}: output off by {e:.2e}");
+    let lse_err = g
+        .download(lse2, c.lse2.len())
+        .unwrap()
+        .iter()
+        .zip(&c.lse2)
+        .map(|(a, b)| (a - b).abs())
+        // (f32::max would pass over an unwritten, NaN-poisoned entry.)
+        .fold(
+            0f32,
+            |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
+        );
+    assert!(
+        lse_err <= 2e-3,
+        "{dims:?} {what}: lse2 off by {lse_err:.2e}"
+    );
+}
+
+/// A backward's gradients against the twin: P and dS are rounded to bf16
+/// for the products, D comes from the bf16 output, the gradients are bf16
+/// (CUTLASS's grouped dK, dV also once per query head before the group's
+/// f32 sum): ≤ 2% in norm, with a floor where the exact gradient is zero
+/// (a single key: dS = P·(dP − D) cancels, and only rounding remains).
+fn check_attention_backward(g: &Gpu, c: &AttnCase, got: [&CudaSlice<u16>; 3], what: &str) {
+    let dims = c.dims;
+    for ((name, got), want) in ["dq", "dk", "dv"].into_iter().zip(got).zip(&c.grads) {
+        let got = wide(&g.download(got, want.len()).unwrap());
+        assert!(
+            got.iter().all(|x| x.is_finite()),
+            "{dims:?} {what}: {name} not finite"
+        );
+        let diff = got
+            .iter()
+            .zip(want)
+            .map(|(a, b)| f64::from(a - b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        let norm = want
+            .iter()
+            .map(|b| f64::from(*b).powi(2))
+            .sum::<f64>()
+            .sqrt();
+        assert!(
+            diff <= 2e-2 * norm.max(1e-2 * (want.len() as f64).sqrt()),
+            "{dims:?} {what}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
+        );
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn fused_attention_forward_and_backward_match_the_twins() {
@@ -410,75 +509,15 @@ fn fused_attention_forward_and_backward_match_the_twins() {
         (1, 300, 4, 2, 128),
         (1, 1, 2, 2, 64),
     ] {
-        let (n_seq, seq, heads, kv, dh) = dims;
-        let nq = n_seq * heads * seq * dh;
-        let nk = n_seq * kv * seq * dh;
-        let (q, k, v, dout) = (
-            r.bf16s(nq, 2.0),
-            r.bf16s(nk, 2.0),
-            r.bf16s(nk, 1.0),
-            r.bf16s(nq, 1.0),
-        );
-        let (qd, kd, vd) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-        );
-        let (o, lse2) = g.flash_attention_forward(dims, &qd, &kd, &vd).unwrap();
-        let (o_want, lse_want) = flash_attention_reference(dims, &q, &k, &v).unwrap();
-        let o_got = g.download(&o, nq).unwrap();
-        let lse_got = g.download(&lse2, n_seq * heads * seq).unwrap();
-        // P is rounded to bf16 for P·V and the output to bf16: ≤ 1% in norm.
-        let e = rel(&wide(&o_got), &o_want);
-        assert!(e <= 1e-2, "{dims:?}: output off by {e:.2e}");
-        let lse_err = lse_got
-            .iter()
-            .zip(&lse_want)
-            .map(|(a, b)| (a - b).abs())
-            // (f32::max would pass over an unwritten, NaN-poisoned entry.)
-            .fold(
-                0f32,
-                |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
-            );
-        assert!(lse_err <= 2e-3, "{dims:?}: lse2 off by {lse_err:.2e}");
-        let (dq_w, dk_w, dv_w) =
-            flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
-        let doutd = g.upload(&dout).unwrap();
+        let c = attention_case(&g, &mut r, dims);
+        let (o, lse2) = g.flash_attention_forward(dims, &c.q, &c.k, &c.v).unwrap();
+        check_attention_forward(&g, &c, (&o, &lse2), "forward");
         // dQ both ways: from the dS the dK/dV kernel stores, and recomputed.
         for path in [AttnDq::Stored, AttnDq::Recompute] {
             let (dq, dk, dv) = g
-                .flash_attention_backward_with(dims, (&qd, &kd, &vd), (&o, &lse2), &doutd, path)
+                .flash_attention_backward_with(dims, (&c.q, &c.k, &c.v), (&o, &lse2), &c.dout, path)
                 .unwrap();
-            // P and dS are rounded to bf16 for the products, D comes from the
-            // bf16 output, the gradients are bf16: ≤ 2% in norm, with a floor
-            // where the exact gradient is zero (a single key: dS = P·(dP − D)
-            // cancels, and only rounding remains).
-            for (name, got, want, n) in [
-                ("dq", &dq, &dq_w, nq),
-                ("dk", &dk, &dk_w, nk),
-                ("dv", &dv, &dv_w, nk),
-            ] {
-                let got = wide(&g.download(got, n).unwrap());
-                let diff = got
-                    .iter()
-                    .zip(want.iter())
-                    .map(|(a, b)| f64::from(a - b).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-                let norm = want
-                    .iter()
-                    .map(|b| f64::from(*b).powi(2))
-                    .sum::<f64>()
-                    .sqrt();
-                assert!(
-                    got.iter().all(|x| x.is_finite()),
-                    "{dims:?}: {name} not finite"
-                );
-                assert!(
-                    diff <= 2e-2 * norm.max(1e-2 * (n as f64).sqrt()),
-                    "{dims:?} {path:?}: {name} off by {diff:.2e} in norm (exact {norm:.2e})"
-                );
-            }
+            check_attention_backward(&g, &c, [&dq, &dk, &dv], &format!("{path:?}"));
         }
     }
     // A head width without kernels is an error, not a launch.
@@ -508,91 +547,45 @@ fn cutlass_attention_forward_matches_the_twin_and_feeds_the_backward() {
         (2, 384, 8, 2, 128),
         (1, 256, 4, 4, 128),
     ] {
-        let (n_seq, seq, heads, kv, dh) = dims;
-        let nq = n_seq * heads * seq * dh;
-        let nk = n_seq * kv * seq * dh;
-        let (q, k, v, dout) = (
-            r.bf16s(nq, 2.0),
-            r.bf16s(nk, 2.0),
-            r.bf16s(nk, 1.0),
-            r.bf16s(nq, 1.0),
-        );
-        let (qd, kd, vd, doutd) = (
-            g.upload(&q).unwrap(),
-            g.upload(&k).unwrap(),
-            g.upload(&v).unwrap(),
-            g.upload(&dout).unwrap(),
-        );
-        let (o_want, lse_want) = flash_attention_reference(dims, &q, &k, &v).unwrap();
-        let (dq_w, dk_w, dv_w) =
-            flash_attention_backward_reference(dims, &q, &k, &v, &dout).unwrap();
+        let c = attention_case(&g, &mut r, dims);
         for kernel in [AttnFwd::Cooperative, AttnFwd::Pingpong] {
             assert!(g.flash_forward_takes(kernel, dims), "{dims:?}");
             let (o, lse2) = g
-                .flash_attention_forward_with(dims, &qd, &kd, &vd, kernel)
+                .flash_attention_forward_with(dims, &c.q, &c.k, &c.v, kernel)
                 .unwrap();
-            let o_got = g.download(&o, nq).unwrap();
-            let lse_got = g.download(&lse2, n_seq * heads * seq).unwrap();
-            // P is rounded to bf16 for P·V and the output to bf16: ≤ 1% in
-            // norm; every element written (poison is NaN).
-            assert!(o_got.iter().all(|x| bf16_bits_to_f32(*x).is_finite()));
-            let e = rel(&wide(&o_got), &o_want);
-            assert!(e <= 1e-2, "{dims:?} {kernel:?}: output off by {e:.2e}");
-            let lse_err = lse_got
-                .iter()
-                .zip(&lse_want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(
-                    0f32,
-                    |m, x| if x.is_nan() { f32::INFINITY } else { m.max(x) },
-                );
-            assert!(
-                lse_err <= 2e-3,
-                "{dims:?} {kernel:?}: lse2 off by {lse_err:.2e}"
-            );
-            // Both backwards from this forward's output and statistic:
-            // the mma.sync kernels' and CUTLASS's (dK, dV of grouped heads
-            // summed over the group after one bf16 rounding each: the same
-            // 2% in norm).
+            check_attention_forward(&g, &c, (&o, &lse2), &format!("{kernel:?}"));
             for path in [AttnDq::Stored, AttnDq::Cutlass] {
                 let (dq, dk, dv) = g
-                    .flash_attention_backward_with(dims, (&qd, &kd, &vd), (&o, &lse2), &doutd, path)
+                    .flash_attention_backward_with(
+                        dims,
+                        (&c.q, &c.k, &c.v),
+                        (&o, &lse2),
+                        &c.dout,
+                        path,
+                    )
                     .unwrap();
-                for (name, got, want, n) in [
-                    ("dq", &dq, &dq_w, nq),
-                    ("dk", &dk, &dk_w, nk),
-                    ("dv", &dv, &dv_w, nk),
-                ] {
-                    let got = wide(&g.download(got, n).unwrap());
-                    assert!(got.iter().all(|x| x.is_finite()), "{dims:?}: {name}");
-                    let e = rel(&got, want);
-                    assert!(
-                        e <= 2e-2,
-                        "{dims:?} {kernel:?} {path:?}: {name} off by {e:.2e}"
-                    );
-                }
+                check_attention_backward(&g, &c, [&dq, &dk, &dv], &format!("{kernel:?} {path:?}"));
             }
         }
     }
     // Shapes the library does not take: an error when asked for by name,
-    // the mma.sync kernel by default.
-    let mut r2 = Rng(seed() ^ 7);
+    // the mma.sync kernels by default.
     for dims in [(1, 100, 2, 1, 64), (1, 128, 2, 1, 32), (1, 130, 2, 2, 128)] {
-        let (n_seq, seq, heads, kv, dh) = dims;
-        let q = g.upload(&r2.bf16s(n_seq * heads * seq * dh, 1.0)).unwrap();
-        let k = g.upload(&r2.bf16s(n_seq * kv * seq * dh, 1.0)).unwrap();
+        let c = attention_case(&g, &mut r, dims);
+        let qkv = (&c.q, &c.k, &c.v);
         assert!(!g.flash_forward_takes(AttnFwd::Cooperative, dims));
         assert!(g
-            .flash_attention_forward_with(dims, &q, &k, &k, AttnFwd::Cooperative)
+            .flash_attention_forward_with(dims, &c.q, &c.k, &c.v, AttnFwd::Cooperative)
             .is_err());
-        let (o, lse2) = g.flash_attention_forward(dims, &q, &k, &k).unwrap();
-        let dout = g.upload(&r2.bf16s(n_seq * heads * seq * dh, 1.0)).unwrap();
+        let (o, lse2) = g.flash_attention_forward(dims, &c.q, &c.k, &c.v).unwrap();
+        check_attention_forward(&g, &c, (&o, &lse2), "fallback");
         assert!(g
-            .flash_attention_backward_with(dims, (&q, &k, &k), (&o, &lse2), &dout, AttnDq::Cutlass)
+            .flash_attention_backward_with(dims, qkv, (&o, &lse2), &c.dout, AttnDq::Cutlass)
             .is_err());
-        assert!(g
-            .flash_attention_backward(dims, (&q, &k, &k), (&o, &lse2), &dout)
-            .is_ok());
+        let (dq, dk, dv) = g
+            .flash_attention_backward(dims, qkv, (&o, &lse2), &c.dout)
+            .unwrap();
+        check_attention_backward(&g, &c, [&dq, &dk, &dv], "fallback");
     }
 }
 
