@@ -214,9 +214,11 @@ extern "C" {
 
 // Whether this library takes the shape: head width 64 or 128, seq a
 // positive multiple of 128 (the query tile; no partial tiles), kv a divisor
-// of heads.
+// of heads, and fewer than 2^31 elements in q (CUTLASS's strides and
+// offsets here are 32-bit).
 int lrmoe_flash_fwd_supports(int n_seq, int heads, int kv, int seq, int dh) {
-    return n_seq > 0 && kv > 0 && heads % kv == 0 && seq > 0 && seq % 128 == 0 && (dh == 64 || dh == 128);
+    return n_seq > 0 && kv > 0 && heads % kv == 0 && seq > 0 && seq % 128 == 0 && (dh == 64 || dh == 128) &&
+           (long long)n_seq * heads * seq * dh < (1LL << 31);
 }
 
 // The forward on `stream` (device pointers, layouts as in the header);

@@ -433,6 +433,8 @@ mod imp {
             [1, 3, 2, 128, 64],
             [0, 2, 2, 128, 64],
             [1, 2, 0, 128, 64],
+            // 2³¹ elements of q: past the library's 32-bit offsets.
+            [64, 32, 4, 8192, 128],
         ] {
             assert!(!t(bad), "{bad:?}");
         }

@@ -1261,7 +1261,7 @@ impl Gpu {
 
     /// Whether forward kernel `kernel` takes `dims`: the `mma.sync` kernel
     /// every head width of the fused path; CUTLASS's head widths 64 and 128
-    /// with `seq` a multiple of 128.
+    /// with `seq` a multiple of 128 and fewer than 2³¹ elements in q.
     pub fn flash_forward_takes(&self, kernel: AttnFwd, dims: crate::dense::AttnDims) -> bool {
         let (n_seq, seq, heads, kv, dh) = dims;
         match kernel {
