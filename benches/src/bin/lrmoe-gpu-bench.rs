@@ -291,32 +291,14 @@ fn main() -> anyhow::Result<()> {
     Ok(())
 }
 
-/// AdamW over 2²⁸ parameters (f32 masters and moments, the bf16 copy
-/// written) with a bf16 and an f32 gradient: median device ms of 10 calls
-/// after 3, the bytes it must move (28 and 30 a parameter), and that rate
+/// AdamW over 2²⁸ parameters (`Gpu::bench_adamw`: f32 masters and
+/// moments, the bf16 copy written) with a bf16 and an f32 gradient: median
+/// device ms, the bytes it must move (28 and 30 a parameter), and that rate
 /// against HBM's 4.8 TB/s, the device copy and PyTorch's fused AdamW
 /// (`adamw_GBps` of the anchors: f32 gradient, no bf16 copy, 28 bytes).
 fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
-    use kernels::dense::AdamHp;
     let n = 1usize << 28;
     let copy = gpu.bench_copy(2 << 30)?;
-    let hp = AdamHp {
-        lr: 1e-4,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bc1: 0.1,
-        bc2: 0.05,
-        clip: 1.0,
-    };
-    let mut p = gpu.zeros::<f32>(n)?;
-    let mut m = gpu.zeros::<f32>(n)?;
-    let mut v = gpu.zeros::<f32>(n)?;
-    let mut p16 = gpu.zeros::<u16>(n)?;
-    let g16 = gpu.zeros::<u16>(n)?;
-    let g32 = gpu.zeros::<f32>(n)?;
-    let norm = gpu.upload(&[4.0f32])?;
     println!();
     println!(
         "AdamW, {n} parameters; device copy {:.0} GB/s:",
@@ -327,29 +309,16 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
     for bf16 in [true, false] {
-        let mut ts = Vec::new();
-        for i in 0..13 {
-            let a = gpu.mark()?;
-            if bf16 {
-                gpu.adamw(&mut p, &mut m, &mut v, &g16, Some(&mut p16), &hp, &norm)?;
-            } else {
-                gpu.adamw(&mut p, &mut m, &mut v, &g32, Some(&mut p16), &hp, &norm)?;
-            }
-            let b = gpu.mark()?;
-            if i >= 3 {
-                ts.push(b.ms_since(&a)?);
-            }
-        }
-        ts.sort_by(f64::total_cmp);
-        let ms = ts[ts.len() / 2];
-        let bytes = if bf16 { 28.0 } else { 30.0 };
-        let gbps = bytes * n as f64 / (ms * 1e-3) / 1e9;
+        let t = gpu.bench_adamw(n, bf16)?;
+        let gbps = t.gbps();
         println!(
-            "| {} | {ms:.3} | {bytes} | {gbps:.0} | {:.1}% | {:.3} | {} |",
+            "| {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
             if bf16 { "bf16" } else { "f32" },
+            t.ms,
+            t.bytes / n as f64,
             gbps / 48.0,
             gbps / copy.gbps(),
-            peer.map_or("-".into(), |t| format!("{:.3} ({t:.0} GB/s)", gbps / t)),
+            peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
         );
     }
     Ok(())

@@ -2118,6 +2118,41 @@ mod imp {
             Ok(ts[ts.len() / 2])
         }
 
+        /// AdamW over `n` parameters (f32 masters and moments, the bf16
+        /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient, 10
+        /// timed runs: bytes = what it must move, 28 or 30 a parameter.
+        pub fn bench_adamw(&self, n: usize, bf16_grad: bool) -> Result<Timing, KernelError> {
+            let hp = crate::dense::AdamHp {
+                lr: 1e-4,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                bc1: 0.1,
+                bc2: 0.05,
+                clip: 1.0,
+            };
+            let (mut p, mut m, mut v) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
+            let mut p16 = self.zeros::<u16>(n)?;
+            let norm = self.upload(&[4.0f32])?;
+            let ms = if bf16_grad {
+                let g = self.zeros::<u16>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
+            } else {
+                let g = self.zeros::<f32>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
+            };
+            let per = if bf16_grad { 28.0 } else { 30.0 };
+            Ok(Timing {
+                ms,
+                bytes: per * n as f64,
+            })
+        }
+
         /// Device-to-device copy of `bytes`: the bandwidth peer (bytes read + written).
         pub fn bench_copy(&self, bytes: usize) -> Result<Timing, KernelError> {
             let src = self.upload(&random_bf16(bytes / 2, 7))?;

@@ -49,6 +49,16 @@ checkpoint_every = 2
     path
 }
 
+/// `lrmoe train --config CFG --compare --modes MODES STOP… --no-progress
+/// --out OUT`.
+fn compare(cfg: &Path, out: &Path, modes: &str, stop: &[&str]) -> (bool, String, String) {
+    let (cfg, out) = (cfg.to_str().unwrap(), out.to_str().unwrap());
+    let mut args = vec!["train", "--config", cfg, "--compare", "--modes", modes];
+    args.extend_from_slice(stop);
+    args.extend(["--no-progress", "--out", out]);
+    lrmoe(&args)
+}
+
 fn lrmoe(args: &[&str]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
         .args(args)
@@ -979,19 +989,7 @@ fn a_final_evaluation_at_the_target_counts_as_reaching_it() {
         .replace("eval_every = 3", "eval_every = 100");
     std::fs::write(&cfg, text).unwrap();
     let out = dir.join("cmp");
-    let (ok, _, err) = lrmoe(&[
-        "train",
-        "--config",
-        cfg.to_str().unwrap(),
-        "--compare",
-        "--modes",
-        "full",
-        "--max-minutes",
-        "0.000001",
-        "--no-progress",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, _, err) = compare(&cfg, &out, "full", &["--max-minutes", "0.000001"]);
     assert!(ok, "{err}");
     let md = std::fs::read_to_string(out.join("compare.md")).unwrap();
     assert!(md.contains("| Full | yes | "), "{md}");
@@ -1117,19 +1115,7 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     let dir = tmp("redraw");
     let cfg = tiny_config(&dir, "target_val_loss = 50.0");
     let out = dir.join("cmp");
-    let (ok, _, err) = lrmoe(&[
-        "train",
-        "--config",
-        cfg.to_str().unwrap(),
-        "--compare",
-        "--modes",
-        "full,lrmoe",
-        "--steps",
-        "3",
-        "--no-progress",
-        "--out",
-        out.to_str().unwrap(),
-    ]);
+    let (ok, _, err) = compare(&cfg, &out, "full,lrmoe", &["--steps", "3"]);
     assert!(ok, "{err}");
     let json = out.join("compare.json");
     let table = std::fs::read_to_string(out.join("compare.md")).unwrap();

@@ -1263,19 +1263,32 @@ impl Gpu {
     /// every head width of the fused path; CUTLASS's head widths 64 and 128
     /// with `seq` a multiple of 128 and fewer than 2³¹ elements in q.
     pub fn flash_forward_takes(&self, kernel: AttnFwd, dims: crate::dense::AttnDims) -> bool {
-        let (n_seq, seq, heads, kv, dh) = dims;
         match kernel {
-            AttnFwd::Mma => self.dense.flash_fns(dh).is_some(),
-            _ => {
-                let d = |x: usize| i32::try_from(x).ok();
-                match (d(n_seq), d(heads), d(kv), d(seq), d(dh)) {
-                    // SAFETY: a pure function of five integers.
-                    (Some(a), Some(b), Some(c), Some(e), Some(f)) => unsafe {
-                        (self.attn.supports)(a, b, c, e, f) != 0
-                    },
-                    _ => false,
-                }
-            }
+            AttnFwd::Mma => self.dense.flash_fns(dims.4).is_some(),
+            _ => self.cutlass_attention_takes(dims).is_ok(),
+        }
+    }
+
+    /// Ok where the CUTLASS attention library (forward and backward) takes
+    /// `dims`; the shape error its callers return otherwise.
+    fn cutlass_attention_takes(&self, dims: crate::dense::AttnDims) -> Result<(), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let d = |x: usize| i32::try_from(x).ok();
+        let takes = match (d(n_seq), d(heads), d(kv), d(seq), d(dh)) {
+            // SAFETY: a pure function of five integers.
+            (Some(a), Some(b), Some(c), Some(e), Some(f)) => unsafe {
+                (self.attn.supports)(a, b, c, e, f) != 0
+            },
+            _ => false,
+        };
+        if takes {
+            Ok(())
+        } else {
+            Err(KernelError::Shape {
+                what: "the CUTLASS attention kernels' shape (head_dim 64 or 128, seq a multiple of 128, q under 2³¹ elements)",
+                expected: 128,
+                got: if dh == 64 || dh == 128 { seq } else { dh },
+            })
         }
     }
 
@@ -1295,13 +1308,7 @@ impl Gpu {
         at_least("v", n_seq * kv * seq * dh, v.len())?;
         let rows = n_seq * heads * seq;
         if let Some(schedule) = kernel.schedule() {
-            if !self.flash_forward_takes(kernel, dims) {
-                return Err(KernelError::Shape {
-                    what: "the CUTLASS attention forward's shape (head_dim 64 or 128, seq a multiple of 128)",
-                    expected: 128,
-                    got: if dh == 64 || dh == 128 { seq } else { dh },
-                });
-            }
+            self.cutlass_attention_takes(dims)?;
             // SAFETY: uninitialised outputs; the library writes every row
             // of every head (seq is a whole number of query tiles).
             let mut o = unsafe { self.uninit::<u16>(rows * dh) }?;
@@ -1388,7 +1395,7 @@ impl Gpu {
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, _, _) = dims;
-        let cutlass = self.flash_forward_takes(AttnFwd::Cooperative, dims);
+        let cutlass = self.cutlass_attention_takes(dims).is_ok();
         let path = match self.dense.attention_dq {
             Some(AttnDq::Cutlass) if !cutlass => AttnDq::Stored,
             Some(forced) => forced,
@@ -1410,12 +1417,7 @@ impl Gpu {
         dout: &CudaSlice<u16>,
         path: AttnDq,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
-        if path == AttnDq::Cutlass {
-            return self.cutlass_attention_backward(dims, (q, k, v), (o, lse2), dout);
-        }
         let (n_seq, seq, heads, kv, dh) = dims;
-        let (fkv, ckv) = self.flash_launch(dims, 1)?;
-        let (fq, cq) = self.flash_launch(dims, if path == AttnDq::Stored { 3 } else { 2 })?;
         let rows = n_seq * heads * seq;
         at_least("q", rows * dh, q.len())?;
         at_least("k", n_seq * kv * seq * dh, k.len())?;
@@ -1423,6 +1425,11 @@ impl Gpu {
         at_least("o", rows * dh, o.len())?;
         at_least("dout", rows * dh, dout.len())?;
         at_least("lse2", rows, lse2.len())?;
+        if path == AttnDq::Cutlass {
+            return self.cutlass_attention_backward(dims, (q, k, v), (o, lse2), dout);
+        }
+        let (fkv, ckv) = self.flash_launch(dims, 1)?;
+        let (fq, cq) = self.flash_launch(dims, if path == AttnDq::Stored { 3 } else { 2 })?;
         // SAFETY: uninitialised outputs; every row < seq is written.
         let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
         // SAFETY: every key row < seq is written (one block per 64 keys).
@@ -1485,7 +1492,8 @@ impl Gpu {
         Ok((dq, dk, dv))
     }
 
-    /// [`AttnDq::Cutlass`]: the backward through `lrmoe_flash_bwd`.
+    /// [`AttnDq::Cutlass`]: the backward through `lrmoe_flash_bwd` (the
+    /// buffers' lengths checked by [`Gpu::flash_attention_backward_with`]).
     #[allow(clippy::type_complexity)]
     fn cutlass_attention_backward(
         &self,
@@ -1495,21 +1503,9 @@ impl Gpu {
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, kv, dh) = dims;
-        if !self.flash_forward_takes(AttnFwd::Cooperative, dims) {
-            return Err(KernelError::Shape {
-                what: "the CUTLASS attention backward's shape (head_dim 64 or 128, seq a multiple of 128)",
-                expected: 128,
-                got: if dh == 64 || dh == 128 { seq } else { dh },
-            });
-        }
+        self.cutlass_attention_takes(dims)?;
         let rows = n_seq * heads * seq;
         let nk = n_seq * kv * seq * dh;
-        at_least("q", rows * dh, q.len())?;
-        at_least("k", nk, k.len())?;
-        at_least("v", nk, v.len())?;
-        at_least("o", rows * dh, o.len())?;
-        at_least("dout", rows * dh, dout.len())?;
-        at_least("lse2", rows, lse2.len())?;
         let (a, b, c, d, e) = (n_seq as i32, heads as i32, kv as i32, seq as i32, dh as i32);
         // SAFETY: a pure function of five integers (checked to fit above).
         let ws_bytes = unsafe { (self.attn.backward_workspace)(a, b, c, d, e) };
