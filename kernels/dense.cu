@@ -28,15 +28,31 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 // x[i, :] = table[tok[i], :] (f32 rows of d); add = 1: x[i, :] += it (a
-// learned position embedding on top of the token embedding).
+// learned position embedding on top of the token embedding). One warp per
+// row; 16-byte loads and stores where d is a multiple of 4 and both
+// buffers are 16-byte aligned.
 extern "C" __global__ void embed_fwd(const float* __restrict__ table, const uint32_t* __restrict__ tok,
                                      float* __restrict__ x, int n, int d, int add) {
-    long long total = (long long)n * d;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < total;
-         i += (long long)gridDim.x * blockDim.x) {
-        long long r = i / d, c = i % d;
-        float v = table[(long long)tok[r] * d + c];
-        x[i] = add ? x[i] + v : v;
+    int lane = threadIdx.x & 31;
+    int warps = (gridDim.x * blockDim.x) >> 5;
+    bool vec = (d & 3) == 0 && (((uintptr_t)table | (uintptr_t)x) & 15) == 0;
+    for (int r = (blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps) {
+        const float* src = table + (long long)tok[r] * d;
+        float* dst = x + (long long)r * d;
+        if (vec) {
+            const float4* s4 = reinterpret_cast<const float4*>(src);
+            float4* d4 = reinterpret_cast<float4*>(dst);
+            for (int c = lane; c < (d >> 2); c += 32) {
+                float4 t = s4[c];
+                if (add) {
+                    float4 o = d4[c];
+                    t = make_float4(o.x + t.x, o.y + t.y, o.z + t.z, o.w + t.w);
+                }
+                d4[c] = t;
+            }
+        } else {
+            for (int c = lane; c < d; c += 32) dst[c] = add ? dst[c] + src[c] : src[c];
+        }
     }
 }
 
@@ -327,6 +343,126 @@ extern "C" __global__ void rmsnorm_bwd_wide_f32(const float* x, const float* w, 
 extern "C" __global__ void rmsnorm_bwd_wide_bf16(const uint16_t* x, const float* w, const float* inv,
                                                  const uint16_t* dy, uint16_t* dx, float* dw, int rows, int d) {
     rmsnorm_bwd<true>(x, w, inv, dy, dx, dw, rows, d);
+}
+
+// Block-per-row RMSNorm for rows of d = 8 · blockDim.x (d a multiple of
+// 256, at most 4096; rows 16-byte aligned): each thread holds eight
+// consecutive columns of a row in registers, so every input is read from
+// memory once (the warp-per-row kernels above read a row twice), and the
+// gain stays in registers for the whole kernel. The row's sum goes through
+// shared memory, double-buffered by row parity: one barrier a row.
+__device__ __forceinline__ float block_row_sum(float v, float (*red)[32], int parity) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) red[parity][wid] = v;
+    __syncthreads();
+    float s = 0.f;
+    for (int k = 0; k < nw; k++) s += red[parity][k];
+    return s;
+}
+__device__ __forceinline__ void set8(float* p, long long c, const float v[8]) {
+    float4* q = reinterpret_cast<float4*>(p) + 2 * c;
+    q[0] = make_float4(v[0], v[1], v[2], v[3]);
+    q[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Forward: y = x / rms(x) ⊙ w, inv[row] = 1 / rms; keep (may be null): x
+// copied there in the same pass (the residual stream the backward reads).
+template <typename X>
+__device__ void rmsnorm_fwd_block(const X* __restrict__ x, const float* __restrict__ w, uint16_t* __restrict__ y,
+                                  float* __restrict__ inv, float* __restrict__ keep, int rows, int d, float eps) {
+    __shared__ float red[2][32];
+    int t = threadIdx.x, parity = 0;
+    float wv[8], v[8], nv[8];
+    load8(w, t, wv);
+    if (blockIdx.x < rows) load8(x, (long long)blockIdx.x * blockDim.x + t, v);
+    for (int r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {
+        long long c = (long long)r * blockDim.x + t;  // this thread's eight columns of row r
+        // The block's next row in flight while this one is summed and written.
+        if (r + gridDim.x < rows) load8(x, c + (long long)gridDim.x * blockDim.x, nv);
+        float s = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) s = fmaf(v[j], v[j], s);
+        float iv = rsqrtf(block_row_sum(s, red, parity) / d + eps);
+        if (keep) set8(keep, c, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = v[j] * iv * wv[j];
+        put8(y, c, v);
+        if (t == 0) inv[r] = iv;
+#pragma unroll
+        for (int j = 0; j < 8; j++) v[j] = nv[j];
+    }
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_fwd_block_f32(const float* x, const float* w, uint16_t* y,
+                                                                        float* inv, float* keep, int rows, int d,
+                                                                        float eps) {
+    rmsnorm_fwd_block(x, w, y, inv, keep, rows, d, eps);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_fwd_block_bf16(const uint16_t* x, const float* w,
+                                                                         uint16_t* y, float* inv, float* keep,
+                                                                         int rows, int d, float eps) {
+    rmsnorm_fwd_block(x, w, y, inv, static_cast<float*>(nullptr), rows, d, eps);
+}
+
+// Backward (as rmsnorm_bwd): each thread keeps its eight columns' share of
+// dw in registers over all its block's rows and adds it to dw once.
+template <typename X, typename DX>
+__device__ void rmsnorm_bwd_block(const X* __restrict__ x, const float* __restrict__ w, const float* __restrict__ inv,
+                                  const uint16_t* __restrict__ dy, DX* __restrict__ dx, float* __restrict__ dw,
+                                  int rows, int d) {
+    __shared__ float red[2][32];
+    int t = threadIdx.x, parity = 0;
+    float wv[8], acc[8], g[8], xv[8], ng[8], nx[8];
+    load8(w, t, wv);
+#pragma unroll
+    for (int j = 0; j < 8; j++) acc[j] = 0.f;
+    if (blockIdx.x < rows) {
+        long long c = (long long)blockIdx.x * blockDim.x + t;
+        load8(dy, c, g);
+        load8(x, c, xv);
+    }
+    for (int r = blockIdx.x; r < rows; r += gridDim.x, parity ^= 1) {
+        long long c = (long long)r * blockDim.x + t;
+        // The block's next row in flight while this one is reduced and
+        // written.
+        if (r + gridDim.x < rows) {
+            long long cn = c + (long long)gridDim.x * blockDim.x;
+            load8(dy, cn, ng);
+            load8(x, cn, nx);
+        }
+        float iv = inv[r];
+        float dot = 0.f, v[8];
+        // f32: the gradient is added into dx, read before the barrier.
+        if constexpr (sizeof(DX) == 4) load8(dx, c, v);
+#pragma unroll
+        for (int j = 0; j < 8; j++) dot = fmaf(g[j] * wv[j], xv[j], dot);
+        float cc = block_row_sum(dot, red, parity) * iv * iv * iv / d;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float dj = g[j] * wv[j] * iv - xv[j] * cc;
+            v[j] = sizeof(DX) == 4 ? v[j] + dj : dj;
+            acc[j] = fmaf(g[j] * xv[j], iv, acc[j]);
+            g[j] = ng[j];
+            xv[j] = nx[j];
+        }
+        if constexpr (sizeof(DX) == 4) {
+            set8(dx, c, v);
+        } else {
+            put8(dx, c, v);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) atomicAdd(dw + 8 * t + j, acc[j]);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_bwd_block_f32(const float* x, const float* w,
+                                                                        const float* inv, const uint16_t* dy,
+                                                                        float* dx, float* dw, int rows, int d) {
+    rmsnorm_bwd_block(x, w, inv, dy, dx, dw, rows, d);
+}
+extern "C" __global__ void __launch_bounds__(512) rmsnorm_bwd_block_bf16(const uint16_t* x, const float* w,
+                                                                         const float* inv, const uint16_t* dy,
+                                                                         uint16_t* dx, float* dw, int rows, int d) {
+    rmsnorm_bwd_block(x, w, inv, dy, dx, dw, rows, d);
 }
 
 // Token-major rows [n_seq·seq, heads·dh] ↔ head-major [n_seq, heads, seq,

@@ -50,7 +50,12 @@ pub fn rmsnorm_reference(x: &[f32], w: &[f32], eps: f32) -> (Vec<u16>, Vec<f32>)
     let mut y = Vec::with_capacity(x.len());
     let mut inv = Vec::with_capacity(x.len() / d);
     for row in x.chunks_exact(d) {
-        let s: f32 = row.iter().map(|v| v * v).sum();
+        // The sum in f64: an f32 running sum over a wide row (12 288) is
+        // itself off by more than the kernels' blocked sums.
+        let s = row
+            .iter()
+            .map(|&v| f64::from(v) * f64::from(v))
+            .sum::<f64>() as f32;
         let iv = 1.0 / (s / d as f32 + eps).sqrt();
         y.extend(row.iter().zip(w).map(|(&v, &g)| to_bf16_bits(v * iv * g)));
         inv.push(iv);

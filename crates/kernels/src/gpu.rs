@@ -32,7 +32,8 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 #[cfg(feature = "cuda")]
 pub use imp::{
     dense::{
-        attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, SumPart, ATTN_DS_MAX_BYTES,
+        attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping, SumPart,
+        ATTN_DS_MAX_BYTES,
     },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,

@@ -36,7 +36,9 @@
 //!   with `LRMOE_DENSE_GEMM=cutlass` or without libcublas).
 //! * [`dense`] — CPU twins of the dense transformer kernels
 //!   (`kernels/dense.cu`, its own fatbin): embedding and its scatter-add,
-//!   RMSNorm forward/backward (f32 residual or bf16 head rows), the
+//!   RMSNorm forward/backward (f32 residual or bf16 head rows; the
+//!   residual's widths a block per row, the forward copying its input in
+//!   the same pass on request, `Gpu::rmsnorm_keeping`), the
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy, gradient squared norms and the fused AdamW update
 //!   (clip read on the device), many sums or copies through device

@@ -127,6 +127,19 @@ pub(crate) trait Dense {
         which: Norm,
         x: &Stream<Self>,
     ) -> Result<(Rows<Self>, Inv<Self>), Self::Error>;
+    /// [`Dense::copy`] of `x`, then [`Dense::norm`] of it: `(copy, rows,
+    /// 1 / rms)` (a backend may read `x` once for both).
+    #[allow(clippy::type_complexity)]
+    fn norm_keeping(
+        &self,
+        li: usize,
+        which: Norm,
+        x: &Stream<Self>,
+    ) -> Result<(Stream<Self>, Rows<Self>, Inv<Self>), Self::Error> {
+        let copy = self.copy(x)?;
+        let (rows, inv) = self.norm(li, which, x)?;
+        Ok((copy, rows, inv))
+    }
     /// Block `li`'s attention on normed rows `a`, up to (not including) the
     /// output projection: its saved state and context rows.
     fn attention(&self, li: usize, a: &Rows<Self>)
@@ -255,14 +268,12 @@ pub(crate) fn block_forward<D: Dense>(
     x: &mut Stream<D>,
 ) -> Result<BlockSaved<D::F>, D::Error> {
     be.phase(phase::DENSE_FORWARD)?;
-    let x_in = be.copy(x)?;
-    let (a, inv1) = be.norm(li, Norm::Attention, x)?;
+    let (x_in, a, inv1) = be.norm_keeping(li, Norm::Attention, x)?;
     be.tick("norms")?;
     let (att, attn) = be.attention(li, &a)?;
     be.out_project(li, &attn, x)?;
     be.tick("o projection")?;
-    let x_mid = be.copy(x)?;
-    let (m, inv2) = be.norm(li, Norm::Moe, x)?;
+    let (x_mid, m, inv2) = be.norm_keeping(li, Norm::Moe, x)?;
     be.tick("norms")?;
     let moe = be.moe_forward(li, &m, x)?;
     be.tick("moe forward")?;

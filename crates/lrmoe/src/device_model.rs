@@ -1314,6 +1314,17 @@ mod imp {
             self.m.gpu.rmsnorm(x, w, self.n(), eps).map_err(k)
         }
 
+        fn norm_keeping(
+            &self,
+            li: usize,
+            which: Norm,
+            x: &CudaSlice<f32>,
+        ) -> Result<kernels::gpu::NormKeeping, ModelError> {
+            let eps = self.m.cfg.eps() as f32;
+            let w = gain(&self.m.blocks[li], which);
+            self.m.gpu.rmsnorm_keeping(x, w, self.n(), eps).map_err(k)
+        }
+
         fn attention(
             &self,
             li: usize,
