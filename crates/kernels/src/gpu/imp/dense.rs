@@ -44,8 +44,8 @@ pub(crate) struct DenseFns {
     norm_bwd_bf16: CudaFunction,
     norm_bwd_wide_f32: CudaFunction,
     norm_bwd_wide_bf16: CudaFunction,
-    /// Block-per-row norms for widths 256 · k up to 8192 (forward f32 /
-    /// bf16 input, backward f32 / bf16 gradient).
+    /// Block-per-row norms for the widths of [`norm_block_takes`]
+    /// (forward f32 / bf16 input, backward f32 / bf16 gradient).
     norm_block: [CudaFunction; 4],
     heads: CudaFunction,
     softmax: CudaFunction,
