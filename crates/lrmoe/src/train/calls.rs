@@ -98,7 +98,7 @@ pub fn layer_call_config(
         keep_projections: keeps_projections(moe),
         ..CallConfig::default()
     };
-    let rule = lrm_score::Rule::from_name(&moe.selection_rule).unwrap_or_default();
+    let rule = moe.mode.rule(&moe.selection_rule).unwrap_or_default();
     match moe.mode {
         Mode::Full => base,
         Mode::Capacity => CallConfig {
@@ -120,7 +120,7 @@ pub fn layer_call_config(
             solver: redistribute::Solver::Even,
             ..base
         },
-        Mode::Lrmoe => CallConfig {
+        Mode::Lrmoe | Mode::LrmoeTopQ => CallConfig {
             retention: if moe.surplus_only {
                 Retention::Surplus(moe.buffer_fraction.min(1.0))
             } else {
@@ -165,7 +165,7 @@ pub(super) fn run_call_config(
             "moe.keep_projections has no effect here: it applies to the device model on one rank (--device cuda, moe.ranks = 1)"
         );
     }
-    if cfg.moe.fit_budget || cfg.moe.mode == Mode::Lrmoe {
+    if cfg.moe.fit_budget || cfg.moe.mode.is_lrmoe() {
         // The per-rank budget in the units the executor plans with, for
         // `lrmoe replay --budget-mib` on this run's metrics.jsonl.
         let shape = (mcfg.d_model, mcfg.ffn);

@@ -31,6 +31,29 @@ pub enum Mode {
     /// backward. The first step has no history and takes the controller's
     /// replicas of its own counts.
     Symi,
+    /// LRMoE with the paper's selection rule, top-q (the highest-scoring
+    /// pairs within each quota), whatever `moe.selection_rule` says: so one
+    /// comparison trains both rules (`--modes lrmoe,lrmoe-top-q`).
+    #[serde(rename = "lrmoe_top_q")]
+    #[value(name = "lrmoe-top-q")]
+    LrmoeTopQ,
+}
+
+impl Mode {
+    /// Whether the backward is LRMoE's (quotas, selection, redistribution).
+    pub fn is_lrmoe(self) -> bool {
+        matches!(self, Self::Lrmoe | Self::LrmoeTopQ)
+    }
+
+    /// The selection rule the backward runs: top-q for
+    /// [`Mode::LrmoeTopQ`], else the configured one (`None` when that
+    /// name is not a rule).
+    pub fn rule(self, configured: &str) -> Option<lrm_score::Rule> {
+        match self {
+            Self::LrmoeTopQ => Some(lrm_score::Rule::TopQ),
+            _ => lrm_score::Rule::from_name(configured),
+        }
+    }
 }
 
 impl std::fmt::Display for Mode {
@@ -41,6 +64,7 @@ impl std::fmt::Display for Mode {
             Self::Capacity => "Capacity",
             Self::Replicate => "Replicate",
             Self::Symi => "SYMI-like",
+            Self::LrmoeTopQ => "LRMoE top-q",
         })
     }
 }

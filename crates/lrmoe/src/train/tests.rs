@@ -154,3 +154,27 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
     });
     assert!(bad[0].is_err());
 }
+
+/// `lrmoe_top_q` is LRMoE's backward with the paper's rule whatever
+/// `moe.selection_rule` says; `lrmoe` follows the setting; both budget
+/// the backward (the other modes keep every pair).
+#[test]
+fn the_top_q_mode_runs_lrmoe_with_top_q() {
+    let place = Placement {
+        owner: vec![0; 4],
+        replicas: vec![],
+    };
+    let call = |json: &str| {
+        let moe = moe_section_from_json(json, 4).unwrap();
+        assert!(moe.mode.is_lrmoe(), "{json}");
+        layer_call_config(&moe, (16, 8), 32.0, &place, true, 0)
+    };
+    let top_q = call(r#"{"mode": "lrmoe_top_q", "selection_rule": "priority"}"#);
+    assert_eq!(top_q.rule, lrm_score::Rule::TopQ);
+    let priority = call(r#"{"mode": "lrmoe", "selection_rule": "priority"}"#);
+    assert_eq!(priority.rule, lrm_score::Rule::Priority);
+    assert_eq!(top_q.retention, priority.retention);
+    assert!(!matches!(top_q.retention, layer::Retention::Full));
+    assert_eq!(Mode::LrmoeTopQ.to_string(), "LRMoE top-q");
+    assert!(!Mode::Full.is_lrmoe() && !Mode::Symi.is_lrmoe());
+}
