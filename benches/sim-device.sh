@@ -30,6 +30,10 @@
 #           TAG names the run's files ($OUT/cmpTAG, cmpTAG.log),
 #           CMP_TIMEOUT the seconds the whole comparison may take
 #           (default 590: one device call; lower it to fit two in one).
+#           Modes that do not fit one call run in parts (MODES=full,symi
+#           in one, lrmoe,lrmoe-top-q,capacity in the next, the same
+#           settings and seed) and join with `lrmoe redraw --input
+#           A/compare.json --input B/compare.json --out DIR`.
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh

@@ -2,7 +2,8 @@
 //! capacity-factor token dropping trained to the same target validation loss; a table and an SVG
 //! plot of validation loss against wall time, and — for in-process ranks timed on one GPU — a
 //! second plot against the simulated MoE-layer time on that many GPUs, labelled with the cluster
-//! model's parameters. `lrmoe redraw` writes the table and plots again from `compare.json`.
+//! model's parameters. `lrmoe redraw` writes the table and plots again from `compare.json`, or
+//! joins several comparisons trained in parts into one.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -104,6 +105,85 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
 /// `out_dir` (`compare.md`, `compare.{svg,png}`, and
 /// `compare-simulated.{svg,png}` when the runs carry simulated times).
 pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
+    let comparison = read_comparison(json)?;
+    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
+    let table = table(&comparison);
+    let files = write_table_and_plots(out_dir, &comparison, &table)?;
+    Ok(Report {
+        table,
+        files: files.iter().map(|p| p.display().to_string()).collect(),
+    })
+}
+
+/// Joins comparisons of the same target and the same simulated GPUs,
+/// trained in parts (one device call each, say), into one: their runs in
+/// the order given, written as `out_dir/compare.json` with its table and
+/// plots. A mode in two inputs, a different target or different simulated
+/// GPUs is an error, and so is an `out_dir` that holds one of the inputs:
+/// nothing is written then.
+pub fn merge(inputs: &[PathBuf], out_dir: &Path) -> Result<Report, TrainError> {
+    let Some((first_path, rest)) = inputs.split_first() else {
+        return Err(TrainError::Config("nothing to merge: no --input".into()));
+    };
+    let mut merged = read_comparison(first_path)?;
+    let target = out_dir.join("compare.json");
+    let same_file = |p: &Path| match (p.canonicalize(), target.canonicalize()) {
+        (Ok(a), Ok(b)) => a == b,
+        _ => false,
+    };
+    for p in inputs {
+        if same_file(p) {
+            return Err(TrainError::Config(format!(
+                "--out {} holds the input {}: merge into another folder",
+                out_dir.display(),
+                p.display()
+            )));
+        }
+    }
+    for p in rest {
+        let c = read_comparison(p)?;
+        if c.target_val_loss != merged.target_val_loss {
+            return Err(TrainError::Config(format!(
+                "{}: target {} differs from {}'s {}",
+                p.display(),
+                c.target_val_loss,
+                first_path.display(),
+                merged.target_val_loss
+            )));
+        }
+        if c.simulated_on != merged.simulated_on {
+            return Err(TrainError::Config(format!(
+                "{}: simulated for other GPUs or another cluster model than {}",
+                p.display(),
+                first_path.display()
+            )));
+        }
+        for r in &c.runs {
+            if merged.runs.iter().any(|m| m.mode == r.mode) {
+                return Err(TrainError::Config(format!(
+                    "{}: mode {} is in an earlier input too",
+                    p.display(),
+                    r.mode
+                )));
+            }
+        }
+        merged.runs.extend(c.runs);
+    }
+    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
+    let body = serde_json::to_string_pretty(&merged).unwrap_or_default();
+    write_atomic(&target, body.as_bytes()).map_err(io_err(&target))?;
+    let table = table(&merged);
+    let mut files = vec![target];
+    files.extend(write_table_and_plots(out_dir, &merged, &table)?);
+    Ok(Report {
+        table,
+        files: files.iter().map(|p| p.display().to_string()).collect(),
+    })
+}
+
+/// A `compare.json`, checked: runs present, a finite target, simulated
+/// GPUs and cluster model in range.
+fn read_comparison(json: &Path) -> Result<Comparison, TrainError> {
     let text = std::fs::read_to_string(json).map_err(io_err(json))?;
     let comparison: Comparison = serde_json::from_str(&text)
         .map_err(|e| TrainError::Config(format!("{}: not a compare.json: {e}", json.display())))?;
@@ -130,13 +210,7 @@ pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
             )));
         }
     }
-    std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
-    let table = table(&comparison);
-    let files = write_table_and_plots(out_dir, &comparison, &table)?;
-    Ok(Report {
-        table,
-        files: files.iter().map(|p| p.display().to_string()).collect(),
-    })
+    Ok(comparison)
 }
 
 fn has_simulated(runs: &[TrainSummary]) -> bool {

@@ -59,12 +59,16 @@ enum Command {
     /// Write a comparison's table and plots again from its compare.json
     /// (`train --compare` writes it): compare.md, compare.{svg,png} against
     /// wall time and, for simulated ranks, compare-simulated.{svg,png}
-    /// against the simulated MoE-layer time.
+    /// against the simulated MoE-layer time. Several inputs (the same
+    /// target and simulated GPUs, each mode once) are joined into one
+    /// comparison, written with its compare.json into --out.
     Redraw {
-        /// The comparison (compare.json).
-        #[arg(long)]
-        input: PathBuf,
-        /// Folder to write into (default: the input's folder).
+        /// The comparison (compare.json); repeat it to join comparisons
+        /// trained in parts.
+        #[arg(long, required = true)]
+        input: Vec<PathBuf>,
+        /// Folder to write into (default: the input's folder; required
+        /// with several inputs).
         #[arg(long)]
         out: Option<PathBuf>,
     },
@@ -588,11 +592,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Replay(a) => replay(&a),
         Command::Redraw { input, out } => {
-            let dir = out.unwrap_or_else(|| match input.parent() {
-                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-                _ => PathBuf::from("."),
-            });
-            let report = lrmoe::compare::redraw(&input, &dir)?;
+            let report = match (input.as_slice(), out) {
+                ([one], out) => {
+                    let dir = out.unwrap_or_else(|| match one.parent() {
+                        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                        _ => PathBuf::from("."),
+                    });
+                    lrmoe::compare::redraw(one, &dir)?
+                }
+                (_, Some(dir)) => lrmoe::compare::merge(&input, &dir)?,
+                (_, None) => anyhow::bail!(
+                    "redraw with {} inputs joins them: say where with --out",
+                    input.len()
+                ),
+            };
             println!("{}", report.table);
             println!("wrote {}", report.files.join(", "));
             Ok(())

@@ -1210,3 +1210,79 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     one_line_error(&err, "absent.json");
     assert!(!empty.exists(), "nothing written on bad input");
 }
+
+/// Comparisons trained in parts (one device call each) join into one:
+/// every mode's row and both plots, the joined compare.json beside them;
+/// a mode twice, another target, an --out that holds an input or no --out
+/// at all is one line and writes nothing.
+#[test]
+fn redraw_joins_comparisons_trained_in_parts() {
+    let dir = tmp("redraw-join");
+    let cfg = tiny_config(&dir, "target_val_loss = 50.0");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    for (out, modes) in [(&a, "full"), (&b, "lrmoe,capacity")] {
+        let (ok, _, err) = compare(&cfg, out, modes, &["--steps", "2"]);
+        assert!(ok, "{err}");
+    }
+    let (ja, jb) = (a.join("compare.json"), b.join("compare.json"));
+    let joined = dir.join("joined");
+    let (ok, stdout, err) = lrmoe(&[
+        "redraw",
+        "--input",
+        ja.to_str().unwrap(),
+        "--input",
+        jb.to_str().unwrap(),
+        "--out",
+        joined.to_str().unwrap(),
+    ]);
+    assert!(ok, "{err}");
+    for row in ["| Full | yes |", "| LRMoE | yes |", "| Capacity | yes |"] {
+        assert!(stdout.contains(row), "{row}: {stdout}");
+    }
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(joined.join("compare.json")).unwrap())
+            .unwrap();
+    let modes: Vec<&str> = c["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["mode"].as_str().unwrap())
+        .collect();
+    assert_eq!(modes, ["full", "lrmoe", "capacity"]);
+    assert!(joined.join("compare.svg").exists() && joined.join("compare.md").exists());
+
+    // Bad joins.
+    let mut other: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&ja).unwrap()).unwrap();
+    other["target_val_loss"] = serde_json::json!(49.0);
+    other["runs"][0]["mode"] = serde_json::json!("symi");
+    let other_target = dir.join("other-target.json");
+    std::fs::write(&other_target, other.to_string()).unwrap();
+    let empty = dir.join("empty");
+    let a_before = std::fs::read(&ja).unwrap();
+    let cases: [(Vec<&Path>, Option<&Path>, &str); 4] = [
+        (
+            vec![&ja, &ja],
+            Some(&empty),
+            "mode Full is in an earlier input too",
+        ),
+        (vec![&ja, &other_target], Some(&empty), "target 49 differs"),
+        (vec![&ja, &jb], Some(&a), "holds the input"),
+        (vec![&ja, &jb], None, "say where with --out"),
+    ];
+    for (inputs, out, needle) in cases {
+        let mut args = vec!["redraw".to_string()];
+        for i in inputs {
+            args.extend(["--input".to_string(), i.display().to_string()]);
+        }
+        if let Some(o) = out {
+            args.extend(["--out".to_string(), o.display().to_string()]);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (ok, _, err) = lrmoe(&args);
+        assert!(!ok, "{needle}");
+        one_line_error(&err, needle);
+    }
+    assert!(!empty.exists(), "nothing written on a bad join");
+    assert_eq!(std::fs::read(&ja).unwrap(), a_before, "the input is kept");
+}
