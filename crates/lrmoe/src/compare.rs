@@ -58,6 +58,12 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
             "--compare needs at least one mode".into(),
         ));
     }
+    let twice = (1..modes.len()).find(|&i| modes[..i].contains(&modes[i]));
+    if let Some(m) = twice.map(|i| modes[i]) {
+        return Err(TrainError::Config(format!(
+            "--modes names {m} twice: each mode trains once, into its own folder"
+        )));
+    }
     let target = cfg.run.target_val_loss.ok_or_else(|| {
         TrainError::Config("--compare needs a target validation loss (--target-val-loss)".into())
     })?;

@@ -1283,6 +1283,12 @@ fn redraw_joins_comparisons_trained_in_parts() {
         assert!(!ok, "{needle}");
         one_line_error(&err, needle);
     }
+    // A mode named twice in one comparison would train into one folder twice.
+    let twice = dir.join("twice");
+    let (ok, _, err) = compare(&cfg, &twice, "lrmoe,full,lrmoe", &["--steps", "2"]);
+    assert!(!ok);
+    one_line_error(&err, "--modes names LRMoE twice");
+    assert!(!twice.exists());
     assert!(!empty.exists(), "nothing written on a bad join");
     assert_eq!(std::fs::read(&ja).unwrap(), a_before, "the input is kept");
 }
