@@ -34,6 +34,9 @@
 #           in one, lrmoe,lrmoe-top-q,capacity in the next, the same
 #           settings and seed) and join with `lrmoe redraw --input
 #           A/compare.json --input B/compare.json --out DIR`.
+#           CMP_KEEP=plots keeps only compare.json and
+#           compare-simulated.svg of a comparison's files (a device call
+#           returns at most 8 files).
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
@@ -138,6 +141,12 @@ T
     --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} $fit \
     --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp${TAG:-}" --no-progress > "$OUT/cmp${TAG:-}.log" 2>&1
   echo "compare: rc=$?"
+  if [ "${CMP_KEEP:-all}" = plots ]; then
+    # Only compare.json and the simulated plot come back (a device call
+    # returns at most 8 files; the table is in the log).
+    find "$OUT/cmp${TAG:-}" -type f ! -name compare.json ! -name compare-simulated.svg -delete
+    find "$OUT/cmp${TAG:-}" -type d -empty -delete
+  fi
   grep -E "^\||^Target|^Simulated" "$OUT/cmp${TAG:-}.log"
   grep -iE "error|panicked" "$OUT/cmp${TAG:-}.log" | head -3
 fi
