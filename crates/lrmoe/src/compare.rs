@@ -88,23 +88,23 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
         simulated_on,
         runs,
     };
-    let table = table(&comparison);
     if !opts.writes() {
         return Ok(Report {
-            table,
+            table: table(&comparison),
             files: vec![],
         });
     }
     let dir = &cfg.run.out_dir;
+    let json = write_json(dir, &comparison)?;
+    draw(dir, &comparison, vec![json])
+}
+
+/// Writes `dir/compare.json` (atomically) and returns its path.
+fn write_json(dir: &Path, c: &Comparison) -> Result<PathBuf, TrainError> {
     let json = dir.join("compare.json");
-    let body = serde_json::to_string_pretty(&comparison).unwrap_or_default();
+    let body = serde_json::to_string_pretty(c).unwrap_or_default();
     write_atomic(&json, body.as_bytes()).map_err(io_err(&json))?;
-    let mut files = vec![json];
-    files.extend(write_table_and_plots(dir, &comparison, &table)?);
-    Ok(Report {
-        table,
-        files: files.iter().map(|p| p.display().to_string()).collect(),
-    })
+    Ok(json)
 }
 
 /// Reads a `compare.json` and writes its table and plots again into
@@ -113,11 +113,17 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
 pub fn redraw(json: &Path, out_dir: &Path) -> Result<Report, TrainError> {
     let comparison = read_comparison(json)?;
     std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
-    let table = table(&comparison);
-    let files = write_table_and_plots(out_dir, &comparison, &table)?;
+    draw(out_dir, &comparison, vec![])
+}
+
+/// Writes the table and plots of `c` into `out_dir` (which exists) and
+/// reports them after `written`.
+fn draw(out_dir: &Path, c: &Comparison, mut written: Vec<PathBuf>) -> Result<Report, TrainError> {
+    let table = table(c);
+    written.extend(write_table_and_plots(out_dir, c, &table)?);
     Ok(Report {
         table,
-        files: files.iter().map(|p| p.display().to_string()).collect(),
+        files: written.iter().map(|p| p.display().to_string()).collect(),
     })
 }
 
@@ -176,15 +182,8 @@ pub fn merge(inputs: &[PathBuf], out_dir: &Path) -> Result<Report, TrainError> {
         merged.runs.extend(c.runs);
     }
     std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
-    let body = serde_json::to_string_pretty(&merged).unwrap_or_default();
-    write_atomic(&target, body.as_bytes()).map_err(io_err(&target))?;
-    let table = table(&merged);
-    let mut files = vec![target];
-    files.extend(write_table_and_plots(out_dir, &merged, &table)?);
-    Ok(Report {
-        table,
-        files: files.iter().map(|p| p.display().to_string()).collect(),
-    })
+    let json = write_json(out_dir, &merged)?;
+    draw(out_dir, &merged, vec![json])
 }
 
 /// A `compare.json`, checked: runs present, a finite target, simulated
