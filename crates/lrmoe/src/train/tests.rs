@@ -175,6 +175,9 @@ fn the_top_q_mode_runs_lrmoe_with_top_q() {
     assert_eq!(priority.rule, lrm_score::Rule::Priority);
     assert_eq!(top_q.retention, priority.retention);
     assert!(!matches!(top_q.retention, layer::Retention::Full));
+    let full = moe_section_from_json(r#"{"mode": "full"}"#, 4).unwrap();
+    let full = layer_call_config(&full, (16, 8), 32.0, &place, true, 0);
+    assert_eq!(full.retention, layer::Retention::Full);
     assert_eq!(Mode::LrmoeTopQ.to_string(), "LRMoE top-q");
     assert!(!Mode::Full.is_lrmoe() && !Mode::Symi.is_lrmoe());
 }
