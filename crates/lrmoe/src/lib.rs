@@ -15,7 +15,9 @@
 //!   the block and the pass (`block`, crate-private: forward and
 //!   backward written once over a `Dense` contract),
 //!   AdamW, the corpus, the training loop (in-process ranks, or one NCCL
-//!   rank per launched process) and the time-to-target comparison;
+//!   rank per launched process) and the time-to-target comparison (its
+//!   table and plots drawn again, or comparisons trained in parts joined,
+//!   from `compare.json`);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
 //!   one layer call's settings from an `[moe]` section, as the trainer and
 //!   the Python package (`python/`) do;
