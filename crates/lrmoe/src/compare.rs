@@ -130,10 +130,12 @@ fn draw(out_dir: &Path, c: &Comparison, mut written: Vec<PathBuf>) -> Result<Rep
 /// Joins comparisons of the same target and the same simulated GPUs,
 /// trained in parts (one device call each, say), into one: their runs in
 /// the order given, written as `out_dir/compare.json` with its table and
-/// plots. A mode in two inputs, a different target or different simulated
-/// GPUs is an error, and so is an `out_dir` that holds one of the inputs:
-/// nothing is written then.
-pub fn merge(inputs: &[PathBuf], out_dir: &Path) -> Result<Report, TrainError> {
+/// plots. A mode in two inputs is an error unless `rerun`: then the later
+/// input's run replaces the earlier one's, in its place (a mode run again,
+/// say because the first call's time limit cut it off). A different target
+/// or different simulated GPUs is an error, and so is an `out_dir` that
+/// holds one of the inputs: nothing is written then.
+pub fn merge(inputs: &[PathBuf], out_dir: &Path, rerun: bool) -> Result<Report, TrainError> {
     let Some((first_path, rest)) = inputs.split_first() else {
         return Err(TrainError::Config("nothing to merge: no --input".into()));
     };
@@ -170,16 +172,19 @@ pub fn merge(inputs: &[PathBuf], out_dir: &Path) -> Result<Report, TrainError> {
                 first_path.display()
             )));
         }
-        for r in &c.runs {
-            if merged.runs.iter().any(|m| m.mode == r.mode) {
-                return Err(TrainError::Config(format!(
-                    "{}: mode {} is in an earlier input too",
-                    p.display(),
-                    r.mode
-                )));
+        for r in c.runs {
+            match merged.runs.iter_mut().find(|m| m.mode == r.mode) {
+                Some(earlier) if rerun => *earlier = r,
+                Some(_) => {
+                    return Err(TrainError::Config(format!(
+                        "{}: mode {} is in an earlier input too (--rerun replaces it)",
+                        p.display(),
+                        r.mode
+                    )))
+                }
+                None => merged.runs.push(r),
             }
         }
-        merged.runs.extend(c.runs);
     }
     std::fs::create_dir_all(out_dir).map_err(io_err(out_dir))?;
     let json = write_json(out_dir, &merged)?;

@@ -60,7 +60,7 @@ enum Command {
     /// (`train --compare` writes it): compare.md, compare.{svg,png} against
     /// wall time and, for simulated ranks, compare-simulated.{svg,png}
     /// against the simulated MoE-layer time. Several inputs (the same
-    /// target and simulated GPUs, each mode once) are joined into one
+    /// target and simulated GPUs, each mode once unless --rerun) are joined into one
     /// comparison, written with its compare.json into --out.
     Redraw {
         /// The comparison (compare.json); repeat it to join comparisons
@@ -71,6 +71,11 @@ enum Command {
         /// with several inputs).
         #[arg(long)]
         out: Option<PathBuf>,
+        /// When joining, a mode in a later input replaces that mode's run
+        /// from an earlier one (a mode trained again, e.g. after a time
+        /// limit cut its first run off) instead of being an error.
+        #[arg(long)]
+        rerun: bool,
     },
     /// One MoE layer's forward and LRMoE backward from safetensors files.
     #[command(allow_negative_numbers = true)]
@@ -591,7 +596,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::Replay(a) => replay(&a),
-        Command::Redraw { input, out } => {
+        Command::Redraw { input, out, rerun } => {
             let report = match (input.as_slice(), out) {
                 ([one], out) => {
                     let dir = out.unwrap_or_else(|| match one.parent() {
@@ -600,7 +605,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     });
                     lrmoe::compare::redraw(one, &dir)?
                 }
-                (_, Some(dir)) => lrmoe::compare::merge(&input, &dir)?,
+                (_, Some(dir)) => lrmoe::compare::merge(&input, &dir, rerun)?,
                 (_, None) => anyhow::bail!(
                     "redraw with {} inputs joins them: say where with --out",
                     input.len()

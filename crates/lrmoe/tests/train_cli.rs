@@ -1213,7 +1213,8 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
 
 /// Comparisons trained in parts (one device call each) join into one:
 /// every mode's row and both plots, the joined compare.json beside them;
-/// a mode twice, another target, an --out that holds an input or no --out
+/// `--rerun` lets a later input's run of a mode replace an earlier one's;
+/// without it a mode twice, another target, an --out that holds an input or no --out
 /// at all is one line and writes nothing.
 #[test]
 fn redraw_joins_comparisons_trained_in_parts() {
@@ -1250,6 +1251,35 @@ fn redraw_joins_comparisons_trained_in_parts() {
         .collect();
     assert_eq!(modes, ["full", "lrmoe", "capacity"]);
     assert!(joined.join("compare.svg").exists() && joined.join("compare.md").exists());
+
+    // --rerun: a later input's LRMoE run replaces the earlier one, in place.
+    let mut again: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&jb).unwrap()).unwrap();
+    let lrmoe_run = again["runs"][0].clone();
+    assert_eq!(lrmoe_run["mode"], "lrmoe");
+    again["runs"] = serde_json::json!([lrmoe_run]);
+    again["runs"][0]["steps"] = serde_json::json!(7);
+    let jr = dir.join("rerun.json");
+    std::fs::write(&jr, again.to_string()).unwrap();
+    let rejoined = dir.join("rejoined");
+    let mut args = vec!["redraw".to_string(), "--rerun".to_string()];
+    for i in [&ja, &jb, &jr] {
+        args.extend(["--input".to_string(), i.display().to_string()]);
+    }
+    args.extend(["--out".to_string(), rejoined.display().to_string()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (ok, _, err) = lrmoe(&args);
+    assert!(ok, "{err}");
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(rejoined.join("compare.json")).unwrap())
+            .unwrap();
+    let runs: Vec<(&str, u64)> = c["runs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| (r["mode"].as_str().unwrap(), r["steps"].as_u64().unwrap()))
+        .collect();
+    assert_eq!(runs, [("full", 2), ("lrmoe", 7), ("capacity", 2)]);
 
     // Bad joins.
     let mut other: serde_json::Value =
