@@ -33,7 +33,11 @@
 #           Modes that do not fit one call run in parts (MODES=full,symi
 #           in one, lrmoe,lrmoe-top-q,capacity in the next, the same
 #           settings and seed) and join with `lrmoe redraw --input
-#           A/compare.json --input B/compare.json --out DIR`.
+#           A/compare.json --input B/compare.json --out DIR`; a mode
+#           run again (its first run cut off) replaces the earlier run
+#           with `redraw --rerun`. The A3B 8-rank table of five modes:
+#           MODES=full,symi,lrmoe,capacity,lrmoe-top-q CMP_MIN=1.1
+#           CMP_TIMEOUT=288, two settings a call (~4.7 min each).
 #           CMP_KEEP=plots keeps only compare.json and
 #           compare-simulated.svg of a comparison's files (a device call
 #           returns at most 8 files).
