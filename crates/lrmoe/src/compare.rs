@@ -339,6 +339,181 @@ fn table(c: &Comparison) -> String {
             r.max_rank_peak_bytes as f64 / (1 << 20) as f64
         );
     }
+    t.push_str(&against_baselines(c));
+    t
+}
+
+/// Where a run's validation loss crossed the target between two
+/// evaluations: interpolated linearly between the last evaluation above the
+/// target and the first at or below it (`reached_target`, the grid's
+/// crossing). An estimate, finer than the evaluation grid; the grid's own
+/// point when the first evaluation already crossed.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Crossing {
+    /// Step, fractional.
+    pub step: f64,
+    /// MoE-layer seconds so far (the in-process run's own).
+    pub moe_s: f64,
+    /// Simulated MoE-layer seconds so far, when the run carries them.
+    pub simulated_moe_s: Option<f64>,
+}
+
+/// The crossing of `r` (see [`Crossing`]); `None` when it never reached
+/// `target`.
+pub fn crossing(r: &TrainSummary, target: f64) -> Option<Crossing> {
+    let at = r.reached_target?;
+    let grid = Crossing {
+        step: at.step as f64,
+        moe_s: at.moe_s,
+        simulated_moe_s: at.simulated_moe_s,
+    };
+    let before = r
+        .evals
+        .iter()
+        .rev()
+        .find(|e| e.step < at.step)
+        .filter(|b| b.val_loss > target && b.val_loss > at.val_loss);
+    let Some(b) = before else {
+        return Some(grid);
+    };
+    // In (0, 1]: b.val_loss > target >= at.val_loss.
+    let f = (b.val_loss - target) / (b.val_loss - at.val_loss);
+    let lerp = |a: f64, c: f64| a + f * (c - a);
+    Some(Crossing {
+        step: lerp(b.step as f64, grid.step),
+        moe_s: lerp(b.moe_s, grid.moe_s),
+        simulated_moe_s: b
+            .simulated_moe_s
+            .zip(grid.simulated_moe_s)
+            .map(|(a, c)| lerp(a, c)),
+    })
+}
+
+/// One run's standing at the target: its MoE-layer time and steps there
+/// on the evaluation grid and interpolated ([`crossing`]), or, when it
+/// stopped short, at its last evaluation (bounds: the true figures are
+/// higher).
+#[derive(Debug, Clone, Copy)]
+struct Standing {
+    reached: bool,
+    time: f64,
+    steps: f64,
+    time_between: f64,
+    steps_between: f64,
+}
+
+fn standing(r: &TrainSummary, target: f64, simulated: bool) -> Option<Standing> {
+    let time_of = |moe: f64, sim: Option<f64>| if simulated { sim } else { Some(moe) };
+    match (r.reached_target, crossing(r, target)) {
+        (Some(at), Some(x)) => Some(Standing {
+            reached: true,
+            time: time_of(at.moe_s, at.simulated_moe_s)?,
+            steps: at.step as f64,
+            time_between: time_of(x.moe_s, x.simulated_moe_s)?,
+            steps_between: x.step,
+        }),
+        _ => {
+            let last = r.evals.last()?;
+            let time = time_of(last.moe_s, last.simulated_moe_s)?;
+            let steps = r.steps.max(last.step) as f64;
+            Some(Standing {
+                reached: false,
+                time,
+                steps,
+                time_between: time,
+                steps_between: steps,
+            })
+        }
+    }
+}
+
+/// `a ÷ b` written with what is known: exact when both reached the
+/// target, `<` when only `a` did (b's true figure is higher), `>` when
+/// only `b` did, `?` when neither did or `b` is zero.
+fn ratio(a: f64, a_reached: bool, b: f64, b_reached: bool) -> String {
+    if b <= 0.0 || !(a.is_finite() && b.is_finite()) {
+        return "?".into();
+    }
+    let x = a / b;
+    match (a_reached, b_reached) {
+        (true, true) => format!("{x:.2}×"),
+        (true, false) => format!("< {x:.2}×"),
+        (false, true) => format!("> {x:.2}×"),
+        (false, false) => "?".into(),
+    }
+}
+
+/// The lines under the table: each run's crossing between evaluations,
+/// and every mode that changes the backward (LRMoE, top-q, capacity)
+/// against the best exact-backward baseline present (fixed ownership,
+/// replication, SYMI-like: the least MoE-layer time to the target,
+/// simulated when the runs carry it). Empty with no baseline or nothing
+/// to set against it.
+fn against_baselines(c: &Comparison) -> String {
+    let (target, runs) = (c.target_val_loss, &c.runs);
+    let simulated = has_simulated(runs);
+    let which = if simulated {
+        "simulated MoE-layer time"
+    } else {
+        "MoE-layer time"
+    };
+    let mut t = String::new();
+    let crossings: Vec<String> = runs
+        .iter()
+        .filter_map(|r| {
+            let x = crossing(r, target)?;
+            let time = if simulated {
+                x.simulated_moe_s?
+            } else {
+                x.moe_s
+            };
+            Some(format!("{} step {:.1}, {time:.2} s", r.mode, x.step))
+        })
+        .collect();
+    if !crossings.is_empty() {
+        let _ = writeln!(
+            t,
+            "\nCrossing the target between evaluations (the validation loss interpolated linearly; an estimate), {which}: {}.",
+            crossings.join("; ")
+        );
+    }
+    let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
+    let best = runs
+        .iter()
+        .filter(|r| exact(r.mode))
+        .filter_map(|r| Some((r, standing(r, target, simulated)?)))
+        .min_by(|a, b| a.1.time.total_cmp(&b.1.time));
+    let Some((base, b)) = best else {
+        return t;
+    };
+    let lines: Vec<String> = runs
+        .iter()
+        .filter(|r| !exact(r.mode))
+        .filter_map(|r| {
+            let a = standing(r, target, simulated)?;
+            Some(format!(
+                "{}: time {}, steps {} at the evaluations; {} and {} between them",
+                r.mode,
+                ratio(a.time, a.reached, b.time, b.reached),
+                ratio(a.steps, a.reached, b.steps, b.reached),
+                ratio(a.time_between, a.reached, b.time_between, b.reached),
+                ratio(a.steps_between, a.reached, b.steps_between, b.reached),
+            ))
+        })
+        .collect();
+    if !lines.is_empty() {
+        let short = if b.reached {
+            ""
+        } else {
+            ", stopped short of the target: its figures are bounds"
+        };
+        let _ = writeln!(
+            t,
+            "\nAgainst the best exact backward, {} (the least {which} to the target{short}): {}.",
+            base.mode,
+            lines.join("; ")
+        );
+    }
     t
 }
 
@@ -399,4 +574,122 @@ fn plot(
             label: format!("target {:.3}", c.target_val_loss),
         }),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::stop::StopReason;
+    use crate::train::EvalPoint;
+
+    /// A run of `mode` evaluated at `(step, val_loss)`, every step costing
+    /// `per_step` MoE-layer seconds (simulated too); `target` decides where
+    /// it reached.
+    fn run(mode: Mode, curve: &[(usize, f64)], per_step: f64, target: f64) -> TrainSummary {
+        let evals: Vec<EvalPoint> = curve
+            .iter()
+            .map(|&(step, val_loss)| EvalPoint {
+                step,
+                wall_s: step as f64,
+                moe_s: per_step * step as f64,
+                val_loss,
+                simulated_s: Some(2.0 * per_step * step as f64),
+                simulated_moe_s: Some(per_step * step as f64),
+            })
+            .collect();
+        let reached_target = evals.iter().copied().find(|e| e.val_loss <= target);
+        TrainSummary {
+            mode,
+            steps: curve.last().map_or(0, |c| c.0),
+            final_val_loss: curve.last().map_or(f64::NAN, |c| c.1),
+            evals,
+            unigram_val_loss: 3.0,
+            reached_target,
+            mean_kept_fraction: 1.0,
+            max_buffer_bytes: 0,
+            max_expert_bytes: 0,
+            max_rank_peak_bytes: 0,
+            max_held_bytes: 0,
+            stop_reason: if reached_target.is_some() {
+                StopReason::Target
+            } else {
+                StopReason::Time
+            },
+        }
+    }
+
+    fn comparison(runs: Vec<TrainSummary>) -> Comparison {
+        Comparison {
+            target_val_loss: 2.4,
+            simulated_on: None,
+            runs,
+        }
+    }
+
+    #[test]
+    fn the_crossing_is_interpolated_between_the_evaluations_around_the_target() {
+        // 2.6 at step 30, 2.3 at 40: 2.4 is two thirds of the way, step 36.7.
+        let r = run(Mode::Lrmoe, &[(10, 3.0), (30, 2.6), (40, 2.3)], 0.5, 2.4);
+        let x = crossing(&r, 2.4).unwrap();
+        assert!((x.step - (30.0 + 20.0 / 3.0)).abs() < 1e-9, "{x:?}");
+        assert!((x.moe_s - 0.5 * x.step).abs() < 1e-9);
+        assert_eq!(
+            x.simulated_moe_s.map(|s| (s - x.moe_s).abs() < 1e-9),
+            Some(true)
+        );
+        // Exactly at the target: the grid's point.
+        let r = run(Mode::Lrmoe, &[(10, 3.0), (20, 2.4)], 0.5, 2.4);
+        assert_eq!(crossing(&r, 2.4).unwrap().step, 20.0);
+        // The first evaluation already below: nothing to interpolate from.
+        let r = run(Mode::Lrmoe, &[(10, 2.0), (20, 1.9)], 0.5, 2.4);
+        assert_eq!(crossing(&r, 2.4).unwrap().step, 10.0);
+        // Never reached; a NaN evaluation never crosses.
+        let r = run(Mode::Lrmoe, &[(10, 3.0), (20, f64::NAN)], 0.5, 2.4);
+        assert_eq!(crossing(&r, 2.4), None);
+    }
+
+    #[test]
+    fn modes_are_set_against_the_best_exact_backward_with_bounds_where_it_stopped_short() {
+        let full = run(Mode::Full, &[(10, 2.8), (20, 2.5), (30, 2.3)], 2.0, 2.4);
+        let symi = run(Mode::Symi, &[(10, 2.8), (20, 2.39)], 4.0, 2.4);
+        let lrmoe = run(
+            Mode::Lrmoe,
+            &[(10, 2.8), (20, 2.5), (30, 2.45), (40, 2.35)],
+            1.0,
+            2.4,
+        );
+        let text = against_baselines(&comparison(vec![full.clone(), symi, lrmoe.clone()]));
+        // Full: 60 s at step 30 (SYMI-like 80 at 20); LRMoE 40 at 40.
+        assert!(
+            text.contains("Against the best exact backward, Full"),
+            "{text}"
+        );
+        assert!(
+            text.contains("LRMoE: time 0.67×, steps 1.33× at the evaluations"),
+            "{text}"
+        );
+        // Between: Full at 25 (50 s), LRMoE at 35 (35 s).
+        assert!(text.contains("0.70× and 1.40× between them"), "{text}");
+        assert!(text.contains("Full step 25.0, 50.00 s"), "{text}");
+
+        // The baseline stopped short at step 20, 40 s: LRMoE's figures are upper bounds.
+        let short = run(Mode::Full, &[(10, 2.8), (20, 2.5)], 2.0, 2.4);
+        let text = against_baselines(&comparison(vec![short.clone(), lrmoe]));
+        assert!(text.contains("stopped short of the target"), "{text}");
+        assert!(
+            text.contains("LRMoE: time < 1.00×, steps < 2.00×"),
+            "{text}"
+        );
+        // A mode short of a baseline that reached: lower bounds.
+        let slow = run(Mode::Capacity, &[(10, 2.9), (50, 2.6)], 2.0, 2.4);
+        let text = against_baselines(&comparison(vec![full, slow.clone()]));
+        assert!(
+            text.contains("Capacity: time > 1.67×, steps > 1.67×"),
+            "{text}"
+        );
+        // Neither reached: unknown. No baseline at all: no line.
+        let text = against_baselines(&comparison(vec![short, slow.clone()]));
+        assert!(text.contains("Capacity: time ?, steps ?"), "{text}");
+        assert!(!against_baselines(&comparison(vec![slow])).contains("Against"));
+    }
 }
