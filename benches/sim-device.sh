@@ -48,8 +48,11 @@
 #           validation loss", measured on 2 × H200 on 2026-12-01) simulated
 #           with 2 staged ranks, the same command: benches/hot-compare.toml,
 #           all four modes to 2.1, `--fit-budget`, seed SEED (default 1);
-#           CALL_US sets `cluster.call_overhead_us` (default 0); files in
-#           $OUT/hotTAG.
+#           CALL_US sets `cluster.call_overhead_us`, LAYER_US
+#           `cluster.layer_call_overhead_us` (default 0 both); files in
+#           $OUT/hotTAG. `python3 benches/sim-hot-fit.py $OUT/hotTAG SEED`
+#           fits either cost to fixed ownership's measured row and says
+#           whether each ranks the modes as the GPUs did.
 # Build here and carry .device/:
 #   cargo build --release -p lrmoe --features cuda && cp target/release/lrmoe .device/
 #   cargo build --release -p lrmoe-benches --features cuda --bin lrmoe-sim-bench && cp target/release/lrmoe-sim-bench .device/
@@ -155,7 +158,7 @@ T
   grep -iE "error|panicked" "$OUT/cmp${TAG:-}.log" | head -3
 fi
 if part hot; then
-  { cat benches/hot-compare.toml; printf '[cluster]\ncall_overhead_us = %s\n' "${CALL_US:-0}"; } > /tmp/hot.toml
+  { cat benches/hot-compare.toml; printf '[cluster]\ncall_overhead_us = %s\nlayer_call_overhead_us = %s\n' "${CALL_US:-0}" "${LAYER_US:-0}"; } > /tmp/hot.toml
   time timeout 590 .device/lrmoe train --config /tmp/hot.toml --compare --modes full,replicate,capacity,lrmoe \
     --target-val-loss 2.1 --fit-budget --seed "${SEED:-1}" --device cuda --executor device \
     --out "$OUT/hot${TAG:-}" --no-progress > "$OUT/hot${TAG:-}.log" 2>&1

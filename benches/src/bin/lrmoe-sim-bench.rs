@@ -63,7 +63,7 @@ fn rank(
             if i < 2 {
                 continue; // a warm-up
             }
-            let s = lrmoe::simulate::simulate(&tl, &cluster::Cluster::default())
+            let s = lrmoe::simulate::simulate(&tl, &cluster::Cluster::default(), 1)
                 .map_err(|e| layer::LayerError::Config(e.to_string()))?;
             out.push(s);
         }

@@ -23,7 +23,11 @@
 //! * **A call's own cost** ([`Cluster::call_s`]): the simulator adds
 //!   `call_overhead_us` to every collective, for the fixed costs of the
 //!   executor's collective path that the links do not have (0 by default;
-//!   on small layer calls they dominate: `docs/benchmarks.md`).
+//!   on small layer calls they dominate: `docs/benchmarks.md`), and
+//!   `layer_call_overhead_us` to every MoE-layer call, forward or backward,
+//!   per micro-batch ([`Cluster::layer_call_s`]: an executor's fixed cost a
+//!   call, such as host round trips, that the ranks' timed kernels do not
+//!   see; 0 by default).
 //! * **Phases** are bulk-synchronous ([`bulk_synchronous`]): a phase ends
 //!   when its slowest rank does; overlapped work takes the longer of the two
 //!   ([`overlapped`]) — exactly what the executor overlaps, nothing more.
@@ -86,6 +90,14 @@ pub struct Cluster {
     /// bytes or none. 0 by default (the links alone); see
     /// [`Cluster::call_s`].
     pub call_overhead_us: f64,
+    /// The executor's own fixed cost of one MoE-layer call, µs: one
+    /// layer's forward or backward over one micro-batch, beside its
+    /// kernels and collectives (host round trips where the dense parts run
+    /// on the host, as in the 2-GPU runs of 2026-12-01; launches and
+    /// synchronisation a call). Added once per call, so it grows with the
+    /// micro-batches. 0 by default (the ranks' timed work alone); see
+    /// [`Cluster::layer_call_s`].
+    pub layer_call_overhead_us: f64,
 }
 
 impl Default for Cluster {
@@ -97,6 +109,7 @@ impl Default for Cluster {
             inter_gb_per_s: 45.0,
             inter_latency_us: 30.0,
             call_overhead_us: 0.0,
+            layer_call_overhead_us: 0.0,
         }
     }
 }
@@ -137,6 +150,7 @@ impl Cluster {
             ("intra_latency_us", self.intra_latency_us),
             ("inter_latency_us", self.inter_latency_us),
             ("call_overhead_us", self.call_overhead_us),
+            ("layer_call_overhead_us", self.layer_call_overhead_us),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(ClusterError::Field {
@@ -153,6 +167,12 @@ impl Cluster {
     /// ([`Cluster::call_overhead_us`]).
     pub fn call_s(&self) -> f64 {
         self.call_overhead_us * 1e-6
+    }
+
+    /// The executor's fixed cost of one MoE-layer call, seconds
+    /// ([`Cluster::layer_call_overhead_us`]).
+    pub fn layer_call_s(&self) -> f64 {
+        self.layer_call_overhead_us * 1e-6
     }
 
     /// The class of the link from rank `a` to rank `b`.

@@ -54,6 +54,7 @@ fn an_exchange_is_latency_plus_the_busiest_rank_over_the_bandwidth() {
         inter_gb_per_s: 10.0,
         inter_latency_us: 20.0,
         call_overhead_us: 0.0,
+        layer_call_overhead_us: 0.0,
     };
     // Two ranks on one node: rank 0 sends 1 GB, receives 0.5 GB.
     let b = vec![vec![7, 1_000_000_000], vec![500_000_000, 9]];
@@ -89,6 +90,7 @@ fn collectives_follow_the_ring_model() {
         inter_gb_per_s: 25.0,
         inter_latency_us: 10.0,
         call_overhead_us: 0.0,
+        layer_call_overhead_us: 0.0,
     };
     let s = c.all_reduce_s(800_000_000, 8).unwrap();
     assert!((s - (5e-6 + 14.0 / 8.0 * 0.008)).abs() < 1e-12, "{s}");
@@ -125,6 +127,10 @@ fn bad_clusters_and_shapes_are_errors() {
         },
         Cluster {
             call_overhead_us: -0.5,
+            ..Cluster::default()
+        },
+        Cluster {
+            layer_call_overhead_us: f64::NAN,
             ..Cluster::default()
         },
     ];

@@ -259,6 +259,9 @@ fn describe(s: &SimulatedOn) -> String {
     if c.call_overhead_us > 0.0 {
         let _ = write!(line, ", {} µs a collective call", c.call_overhead_us);
     }
+    if c.layer_call_overhead_us > 0.0 {
+        let _ = write!(line, ", {} µs a MoE-layer call", c.layer_call_overhead_us);
+    }
     line
 }
 

@@ -34,6 +34,10 @@ pub struct Simulated {
     pub calls: usize,
     /// Those of them in the MoE layers.
     pub moe_calls: usize,
+    /// MoE-layer calls in each direction (layers × micro-batches), each
+    /// forward and each backward charged `cluster.layer_call_overhead_us`
+    /// (under the phases' `layer calls` parts).
+    pub moe_layer_calls: usize,
     /// Every rank's own work summed (what one GPU ran), seconds.
     pub work_all_ranks_s: f64,
     /// Seconds per phase, collectives included; the MoE layers' work is
@@ -141,8 +145,14 @@ fn collective_s(i: usize, records: &[&Entry], cluster: &Cluster) -> Result<f64, 
     }
 }
 
-/// Simulates one step from every rank's timeline (rank order).
-pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated, SimError> {
+/// Simulates one step from every rank's timeline (rank order) that made
+/// `moe_layer_calls` MoE-layer calls in each direction (layers ×
+/// micro-batches), each charged the cluster's fixed cost of a layer call.
+pub fn simulate(
+    timelines: &[Vec<Entry>],
+    cluster: &Cluster,
+    moe_layer_calls: usize,
+) -> Result<Simulated, SimError> {
     cluster.validate()?;
     let cuts: Vec<Cut<'_>> = timelines.iter().map(|t| cut(t)).collect();
     let n_coll = cuts.first().map_or(0, |c| c.collectives.len());
@@ -195,6 +205,13 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
             moe_calls += 1;
         }
     }
+    let fixed = moe_layer_calls as f64 * cluster.layer_call_s();
+    if fixed > 0.0 {
+        for p in crate::device_model::phase::MOE {
+            *phases.entry(format!("{p}: layer calls")).or_insert(0.0) += fixed;
+            step += fixed;
+        }
+    }
     let moe_s = phases
         .iter()
         .filter(|(p, _)| crate::device_model::phase::is_moe(p))
@@ -212,6 +229,7 @@ pub fn simulate(timelines: &[Vec<Entry>], cluster: &Cluster) -> Result<Simulated
         collectives_s: collectives,
         calls,
         moe_calls,
+        moe_layer_calls,
         work_all_ranks_s,
         phases,
         held_bytes: held_bytes.unwrap_or_default(),
@@ -245,6 +263,7 @@ mod tests {
             inter_gb_per_s: 10.0,
             inter_latency_us: 0.0,
             call_overhead_us: 0.0,
+            layer_call_overhead_us: 0.0,
         };
         let t = vec![
             vec![
@@ -270,7 +289,7 @@ mod tests {
                 work("optimizer", 0.25),
             ],
         ];
-        let s = simulate(&t, &c).unwrap();
+        let s = simulate(&t, &c, 1).unwrap();
         // Stretch 0: rank 0's 3 s; the exchange: rank 1 sends 2 GB at
         // 100 GB/s; stretch 1: rank 1's 1 s (rank 0's staging is not
         // counted); the sum: 2·1/2·0.4 GB at 100 GB/s; stretch 2: 0.25 s.
@@ -294,11 +313,35 @@ mod tests {
                 call_overhead_us: 1000.0,
                 ..c
             },
+            1,
         )
         .unwrap();
         assert!((slow.step_s - (want + 0.002)).abs() < 1e-12, "{slow:?}");
         assert!((slow.moe_s - (s.moe_s + 0.001)).abs() < 1e-12, "{slow:?}");
         assert!((slow.collectives_s - 0.026).abs() < 1e-12);
+        // A fixed cost per MoE-layer call: 3 calls each way at 0.1 s, in
+        // the MoE phases' `layer calls` parts, not in the collectives.
+        let calls = simulate(
+            &t,
+            &Cluster {
+                layer_call_overhead_us: 100_000.0,
+                ..c
+            },
+            3,
+        )
+        .unwrap();
+        assert!((calls.step_s - (want + 0.6)).abs() < 1e-12, "{calls:?}");
+        assert!((calls.moe_s - (s.moe_s + 0.6)).abs() < 1e-12, "{calls:?}");
+        assert!((calls.phases["moe backward: layer calls"] - 0.3).abs() < 1e-12);
+        assert!((calls.phase_s("moe forward") - (s.phase_s("moe forward") + 0.3)).abs() < 1e-12);
+        assert_eq!(
+            (calls.collectives_s, calls.moe_layer_calls),
+            (s.collectives_s, 3)
+        );
+        assert!(
+            !s.phases.contains_key("moe forward: layer calls"),
+            "none at 0 µs"
+        );
     }
 
     #[test]
@@ -308,12 +351,12 @@ mod tests {
             vec![work("optimizer", 1.0), held(7)],
             vec![work("optimizer", 2.0), held(9)],
         ];
-        let s = simulate(&t, &Cluster::default()).unwrap();
+        let s = simulate(&t, &Cluster::default(), 1).unwrap();
         assert_eq!(s.held_bytes, vec![7, 9]);
         assert_eq!(s.step_s, 2.0, "a mark of memory is not a collective");
         // One rank without the figure: none is reported.
         let t = vec![vec![held(7)], vec![work("optimizer", 2.0)]];
-        assert!(simulate(&t, &Cluster::default())
+        assert!(simulate(&t, &Cluster::default(), 1)
             .unwrap()
             .held_bytes
             .is_empty());
@@ -326,20 +369,20 @@ mod tests {
             vec![work("a", 1.0), ex("a", vec![0, 1])],
             vec![work("a", 1.0)],
         ];
-        assert!(matches!(simulate(&t, &c), Err(SimError::Mismatch(_))));
+        assert!(matches!(simulate(&t, &c, 1), Err(SimError::Mismatch(_))));
         let t = vec![vec![ex("a", vec![0, 1])], vec![ex("b", vec![1, 0])]];
-        assert!(matches!(simulate(&t, &c), Err(SimError::Mismatch(_))));
+        assert!(matches!(simulate(&t, &c, 1), Err(SimError::Mismatch(_))));
         let bad = Cluster {
             intra_gb_per_s: -1.0,
             ..Cluster::default()
         };
-        assert!(matches!(simulate(&[], &bad), Err(SimError::Cluster(_))));
+        assert!(matches!(simulate(&[], &bad, 1), Err(SimError::Cluster(_))));
     }
 
     #[test]
     fn one_rank_is_its_own_work() {
         let t = vec![vec![work("moe backward", 0.5), work("optimizer", 0.25)]];
-        let s = simulate(&t, &Cluster::default()).unwrap();
+        let s = simulate(&t, &Cluster::default(), 1).unwrap();
         assert_eq!(s.step_s, 0.75);
         assert_eq!(s.moe_s, 0.5);
     }

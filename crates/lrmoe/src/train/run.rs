@@ -552,7 +552,8 @@ pub(super) fn rank_loop<X: Transport>(
         let out = train_step(comm, lp, &mut s, micro, lr, device_model)?;
         comm.close_step(s.step)?;
         let agreed = agree(comm, out.loss, clock.elapsed().as_secs_f64(), lp.stop)?;
-        let simulated = simulated_step(comm, &cfg.cluster, s.step)?;
+        let layer_calls = cfg.model.n_layers * micro;
+        let simulated = simulated_step(comm, &cfg.cluster, s.step, layer_calls)?;
         account(cfg, &mut s, &out, agreed.step_s, simulated.as_ref());
         let step_micro = micro;
         let (layers, next, buffers) = gather_layers(comm, lp, &out, micro)?;
@@ -699,17 +700,19 @@ pub(super) fn reached_now(cfg: &TrainConfig, s: &State) -> Option<EvalPoint> {
 
 /// Rank 0 of timed in-process ranks: step `step` on as many GPUs of
 /// `cluster` (every rank closed it before the collective that follows
-/// its `close_step`); `None` elsewhere.
+/// its `close_step`), which made `layer_calls` MoE-layer calls each way
+/// (layers × micro-batches); `None` elsewhere.
 pub(super) fn simulated_step<X: Transport>(
     comm: &X,
     cluster: &cluster::Cluster,
     step: usize,
+    layer_calls: usize,
 ) -> Result<Option<crate::simulate::Simulated>, TrainError> {
     if comm.rank() != 0 {
         return Ok(None);
     }
     comm.take_step(step)
-        .map(|t| crate::simulate::simulate(&t, cluster))
+        .map(|t| crate::simulate::simulate(&t, cluster, layer_calls))
         .transpose()
         .map_err(|e| TrainError::Config(format!("step {step}: {e}")))
 }
