@@ -712,7 +712,8 @@ fn computed(pairs: &[Vec<u64>]) -> Vec<u64> {
 /// to instances, `x` rows out, experts (`6·H·F` FLOP per pair), `o` rows
 /// back; backward = kept `[x | g·δ]` rows out, experts (`16·H·F` per kept
 /// pair: recompute and both gradients), `dX` rows back, instance gradients
-/// home. Exchanges through `cfg.cluster`, compute at `cfg.flops_per_s`.
+/// home. Exchanges through `cfg.cluster`, compute at `cfg.flops_per_s`;
+/// each pass also pays the cluster's fixed cost of a layer call.
 fn layer_times(
     cfg: &ReplayConfig,
     ranks: usize,
@@ -749,7 +750,10 @@ fn layer_times(
         + compute(bwd, cost.flops_per_pair)
         + ex(bwd, act)?
         + ex(&inst, cost.expert_grad_bytes)?;
-    Ok((forward, backward))
+    // Each pass is one MoE-layer call (`cluster.layer_call_overhead_us`, 0
+    // by default).
+    let call_cost = cfg.cluster.layer_call_s();
+    Ok((forward + call_cost, backward + call_cost))
 }
 
 fn figures(
