@@ -597,6 +597,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Replay(a) => replay(&a),
         Command::Redraw { input, out, rerun } => {
+            if rerun && input.len() < 2 {
+                anyhow::bail!("--rerun replaces runs when joining: give two or more --input");
+            }
             let report = match (input.as_slice(), out) {
                 ([one], out) => {
                     let dir = out.unwrap_or_else(|| match one.parent() {

@@ -1313,6 +1313,17 @@ fn redraw_joins_comparisons_trained_in_parts() {
         assert!(!ok, "{needle}");
         one_line_error(&err, needle);
     }
+    // --rerun with one input has nothing to replace.
+    let (ok, _, err) = lrmoe(&[
+        "redraw",
+        "--rerun",
+        "--input",
+        ja.to_str().unwrap(),
+        "--out",
+        empty.to_str().unwrap(),
+    ]);
+    assert!(!ok);
+    one_line_error(&err, "give two or more --input");
     // A mode named twice in one comparison would train into one folder twice.
     let twice = dir.join("twice");
     let (ok, _, err) = compare(&cfg, &twice, "lrmoe,full,lrmoe", &["--steps", "2"]);
