@@ -1191,13 +1191,7 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     for (i, (text, needle)) in bad_cases.iter().enumerate() {
         let f = dir.join(format!("bad{i}.json"));
         std::fs::write(&f, text).unwrap();
-        let (ok, _, err) = lrmoe(&[
-            "redraw",
-            "--input",
-            f.to_str().unwrap(),
-            "--out",
-            empty.to_str().unwrap(),
-        ]);
+        let (ok, _, err) = redraw(&[], &[&f], Some(&empty));
         assert!(!ok);
         one_line_error(&err, needle);
     }
@@ -1209,6 +1203,22 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     assert!(!ok);
     one_line_error(&err, "absent.json");
     assert!(!empty.exists(), "nothing written on bad input");
+}
+
+/// `lrmoe redraw [flags] --input I… [--out O]`.
+fn redraw(flags: &[&str], inputs: &[&Path], out: Option<&Path>) -> (bool, String, String) {
+    let mut args: Vec<String> = std::iter::once("redraw")
+        .chain(flags.iter().copied())
+        .map(String::from)
+        .collect();
+    for i in inputs {
+        args.extend(["--input".to_string(), i.display().to_string()]);
+    }
+    if let Some(o) = out {
+        args.extend(["--out".to_string(), o.display().to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    lrmoe(&args)
 }
 
 /// Comparisons trained in parts (one device call each) join into one:
@@ -1262,13 +1272,7 @@ fn redraw_joins_comparisons_trained_in_parts() {
     let jr = dir.join("rerun.json");
     std::fs::write(&jr, again.to_string()).unwrap();
     let rejoined = dir.join("rejoined");
-    let mut args = vec!["redraw".to_string(), "--rerun".to_string()];
-    for i in [&ja, &jb, &jr] {
-        args.extend(["--input".to_string(), i.display().to_string()]);
-    }
-    args.extend(["--out".to_string(), rejoined.display().to_string()]);
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (ok, _, err) = lrmoe(&args);
+    let (ok, _, err) = redraw(&["--rerun"], &[&ja, &jb, &jr], Some(&rejoined));
     assert!(ok, "{err}");
     let c: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(rejoined.join("compare.json")).unwrap())
@@ -1301,27 +1305,12 @@ fn redraw_joins_comparisons_trained_in_parts() {
         (vec![&ja, &jb], None, "say where with --out"),
     ];
     for (inputs, out, needle) in cases {
-        let mut args = vec!["redraw".to_string()];
-        for i in inputs {
-            args.extend(["--input".to_string(), i.display().to_string()]);
-        }
-        if let Some(o) = out {
-            args.extend(["--out".to_string(), o.display().to_string()]);
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let (ok, _, err) = lrmoe(&args);
+        let (ok, _, err) = redraw(&[], &inputs, out);
         assert!(!ok, "{needle}");
         one_line_error(&err, needle);
     }
     // --rerun with one input has nothing to replace.
-    let (ok, _, err) = lrmoe(&[
-        "redraw",
-        "--rerun",
-        "--input",
-        ja.to_str().unwrap(),
-        "--out",
-        empty.to_str().unwrap(),
-    ]);
+    let (ok, _, err) = redraw(&["--rerun"], &[&ja], Some(&empty));
     assert!(!ok);
     one_line_error(&err, "give two or more --input");
     // A mode named twice in one comparison would train into one folder twice.
