@@ -41,8 +41,8 @@ def layer_calls(r):
 
 def to_target(run_dir, mode):
     """(steps, simulated MoE s, collective calls, layer calls) to the first
-    evaluation at or below the target, and the medians a step of the last
-    three."""
+    evaluation at or below the target, and the median simulated MoE s,
+    collective calls and layer calls a step."""
     rows = [json.loads(line) for line in open(f"{run_dir}/{mode}/metrics.jsonl")]
     rows = [r for r in rows if "simulated" in r]
     moe = calls = layers = 0.0

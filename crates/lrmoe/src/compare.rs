@@ -461,16 +461,18 @@ fn against_baselines(c: &Comparison) -> String {
         "MoE-layer time"
     };
     let mut t = String::new();
-    let crossings: Vec<String> = runs
+    let standings: Vec<(&TrainSummary, Standing)> = runs
         .iter()
-        .filter_map(|r| {
-            let x = crossing(r, target)?;
-            let time = if simulated {
-                x.simulated_moe_s?
-            } else {
-                x.moe_s
-            };
-            Some(format!("{} step {:.1}, {time:.2} s", r.mode, x.step))
+        .filter_map(|r| Some((r, standing(r, target, simulated)?)))
+        .collect();
+    let crossings: Vec<String> = standings
+        .iter()
+        .filter(|(_, x)| x.reached)
+        .map(|(r, x)| {
+            format!(
+                "{} step {:.1}, {:.2} s",
+                r.mode, x.steps_between, x.time_between
+            )
         })
         .collect();
     if !crossings.is_empty() {
@@ -481,27 +483,25 @@ fn against_baselines(c: &Comparison) -> String {
         );
     }
     let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
-    let best = runs
+    let best = standings
         .iter()
-        .filter(|r| exact(r.mode))
-        .filter_map(|r| Some((r, standing(r, target, simulated)?)))
+        .filter(|(r, _)| exact(r.mode))
         .min_by(|a, b| a.1.time.total_cmp(&b.1.time));
     let Some((base, b)) = best else {
         return t;
     };
-    let lines: Vec<String> = runs
+    let lines: Vec<String> = standings
         .iter()
-        .filter(|r| !exact(r.mode))
-        .filter_map(|r| {
-            let a = standing(r, target, simulated)?;
-            Some(format!(
+        .filter(|(r, _)| !exact(r.mode))
+        .map(|(r, a)| {
+            format!(
                 "{}: time {}, steps {} at the evaluations; {} and {} between them",
                 r.mode,
                 ratio(a.time, a.reached, b.time, b.reached),
                 ratio(a.steps, a.reached, b.steps, b.reached),
                 ratio(a.time_between, a.reached, b.time_between, b.reached),
                 ratio(a.steps_between, a.reached, b.steps_between, b.reached),
-            ))
+            )
         })
         .collect();
     if !lines.is_empty() {

@@ -1110,6 +1110,22 @@ fn toml_errors_say_line_and_column_on_one_line() {
     );
 }
 
+/// `lrmoe redraw [flags] --input I… [--out O]`.
+fn redraw(flags: &[&str], inputs: &[&Path], out: Option<&Path>) -> (bool, String, String) {
+    let mut args: Vec<String> = std::iter::once("redraw")
+        .chain(flags.iter().copied())
+        .map(String::from)
+        .collect();
+    for i in inputs {
+        args.extend(["--input".to_string(), i.display().to_string()]);
+    }
+    if let Some(o) = out {
+        args.extend(["--out".to_string(), o.display().to_string()]);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    lrmoe(&args)
+}
+
 #[test]
 fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     let dir = tmp("redraw");
@@ -1122,13 +1138,7 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
 
     // Redrawn elsewhere: the same table, both plots, no simulated plot (CPU ranks).
     let again = dir.join("again");
-    let (ok, stdout, err) = lrmoe(&[
-        "redraw",
-        "--input",
-        json.to_str().unwrap(),
-        "--out",
-        again.to_str().unwrap(),
-    ]);
+    let (ok, stdout, err) = redraw(&[], &[&json], Some(&again));
     assert!(ok, "{err}");
     assert!(stdout.contains("| LRMoE | yes |"), "{stdout}");
     assert_eq!(
@@ -1160,7 +1170,7 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
     });
     let sim = dir.join("sim.json");
     std::fs::write(&sim, c.to_string()).unwrap();
-    let (ok, stdout, err) = lrmoe(&["redraw", "--input", sim.to_str().unwrap()]);
+    let (ok, stdout, err) = redraw(&[], &[&sim], None);
     assert!(ok, "{err}");
     assert!(
         stdout.contains("16 GPUs, 8 a node; intra-node 336 GB/s and 56 µs"),
@@ -1195,30 +1205,10 @@ fn redraw_writes_a_comparison_again_and_labels_simulated_times() {
         assert!(!ok);
         one_line_error(&err, needle);
     }
-    let (ok, _, err) = lrmoe(&[
-        "redraw",
-        "--input",
-        dir.join("absent.json").to_str().unwrap(),
-    ]);
+    let (ok, _, err) = redraw(&[], &[&dir.join("absent.json")], None);
     assert!(!ok);
     one_line_error(&err, "absent.json");
     assert!(!empty.exists(), "nothing written on bad input");
-}
-
-/// `lrmoe redraw [flags] --input I… [--out O]`.
-fn redraw(flags: &[&str], inputs: &[&Path], out: Option<&Path>) -> (bool, String, String) {
-    let mut args: Vec<String> = std::iter::once("redraw")
-        .chain(flags.iter().copied())
-        .map(String::from)
-        .collect();
-    for i in inputs {
-        args.extend(["--input".to_string(), i.display().to_string()]);
-    }
-    if let Some(o) = out {
-        args.extend(["--out".to_string(), o.display().to_string()]);
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    lrmoe(&args)
 }
 
 /// Comparisons trained in parts (one device call each) join into one:
@@ -1237,15 +1227,7 @@ fn redraw_joins_comparisons_trained_in_parts() {
     }
     let (ja, jb) = (a.join("compare.json"), b.join("compare.json"));
     let joined = dir.join("joined");
-    let (ok, stdout, err) = lrmoe(&[
-        "redraw",
-        "--input",
-        ja.to_str().unwrap(),
-        "--input",
-        jb.to_str().unwrap(),
-        "--out",
-        joined.to_str().unwrap(),
-    ]);
+    let (ok, stdout, err) = redraw(&[], &[&ja, &jb], Some(&joined));
     assert!(ok, "{err}");
     for row in ["| Full | yes |", "| LRMoE | yes |", "| Capacity | yes |"] {
         assert!(stdout.contains(row), "{row}: {stdout}");
