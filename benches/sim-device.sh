@@ -50,7 +50,8 @@
 #           all four modes to 2.1, `--fit-budget`, seed SEED (default 1);
 #           CALL_US sets `cluster.call_overhead_us`, LAYER_US
 #           `cluster.layer_call_overhead_us` (default 0 both); files in
-#           $OUT/hotTAG. `python3 benches/sim-hot-fit.py $OUT/hotTAG SEED`
+#           $OUT/hotTAG; HOT_TIMEOUT the seconds the run may take
+#           (default 590). `python3 benches/sim-hot-fit.py $OUT/hotTAG SEED`
 #           fits either cost to fixed ownership's measured row and says
 #           whether each ranks the modes as the GPUs did.
 # Build here and carry .device/:
@@ -159,7 +160,7 @@ T
 fi
 if part hot; then
   { cat benches/hot-compare.toml; printf '[cluster]\ncall_overhead_us = %s\nlayer_call_overhead_us = %s\n' "${CALL_US:-0}" "${LAYER_US:-0}"; } > /tmp/hot.toml
-  time timeout 590 .device/lrmoe train --config /tmp/hot.toml --compare --modes full,replicate,capacity,lrmoe \
+  time timeout ${HOT_TIMEOUT:-590} .device/lrmoe train --config /tmp/hot.toml --compare --modes full,replicate,capacity,lrmoe \
     --target-val-loss 2.1 --fit-budget --seed "${SEED:-1}" --device cuda --executor device \
     --out "$OUT/hot${TAG:-}" --no-progress > "$OUT/hot${TAG:-}.log" 2>&1
   echo "hot: rc=$?"
