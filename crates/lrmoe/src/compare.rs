@@ -446,25 +446,67 @@ fn ratio(a: f64, a_reached: bool, b: f64, b_reached: bool) -> String {
     }
 }
 
+/// Every run's standing at the target, in the runs' order (runs with no
+/// evaluation, or no simulated time where the runs carry it, left out).
+fn standings(c: &Comparison) -> Vec<(&TrainSummary, Standing)> {
+    let simulated = has_simulated(&c.runs);
+    (c.runs.iter())
+        .filter_map(|r| Some((r, standing(r, c.target_val_loss, simulated)?)))
+        .collect()
+}
+
+/// The best exact-backward baseline (fixed ownership, replication,
+/// SYMI-like: the least MoE-layer time to the target, simulated when the
+/// runs carry it) and every mode that changes the backward set against it:
+/// `(mode, [time, steps] on the grid, [time, steps] between evaluations)`.
+struct Against<'a> {
+    base: &'a TrainSummary,
+    base_reached: bool,
+    modes: Vec<(Mode, [String; 2], [String; 2])>,
+}
+
+fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>> {
+    let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
+    let (base, b) = standings
+        .iter()
+        .filter(|(r, _)| exact(r.mode))
+        .min_by(|a, b| a.1.time.total_cmp(&b.1.time))?;
+    let modes = standings
+        .iter()
+        .filter(|(r, _)| !exact(r.mode))
+        .map(|(r, a)| {
+            (
+                r.mode,
+                [
+                    ratio(a.time, a.reached, b.time, b.reached),
+                    ratio(a.steps, a.reached, b.steps, b.reached),
+                ],
+                [
+                    ratio(a.time_between, a.reached, b.time_between, b.reached),
+                    ratio(a.steps_between, a.reached, b.steps_between, b.reached),
+                ],
+            )
+        })
+        .collect();
+    Some(Against {
+        base,
+        base_reached: b.reached,
+        modes,
+    })
+}
+
 /// The lines under the table: each run's crossing between evaluations,
 /// and every mode that changes the backward (LRMoE, top-q, capacity)
-/// against the best exact-backward baseline present (fixed ownership,
-/// replication, SYMI-like: the least MoE-layer time to the target,
-/// simulated when the runs carry it). Empty with no baseline or nothing
-/// to set against it.
+/// against the best exact-backward baseline present ([`against`]). Empty
+/// with no baseline or nothing to set against it.
 fn against_baselines(c: &Comparison) -> String {
-    let (target, runs) = (c.target_val_loss, &c.runs);
-    let simulated = has_simulated(runs);
-    let which = if simulated {
+    let which = if has_simulated(&c.runs) {
         "simulated MoE-layer time"
     } else {
         "MoE-layer time"
     };
     let mut t = String::new();
-    let standings: Vec<(&TrainSummary, Standing)> = runs
-        .iter()
-        .filter_map(|r| Some((r, standing(r, target, simulated)?)))
-        .collect();
+    let standings = standings(c);
     let crossings: Vec<String> = standings
         .iter()
         .filter(|(_, x)| x.reached)
@@ -482,42 +524,103 @@ fn against_baselines(c: &Comparison) -> String {
             crossings.join("; ")
         );
     }
-    let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
-    let best = standings
-        .iter()
-        .filter(|(r, _)| exact(r.mode))
-        .min_by(|a, b| a.1.time.total_cmp(&b.1.time));
-    let Some((base, b)) = best else {
+    let Some(a) = against(&standings).filter(|a| !a.modes.is_empty()) else {
         return t;
     };
-    let lines: Vec<String> = standings
-        .iter()
-        .filter(|(r, _)| !exact(r.mode))
-        .map(|(r, a)| {
-            format!(
-                "{}: time {}, steps {} at the evaluations; {} and {} between them",
-                r.mode,
-                ratio(a.time, a.reached, b.time, b.reached),
-                ratio(a.steps, a.reached, b.steps, b.reached),
-                ratio(a.time_between, a.reached, b.time_between, b.reached),
-                ratio(a.steps_between, a.reached, b.steps_between, b.reached),
-            )
+    let lines: Vec<String> = (a.modes.iter())
+        .map(|(m, [time, steps], [time_x, steps_x])| {
+            format!("{m}: time {time}, steps {steps} at the evaluations; {time_x} and {steps_x} between them")
         })
         .collect();
-    if !lines.is_empty() {
-        let short = if b.reached {
-            ""
-        } else {
-            ", stopped short of the target: its figures are bounds"
+    let short = if a.base_reached {
+        ""
+    } else {
+        ", stopped short of the target: its figures are bounds"
+    };
+    let _ = writeln!(
+        t,
+        "\nAgainst the best exact backward, {} (the least {which} to the target{short}): {}.",
+        a.base.mode,
+        lines.join("; ")
+    );
+    t
+}
+
+/// One Markdown table over several comparisons, a row each: the GPUs and
+/// target, every mode's MoE-layer time to the target (simulated where the
+/// runs carry it) and steps (`>`: stopped short, at its last evaluation),
+/// the best exact-backward baseline, every mode that changes the backward
+/// against it on the evaluation grid and between evaluations, and LRMoE's
+/// memory against fixed ownership's (accounted: expert instances and
+/// backward buffers on the busiest rank; measured: the most one rank
+/// held). Each input is read as `lrmoe redraw` reads it; a bad one is an
+/// error naming it and nothing is printed.
+pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
+    if inputs.is_empty() {
+        return Err(TrainError::Config(
+            "nothing to summarise: no --input".into(),
+        ));
+    }
+    let mut t = String::from(
+        "| comparison | GPUs | target | MoE-layer s to the target (steps) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
+    );
+    for path in inputs {
+        let c = read_comparison(path)?;
+        let name = (path.parent().and_then(|p| p.file_name())).map_or_else(
+            || path.display().to_string(),
+            |n| n.to_string_lossy().into(),
+        );
+        let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
+        let standings = standings(&c);
+        let modes: Vec<String> = (standings.iter())
+            .map(|(r, x)| {
+                let short = if x.reached { "" } else { "> " };
+                format!("{} {short}{:.2} ({short}{:.0})", r.mode, x.time, x.steps)
+            })
+            .collect();
+        let (base, versus) = match against(&standings) {
+            Some(a) => {
+                let short = if a.base_reached { "" } else { " (capped)" };
+                let cells: Vec<String> = (a.modes.iter())
+                    .map(|(m, [time, steps], [time_x, steps_x])| {
+                        format!("{m} {time}, {steps} ({time_x}, {steps_x})")
+                    })
+                    .collect();
+                (format!("{}{short}", a.base.mode), cells.join("; "))
+            }
+            None => ("—".into(), String::new()),
         };
         let _ = writeln!(
             t,
-            "\nAgainst the best exact backward, {} (the least {which} to the target{short}): {}.",
-            base.mode,
-            lines.join("; ")
+            "| {name} | {gpus} | {:.3} | {} | {base} | {} | {} |",
+            c.target_val_loss,
+            modes.join("; "),
+            if versus.is_empty() { "—" } else { &versus },
+            memory_against_fixed(&c.runs)
         );
     }
-    t
+    Ok(t)
+}
+
+/// LRMoE's accounted and measured memory against fixed ownership's, as
+/// changes ("−35.2% / −30.7%"); "—" for a figure either run lacks.
+fn memory_against_fixed(runs: &[TrainSummary]) -> String {
+    let find = |m: Mode| runs.iter().find(|r| r.mode == m);
+    let (Some(l), Some(f)) = (find(Mode::Lrmoe), find(Mode::Full)) else {
+        return "—".into();
+    };
+    let change = |a: u64, b: u64| {
+        if a == 0 || b == 0 {
+            "—".to_string()
+        } else {
+            format!("{:+.1}%", (a as f64 / b as f64 - 1.0) * 100.0).replace('-', "−")
+        }
+    };
+    format!(
+        "{} / {}",
+        change(l.max_rank_peak_bytes, f.max_rank_peak_bytes),
+        change(l.max_held_bytes, f.max_held_bytes)
+    )
 }
 
 /// Validation loss against wall time (or, `simulated`, against the
@@ -694,5 +797,48 @@ mod tests {
         let text = against_baselines(&comparison(vec![short, slow.clone()]));
         assert!(text.contains("Capacity: time ?, steps ?"), "{text}");
         assert!(!against_baselines(&comparison(vec![slow])).contains("Against"));
+    }
+
+    #[test]
+    fn the_summary_has_a_row_per_comparison_and_names_a_bad_one() {
+        let dir = std::env::temp_dir().join(format!("lrmoe-summary-{}", std::process::id()));
+        let write = |name: &str, c: &Comparison| {
+            let d = dir.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            write_json(&d, c).unwrap()
+        };
+        let mut full = run(Mode::Full, &[(10, 2.8), (20, 2.5), (30, 2.3)], 2.0, 2.4);
+        let mut lrmoe = run(
+            Mode::Lrmoe,
+            &[(10, 2.8), (20, 2.5), (30, 2.45), (40, 2.35)],
+            1.0,
+            2.4,
+        );
+        (full.max_rank_peak_bytes, full.max_held_bytes) = (200, 400);
+        (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
+        let a = write("a", &comparison(vec![full.clone(), lrmoe]));
+        let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
+        let b = write("b", &comparison(vec![short, full]));
+        let t = summary(&[a.clone(), b.clone()]).unwrap();
+        let rows: Vec<&str> = t.lines().collect();
+        assert_eq!(rows.len(), 4, "{t}");
+        // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
+        assert_eq!(
+            rows[2],
+            "| a | — | 2.400 | Full 60.00 (30); LRMoE 40.00 (40) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
+        );
+        // SYMI-like stopped short at step 20 (80 s); nothing changes the
+        // backward and there is no LRMoE run.
+        assert_eq!(
+            rows[3],
+            "| b | — | 2.400 | SYMI-like > 80.00 (> 20); Full 60.00 (30) | Full | — | — |"
+        );
+        // A bad input is named; no input is an error.
+        let bad = dir.join("bad.json");
+        std::fs::write(&bad, "{").unwrap();
+        let e = summary(&[a, bad.clone()]).unwrap_err().to_string();
+        assert!(e.contains(&bad.display().to_string()), "{e}");
+        assert!(summary(&[]).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -77,6 +77,19 @@ enum Command {
         #[arg(long)]
         rerun: bool,
     },
+    /// One table over several comparisons (compare.json), a row each: every
+    /// mode's MoE-layer time to the target (simulated where present) and
+    /// steps, the best exact-backward baseline, every mode that changes the
+    /// backward against it on the evaluation grid and between evaluations,
+    /// and LRMoE's memory against fixed ownership's.
+    Summary {
+        /// A comparison (compare.json); repeat it, one row each.
+        #[arg(long, required = true)]
+        input: Vec<PathBuf>,
+        /// Also write the table to this file (atomically).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// One MoE layer's forward and LRMoE backward from safetensors files.
     #[command(allow_negative_numbers = true)]
     LayerGrad {
@@ -616,6 +629,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             };
             println!("{}", report.table);
             println!("wrote {}", report.files.join(", "));
+            Ok(())
+        }
+        Command::Summary { input, out } => {
+            let table = lrmoe::compare::summary(&input)?;
+            print!("{table}");
+            if let Some(path) = out {
+                lrmoe::fsutil::write_atomic(&path, table.as_bytes())
+                    .with_context(|| format!("writing {}", path.display()))?;
+                println!("wrote {}", path.display());
+            }
             Ok(())
         }
         Command::LayerGrad {

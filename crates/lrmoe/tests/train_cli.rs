@@ -1111,6 +1111,11 @@ fn toml_errors_say_line_and_column_on_one_line() {
 }
 
 /// `lrmoe redraw [flags] --input I… [--out O]`.
+/// A path as a command-line argument (the tests' paths are UTF-8).
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
 fn redraw(flags: &[&str], inputs: &[&Path], out: Option<&Path>) -> (bool, String, String) {
     let mut args: Vec<String> = std::iter::once("redraw")
         .chain(flags.iter().copied())
@@ -1266,6 +1271,34 @@ fn redraw_joins_comparisons_trained_in_parts() {
         .map(|r| (r["mode"].as_str().unwrap(), r["steps"].as_u64().unwrap()))
         .collect();
     assert_eq!(runs, [("full", 2), ("lrmoe", 7), ("capacity", 2)]);
+
+    // One summary row per comparison, also written to --out.
+    let (jj, md) = (joined.join("compare.json"), dir.join("summary.md"));
+    let args = [
+        "summary",
+        "--input",
+        path(&ja),
+        "--input",
+        path(&jj),
+        "--out",
+        path(&md),
+    ];
+    let (ok, stdout, err) = lrmoe(&args);
+    assert!(ok, "{err}");
+    let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("| ")).collect();
+    assert_eq!(rows.len(), 3, "{stdout}");
+    assert!(rows[1].starts_with("| a | — | 50.000 | Full "), "{stdout}");
+    assert!(
+        rows[2].starts_with("| joined |") && rows[2].contains("| Full | LRMoE "),
+        "{stdout}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(&md).unwrap(),
+        stdout.replace(&format!("wrote {}\n", md.display()), "")
+    );
+    let (ok, _, err) = lrmoe(&["summary", "--input", path(&ja), "--input", path(&dir)]);
+    assert!(!ok);
+    one_line_error(&err, &dir.display().to_string());
 
     // Bad joins.
     let mut other: serde_json::Value =
