@@ -18,7 +18,8 @@
 //!   rank per launched process) and the time-to-target comparison (its
 //!   table and plots drawn again, or comparisons trained in parts joined,
 //!   from `compare.json`; each run's crossing of the target interpolated
-//!   between evaluations, [`compare::crossing`]);
+//!   between evaluations, [`compare::crossing`]; many comparisons in one
+//!   table, [`compare::summary`]);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
 //!   one layer call's settings from an `[moe]` section, as the trainer and
 //!   the Python package (`python/`) do;
