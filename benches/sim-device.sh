@@ -22,6 +22,10 @@
 #           `moe.zipf_skew` (default 0), BIAS `moe.expert_bias_rate` (the
 #           loss-free balancing bias; default 0), RULE `moe.selection_rule`
 #           (default priority; top_q is the paper's), SEED the seed.
+#           NEAR_EVERY evaluates every that many steps as well once
+#           the last evaluation is within NEAR_MARGIN (default 0.1) of
+#           the target (`run.eval_near_every`; default 0: off), so the
+#           steps to the target are read on a finer grid.
 #           CMP_MODEL=a3b2v is the A3B shape with a 128-symbol
 #           vocabulary (16 ranks' replicated dense state fits one GPU);
 #           CMP_SEQ × CMP_BATCH (default 512 × 32) the tokens a step,
@@ -141,6 +145,8 @@ selection_rule = "${RULE:-priority}"
 [run]
 eval_every = $every
 eval_batches = $evals
+eval_near_every = ${NEAR_EVERY:-0}
+eval_near_margin = ${NEAR_MARGIN:-0.1}
 checkpoint = false
 T
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count

@@ -1337,3 +1337,39 @@ fn redraw_joins_comparisons_trained_in_parts() {
     assert!(!empty.exists(), "nothing written on a bad join");
     assert_eq!(std::fs::read(&ja).unwrap(), a_before, "the input is kept");
 }
+
+#[test]
+fn evaluations_come_more_often_near_the_target() {
+    let dir = tmp("eval-near");
+    // Every step within 1000 nats of a target never reached: the grid's
+    // first evaluation (step 3), then every step.
+    let cfg = tiny_config(&dir, "eval_near_every = 1\neval_near_margin = 1000.0");
+    let cfg = path(&cfg);
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        cfg,
+        "--steps",
+        "8",
+        "--target-val-loss",
+        "0.01",
+        "--no-progress",
+        "--no-checkpoint",
+    ]);
+    assert!(ok, "{err}");
+    let evaluated: Vec<u64> = std::fs::read_to_string(dir.join("out/metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|m| !m["val_loss"].is_null())
+        .map(|m| m["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(evaluated, [3, 4, 5, 6, 7, 8]);
+    // Without a target there is nothing to be near: one line, no run.
+    let (ok, _, err) = lrmoe(&["train", "--config", cfg, "--no-progress", "--force"]);
+    assert!(!ok);
+    one_line_error(
+        &err,
+        "run.eval_near_every evaluates more often near the target",
+    );
+}

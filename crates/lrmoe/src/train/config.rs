@@ -300,6 +300,14 @@ pub struct RunSection {
     pub eval_every: usize,
     /// Validation batches per evaluation.
     pub eval_batches: usize,
+    /// Near the target, evaluate every this many steps as well (0: off):
+    /// once the last evaluation is within `eval_near_margin` nats above
+    /// `target_val_loss`, so where a run crosses the target is read on a
+    /// finer grid than `eval_every` without evaluating often everywhere.
+    pub eval_near_every: usize,
+    /// How far above the target (nats per token, ≥ 0) the last evaluation
+    /// must be for `eval_near_every` to apply.
+    pub eval_near_margin: f64,
     /// Steps between checkpoints (0: only at the end).
     pub checkpoint_every: usize,
     /// Write checkpoints at all (`false`: neither periodic nor final; the
@@ -319,6 +327,8 @@ impl Default for RunSection {
             out_dir: PathBuf::from("runs/default"),
             eval_every: 100,
             eval_batches: 8,
+            eval_near_every: 0,
+            eval_near_margin: 0.1,
             checkpoint_every: 500,
             checkpoint: true,
             target_val_loss: None,
@@ -469,6 +479,18 @@ impl TrainConfig {
         }
         if self.run.eval_every == 0 || self.run.eval_batches == 0 {
             return bad("run.eval_every and run.eval_batches must be positive".into());
+        }
+        if !(self.run.eval_near_margin.is_finite() && self.run.eval_near_margin >= 0.0) {
+            return bad(format!(
+                "run.eval_near_margin = {} must be a finite number of nats, at least 0",
+                self.run.eval_near_margin
+            ));
+        }
+        if self.run.eval_near_every > 0 && self.run.target_val_loss.is_none() {
+            return bad(
+                "run.eval_near_every evaluates more often near the target: set run.target_val_loss (--target-val-loss) too"
+                    .into(),
+            );
         }
         Ok(())
     }

@@ -880,8 +880,24 @@ pub(super) fn gather_layers<X: Transport>(
     Ok((layers, next, buffers))
 }
 
-/// The validation loss on evaluation steps (every `run.eval_every` steps
-/// and the last), added to the run's curve.
+/// Whether step `step` evaluates: every `run.eval_every` steps, the last
+/// step, and every `run.eval_near_every` steps while the last evaluation
+/// of `evals` is within `run.eval_near_margin` above the target. Every
+/// rank holds the same curve (the validation loss is a mean over ranks),
+/// so every rank decides alike.
+pub(super) fn eval_due(cfg: &TrainConfig, step: usize, evals: &[EvalPoint]) -> bool {
+    let run = &cfg.run;
+    let near = run.eval_near_every > 0
+        && step % run.eval_near_every == 0
+        && run
+            .target_val_loss
+            .zip(evals.last())
+            .is_some_and(|(t, e)| e.val_loss <= t + run.eval_near_margin);
+    step % run.eval_every == 0 || step == cfg.steps || near
+}
+
+/// The validation loss on evaluation steps ([`eval_due`]), added to the
+/// run's curve.
 pub(super) fn evaluate_due<X: Transport>(
     comm: &X,
     lp: &Loop<'_>,
@@ -890,7 +906,7 @@ pub(super) fn evaluate_due<X: Transport>(
     device_model: Option<&std::sync::Mutex<DeviceModel<'_>>>,
 ) -> Result<Option<f64>, TrainError> {
     let cfg = lp.cfg;
-    if s.step % cfg.run.eval_every != 0 && s.step != cfg.steps {
+    if !eval_due(cfg, s.step, &s.evals) {
         return Ok(None);
     }
     let v = evaluate_now(comm, lp, s, device_model)?;

@@ -181,3 +181,45 @@ fn the_top_q_mode_runs_lrmoe_with_top_q() {
     assert_eq!(Mode::LrmoeTopQ.to_string(), "LRMoE top-q");
     assert!(!Mode::Full.is_lrmoe() && !Mode::Symi.is_lrmoe());
 }
+
+#[test]
+fn evaluations_come_more_often_near_the_target() {
+    let mut cfg = TrainConfig::default();
+    cfg.steps = 100;
+    cfg.run.eval_every = 25;
+    cfg.run.target_val_loss = Some(2.0);
+    let at = |step: usize, val_loss: f64| EvalPoint {
+        step,
+        wall_s: 0.0,
+        moe_s: 0.0,
+        val_loss,
+        simulated_s: None,
+        simulated_moe_s: None,
+    };
+    let due = |cfg: &TrainConfig, evals: &[EvalPoint]| -> Vec<usize> {
+        (1..=cfg.steps)
+            .filter(|&s| eval_due(cfg, s, evals))
+            .collect()
+    };
+    // Off: the grid and the last step only, wherever the curve is.
+    assert_eq!(due(&cfg, &[at(25, 2.05)]), [25, 50, 75, 100]);
+    cfg.run.eval_near_every = 5;
+    cfg.run.eval_near_margin = 0.1;
+    // Far above the target (2.5 > 2.0 + 0.1), or no evaluation yet: the grid.
+    assert_eq!(due(&cfg, &[at(25, 2.5)]), [25, 50, 75, 100]);
+    assert_eq!(due(&cfg, &[]), [25, 50, 75, 100]);
+    // Within the margin: every fifth step too.
+    let near: Vec<usize> = (1..=20).map(|i| 5 * i).collect();
+    assert_eq!(due(&cfg, &[at(25, 2.1)]), near);
+    // No target: nothing is near.
+    cfg.run.target_val_loss = None;
+    assert_eq!(due(&cfg, &[at(25, 2.01)]), [25, 50, 75, 100]);
+    // Which the configuration refuses, as it refuses a bad margin.
+    assert!(cfg.validate().is_err());
+    cfg.run.target_val_loss = Some(2.0);
+    assert!(cfg.validate().is_ok());
+    for bad in [f64::NAN, -0.1, f64::INFINITY] {
+        cfg.run.eval_near_margin = bad;
+        assert!(cfg.validate().is_err(), "{bad}");
+    }
+}
