@@ -184,8 +184,10 @@ fn the_top_q_mode_runs_lrmoe_with_top_q() {
 
 #[test]
 fn evaluations_come_more_often_near_the_target() {
-    let mut cfg = TrainConfig::default();
-    cfg.steps = 100;
+    let mut cfg = TrainConfig {
+        steps: 100,
+        ..TrainConfig::default()
+    };
     cfg.run.eval_every = 25;
     cfg.run.target_val_loss = Some(2.0);
     let at = |step: usize, val_loss: f64| EvalPoint {
