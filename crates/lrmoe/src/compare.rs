@@ -400,6 +400,8 @@ pub fn crossing(r: &TrainSummary, target: f64) -> Option<Crossing> {
 struct Standing {
     reached: bool,
     time: f64,
+    /// Whole-step time there (simulated when the runs carry it).
+    step_time: f64,
     steps: f64,
     time_between: f64,
     steps_between: f64,
@@ -411,6 +413,7 @@ fn standing(r: &TrainSummary, target: f64, simulated: bool) -> Option<Standing> 
         (Some(at), Some(x)) => Some(Standing {
             reached: true,
             time: time_of(at.moe_s, at.simulated_moe_s)?,
+            step_time: time_of(at.wall_s, at.simulated_s)?,
             steps: at.step as f64,
             time_between: time_of(x.moe_s, x.simulated_moe_s)?,
             steps_between: x.step,
@@ -422,6 +425,7 @@ fn standing(r: &TrainSummary, target: f64, simulated: bool) -> Option<Standing> 
             Some(Standing {
                 reached: false,
                 time,
+                step_time: time_of(last.wall_s, last.simulated_s)?,
                 steps,
                 time_between: time,
                 steps_between: steps,
@@ -547,8 +551,9 @@ fn against_baselines(c: &Comparison) -> String {
 }
 
 /// One Markdown table over several comparisons, a row each: the GPUs and
-/// target, every mode's MoE-layer time to the target (simulated where the
-/// runs carry it) and steps (`>`: stopped short, at its last evaluation),
+/// target, every mode's MoE-layer and whole-step time to the target
+/// (simulated where the runs carry it), steps (`>`: stopped short, at its
+/// last evaluation) and kept share of the pairs (below 1),
 /// the best exact-backward baseline, every mode that changes the backward
 /// against it on the evaluation grid and between evaluations, and LRMoE's
 /// memory against fixed ownership's (accounted: expert instances and
@@ -562,7 +567,7 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
         ));
     }
     let mut t = String::from(
-        "| comparison | GPUs | target | MoE-layer s to the target (steps) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
+        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
     );
     for path in inputs {
         let c = read_comparison(path)?;
@@ -575,7 +580,15 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
         let modes: Vec<String> = (standings.iter())
             .map(|(r, x)| {
                 let short = if x.reached { "" } else { "> " };
-                format!("{} {short}{:.2} ({short}{:.0})", r.mode, x.time, x.steps)
+                let kept = if r.mean_kept_fraction < 1.0 {
+                    format!("; kept {:.2}", r.mean_kept_fraction)
+                } else {
+                    String::new()
+                };
+                format!(
+                    "{} {short}{:.2} / {short}{:.2} ({short}{:.0}{kept})",
+                    r.mode, x.time, x.step_time, x.steps
+                )
             })
             .collect();
         let (base, versus) = match against(&standings) {
@@ -816,6 +829,7 @@ mod tests {
         );
         (full.max_rank_peak_bytes, full.max_held_bytes) = (200, 400);
         (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
+        lrmoe.mean_kept_fraction = 0.6;
         let a = write("a", &comparison(vec![full.clone(), lrmoe]));
         let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
         let b = write("b", &comparison(vec![short, full]));
@@ -825,13 +839,13 @@ mod tests {
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
         assert_eq!(
             rows[2],
-            "| a | — | 2.400 | Full 60.00 (30); LRMoE 40.00 (40) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
+            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
         );
         // SYMI-like stopped short at step 20 (80 s); nothing changes the
         // backward and there is no LRMoE run.
         assert_eq!(
             rows[3],
-            "| b | — | 2.400 | SYMI-like > 80.00 (> 20); Full 60.00 (30) | Full | — | — |"
+            "| b | — | 2.400 | SYMI-like > 80.00 / > 160.00 (> 20); Full 60.00 / 120.00 (30) | Full | — | — |"
         );
         // A bad input is named; no input is an error.
         let bad = dir.join("bad.json");

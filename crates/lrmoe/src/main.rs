@@ -336,6 +336,29 @@ struct ReplayArgs {
     device: String,
 }
 
+/// Standard output for the commands' results. A closed pipe (`lrmoe summary
+/// … | head`) ends the output quietly instead of panicking; another write
+/// error is one line on standard error. Either way the command's own work
+/// (its files, a checkpoint) goes on.
+fn write_stdout(args: std::fmt::Arguments) {
+    use std::io::Write;
+    if let Err(e) = std::io::stdout().lock().write_fmt(args) {
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            eprintln!("lrmoe: cannot write to standard output: {e}");
+        }
+    }
+}
+
+/// `print!` through [`write_stdout`].
+macro_rules! say {
+    ($($t:tt)*) => { write_stdout(format_args!($($t)*)) };
+}
+
+/// `println!` through [`write_stdout`].
+macro_rules! sayln {
+    ($($t:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($t)*))) };
+}
+
 fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     use lrmoe::replay as rp;
     // The GPU is opened before anything is computed or written, so a build
@@ -391,13 +414,13 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;
-    print!("{}", rp::table(&report));
+    say!("{}", rp::table(&report));
     if let Some(gpu) = &gpu {
-        println!(
+        sayln!(
             "\n| strategy | modelled MiB | measured MiB | measured / modelled |\n|---|---|---|---|"
         );
         for c in rp::check_on_device(gpu, &report)? {
-            println!(
+            sayln!(
                 "| {:?} | {:.1} | {:.1} | {:.4} |",
                 c.strategy,
                 c.modelled_bytes as f64 / (1 << 20) as f64,
@@ -406,7 +429,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             );
         }
     }
-    println!("wrote {}", files.join(", "));
+    sayln!("wrote {}", files.join(", "));
     Ok(())
 }
 
@@ -552,15 +575,15 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
         if !rank0 {
             return Ok(());
         }
-        println!("{}", report.table);
-        println!("wrote {}", report.files.join(", "));
+        sayln!("{}", report.table);
+        sayln!("wrote {}", report.files.join(", "));
         return Ok(());
     }
     let s = lrmoe::train::train(&cfg, &opts)?;
     if !rank0 {
         return Ok(());
     }
-    println!(
+    sayln!(
         "steps {} ({}) | validation loss {:.4} nats/token | unigram baseline {:.4} | mean kept fraction {:.3} | {}",
         s.steps,
         s.stop_reason,
@@ -627,17 +650,19 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     input.len()
                 ),
             };
-            println!("{}", report.table);
-            println!("wrote {}", report.files.join(", "));
+            sayln!("{}", report.table);
+            sayln!("wrote {}", report.files.join(", "));
             Ok(())
         }
         Command::Summary { input, out } => {
             let table = lrmoe::compare::summary(&input)?;
-            print!("{table}");
-            if let Some(path) = out {
-                lrmoe::fsutil::write_atomic(&path, table.as_bytes())
+            if let Some(path) = &out {
+                lrmoe::fsutil::write_atomic(path, table.as_bytes())
                     .with_context(|| format!("writing {}", path.display()))?;
-                println!("wrote {}", path.display());
+            }
+            say!("{table}");
+            if let Some(path) = out {
+                sayln!("wrote {}", path.display());
             }
             Ok(())
         }
@@ -658,7 +683,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 retention,
             };
             lrmoe::layer_grad::run(&weights, &inputs, &out, &opts)?;
-            println!("wrote {}", out.display());
+            sayln!("wrote {}", out.display());
             Ok(())
         }
         Command::Plan {
@@ -690,7 +715,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             match out {
                 Some(path) => lrmoe::fsutil::write_atomic(&path, json.as_bytes())
                     .with_context(|| format!("cannot write {}", path.display()))?,
-                None => print!("{json}"),
+                None => say!("{json}"),
             }
             Ok(())
         }

@@ -1296,6 +1296,19 @@ fn redraw_joins_comparisons_trained_in_parts() {
         std::fs::read_to_string(&md).unwrap(),
         stdout.replace(&format!("wrote {}\n", md.display()), "")
     );
+    // Into a pipe already closed (`… | head`): no panic, the file still written.
+    std::fs::remove_file(&md).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let done = child.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&done.stderr);
+    assert!(done.status.success() && !err.contains("panicked"), "{err}");
+    assert!(md.exists());
     let (ok, _, err) = lrmoe(&["summary", "--input", path(&ja), "--input", path(&dir)]);
     assert!(!ok);
     one_line_error(&err, &dir.display().to_string());
