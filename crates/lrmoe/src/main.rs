@@ -78,8 +78,8 @@ enum Command {
         rerun: bool,
     },
     /// One table over several comparisons (compare.json), a row each: every
-    /// mode's MoE-layer time to the target (simulated where present) and
-    /// steps, the best exact-backward baseline, every mode that changes the
+    /// mode's MoE-layer and whole-step time to the target (simulated where
+    /// present), steps and kept share, the best exact-backward baseline, every mode that changes the
     /// backward against it on the evaluation grid and between evaluations,
     /// and LRMoE's memory against fixed ownership's.
     Summary {
