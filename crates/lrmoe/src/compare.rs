@@ -460,21 +460,31 @@ fn standings(c: &Comparison) -> Vec<(&TrainSummary, Standing)> {
 }
 
 /// The best exact-backward baseline (fixed ownership, replication,
-/// SYMI-like: the least MoE-layer time to the target, simulated when the
-/// runs carry it) and every mode that changes the backward set against it:
+/// SYMI-like) and every mode that changes the backward set against it:
 /// `(mode, [time, steps] on the grid, [time, steps] between evaluations)`.
+/// The best is the one with the least MoE-layer time to the target
+/// (simulated when the runs carry it) among those that reached it; only
+/// when none did, the least among those that stopped short (its figures
+/// are then bounds). `below`: a baseline that stopped short at less time
+/// than the best that reached (it might have been the better one).
 struct Against<'a> {
     base: &'a TrainSummary,
     base_reached: bool,
+    below: Option<(&'a TrainSummary, f64)>,
     modes: Vec<(Mode, [String; 2], [String; 2])>,
 }
 
 fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>> {
     let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
-    let (base, b) = standings
-        .iter()
-        .filter(|(r, _)| exact(r.mode))
-        .min_by(|a, b| a.1.time.total_cmp(&b.1.time))?;
+    let least = |reached: Option<bool>| {
+        (standings.iter())
+            .filter(|(r, x)| exact(r.mode) && reached.is_none_or(|want| x.reached == want))
+            .min_by(|a, b| a.1.time.total_cmp(&b.1.time))
+    };
+    let (base, b) = least(Some(true)).or_else(|| least(None))?;
+    let below = least(Some(false))
+        .filter(|(_, x)| b.reached && x.time < b.time)
+        .map(|(r, x)| (*r, x.time));
     let modes = standings
         .iter()
         .filter(|(r, _)| !exact(r.mode))
@@ -495,7 +505,18 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
     Some(Against {
         base,
         base_reached: b.reached,
+        below,
         modes,
+    })
+}
+
+/// What [`Against::below`] adds to the best baseline's description.
+fn below_note(a: &Against) -> String {
+    a.below.map_or_else(String::new, |(r, t)| {
+        format!(
+            " among the baselines that reached it; {} stopped short at less time ({t:.2} s) and could be the better",
+            r.mode
+        )
     })
 }
 
@@ -543,8 +564,9 @@ fn against_baselines(c: &Comparison) -> String {
     };
     let _ = writeln!(
         t,
-        "\nAgainst the best exact backward, {} (the least {which} to the target{short}): {}.",
+        "\nAgainst the best exact backward, {} (the least {which} to the target{short}{}): {}.",
         a.base.mode,
+        below_note(&a),
         lines.join("; ")
     );
     t
@@ -593,7 +615,11 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
             .collect();
         let (base, versus) = match against(&standings) {
             Some(a) => {
-                let short = if a.base_reached { "" } else { " (capped)" };
+                let short = match (a.base_reached, a.below) {
+                    (false, _) => " (capped)".to_string(),
+                    (true, Some((r, t))) => format!(" ({} capped below it, {t:.2})", r.mode),
+                    (true, None) => String::new(),
+                };
                 let cells: Vec<String> = (a.modes.iter())
                     .map(|(m, [time, steps], [time_x, steps_x])| {
                         format!("{m} {time}, {steps} ({time_x}, {steps_x})")
@@ -801,9 +827,18 @@ mod tests {
         );
         // A mode short of a baseline that reached: lower bounds.
         let slow = run(Mode::Capacity, &[(10, 2.9), (50, 2.6)], 2.0, 2.4);
-        let text = against_baselines(&comparison(vec![full, slow.clone()]));
+        let text = against_baselines(&comparison(vec![full.clone(), slow.clone()]));
         assert!(
             text.contains("Capacity: time > 1.67×, steps > 1.67×"),
+            "{text}"
+        );
+        // A baseline that stopped short at less time than the best that
+        // reached: set against the one that reached, the other named.
+        let fast_short = run(Mode::Symi, &[(10, 2.8), (12, 2.6)], 2.0, 2.4);
+        let a = run(Mode::Lrmoe, &[(10, 2.8), (40, 2.3)], 1.0, 2.4);
+        let text = against_baselines(&comparison(vec![full, fast_short, a]));
+        assert!(
+            text.contains("Against the best exact backward, Full (the least simulated MoE-layer time to the target among the baselines that reached it; SYMI-like stopped short at less time (24.00 s) and could be the better): LRMoE: time 0.67×"),
             "{text}"
         );
         // Neither reached: unknown. No baseline at all: no line.
