@@ -475,10 +475,9 @@ struct Against<'a> {
 }
 
 fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>> {
-    let exact = |m: Mode| matches!(m, Mode::Full | Mode::Replicate | Mode::Symi);
     let least = |reached: Option<bool>| {
         (standings.iter())
-            .filter(|(r, x)| exact(r.mode) && reached.is_none_or(|want| x.reached == want))
+            .filter(|(r, x)| r.mode.is_exact() && reached.is_none_or(|want| x.reached == want))
             .min_by(|a, b| a.1.time.total_cmp(&b.1.time))
     };
     let (base, b) = least(Some(true)).or_else(|| least(None))?;
@@ -487,7 +486,7 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
         .map(|(r, x)| (*r, x.time));
     let modes = standings
         .iter()
-        .filter(|(r, _)| !exact(r.mode))
+        .filter(|(r, _)| !r.mode.is_exact())
         .map(|(r, a)| {
             (
                 r.mode,

@@ -1110,12 +1110,12 @@ fn toml_errors_say_line_and_column_on_one_line() {
     );
 }
 
-/// `lrmoe redraw [flags] --input I… [--out O]`.
 /// A path as a command-line argument (the tests' paths are UTF-8).
 fn path(p: &Path) -> &str {
     p.to_str().unwrap()
 }
 
+/// `lrmoe redraw [flags] --input I… [--out O]`.
 fn redraw(flags: &[&str], inputs: &[&Path], out: Option<&Path>) -> (bool, String, String) {
     let mut args: Vec<String> = std::iter::once("redraw")
         .chain(flags.iter().copied())

@@ -45,6 +45,12 @@ impl Mode {
         matches!(self, Self::Lrmoe | Self::LrmoeTopQ)
     }
 
+    /// Whether every routed pair is in the backward (the exact gradient,
+    /// dropless): fixed ownership and the replication baselines.
+    pub fn is_exact(self) -> bool {
+        matches!(self, Self::Full | Self::Replicate | Self::Symi)
+    }
+
     /// The selection rule the backward runs: top-q for
     /// [`Mode::LrmoeTopQ`], else the configured one (`None` when that
     /// name is not a rule).

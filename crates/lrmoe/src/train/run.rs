@@ -733,7 +733,7 @@ pub(super) fn first_micro_batches(cfg: &TrainConfig, ranks: usize) -> usize {
 
 /// Whether steps split into micro-batches to fit the budget.
 pub(super) fn splits_steps(cfg: &TrainConfig) -> bool {
-    cfg.moe.fit_budget && matches!(cfg.moe.mode, Mode::Full | Mode::Replicate | Mode::Symi)
+    cfg.moe.fit_budget && cfg.moe.mode.is_exact()
 }
 
 /// The smallest divisor of a rank's sequences that is at least `need`, so
