@@ -11,6 +11,7 @@ import json
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 dev = "cuda"
 SHAPES = [("qwen3-moe-mini", 32, 512, 8, 2, 64), ("qwen3-30b-a3b", 8, 2048, 32, 4, 128)]
@@ -51,3 +52,15 @@ for name, b, t, h, kv, d in SHAPES:
             fwd = timed(f)
         both = timed(lambda: f().backward(do))
         print(json.dumps({"peer": f"pytorch-{form}", "shape": name, "fwd_ms": fwd, "fwd_bwd_ms": both}))
+    # SDPA pinned to each fused backend (the default above picks one);
+    # cuDNN's is what lrmoe's `LRMOE_ATTENTION_DQ=cudnn` backward runs.
+    for label, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        try:
+            with sdpa_kernel(backend):
+                f = forms["sdpa"]
+                with torch.no_grad():
+                    fwd = timed(f)
+                both = timed(lambda: f().backward(do))
+            print(json.dumps({"peer": f"pytorch-sdpa-{label}", "shape": name, "fwd_ms": fwd, "fwd_bwd_ms": both}))
+        except RuntimeError as e:
+            print(json.dumps({"peer": f"pytorch-sdpa-{label}", "shape": name, "error": str(e).splitlines()[0]}))

@@ -57,7 +57,8 @@ fn nvcc(root: &Path) -> Result<PathBuf> {
             "--disable-pip-version-check",
             "--no-deps",
         ])
-        .arg(kernels::artifacts::CUTLASS_PACKAGE))?;
+        .arg(kernels::artifacts::CUTLASS_PACKAGE)
+        .args(kernels::artifacts::CUDNN_PACKAGES))?;
     find().context("nvcc not found in .venv-cuda after installing the pinned packages")
 }
 
@@ -118,7 +119,25 @@ fn kernels() -> Result<()> {
             .into_owned();
         let target = out.join(format!("liblrmoe_{stem}.so"));
         let tmp = out.join(format!(".liblrmoe_{stem}.so.tmp"));
-        run(Command::new(&nvcc)
+        let mut cmd = Command::new(&nvcc);
+        if kernels::artifacts::CUDNN_LIBS.contains(&stem.as_str()) {
+            let cudnn = site.join("nvidia/cudnn");
+            if !site.join("include/cudnn_frontend.h").exists()
+                || !cudnn.join("lib/libcudnn.so.9").exists()
+            {
+                bail!(
+                    "cuDNN packages missing under {}: delete .venv-cuda and rerun",
+                    site.display()
+                );
+            }
+            // The frontend's headers land in site-packages/include; the
+            // library is linked by its soname (-l:), found at run time.
+            cmd.arg(format!("-I{}", site.join("include").display()))
+                .arg(format!("-I{}", cudnn.join("include").display()))
+                .arg(format!("-L{}", cudnn.join("lib").display()))
+                .args(["-l:libcudnn.so.9", "-diag-suppress", "2810"]);
+        }
+        run(cmd
             .args(kernels::artifacts::LIB_FLAGS)
             .arg(format!("-I{}", cutlass.join("include").display()))
             .arg(format!(

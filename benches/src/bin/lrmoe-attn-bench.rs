@@ -14,14 +14,20 @@
 //! path taken, the bytes of probabilities the forward keeps (0 when
 //! fused), and each forward kernel alone where it takes the shape
 //! (`forward_kernels_ms`: the `mma.sync` kernel and CUTLASS's two
-//! schedules, `LRMOE_ATTENTION_FWD`).
+//! schedules, `LRMOE_ATTENTION_FWD`), and the default forward with each
+//! backward that takes the shape (`fwd_bwd_kernels_ms`: the `mma.sync`
+//! kernels with the stored dS, CUTLASS's, cuDNN's; `LRMOE_ATTENTION_DQ`).
 
 use kernels::cpu::random_bf16;
-use kernels::gpu::{AttnFwd, AttnShape, Gpu};
+use kernels::gpu::{AttnDq, AttnFwd, AttnShape, Gpu};
 
 fn main() -> anyhow::Result<()> {
     lrmoe_benches::init_process();
     let gpu = Gpu::open(0)?;
+    let cudnn = match gpu.cudnn_attention() {
+        Ok((path, version)) => serde_json::json!({"version": version, "path": path}),
+        Err(e) => serde_json::json!({"error": e.to_string()}),
+    };
     let shape = |n_seq, seq, heads, kv_heads, head_dim| AttnShape {
         n_seq,
         seq,
@@ -88,6 +94,27 @@ fn main() -> anyhow::Result<()> {
                 by_kernel.insert(label.into(), ms.into());
             }
         }
+        // The default forward with each backward that takes the shape.
+        let mut by_backward = serde_json::Map::new();
+        let (o, lse2) = gpu.flash_attention_forward(dims, &qt, &kt, &vt)?;
+        for (label, path) in [
+            ("stored", AttnDq::Stored),
+            ("cutlass", AttnDq::Cutlass),
+            ("cudnn", AttnDq::Cudnn),
+        ] {
+            let run = || {
+                gpu.flash_attention_backward_with(dims, (&qt, &kt, &vt), (&o, &lse2), &dout, path)
+                    .map(|_| ())
+            };
+            if run().is_ok() {
+                let ms = median_ms(&gpu, || {
+                    gpu.flash_attention_forward(dims, &qt, &kt, &vt)?;
+                    run()?;
+                    Ok(())
+                })?;
+                by_backward.insert(label.into(), ms.into());
+            }
+        }
         let fused = gpu
             .attention_forward(shape, &att, (&qt, &kt, &vt))?
             .1
@@ -100,6 +127,8 @@ fn main() -> anyhow::Result<()> {
                 "fwd_ms": fwd, "fwd_bwd_ms": fwd_bwd,
                 "kernels_fwd_ms": kfwd, "kernels_fwd_bwd_ms": kfwd_bwd,
                 "forward_kernels_ms": by_kernel,
+                "fwd_bwd_kernels_ms": by_backward,
+                "cudnn": cudnn,
                 "path": if fused { "fused" } else { "materialised" },
                 "saved_probs_bytes": if fused { 0 } else { rows * seq * 2 },
             })

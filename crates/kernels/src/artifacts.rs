@@ -18,6 +18,19 @@ pub const NVCC_PACKAGES: &[&str] = &[
 /// CUTLASS headers (C++ templates, CuTe), installed without dependencies.
 pub const CUTLASS_PACKAGE: &str = "nvidia-cutlass==4.2.0.0";
 
+/// For the libraries of [`CUDNN_LIBS`]: cudnn-frontend's headers, cuDNN's
+/// headers and `libcudnn.so.9` to link against (by soname; at run time the
+/// user's copy), NVRTC's header (the frontend includes it), installed
+/// without dependencies.
+pub const CUDNN_PACKAGES: &[&str] = &[
+    "nvidia-cudnn-frontend==1.32.0",
+    "nvidia-cudnn-cu13==9.28.1.4",
+    "nvidia-cuda-nvrtc==13.0.88",
+];
+
+/// The stems of `kernels/lib/*.cu` built against cuDNN ([`CUDNN_PACKAGES`]).
+pub const CUDNN_LIBS: &[&str] = &["cudnn_attention"];
+
 /// nvcc flags for `kernels/lib/*.cu`: shared libraries with `extern "C"`
 /// launchers, sm_90a (wgmma needs it), static CUDA runtime. The include and
 /// library folders of the virtual environment are added by the builder.
@@ -86,6 +99,7 @@ pub fn stamp(workspace: &Path) -> std::io::Result<String> {
         .chain(NVCC_PACKAGES)
         .chain(LIB_FLAGS)
         .chain([&CUTLASS_PACKAGE])
+        .chain(CUDNN_PACKAGES)
     {
         eat(f.as_bytes());
         eat(&[0]);

@@ -39,6 +39,34 @@ pub use imp::{
     Download, Gpu, Mark,
 };
 
+/// Where the attention backward looks for cuDNN (`libcudnn.so.9`, for
+/// `AttnDq::Cudnn`), in order. `explicit` (`LRMOE_CUDNN`: the library, or
+/// the folder holding it) is the only candidate when given; otherwise the
+/// loader's own search by soname, then `nvidia/cudnn/lib/libcudnn.so.9`
+/// under each Python package folder in `python_paths` (where PyTorch's
+/// wheels install it), those that exist.
+pub fn cudnn_candidates(
+    explicit: Option<&std::path::Path>,
+    python_paths: &[std::path::PathBuf],
+) -> Vec<std::path::PathBuf> {
+    const SONAME: &str = "libcudnn.so.9";
+    if let Some(p) = explicit {
+        return vec![if p.is_dir() {
+            p.join(SONAME)
+        } else {
+            p.to_path_buf()
+        }];
+    }
+    let mut v = vec![std::path::PathBuf::from(SONAME)];
+    for dir in python_paths {
+        let lib = dir.join("nvidia").join("cudnn").join("lib").join(SONAME);
+        if lib.is_file() && !v.contains(&lib) {
+            v.push(lib);
+        }
+    }
+    v
+}
+
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
 #[derive(Debug)]
@@ -319,6 +347,140 @@ mod imp {
         i32,
         *mut std::ffi::c_void,
     ) -> i32;
+
+    static CUDNN_SO: &[u8] = include_bytes!(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../kernels/out/liblrmoe_cudnn_attention.so"
+    ));
+
+    /// `lrmoe_cudnn_version()`.
+    type CudnnVersionFn = unsafe extern "C" fn() -> i32;
+    /// `lrmoe_cudnn_bwd_workspace(n_seq, heads, kv, seq, dh, &bytes, err,
+    /// err_len)`.
+    pub(crate) type CudnnWsFn = unsafe extern "C" fn(
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        *mut usize,
+        *mut std::ffi::c_char,
+        i32,
+    ) -> i32;
+    /// `lrmoe_cudnn_bwd(n_seq, heads, kv, seq, dh, q, k, v, o, lse2, dout,
+    /// dq, dk, dv, workspace, ws_bytes, stream, err, err_len)`.
+    pub(crate) type CudnnBwdFn = unsafe extern "C" fn(
+        i32,
+        i32,
+        i32,
+        i32,
+        i32,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const std::ffi::c_void,
+        *const f32,
+        *const std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_void,
+        usize,
+        *mut std::ffi::c_void,
+        *mut std::ffi::c_char,
+        i32,
+    ) -> i32;
+
+    /// cuDNN's fused attention backward (`kernels/lib/cudnn_attention.cu`)
+    /// and the `libcudnn.so.9` it runs on.
+    pub(crate) struct CudnnLib {
+        _shim: libloading::Library,
+        _cudnn: libloading::Library,
+        /// Where `libcudnn.so.9` was opened from.
+        pub(crate) path: std::path::PathBuf,
+        /// cuDNN's version number (e.g. 92801).
+        pub(crate) version: i32,
+        pub(crate) workspace: CudnnWsFn,
+        pub(crate) backward: CudnnBwdFn,
+    }
+
+    /// Python's package folders (`sys.path` of `python3`), for
+    /// [`super::cudnn_candidates`]; none when there is no Python.
+    fn python_paths() -> Vec<std::path::PathBuf> {
+        std::process::Command::new("python3")
+            .args(["-c", "import sys; print(chr(10).join(sys.path))"])
+            .stderr(std::process::Stdio::null())
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| {
+                String::from_utf8_lossy(&o.stdout)
+                    .lines()
+                    .filter(|l| !l.is_empty())
+                    .map(std::path::PathBuf::from)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// cuDNN's attention backward for the process, opened on first use
+    /// ([`Gpu::cudnn`]; the shim keeps a plan per device): the reason it
+    /// did not open otherwise.
+    pub(crate) static CUDNN: std::sync::OnceLock<Result<CudnnLib, String>> =
+        std::sync::OnceLock::new();
+
+    /// Opens `libcudnn.so.9` (the first of [`super::cudnn_candidates`] that
+    /// opens), then the embedded shim, whose dependency on that soname then
+    /// resolves to the copy already open.
+    fn load_cudnn() -> Result<CudnnLib, String> {
+        let explicit = std::env::var_os("LRMOE_CUDNN").map(std::path::PathBuf::from);
+        let paths = if explicit.is_some() {
+            Vec::new()
+        } else {
+            python_paths()
+        };
+        let candidates = super::cudnn_candidates(explicit.as_deref(), &paths);
+        let mut tried = Vec::new();
+        let mut opened = None;
+        for c in &candidates {
+            // SAFETY: cuDNN's initialisers only set up its own state.
+            match unsafe { libloading::Library::new(c) } {
+                Ok(lib) => {
+                    opened = Some((lib, c.clone()));
+                    break;
+                }
+                Err(e) => tried.push(format!("{}: {e}", c.display())),
+            }
+        }
+        let (cudnn, path) = opened.ok_or_else(|| {
+            format!(
+                "cuDNN (libcudnn.so.9) did not open; set LRMOE_CUDNN to the library or its folder (tried {})",
+                tried.join("; ")
+            )
+        })?;
+        // SAFETY: 1. the library is the one `cargo xtask kernels` built from
+        // kernels/lib/cudnn_attention.cu, embedded in this binary; 2. its
+        // initialisers register its CUDA kernel and the frontend's statics;
+        // 3. the symbols' types are the `extern "C"` signatures declared in
+        // that file.
+        unsafe {
+            let shim = open_embedded(CUDNN_SO, "cudnn_attention").map_err(|e| e.to_string())?;
+            let version: CudnnVersionFn =
+                symbol(&shim, b"lrmoe_cudnn_version\0").map_err(|e| e.to_string())?;
+            let workspace: CudnnWsFn =
+                symbol(&shim, b"lrmoe_cudnn_bwd_workspace\0").map_err(|e| e.to_string())?;
+            let backward: CudnnBwdFn =
+                symbol(&shim, b"lrmoe_cudnn_bwd\0").map_err(|e| e.to_string())?;
+            Ok(CudnnLib {
+                version: version(),
+                _shim: shim,
+                _cudnn: cudnn,
+                path,
+                workspace,
+                backward,
+            })
+        }
+    }
 
     /// The CUTLASS grouped GEMM library, written from the embedded bytes to a
     /// content-named file in the temporary folder and opened with dlopen.
@@ -2252,5 +2414,37 @@ mod imp {
             p.swap(i, (s % (i as u64 + 1)) as usize);
         }
         p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cudnn_candidates;
+    use std::path::PathBuf;
+
+    /// `LRMOE_CUDNN` is the only candidate when set (a folder names the
+    /// library inside it); otherwise the soname, then the Python package
+    /// folders that hold cuDNN, each once.
+    #[test]
+    fn cudnn_candidates_follow_the_documented_order() {
+        let dir = std::env::temp_dir().join(format!("lrmoe-cudnn-{}", std::process::id()));
+        let lib = dir.join("site/nvidia/cudnn/lib");
+        std::fs::create_dir_all(&lib).unwrap();
+        std::fs::write(lib.join("libcudnn.so.9"), b"").unwrap();
+        let empty = dir.join("empty");
+        std::fs::create_dir_all(&empty).unwrap();
+        let site = dir.join("site");
+
+        let only = cudnn_candidates(Some(&lib), std::slice::from_ref(&site));
+        assert_eq!(only, vec![lib.join("libcudnn.so.9")]);
+        let file = PathBuf::from("/opt/x/libcudnn.so.9.1");
+        assert_eq!(cudnn_candidates(Some(&file), &[]), vec![file]);
+
+        let found = cudnn_candidates(None, &[empty, site.clone(), site]);
+        assert_eq!(
+            found,
+            vec![PathBuf::from("libcudnn.so.9"), lib.join("libcudnn.so.9")]
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

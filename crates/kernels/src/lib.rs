@@ -53,8 +53,11 @@
 //!   (head width 64 or 128, sequences of whole 128-row tiles) the fused
 //!   forward and backward run through CUTLASS's Hopper FMHA instead
 //!   (`kernels/lib/attention.cu` → `liblrmoe_attention.so`, opened as the
-//!   grouped GEMM is; `gpu::AttnFwd`, `gpu::AttnDq::Cutlass`), tested
-//!   against the same twins.
+//!   grouped GEMM is; `gpu::AttnFwd`, `gpu::AttnDq::Cutlass`), and the
+//!   backward at head width 128 through cuDNN's fused SDPA backward where
+//!   the machine has `libcudnn.so.9` (`kernels/lib/cudnn_attention.cu`,
+//!   `gpu::AttnDq::Cudnn`, `gpu::cudnn_candidates`), all tested against
+//!   the same twins.
 //! * [`grouped`] — the experts' math as bf16 grouped operations on host
 //!   slices (grouped GEMM, SwiGLU and its backward, and the experts'
 //!   forward and backward composed of them), implemented by the CPU twins

@@ -636,6 +636,64 @@ fn cutlass_attention_forward_matches_the_twin_and_feeds_the_backward() {
     }
 }
 
+/// cuDNN's fused attention backward (`AttnDq::Cudnn`, on the machine's
+/// `libcudnn.so.9`) against the CPU twin's gradients, fed by both forwards
+/// (the `mma.sync` kernel at every width and length, CUTLASS's where it
+/// takes the shape), outputs poisoned, the `mma.sync` backward's
+/// tolerances; by default it is the backward at head width 128. Fails where
+/// cuDNN does not open: the device machine has it (PyTorch's).
+#[test]
+#[ignore = "needs a GPU and cuDNN: run with --ignored on the device"]
+fn cudnn_attention_backward_matches_the_twin() {
+    let g = gpu();
+    let (path, version) = g.cudnn_attention().unwrap_or_else(|e| panic!("cuDNN: {e}"));
+    eprintln!("cuDNN {version} from {}", path.display());
+    let mut r = Rng(seed());
+    for dims in [
+        (2, 100, 4, 2, 64),
+        (3, 70, 6, 3, 64),
+        (1, 130, 2, 1, 32),
+        (2, 128, 4, 2, 64),
+        (1, 150, 4, 1, 128),
+        (2, 257, 8, 2, 128),
+        (2, 384, 8, 2, 128),
+        (1, 256, 4, 4, 128),
+        (1, 1, 2, 2, 64),
+    ] {
+        let c = attention_case(&g, &mut r, dims);
+        let qkv = (&c.q, &c.k, &c.v);
+        let mut forwards = vec![AttnFwd::Mma];
+        if g.flash_forward_takes(AttnFwd::Cooperative, dims) {
+            forwards.push(AttnFwd::Cooperative);
+        }
+        for kernel in forwards {
+            let (o, lse2) = g
+                .flash_attention_forward_with(dims, &c.q, &c.k, &c.v, kernel)
+                .unwrap();
+            check_attention_forward(&g, &c, (&o, &lse2), &format!("{kernel:?}"));
+            let (dq, dk, dv) = g
+                .flash_attention_backward_with(dims, qkv, (&o, &lse2), &c.dout, AttnDq::Cudnn)
+                .unwrap_or_else(|e| panic!("{dims:?}: {e}"));
+            check_attention_backward(&g, &c, [&dq, &dk, &dv], &format!("{kernel:?} cudnn"));
+            if dims.4 == 128 {
+                // The default at this width.
+                let (dq, dk, dv) = g
+                    .flash_attention_backward(dims, qkv, (&o, &lse2), &c.dout)
+                    .unwrap();
+                check_attention_backward(&g, &c, [&dq, &dk, &dv], &format!("{kernel:?} default"));
+            }
+        }
+    }
+    // A width cuDNN does not take is an error when asked for by name.
+    let c = attention_case(&g, &mut r, (1, 64, 2, 2, 12));
+    let z = (&c.q, &c.k, &c.v);
+    assert!(g.cudnn_attention_workspace((1, 64, 2, 2, 12)).is_err());
+    let lse = g.upload(&vec![0f32; 2 * 64]).unwrap();
+    assert!(g
+        .flash_attention_backward_with((1, 64, 2, 2, 12), z, (&c.q, &lse), &c.dout, AttnDq::Cudnn)
+        .is_err());
+}
+
 /// The dense model's one-group GEMMs (cuBLAS, or the grouped kernels
 /// under `LRMOE_DENSE_GEMM=cutlass`: run it both ways) against the CPU twin, every variant, on shapes that are
 /// not tile multiples, outputs poisoned: within bf16 rounding of the f32

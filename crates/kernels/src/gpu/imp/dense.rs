@@ -177,6 +177,11 @@ pub enum AttnDq {
     /// heads' dK and dV per query head, then summed), where it takes the
     /// shape (as its forward, [`Gpu::flash_forward_takes`]).
     Cutlass,
+    /// Not these kernels: cuDNN's fused SDPA backward
+    /// (`kernels/lib/cudnn_attention.cu`, on the user's `libcudnn.so.9`:
+    /// `LRMOE_CUDNN`, the loader's search, or PyTorch's wheel), where it
+    /// opens and takes the shape ([`Gpu::cudnn_attention`]).
+    Cudnn,
 }
 
 /// The narrowest head for which the backward defaults to CUTLASS's (where
@@ -185,6 +190,10 @@ pub enum AttnDq {
 /// backward is 9% faster than the `mma.sync` kernels at head width 128
 /// (Qwen3-30B-A3B) and 20% slower at 64 (qwen3-moe-mini).
 const ATTN_BWD_CUTLASS_MIN_HEAD_DIM: usize = 128;
+
+/// The narrowest head for which the backward defaults to cuDNN's where it
+/// opens and takes the shape (`LRMOE_ATTENTION_DQ` unset).
+const ATTN_BWD_CUDNN_MIN_HEAD_DIM: usize = 128;
 
 /// The most stored dS one attention backward may allocate (bytes) before it
 /// recomputes instead ([`AttnDq`]); `LRMOE_ATTENTION_DQ=recompute` or
@@ -260,6 +269,7 @@ impl DenseFns {
                 Ok("recompute") => Some(AttnDq::Recompute),
                 Ok("stored") => Some(AttnDq::Stored),
                 Ok("cutlass") => Some(AttnDq::Cutlass),
+                Ok("cudnn") => Some(AttnDq::Cudnn),
                 _ => None,
             },
             attention_fwd: match std::env::var("LRMOE_ATTENTION_FWD").as_deref() {
@@ -1527,9 +1537,12 @@ impl Gpu {
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, _, _) = dims;
         let cutlass = self.cutlass_attention_takes(dims).is_ok();
+        let cudnn = || self.cudnn_attention_workspace(dims).is_ok();
         let path = match self.dense.attention_dq {
             Some(AttnDq::Cutlass) if !cutlass => AttnDq::Stored,
+            Some(AttnDq::Cudnn) if !cudnn() => AttnDq::Stored,
             Some(forced) => forced,
+            None if dims.4 >= ATTN_BWD_CUDNN_MIN_HEAD_DIM && cudnn() => AttnDq::Cudnn,
             None if cutlass && dims.4 >= ATTN_BWD_CUTLASS_MIN_HEAD_DIM => AttnDq::Cutlass,
             None if attn_ds_bytes(n_seq, seq, heads) <= ATTN_DS_MAX_BYTES => AttnDq::Stored,
             None => AttnDq::Recompute,
@@ -1556,8 +1569,14 @@ impl Gpu {
         at_least("o", rows * dh, o.len())?;
         at_least("dout", rows * dh, dout.len())?;
         at_least("lse2", rows, lse2.len())?;
-        if path == AttnDq::Cutlass {
-            return self.cutlass_attention_backward(dims, (q, k, v), (o, lse2), dout);
+        match path {
+            AttnDq::Cutlass => {
+                return self.cutlass_attention_backward(dims, (q, k, v), (o, lse2), dout)
+            }
+            AttnDq::Cudnn => {
+                return self.cudnn_attention_backward(dims, (q, k, v), (o, lse2), dout)
+            }
+            AttnDq::Stored | AttnDq::Recompute => {}
         }
         let (fkv, ckv) = self.flash_launch(dims, 1)?;
         let (fq, cq) = self.flash_launch(dims, if path == AttnDq::Stored { 3 } else { 2 })?;
@@ -1695,5 +1714,152 @@ impl Gpu {
             )));
         }
         Ok((dq, dk, dv))
+    }
+
+    /// cuDNN's attention backward, opening it on first use; an error
+    /// naming why where it does not open (no `libcudnn.so.9` found, or the
+    /// shim failed to load).
+    pub(crate) fn cudnn(&self) -> Result<&super::CudnnLib, KernelError> {
+        super::CUDNN
+            .get_or_init(super::load_cudnn)
+            .as_ref()
+            .map_err(|e| KernelError::Cuda(e.clone()))
+    }
+
+    /// Where cuDNN was opened from and its version (e.g. 92801), or why it
+    /// did not open.
+    pub fn cudnn_attention(&self) -> Result<(std::path::PathBuf, i32), KernelError> {
+        self.cudnn().map(|c| (c.path.clone(), c.version))
+    }
+
+    /// The workspace bytes of [`AttnDq::Cudnn`] at `dims` (building and
+    /// keeping cuDNN's plan for the shape), or why cuDNN does not take it.
+    pub fn cudnn_attention_workspace(
+        &self,
+        dims: crate::dense::AttnDims,
+    ) -> Result<usize, KernelError> {
+        let c = self.cudnn()?;
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let (a, b, cc, d, e) = (
+            dim("n_seq", n_seq)?,
+            dim("heads", heads)?,
+            dim("kv_heads", kv)?,
+            dim("seq", seq)?,
+            dim("head_dim", dh)?,
+        );
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let mut bytes = 0usize;
+        let mut err = [0 as std::ffi::c_char; 512];
+        // SAFETY: the library's `lrmoe_cudnn_bwd_workspace` with the
+        // declared C signature; `bytes` and `err` are live for the call,
+        // `err` of the length passed.
+        let rc = unsafe {
+            (c.workspace)(
+                a,
+                b,
+                cc,
+                d,
+                e,
+                &mut bytes,
+                err.as_mut_ptr(),
+                err.len() as i32,
+            )
+        };
+        if rc != 0 {
+            return Err(KernelError::Cuda(c_message(&err)));
+        }
+        Ok(bytes)
+    }
+
+    /// [`AttnDq::Cudnn`]: the backward through `lrmoe_cudnn_bwd` (the
+    /// buffers' lengths checked by [`Gpu::flash_attention_backward_with`]).
+    #[allow(clippy::type_complexity)]
+    fn cudnn_attention_backward(
+        &self,
+        dims: crate::dense::AttnDims,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        dout: &CudaSlice<u16>,
+    ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
+        let ws_bytes = self.cudnn_attention_workspace(dims)?;
+        let c = self.cudnn()?;
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let rows = n_seq * heads * seq;
+        let nk = n_seq * kv * seq * dh;
+        let (a, b, cc, d, e) = (n_seq as i32, heads as i32, kv as i32, seq as i32, dh as i32);
+        // SAFETY: scratch the library writes before it reads.
+        let mut ws = unsafe { self.uninit::<u8>(ws_bytes.max(1)) }?;
+        // SAFETY: cuDNN writes every element of dQ, dK and dV.
+        let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
+        // SAFETY: as dq.
+        let mut dk = unsafe { self.uninit::<u16>(nk) }?;
+        // SAFETY: as dq.
+        let mut dv = unsafe { self.uninit::<u16>(nk) }?;
+        if rows == 0 {
+            return Ok((dq, dk, dv));
+        }
+        self.ctx.bind_to_thread().map_err(cuda)?;
+        let mut err = [0 as std::ffi::c_char; 512];
+        let rc = {
+            let (pq, _q) = q.device_ptr(&self.stream);
+            let (pk, _k) = k.device_ptr(&self.stream);
+            let (pv, _v) = v.device_ptr(&self.stream);
+            let (po, _o) = o.device_ptr(&self.stream);
+            let (pl, _l) = lse2.device_ptr(&self.stream);
+            let (pd, _d) = dout.device_ptr(&self.stream);
+            let (pdq, _dq) = dq.device_ptr_mut(&self.stream);
+            let (pdk, _dk) = dk.device_ptr_mut(&self.stream);
+            let (pdv, _dv) = dv.device_ptr_mut(&self.stream);
+            let (pw, _w) = ws.device_ptr_mut(&self.stream);
+            let cp = |p: u64| p as *const std::ffi::c_void;
+            let mp = |p: u64| p as *mut std::ffi::c_void;
+            // SAFETY: 1. the library's `lrmoe_cudnn_bwd` with the declared
+            // C signature; 2. every pointer is a live device allocation of
+            // the length checked by the caller, the workspace the size the
+            // library asked for; 3. the stream belongs to the current
+            // context; `err` is live, of the length passed.
+            unsafe {
+                (c.backward)(
+                    a,
+                    b,
+                    cc,
+                    d,
+                    e,
+                    cp(pq),
+                    cp(pk),
+                    cp(pv),
+                    cp(po),
+                    pl as *const f32,
+                    cp(pd),
+                    mp(pdq),
+                    mp(pdk),
+                    mp(pdv),
+                    mp(pw),
+                    ws_bytes,
+                    self.stream.cu_stream() as *mut std::ffi::c_void,
+                    err.as_mut_ptr(),
+                    err.len() as i32,
+                )
+            }
+        };
+        if rc != 0 {
+            return Err(KernelError::Cuda(c_message(&err)));
+        }
+        Ok((dq, dk, dv))
+    }
+}
+
+/// The NUL-terminated message a library wrote into `err`.
+fn c_message(err: &[std::ffi::c_char]) -> String {
+    let bytes: Vec<u8> = err
+        .iter()
+        .take_while(|&&c| c != 0)
+        .map(|&c| c as u8)
+        .collect();
+    let s = String::from_utf8_lossy(&bytes).into_owned();
+    if s.is_empty() {
+        "cuDNN attention failed without a message".into()
+    } else {
+        s
     }
 }
