@@ -54,7 +54,7 @@
 //!   forward and backward run through CUTLASS's Hopper FMHA instead
 //!   (`kernels/lib/attention.cu` → `liblrmoe_attention.so`, opened as the
 //!   grouped GEMM is; `gpu::AttnFwd`, `gpu::AttnDq::Cutlass`), and the
-//!   backward at head width 128 through cuDNN's fused SDPA backward where
+//!   backward at head widths ≥ 64 through cuDNN's fused SDPA backward where
 //!   the machine has `libcudnn.so.9` (`kernels/lib/cudnn_attention.cu`,
 //!   `gpu::AttnDq::Cudnn`, `gpu::cudnn_candidates`), all tested against
 //!   the same twins.

@@ -70,8 +70,9 @@ pub(crate) struct DenseFns {
     /// (one H200, 2026-12-02: `docs/benchmarks.md`). The fused path keeps
     /// no `seq × seq` probabilities.
     attention: AttnPath,
-    /// dQ's path when forced (`LRMOE_ATTENTION_DQ=recompute|stored`);
-    /// `None`: by the stored dS's size ([`ATTN_DS_MAX_BYTES`]).
+    /// dQ's path when forced (`LRMOE_ATTENTION_DQ=recompute|stored|cutlass|cudnn`);
+    /// `None`: cuDNN or CUTLASS where they take the shape, else by the
+    /// stored dS's size ([`ATTN_DS_MAX_BYTES`]).
     attention_dq: Option<AttnDq>,
     /// The fused forward's kernel (`LRMOE_ATTENTION_FWD=mma|cooperative|
     /// pingpong`); unset: [`AttnFwd::DEFAULT`] where the CUTLASS library
@@ -192,8 +193,12 @@ pub enum AttnDq {
 const ATTN_BWD_CUTLASS_MIN_HEAD_DIM: usize = 128;
 
 /// The narrowest head for which the backward defaults to cuDNN's where it
-/// opens and takes the shape (`LRMOE_ATTENTION_DQ` unset).
-const ATTN_BWD_CUDNN_MIN_HEAD_DIM: usize = 128;
+/// opens and takes the shape (`LRMOE_ATTENTION_DQ` unset): measured on one
+/// H200 (2026-12-04, cuDNN 9.14, `docs/benchmarks.md`, "Attention"), the
+/// forward with cuDNN's backward takes 0.60× the CUTLASS backward's time
+/// at head width 128 (Qwen3-30B-A3B) and 0.78× the `mma.sync` kernels' at
+/// 64 (qwen3-moe-mini); narrower heads are not measured.
+const ATTN_BWD_CUDNN_MIN_HEAD_DIM: usize = 64;
 
 /// The most stored dS one attention backward may allocate (bytes) before it
 /// recomputes instead ([`AttnDq`]); `LRMOE_ATTENTION_DQ=recompute` or
@@ -1524,8 +1529,10 @@ impl Gpu {
     /// recomputing the probabilities from `lse2`; dK/dV per key block
     /// (every query head of the group in one block, no atomics), dQ per
     /// query block, from the dS the dK/dV kernel stored while it fits
-    /// [`ATTN_DS_MAX_BYTES`] ([`AttnDq`]); at head width 128 where CUTLASS
-    /// takes the shape, CUTLASS's backward ([`AttnDq::Cutlass`]). Twin:
+    /// [`ATTN_DS_MAX_BYTES`] ([`AttnDq`]); at head widths ≥ 64 where cuDNN
+    /// opens and takes the shape, cuDNN's fused backward ([`AttnDq::Cudnn`]),
+    /// else at head width 128 where CUTLASS takes the shape, CUTLASS's
+    /// backward ([`AttnDq::Cutlass`]). Twin:
     /// [`crate::dense::flash_attention_backward_reference`].
     #[allow(clippy::type_complexity)]
     pub fn flash_attention_backward(
