@@ -1655,22 +1655,74 @@ impl Gpu {
     fn cutlass_attention_backward(
         &self,
         dims: crate::dense::AttnDims,
-        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
-        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        qkv: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        saved: (&CudaSlice<u16>, &CudaSlice<f32>),
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let (n_seq, seq, heads, kv, dh) = dims;
         self.cutlass_attention_takes(dims)?;
-        let rows = n_seq * heads * seq;
-        let nk = n_seq * kv * seq * dh;
         let (a, b, c, d, e) = (n_seq as i32, heads as i32, kv as i32, seq as i32, dh as i32);
         // SAFETY: a pure function of five integers (checked to fit above).
         let ws_bytes = unsafe { (self.attn.backward_workspace)(a, b, c, d, e) };
+        let (rc, grads) =
+            self.library_attention_backward(dims, qkv, saved, dout, ws_bytes, |p| {
+                // SAFETY: 1. the library's `lrmoe_flash_bwd` with the declared
+                // C signature; 2. every pointer is a live device allocation of
+                // the length checked by the caller, the workspace the size the
+                // library asked for; 3. the stream belongs to the current
+                // context.
+                unsafe {
+                    (self.attn.backward)(
+                        a,
+                        b,
+                        c,
+                        d,
+                        e,
+                        p.q,
+                        p.k,
+                        p.v,
+                        p.o,
+                        p.lse2,
+                        p.dout,
+                        p.dq,
+                        p.dk,
+                        p.dv,
+                        p.ws,
+                        ws_bytes,
+                        self.n_sms as i32,
+                        p.stream,
+                    )
+                }
+            })?;
+        if rc != 0 {
+            return Err(KernelError::Cuda(format!(
+                "CUTLASS attention backward failed with code {rc}"
+            )));
+        }
+        Ok(grads)
+    }
+
+    /// An attention backward in a library: allocates dQ, dK, dV (every
+    /// element of which the library writes) and `ws_bytes` of workspace
+    /// (written before read), binds the context, and calls `call` with
+    /// every buffer's device pointer, held for the call.
+    #[allow(clippy::type_complexity)]
+    fn library_attention_backward(
+        &self,
+        dims: crate::dense::AttnDims,
+        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        dout: &CudaSlice<u16>,
+        ws_bytes: usize,
+        call: impl FnOnce(AttnBwdPtrs) -> i32,
+    ) -> Result<(i32, (CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>)), KernelError> {
+        let (n_seq, seq, heads, kv, dh) = dims;
+        let nk = n_seq * kv * seq * dh;
         // SAFETY: scratch the library writes before it reads.
-        let mut ws = unsafe { self.uninit::<u8>(ws_bytes) }?;
-        // SAFETY: every row < seq of every head is written.
-        let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
-        // SAFETY: every key row of every key/value head is written.
+        let mut ws = unsafe { self.uninit::<u8>(ws_bytes.max(1)) }?;
+        // SAFETY: the library writes every row < seq of every head.
+        let mut dq = unsafe { self.uninit::<u16>(n_seq * heads * seq * dh) }?;
+        // SAFETY: the library writes every key row of every key/value head.
         let mut dk = unsafe { self.uninit::<u16>(nk) }?;
         // SAFETY: as dk.
         let mut dv = unsafe { self.uninit::<u16>(nk) }?;
@@ -1688,39 +1740,21 @@ impl Gpu {
             let (pw, _w) = ws.device_ptr_mut(&self.stream);
             let cp = |p: u64| p as *const std::ffi::c_void;
             let mp = |p: u64| p as *mut std::ffi::c_void;
-            // SAFETY: 1. the library's `lrmoe_flash_bwd` with the declared
-            // C signature; 2. every pointer is a live device allocation of
-            // the length checked above, the workspace the size the library
-            // asked for; 3. the stream belongs to the current context.
-            unsafe {
-                (self.attn.backward)(
-                    a,
-                    b,
-                    c,
-                    d,
-                    e,
-                    cp(pq),
-                    cp(pk),
-                    cp(pv),
-                    cp(po),
-                    pl as *const f32,
-                    cp(pd),
-                    mp(pdq),
-                    mp(pdk),
-                    mp(pdv),
-                    mp(pw),
-                    ws_bytes,
-                    self.n_sms as i32,
-                    self.stream.cu_stream() as *mut std::ffi::c_void,
-                )
-            }
+            call(AttnBwdPtrs {
+                q: cp(pq),
+                k: cp(pk),
+                v: cp(pv),
+                o: cp(po),
+                lse2: pl as *const f32,
+                dout: cp(pd),
+                dq: mp(pdq),
+                dk: mp(pdk),
+                dv: mp(pdv),
+                ws: mp(pw),
+                stream: self.stream.cu_stream() as *mut std::ffi::c_void,
+            })
         };
-        if rc != 0 {
-            return Err(KernelError::Cuda(format!(
-                "CUTLASS attention backward failed with code {rc}"
-            )));
-        }
-        Ok((dq, dk, dv))
+        Ok((rc, (dq, dk, dv)))
     }
 
     /// cuDNN's attention backward, opening it on first use; an error
@@ -1784,76 +1818,67 @@ impl Gpu {
     fn cudnn_attention_backward(
         &self,
         dims: crate::dense::AttnDims,
-        (q, k, v): (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
-        (o, lse2): (&CudaSlice<u16>, &CudaSlice<f32>),
+        qkv: (&CudaSlice<u16>, &CudaSlice<u16>, &CudaSlice<u16>),
+        saved: (&CudaSlice<u16>, &CudaSlice<f32>),
         dout: &CudaSlice<u16>,
     ) -> Result<(CudaSlice<u16>, CudaSlice<u16>, CudaSlice<u16>), KernelError> {
         let ws_bytes = self.cudnn_attention_workspace(dims)?;
         let c = self.cudnn()?;
         let (n_seq, seq, heads, kv, dh) = dims;
-        let rows = n_seq * heads * seq;
-        let nk = n_seq * kv * seq * dh;
         let (a, b, cc, d, e) = (n_seq as i32, heads as i32, kv as i32, seq as i32, dh as i32);
-        // SAFETY: scratch the library writes before it reads.
-        let mut ws = unsafe { self.uninit::<u8>(ws_bytes.max(1)) }?;
-        // SAFETY: cuDNN writes every element of dQ, dK and dV.
-        let mut dq = unsafe { self.uninit::<u16>(rows * dh) }?;
-        // SAFETY: as dq.
-        let mut dk = unsafe { self.uninit::<u16>(nk) }?;
-        // SAFETY: as dq.
-        let mut dv = unsafe { self.uninit::<u16>(nk) }?;
-        if rows == 0 {
-            return Ok((dq, dk, dv));
-        }
-        self.ctx.bind_to_thread().map_err(cuda)?;
         let mut err = [0 as std::ffi::c_char; 512];
-        let rc = {
-            let (pq, _q) = q.device_ptr(&self.stream);
-            let (pk, _k) = k.device_ptr(&self.stream);
-            let (pv, _v) = v.device_ptr(&self.stream);
-            let (po, _o) = o.device_ptr(&self.stream);
-            let (pl, _l) = lse2.device_ptr(&self.stream);
-            let (pd, _d) = dout.device_ptr(&self.stream);
-            let (pdq, _dq) = dq.device_ptr_mut(&self.stream);
-            let (pdk, _dk) = dk.device_ptr_mut(&self.stream);
-            let (pdv, _dv) = dv.device_ptr_mut(&self.stream);
-            let (pw, _w) = ws.device_ptr_mut(&self.stream);
-            let cp = |p: u64| p as *const std::ffi::c_void;
-            let mp = |p: u64| p as *mut std::ffi::c_void;
-            // SAFETY: 1. the library's `lrmoe_cudnn_bwd` with the declared
-            // C signature; 2. every pointer is a live device allocation of
-            // the length checked by the caller, the workspace the size the
-            // library asked for; 3. the stream belongs to the current
-            // context; `err` is live, of the length passed.
-            unsafe {
-                (c.backward)(
-                    a,
-                    b,
-                    cc,
-                    d,
-                    e,
-                    cp(pq),
-                    cp(pk),
-                    cp(pv),
-                    cp(po),
-                    pl as *const f32,
-                    cp(pd),
-                    mp(pdq),
-                    mp(pdk),
-                    mp(pdv),
-                    mp(pw),
-                    ws_bytes,
-                    self.stream.cu_stream() as *mut std::ffi::c_void,
-                    err.as_mut_ptr(),
-                    err.len() as i32,
-                )
-            }
-        };
+        let (rc, grads) =
+            self.library_attention_backward(dims, qkv, saved, dout, ws_bytes, |p| {
+                // SAFETY: 1. the library's `lrmoe_cudnn_bwd` with the declared
+                // C signature; 2. every pointer is a live device allocation of
+                // the length checked by the caller, the workspace the size the
+                // library asked for; 3. the stream belongs to the current
+                // context; `err` is live, of the length passed.
+                unsafe {
+                    (c.backward)(
+                        a,
+                        b,
+                        cc,
+                        d,
+                        e,
+                        p.q,
+                        p.k,
+                        p.v,
+                        p.o,
+                        p.lse2,
+                        p.dout,
+                        p.dq,
+                        p.dk,
+                        p.dv,
+                        p.ws,
+                        ws_bytes,
+                        p.stream,
+                        err.as_mut_ptr(),
+                        err.len() as i32,
+                    )
+                }
+            })?;
         if rc != 0 {
             return Err(KernelError::Cuda(c_message(&err)));
         }
-        Ok((dq, dk, dv))
+        Ok(grads)
     }
+}
+
+/// The device pointers an attention backward library reads and writes
+/// ([`Gpu::library_attention_backward`]).
+struct AttnBwdPtrs {
+    q: *const std::ffi::c_void,
+    k: *const std::ffi::c_void,
+    v: *const std::ffi::c_void,
+    o: *const std::ffi::c_void,
+    lse2: *const f32,
+    dout: *const std::ffi::c_void,
+    dq: *mut std::ffi::c_void,
+    dk: *mut std::ffi::c_void,
+    dv: *mut std::ffi::c_void,
+    ws: *mut std::ffi::c_void,
+    stream: *mut std::ffi::c_void,
 }
 
 /// The NUL-terminated message a library wrote into `err`.
