@@ -81,10 +81,6 @@ impl Gpu {
     /// See the CUDA build.
     pub fn set_gemm_sm_reserve(&self, _sms: u32) {}
     /// See the CUDA build.
-    pub fn cudnn_attention(&self) -> Result<(std::path::PathBuf, i32), KernelError> {
-        Err(KernelError::NotCompiledWithCuda)
-    }
-    /// See the CUDA build.
     pub fn sync(&self) -> Result<(), KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }

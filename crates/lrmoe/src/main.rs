@@ -551,16 +551,9 @@ fn train(a: &TrainArgs) -> anyhow::Result<()> {
                 cfg.moe.ranks = lrmoe::train::resolve_ranks(cfg.moe.ranks, ranks_from, None, true)?;
             }
             let ordinal = dist.as_ref().map_or(0, |d| d.local_rank);
-            let g = lrmoe::kernels::gpu::Gpu::open(ordinal)?;
-            // Attention's backward runs on cuDNN where it opens (faster at
-            // head widths >= 64); say which, once.
-            match g.cudnn_attention() {
-                Ok((path, version)) => {
-                    tracing::info!("attention backward: cuDNN {version} ({})", path.display())
-                }
-                Err(e) => tracing::info!("attention backward: lrmoe's kernels ({e})"),
-            }
-            Some(std::sync::Arc::new(g))
+            Some(std::sync::Arc::new(lrmoe::kernels::gpu::Gpu::open(
+                ordinal,
+            )?))
         }
         other => anyhow::bail!("--device {other}: expected cpu or cuda"),
     };

@@ -1757,12 +1757,24 @@ impl Gpu {
         Ok((rc, (dq, dk, dv)))
     }
 
-    /// cuDNN's attention backward, opening it on first use; an error
+    /// cuDNN's attention backward, opening it on first use (and saying
+    /// once, at info level, which backward attention then runs); an error
     /// naming why where it does not open (no `libcudnn.so.9` found, or the
     /// shim failed to load).
     pub(crate) fn cudnn(&self) -> Result<&super::CudnnLib, KernelError> {
         super::CUDNN
-            .get_or_init(super::load_cudnn)
+            .get_or_init(|| {
+                let lib = super::load_cudnn();
+                match &lib {
+                    Ok(c) => tracing::info!(
+                        "attention backward: cuDNN {} ({})",
+                        c.version,
+                        c.path.display()
+                    ),
+                    Err(e) => tracing::info!("attention backward: lrmoe's kernels ({e})"),
+                }
+                lib
+            })
             .as_ref()
             .map_err(|e| KernelError::Cuda(e.clone()))
     }
