@@ -161,6 +161,22 @@ __global__ void scale_f32(const float *x, float *y, float a, long long n) {
         y[i] = a * x[i];
 }
 
+// Runs f(handle, plan, shape) under the lock once the shape's plan is
+// built (or found): 0 when f returns true, else 1 with the reason in err.
+template <class F> int with_plan(const Shape &s, char *err, int err_len, F f) {
+    if (!shape_ok(s, err, err_len)) return 1;
+    try {
+        std::lock_guard<std::mutex> g(lock);
+        cudnnHandle_t h;
+        Entry *e;
+        if (!prepare(s, &h, &e, err, err_len)) return 1;
+        return f(h, e, s) ? 0 : 1;
+    } catch (const std::exception &x) {
+        say(err, err_len, "cuDNN attention", x.what());
+        return 1;
+    }
+}
+
 }  // namespace lrmoe_cudnn
 
 using namespace lrmoe_cudnn;
@@ -191,19 +207,10 @@ int lrmoe_cudnn_version() { return (int)cudnnGetVersion(); }
 // device, building (and keeping) the graph: 0 and *bytes set, or 1 with
 // the reason in err (cuDNN does not take the shape, or is not usable).
 int lrmoe_cudnn_bwd_workspace(int n_seq, int heads, int kv, int seq, int dh, size_t *bytes, char *err, int err_len) {
-    Shape s{n_seq, heads, kv, seq, dh};
-    if (!shape_ok(s, err, err_len)) return 1;
-    try {
-        std::lock_guard<std::mutex> g(lock);
-        cudnnHandle_t h;
-        Entry *e;
-        if (!prepare(s, &h, &e, err, err_len)) return 1;
+    return with_plan(Shape{n_seq, heads, kv, seq, dh}, err, err_len, [&](cudnnHandle_t, Entry *e, const Shape &s) {
         *bytes = stats_bytes(s) + (size_t)e->workspace;
-        return 0;
-    } catch (const std::exception &x) {
-        say(err, err_len, "cuDNN attention", x.what());
-        return 1;
-    }
+        return true;
+    });
 }
 
 // dq, dk, dv (bf16, head-major) of the causal attention whose forward gave
@@ -212,22 +219,16 @@ int lrmoe_cudnn_bwd_workspace(int n_seq, int heads, int kv, int seq, int dh, siz
 int lrmoe_cudnn_bwd(int n_seq, int heads, int kv, int seq, int dh, const void *q, const void *k, const void *v,
                     const void *o, const float *lse2, const void *dout, void *dq, void *dk, void *dv, void *workspace,
                     size_t ws_bytes, void *stream, char *err, int err_len) {
-    Shape s{n_seq, heads, kv, seq, dh};
-    if (!shape_ok(s, err, err_len)) return 1;
-    try {
-        std::lock_guard<std::mutex> g(lock);
-        cudnnHandle_t h;
-        Entry *e;
-        if (!prepare(s, &h, &e, err, err_len)) return 1;
+    return with_plan(Shape{n_seq, heads, kv, seq, dh}, err, err_len, [&](cudnnHandle_t h, Entry *e, const Shape &s) {
         size_t lead = stats_bytes(s);
         if (ws_bytes < lead + (size_t)e->workspace) {
             say(err, err_len, "cuDNN attention", "workspace smaller than lrmoe_cudnn_bwd_workspace asked for");
-            return 1;
+            return false;
         }
         auto st = cudnnSetStream(h, (cudaStream_t)stream);
         if (st != CUDNN_STATUS_SUCCESS) {
             say(err, err_len, "cudnnSetStream", cudnnGetErrorString(st));
-            return 1;
+            return false;
         }
         long long rows = (long long)n_seq * heads * seq;
         float *stats = (float *)workspace;
@@ -236,7 +237,7 @@ int lrmoe_cudnn_bwd(int n_seq, int heads, int kv, int seq, int dh, const void *q
         cudaError_t ce = cudaGetLastError();
         if (ce != cudaSuccess) {
             say(err, err_len, "cuDNN attention statistics", cudaGetErrorString(ce));
-            return 1;
+            return false;
         }
         std::unordered_map<int64_t, void *> pack = {
             {Q, (void *)q},   {K, (void *)k},   {V, (void *)v},  {O, (void *)o},  {DO, (void *)dout},
@@ -246,13 +247,10 @@ int lrmoe_cudnn_bwd(int n_seq, int heads, int kv, int seq, int dh, const void *q
         auto r = e->graph->execute(h, pack, rest);
         if (r.is_bad()) {
             say(err, err_len, "cuDNN execute", r.get_message());
-            return 1;
+            return false;
         }
-        return 0;
-    } catch (const std::exception &x) {
-        say(err, err_len, "cuDNN attention", x.what());
-        return 1;
-    }
+        return true;
+    });
 }
 
 }  // extern "C"
