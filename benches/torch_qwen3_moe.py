@@ -246,9 +246,23 @@ tok = a.batch * a.seq  # over every rank
 # sequence (what the lrmoe kernels compute; causal FLOPs are half).
 fwd = L * 2 * (D * H * DH * 2 + D * KV * DH * 2 + D * E + K * 3 * D * FF) + 2 * D * V + L * 2 * 2 * a.seq * H * DH
 flops = 3 * fwd
+# Under --compile, what dynamo did (its counters; a key it does not keep
+# reads 0): a peer that recompiled past its limit or broke its graph more
+# than at the experts runs partly eager, and its rate says so only by
+# being low.
+dynamo = None
+if a.compile:
+    try:  # a private module: its absence must not cost the measurement
+        from torch._dynamo.utils import counters
+        dynamo = {"unique_graphs": counters["stats"]["unique_graphs"],
+                  "graph_breaks": sum(counters["graph_break"].values()),
+                  "frames_compiled": counters["frames"]["ok"], "frames_seen": counters["frames"]["total"]}
+    except Exception as e:  # noqa: BLE001
+        dynamo = {"unavailable": repr(e)}
 if RANK == 0:
   print(json.dumps({"peer": "pytorch-" + a.precision + ("-compile" if a.compile else ""), "gpus": WORLD, "layers": L, "seq": a.seq, "batch": a.batch,
                   "step_ms": t * 1e3, "tokens_per_s": tok / t, "flops_per_token": flops,
-                  "mfu": flops * tok / t / 989e12 / WORLD, "loss_first": losses[0], "loss_last": losses[-1]}))
+                  "mfu": flops * tok / t / 989e12 / WORLD, "loss_first": losses[0], "loss_last": losses[-1],
+                  "dynamo": dynamo}))
 if WORLD > 1:
     dist.destroy_process_group()
