@@ -640,7 +640,7 @@ fn cutlass_attention_forward_matches_the_twin_and_feeds_the_backward() {
 /// `libcudnn.so.9`) against the CPU twin's gradients, fed by both forwards
 /// (the `mma.sync` kernel at every width and length, CUTLASS's where it
 /// takes the shape), outputs poisoned, the `mma.sync` backward's
-/// tolerances; by default it is the backward at head width 128. Fails where
+/// tolerances; by default it is the backward at head widths ≥ 64. Fails where
 /// cuDNN does not open: the device machine has it (PyTorch's).
 #[test]
 #[ignore = "needs a GPU and cuDNN: run with --ignored on the device"]
