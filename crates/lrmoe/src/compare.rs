@@ -438,14 +438,19 @@ fn standing(r: &TrainSummary, target: f64, simulated: bool) -> Option<Standing> 
 /// target, `<` when only `a` did (b's true figure is higher), `>` when
 /// only `b` did, `?` when neither did or `b` is zero.
 fn ratio(a: f64, a_reached: bool, b: f64, b_reached: bool) -> String {
+    ratio_to(a, a_reached, b, b_reached, 2)
+}
+
+/// [`ratio`] with `places` decimals.
+fn ratio_to(a: f64, a_reached: bool, b: f64, b_reached: bool, places: usize) -> String {
     if b <= 0.0 || !(a.is_finite() && b.is_finite()) {
         return "?".into();
     }
     let x = a / b;
     match (a_reached, b_reached) {
-        (true, true) => format!("{x:.2}×"),
-        (true, false) => format!("< {x:.2}×"),
-        (false, true) => format!("> {x:.2}×"),
+        (true, true) => format!("{x:.places$}×"),
+        (true, false) => format!("< {x:.places$}×"),
+        (false, true) => format!("> {x:.places$}×"),
         (false, false) => "?".into(),
     }
 }
@@ -469,8 +474,10 @@ fn standings(c: &Comparison) -> Vec<(&TrainSummary, Standing)> {
 /// than the best that reached (it might have been the better one).
 struct Against<'a> {
     base: &'a TrainSummary,
+    /// The best baseline's standing.
+    b: Standing,
     base_reached: bool,
-    below: Option<(&'a TrainSummary, f64)>,
+    below: Option<(&'a TrainSummary, Standing)>,
     modes: Vec<(Mode, [String; 2], [String; 2])>,
 }
 
@@ -483,7 +490,7 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
     let (base, b) = least(Some(true)).or_else(|| least(None))?;
     let below = least(Some(false))
         .filter(|(_, x)| b.reached && x.time < b.time)
-        .map(|(r, x)| (*r, x.time));
+        .map(|(r, x)| (*r, *x));
     let modes = standings
         .iter()
         .filter(|(r, _)| !r.mode.is_exact())
@@ -503,6 +510,7 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
         .collect();
     Some(Against {
         base,
+        b: *b,
         base_reached: b.reached,
         below,
         modes,
@@ -511,10 +519,10 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
 
 /// What [`Against::below`] adds to the best baseline's description.
 fn below_note(a: &Against) -> String {
-    a.below.map_or_else(String::new, |(r, t)| {
+    a.below.map_or_else(String::new, |(r, x)| {
         format!(
-            " among the baselines that reached it; {} stopped short at less time ({t:.2} s) and could be the better",
-            r.mode
+            " among the baselines that reached it; {} stopped short at less time ({:.2} s) and could be the better",
+            r.mode, x.time
         )
     })
 }
@@ -571,6 +579,136 @@ fn against_baselines(c: &Comparison) -> String {
     t
 }
 
+/// Bounds on LRMoE against the best exact-backward baseline on the
+/// evaluation grid, for [`summary`]'s closing count: at most `time` times
+/// its MoE-layer time to the target and at most `steps` times its steps
+/// (issue 30's targets: 0.80 and 1.15).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Bounds {
+    /// Largest LRMoE ÷ best baseline MoE-layer time to the target.
+    pub time: f64,
+    /// Largest LRMoE ÷ best baseline steps to the target.
+    pub steps: f64,
+}
+
+/// Whether LRMoE meets a bound in one comparison: certainly, certainly
+/// not, or not decidable from runs that stopped short.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    Met,
+    Missed,
+    Undecided,
+}
+
+impl Verdict {
+    /// A ratio known to lie in `[lo, hi]` against `bound`.
+    fn of(lo: f64, hi: f64, bound: f64) -> Self {
+        if hi <= bound {
+            Self::Met
+        } else if lo > bound {
+            Self::Missed
+        } else {
+            Self::Undecided
+        }
+    }
+
+    fn and(self, other: Self) -> Self {
+        match (self, other) {
+            (Self::Missed, _) | (_, Self::Missed) => Self::Missed,
+            (Self::Met, Self::Met) => Self::Met,
+            _ => Self::Undecided,
+        }
+    }
+}
+
+/// LRMoE in one comparison against [`Bounds`]: its time and steps
+/// verdicts, and its ratios written to three places.
+struct AgainstBounds {
+    name: String,
+    time: Verdict,
+    steps: Verdict,
+    ratios: String,
+}
+
+/// LRMoE's verdicts against `bounds` in the comparison `name`; `None`
+/// without an LRMoE run or an exact-backward baseline. What a run that
+/// stopped short leaves open is open: LRMoE short of the target misses
+/// both; a best baseline short of it (its true figures higher) makes
+/// LRMoE's ratios upper bounds; a baseline that stopped short below the
+/// best's time could have been the better, so the time ratio lies between
+/// the two and the steps ratio is known only from above.
+fn verdict(
+    name: &str,
+    standings: &[(&TrainSummary, Standing)],
+    bounds: Bounds,
+) -> Option<AgainstBounds> {
+    let (_, l) = standings.iter().find(|(r, _)| r.mode == Mode::Lrmoe)?;
+    let a = against(standings)?;
+    let b = a.b;
+    let ratios = format!(
+        "time {}, steps {}",
+        ratio_to(l.time, l.reached, b.time, b.reached, 3),
+        ratio_to(l.steps, l.reached, b.steps, b.reached, 3)
+    );
+    let (time, steps) = match (l.reached, a.base_reached, a.below) {
+        (false, _, _) => (Verdict::Missed, Verdict::Missed),
+        (true, false, _) => (
+            Verdict::of(0.0, l.time / b.time, bounds.time),
+            Verdict::of(0.0, l.steps / b.steps, bounds.steps),
+        ),
+        (true, true, Some((_, x))) => (
+            Verdict::of(l.time / b.time, l.time / x.time, bounds.time),
+            Verdict::of(
+                0.0,
+                (l.steps / b.steps).max(l.steps / x.steps),
+                bounds.steps,
+            ),
+        ),
+        (true, true, None) => (
+            Verdict::of(l.time / b.time, l.time / b.time, bounds.time),
+            Verdict::of(l.steps / b.steps, l.steps / b.steps, bounds.steps),
+        ),
+    };
+    Some(AgainstBounds {
+        name: name.into(),
+        time,
+        steps,
+        ratios,
+    })
+}
+
+/// The line under [`summary`]'s table: in how many comparisons LRMoE
+/// meets `bounds`, which miss them and which cannot be decided.
+fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
+    let both = |r: &AgainstBounds| r.time.and(r.steps);
+    let count = |f: &dyn Fn(&AgainstBounds) -> bool| rows.iter().filter(|r| f(r)).count();
+    let (met, time, steps) = (
+        count(&|r| both(r) == Verdict::Met),
+        count(&|r| r.time == Verdict::Met),
+        count(&|r| r.steps == Verdict::Met),
+    );
+    let mut t = format!(
+        "\nLRMoE against the best exact backward on the evaluation grid, at most {:.2}× its MoE-layer time and {:.2}× its steps to the target: both in {met} of {} comparisons with an LRMoE run (the time in {time}, the steps in {steps}).",
+        bounds.time,
+        bounds.steps,
+        rows.len()
+    );
+    for (want, what) in [
+        (Verdict::Missed, "Missed"),
+        (Verdict::Undecided, "Undecided (a run stopped short)"),
+    ] {
+        let names: Vec<String> = (rows.iter())
+            .filter(|r| both(r) == want)
+            .map(|r| format!("{} ({})", r.name, r.ratios))
+            .collect();
+        if !names.is_empty() {
+            let _ = write!(t, " {what}: {}.", names.join("; "));
+        }
+    }
+    t.push('\n');
+    t
+}
+
 /// One Markdown table over several comparisons, a row each: the GPUs and
 /// target, every mode's MoE-layer and whole-step time to the target
 /// (simulated where the runs carry it), steps (`>`: stopped short, at its
@@ -579,14 +717,24 @@ fn against_baselines(c: &Comparison) -> String {
 /// against it on the evaluation grid and between evaluations, and LRMoE's
 /// memory against fixed ownership's (accounted: expert instances and
 /// backward buffers on the busiest rank; measured: the most one rank
-/// held). Each input is read as `lrmoe redraw` reads it; a bad one is an
-/// error naming it and nothing is printed.
-pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
+/// held). With `bounds`, a closing line counts the comparisons where
+/// LRMoE meets them ([`Bounds`]). Each input is read as `lrmoe redraw`
+/// reads it; a bad one is an error naming it and nothing is printed.
+pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, TrainError> {
     if inputs.is_empty() {
         return Err(TrainError::Config(
             "nothing to summarise: no --input".into(),
         ));
     }
+    if let Some(b) = bounds {
+        if !(b.time.is_finite() && b.time > 0.0 && b.steps.is_finite() && b.steps > 0.0) {
+            return Err(TrainError::Config(format!(
+                "the bounds must be positive numbers: time {}, steps {}",
+                b.time, b.steps
+            )));
+        }
+    }
+    let mut verdicts = Vec::new();
     let mut t = String::from(
         "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
     );
@@ -598,6 +746,9 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
         );
         let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
         let standings = standings(&c);
+        if let Some(v) = bounds.and_then(|b| verdict(&name, &standings, b)) {
+            verdicts.push(v);
+        }
         let modes: Vec<String> = (standings.iter())
             .map(|(r, x)| {
                 let short = if x.reached { "" } else { "> " };
@@ -616,7 +767,9 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
             Some(a) => {
                 let short = match (a.base_reached, a.below) {
                     (false, _) => " (capped)".to_string(),
-                    (true, Some((r, t))) => format!(" ({} capped below it, {t:.2})", r.mode),
+                    (true, Some((r, x))) => {
+                        format!(" ({} capped below it, {:.2})", r.mode, x.time)
+                    }
                     (true, None) => String::new(),
                 };
                 let cells: Vec<String> = (a.modes.iter())
@@ -636,6 +789,9 @@ pub fn summary(inputs: &[PathBuf]) -> Result<String, TrainError> {
             if versus.is_empty() { "—" } else { &versus },
             memory_against_fixed(&c.runs)
         );
+    }
+    if let Some(b) = bounds {
+        t.push_str(&bounds_line(&verdicts, b));
     }
     Ok(t)
 }
@@ -867,7 +1023,7 @@ mod tests {
         let a = write("a", &comparison(vec![full.clone(), lrmoe]));
         let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
         let b = write("b", &comparison(vec![short, full]));
-        let t = summary(&[a.clone(), b.clone()]).unwrap();
+        let t = summary(&[a.clone(), b.clone()], None).unwrap();
         let rows: Vec<&str> = t.lines().collect();
         assert_eq!(rows.len(), 4, "{t}");
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
@@ -884,9 +1040,86 @@ mod tests {
         // A bad input is named; no input is an error.
         let bad = dir.join("bad.json");
         std::fs::write(&bad, "{").unwrap();
-        let e = summary(&[a, bad.clone()]).unwrap_err().to_string();
+        let e = summary(&[a, bad.clone()], None).unwrap_err().to_string();
         assert!(e.contains(&bad.display().to_string()), "{e}");
-        assert!(summary(&[]).is_err());
+        assert!(summary(&[], None).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_bounds_are_counted_with_what_short_runs_leave_open() {
+        let dir = std::env::temp_dir().join(format!("lrmoe-bounds-{}", std::process::id()));
+        let write = |name: &str, runs: Vec<TrainSummary>| {
+            let d = dir.join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            write_json(&d, &comparison(runs)).unwrap()
+        };
+        let bounds = Some(Bounds {
+            time: 0.8,
+            steps: 1.15,
+        });
+        let full = run(Mode::Full, &[(10, 2.8), (20, 2.5), (30, 2.3)], 2.0, 2.4);
+        // Met: 40 s against 60 s (0.667), 30 steps against 30.
+        let met = write(
+            "met",
+            vec![
+                full.clone(),
+                run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.333_333, 2.4),
+            ],
+        );
+        // Just over: 48.6 s against 60 (0.81); the steps met.
+        let over = write(
+            "over",
+            vec![
+                full.clone(),
+                run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.62, 2.4),
+            ],
+        );
+        // LRMoE short of the target: both missed.
+        let short = write(
+            "short",
+            vec![
+                full.clone(),
+                run(Mode::Lrmoe, &[(10, 2.8), (40, 2.5)], 0.1, 2.4),
+            ],
+        );
+        // SYMI-like stopped short at 50 s, below fixed ownership's 60:
+        // LRMoE's 45 s lies between 0.75 and 0.90 of the best: undecided.
+        let symi_short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 2.5, 2.4);
+        let open = write(
+            "open",
+            vec![
+                full.clone(),
+                symi_short,
+                run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.5, 2.4),
+            ],
+        );
+        // No LRMoE run: not counted.
+        let none = write("none", vec![full]);
+        let t = summary(&[met, over, short, open, none], bounds).unwrap();
+        let last = t.lines().last().unwrap();
+        assert!(
+            last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in 1 of 4 comparisons with an LRMoE run (the time in 1, the steps in 2)."),
+            "{t}"
+        );
+        assert!(
+            last.contains(
+                "Missed: over (time 0.810×, steps 1.000×); short (time > 0.067×, steps > 1.333×)."
+            ),
+            "{last}"
+        );
+        assert!(
+            last.contains("Undecided (a run stopped short): open (time 0.750×, steps 1.000×)."),
+            "{last}"
+        );
+        // No bounds: no closing line; bad bounds: an error.
+        let plain = summary(&[dir.join("met/compare.json")], None).unwrap();
+        assert!(!plain.contains("LRMoE against"), "{plain}");
+        let bad = Some(Bounds {
+            time: f64::NAN,
+            steps: 1.0,
+        });
+        assert!(summary(&[dir.join("met/compare.json")], bad).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

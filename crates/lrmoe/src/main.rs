@@ -82,10 +82,20 @@ enum Command {
     /// present), steps and kept share, the best exact-backward baseline, every mode that changes the
     /// backward against it on the evaluation grid and between evaluations,
     /// and LRMoE's memory against fixed ownership's.
+    #[command(allow_negative_numbers = true)]
     Summary {
         /// A comparison (compare.json); repeat it, one row each.
         #[arg(long, required = true)]
         input: Vec<PathBuf>,
+        /// With --steps-bound: count the comparisons where LRMoE takes at
+        /// most this many times the best exact-backward baseline's MoE-layer
+        /// time to the target (on the evaluation grid; issue 30: 0.8).
+        #[arg(long, requires = "steps_bound")]
+        time_bound: Option<f64>,
+        /// With --time-bound: and at most this many times its steps (issue
+        /// 30: 1.15).
+        #[arg(long, requires = "time_bound")]
+        steps_bound: Option<f64>,
         /// Also write the table to this file (atomically).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -654,8 +664,16 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             sayln!("wrote {}", report.files.join(", "));
             Ok(())
         }
-        Command::Summary { input, out } => {
-            let table = lrmoe::compare::summary(&input)?;
+        Command::Summary {
+            input,
+            time_bound,
+            steps_bound,
+            out,
+        } => {
+            let bounds = time_bound
+                .zip(steps_bound)
+                .map(|(time, steps)| lrmoe::compare::Bounds { time, steps });
+            let table = lrmoe::compare::summary(&input, bounds)?;
             if let Some(path) = &out {
                 lrmoe::fsutil::write_atomic(path, table.as_bytes())
                     .with_context(|| format!("writing {}", path.display()))?;

@@ -1312,6 +1312,41 @@ fn redraw_joins_comparisons_trained_in_parts() {
     let (ok, _, err) = lrmoe(&["summary", "--input", path(&ja), "--input", path(&dir)]);
     assert!(!ok);
     one_line_error(&err, &dir.display().to_string());
+    // With bounds: a closing count; a bound that is not a positive number,
+    // or one bound without the other, is one line.
+    let (ok, stdout, err) = lrmoe(&[
+        "summary",
+        "--input",
+        path(&ja),
+        "--time-bound",
+        "0.8",
+        "--steps-bound",
+        "1.15",
+    ]);
+    assert!(ok, "{err}");
+    assert!(
+        stdout.contains(
+            "at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in"
+        ),
+        "{stdout}"
+    );
+    for bad in [
+        &["--time-bound", "-1", "--steps-bound", "1"][..],
+        &["--time-bound", "0.8"][..],
+    ] {
+        let mut args = vec!["summary", "--input", path(&ja)];
+        args.extend_from_slice(bad);
+        let (ok, _, err) = lrmoe(&args);
+        assert!(!ok);
+        one_line_error(
+            &err,
+            if bad.len() == 4 {
+                "positive"
+            } else {
+                "--steps-bound"
+            },
+        );
+    }
 
     // Bad joins.
     let mut other: serde_json::Value =
