@@ -476,7 +476,6 @@ struct Against<'a> {
     base: &'a TrainSummary,
     /// The best baseline's standing.
     b: Standing,
-    base_reached: bool,
     below: Option<(&'a TrainSummary, Standing)>,
     modes: Vec<(Mode, [String; 2], [String; 2])>,
 }
@@ -511,7 +510,6 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
     Some(Against {
         base,
         b: *b,
-        base_reached: b.reached,
         below,
         modes,
     })
@@ -564,7 +562,7 @@ fn against_baselines(c: &Comparison) -> String {
             format!("{m}: time {time}, steps {steps} at the evaluations; {time_x} and {steps_x} between them")
         })
         .collect();
-    let short = if a.base_reached {
+    let short = if a.b.reached {
         ""
     } else {
         ", stopped short of the target: its figures are bounds"
@@ -650,7 +648,7 @@ fn verdict(
         ratio_to(l.time, l.reached, b.time, b.reached, 3),
         ratio_to(l.steps, l.reached, b.steps, b.reached, 3)
     );
-    let (time, steps) = match (l.reached, a.base_reached, a.below) {
+    let (time, steps) = match (l.reached, a.b.reached, a.below) {
         (false, _, _) => (Verdict::Missed, Verdict::Missed),
         (true, false, _) => (
             Verdict::of(0.0, l.time / b.time, bounds.time),
@@ -765,7 +763,7 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
             .collect();
         let (base, versus) = match against(&standings) {
             Some(a) => {
-                let short = match (a.base_reached, a.below) {
+                let short = match (a.b.reached, a.below) {
                     (false, _) => " (capped)".to_string(),
                     (true, Some((r, x))) => {
                         format!(" ({} capped below it, {:.2})", r.mode, x.time)
