@@ -630,11 +630,12 @@ struct AgainstBounds {
 
 /// LRMoE's verdicts against `bounds` in the comparison `name`; `None`
 /// without an LRMoE run or an exact-backward baseline. What a run that
-/// stopped short leaves open is open: LRMoE short of the target misses
-/// both; a best baseline short of it (its true figures higher) makes
-/// LRMoE's ratios upper bounds; a baseline that stopped short below the
-/// best's time could have been the better, so the time ratio lies between
-/// the two and the steps ratio is known only from above.
+/// stopped short leaves open is open: LRMoE short of the target makes its
+/// ratios lower bounds (it misses where what it had already spent is over
+/// the bound); a best baseline short of it (its true figures higher)
+/// makes them upper bounds; a baseline that stopped short below the best's
+/// time could have been the better, so the time ratio lies between the
+/// two and the steps ratio is known only from above.
 fn verdict(
     name: &str,
     standings: &[(&TrainSummary, Standing)],
@@ -648,25 +649,24 @@ fn verdict(
         ratio_to(l.time, l.reached, b.time, b.reached, 3),
         ratio_to(l.steps, l.reached, b.steps, b.reached, 3)
     );
-    let (time, steps) = match (l.reached, a.b.reached, a.below) {
-        (false, _, _) => (Verdict::Missed, Verdict::Missed),
-        (true, false, _) => (
-            Verdict::of(0.0, l.time / b.time, bounds.time),
-            Verdict::of(0.0, l.steps / b.steps, bounds.steps),
-        ),
-        (true, true, Some((_, x))) => (
-            Verdict::of(l.time / b.time, l.time / x.time, bounds.time),
-            Verdict::of(
-                0.0,
-                (l.steps / b.steps).max(l.steps / x.steps),
-                bounds.steps,
-            ),
-        ),
-        (true, true, None) => (
-            Verdict::of(l.time / b.time, l.time / b.time, bounds.time),
-            Verdict::of(l.steps / b.steps, l.steps / b.steps, bounds.steps),
-        ),
+    // The ends of what LRMoE ÷ the best can be, time and steps. A run short
+    // of the target would have needed more than its figures; a baseline
+    // that stopped short below the best's time may have been the best, at
+    // more steps than it ran.
+    let inf = f64::INFINITY;
+    let [t, s] = [l.time / b.time, l.steps / b.steps];
+    let ([t_lo, t_hi], [s_lo, s_hi]) = match (l.reached, b.reached, a.below) {
+        (false, false, _) => ([0.0, inf], [0.0, inf]),
+        (false, true, None) => ([t, inf], [s, inf]),
+        (false, true, Some(_)) => ([t, inf], [0.0, inf]),
+        (true, false, _) => ([0.0, t], [0.0, s]),
+        (true, true, None) => ([t, t], [s, s]),
+        (true, true, Some((_, x))) => ([t, l.time / x.time], [0.0, s.max(l.steps / x.steps)]),
     };
+    let (time, steps) = (
+        Verdict::of(t_lo, t_hi, bounds.time),
+        Verdict::of(s_lo, s_hi, bounds.steps),
+    );
     Some(AgainstBounds {
         name: name.into(),
         time,
@@ -1073,7 +1073,7 @@ mod tests {
                 run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.62, 2.4),
             ],
         );
-        // LRMoE short of the target: both missed.
+        // LRMoE short of the target, already past the steps bound: missed.
         let short = write(
             "short",
             vec![
@@ -1092,12 +1092,21 @@ mod tests {
                 run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.5, 2.4),
             ],
         );
+        // LRMoE short of the target, its figures so far within both bounds:
+        // undecided.
+        let early = write(
+            "early",
+            vec![
+                full.clone(),
+                run(Mode::Lrmoe, &[(10, 2.8), (20, 2.5)], 0.1, 2.4),
+            ],
+        );
         // No LRMoE run: not counted.
         let none = write("none", vec![full]);
-        let t = summary(&[met, over, short, open, none], bounds).unwrap();
+        let t = summary(&[met, over, short, open, early, none], bounds).unwrap();
         let last = t.lines().last().unwrap();
         assert!(
-            last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in 1 of 4 comparisons with an LRMoE run (the time in 1, the steps in 2)."),
+            last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in 1 of 5 comparisons with an LRMoE run (the time in 1, the steps in 2)."),
             "{t}"
         );
         assert!(
@@ -1107,7 +1116,9 @@ mod tests {
             "{last}"
         );
         assert!(
-            last.contains("Undecided (a run stopped short): open (time 0.750×, steps 1.000×)."),
+            last.contains(
+                "Undecided (a run stopped short): open (time 0.750×, steps 1.000×); early (time > 0.033×, steps > 0.667×)."
+            ),
             "{last}"
         );
         // No bounds: no closing line; bad bounds: an error.
