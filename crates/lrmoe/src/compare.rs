@@ -628,8 +628,9 @@ struct AgainstBounds {
     ratios: String,
 }
 
-/// LRMoE's verdicts against `bounds` in the comparison `name`; `None`
-/// without an LRMoE run or an exact-backward baseline. What a run that
+/// LRMoE's verdicts against `bounds` in the comparison `name`, set
+/// against its best baseline `a` ([`against`]); `None` without an LRMoE
+/// run. What a run that
 /// stopped short leaves open is open: LRMoE short of the target makes its
 /// ratios lower bounds (it misses where what it had already spent is over
 /// the bound); a best baseline short of it (its true figures higher)
@@ -639,10 +640,10 @@ struct AgainstBounds {
 fn verdict(
     name: &str,
     standings: &[(&TrainSummary, Standing)],
+    a: &Against,
     bounds: Bounds,
 ) -> Option<AgainstBounds> {
     let (_, l) = standings.iter().find(|(r, _)| r.mode == Mode::Lrmoe)?;
-    let a = against(standings)?;
     let b = a.b;
     let ratios = format!(
         "time {}, steps {}",
@@ -744,7 +745,10 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
         );
         let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
         let standings = standings(&c);
-        if let Some(v) = bounds.and_then(|b| verdict(&name, &standings, b)) {
+        let against = against(&standings);
+        if let Some(v) =
+            (bounds.zip(against.as_ref())).and_then(|(b, a)| verdict(&name, &standings, a, b))
+        {
             verdicts.push(v);
         }
         let modes: Vec<String> = (standings.iter())
@@ -761,7 +765,7 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
                 )
             })
             .collect();
-        let (base, versus) = match against(&standings) {
+        let (base, versus) = match against {
             Some(a) => {
                 let short = match (a.b.reached, a.below) {
                     (false, _) => " (capped)".to_string(),
@@ -1057,30 +1061,19 @@ mod tests {
             steps: 1.15,
         });
         let full = run(Mode::Full, &[(10, 2.8), (20, 2.5), (30, 2.3)], 2.0, 2.4);
+        // Fixed ownership (60 s, 30 steps) and an LRMoE run.
+        let against_full = |name: &str, curve: &[(usize, f64)], per_step: f64| {
+            write(
+                name,
+                vec![full.clone(), run(Mode::Lrmoe, curve, per_step, 2.4)],
+            )
+        };
         // Met: 40 s against 60 s (0.667), 30 steps against 30.
-        let met = write(
-            "met",
-            vec![
-                full.clone(),
-                run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.333_333, 2.4),
-            ],
-        );
+        let met = against_full("met", &[(10, 2.8), (30, 2.3)], 1.333_333);
         // Just over: 48.6 s against 60 (0.81); the steps met.
-        let over = write(
-            "over",
-            vec![
-                full.clone(),
-                run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.62, 2.4),
-            ],
-        );
+        let over = against_full("over", &[(10, 2.8), (30, 2.3)], 1.62);
         // LRMoE short of the target, already past the steps bound: missed.
-        let short = write(
-            "short",
-            vec![
-                full.clone(),
-                run(Mode::Lrmoe, &[(10, 2.8), (40, 2.5)], 0.1, 2.4),
-            ],
-        );
+        let short = against_full("short", &[(10, 2.8), (40, 2.5)], 0.1);
         // SYMI-like stopped short at 50 s, below fixed ownership's 60:
         // LRMoE's 45 s lies between 0.75 and 0.90 of the best: undecided.
         let symi_short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 2.5, 2.4);
@@ -1094,13 +1087,7 @@ mod tests {
         );
         // LRMoE short of the target, its figures so far within both bounds:
         // undecided.
-        let early = write(
-            "early",
-            vec![
-                full.clone(),
-                run(Mode::Lrmoe, &[(10, 2.8), (20, 2.5)], 0.1, 2.4),
-            ],
-        );
+        let early = against_full("early", &[(10, 2.8), (20, 2.5)], 0.1);
         // No LRMoE run: not counted.
         let none = write("none", vec![full]);
         let t = summary(&[met, over, short, open, early, none], bounds).unwrap();
