@@ -19,7 +19,8 @@
 //!   table and plots drawn again, or comparisons trained in parts joined,
 //!   from `compare.json`; each run's crossing of the target interpolated
 //!   between evaluations, [`compare::crossing`]; many comparisons in one
-//!   table, [`compare::summary`]);
+//!   table, [`compare::summary`], with an optional count of where LRMoE
+//!   meets [`compare::Bounds`]);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
 //!   one layer call's settings from an `[moe]` section, as the trainer and
 //!   the Python package (`python/`) do;
