@@ -644,6 +644,180 @@ extern "C" __global__ void cross_entropy(const uint16_t* __restrict__ logits, co
     }
 }
 
+// The cross-entropy for rows that the L2 cache can hold between their two
+// passes (the LM head's 151 936 words: 297 KiB of bf16 a row). A block
+// takes one row at a time, so the rows in flight are the grid's blocks;
+// with about one block a SM their bytes fit in L2 and the second pass
+// reads the row from L2 rather than HBM: HBM moves the logits once and the
+// gradient once. Each thread keeps UNROLL 16-byte loads in flight so that
+// few blocks still fill the memory pipeline. The running max-and-sum moves
+// by chunks of 8 (one rescale when a chunk raises the max). HINT: the
+// first pass's loads ask L2 to keep the lines (evict_last), the second
+// pass's loads and the gradient's stores to let them go first
+// (evict_first), so the gradient streaming out does not push out the rows
+// still to be read again.
+__device__ __forceinline__ unsigned long long l2_policy(bool keep) {
+    unsigned long long p;
+    if (keep)
+        asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(p));
+    else
+        asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(p));
+    return p;
+}
+template <bool HINT>
+__device__ __forceinline__ uint4 ld16(const uint4* a, unsigned long long pol) {
+    uint4 r;
+    if constexpr (HINT) {
+        asm volatile("ld.global.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                     : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+                     : "l"(a), "l"(pol));
+    } else {
+        r = *a;
+    }
+    return r;
+}
+template <bool HINT>
+__device__ __forceinline__ void st16(uint4* a, uint4 v, unsigned long long pol) {
+    if constexpr (HINT) {
+        asm volatile("st.global.L2::cache_hint.v4.u32 [%0], {%1, %2, %3, %4}, %5;" ::"l"(a), "r"(v.x), "r"(v.y),
+                     "r"(v.z), "r"(v.w), "l"(pol)
+                     : "memory");
+    } else {
+        *a = v;
+    }
+}
+// (m, s) += the eight bf16 logits of q: one rescale when they raise the max.
+__device__ __forceinline__ void eat8(uint4 q, float& m, float& s) {
+    uint32_t w[4] = {q.x, q.y, q.z, q.w};
+    float x[8];
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+        x[2 * t] = __uint_as_float(w[t] << 16);
+        x[2 * t + 1] = __uint_as_float(w[t] & 0xffff0000u);
+    }
+    float cm = x[0];
+#pragma unroll
+    for (int j = 1; j < 8; ++j) cm = fmaxf(cm, x[j]);
+    if (cm > m) {
+        s = m == -INFINITY ? 0.f : s * __expf(m - cm);
+        m = cm;
+    }
+    // −∞ (a masked word) adds nothing, even while every logit so far is
+    // −∞; NaN stays NaN: the loss reports it.
+#pragma unroll
+    for (int j = 0; j < 8; ++j) s += x[j] == -INFINITY ? 0.f : __expf(x[j] - m);
+}
+template <bool HINT, int UNROLL>
+__device__ void cross_entropy_resident(const uint16_t* __restrict__ logits, const uint32_t* __restrict__ target,
+                                       float* __restrict__ loss_sum, uint16_t* __restrict__ dlogits, int n, int v,
+                                       float inv_n) {
+    __shared__ float red_m[32], red_s[32];
+    __shared__ float bcast_m, bcast_s;
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
+    unsigned long long keep = 0, drop = 0;
+    if constexpr (HINT) {
+        keep = l2_policy(true);
+        drop = l2_policy(false);
+    }
+    for (int r = blockIdx.x; r < n; r += gridDim.x) {
+        const uint16_t* lr = logits + (long long)r * v;
+        uint16_t* dr = dlogits + (long long)r * v;
+        int head = (int)(((16 - ((uintptr_t)lr & 15)) & 15) >> 1);
+        if (head > v || (((uintptr_t)dr - (uintptr_t)lr) & 15) != 0) head = v;
+        int chunks = (v - head) >> 3;
+        int tail0 = head + (chunks << 3);
+        float m = -INFINITY, s = 0.f;
+        auto eat1 = [&](float x) {
+            if (x > m) {
+                s = s * __expf(m - x) + 1.f;
+                m = x;
+            } else if (!(x == -INFINITY && m == -INFINITY)) {
+                s += __expf(x - m);
+            }
+        };
+        for (int j = threadIdx.x; j < head; j += nt) eat1(bf(lr[j]));
+        const uint4* lv = reinterpret_cast<const uint4*>(lr + head);
+        int c = threadIdx.x;
+        for (; c + (UNROLL - 1) * nt < chunks; c += UNROLL * nt) {
+            uint4 q[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) q[u] = ld16<HINT>(lv + c + u * nt, keep);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) eat8(q[u], m, s);
+        }
+        for (; c < chunks; c += nt) eat8(ld16<HINT>(lv + c, keep), m, s);
+        for (int j = tail0 + threadIdx.x; j < v; j += nt) eat1(bf(lr[j]));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+            float mm = fmaxf(m, mo);
+            s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
+            m = mm;
+        }
+        if (lane == 0) {
+            red_m[wid] = m;
+            red_s[wid] = s;
+        }
+        __syncthreads();
+        if (wid == 0) {
+            m = lane < nw ? red_m[lane] : -INFINITY;
+            s = lane < nw ? red_s[lane] : 0.f;
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
+                float mm = fmaxf(m, mo);
+                s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
+                m = mm;
+            }
+            if (lane == 0) {
+                bcast_m = m;
+                bcast_s = s;
+            }
+        }
+        __syncthreads();
+        m = bcast_m;
+        s = bcast_s;
+        uint32_t tg = target[r];
+        float is = 1.f / s;
+        auto grad = [&](float x, int j) { return to_bf((__expf(x - m) * is - (j == (int)tg ? 1.f : 0.f)) * inv_n); };
+        auto grad8 = [&](uint4 q, int j0) {
+            uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int t = 0; t < 4; ++t) {
+                uint32_t lo = grad(__uint_as_float(w[t] << 16), j0 + 2 * t);
+                uint32_t hi = grad(__uint_as_float(w[t] & 0xffff0000u), j0 + 2 * t + 1);
+                w[t] = lo | (hi << 16);
+            }
+            return make_uint4(w[0], w[1], w[2], w[3]);
+        };
+        for (int j = threadIdx.x; j < head; j += nt) dr[j] = grad(bf(lr[j]), j);
+        uint4* dv = reinterpret_cast<uint4*>(dr + head);
+        c = threadIdx.x;
+        for (; c + (UNROLL - 1) * nt < chunks; c += UNROLL * nt) {
+            uint4 q[UNROLL];
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) q[u] = ld16<HINT>(lv + c + u * nt, drop);
+#pragma unroll
+            for (int u = 0; u < UNROLL; ++u) st16<HINT>(dv + c + u * nt, grad8(q[u], head + ((c + u * nt) << 3)), drop);
+        }
+        for (; c < chunks; c += nt) st16<HINT>(dv + c, grad8(ld16<HINT>(lv + c, drop), head + (c << 3)), drop);
+        for (int j = tail0 + threadIdx.x; j < v; j += nt) dr[j] = grad(bf(lr[j]), j);
+        if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[tg]));
+        __syncthreads();
+    }
+}
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_l2(const uint16_t* logits, const uint32_t* target,
+                                                                    float* loss_sum, uint16_t* dlogits, int n,
+                                                                    int v, float inv_n) {
+    cross_entropy_resident<false, 4>(logits, target, loss_sum, dlogits, n, v, inv_n);
+}
+extern "C" __global__ void __launch_bounds__(1024) cross_entropy_l2_hint(const uint16_t* logits,
+                                                                         const uint32_t* target, float* loss_sum,
+                                                                         uint16_t* dlogits, int n, int v,
+                                                                         float inv_n) {
+    cross_entropy_resident<true, 4>(logits, target, loss_sum, dlogits, n, v, inv_n);
+}
+
 // Elements 4i .. 4i + 3 of an f32 or bf16 array.
 __device__ __forceinline__ void load4(const float* g, long long i, float out[4]) {
     float4 q = reinterpret_cast<const float4*>(g)[i];

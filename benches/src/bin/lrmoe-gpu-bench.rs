@@ -8,8 +8,9 @@
 //! `router`, `wgrad` (the E128 weight gradient alone, to profile),
 //! `wgrad-groups` (the same work in fewer, larger groups), `adamw` (the
 //! fused AdamW against HBM's bandwidth, the copy and PyTorch's fused
-//! AdamW, with `benches/torch_adamw.py`'s output as the anchors file); the
-//! first four by default.
+//! AdamW, with `benches/torch_adamw.py`'s output as the anchors file),
+//! `xent` (the fused cross-entropy's launches at the LM head's shape,
+//! against HBM's bandwidth and the copy); the first four by default.
 
 use kernels::gpu::Gpu;
 
@@ -269,6 +270,9 @@ fn main() -> anyhow::Result<()> {
     if table("adamw") {
         adamw_table(&gpu, &anchors)?;
     }
+    if table("xent") {
+        xent_table(&gpu)?;
+    }
     if table("select") {
         let t = gpu.bench_select(128, 131072)?;
         println!();
@@ -286,6 +290,79 @@ fn main() -> anyhow::Result<()> {
             for (name, ms) in gpu.bench_router_backward(16384, h, e, 8)? {
                 println!("| {name} | {ms:.3} |");
             }
+        }
+    }
+    Ok(())
+}
+
+/// The fused cross-entropy at the LM head's shape (16 384 rows of the
+/// Qwen3 vocabulary, 151 936 words) with each launch: median device ms
+/// against the least HBM must move (logits read once, gradient written
+/// once), the copy's rate and the streamed launch; the loss and the first
+/// 64 rows' gradient against the streamed launch's (the same sums in
+/// another order: bf16 rounding may differ by an ulp).
+fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
+    use kernels::gpu::XentLaunch;
+    let (n, v) = (16384usize, 151_936usize);
+    let copy = gpu.bench_copy(2 << 30)?;
+    let mut launches = vec![(
+        "streamed (256 threads, ≤ 32 blocks a SM)".to_string(),
+        XentLaunch::Streamed,
+    )];
+    for l2_hints in [false, true] {
+        for (threads, blocks_per_sm) in [(1024, 1), (512, 2), (1024, 2)] {
+            launches.push((
+                format!(
+                    "resident, {threads} threads × {blocks_per_sm} a SM{}",
+                    if l2_hints { ", L2 hints" } else { "" }
+                ),
+                XentLaunch::Resident {
+                    threads,
+                    blocks_per_sm,
+                    l2_hints,
+                },
+            ));
+        }
+    }
+    println!();
+    println!(
+        "Cross-entropy, {n} × {v} bf16 logits; the least HBM must move: {:.2} GB (limit {:.3} ms at 4.8 TB/s); device copy {:.0} GB/s:",
+        4.0 * (n * v) as f64 / 1e9,
+        4.0 * (n * v) as f64 / 4.8e9,
+        copy.gbps()
+    );
+    println!();
+    println!("| launch | median ms | ÷ limit | ÷ streamed | loss − streamed's (relative) | first 64 rows: most |Δ| |");
+    println!("|---|---|---|---|---|---|");
+    let mut base: Option<(f64, f32, Vec<u16>)> = None;
+    for (name, how) in launches {
+        let (t, loss, rows) = gpu.bench_cross_entropy((n, v), how, 64)?;
+        let limit = t.bytes / 4.8e9;
+        let (ratio, dl, dg) = match &base {
+            None => ("1.000".to_string(), "—".to_string(), "—".to_string()),
+            Some((ms, l0, r0)) => {
+                let most = rows
+                    .iter()
+                    .zip(r0)
+                    .map(|(&a, &b)| {
+                        (kernels::cpu::bf16_bits_to_f32(a) - kernels::cpu::bf16_bits_to_f32(b))
+                            .abs()
+                    })
+                    .fold(0f32, f32::max);
+                (
+                    format!("{:.3}", t.ms / ms),
+                    format!("{:.1e}", (loss - l0) / l0.abs().max(1e-30)),
+                    format!("{most:.1e}"),
+                )
+            }
+        };
+        println!(
+            "| {name} | {:.3} | {:.2} | {ratio} | {dl} | {dg} |",
+            t.ms,
+            t.ms / limit
+        );
+        if base.is_none() {
+            base = Some((t.ms, loss, rows));
         }
     }
     Ok(())

@@ -33,7 +33,7 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 pub use imp::{
     dense::{
         attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping, SumPart,
-        ATTN_DS_MAX_BYTES,
+        XentLaunch, ATTN_DS_MAX_BYTES,
     },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
@@ -267,6 +267,7 @@ mod imp {
     use super::Timing;
     use crate::cpu::GemmVariant;
     use crate::KernelError;
+    use dense::XentLaunch;
 
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -2347,6 +2348,65 @@ mod imp {
                 ms,
                 bytes: 2.0 * bytes as f64,
             })
+        }
+
+        /// The fused cross-entropy over `n` random bf16 rows of `v` with the
+        /// launch `how`, 10 timed runs: bytes = the least HBM must move,
+        /// the logits read once and the gradient written once (4 bytes an
+        /// element). Also the loss summed by the last run and the
+        /// gradient's first `keep_rows` rows, to hold launches against
+        /// each other.
+        pub fn bench_cross_entropy(
+            &self,
+            (n, v): (usize, usize),
+            how: XentLaunch,
+            keep_rows: usize,
+        ) -> Result<(Timing, f32, Vec<u16>), KernelError> {
+            // 64 random rows, repeated on the device (host generation and
+            // upload of the whole 5 GB would take longer than the runs).
+            let block_rows = n.clamp(1, 64);
+            let block = self.upload(&random_bf16(block_rows * v, 11))?;
+            let mut logits = self.poisoned::<u16>(n * v)?;
+            for r0 in (0..n).step_by(block_rows) {
+                let rows = block_rows.min(n - r0);
+                self.stream
+                    .memcpy_dtod(
+                        &block.slice(..rows * v),
+                        &mut logits.slice_mut(r0 * v..(r0 + rows) * v),
+                    )
+                    .map_err(cuda)?;
+            }
+            let target: Vec<u32> = (0..n).map(|i| ((i * 7919) % v) as u32).collect();
+            let target = self.upload(&target)?;
+            let mut loss = self.upload(&[0f32])?;
+            let mut last = None;
+            let ms = self.time(10, || {
+                self.stream.memset_zeros(&mut loss).map_err(cuda)?;
+                // SAFETY: every target is below v (taken modulo v).
+                let d = unsafe {
+                    self.cross_entropy_with(
+                        how,
+                        &logits,
+                        &target,
+                        &mut loss,
+                        (n, v),
+                        1.0 / n as f32,
+                    )
+                }?;
+                last = Some(d);
+                Ok(())
+            })?;
+            let d = last.expect("invariant: `time` runs its closure");
+            let kept = self.download(&d, keep_rows.min(n) * v)?;
+            let loss = self.download(&loss, 1)?[0];
+            Ok((
+                Timing {
+                    ms,
+                    bytes: 4.0 * (n * v) as f64,
+                },
+                loss,
+                kept,
+            ))
         }
 
         /// Zero fill of `bytes` (`cuMemsetD8Async`, write only): the

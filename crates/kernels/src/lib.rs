@@ -122,6 +122,9 @@ pub enum KernelError {
         /// The configured timeout.
         timeout_ms: u64,
     },
+    /// A launch setting out of its kernel's range.
+    #[error("{0}")]
+    Launch(String),
     /// A buffer's length does not match the declared shape.
     #[error("{what}: expected {expected} elements, got {got}")]
     Shape {

@@ -240,19 +240,37 @@ fn causal_softmax_forward_and_backward_match_the_twins() {
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn fused_cross_entropy_matches_the_twin() {
+    use kernels::gpu::XentLaunch;
     let g = gpu();
     let mut r = Rng(seed());
+    let resident = |threads, blocks_per_sm, l2_hints| XentLaunch::Resident {
+        threads,
+        blocks_per_sm,
+        l2_hints,
+    };
     // Rows whose starts are not 16-byte aligned (v = 1001, 2) take the
-    // kernel's scalar head and tail around its 8-wide middle; more rows than
-    // blocks (5 000); −∞ logits (masked words) in the rows of 256.
-    for &(n, v) in &[
+    // kernels' scalar head and tail around their 8-wide middle; more rows
+    // than blocks (5 000); −∞ logits (masked words) in the rows of 256, and
+    // rows whose first chunks are all −∞ (the resident kernel's chunked
+    // running max starts from −∞ there).
+    let launches = [
+        XentLaunch::Streamed,
+        XentLaunch::DEFAULT,
+        resident(1024, 1, false),
+        resident(512, 2, true),
+        resident(64, 1, false),
+    ];
+    for (&(n, v), how) in [
         (1, 2),
         (7, 1001),
         (3, 8),
         (5000, 256),
         (512, 256),
         (64, 151_936),
-    ] {
+    ]
+    .iter()
+    .flat_map(|s| launches.iter().map(move |&h| (s, h)))
+    {
         let mut logits = r.bf16s(n * v, 6.0);
         let target: Vec<u32> = (0..n).map(|_| (r.next() % v as u64) as u32).collect();
         if v == 256 {
@@ -260,12 +278,19 @@ fn fused_cross_entropy_matches_the_twin() {
                 let j = (t as usize + 1 + i % (v - 1)) % v; // never the target
                 logits[i * v + j] = 0xFF80; // −∞
             }
+            for (i, &t) in target.iter().enumerate().skip(1).step_by(5) {
+                // The first 64 words −∞ but the target.
+                for j in (0..64).filter(|&j| j != t as usize) {
+                    logits[i * v + j] = 0xFF80;
+                }
+            }
         }
         let mut loss = g.upload(&[0.5f32]).unwrap();
         let inv_n = 1.0 / n as f32;
         // SAFETY: every target is below v.
         let d = unsafe {
-            g.cross_entropy(
+            g.cross_entropy_with(
+                how,
                 &g.upload(&logits).unwrap(),
                 &g.upload(&target).unwrap(),
                 &mut loss,
@@ -278,10 +303,27 @@ fn fused_cross_entropy_matches_the_twin() {
         let got = f64::from(g.download(&loss, 1).unwrap()[0]) - 0.5;
         assert!(
             (got - wl).abs() <= 1e-4 * wl.abs().max(1.0),
-            "loss {got} vs {wl} ({n}×{v})"
+            "loss {got} vs {wl} ({n}×{v}, {how:?})"
         );
         let e = rel(&wide(&g.download(&d, n * v).unwrap()), &wide(&wd));
-        assert!(e < 4e-3, "dlogits relative error {e} ({n}×{v})");
+        assert!(e < 4e-3, "dlogits relative error {e} ({n}×{v}, {how:?})");
+    }
+    // A launch out of the kernel's range is an error, not a launch.
+    for bad in [
+        resident(0, 1, false),
+        resident(100, 1, false),
+        resident(2048, 1, false),
+        resident(256, 0, true),
+    ] {
+        let logits = g.upload(&[0u16; 8]).unwrap();
+        let target = g.upload(&[0u32]).unwrap();
+        let mut loss = g.upload(&[0f32]).unwrap();
+        // SAFETY: the target is below v.
+        let r = unsafe { g.cross_entropy_with(bad, &logits, &target, &mut loss, (1, 8), 1.0) };
+        assert!(
+            matches!(r, Err(kernels::KernelError::Launch(_))),
+            "{bad:?}: {r:?}"
+        );
     }
 }
 

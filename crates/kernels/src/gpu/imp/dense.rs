@@ -54,6 +54,9 @@ pub(crate) struct DenseFns {
     add_f32: CudaFunction,
     sum_parts: CudaFunction,
     xent: CudaFunction,
+    /// The L2-resident cross-entropy ([`XentLaunch::Resident`]): without,
+    /// with cache hints.
+    xent_l2: [CudaFunction; 2],
     sq_f32: CudaFunction,
     sq_bf16: CudaFunction,
     adam_f32: CudaFunction,
@@ -78,6 +81,46 @@ pub(crate) struct DenseFns {
     /// pingpong`); unset: [`AttnFwd::DEFAULT`] where the CUTLASS library
     /// takes the shape, the `mma.sync` kernel elsewhere.
     attention_fwd: AttnFwd,
+    /// The cross-entropy's launch (`LRMOE_XENT=streamed|resident`);
+    /// unset: [`XentLaunch::DEFAULT`].
+    xent_launch: XentLaunch,
+}
+
+/// How the fused cross-entropy ([`Gpu::cross_entropy_with`]) reads each
+/// row twice: once for its max and sum, once for the gradient.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XentLaunch {
+    /// Blocks of 256, as many rows in flight as 32 blocks a SM: both
+    /// passes read the row from HBM (the LM head's rows are ~300 KB each
+    /// and a thousand of them are in flight).
+    Streamed,
+    /// Blocks of `threads` (a multiple of 32, at most 1024), `blocks_per_sm`
+    /// a SM, one row each at a time: so few rows in flight that their bytes
+    /// stay in L2 between the two passes. `l2_hints`: the first pass asks
+    /// L2 to keep the lines, the second pass and the gradient's stores to
+    /// let them go first.
+    Resident {
+        /// Threads a block.
+        threads: u32,
+        /// Blocks a SM (the rows in flight: this times the SMs).
+        blocks_per_sm: u32,
+        /// Cache-eviction hints on the loads and stores.
+        l2_hints: bool,
+    },
+}
+
+impl XentLaunch {
+    /// What [`Gpu::cross_entropy`] runs unless `LRMOE_XENT` says otherwise.
+    /// One H200 (2026-12-04, `docs/benchmarks.md`, "The dense half by
+    /// part"): 1 024 threads a block, one block a SM, with the L2 hints,
+    /// took 0.96× the streamed launch's time at the LM head's shape in
+    /// three runs over two calls (3.55 against 3.70 ms), 0.98× in the
+    /// A3B model (3.74 against 3.81 ms).
+    pub const DEFAULT: XentLaunch = XentLaunch::Resident {
+        threads: 1024,
+        blocks_per_sm: 1,
+        l2_hints: true,
+    };
 }
 
 /// What [`Gpu::rmsnorm_keeping`] returns: the input's copy (f32), the
@@ -241,6 +284,7 @@ impl DenseFns {
             add_f32: f("add_f32")?,
             sum_parts: f("sum_parts_f32")?,
             xent: f("cross_entropy")?,
+            xent_l2: [f("cross_entropy_l2")?, f("cross_entropy_l2_hint")?],
             sq_f32: f("sq_sum_f32")?,
             sq_bf16: f("sq_sum_bf16")?,
             adam_f32: f("adamw_f32")?,
@@ -282,6 +326,10 @@ impl DenseFns {
                 Ok("pingpong") => AttnFwd::Pingpong,
                 Ok("cooperative") => AttnFwd::Cooperative,
                 _ => AttnFwd::DEFAULT,
+            },
+            xent_launch: match std::env::var("LRMOE_XENT").as_deref() {
+                Ok("streamed") => XentLaunch::Streamed,
+                _ => XentLaunch::DEFAULT,
             },
         })
     }
@@ -1098,13 +1146,64 @@ impl Gpu {
         (n, v): (usize, usize),
         inv_n: f32,
     ) -> Result<CudaSlice<u16>, KernelError> {
+        // SAFETY: the caller's.
+        unsafe {
+            self.cross_entropy_with(self.dense.xent_launch, logits, target, loss, (n, v), inv_n)
+        }
+    }
+
+    /// [`Gpu::cross_entropy`] with the launch `how`.
+    ///
+    /// # Safety
+    ///
+    /// Every target of `target` (`n` entries) is below `v`.
+    pub unsafe fn cross_entropy_with(
+        &self,
+        how: XentLaunch,
+        logits: &CudaSlice<u16>,
+        target: &CudaSlice<u32>,
+        loss: &mut CudaSlice<f32>,
+        (n, v): (usize, usize),
+        inv_n: f32,
+    ) -> Result<CudaSlice<u16>, KernelError> {
         at_least("logits", n * v, logits.len())?;
         at_least("targets", n, target.len())?;
+        let threads_ok = |t: u32| t > 0 && t % 32 == 0 && t <= 1024;
+        let (f, cfg) = match how {
+            XentLaunch::Streamed => (
+                &self.dense.xent,
+                LaunchConfig {
+                    grid_dim: (n.min(self.n_sms as usize * 32).max(1) as u32, 1, 1),
+                    block_dim: (256, 1, 1),
+                    shared_mem_bytes: 0,
+                },
+            ),
+            XentLaunch::Resident {
+                threads,
+                blocks_per_sm,
+                l2_hints,
+            } => {
+                if !threads_ok(threads) || blocks_per_sm == 0 {
+                    return Err(KernelError::Launch(format!(
+                        "cross-entropy launch: {threads} threads a block (a multiple of 32 up to 1024), {blocks_per_sm} blocks a SM (at least 1)"
+                    )));
+                }
+                let grid = n.min(self.n_sms as usize * blocks_per_sm as usize).max(1);
+                (
+                    &self.dense.xent_l2[usize::from(l2_hints)],
+                    LaunchConfig {
+                        grid_dim: (grid as u32, 1, 1),
+                        block_dim: (threads, 1, 1),
+                        shared_mem_bytes: 0,
+                    },
+                )
+            }
+        };
         // SAFETY: uninitialised output; the kernel writes every row.
         let mut d = unsafe { self.uninit::<u16>(n * v) }?;
         if n > 0 {
             let (ni, vi) = (dim("rows", n)?, dim("vocabulary", v)?);
-            let mut l = self.stream.launch_builder(&self.dense.xent);
+            let mut l = self.stream.launch_builder(f);
             l.arg(logits)
                 .arg(target)
                 .arg(loss)
@@ -1112,11 +1211,6 @@ impl Gpu {
                 .arg(&ni)
                 .arg(&vi)
                 .arg(&inv_n);
-            let cfg = LaunchConfig {
-                grid_dim: (n.min(self.n_sms as usize * 32) as u32, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
             // SAFETY: (u16*, u32*, f32*, u16*, int, int, float); targets
             // below v (caller); sizes checked.
             unsafe { l.launch(cfg) }.map_err(cuda)?;
