@@ -40,7 +40,8 @@
 //!   residual's widths a block per row, the forward copying its input in
 //!   the same pass on request, `Gpu::rmsnorm_keeping`), the
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
-//!   cross-entropy, gradient squared norms and the fused AdamW update
+//!   cross-entropy (two passes a row; `gpu::XentLaunch`: many rows in
+//!   flight, or one a SM with L2 cache hints, the default), gradient squared norms and the fused AdamW update
 //!   (clip read on the device), many sums or copies through device
 //!   addresses in one launch (`sum_parts_reference`, `Gpu::sum_parts`: the
 //!   in-process ranks' reduce-scatter and all-gather), and fused causal grouped-query attention
