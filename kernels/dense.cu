@@ -548,114 +548,135 @@ extern "C" __global__ void add_into_f32(float* __restrict__ x, const uint16_t* _
         x[i] += bf(y[i]);
 }
 
-// Fused cross-entropy over bf16 logits rows of v (one block per row):
+// The fused cross-entropy over bf16 logits rows of v (a block per row):
 // loss_sum += −log softmax(logits)[target] (f32 atomic), dlogits =
-// (softmax − onehot) · inv_n as bf16.
+// (softmax − onehot) · inv_n as bf16. Per row, the loss log Σ exp(x) − x[target] and
+// the gradient (softmax − onehot) / n, in two passes over the row: a
+// running max-and-sum (the sum rescaled when the max grows), then the
+// gradient. The row's 16-byte aligned middle moves as 8 bf16 per load and
+// store; the elements before it (head) and after it (tail) one by one.
+// Two launches share these pieces: cross_entropy (many rows in flight)
+// and cross_entropy_resident (one row a SM, below).
+
+// The row's head length (elements before the first 16-byte boundary; the
+// whole row when logits and gradient rows are not equally aligned), its
+// aligned chunks of 8 and where its tail starts.
+struct XentRow {
+    int head, chunks, tail0;
+};
+__device__ __forceinline__ XentRow xent_row(const uint16_t* lr, const uint16_t* dr, int v) {
+    int head = (int)(((16 - ((uintptr_t)lr & 15)) & 15) >> 1);
+    if (head > v || (((uintptr_t)dr - (uintptr_t)lr) & 15) != 0) head = v;
+    int chunks = (v - head) >> 3;
+    return {head, chunks, head + (chunks << 3)};
+}
+// (m, s) += one logit: a rescale when it raises the max.
+__device__ __forceinline__ void xent_eat(float x, float& m, float& s) {
+    if (x > m) {
+        s = s * __expf(m - x) + 1.f;
+        m = x;
+    } else if (!(x == -INFINITY && m == -INFINITY)) {
+        s += __expf(x - m);  // NaN stays NaN: the loss reports it
+    }
+}
+// (m, s) += (mo, so): two running max-and-sums merged.
+__device__ __forceinline__ void xent_merge(float& m, float& s, float mo, float so) {
+    float mm = fmaxf(m, mo);
+    s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
+    m = mm;
+}
+// The block's (m, s) from each thread's: over the warp, then over the
+// warps; every thread returns with the block's. red_m, red_s: 32 floats
+// each; bcast: 2. Ends with a barrier, so the caller may reuse them for
+// its next row once every thread has passed its next reduction's start.
+__device__ __forceinline__ void xent_block_merge(float& m, float& s, float* red_m, float* red_s, float* bcast) {
+    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        xent_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+    if (lane == 0) {
+        red_m[wid] = m;
+        red_s[wid] = s;
+    }
+    __syncthreads();
+    if (wid == 0) {
+        m = lane < nw ? red_m[lane] : -INFINITY;
+        s = lane < nw ? red_s[lane] : 0.f;
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1)
+            xent_merge(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+        if (lane == 0) {
+            bcast[0] = m;
+            bcast[1] = s;
+        }
+    }
+    __syncthreads();
+    m = bcast[0];
+    s = bcast[1];
+}
+// The gradient of one logit at column j, and of eight packed in q from
+// column j0.
+struct XentGrad {
+    float m, is, inv_n;
+    int tg;
+    __device__ __forceinline__ uint16_t operator()(float x, int j) const {
+        return to_bf((__expf(x - m) * is - (j == tg ? 1.f : 0.f)) * inv_n);
+    }
+    __device__ __forceinline__ uint4 eight(uint4 q, int j0) const {
+        uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+            uint32_t lo = (*this)(__uint_as_float(w[t] << 16), j0 + 2 * t);
+            uint32_t hi = (*this)(__uint_as_float(w[t] & 0xffff0000u), j0 + 2 * t + 1);
+            w[t] = lo | (hi << 16);
+        }
+        return make_uint4(w[0], w[1], w[2], w[3]);
+    }
+};
+
 extern "C" __global__ void cross_entropy(const uint16_t* __restrict__ logits, const uint32_t* __restrict__ target,
                                          float* __restrict__ loss_sum, uint16_t* __restrict__ dlogits, int n, int v,
                                          float inv_n) {
-    // Two passes over each row: an online max-and-sum (the running sum
-    // rescaled when the max grows), then the gradient; the row's 16-byte
-    // aligned middle moves as 8 bf16 per load and store.
-    __shared__ float red_m[32], red_s[32];
-    __shared__ float bcast_m, bcast_s;
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    __shared__ float red_m[32], red_s[32], bcast[2];
     for (int r = blockIdx.x; r < n; r += gridDim.x) {
         const uint16_t* lr = logits + (long long)r * v;
         uint16_t* dr = dlogits + (long long)r * v;
-        // Elements before the first 16-byte boundary, the aligned chunks of
-        // 8, and the tail (logits and dlogits share the row offsets).
-        int head = (int)(((16 - ((uintptr_t)lr & 15)) & 15) >> 1);
-        if (head > v || (((uintptr_t)dr - (uintptr_t)lr) & 15) != 0) head = v;
-        int chunks = (v - head) >> 3;
-        int tail0 = head + (chunks << 3);
+        XentRow row = xent_row(lr, dr, v);
         float m = -INFINITY, s = 0.f;
-        auto eat = [&](float x) {
-            if (x > m) {
-                s = s * __expf(m - x) + 1.f;
-                m = x;
-            } else if (!(x == -INFINITY && m == -INFINITY)) {
-                s += __expf(x - m);  // NaN stays NaN: the loss reports it
-            }
-        };
-        for (int j = threadIdx.x; j < head; j += blockDim.x) eat(bf(lr[j]));
-        const uint4* lv = reinterpret_cast<const uint4*>(lr + head);
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+        for (int j = threadIdx.x; j < row.head; j += blockDim.x) xent_eat(bf(lr[j]), m, s);
+        const uint4* lv = reinterpret_cast<const uint4*>(lr + row.head);
+        for (int c = threadIdx.x; c < row.chunks; c += blockDim.x) {
             uint4 q = lv[c];
             uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
             for (int t = 0; t < 4; ++t) {
-                eat(__uint_as_float(w[t] << 16));
-                eat(__uint_as_float(w[t] & 0xffff0000u));
+                xent_eat(__uint_as_float(w[t] << 16), m, s);
+                xent_eat(__uint_as_float(w[t] & 0xffff0000u), m, s);
             }
         }
-        for (int j = tail0 + threadIdx.x; j < v; j += blockDim.x) eat(bf(lr[j]));
-        // Combine (m, s) over the warp, then over the warps.
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
-            float mm = fmaxf(m, mo);
-            s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
-            m = mm;
-        }
-        if (lane == 0) {
-            red_m[wid] = m;
-            red_s[wid] = s;
-        }
-        __syncthreads();
-        if (wid == 0) {
-            m = lane < nw ? red_m[lane] : -INFINITY;
-            s = lane < nw ? red_s[lane] : 0.f;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
-                float mm = fmaxf(m, mo);
-                s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
-                m = mm;
-            }
-            if (lane == 0) {
-                bcast_m = m;
-                bcast_s = s;
-            }
-        }
-        __syncthreads();
-        m = bcast_m;
-        s = bcast_s;
-        uint32_t tg = target[r];
-        float is = 1.f / s;
-        auto grad = [&](float x, int j) { return to_bf((__expf(x - m) * is - (j == (int)tg ? 1.f : 0.f)) * inv_n); };
-        for (int j = threadIdx.x; j < head; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
-        uint4* dv = reinterpret_cast<uint4*>(dr + head);
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            uint4 q = lv[c];
-            uint32_t w[4] = {q.x, q.y, q.z, q.w};
-            int j0 = head + (c << 3);
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                uint32_t lo = grad(__uint_as_float(w[t] << 16), j0 + 2 * t);
-                uint32_t hi = grad(__uint_as_float(w[t] & 0xffff0000u), j0 + 2 * t + 1);
-                w[t] = lo | (hi << 16);
-            }
-            dv[c] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-        for (int j = tail0 + threadIdx.x; j < v; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
-        if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[tg]));
+        for (int j = row.tail0 + threadIdx.x; j < v; j += blockDim.x) xent_eat(bf(lr[j]), m, s);
+        xent_block_merge(m, s, red_m, red_s, bcast);
+        XentGrad grad{m, 1.f / s, inv_n, (int)target[r]};
+        for (int j = threadIdx.x; j < row.head; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
+        uint4* dv = reinterpret_cast<uint4*>(dr + row.head);
+        for (int c = threadIdx.x; c < row.chunks; c += blockDim.x) dv[c] = grad.eight(lv[c], row.head + (c << 3));
+        for (int j = row.tail0 + threadIdx.x; j < v; j += blockDim.x) dr[j] = grad(bf(lr[j]), j);
+        if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[grad.tg]));
         __syncthreads();
     }
 }
 
-// The cross-entropy for rows that the L2 cache can hold between their two
-// passes (the LM head's 151 936 words: 297 KiB of bf16 a row). A block
-// takes one row at a time, so the rows in flight are the grid's blocks;
-// with about one block a SM their bytes fit in L2 and the second pass
-// reads the row from L2 rather than HBM: HBM moves the logits once and the
-// gradient once. Each thread keeps UNROLL 16-byte loads in flight so that
-// few blocks still fill the memory pipeline. The running max-and-sum moves
-// by chunks of 8 (one rescale when a chunk raises the max). HINT: the
-// first pass's loads ask L2 to keep the lines (evict_last), the second
-// pass's loads and the gradient's stores to let them go first
-// (evict_first), so the gradient streaming out does not push out the rows
-// still to be read again.
+// The cross-entropy for rows that the L2 cache might hold between their
+// two passes (the LM head's 151 936 words: 297 KiB of bf16 a row). A
+// block takes one row at a time, so the rows in flight are the grid's
+// blocks; each thread keeps UNROLL 16-byte loads in flight so that few
+// blocks still fill the memory pipeline. The running max-and-sum moves by
+// chunks of 8 (one rescale when a chunk raises the max). HINT: the first
+// pass's loads ask L2 to keep the lines (evict_last), the second pass's
+// loads and the gradient's stores to let them go first (evict_first).
+// Measured (docs/benchmarks.md): the second read does not come from L2 to
+// any useful degree, but with the hints one block of 1024 a SM takes 0.96×
+// cross_entropy's time.
 __device__ __forceinline__ unsigned long long l2_policy(bool keep) {
     unsigned long long p;
     if (keep)
@@ -687,7 +708,7 @@ __device__ __forceinline__ void st16(uint4* a, uint4 v, unsigned long long pol) 
     }
 }
 // (m, s) += the eight bf16 logits of q: one rescale when they raise the max.
-__device__ __forceinline__ void eat8(uint4 q, float& m, float& s) {
+__device__ __forceinline__ void xent_eat8(uint4 q, float& m, float& s) {
     uint32_t w[4] = {q.x, q.y, q.z, q.w};
     float x[8];
 #pragma unroll
@@ -711,9 +732,8 @@ template <bool HINT, int UNROLL>
 __device__ void cross_entropy_resident(const uint16_t* __restrict__ logits, const uint32_t* __restrict__ target,
                                        float* __restrict__ loss_sum, uint16_t* __restrict__ dlogits, int n, int v,
                                        float inv_n) {
-    __shared__ float red_m[32], red_s[32];
-    __shared__ float bcast_m, bcast_s;
-    int lane = threadIdx.x & 31, wid = threadIdx.x >> 5, nw = blockDim.x >> 5, nt = blockDim.x;
+    __shared__ float red_m[32], red_s[32], bcast[2];
+    int nt = blockDim.x;
     unsigned long long keep = 0, drop = 0;
     if constexpr (HINT) {
         keep = l2_policy(true);
@@ -722,87 +742,36 @@ __device__ void cross_entropy_resident(const uint16_t* __restrict__ logits, cons
     for (int r = blockIdx.x; r < n; r += gridDim.x) {
         const uint16_t* lr = logits + (long long)r * v;
         uint16_t* dr = dlogits + (long long)r * v;
-        int head = (int)(((16 - ((uintptr_t)lr & 15)) & 15) >> 1);
-        if (head > v || (((uintptr_t)dr - (uintptr_t)lr) & 15) != 0) head = v;
-        int chunks = (v - head) >> 3;
-        int tail0 = head + (chunks << 3);
+        XentRow row = xent_row(lr, dr, v);
         float m = -INFINITY, s = 0.f;
-        auto eat1 = [&](float x) {
-            if (x > m) {
-                s = s * __expf(m - x) + 1.f;
-                m = x;
-            } else if (!(x == -INFINITY && m == -INFINITY)) {
-                s += __expf(x - m);
-            }
-        };
-        for (int j = threadIdx.x; j < head; j += nt) eat1(bf(lr[j]));
-        const uint4* lv = reinterpret_cast<const uint4*>(lr + head);
+        for (int j = threadIdx.x; j < row.head; j += nt) xent_eat(bf(lr[j]), m, s);
+        const uint4* lv = reinterpret_cast<const uint4*>(lr + row.head);
         int c = threadIdx.x;
-        for (; c + (UNROLL - 1) * nt < chunks; c += UNROLL * nt) {
+        for (; c + (UNROLL - 1) * nt < row.chunks; c += UNROLL * nt) {
             uint4 q[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) q[u] = ld16<HINT>(lv + c + u * nt, keep);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) eat8(q[u], m, s);
+            for (int u = 0; u < UNROLL; ++u) xent_eat8(q[u], m, s);
         }
-        for (; c < chunks; c += nt) eat8(ld16<HINT>(lv + c, keep), m, s);
-        for (int j = tail0 + threadIdx.x; j < v; j += nt) eat1(bf(lr[j]));
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
-            float mm = fmaxf(m, mo);
-            s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
-            m = mm;
-        }
-        if (lane == 0) {
-            red_m[wid] = m;
-            red_s[wid] = s;
-        }
-        __syncthreads();
-        if (wid == 0) {
-            m = lane < nw ? red_m[lane] : -INFINITY;
-            s = lane < nw ? red_s[lane] : 0.f;
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                float mo = __shfl_xor_sync(0xffffffffu, m, o), so = __shfl_xor_sync(0xffffffffu, s, o);
-                float mm = fmaxf(m, mo);
-                s = (m == -INFINITY ? 0.f : s * __expf(m - mm)) + (mo == -INFINITY ? 0.f : so * __expf(mo - mm));
-                m = mm;
-            }
-            if (lane == 0) {
-                bcast_m = m;
-                bcast_s = s;
-            }
-        }
-        __syncthreads();
-        m = bcast_m;
-        s = bcast_s;
-        uint32_t tg = target[r];
-        float is = 1.f / s;
-        auto grad = [&](float x, int j) { return to_bf((__expf(x - m) * is - (j == (int)tg ? 1.f : 0.f)) * inv_n); };
-        auto grad8 = [&](uint4 q, int j0) {
-            uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int t = 0; t < 4; ++t) {
-                uint32_t lo = grad(__uint_as_float(w[t] << 16), j0 + 2 * t);
-                uint32_t hi = grad(__uint_as_float(w[t] & 0xffff0000u), j0 + 2 * t + 1);
-                w[t] = lo | (hi << 16);
-            }
-            return make_uint4(w[0], w[1], w[2], w[3]);
-        };
-        for (int j = threadIdx.x; j < head; j += nt) dr[j] = grad(bf(lr[j]), j);
-        uint4* dv = reinterpret_cast<uint4*>(dr + head);
+        for (; c < row.chunks; c += nt) xent_eat8(ld16<HINT>(lv + c, keep), m, s);
+        for (int j = row.tail0 + threadIdx.x; j < v; j += nt) xent_eat(bf(lr[j]), m, s);
+        xent_block_merge(m, s, red_m, red_s, bcast);
+        XentGrad grad{m, 1.f / s, inv_n, (int)target[r]};
+        for (int j = threadIdx.x; j < row.head; j += nt) dr[j] = grad(bf(lr[j]), j);
+        uint4* dv = reinterpret_cast<uint4*>(dr + row.head);
         c = threadIdx.x;
-        for (; c + (UNROLL - 1) * nt < chunks; c += UNROLL * nt) {
+        for (; c + (UNROLL - 1) * nt < row.chunks; c += UNROLL * nt) {
             uint4 q[UNROLL];
 #pragma unroll
             for (int u = 0; u < UNROLL; ++u) q[u] = ld16<HINT>(lv + c + u * nt, drop);
 #pragma unroll
-            for (int u = 0; u < UNROLL; ++u) st16<HINT>(dv + c + u * nt, grad8(q[u], head + ((c + u * nt) << 3)), drop);
+            for (int u = 0; u < UNROLL; ++u)
+                st16<HINT>(dv + c + u * nt, grad.eight(q[u], row.head + ((c + u * nt) << 3)), drop);
         }
-        for (; c < chunks; c += nt) st16<HINT>(dv + c, grad8(ld16<HINT>(lv + c, drop), head + (c << 3)), drop);
-        for (int j = tail0 + threadIdx.x; j < v; j += nt) dr[j] = grad(bf(lr[j]), j);
-        if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[tg]));
+        for (; c < row.chunks; c += nt) st16<HINT>(dv + c, grad.eight(ld16<HINT>(lv + c, drop), row.head + (c << 3)), drop);
+        for (int j = row.tail0 + threadIdx.x; j < v; j += nt) dr[j] = grad(bf(lr[j]), j);
+        if (threadIdx.x == 0) atomicAdd(loss_sum, logf(s) + m - bf(lr[grad.tg]));
         __syncthreads();
     }
 }
