@@ -42,8 +42,10 @@
 #           with `redraw --rerun`. The A3B 8-rank table of five modes:
 #           MODES=full,symi,lrmoe,capacity,lrmoe-top-q CMP_MIN=1.1
 #           CMP_TIMEOUT=288, two settings a call (~4.7 min each).
-#           CMP_KEEP=plots keeps only compare.json and
-#           compare-simulated.svg of a comparison's files (a device call
+#           Each mode's simulated time a step by phase goes to
+#           phases.json beside compare.json (and its largest phases to
+#           the log). CMP_KEEP=plots keeps only compare.json, phases.json
+#           and compare-simulated.svg of a comparison's files (a device call
 #           returns at most 8 files).
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
@@ -155,10 +157,33 @@ T
     --seed ${SEED:-0} --compare --modes ${MODES:-full,replicate,lrmoe,capacity} $fit \
     --target-val-loss $target --max-minutes ${CMP_MIN:-1.6} --out "$OUT/cmp${TAG:-}" --no-progress > "$OUT/cmp${TAG:-}.log" 2>&1
   echo "compare: rc=$?"
+  # Each mode's simulated seconds a step by phase (medians over its steps
+  # after the fifth, from metrics.jsonl): phases.json, and the largest
+  # phases in the log, so that a comparison says where a mode's time went.
+  python3 - "$OUT/cmp${TAG:-}" <<'P'
+import json, os, sys
+d = sys.argv[1]; out = {}
+for mode in sorted(os.listdir(d)):
+    p = os.path.join(d, mode, "metrics.jsonl")
+    if not os.path.exists(p):
+        continue
+    rows = [json.loads(l) for l in open(p)]
+    sims = [r["simulated"] for r in rows[5:] if r.get("simulated")]
+    if not sims:
+        continue
+    med = lambda xs: sorted(xs)[len(xs) // 2]
+    names = sorted({k for s in sims for k in s.get("phases", {})})
+    out[mode] = {"steps": len(sims), "step_s": med([s["step_s"] for s in sims]), "moe_s": med([s["moe_s"] for s in sims]),
+                 "phases": {k: med([s.get("phases", {}).get(k, 0.0) for s in sims]) for k in names}}
+    top = sorted(out[mode]["phases"].items(), key=lambda kv: -kv[1])[:8]
+    print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms; "
+          + "; ".join(f"{k} {v * 1e3:.2f}" for k, v in top))
+json.dump(out, open(os.path.join(d, "phases.json"), "w"), indent=1)
+P
   if [ "${CMP_KEEP:-all}" = plots ]; then
-    # Only compare.json and the simulated plot come back (a device call
-    # returns at most 8 files; the table is in the log).
-    find "$OUT/cmp${TAG:-}" -type f ! -name compare.json ! -name compare-simulated.svg -delete
+    # Only compare.json, phases.json and the simulated plot come back (a
+    # device call returns at most 8 files; the table is in the log).
+    find "$OUT/cmp${TAG:-}" -type f ! -name compare.json ! -name phases.json ! -name compare-simulated.svg -delete
     find "$OUT/cmp${TAG:-}" -type d -empty -delete
   fi
   grep -E "^\||^Target|^Simulated" "$OUT/cmp${TAG:-}.log"
