@@ -95,10 +95,13 @@ pub enum XentLaunch {
     /// and a thousand of them are in flight).
     Streamed,
     /// Blocks of `threads` (a multiple of 32, at most 1024), `blocks_per_sm`
-    /// a SM, one row each at a time: so few rows in flight that their bytes
-    /// stay in L2 between the two passes. `l2_hints`: the first pass asks
-    /// L2 to keep the lines, the second pass and the gradient's stores to
-    /// let them go first.
+    /// a SM, one row each at a time, four 16-byte loads in flight a thread:
+    /// few rows in flight, meant to keep their bytes in L2 between the two
+    /// passes. `l2_hints`: the first pass asks L2 to keep the lines, the
+    /// second pass and the gradient's stores to let them go first.
+    /// Measured, the second read is not served from L2 to a useful degree
+    /// (`docs/benchmarks.md`); with the hints the launch is still the
+    /// faster one.
     Resident {
         /// Threads a block.
         threads: u32,
