@@ -550,12 +550,11 @@ extern "C" __global__ void add_into_f32(float* __restrict__ x, const uint16_t* _
 
 // The fused cross-entropy over bf16 logits rows of v (a block per row):
 // loss_sum += −log softmax(logits)[target] (f32 atomic), dlogits =
-// (softmax − onehot) · inv_n as bf16. Per row, the loss log Σ exp(x) − x[target] and
-// the gradient (softmax − onehot) / n, in two passes over the row: a
+// (softmax − onehot) · inv_n as bf16, in two passes over each row: a
 // running max-and-sum (the sum rescaled when the max grows), then the
 // gradient. The row's 16-byte aligned middle moves as 8 bf16 per load and
 // store; the elements before it (head) and after it (tail) one by one.
-// Two launches share these pieces: cross_entropy (many rows in flight)
+// Two kernels share these pieces: cross_entropy (many rows in flight)
 // and cross_entropy_resident (one row a SM, below).
 
 // The row's head length (elements before the first 16-byte boundary; the

@@ -1171,7 +1171,6 @@ impl Gpu {
     ) -> Result<CudaSlice<u16>, KernelError> {
         at_least("logits", n * v, logits.len())?;
         at_least("targets", n, target.len())?;
-        let threads_ok = |t: u32| t > 0 && t % 32 == 0 && t <= 1024;
         let (f, cfg) = match how {
             XentLaunch::Streamed => (
                 &self.dense.xent,
@@ -1186,7 +1185,7 @@ impl Gpu {
                 blocks_per_sm,
                 l2_hints,
             } => {
-                if !threads_ok(threads) || blocks_per_sm == 0 {
+                if threads == 0 || threads % 32 != 0 || threads > 1024 || blocks_per_sm == 0 {
                     return Err(KernelError::Launch(format!(
                         "cross-entropy launch: {threads} threads a block (a multiple of 32 up to 1024), {blocks_per_sm} blocks a SM (at least 1)"
                     )));
