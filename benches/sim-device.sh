@@ -21,7 +21,9 @@
 #           simulated times beside the measured ones; SKEW sets
 #           `moe.zipf_skew` (default 0), BIAS `moe.expert_bias_rate` (the
 #           loss-free balancing bias; default 0), RULE `moe.selection_rule`
-#           (default priority; top_q is the paper's), SEED the seed.
+#           (default priority; top_q is the paper's), SEED the seed,
+#           MOE_EXTRA more lines of the [moe] section (for example
+#           "replica_slots_per_rank = 0").
 #           NEAR_EVERY evaluates every that many steps as well once
 #           the last evaluation is within NEAR_MARGIN (default 0.1) of
 #           the target (`run.eval_near_every`; default 0: off), so the
@@ -42,10 +44,11 @@
 #           with `redraw --rerun`. The A3B 8-rank table of five modes:
 #           MODES=full,symi,lrmoe,capacity,lrmoe-top-q CMP_MIN=1.1
 #           CMP_TIMEOUT=288, two settings a call (~4.7 min each).
-#           Each mode's simulated time a step by phase goes to
-#           phases.json beside compare.json (and its largest phases to
-#           the log). CMP_KEEP=plots keeps only compare.json, phases.json
-#           and compare-simulated.svg of a comparison's files (a device call
+#           Each mode's simulated time a step by phase, and the host
+#           seconds of the same pieces, go to phases.json beside
+#           compare.json (and its largest phases to the log).
+#           CMP_KEEP=plots keeps only compare.json, phases.json and
+#           compare-simulated.svg of a comparison's files (a device call
 #           returns at most 8 files).
 #           The A3B-shape table of docs/benchmarks.md:
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
@@ -144,6 +147,7 @@ batch_size = ${CMP_BATCH:-32}
 zipf_skew = ${SKEW:-0.0}
 expert_bias_rate = ${BIAS:-0.0}
 selection_rule = "${RULE:-priority}"
+${MOE_EXTRA:-}
 [run]
 eval_every = $every
 eval_batches = $evals
@@ -174,10 +178,12 @@ for mode in sorted(os.listdir(d)):
     med = lambda xs: sorted(xs)[len(xs) // 2]
     names = sorted({k for s in sims for k in s.get("phases", {})})
     out[mode] = {"steps": len(sims), "step_s": med([s["step_s"] for s in sims]), "moe_s": med([s["moe_s"] for s in sims]),
-                 "phases": {k: med([s.get("phases", {}).get(k, 0.0) for s in sims]) for k in names}}
-    top = sorted(out[mode]["phases"].items(), key=lambda kv: -kv[1])[:8]
+                 "phases": {k: med([s.get("phases", {}).get(k, 0.0) for s in sims]) for k in names},
+                 "host_phases": {k: med([s.get("host_phases", {}).get(k, 0.0) for s in sims]) for k in names}}
+    top = sorted(out[mode]["phases"].items(), key=lambda kv: -kv[1])[:10]
+    host = out[mode]["host_phases"]
     print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms; "
-          + "; ".join(f"{k} {v * 1e3:.2f}" for k, v in top))
+          + "; ".join(f"{k} {v * 1e3:.2f} (host {host.get(k, 0.0) * 1e3:.2f})" for k, v in top))
 json.dump(out, open(os.path.join(d, "phases.json"), "w"), indent=1)
 P
   if [ "${CMP_KEEP:-all}" = plots ]; then

@@ -911,7 +911,9 @@ mod tests {
                 entries
                     .iter()
                     .filter_map(|e| match e {
-                        Entry::Work { phase: p, seconds } if p == phase => Some(*seconds),
+                        Entry::Work {
+                            phase: p, seconds, ..
+                        } if p == phase => Some(*seconds),
                         _ => None,
                     })
                     .sum()
@@ -1041,7 +1043,7 @@ mod tests {
             let work = |p: &str| -> f64 {
                 v.iter()
                     .filter_map(|e| match e {
-                        Entry::Work { phase, seconds } if phase == p => Some(*seconds),
+                        Entry::Work { phase, seconds, .. } if phase == p => Some(*seconds),
                         _ => None,
                     })
                     .sum()

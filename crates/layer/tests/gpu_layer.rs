@@ -694,7 +694,7 @@ fn timed_ranks_read_device_time_and_their_own_memory() {
             let parts: Vec<&str> = v
                 .iter()
                 .filter_map(|e| match e {
-                    Entry::Work { phase, seconds } => {
+                    Entry::Work { phase, seconds, .. } => {
                         assert!(*seconds >= 0.0 && seconds.is_finite(), "{e:?}");
                         phase.strip_prefix("moe: ")
                     }
@@ -710,7 +710,9 @@ fn timed_ranks_read_device_time_and_their_own_memory() {
             let busy: f64 = v
                 .iter()
                 .filter_map(|e| match e {
-                    Entry::Work { phase, seconds } if phase.starts_with("moe") => Some(*seconds),
+                    Entry::Work { phase, seconds, .. } if phase.starts_with("moe") => {
+                        Some(*seconds)
+                    }
                     _ => None,
                 })
                 .sum();

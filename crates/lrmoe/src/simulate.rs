@@ -44,6 +44,11 @@ pub struct Simulated {
     /// split into their parts (`"moe forward: route"`, …), their
     /// collectives and any work after the last part stay under the phase.
     pub phases: BTreeMap<String, f64>,
+    /// Host seconds per phase of the same pieces (the slowest rank's in
+    /// each stretch, collectives not included): where a phase's host
+    /// seconds come close to its seconds, the GPU waited for the host
+    /// (planning, enqueueing) rather than computed.
+    pub host_phases: BTreeMap<String, f64>,
     /// The most device memory each rank held at once during the step,
     /// bytes (rank order; empty where the ranks were not timed on a GPU).
     pub held_bytes: Vec<u64>,
@@ -75,34 +80,43 @@ pub enum SimError {
 /// (per phase), then the collective; the work after the last.
 struct Cut<'a> {
     stretches: Vec<BTreeMap<&'a str, f64>>,
+    /// The same pieces' host seconds.
+    host: Vec<BTreeMap<&'a str, f64>>,
     collectives: Vec<&'a Entry>,
     held: Option<u64>,
 }
 
 fn cut(entries: &[Entry]) -> Cut<'_> {
     let mut stretches = vec![BTreeMap::new()];
+    let mut host = vec![BTreeMap::new()];
     let mut collectives = Vec::new();
     let mut held = None;
     for e in entries {
         match e {
-            Entry::Work { phase, seconds } => {
+            Entry::Work {
+                phase,
+                seconds,
+                host_seconds,
+            } => {
                 if !is_bookkeeping(phase) {
-                    *stretches
-                        .last_mut()
-                        .expect("invariant: one stretch per collective plus one")
-                        .entry(phase.as_str())
-                        .or_insert(0.0) += seconds;
+                    let (Some(st), Some(hs)) = (stretches.last_mut(), host.last_mut()) else {
+                        unreachable!("one stretch per collective plus one");
+                    };
+                    *st.entry(phase.as_str()).or_insert(0.0) += seconds;
+                    *hs.entry(phase.as_str()).or_insert(0.0) += host_seconds;
                 }
             }
             Entry::Held { bytes } => held = Some(held.unwrap_or(0).max(*bytes)),
             Entry::Exchange { .. } | Entry::Reduce { .. } => {
                 collectives.push(e);
                 stretches.push(BTreeMap::new());
+                host.push(BTreeMap::new());
             }
         }
     }
     Cut {
         stretches,
+        host,
         collectives,
         held,
     }
@@ -167,19 +181,23 @@ pub fn simulate(
         )));
     }
     let mut phases: BTreeMap<String, f64> = BTreeMap::new();
+    let mut host_phases: BTreeMap<String, f64> = BTreeMap::new();
     let (mut step, mut collectives) = (0.0, 0.0);
     let (mut calls, mut moe_calls) = (0, 0);
     for k in 0..=n_coll {
         // The stretch before collective k (or after the last): the slowest
         // rank's, split over phases as that rank's is.
-        let slowest = cuts
-            .iter()
-            .map(|c| &c.stretches[k])
-            .max_by(|a, b| a.values().sum::<f64>().total_cmp(&b.values().sum::<f64>()));
-        if let Some(st) = slowest {
-            for (p, s) in st {
+        let slowest = cuts.iter().max_by(|a, b| {
+            let (a, b) = (&a.stretches[k], &b.stretches[k]);
+            a.values().sum::<f64>().total_cmp(&b.values().sum::<f64>())
+        });
+        if let Some(c) = slowest {
+            for (p, s) in &c.stretches[k] {
                 *phases.entry((*p).to_string()).or_insert(0.0) += s;
                 step += s;
+            }
+            for (p, s) in &c.host[k] {
+                *host_phases.entry((*p).to_string()).or_insert(0.0) += s;
             }
         }
         if k == n_coll {
@@ -232,6 +250,7 @@ pub fn simulate(
         moe_layer_calls,
         work_all_ranks_s,
         phases,
+        host_phases,
         held_bytes: held_bytes.unwrap_or_default(),
     })
 }
@@ -244,6 +263,7 @@ mod tests {
         Entry::Work {
             phase: phase.into(),
             seconds,
+            host_seconds: seconds / 2.0,
         }
     }
 
@@ -300,6 +320,11 @@ mod tests {
         assert_eq!(s.phases["dense forward"], 1.0);
         // Stretch 1's slowest rank is rank 1, whose work is a part.
         assert_eq!(s.phases["moe forward: combine"], 1.0);
+        // Host seconds follow the same (slowest) rank's pieces: half of
+        // each here; stretch 1 is rank 1's, so rank 0's 0.5 s is absent.
+        assert_eq!(s.host_phases["moe forward: combine"], 0.5);
+        assert_eq!(s.host_phases["moe forward"], 1.0);
+        assert!(!s.host_phases.contains_key("(staging)"));
         assert!((s.phase_s("moe forward") - (2.0 + 0.02 + 1.0)).abs() < 1e-12);
         assert_eq!(s.phase_s("moe"), 0.0, "a prefix of a word is not a part");
         assert!((s.work_all_ranks_s - 6.75).abs() < 1e-12);
