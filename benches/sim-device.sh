@@ -44,8 +44,9 @@
 #           with `redraw --rerun`. The A3B 8-rank table of five modes:
 #           MODES=full,symi,lrmoe,capacity,lrmoe-top-q CMP_MIN=1.1
 #           CMP_TIMEOUT=288, two settings a call (~4.7 min each).
-#           Each mode's simulated time a step by phase, and the host
-#           seconds of the same pieces, go to phases.json beside
+#           Each mode's simulated time a step by phase, the host
+#           seconds of the same pieces, and the median of the host probe
+#           (a fixed host workload timed each step), go to phases.json beside
 #           compare.json (and its largest phases to the log).
 #           CMP_KEEP=plots keeps only compare.json, phases.json and
 #           compare-simulated.svg of a comparison's files (a device call
@@ -180,9 +181,13 @@ for mode in sorted(os.listdir(d)):
     out[mode] = {"steps": len(sims), "step_s": med([s["step_s"] for s in sims]), "moe_s": med([s["moe_s"] for s in sims]),
                  "phases": {k: med([s.get("phases", {}).get(k, 0.0) for s in sims]) for k in names},
                  "host_phases": {k: med([s.get("host_phases", {}).get(k, 0.0) for s in sims]) for k in names}}
+    probes = [s["host_probe_s"] for s in sims if s.get("host_probe_s")]
+    if probes:
+        out[mode]["host_probe_s"] = med(probes)
     top = sorted(out[mode]["phases"].items(), key=lambda kv: -kv[1])[:10]
     host = out[mode]["host_phases"]
-    print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms; "
+    probe = f", host probe {out[mode]['host_probe_s'] * 1e3:.3f} ms" if probes else ""
+    print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms{probe}; "
           + "; ".join(f"{k} {v * 1e3:.2f} (host {host.get(k, 0.0) * 1e3:.2f})" for k, v in top))
 json.dump(out, open(os.path.join(d, "phases.json"), "w"), indent=1)
 P

@@ -24,6 +24,85 @@ fn solvers(c: &mut Criterion) {
     g.finish();
 }
 
+/// One layer call's host planning as the device executor runs it, on the
+/// qwen3-moe-mini shape (128 experts, top-8, 16 384 tokens a step) with
+/// the trainer's LRMoE settings at 8 and 16 ranks: the controller's plan of
+/// the forward (quotas, replicas, the forward's split) and the backward's
+/// redistribution of the kept pairs. On the in-process ranks of issue 30
+/// this host time is time the GPU waits for.
+fn layer_call_plan(c: &mut Criterion) {
+    use lrmoe::train::{layer_call_config, Executor, MoeSection};
+    let cfg = layer::MoeConfig {
+        hidden: 512,
+        ffn: 256,
+        n_experts: 128,
+        top_k: 8,
+        renormalize: true,
+    };
+    let mut g = c.benchmark_group("layer_call_plan");
+    for ranks in [8usize, 16] {
+        let pairs = 16_384 / ranks * cfg.top_k;
+        let moe = MoeSection {
+            ranks,
+            executor: Executor::Device,
+            ..MoeSection::default()
+        };
+        let placement = quota::Placement {
+            owner: (0..cfg.n_experts)
+                .map(|e| e * ranks / cfg.n_experts)
+                .collect(),
+            replicas: vec![],
+        };
+        let call = layer_call_config(
+            &moe,
+            (cfg.hidden, cfg.ffn),
+            pairs as f64,
+            &placement,
+            true,
+            0,
+        );
+        let planner = layer::DevicePlanner::new(cfg, call).expect("a device call");
+        // Every source's pairs over the experts, ±30% around even.
+        let mut x = 0x2545_f491_4f6c_dd1d_u64;
+        let routed: Vec<Vec<u32>> = (0..ranks)
+            .map(|_| {
+                let w: Vec<f64> = (0..cfg.n_experts)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        0.7 + 0.6 * (x >> 11) as f64 / (1u64 << 53) as f64
+                    })
+                    .collect();
+                let sum: f64 = w.iter().sum();
+                w.iter().map(|v| (v / sum * pairs as f64) as u32).collect()
+            })
+            .collect();
+        g.bench_function(BenchmarkId::new("forward", ranks), |b| {
+            b.iter(|| planner.forward(&routed).expect("a plan"))
+        });
+        let plan = planner.forward(&routed).expect("a plan");
+        let total: Vec<u64> = (0..cfg.n_experts)
+            .map(|e| routed.iter().map(|r| u64::from(r[e])).sum())
+            .collect();
+        let kept: Vec<Vec<u32>> = routed
+            .iter()
+            .map(|r| {
+                (0..cfg.n_experts)
+                    .map(|e| {
+                        let q = u64::from(plan.quotas[e]).min(total[e]);
+                        (u64::from(r[e]) * q).checked_div(total[e]).unwrap_or(0) as u32
+                    })
+                    .collect()
+            })
+            .collect();
+        g.bench_function(BenchmarkId::new("backward", ranks), |b| {
+            b.iter(|| planner.backward(&plan, &kept).expect("a split"))
+        });
+    }
+    g.finish();
+}
+
 fn scores(c: &mut Criterion) {
     let (n, d_in, d_out) = (8192usize, 768usize, 2048usize);
     let h: Vec<half::bf16> = (0..n * d_in)
@@ -55,5 +134,5 @@ fn scores(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, solvers, scores);
+criterion_group!(benches, solvers, layer_call_plan, scores);
 criterion_main!(benches);

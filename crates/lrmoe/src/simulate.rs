@@ -49,6 +49,12 @@ pub struct Simulated {
     /// seconds come close to its seconds, the GPU waited for the host
     /// (planning, enqueueing) rather than computed.
     pub host_phases: BTreeMap<String, f64>,
+    /// Seconds a fixed host workload ([`host_probe`]) took on the host
+    /// that timed this step (`None` where it was not run): the lent
+    /// machine's host speed moves between and within calls, and where the
+    /// GPU waits for the host (`host_phases`) the step moves with it, so
+    /// modes trained one after the other are compared with this beside.
+    pub host_probe_s: Option<f64>,
     /// The most device memory each rank held at once during the step,
     /// bytes (rank order; empty where the ranks were not timed on a GPU).
     pub held_bytes: Vec<u64>,
@@ -159,6 +165,44 @@ fn collective_s(i: usize, records: &[&Entry], cluster: &Cluster) -> Result<f64, 
     }
 }
 
+/// Times a fixed host workload of the planner's kind (nested vectors
+/// allocated and freed, an integer sort, branchy scans; ~0.1–0.3 ms on
+/// one core): the same work every call, so its seconds follow the host's
+/// speed. Returns the best of three runs, seconds.
+pub fn host_probe() -> f64 {
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let t0 = std::time::Instant::now();
+        let mut x = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let cells: Vec<Vec<Vec<u32>>> = (0..16)
+            .map(|_| {
+                (0..128)
+                    .map(|_| (0..16).map(|_| (next() % 97) as u32).collect())
+                    .collect()
+            })
+            .collect();
+        let mut keys: Vec<u64> = cells
+            .iter()
+            .flat_map(|r| {
+                r.iter()
+                    .map(|c| c.iter().map(|&v| u64::from(v)).sum::<u64>())
+            })
+            .chain((0..16_384).map(|_| next()))
+            .collect();
+        keys.sort_unstable();
+        let odd = keys.iter().filter(|&&k| k % 3 == 1).count();
+        std::hint::black_box((cells, odd));
+        best = best.min(t0.elapsed().as_secs_f64());
+    }
+    best
+}
+
 /// Simulates one step from every rank's timeline (rank order) that made
 /// `moe_layer_calls` MoE-layer calls in each direction (layers ×
 /// micro-batches), each charged the cluster's fixed cost of a layer call.
@@ -251,6 +295,7 @@ pub fn simulate(
         work_all_ranks_s,
         phases,
         host_phases,
+        host_probe_s: None,
         held_bytes: held_bytes.unwrap_or_default(),
     })
 }
@@ -272,6 +317,13 @@ mod tests {
             phase: phase.into(),
             bytes_to,
         }
+    }
+
+    #[test]
+    fn the_host_probe_takes_a_time_of_its_kind() {
+        let s = host_probe();
+        // Well under a second on any host; more than nothing.
+        assert!(s.is_finite() && s > 1e-6 && s < 1.0, "{s}");
     }
 
     #[test]

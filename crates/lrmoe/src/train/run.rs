@@ -711,10 +711,15 @@ pub(super) fn simulated_step<X: Transport>(
     if comm.rank() != 0 {
         return Ok(None);
     }
-    comm.take_step(step)
+    let sim = comm
+        .take_step(step)
         .map(|t| crate::simulate::simulate(&t, cluster, layer_calls))
         .transpose()
-        .map_err(|e| TrainError::Config(format!("step {step}: {e}")))
+        .map_err(|e| TrainError::Config(format!("step {step}: {e}")))?;
+    Ok(sim.map(|s| crate::simulate::Simulated {
+        host_probe_s: Some(crate::simulate::host_probe()),
+        ..s
+    }))
 }
 
 /// Micro-batches of the first step: with `moe.fit_budget` in full and
