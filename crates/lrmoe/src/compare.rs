@@ -342,6 +342,7 @@ fn table(c: &Comparison) -> String {
             r.max_rank_peak_bytes as f64 / (1 << 20) as f64
         );
     }
+    t.push_str(&probe_note(runs));
     t.push_str(&against_baselines(c));
     t
 }
@@ -523,6 +524,37 @@ fn below_note(a: &Against) -> String {
             r.mode, x.time
         )
     })
+}
+
+/// The host probe of each run that timed it (`TrainSummary::host_probe_ms`)
+/// and, where they differ by more than 10%, what that does to the
+/// simulated times; empty where no run has one.
+fn probe_note(runs: &[TrainSummary]) -> String {
+    let probes: Vec<(String, f64)> = runs
+        .iter()
+        .filter_map(|r| r.host_probe_ms.map(|p| (r.mode.to_string(), p)))
+        .collect();
+    if probes.is_empty() {
+        return String::new();
+    }
+    let list: Vec<String> = (probes.iter())
+        .map(|(m, p)| format!("{m} {p:.3} ms"))
+        .collect();
+    let mut t = format!(
+        "\nHost probe (a fixed host workload timed after each simulated step; the mean): {}.",
+        list.join(", ")
+    );
+    let lo = probes.iter().map(|p| p.1).fold(f64::INFINITY, f64::min);
+    let hi = probes.iter().map(|p| p.1).fold(0.0, f64::max);
+    if lo > 0.0 && hi / lo > 1.1 {
+        let _ = write!(
+            t,
+            " They differ by {:.0}%: where a step waits for the host (`host_phases` beside `phases` in metrics.jsonl), its simulated time moved with the host's speed between these runs, and their ratios carry that much noise.",
+            (hi / lo - 1.0) * 100.0
+        );
+    }
+    t.push('\n');
+    t
 }
 
 /// The lines under the table: each run's crossing between evaluations,
@@ -912,6 +944,7 @@ mod tests {
             max_expert_bytes: 0,
             max_rank_peak_bytes: 0,
             max_held_bytes: 0,
+            host_probe_ms: None,
             stop_reason: if reached_target.is_some() {
                 StopReason::Target
             } else {
@@ -926,6 +959,28 @@ mod tests {
             simulated_on: None,
             runs,
         }
+    }
+
+    #[test]
+    fn the_host_probes_are_listed_and_a_spread_is_flagged() {
+        let mut full = run(Mode::Full, &[(10, 2.8), (20, 2.3)], 2.0, 2.4);
+        let mut lrmoe = run(Mode::Lrmoe, &[(10, 2.7), (20, 2.2)], 1.0, 2.4);
+        assert_eq!(probe_note(&[full.clone(), lrmoe.clone()]), "");
+        full.host_probe_ms = Some(0.557);
+        lrmoe.host_probe_ms = Some(0.817);
+        let note = probe_note(&[full.clone(), lrmoe.clone()]);
+        assert!(note.contains("Full 0.557 ms, LRMoE 0.817 ms"), "{note}");
+        assert!(note.contains("differ by 47%"), "{note}");
+        lrmoe.host_probe_ms = Some(0.58);
+        let note = probe_note(&[full.clone(), lrmoe.clone()]);
+        assert!(!note.contains("differ"), "within 10%: {note}");
+        // In the written table, under the rows.
+        full.host_probe_ms = Some(0.5);
+        let t = table(&comparison(vec![full, lrmoe]));
+        assert!(
+            t.contains("Host probe") && t.contains("differ by 16%"),
+            "{t}"
+        );
     }
 
     #[test]

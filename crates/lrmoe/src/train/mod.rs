@@ -138,6 +138,12 @@ pub struct TrainSummary {
     /// the optimizer's too); 0 elsewhere.
     #[serde(default)]
     pub max_held_bytes: u64,
+    /// Timed in-process ranks: the mean over the steps of the host probe
+    /// (`crate::simulate::host_probe`, milliseconds), the host's speed while
+    /// this run trained; `None` elsewhere and in summaries written before
+    /// it was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host_probe_ms: Option<f64>,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }

@@ -1036,6 +1036,7 @@ pub(super) fn finish<X: Transport>(
         max_expert_bytes: s.logged.max_experts,
         max_rank_peak_bytes: s.logged.max_rank_peak,
         max_held_bytes: s.logged.max_held,
+        host_probe_ms: s.logged.mean_probe_ms(),
         stop_reason: reason,
     }))
 }

@@ -43,6 +43,10 @@ pub(super) struct Logged {
     pub(super) max_rank_peak: u64,
     /// The most device memory one timed rank held at once (measured).
     pub(super) max_held: u64,
+    /// Timed in-process ranks: the host probe's seconds summed over the
+    /// steps that ran it (`simulated.host_probe_s`), and how many.
+    pub(super) probe_sum: f64,
+    pub(super) probe_n: usize,
 }
 
 impl Logged {
@@ -50,6 +54,19 @@ impl Logged {
         self.kept_sum += kept_fraction;
         self.kept_n += 1;
         self.max_buffer = self.max_buffer.max(buffer_bytes);
+    }
+
+    /// The host probe's mean over the steps, milliseconds (`None` where no
+    /// step ran it).
+    pub(super) fn mean_probe_ms(&self) -> Option<f64> {
+        (self.probe_n > 0).then(|| self.probe_sum / self.probe_n as f64 * 1e3)
+    }
+
+    fn add_probe(&mut self, seconds: Option<f64>) {
+        if let Some(s) = seconds.filter(|s| s.is_finite() && *s > 0.0) {
+            self.probe_sum += s;
+            self.probe_n += 1;
+        }
     }
 
     /// The mean kept fraction (1 where no layer call was logged).
@@ -69,6 +86,7 @@ impl Logged {
         if let Some(sim) = &m.simulated {
             let held = sim.held_bytes.iter().copied().max().unwrap_or(0);
             self.max_held = self.max_held.max(held);
+            self.add_probe(sim.host_probe_s);
         }
         for l in &m.layers {
             self.add(l.kept_fraction, l.buffer_bytes);
@@ -90,10 +108,33 @@ impl Logged {
             .max()
             .unwrap_or(0);
         self.max_held = self.max_held.max(held);
+        self.add_probe(line["simulated"]["host_probe_s"].as_f64());
         for l in line["layers"].as_array().into_iter().flatten() {
             if let Some(k) = l["kept_fraction"].as_f64() {
                 self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_host_probe_is_averaged_over_the_lines_that_have_one() {
+        let mut l = Logged::default();
+        assert_eq!(l.mean_probe_ms(), None);
+        for line in [
+            serde_json::json!({"simulated": {"host_probe_s": 0.0005, "held_bytes": [7]}}),
+            serde_json::json!({"simulated": {"host_probe_s": 0.0007}}),
+            serde_json::json!({"simulated": {"held_bytes": [3]}}),
+            serde_json::json!({"loss": 1.0}),
+        ] {
+            l.add_line(&line);
+        }
+        let mean = l.mean_probe_ms().expect("two probes");
+        assert!((mean - 0.6).abs() < 1e-12, "{mean}");
+        assert_eq!(l.max_held, 7);
     }
 }
