@@ -81,6 +81,16 @@ fn layer_call_plan(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new("forward", ranks), |b| {
             b.iter(|| planner.forward(&routed).expect("a plan"))
         });
+        // The rest of the forward's host side on one rank: the plan's
+        // checks and this rank's layout of its rows over the instances.
+        g.bench_function(BenchmarkId::new("forward+layout", ranks), |b| {
+            b.iter(|| {
+                let plan = planner.forward(&routed).expect("a plan");
+                layer::check_plan(&plan, &routed, cfg.n_experts / ranks).expect("a valid plan");
+                let local = pack::ep::local_experts(&plan.instances, ranks);
+                pack::ep::instance_layout(&plan.forward, &local, 1).expect("a layout")
+            })
+        });
         let plan = planner.forward(&routed).expect("a plan");
         let total: Vec<u64> = (0..cfg.n_experts)
             .map(|e| routed.iter().map(|r| u64::from(r[e])).sum())
