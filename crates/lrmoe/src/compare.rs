@@ -740,6 +740,29 @@ fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     t
 }
 
+/// Each input's row label: the folder its file is in, or that folder with
+/// its parent where two inputs share the folder's name (repeats kept as
+/// `<setting>/repeat/compare.json`).
+fn labels(inputs: &[PathBuf]) -> Vec<String> {
+    let part = |p: Option<&std::path::Path>| {
+        p.and_then(|p| p.file_name())
+            .map(|n| n.to_string_lossy().into_owned())
+    };
+    let short: Vec<Option<String>> = inputs.iter().map(|p| part(p.parent())).collect();
+    inputs
+        .iter()
+        .zip(&short)
+        .map(|(path, name)| match name {
+            Some(n) if short.iter().filter(|m| m.as_ref() == Some(n)).count() == 1 => n.clone(),
+            Some(n) => match part(path.parent().and_then(|p| p.parent())) {
+                Some(up) => format!("{up}/{n}"),
+                None => n.clone(),
+            },
+            None => path.display().to_string(),
+        })
+        .collect()
+}
+
 /// One Markdown table over several comparisons, a row each: the GPUs and
 /// target, every mode's MoE-layer and whole-step time to the target
 /// (simulated where the runs carry it), steps (`>`: stopped short, at its
@@ -769,12 +792,8 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
     let mut t = String::from(
         "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
     );
-    for path in inputs {
+    for (path, name) in inputs.iter().zip(labels(inputs)) {
         let c = read_comparison(path)?;
-        let name = (path.parent().and_then(|p| p.file_name())).map_or_else(
-            || path.display().to_string(),
-            |n| n.to_string_lossy().into(),
-        );
         let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
         let standings = standings(&c);
         let against = against(&standings);
@@ -1057,6 +1076,21 @@ mod tests {
         let text = against_baselines(&comparison(vec![short, slow.clone()]));
         assert!(text.contains("Capacity: time ?, steps ?"), "{text}");
         assert!(!against_baselines(&comparison(vec![slow])).contains("Against"));
+    }
+
+    #[test]
+    fn rows_are_named_by_their_folder_and_its_parent_where_two_share_it() {
+        let p = |s: &str| PathBuf::from(s);
+        let inputs = [
+            p("figs/sim-a/compare.json"),
+            p("figs/sim-a/repeat/compare.json"),
+            p("figs/sim-b/repeat/compare.json"),
+            p("compare.json"),
+        ];
+        assert_eq!(
+            labels(&inputs),
+            ["sim-a", "sim-a/repeat", "sim-b/repeat", "compare.json"]
+        );
     }
 
     #[test]
