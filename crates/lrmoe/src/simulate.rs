@@ -85,16 +85,14 @@ pub enum SimError {
 /// One rank's timeline cut at its collectives: the work before each
 /// (per phase), then the collective; the work after the last.
 struct Cut<'a> {
-    stretches: Vec<BTreeMap<&'a str, f64>>,
-    /// The same pieces' host seconds.
-    host: Vec<BTreeMap<&'a str, f64>>,
+    /// Per stretch and phase: `[GPU seconds, host seconds]`.
+    stretches: Vec<BTreeMap<&'a str, [f64; 2]>>,
     collectives: Vec<&'a Entry>,
     held: Option<u64>,
 }
 
 fn cut(entries: &[Entry]) -> Cut<'_> {
     let mut stretches = vec![BTreeMap::new()];
-    let mut host = vec![BTreeMap::new()];
     let mut collectives = Vec::new();
     let mut held = None;
     for e in entries {
@@ -105,24 +103,24 @@ fn cut(entries: &[Entry]) -> Cut<'_> {
                 host_seconds,
             } => {
                 if !is_bookkeeping(phase) {
-                    let (Some(st), Some(hs)) = (stretches.last_mut(), host.last_mut()) else {
-                        unreachable!("one stretch per collective plus one");
-                    };
-                    *st.entry(phase.as_str()).or_insert(0.0) += seconds;
-                    *hs.entry(phase.as_str()).or_insert(0.0) += host_seconds;
+                    let at = stretches
+                        .last_mut()
+                        .expect("invariant: one stretch per collective plus one")
+                        .entry(phase.as_str())
+                        .or_insert([0.0; 2]);
+                    at[0] += seconds;
+                    at[1] += host_seconds;
                 }
             }
             Entry::Held { bytes } => held = Some(held.unwrap_or(0).max(*bytes)),
             Entry::Exchange { .. } | Entry::Reduce { .. } => {
                 collectives.push(e);
                 stretches.push(BTreeMap::new());
-                host.push(BTreeMap::new());
             }
         }
     }
     Cut {
         stretches,
-        host,
         collectives,
         held,
     }
@@ -231,17 +229,16 @@ pub fn simulate(
     for k in 0..=n_coll {
         // The stretch before collective k (or after the last): the slowest
         // rank's, split over phases as that rank's is.
-        let slowest = cuts.iter().max_by(|a, b| {
-            let (a, b) = (&a.stretches[k], &b.stretches[k]);
-            a.values().sum::<f64>().total_cmp(&b.values().sum::<f64>())
-        });
-        if let Some(c) = slowest {
-            for (p, s) in &c.stretches[k] {
+        let gpu_s = |st: &BTreeMap<&str, [f64; 2]>| st.values().map(|v| v[0]).sum::<f64>();
+        let slowest = cuts
+            .iter()
+            .map(|c| &c.stretches[k])
+            .max_by(|a, b| gpu_s(a).total_cmp(&gpu_s(b)));
+        if let Some(st) = slowest {
+            for (p, [s, h]) in st {
                 *phases.entry((*p).to_string()).or_insert(0.0) += s;
+                *host_phases.entry((*p).to_string()).or_insert(0.0) += h;
                 step += s;
-            }
-            for (p, s) in &c.host[k] {
-                *host_phases.entry((*p).to_string()).or_insert(0.0) += s;
             }
         }
         if k == n_coll {
@@ -282,7 +279,7 @@ pub fn simulate(
     let held_bytes = cuts.iter().map(|c| c.held).collect::<Option<Vec<u64>>>();
     let work_all_ranks_s = cuts
         .iter()
-        .flat_map(|c| c.stretches.iter().flat_map(|s| s.values()))
+        .flat_map(|c| c.stretches.iter().flat_map(|s| s.values().map(|v| v[0])))
         .sum();
     Ok(Simulated {
         ranks: timelines.len(),
