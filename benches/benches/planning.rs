@@ -3,7 +3,7 @@
 //! these give criterion's statistics and regression tracking.
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use lrmoe_benches::redistribution_problem;
+use lrmoe_benches::{redistribution_problem, zipf_counts};
 
 fn solvers(c: &mut Criterion) {
     let mut g = c.benchmark_group("redistribute");
@@ -62,21 +62,10 @@ fn layer_call_plan(c: &mut Criterion) {
             0,
         );
         let planner = layer::DevicePlanner::new(cfg, call).expect("a device call");
-        // Every source's pairs over the experts, ±30% around even.
-        let mut x = 0x2545_f491_4f6c_dd1d_u64;
-        let routed: Vec<Vec<u32>> = (0..ranks)
-            .map(|_| {
-                let w: Vec<f64> = (0..cfg.n_experts)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        0.7 + 0.6 * (x >> 11) as f64 / (1u64 << 53) as f64
-                    })
-                    .collect();
-                let sum: f64 = w.iter().sum();
-                w.iter().map(|v| (v / sum * pairs as f64) as u32).collect()
-            })
+        // Every source's pairs drawn evenly over the experts (no skew).
+        let routed: Vec<Vec<u32>> = zipf_counts(ranks, cfg.n_experts, pairs as u64, 0.0, 7)
+            .into_iter()
+            .map(|row| row.into_iter().map(|c| c as u32).collect())
             .collect();
         g.bench_function(BenchmarkId::new("forward", ranks), |b| {
             b.iter(|| planner.forward(&routed).expect("a plan"))
