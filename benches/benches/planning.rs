@@ -28,7 +28,9 @@ fn solvers(c: &mut Criterion) {
 /// qwen3-moe-mini shape (128 experts, top-8, 16 384 tokens a step) with
 /// the trainer's LRMoE settings at 8 and 16 ranks: the controller's plan of
 /// the forward (quotas, replicas, the forward's split) and the backward's
-/// redistribution of the kept pairs. On the in-process ranks of issue 30
+/// redistribution of the kept pairs, with every slot's replica placed
+/// (`fill`) and, at 16 ranks, with the default rule (`-paying`: at this
+/// even routing no replica pays, so none is placed). On the in-process ranks of issue 30
 /// this host time is time the GPU waits for.
 fn layer_call_plan(c: &mut Criterion) {
     use lrmoe::train::{layer_call_config, Executor, MoeSection};
@@ -40,11 +42,20 @@ fn layer_call_plan(c: &mut Criterion) {
         renormalize: true,
     };
     let mut g = c.benchmark_group("layer_call_plan");
-    for ranks in [8usize, 16] {
+    for (rule, ranks) in [
+        (quota::ReplicaRule::Fill, 8usize),
+        (quota::ReplicaRule::Fill, 16),
+        (quota::ReplicaRule::Paying, 16),
+    ] {
+        let tag = match rule {
+            quota::ReplicaRule::Fill => "",
+            quota::ReplicaRule::Paying => "-paying",
+        };
         let pairs = 16_384 / ranks * cfg.top_k;
         let moe = MoeSection {
             ranks,
             executor: Executor::Device,
+            replica_rule: rule,
             ..MoeSection::default()
         };
         let placement = quota::Placement {
@@ -67,19 +78,22 @@ fn layer_call_plan(c: &mut Criterion) {
             .into_iter()
             .map(|row| row.into_iter().map(|c| c as u32).collect())
             .collect();
-        g.bench_function(BenchmarkId::new("forward", ranks), |b| {
+        g.bench_function(BenchmarkId::new(format!("forward{tag}"), ranks), |b| {
             b.iter(|| planner.forward(&routed).expect("a plan"))
         });
         // The rest of the forward's host side on one rank: the plan's
         // checks and this rank's layout of its rows over the instances.
-        g.bench_function(BenchmarkId::new("forward+layout", ranks), |b| {
-            b.iter(|| {
-                let plan = planner.forward(&routed).expect("a plan");
-                layer::check_plan(&plan, &routed, cfg.n_experts / ranks).expect("a valid plan");
-                let local = pack::ep::local_experts(&plan.instances, ranks);
-                pack::ep::instance_layout(&plan.forward, &local, 1).expect("a layout")
-            })
-        });
+        g.bench_function(
+            BenchmarkId::new(format!("forward+layout{tag}"), ranks),
+            |b| {
+                b.iter(|| {
+                    let plan = planner.forward(&routed).expect("a plan");
+                    layer::check_plan(&plan, &routed, cfg.n_experts / ranks).expect("a valid plan");
+                    let local = pack::ep::local_experts(&plan.instances, ranks);
+                    pack::ep::instance_layout(&plan.forward, &local, 1).expect("a layout")
+                })
+            },
+        );
         let plan = planner.forward(&routed).expect("a plan");
         let total: Vec<u64> = (0..cfg.n_experts)
             .map(|e| routed.iter().map(|r| u64::from(r[e])).sum())
@@ -95,7 +109,7 @@ fn layer_call_plan(c: &mut Criterion) {
                     .collect()
             })
             .collect();
-        g.bench_function(BenchmarkId::new("backward", ranks), |b| {
+        g.bench_function(BenchmarkId::new(format!("backward{tag}"), ranks), |b| {
             b.iter(|| planner.backward(&plan, &kept).expect("a split"))
         });
     }

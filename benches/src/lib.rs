@@ -60,6 +60,7 @@ pub fn placement_with_replicas(
         expert_weight_bytes: 1,
         expert_grad_bytes: 1,
         flops_per_pair: 1.0,
+        forward_flops_per_pair: 0.0,
         link_bytes_per_s: 1.0,
         flops_per_s: 1.0,
     };
@@ -73,6 +74,7 @@ pub fn placement_with_replicas(
     let cfg = quota::Config {
         replica_slots_per_rank: extra.div_ceil(n_ranks),
         replica_memory_fraction: 1.0,
+        replica_rule: quota::ReplicaRule::Fill,
         ..quota::Config::default()
     };
     let mut p = quota::plan_replicas(&inputs, &cfg).expect("unlimited budgets");

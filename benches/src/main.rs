@@ -385,6 +385,7 @@ fn planning_table(budget: Duration) {
             },
             replica_slots_per_rank: slots,
             replica_memory_fraction: 1.0,
+            replica_rule: quota::ReplicaRule::Fill,
             ..layer::CallConfig::default()
         };
         let mut plan = None;
@@ -466,6 +467,7 @@ fn scale_table() {
             expert_weight_bytes: 1 << 20,
             expert_grad_bytes: 1 << 20,
             flops_per_pair: 1e7,
+            forward_flops_per_pair: 0.0,
             link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
             flops_per_s: quota::H200_FLOPS_PER_S,
         };
@@ -486,6 +488,7 @@ fn scale_table() {
             policy: quota::Policy::Maxmin,
             replica_slots_per_rank: slots,
             replica_memory_fraction: 1.0,
+            replica_rule: quota::ReplicaRule::Fill,
         };
         let t = Instant::now();
         let placed = quota::plan_replicas(&inputs, &cfg).expect("plans");
@@ -618,6 +621,7 @@ fn replay_table() {
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: quota::Policy::Maxmin,
+            replica_rule: Default::default(),
             tile_trim: 0.0,
             cluster: Default::default(),
         };

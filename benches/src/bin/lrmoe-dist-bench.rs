@@ -263,6 +263,7 @@ fn hot_table(
                     policy: quota::Policy::Maxmin,
                 },
                 replica_slots_per_rank: slots,
+                replica_rule: quota::ReplicaRule::Fill,
                 ..layer::CallConfig::default()
             },
         )?)

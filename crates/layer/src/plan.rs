@@ -48,6 +48,22 @@ pub struct CallConfig {
     pub replica_slots_per_rank: usize,
     /// Share of a rank's free memory replicas may use (budgeted mode).
     pub replica_memory_fraction: f64,
+    /// Which of the controller's replicas are placed: those that pay for
+    /// their traffic in the cost model (the default), or every one the
+    /// slots allow ([`quota::ReplicaRule`]).
+    pub replica_rule: quota::ReplicaRule,
+    /// Whether [`Retention::Budgeted`]'s budgets hold
+    /// `replica_slots_per_rank` instances a rank for replicas (as the
+    /// trainer's do): a slot the controller leaves empty then stays empty
+    /// instead of holding rows, so the token buffer keeps the size the
+    /// budget gave it. `false`: every byte no instance takes may hold rows.
+    pub slots_reserved: bool,
+    /// The link rate the controller's cost model times replica traffic
+    /// with, bytes/s per rank and direction.
+    pub link_bytes_per_s: f64,
+    /// The compute rate the controller's cost model times expert work
+    /// with, FLOP/s per rank.
+    pub flops_per_s: f64,
     /// Solver of the backward redistribution.
     pub solver: redistribute::Solver,
     /// Capacity-factor token dropping (the Switch/Megatron baseline, not
@@ -177,6 +193,10 @@ impl Default for CallConfig {
             retention: Retention::Full,
             replica_slots_per_rank: 0,
             replica_memory_fraction: 0.25,
+            replica_rule: quota::ReplicaRule::Paying,
+            slots_reserved: false,
+            link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
+            flops_per_s: quota::H200_FLOPS_PER_S,
             solver: redistribute::Solver::Exact,
             capacity_factor: None,
             hot_experts: 0,
@@ -259,11 +279,17 @@ impl CallPlan {
     }
 }
 
-/// The controller's cost model for this layer with elements of `bytes`.
-/// Only the byte sizes bind here (the budgets are bytes); the rates are
-/// nominal.
-fn cost_model(cfg: &MoeConfig, bytes: u64) -> CostModel {
-    CostModel::swiglu_expert(cfg.hidden, cfg.ffn, bytes, 1e11, 1e12)
+/// The controller's cost model for this layer with elements of `bytes`
+/// and the call's rates (the budgets bind in bytes; the rates time the
+/// replicas, [`CallConfig::replica_rule`]).
+fn cost_model(cfg: &MoeConfig, bwd: &CallConfig, bytes: u64) -> CostModel {
+    CostModel::swiglu_expert(
+        cfg.hidden,
+        cfg.ffn,
+        bytes,
+        bwd.link_bytes_per_s,
+        bwd.flops_per_s,
+    )
 }
 
 /// The controller's plan for one call from the all-gathered routed counts
@@ -287,7 +313,7 @@ fn plan_call_bytes(
     placement: &Placement,
     bytes: u64,
 ) -> Result<CallPlan, LayerError> {
-    let cost = cost_model(cfg, bytes);
+    let cost = cost_model(cfg, bwd, bytes);
     let (budgets, policy) = call_budgets(bwd, routed.len())?;
     let inputs = quota::Inputs {
         counts: &routed,
@@ -299,6 +325,7 @@ fn plan_call_bytes(
         policy,
         replica_slots_per_rank: bwd.replica_slots_per_rank,
         replica_memory_fraction: bwd.replica_memory_fraction,
+        replica_rule: bwd.replica_rule,
     };
     let with_replicas = match &bwd.replica_load {
         Some(load) => {
@@ -322,8 +349,16 @@ fn plan_call_bytes(
             )
         }
         Retention::Budgeted { .. } => {
+            let trimmed;
+            let budgets = if bwd.slots_reserved {
+                trimmed = without_empty_slots(&budgets, bwd, placement, &with_replicas, &cost);
+                &trimmed
+            } else {
+                &budgets
+            };
             let inputs = quota::Inputs {
                 placement: &with_replicas,
+                budgets,
                 ..inputs
             };
             let p = quota::quotas(&inputs, policy)?;
@@ -353,6 +388,36 @@ fn plan_call_bytes(
 /// The ranks' budgets and the quota policy of a call: the configured ones
 /// for [`Retention::Budgeted`] (one budget per rank), else unlimited and
 /// uniform.
+/// `budgets` less the instances of the replica slots `with` leaves empty
+/// on each rank ([`CallConfig::slots_reserved`]): a rank hosting `h`
+/// replicas beyond those `given` already had keeps
+/// `replica_slots_per_rank − h` slots' bytes out of its rows.
+fn without_empty_slots(
+    budgets: &[RankBudget],
+    bwd: &CallConfig,
+    given: &Placement,
+    with: &Placement,
+    cost: &CostModel,
+) -> Vec<RankBudget> {
+    let n = budgets.len();
+    let (before, after) = (given.instances_per_rank(n), with.instances_per_rank(n));
+    budgets
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let hosted = after[r].saturating_sub(before[r]);
+            let empty = (bwd.replica_slots_per_rank as u64).saturating_sub(hosted);
+            let memory_bytes = if b.memory_bytes == u64::MAX {
+                u64::MAX // unlimited stays unlimited
+            } else {
+                b.memory_bytes
+                    .saturating_sub(empty.saturating_mul(cost.instance_bytes()))
+            };
+            RankBudget { memory_bytes, ..*b }
+        })
+        .collect()
+}
+
 fn call_budgets(bwd: &CallConfig, n_ranks: usize) -> Result<(Vec<RankBudget>, Policy), LayerError> {
     match &bwd.retention {
         Retention::Budgeted { budgets, policy } => {

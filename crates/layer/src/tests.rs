@@ -292,6 +292,7 @@ fn full_retention_matches_the_naive_reference_for_every_ep_size() {
         for slots in [0, 1] {
             let bwd = CallConfig {
                 replica_slots_per_rank: slots,
+                replica_rule: quota::ReplicaRule::Fill,
                 ..CallConfig::default()
             };
             let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
@@ -312,6 +313,7 @@ fn pruned_backward_equals_the_gradient_without_the_dropped_pairs() {
             let bwd = CallConfig {
                 retention: Retention::Ratio(retention),
                 replica_slots_per_rank: 1,
+                replica_rule: quota::ReplicaRule::Fill,
                 ..CallConfig::default()
             };
             let r = run(&cfg, &bwd, &params, &x, &dy, n_ranks).unwrap();
@@ -815,6 +817,7 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
         let bwd = CallConfig {
             retention: retention.clone(),
             replica_slots_per_rank: 1,
+            replica_rule: quota::ReplicaRule::Fill,
             ..CallConfig::default()
         };
         let place = placement(cfg.n_experts, n_ranks);
@@ -905,6 +908,7 @@ fn bf16_grouped_experts_match_the_reference_within_bf16_tolerance() {
         let call = CallConfig {
             retention: retention.clone(),
             replica_slots_per_rank: 1,
+            replica_rule: quota::ReplicaRule::Fill,
             experts: twins.clone(),
             ..CallConfig::default()
         };
@@ -963,6 +967,7 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
     // depend on them).
     let replicas = CallConfig {
         replica_slots_per_rank: 1,
+        replica_rule: quota::ReplicaRule::Fill,
         ..CallConfig::default()
     };
     assert_eq!(
@@ -1002,6 +1007,7 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
         CallConfig {
             retention: Retention::Ratio(0.5),
             replica_slots_per_rank: 1,
+            replica_rule: quota::ReplicaRule::Fill,
             ..CallConfig::default()
         },
     )
@@ -1101,6 +1107,47 @@ fn surplus_retention_trims_only_the_overloaded_rank() {
     let plan = plan_call::<f32>(&cfg, &call(0.0), routed.clone(), &placement).unwrap();
     assert_eq!(plan.quotas, vec![0; 4]);
     assert!(plan_call::<f32>(&cfg, &call(1.5), routed, &placement).is_err());
+}
+
+#[test]
+fn a_reserved_slot_left_empty_holds_no_rows() {
+    // f32 rows: a row 48 B, an instance 720 B. Each rank's budget holds its
+    // two experts, one replica slot and 20 rows.
+    let cfg = cfg(false);
+    let placement = Placement {
+        owner: vec![0, 0, 1, 1],
+        replicas: vec![],
+    };
+    let budget = quota::RankBudget {
+        memory_bytes: 3 * 720 + 20 * 48,
+        network_bytes: u64::MAX,
+    };
+    let call = |rule, slots_reserved| CallConfig {
+        retention: Retention::Budgeted {
+            budgets: vec![budget; 2],
+            policy: quota::Policy::Maxmin,
+        },
+        replica_slots_per_rank: 1,
+        replica_memory_fraction: 1.0,
+        replica_rule: rule,
+        slots_reserved,
+        ..CallConfig::default()
+    };
+    let routed = vec![vec![10u64, 10, 10, 10], vec![10, 10, 10, 10]];
+    let caps = |rule, reserved| {
+        let plan =
+            plan_call::<f32>(&cfg, &call(rule, reserved), routed.clone(), &placement).unwrap();
+        let replicas: usize = plan.placement.replicas.iter().map(Vec::len).sum();
+        (replicas, plan.caps.unwrap())
+    };
+    use quota::ReplicaRule::{Fill, Paying};
+    // Ten pairs moved never repay an instance's traffic: no replica; the
+    // empty slot stays out of the buffer only when reserved.
+    assert_eq!(caps(Paying, true), (0, vec![20, 20]));
+    assert_eq!(caps(Paying, false), (0, vec![35, 35]));
+    // Filled slots take their bytes either way.
+    assert_eq!(caps(Fill, true), (2, vec![20, 20]));
+    assert_eq!(caps(Fill, false), (2, vec![20, 20]));
 }
 
 fn expert_grads(p: &MoeParams<f64>) -> Vec<f64> {
@@ -1304,6 +1351,7 @@ fn symi_like_calls_replicate_by_the_given_load_split_evenly_and_stay_exact() {
     let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
     let call = CallConfig {
         replica_slots_per_rank: 1,
+        replica_rule: quota::ReplicaRule::Fill,
         solver: redistribute::Solver::Even,
         replica_load: Some(vec![0, 0, 0, 1000]),
         ..CallConfig::default()

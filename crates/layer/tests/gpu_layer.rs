@@ -383,6 +383,7 @@ fn gpu_expert_backend_matches_the_cpu_twins() {
             let call = CallConfig {
                 retention: retention.clone(),
                 replica_slots_per_rank: 1,
+                replica_rule: quota::ReplicaRule::Fill,
                 experts: experts.clone(),
                 ..CallConfig::default()
             };

@@ -60,6 +60,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
         let call = CallConfig {
             retention: retention.clone(),
             replica_slots_per_rank: slots,
+            replica_rule: quota::ReplicaRule::Fill,
             ..CallConfig::default()
         };
         let (y, dx, g, sent) = one_rank(&t, &cfg, &call, &params, &x, &dy).unwrap();
@@ -101,6 +102,7 @@ fn nccl_transport_suite_gradients_and_a_dead_peer() {
     let gpu = kernels::gpu::Gpu::open(env.local_rank).unwrap();
     let on = |experts: layer::ExpertBackend| CallConfig {
         replica_slots_per_rank: 1,
+        replica_rule: quota::ReplicaRule::Fill,
         experts,
         ..CallConfig::default()
     };

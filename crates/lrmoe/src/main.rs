@@ -321,6 +321,11 @@ struct ReplayArgs {
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
+    /// LRMoE's replicas: `paying` keeps those that pay for their weight and
+    /// gradient traffic in the cost model, `fill` every one the slots allow
+    /// (the replication strategy always fills).
+    #[arg(long, value_enum, default_value_t = ReplicaRuleArg::Paying)]
+    replica_rule: ReplicaRuleArg,
     /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
     /// most this share of a quota, in [0, 1], as `moe.tile_trim` does on
     /// the GPU executors (0: off, as the host executor runs).
@@ -413,6 +418,10 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
         policy: match a.policy {
             PolicyArg::Uniform => quota::Policy::Uniform,
             PolicyArg::Maxmin => quota::Policy::Maxmin,
+        },
+        replica_rule: match a.replica_rule {
+            ReplicaRuleArg::Paying => quota::ReplicaRule::Paying,
+            ReplicaRuleArg::Fill => quota::ReplicaRule::Fill,
         },
         tile_trim: a.tile_trim,
         cluster: lrmoe::cluster::Cluster {
@@ -616,6 +625,12 @@ enum SolverArg {
 enum PolicyArg {
     Uniform,
     Maxmin,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum ReplicaRuleArg {
+    Paying,
+    Fill,
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

@@ -1513,6 +1513,7 @@ mod tests {
         let targets: Vec<u32> = (0..48).map(|i| (i * 2 % 7) as u32).collect();
         let cpu = CallConfig {
             replica_slots_per_rank: 1,
+            replica_rule: quota::ReplicaRule::Fill,
             ..CallConfig::default()
         };
         let twins = CallConfig {

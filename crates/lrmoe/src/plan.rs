@@ -68,6 +68,9 @@ pub struct ControllerSettings {
     /// Share of post-placement memory replicas may use (default 0.25).
     #[serde(default)]
     pub replica_memory_fraction: Option<f64>,
+    /// Which replicas are placed: `"paying"` (default) or `"fill"`.
+    #[serde(default)]
+    pub replica_rule: Option<quota::ReplicaRule>,
 }
 
 /// A planning problem (see `docs/formats.md`).
@@ -333,6 +336,7 @@ pub fn run(p: &Problem, opts: &Options) -> Result<PlanReport, PlanError> {
                     .controller
                     .replica_memory_fraction
                     .unwrap_or(defaults.replica_memory_fraction),
+                replica_rule: p.controller.replica_rule.unwrap_or(defaults.replica_rule),
             };
             let inputs = quota::Inputs {
                 counts: routed,

@@ -13,8 +13,10 @@
 //! * **replication** — EPLB-style greedy replicas within the budget
 //!   (`quota::plan_replicas`), every pair kept, pairs spread over instances
 //!   by `redistribute`'s exact solver;
-//! * **lrmoe** — the controller's replicas and quotas (`quota::plan`), kept
-//!   pairs redistributed within the controller's per-rank caps.
+//! * **lrmoe** — the controller's replicas and quotas (`quota::plan`; by
+//!   default only the replicas that pay for their traffic,
+//!   `quota::ReplicaRule::Paying`), kept pairs redistributed within the
+//!   controller's per-rank caps.
 //!
 //! Memory per rank = placement (owned experts' weights + gradients) +
 //! replicas + token buffers (pairs processed × row bytes). Modelled backward
@@ -583,6 +585,10 @@ pub struct ReplayConfig {
     pub replica_memory_fraction: f64,
     /// LRMoE quota policy.
     pub policy: Policy,
+    /// Which of the controller's replicas LRMoE places (replication places
+    /// every one the slots allow).
+    #[serde(default)]
+    pub replica_rule: quota::ReplicaRule,
     /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
     /// most this share of a quota (`quota::align_to_tiles`; 0: off).
     #[serde(default)]
@@ -935,7 +941,8 @@ impl Cell<'_> {
 
 /// Replication (EPLB-style greedy replicas of the cell's own load, every
 /// pair kept) and LRMoE (the controller's replicas and quotas) of one cell:
-/// the controller's replicas are the replication strategy's.
+/// the controller's replicas are a prefix of the replication strategy's
+/// (all of them with [`quota::ReplicaRule::Fill`]).
 fn replication_and_lrmoe(
     cfg: &ReplayConfig,
     cell: &Cell<'_>,
@@ -959,12 +966,24 @@ fn replication_and_lrmoe(
         policy: cfg.policy,
         replica_slots_per_rank: cfg.replica_slots_per_rank,
         replica_memory_fraction: cfg.replica_memory_fraction,
+        replica_rule: quota::ReplicaRule::Fill,
     };
     let qerr = |error| ReplayError::Quota { step, layer, error };
     let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
     let spread = cell.solve(counts, &with, None)?;
+    let lrmoe_replicas = match cfg.replica_rule {
+        quota::ReplicaRule::Fill => with.clone(),
+        rule => quota::plan_replicas(
+            &inputs,
+            &quota::Config {
+                replica_rule: rule,
+                ..qcfg
+            },
+        )
+        .map_err(qerr)?,
+    };
     let with_inputs = quota::Inputs {
-        placement: &with,
+        placement: &lrmoe_replicas,
         ..inputs
     };
     let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
@@ -1360,6 +1379,7 @@ mod tests {
             replica_slots_per_rank: 2,
             replica_memory_fraction: 0.5,
             policy: Policy::Maxmin,
+            replica_rule: quota::ReplicaRule::Paying,
             tile_trim: 0.0,
             cluster: Default::default(),
         }

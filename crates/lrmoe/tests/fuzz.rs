@@ -310,6 +310,7 @@ fn check_trace(t: &lrmoe::replay::Trace) -> Result<(), TestCaseError> {
         replica_slots_per_rank: 1,
         replica_memory_fraction: 0.5,
         policy: lrmoe::quota::Policy::Maxmin,
+        replica_rule: Default::default(),
         tile_trim: 0.0,
         cluster: Default::default(),
     };

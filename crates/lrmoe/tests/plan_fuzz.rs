@@ -30,6 +30,7 @@ fn problem() -> impl Strategy<Value = Problem> {
                     expert_weight_bytes: 100,
                     expert_grad_bytes: 100,
                     flops_per_pair: 1.0,
+                    forward_flops_per_pair: 0.0,
                     link_bytes_per_s: 1.0,
                     flops_per_s: 1.0,
                 }),

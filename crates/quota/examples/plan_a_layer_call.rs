@@ -30,6 +30,7 @@ fn main() -> Result<(), quota::QuotaError> {
         policy: Policy::Maxmin,
         replica_slots_per_rank: 1,
         replica_memory_fraction: 0.5,
+        ..Config::default()
     };
     let p = plan(&inputs, &cfg)?;
     println!("replicas added: {:?}", p.replicas_added);

@@ -77,6 +77,28 @@
 //! its budget leaves after owned experts. Replicas cost buffer memory, so
 //! [`plan`] trades them off through that fraction.
 //!
+//! A replica also costs time: its weights travel from the owner before the
+//! forward and its gradient back after the backward. With
+//! [`ReplicaRule::Paying`] (the default) the controller keeps the prefix of
+//! the greedy's sequence whose modelled call time is smallest
+//! ([`modelled_call_seconds`]): with `m_r` the routed pairs rank `r` serves
+//! (each expert's split evenly over its instances) and `in_r`, `out_r` the
+//! replica bytes it receives and sends (a host receives `W` and sends `G`
+//! per replica it holds, an owner the reverse per replica of its experts),
+//!
+//! ```text
+//! t_r = m_r·(flops_per_pair + forward_flops_per_pair) / flops_per_s
+//!     + max(in_r, out_r) / link_bytes_per_s,      T = max_r t_r
+//! ```
+//!
+//! Moving `m` pairs off the slowest rank pays once `m·(b + f) / F > W / L`:
+//! for a SwiGLU expert in bf16 (`W = 6·hidden·ffn` bytes, `b + f =
+//! 22·hidden·ffn` FLOP) that is `m > 3·F / (11·L)` whatever the shape —
+//! about 485 pairs at an H200's 800 TFLOP/s and 450 GB/s. So at small
+//! batches (tens of pairs per expert) no replica pays, and the slots'
+//! memory stays with the token buffers; [`ReplicaRule::Fill`] places every
+//! replica the slots allow.
+//!
 //! ## Tile alignment ([`align_to_tiles`])
 //!
 //! The expert GEMMs pad each expert's rows to whole `tile`-row blocks, so a
@@ -140,8 +162,9 @@ pub enum QuotaError {
         /// Which sum.
         what: &'static str,
     },
-    /// A cost-model value is negative, NaN or infinite.
-    #[error("cost model field {field} must be finite and > 0 (got {value})")]
+    /// A cost-model value is negative, NaN or infinite (or 0 where a rate
+    /// or a backward cost is meant).
+    #[error("cost model field {field} must be finite and > 0 (≥ 0 for forward_flops_per_pair; got {value})")]
     BadCost {
         /// Field name.
         field: &'static str,
@@ -210,6 +233,11 @@ pub struct CostModel {
     pub expert_grad_bytes: u64,
     /// Backward FLOPs per kept pair.
     pub flops_per_pair: f64,
+    /// Forward FLOPs per routed pair (every routed pair runs forward; only
+    /// the replica rule reads it, see [`ReplicaRule::Paying`]). 0: the
+    /// forward is left out of the replicas' gain.
+    #[serde(default)]
+    pub forward_flops_per_pair: f64,
     /// Link bandwidth per rank and direction, bytes/s.
     pub link_bytes_per_s: f64,
     /// Compute rate per rank, FLOP/s.
@@ -230,7 +258,8 @@ impl CostModel {
     /// values each); an instance holds three weight matrices and their
     /// gradients; a pair's backward costs `16·hidden·ffn` FLOP (the three
     /// data-gradient and three weight-gradient GEMM rows plus the SwiGLU
-    /// recompute, rounded). Sizes saturate at `u64::MAX`.
+    /// recompute, rounded), its forward `6·hidden·ffn` (three GEMM rows).
+    /// Sizes saturate at `u64::MAX`.
     pub fn swiglu_expert(
         hidden: usize,
         ffn: usize,
@@ -250,6 +279,7 @@ impl CostModel {
             expert_weight_bytes: matrices,
             expert_grad_bytes: matrices,
             flops_per_pair: 16.0 * hidden as f64 * ffn as f64,
+            forward_flops_per_pair: 6.0 * hidden as f64 * ffn as f64,
             link_bytes_per_s,
             flops_per_s,
         }
@@ -275,6 +305,13 @@ impl CostModel {
             if !(value.is_finite() && value > 0.0) {
                 return Err(QuotaError::BadCost { field, value });
             }
+        }
+        let value = self.forward_flops_per_pair;
+        if !(value.is_finite() && value >= 0.0) {
+            return Err(QuotaError::BadCost {
+                field: "forward_flops_per_pair",
+                value,
+            });
         }
         Ok(())
     }
@@ -319,6 +356,22 @@ pub struct Config {
     pub replica_slots_per_rank: usize,
     /// Share of a rank's post-placement memory that replicas may use.
     pub replica_memory_fraction: f64,
+    /// Which of the greedy's replicas are placed.
+    pub replica_rule: ReplicaRule,
+}
+
+/// Which replicas [`plan_replicas`] places (see the crate doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ReplicaRule {
+    /// The greedy's replicas up to the first that no longer pays: the
+    /// prefix of its sequence with the smallest modelled call time
+    /// ([`modelled_call_seconds`]; ties: fewer replicas). A slot left empty
+    /// leaves its memory to the token buffer.
+    #[default]
+    Paying,
+    /// Every replica the slots and memory allow (EPLB's greedy as is).
+    Fill,
 }
 
 impl Default for Config {
@@ -327,6 +380,7 @@ impl Default for Config {
             policy: Policy::Uniform,
             replica_slots_per_rank: 0,
             replica_memory_fraction: 0.25,
+            replica_rule: ReplicaRule::Paying,
         }
     }
 }
@@ -1100,6 +1154,8 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         .collect();
     let mut stale: Vec<usize> = Vec::new();
     let mut hosts = vec![usize::MAX; n_ranks];
+    let given = placement.clone();
+    let mut added: Vec<(usize, usize)> = Vec::new();
     while let Some((OrdF64(value), std::cmp::Reverse(e))) = heap.pop() {
         if value != per_instance(e, &placement) {
             heap.push(key(e, &placement));
@@ -1130,6 +1186,7 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         };
         let old = per_instance(e, &placement);
         placement.replicas[e].push(r);
+        added.push((e, r));
         let new = per_instance(e, &placement);
         // Hosts that can no longer take a replica keep no load at all.
         for &i in &open_hosts[e] {
@@ -1151,7 +1208,65 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         }
         heap.push(key(e, &placement));
     }
-    Ok(placement)
+    match cfg.replica_rule {
+        ReplicaRule::Fill => Ok(placement),
+        ReplicaRule::Paying => Ok(paying_prefix(inputs, given, &added)),
+    }
+}
+
+/// The placement `given` plus the prefix of `added` with the smallest
+/// [`modelled_call_seconds`] (the first smallest: fewer replicas on a tie).
+fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]) -> Placement {
+    let mut p = given.clone();
+    let mut best = (modelled_call_seconds(inputs, &p), 0);
+    for (k, &(e, r)) in added.iter().enumerate() {
+        p.replicas[e].push(r);
+        let t = modelled_call_seconds(inputs, &p);
+        if t < best.0 {
+            best = (t, k + 1);
+        }
+    }
+    let mut p = given;
+    for &(e, r) in &added[..best.1] {
+        p.replicas[e].push(r);
+    }
+    p
+}
+
+/// The modelled time of one layer call's expert work under `placement`,
+/// seconds (the crate doc's `T`, which [`ReplicaRule::Paying`] minimises):
+/// the slowest rank's compute for the routed pairs it serves (each
+/// expert's split evenly over its instances, forward and backward) plus
+/// its replica traffic (weights out to the replicas before the forward,
+/// gradients back after the backward, the larger direction). `inputs`'
+/// placement is ignored; its counts and cost model are used as given
+/// (call [`plan_replicas`] or [`plan`] for checked inputs).
+pub fn modelled_call_seconds(inputs: &Inputs<'_>, placement: &Placement) -> f64 {
+    let cost = inputs.cost;
+    let n_ranks = inputs.n_ranks();
+    let routed = inputs.routed_per_expert();
+    let per_pair = (cost.flops_per_pair + cost.forward_flops_per_pair) / cost.flops_per_s;
+    let (w, g) = (
+        cost.expert_weight_bytes as f64,
+        cost.expert_grad_bytes as f64,
+    );
+    let mut compute = vec![0.0f64; n_ranks];
+    let (mut bytes_in, mut bytes_out) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
+    for (e, &owner) in placement.owner.iter().enumerate() {
+        let reps: &[usize] = placement.replicas.get(e).map_or(&[], Vec::as_slice);
+        let share = routed[e] as f64 / (1 + reps.len()) as f64 * per_pair;
+        compute[owner] += share;
+        bytes_out[owner] += reps.len() as f64 * w;
+        bytes_in[owner] += reps.len() as f64 * g;
+        for &r in reps {
+            compute[r] += share;
+            bytes_in[r] += w;
+            bytes_out[r] += g;
+        }
+    }
+    (0..n_ranks)
+        .map(|r| compute[r] + bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s)
+        .fold(0.0, f64::max)
 }
 
 /// A total order on the finite loads the replica planner compares.

@@ -9,6 +9,7 @@ fn cost() -> CostModel {
         expert_weight_bytes: 100,
         expert_grad_bytes: 100,
         flops_per_pair: 1e3,
+        forward_flops_per_pair: 0.0,
         link_bytes_per_s: 1e9,
         flops_per_s: 1e12,
     }
@@ -310,6 +311,7 @@ fn replicas_go_to_the_hottest_expert_on_the_least_loaded_rank() {
     };
     let cfg = Config {
         replica_slots_per_rank: 1,
+        replica_rule: ReplicaRule::Fill,
         ..Config::default()
     };
     let p = plan(&inputs(&c, &cost), &cfg).unwrap();
@@ -342,6 +344,7 @@ fn replicas_stay_within_their_memory_fraction() {
     };
     let cfg = Config {
         replica_slots_per_rank: 4,
+        replica_rule: ReplicaRule::Fill,
         ..Config::default()
     };
     assert!(plan(&inputs(&c, &cost), &cfg)
@@ -351,6 +354,7 @@ fn replicas_stay_within_their_memory_fraction() {
     let cfg = Config {
         replica_slots_per_rank: 4,
         replica_memory_fraction: 0.5,
+        replica_rule: ReplicaRule::Fill,
         ..Config::default()
     };
     assert_eq!(
@@ -454,7 +458,7 @@ proptest! {
             2
         ];
         let inputs = Inputs { counts: &counts, placement: &placement, cost: &cost(), budgets: &budgets };
-        let cfg = Config { policy: Policy::Maxmin, replica_slots_per_rank: slots, replica_memory_fraction: 1.0 };
+        let cfg = Config { policy: Policy::Maxmin, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Paying };
         let total: u128 = counts.iter().flatten().map(|&c| u128::from(c)).sum();
         match plan(&inputs, &cfg) {
             Err(QuotaError::Overflow { .. }) => prop_assert!(total > u128::from(u64::MAX)),
@@ -474,7 +478,11 @@ proptest! {
 
 /// The replica planner as first written (quadratic scans per step): the reference
 /// the heap-based planner must match exactly.
-fn naive_plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
+/// Also returns the replicas in the order they were added.
+fn naive_plan_replicas(
+    inputs: &Inputs<'_>,
+    cfg: &Config,
+) -> Result<(Placement, Vec<(usize, usize)>), QuotaError> {
     inputs.validate()?;
     if !(0.0..=1.0).contains(&cfg.replica_memory_fraction) {
         return Err(QuotaError::BadFraction {
@@ -509,6 +517,7 @@ fn naive_plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Q
         }
     }
     let mut exhausted = vec![false; n_experts];
+    let mut added = Vec::new();
     while let Some(e) = (0..n_experts)
         .filter(|&e| !exhausted[e] && routed[e] > 0)
         .max_by(|&a, &b| {
@@ -527,6 +536,7 @@ fn naive_plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Q
         };
         let old = per_instance(e, &placement);
         placement.replicas[e].push(r);
+        added.push((e, r));
         let new = per_instance(e, &placement);
         for &i in &inst {
             rank_load[i] += new - old;
@@ -535,7 +545,7 @@ fn naive_plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Q
         slots[r] -= 1;
         replica_room[r] -= inst_bytes;
     }
-    Ok(placement)
+    Ok((placement, added))
 }
 
 proptest! {
@@ -553,9 +563,165 @@ proptest! {
             c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
         }
         let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost(), budgets: &c.budgets };
-        let cfg = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: fraction };
-        prop_assert_eq!(plan_replicas(&inputs, &cfg), naive_plan_replicas(&inputs, &cfg));
+        let cfg = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: fraction, replica_rule: ReplicaRule::Fill };
+        prop_assert_eq!(plan_replicas(&inputs, &cfg), naive_plan_replicas(&inputs, &cfg).map(|(p, _)| p));
     }
+}
+
+/// The crate doc's `T`, rank by rank from the instances: the reference
+/// for [`modelled_call_seconds`].
+fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
+    let c = inputs.cost;
+    let routed = inputs.routed_per_expert();
+    let per_pair = (c.flops_per_pair + c.forward_flops_per_pair) / c.flops_per_s;
+    let mut worst = 0.0f64;
+    for r in 0..inputs.n_ranks() {
+        let (mut t, mut got, mut sent) = (0.0, 0.0, 0.0);
+        for (e, &n) in routed.iter().enumerate() {
+            let inst = p.instances(e);
+            if inst.contains(&r) {
+                t += n as f64 / inst.len() as f64 * per_pair;
+            }
+            let reps = (inst.len() - 1) as f64;
+            if inst[0] == r {
+                sent += reps * c.expert_weight_bytes as f64;
+                got += reps * c.expert_grad_bytes as f64;
+            } else if inst.contains(&r) {
+                got += c.expert_weight_bytes as f64;
+                sent += c.expert_grad_bytes as f64;
+            }
+        }
+        worst = worst.max(t + f64::max(got, sent) / c.link_bytes_per_s);
+    }
+    worst
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The paying rule keeps the prefix of the greedy's sequence with the
+    /// smallest modelled time (the first such), so it is never slower in
+    /// the model than no replicas or all of them.
+    #[test]
+    fn paying_replicas_are_the_best_prefix_of_the_greedy(
+        c in case_strategy(),
+        slots in 0usize..4,
+        weight in 1u64..120,
+        flops_per_pair in 1e2f64..1e5,
+        forward in prop_oneof![Just(0.0f64), 1e2f64..1e4],
+    ) {
+        let cost = CostModel {
+            expert_weight_bytes: weight,
+            expert_grad_bytes: weight + 3,
+            flops_per_pair,
+            forward_flops_per_pair: forward,
+            ..cost()
+        };
+        let mut c = c;
+        c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
+        let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost, budgets: &c.budgets };
+        let fill = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Fill };
+        let (_, order) = naive_plan_replicas(&inputs, &fill).unwrap();
+        let mut given = c.placement.clone();
+        given.replicas.resize(c.placement.owner.len(), Vec::new());
+        let mut best = (naive_call_seconds(&inputs, &given), given.clone());
+        let mut prefix = given.clone();
+        for &(e, r) in &order {
+            prefix.replicas[e].push(r);
+            let t = naive_call_seconds(&inputs, &prefix);
+            if t < best.0 {
+                best = (t, prefix.clone());
+            }
+        }
+        let paying = plan_replicas(&inputs, &Config { replica_rule: ReplicaRule::Paying, ..fill }).unwrap();
+        let t = modelled_call_seconds(&inputs, &paying);
+        prop_assert!((t - naive_call_seconds(&inputs, &paying)).abs() <= 1e-9 * t.max(1e-30));
+        prop_assert_eq!(&paying, &best.1);
+        prop_assert!(t <= naive_call_seconds(&inputs, &given));
+        prop_assert!(t <= naive_call_seconds(&inputs, &prefix));
+    }
+}
+
+#[test]
+fn a_replica_pays_once_it_moves_more_pairs_than_its_weights_cost() {
+    // SwiGLU in bf16 on an H200: moving m pairs saves m·22·h·f / F s, the
+    // replica's weights take 6·h·f / L s each way, so it pays once
+    // m > 6·F / (22·L) ≈ 484.8, whatever the shape.
+    let break_even = 6.0 * H200_FLOPS_PER_S / (22.0 * H200_LINK_BYTES_PER_S);
+    assert!((484.0..486.0).contains(&break_even), "{break_even}");
+    for (hidden, ffn) in [(2048, 768), (512, 256)] {
+        let cost =
+            CostModel::swiglu_expert(hidden, ffn, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+        // Rank 0 owns the hot expert, rank 1 an idle one: a replica on
+        // rank 1 moves half the hot expert's pairs.
+        for (hot, pays) in [(960u64, false), (980, true), (100, false), (20_000, true)] {
+            let c = Case {
+                counts: vec![vec![hot, 0], vec![0, 0]],
+                placement: Placement {
+                    owner: vec![0, 1],
+                    replicas: vec![],
+                },
+                budgets: vec![RankBudget::UNLIMITED; 2],
+            };
+            let cfg = Config {
+                replica_slots_per_rank: 1,
+                ..Config::default()
+            };
+            let p = plan(&inputs(&c, &cost), &cfg).unwrap();
+            assert_eq!(
+                p.replicas_added.len(),
+                usize::from(pays),
+                "{hidden}×{ffn}, {hot} pairs"
+            );
+            let fill = plan(
+                &inputs(&c, &cost),
+                &Config {
+                    replica_rule: ReplicaRule::Fill,
+                    ..cfg
+                },
+            )
+            .unwrap();
+            assert_eq!(fill.replicas_added, vec![(0, 1)]);
+        }
+    }
+}
+
+#[test]
+fn an_empty_slot_leaves_its_memory_to_the_buffers() {
+    // Even load: no replica pays, so the slot's reserved bytes hold rows.
+    let cost = CostModel::swiglu_expert(512, 256, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+    let budget = RankBudget {
+        memory_bytes: 2 * cost.instance_bytes() + 100 * cost.row_bytes(),
+        network_bytes: u64::MAX,
+    };
+    let c = Case {
+        counts: vec![vec![300, 250], vec![250, 300]],
+        placement: Placement {
+            owner: vec![0, 1],
+            replicas: vec![],
+        },
+        budgets: vec![budget; 2],
+    };
+    let cfg = Config {
+        replica_slots_per_rank: 1,
+        replica_memory_fraction: 1.0,
+        ..Config::default()
+    };
+    let paying = plan(&inputs(&c, &cost), &cfg).unwrap();
+    let fill = plan(
+        &inputs(&c, &cost),
+        &Config {
+            replica_rule: ReplicaRule::Fill,
+            ..cfg
+        },
+    )
+    .unwrap();
+    assert!(paying.replicas_added.is_empty());
+    assert_eq!(fill.replicas_added.len(), 2);
+    let per_row = cost.instance_bytes() / cost.row_bytes();
+    assert_eq!(paying.ranks[0].pair_capacity, 100 + per_row);
+    assert_eq!(fill.ranks[0].pair_capacity, 100);
+    assert!(paying.kept_fraction > fill.kept_fraction);
 }
 
 #[test]

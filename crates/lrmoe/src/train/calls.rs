@@ -61,7 +61,23 @@ pub(super) fn call_config(
 ) -> CallConfig {
     let shape = (mcfg.d_model, mcfg.ffn);
     let pairs = pairs_per_rank(cfg, mcfg);
-    layer_call_config(&cfg.moe, shape, pairs, placement, device_rows, cfg.seed)
+    CallConfig {
+        link_bytes_per_s: replica_link_bytes_per_s(cfg),
+        ..layer_call_config(&cfg.moe, shape, pairs, placement, device_rows, cfg.seed)
+    }
+}
+
+/// The link rate the controller times replica traffic with: the `[cluster]`
+/// model's slowest link the ranks span (between nodes once `moe.ranks`
+/// exceeds a node), bytes/s.
+pub(super) fn replica_link_bytes_per_s(cfg: &TrainConfig) -> f64 {
+    let c = &cfg.cluster;
+    let gb = if cfg.moe.ranks > c.gpus_per_node {
+        c.inter_gb_per_s
+    } else {
+        c.intra_gb_per_s
+    };
+    gb * 1e9
 }
 
 /// The average routed pairs per rank of one layer call.
@@ -112,6 +128,7 @@ pub fn layer_call_config(
         Mode::Replicate => CallConfig {
             replica_slots_per_rank: moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
+            replica_rule: quota::ReplicaRule::Fill,
             ..base
         },
         Mode::Symi => CallConfig {
@@ -131,6 +148,10 @@ pub fn layer_call_config(
             },
             replica_slots_per_rank: moe.replica_slots_per_rank,
             replica_memory_fraction: 1.0,
+            replica_rule: moe.replica_rule,
+            // The budgets below hold the slots' instances; an empty slot
+            // does not widen the buffer beyond `buffer_fraction`.
+            slots_reserved: true,
             rule,
             rule_seed: seed,
             tile_align: (device_rows && moe.tile_trim > 0.0).then_some(layer::TileAlign {

@@ -200,6 +200,11 @@ pub struct MoeSection {
     pub ranks: usize,
     /// Replicas each rank may host per layer call (lrmoe mode).
     pub replica_slots_per_rank: usize,
+    /// Which replicas lrmoe mode places: `"paying"` (those whose weight and
+    /// gradient traffic the controller's cost model says they repay; an
+    /// empty slot's memory goes to the token buffer) or `"fill"` (every one
+    /// the slots allow). The replicate mode always fills.
+    pub replica_rule: quota::ReplicaRule,
     /// Per-rank backward buffer budget as a share of the average routed
     /// pairs per rank (lrmoe mode).
     pub buffer_fraction: f64,
@@ -275,6 +280,7 @@ impl Default for MoeSection {
             executor: Executor::Host,
             ranks: 2,
             replica_slots_per_rank: 1,
+            replica_rule: quota::ReplicaRule::Paying,
             buffer_fraction: 0.6,
             policy: Policy::Maxmin,
             capacity_factor: 1.0,
