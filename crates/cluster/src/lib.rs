@@ -175,6 +175,19 @@ impl Cluster {
         self.layer_call_overhead_us * 1e-6
     }
 
+    /// The slowest link `ranks` ranks span, bytes per second and direction:
+    /// between nodes once they exceed one node, else within it (what the
+    /// controller times a replica's traffic with, not knowing yet where it
+    /// goes).
+    pub fn slowest_link_bytes_per_s(&self, ranks: usize) -> f64 {
+        let class = if ranks > self.gpus_per_node.max(1) {
+            LinkClass::Inter
+        } else {
+            LinkClass::Intra
+        };
+        self.link(class).0
+    }
+
     /// The class of the link from rank `a` to rank `b`.
     pub fn class(&self, a: usize, b: usize) -> LinkClass {
         let n = self.gpus_per_node.max(1);

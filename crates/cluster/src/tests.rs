@@ -201,3 +201,17 @@ proptest! {
         prop_assert_eq!(c.exchange_s(&b).unwrap(), c.exchange_s(&t).unwrap());
     }
 }
+
+#[test]
+fn the_slowest_link_is_between_nodes_once_the_ranks_span_two() {
+    let c = Cluster::default();
+    assert_eq!(c.slowest_link_bytes_per_s(1), c.intra_gb_per_s * 1e9);
+    assert_eq!(
+        c.slowest_link_bytes_per_s(c.gpus_per_node),
+        c.intra_gb_per_s * 1e9
+    );
+    assert_eq!(
+        c.slowest_link_bytes_per_s(c.gpus_per_node + 1),
+        c.inter_gb_per_s * 1e9
+    );
+}

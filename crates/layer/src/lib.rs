@@ -13,9 +13,11 @@
 //!
 //! 1. Router, softmax, top-k on each rank; routed counts `n[s][e]` are
 //!    all-gathered.
-//! 2. The controller (`quota`) fixes this call's replicas and backward
-//!    quotas `k[s][e]` from the counts ([`Retention`]); they hold for the
-//!    whole call and are stored in [`Saved`].
+//! 2. The controller (`quota`) fixes this call's replicas (by default only
+//!    those that repay their traffic at [`CallConfig::link_bytes_per_s`],
+//!    [`CallConfig::replica_rule`]) and backward quotas `k[s][e]` from the
+//!    counts ([`Retention`]); they hold for the whole call and are stored
+//!    in [`Saved`].
 //! 3. The replica plan is executed: each owner sends the weights of every
 //!    replicated expert to the replica's rank, which computes with that copy
 //!    (in this call's forward and backward) — a rank never reads its own

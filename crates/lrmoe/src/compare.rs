@@ -740,20 +740,25 @@ fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     t
 }
 
-/// Each input's row label: the folder its file is in, or that folder with
-/// its parent where two inputs share the folder's name (repeats kept as
-/// `<setting>/repeat/compare.json`).
+/// Each input's row label: the folder its file is in, or — where two
+/// inputs share a folder's name (repeats and variants kept as
+/// `<setting>/repeat/compare.json`) — every folder with its parent, so no
+/// row is named by its variant alone.
 fn labels(inputs: &[PathBuf]) -> Vec<String> {
     let part = |p: Option<&std::path::Path>| {
         p.and_then(|p| p.file_name())
             .map(|n| n.to_string_lossy().into_owned())
     };
     let short: Vec<Option<String>> = inputs.iter().map(|p| part(p.parent())).collect();
+    let shared = short
+        .iter()
+        .flatten()
+        .any(|n| short.iter().filter(|m| m.as_ref() == Some(n)).count() > 1);
     inputs
         .iter()
         .zip(&short)
         .map(|(path, name)| match name {
-            Some(n) if short.iter().filter(|m| m.as_ref() == Some(n)).count() == 1 => n.clone(),
+            Some(n) if !shared => n.clone(),
             Some(n) => match part(path.parent().and_then(|p| p.parent())) {
                 Some(up) => format!("{up}/{n}"),
                 None => n.clone(),
@@ -1089,7 +1094,23 @@ mod tests {
         ];
         assert_eq!(
             labels(&inputs),
-            ["sim-a", "sim-a/repeat", "sim-b/repeat", "compare.json"]
+            ["figs/sim-a", "sim-a/repeat", "sim-b/repeat", "compare.json"]
+        );
+        // Distinct folders: each alone.
+        let inputs = [
+            p("figs/sim-a/compare.json"),
+            p("figs/sim-b/fill/compare.json"),
+        ];
+        assert_eq!(labels(&inputs), ["sim-a", "fill"]);
+        // A variant's name shared anywhere names every row with its parent.
+        let inputs = [
+            p("figs/sim-a/fill/compare.json"),
+            p("figs/sim-b/fill/compare.json"),
+            p("figs/sim-b/paying-capped/compare.json"),
+        ];
+        assert_eq!(
+            labels(&inputs),
+            ["sim-a/fill", "sim-b/fill", "sim-b/paying-capped"]
         );
     }
 

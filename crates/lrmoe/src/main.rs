@@ -406,12 +406,20 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             "no routing source: give one of --eplb, --megatron, --lrmoe-metrics, --synthetic"
         );
     };
+    let cluster = lrmoe::cluster::Cluster {
+        gpus_per_node: a.gpus_per_node,
+        intra_gb_per_s: a.intra_gb_per_s,
+        inter_gb_per_s: a.inter_gb_per_s,
+        ..Default::default()
+    };
     let cfg = rp::ReplayConfig {
         hidden: a.hidden,
         ffn: a.ffn,
         element_bytes: a.element_bytes,
         memory_budget_bytes: (a.budget_mib * (1 << 20) as f64) as u64,
-        link_bytes_per_s: lrmoe::quota::H200_LINK_BYTES_PER_S,
+        // LRMoE's controller times replica traffic at the slowest link the
+        // ranks span, as the trainer does.
+        link_bytes_per_s: cluster.slowest_link_bytes_per_s(trace.ranks),
         flops_per_s: lrmoe::quota::H200_FLOPS_PER_S,
         replica_slots_per_rank: a.replica_slots,
         replica_memory_fraction: a.replica_memory_fraction,
@@ -424,12 +432,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
             ReplicaRuleArg::Fill => quota::ReplicaRule::Fill,
         },
         tile_trim: a.tile_trim,
-        cluster: lrmoe::cluster::Cluster {
-            gpus_per_node: a.gpus_per_node,
-            intra_gb_per_s: a.intra_gb_per_s,
-            inter_gb_per_s: a.inter_gb_per_s,
-            ..Default::default()
-        },
+        cluster,
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;

@@ -82,7 +82,9 @@
 //! [`ReplicaRule::Paying`] (the default) the controller keeps the prefix of
 //! the greedy's sequence whose modelled call time is smallest
 //! ([`modelled_call_seconds`]): with `m_r` the routed pairs rank `r` serves
-//! (each expert's split evenly over its instances) and `in_r`, `out_r` the
+//! (each expert's split over its instances as a min-max split would,
+//! approximated by water-filling the experts largest first) and `in_r`,
+//! `out_r` the
 //! replica bytes it receives and sends (a host receives `W` and sends `G`
 //! per replica it holds, an owner the reverse per replica of its experts),
 //!
@@ -1217,11 +1219,12 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
 /// The placement `given` plus the prefix of `added` with the smallest
 /// [`modelled_call_seconds`] (the first smallest: fewer replicas on a tie).
 fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]) -> Placement {
+    let routed = inputs.routed_per_expert();
     let mut p = given.clone();
-    let mut best = (modelled_call_seconds(inputs, &p), 0);
+    let mut best = (call_seconds(inputs, &p, &routed), 0);
     for (k, &(e, r)) in added.iter().enumerate() {
         p.replicas[e].push(r);
-        let t = modelled_call_seconds(inputs, &p);
+        let t = call_seconds(inputs, &p, &routed);
         if t < best.0 {
             best = (t, k + 1);
         }
@@ -1235,37 +1238,79 @@ fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]
 
 /// The modelled time of one layer call's expert work under `placement`,
 /// seconds (the crate doc's `T`, which [`ReplicaRule::Paying`] minimises):
-/// the slowest rank's compute for the routed pairs it serves (each
-/// expert's split evenly over its instances, forward and backward) plus
-/// its replica traffic (weights out to the replicas before the forward,
-/// gradients back after the backward, the larger direction). `inputs`'
-/// placement is ignored; its counts and cost model are used as given
-/// (call [`plan_replicas`] or [`plan`] for checked inputs).
+/// the slowest rank's compute for the routed pairs it serves plus its
+/// replica traffic (weights out to the replicas before the forward,
+/// gradients back after the backward, the larger direction). The pairs
+/// are split over each expert's instances as the executors' min-max split
+/// would, approximately: the experts with the fewest instances first (one
+/// instance: no choice), then the largest, each pour theirs into their
+/// instances' least-loaded ranks up to a common level (water-filling).
+/// `inputs`'
+/// placement is ignored; its counts and cost model are used as given (call
+/// [`plan_replicas`] or [`plan`] for checked inputs).
 pub fn modelled_call_seconds(inputs: &Inputs<'_>, placement: &Placement) -> f64 {
+    let routed = inputs.routed_per_expert();
+    call_seconds(inputs, placement, &routed)
+}
+
+/// The order the modelled split fills experts in: fewest instances first
+/// (an expert on one rank has no choice), then most routed pairs, then
+/// smaller id.
+fn fill_order(routed: &[u64], placement: &Placement) -> Vec<usize> {
+    let n_inst = |e: usize| placement.replicas.get(e).map_or(0, Vec::len);
+    let mut order: Vec<usize> = (0..routed.len()).collect();
+    order.sort_by_key(|&e| (n_inst(e), std::cmp::Reverse(routed[e]), e));
+    order
+}
+
+/// [`modelled_call_seconds`] with the routed pairs per expert computed
+/// once.
+fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f64 {
+    let order = fill_order(routed, placement);
     let cost = inputs.cost;
     let n_ranks = inputs.n_ranks();
-    let routed = inputs.routed_per_expert();
     let per_pair = (cost.flops_per_pair + cost.forward_flops_per_pair) / cost.flops_per_s;
     let (w, g) = (
         cost.expert_weight_bytes as f64,
         cost.expert_grad_bytes as f64,
     );
-    let mut compute = vec![0.0f64; n_ranks];
+    let mut pairs = vec![0.0f64; n_ranks];
     let (mut bytes_in, mut bytes_out) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
-    for (e, &owner) in placement.owner.iter().enumerate() {
+    let mut levels: Vec<(f64, usize)> = Vec::new();
+    for &e in &order {
+        let owner = placement.owner[e];
         let reps: &[usize] = placement.replicas.get(e).map_or(&[], Vec::as_slice);
-        let share = routed[e] as f64 / (1 + reps.len()) as f64 * per_pair;
-        compute[owner] += share;
+        levels.clear();
+        levels.extend(
+            std::iter::once(owner)
+                .chain(reps.iter().copied())
+                .map(|r| (pairs[r], r)),
+        );
+        levels.sort_by(|a, b| a.0.total_cmp(&b.0));
+        // The level L with Σ max(0, L − load) = n over the instances.
+        let n = routed[e] as f64;
+        let (mut sum, mut level) = (0.0, 0.0);
+        for (j, &(load, _)) in levels.iter().enumerate() {
+            if j > 0 && load * j as f64 - sum > n {
+                break;
+            }
+            sum += load;
+            level = (n + sum) / (j + 1) as f64;
+        }
+        for &(load, r) in &levels {
+            if load < level {
+                pairs[r] = level;
+            }
+        }
         bytes_out[owner] += reps.len() as f64 * w;
         bytes_in[owner] += reps.len() as f64 * g;
         for &r in reps {
-            compute[r] += share;
             bytes_in[r] += w;
             bytes_out[r] += g;
         }
     }
     (0..n_ranks)
-        .map(|r| compute[r] + bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s)
+        .map(|r| pairs[r] * per_pair + bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s)
         .fold(0.0, f64::max)
 }
 

@@ -71,13 +71,7 @@ pub(super) fn call_config(
 /// model's slowest link the ranks span (between nodes once `moe.ranks`
 /// exceeds a node), bytes/s.
 pub(super) fn replica_link_bytes_per_s(cfg: &TrainConfig) -> f64 {
-    let c = &cfg.cluster;
-    let gb = if cfg.moe.ranks > c.gpus_per_node {
-        c.inter_gb_per_s
-    } else {
-        c.intra_gb_per_s
-    };
-    gb * 1e9
+    cfg.cluster.slowest_link_bytes_per_s(cfg.moe.ranks)
 }
 
 /// The average routed pairs per rank of one layer call.
