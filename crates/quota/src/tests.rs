@@ -686,6 +686,21 @@ proptest! {
     }
 }
 
+/// `cfg`'s plan with the paying rule and with every slot filled.
+fn paying_and_filled(c: &Case, cost: &CostModel, cfg: Config) -> (Plan, Plan) {
+    let with = |replica_rule| {
+        plan(
+            &inputs(c, cost),
+            &Config {
+                replica_rule,
+                ..cfg
+            },
+        )
+        .unwrap()
+    };
+    (with(ReplicaRule::Paying), with(ReplicaRule::Fill))
+}
+
 #[test]
 fn a_replica_pays_once_it_moves_more_pairs_than_its_weights_cost() {
     // SwiGLU in bf16 on an H200: moving m pairs saves m·22·h·f / F s, the
@@ -711,20 +726,12 @@ fn a_replica_pays_once_it_moves_more_pairs_than_its_weights_cost() {
                 replica_slots_per_rank: 1,
                 ..Config::default()
             };
-            let p = plan(&inputs(&c, &cost), &cfg).unwrap();
+            let (p, fill) = paying_and_filled(&c, &cost, cfg);
             assert_eq!(
                 p.replicas_added.len(),
                 usize::from(pays),
                 "{hidden}×{ffn}, {hot} pairs"
             );
-            let fill = plan(
-                &inputs(&c, &cost),
-                &Config {
-                    replica_rule: ReplicaRule::Fill,
-                    ..cfg
-                },
-            )
-            .unwrap();
             assert_eq!(fill.replicas_added, vec![(0, 1)]);
         }
     }
@@ -751,15 +758,7 @@ fn an_empty_slot_leaves_its_memory_to_the_buffers() {
         replica_memory_fraction: 1.0,
         ..Config::default()
     };
-    let paying = plan(&inputs(&c, &cost), &cfg).unwrap();
-    let fill = plan(
-        &inputs(&c, &cost),
-        &Config {
-            replica_rule: ReplicaRule::Fill,
-            ..cfg
-        },
-    )
-    .unwrap();
+    let (paying, fill) = paying_and_filled(&c, &cost, cfg);
     assert!(paying.replicas_added.is_empty());
     assert_eq!(fill.replicas_added.len(), 2);
     let per_row = cost.instance_bytes() / cost.row_bytes();
