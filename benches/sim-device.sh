@@ -184,9 +184,15 @@ for mode in sorted(os.listdir(d)):
     probes = [s["host_probe_s"] for s in sims if s.get("host_probe_s")]
     if probes:
         out[mode]["host_probe_s"] = med(probes)
+    # Replicas placed per layer call (the controller's, on every rank).
+    reps = [l.get("replicas", 0) for r in rows[5:] for l in r.get("layers", [])]
+    if reps:
+        out[mode]["replicas_per_call"] = sum(reps) / len(reps)
     top = sorted(out[mode]["phases"].items(), key=lambda kv: -kv[1])[:10]
     host = out[mode]["host_phases"]
     probe = f", host probe {out[mode]['host_probe_s'] * 1e3:.3f} ms" if probes else ""
+    if reps:
+        probe += f", {out[mode]['replicas_per_call']:.2f} replicas a layer call"
     print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms{probe}; "
           + "; ".join(f"{k} {v * 1e3:.2f} (host {host.get(k, 0.0) * 1e3:.2f})" for k, v in top))
 json.dump(out, open(os.path.join(d, "phases.json"), "w"), indent=1)
