@@ -810,11 +810,14 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
         let modes: Vec<String> = (standings.iter())
             .map(|(r, x)| {
                 let short = if x.reached { "" } else { "> " };
-                let kept = if r.mean_kept_fraction < 1.0 {
+                let mut kept = if r.mean_kept_fraction < 1.0 {
                     format!("; kept {:.2}", r.mean_kept_fraction)
                 } else {
                     String::new()
                 };
+                if r.mean_replicas_per_call > 0.0 {
+                    let _ = write!(kept, "; {:.2} replicas a call", r.mean_replicas_per_call);
+                }
                 format!(
                     "{} {short}{:.2} / {short}{:.2} ({short}{:.0}{kept})",
                     r.mode, x.time, x.step_time, x.steps
@@ -969,6 +972,7 @@ mod tests {
             max_rank_peak_bytes: 0,
             max_held_bytes: 0,
             host_probe_ms: None,
+            mean_replicas_per_call: 0.0,
             stop_reason: if reached_target.is_some() {
                 StopReason::Target
             } else {
@@ -1132,6 +1136,7 @@ mod tests {
         (full.max_rank_peak_bytes, full.max_held_bytes) = (200, 400);
         (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
         lrmoe.mean_kept_fraction = 0.6;
+        lrmoe.mean_replicas_per_call = 1.25;
         let a = write("a", &comparison(vec![full.clone(), lrmoe]));
         let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
         let b = write("b", &comparison(vec![short, full]));
@@ -1141,7 +1146,7 @@ mod tests {
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
         assert_eq!(
             rows[2],
-            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
+            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60; 1.25 replicas a call) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
         );
         // SYMI-like stopped short at step 20 (80 s); nothing changes the
         // backward and there is no LRMoE run.

@@ -144,6 +144,11 @@ pub struct TrainSummary {
     /// it was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host_probe_ms: Option<f64>,
+    /// Replicas the controller placed per MoE-layer call, on average
+    /// (`layers[].replicas` in `metrics.jsonl`); 0 in summaries written
+    /// before it was recorded.
+    #[serde(default)]
+    pub mean_replicas_per_call: f64,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }

@@ -1037,6 +1037,7 @@ pub(super) fn finish<X: Transport>(
         max_rank_peak_bytes: s.logged.max_rank_peak,
         max_held_bytes: s.logged.max_held,
         host_probe_ms: s.logged.mean_probe_ms(),
+        mean_replicas_per_call: s.logged.mean_replicas(),
         stop_reason: reason,
     }))
 }

@@ -47,13 +47,26 @@ pub(super) struct Logged {
     /// steps that ran it (`simulated.host_probe_s`), and how many.
     pub(super) probe_sum: f64,
     pub(super) probe_n: usize,
+    /// Replicas placed, summed over the layer calls (`kept_n` of them).
+    pub(super) replicas_sum: u64,
 }
 
 impl Logged {
-    pub(super) fn add(&mut self, kept_fraction: f64, buffer_bytes: u64) {
+    pub(super) fn add(&mut self, kept_fraction: f64, buffer_bytes: u64, replicas: u64) {
         self.kept_sum += kept_fraction;
         self.kept_n += 1;
         self.max_buffer = self.max_buffer.max(buffer_bytes);
+        self.replicas_sum = self.replicas_sum.saturating_add(replicas);
+    }
+
+    /// Replicas the controller placed per layer call, on average (0 where
+    /// no layer call was logged).
+    pub(super) fn mean_replicas(&self) -> f64 {
+        if self.kept_n > 0 {
+            self.replicas_sum as f64 / self.kept_n as f64
+        } else {
+            0.0
+        }
     }
 
     /// The host probe's mean over the steps, milliseconds (`None` where no
@@ -89,7 +102,7 @@ impl Logged {
             self.add_probe(sim.host_probe_s);
         }
         for l in &m.layers {
-            self.add(l.kept_fraction, l.buffer_bytes);
+            self.add(l.kept_fraction, l.buffer_bytes, l.replicas as u64);
         }
     }
 
@@ -111,7 +124,8 @@ impl Logged {
         self.add_probe(line["simulated"]["host_probe_s"].as_f64());
         for l in line["layers"].as_array().into_iter().flatten() {
             if let Some(k) = l["kept_fraction"].as_f64() {
-                self.add(k, l["buffer_bytes"].as_u64().unwrap_or(0));
+                let buffer = l["buffer_bytes"].as_u64().unwrap_or(0);
+                self.add(k, buffer, l["replicas"].as_u64().unwrap_or(0));
             }
         }
     }
@@ -122,11 +136,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_host_probe_is_averaged_over_the_lines_that_have_one() {
+    fn the_host_probe_kept_share_and_replicas_are_read_back_from_lines() {
         let mut l = Logged::default();
         assert_eq!(l.mean_probe_ms(), None);
         for line in [
-            serde_json::json!({"simulated": {"host_probe_s": 0.0005, "held_bytes": [7]}}),
+            serde_json::json!({"simulated": {"host_probe_s": 0.0005, "held_bytes": [7]},
+                "layers": [{"kept_fraction": 0.5, "replicas": 3}, {"kept_fraction": 0.7, "replicas": 0}]}),
             serde_json::json!({"simulated": {"host_probe_s": 0.0007}}),
             serde_json::json!({"simulated": {"held_bytes": [3]}}),
             serde_json::json!({"loss": 1.0}),
@@ -136,5 +151,7 @@ mod tests {
         let mean = l.mean_probe_ms().expect("two probes");
         assert!((mean - 0.6).abs() < 1e-12, "{mean}");
         assert_eq!(l.max_held, 7);
+        assert!((l.mean_kept() - 0.6).abs() < 1e-12);
+        assert_eq!(l.mean_replicas(), 1.5);
     }
 }
