@@ -30,8 +30,8 @@ fn solvers(c: &mut Criterion) {
 /// the forward (quotas, replicas, the forward's split) and the backward's
 /// redistribution of the kept pairs, with every slot's replica placed
 /// (`fill`) and, at 16 ranks, with the default rule (`-paying`: at this
-/// even routing no replica pays, so none is placed). On the in-process ranks of issue 30
-/// this host time is time the GPU waits for.
+/// even routing no replica pays, so none is placed). On the in-process
+/// ranks of issue 30 this host time is time the GPU waits for.
 fn layer_call_plan(c: &mut Criterion) {
     use lrmoe::train::{layer_call_config, Executor, MoeSection};
     let cfg = layer::MoeConfig {

@@ -385,9 +385,6 @@ fn plan_call_bytes(
     })
 }
 
-/// The ranks' budgets and the quota policy of a call: the configured ones
-/// for [`Retention::Budgeted`] (one budget per rank), else unlimited and
-/// uniform.
 /// `budgets` less the instances of the replica slots `with` leaves empty
 /// on each rank ([`CallConfig::slots_reserved`]): a rank hosting `h`
 /// replicas beyond those `given` already had keeps
@@ -418,6 +415,9 @@ fn without_empty_slots(
         .collect()
 }
 
+/// The ranks' budgets and the quota policy of a call: the configured ones
+/// for [`Retention::Budgeted`] (one budget per rank), else unlimited and
+/// uniform.
 fn call_budgets(bwd: &CallConfig, n_ranks: usize) -> Result<(Vec<RankBudget>, Policy), LayerError> {
     match &bwd.retention {
         Retention::Budgeted { budgets, policy } => {

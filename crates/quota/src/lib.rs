@@ -83,10 +83,10 @@
 //! the greedy's sequence whose modelled call time is smallest
 //! ([`modelled_call_seconds`]): with `m_r` the routed pairs rank `r` serves
 //! (each expert's split over its instances as a min-max split would,
-//! approximated by water-filling the experts largest first) and `in_r`,
-//! `out_r` the
-//! replica bytes it receives and sends (a host receives `W` and sends `G`
-//! per replica it holds, an owner the reverse per replica of its experts),
+//! approximated by water-filling: the experts with the fewest instances
+//! first, then the largest) and `in_r`, `out_r` the replica bytes it
+//! receives and sends (a host receives `W` and sends `G` per replica it
+//! holds, an owner the reverse per replica of its experts),
 //!
 //! ```text
 //! t_r = m_r·(flops_per_pair + forward_flops_per_pair) / flops_per_s
@@ -369,7 +369,8 @@ pub enum ReplicaRule {
     /// The greedy's replicas up to the first that no longer pays: the
     /// prefix of its sequence with the smallest modelled call time
     /// ([`modelled_call_seconds`]; ties: fewer replicas). A slot left empty
-    /// leaves its memory to the token buffer.
+    /// leaves its memory to the token buffer unless the caller's budgets
+    /// keep it out (the trainer's do: `layer::CallConfig::slots_reserved`).
     #[default]
     Paying,
     /// Every replica the slots and memory allow (EPLB's greedy as is).
@@ -1245,9 +1246,8 @@ fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]
 /// would, approximately: the experts with the fewest instances first (one
 /// instance: no choice), then the largest, each pour theirs into their
 /// instances' least-loaded ranks up to a common level (water-filling).
-/// `inputs`'
-/// placement is ignored; its counts and cost model are used as given (call
-/// [`plan_replicas`] or [`plan`] for checked inputs).
+/// `inputs`' placement is ignored; its counts and cost model are used as
+/// given (call [`plan_replicas`] or [`plan`] for checked inputs).
 pub fn modelled_call_seconds(inputs: &Inputs<'_>, placement: &Placement) -> f64 {
     let routed = inputs.routed_per_expert();
     call_seconds(inputs, placement, &routed)

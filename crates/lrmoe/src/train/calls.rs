@@ -62,16 +62,11 @@ pub(super) fn call_config(
     let shape = (mcfg.d_model, mcfg.ffn);
     let pairs = pairs_per_rank(cfg, mcfg);
     CallConfig {
-        link_bytes_per_s: replica_link_bytes_per_s(cfg),
+        // Replica traffic is timed at the slowest `[cluster]` link the
+        // ranks span (between nodes once `moe.ranks` exceeds a node).
+        link_bytes_per_s: cfg.cluster.slowest_link_bytes_per_s(cfg.moe.ranks),
         ..layer_call_config(&cfg.moe, shape, pairs, placement, device_rows, cfg.seed)
     }
-}
-
-/// The link rate the controller times replica traffic with: the `[cluster]`
-/// model's slowest link the ranks span (between nodes once `moe.ranks`
-/// exceeds a node), bytes/s.
-pub(super) fn replica_link_bytes_per_s(cfg: &TrainConfig) -> f64 {
-    cfg.cluster.slowest_link_bytes_per_s(cfg.moe.ranks)
 }
 
 /// The average routed pairs per rank of one layer call.

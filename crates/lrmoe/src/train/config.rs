@@ -202,8 +202,9 @@ pub struct MoeSection {
     pub replica_slots_per_rank: usize,
     /// Which replicas lrmoe mode places: `"paying"` (those whose weight and
     /// gradient traffic the controller's cost model says they repay; an
-    /// empty slot's memory goes to the token buffer) or `"fill"` (every one
-    /// the slots allow). The replicate mode always fills.
+    /// empty slot's memory stays unused, so the token buffer keeps
+    /// `buffer_fraction`) or `"fill"` (every one the slots allow). The
+    /// replicate mode always fills.
     pub replica_rule: quota::ReplicaRule,
     /// Per-rank backward buffer budget as a share of the average routed
     /// pairs per rank (lrmoe mode).
