@@ -28,6 +28,10 @@
 //!   per micro-batch ([`Cluster::layer_call_s`]: an executor's fixed cost a
 //!   call, such as host round trips, that the ranks' timed kernels do not
 //!   see; 0 by default).
+//! * **The slowest link N ranks span**
+//!   ([`Cluster::slowest_link_bytes_per_s`]): inter-node once they exceed
+//!   a node, else intra-node — what the controller times a replica's
+//!   traffic with before it knows where the replica goes.
 //! * **Phases** are bulk-synchronous ([`bulk_synchronous`]): a phase ends
 //!   when its slowest rank does; overlapped work takes the longer of the two
 //!   ([`overlapped`]) — exactly what the executor overlaps, nothing more.
