@@ -80,7 +80,7 @@ pub struct StageTimes {
 }
 
 /// Figures of one backward on one rank.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub struct BackwardStats {
     /// Routed pairs of this rank.
     pub routed_pairs: usize,

@@ -295,9 +295,9 @@ fn table(c: &Comparison) -> String {
     };
     let _ = writeln!(
         t,
-        "| mode | reached | time to target (s) | MoE-layer time to target (s) |{sim_head} steps | final val loss | mean kept fraction | max backward buffer (KiB) | max expert instances per rank (MiB) | max instances + buffer on one rank (MiB) |"
+        "| mode | reached | time to target (s) | MoE-layer time to target (s) |{sim_head} steps | final val loss | mean kept fraction | max backward buffer (KiB) | max expert instances per rank (MiB) | max instances + buffer on one rank (MiB) | the same, each step one micro-batch (MiB) |"
     );
-    let _ = writeln!(t, "|---|---|---|---|{sim_rule}---|---|---|---|---|---|");
+    let _ = writeln!(t, "|---|---|---|---|{sim_rule}---|---|---|---|---|---|---|");
     let opt = |v: Option<f64>, above: bool| {
         v.map_or("-".to_string(), |x| {
             if above {
@@ -333,13 +333,18 @@ fn table(c: &Comparison) -> String {
         };
         let _ = writeln!(
             t,
-            "| {} | {reached} | {wall} | {moe} |{sim} {steps} | {:.4} | {:.3} | {:.1} | {:.2} | {:.2} |",
+            "| {} | {reached} | {wall} | {moe} |{sim} {steps} | {:.4} | {:.3} | {:.1} | {:.2} | {:.2} | {} |",
             r.mode,
             r.final_val_loss,
             r.mean_kept_fraction,
             r.max_buffer_bytes as f64 / 1024.0,
             r.max_expert_bytes as f64 / (1 << 20) as f64,
-            r.max_rank_peak_bytes as f64 / (1 << 20) as f64
+            r.max_rank_peak_bytes as f64 / (1 << 20) as f64,
+            if r.max_unsplit_peak_bytes == 0 {
+                "—".to_string()
+            } else {
+                format!("{:.2}", r.max_unsplit_peak_bytes as f64 / (1 << 20) as f64)
+            }
         );
     }
     t.push_str(&probe_note(runs));
@@ -776,7 +781,8 @@ fn labels(inputs: &[PathBuf]) -> Vec<String> {
 /// against it on the evaluation grid and between evaluations, and LRMoE's
 /// memory against fixed ownership's (accounted: expert instances and
 /// backward buffers on the busiest rank; measured: the most one rank
-/// held). With `bounds`, a closing line counts the comparisons where
+/// held; and accounted against what fixed ownership's steps need were
+/// each one micro-batch). With `bounds`, a closing line counts the comparisons where
 /// LRMoE meets them ([`Bounds`]). Each input is read as `lrmoe redraw`
 /// reads it; a bad one is an error naming it and nothing is printed.
 pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, TrainError> {
@@ -795,7 +801,7 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
     }
     let mut verdicts = Vec::new();
     let mut t = String::from(
-        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured |\n|---|---|---|---|---|---|---|\n",
+        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step one micro-batch |\n|---|---|---|---|---|---|---|\n",
     );
     for (path, name) in inputs.iter().zip(labels(inputs)) {
         let c = read_comparison(path)?;
@@ -857,8 +863,11 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
     Ok(t)
 }
 
-/// LRMoE's accounted and measured memory against fixed ownership's, as
-/// changes ("−35.2% / −30.7%"); "—" for a figure either run lacks.
+/// LRMoE's accounted and measured memory against fixed ownership's, and
+/// its accounted memory against what fixed ownership's steps need unsplit
+/// (`max_unsplit_peak_bytes`: its buffers were each step one micro-batch),
+/// as changes ("−35.2% / −30.7% / −61.0%"); "—" for a figure either run
+/// lacks.
 fn memory_against_fixed(runs: &[TrainSummary]) -> String {
     let find = |m: Mode| runs.iter().find(|r| r.mode == m);
     let (Some(l), Some(f)) = (find(Mode::Lrmoe), find(Mode::Full)) else {
@@ -872,9 +881,10 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
         }
     };
     format!(
-        "{} / {}",
+        "{} / {} / {}",
         change(l.max_rank_peak_bytes, f.max_rank_peak_bytes),
-        change(l.max_held_bytes, f.max_held_bytes)
+        change(l.max_held_bytes, f.max_held_bytes),
+        change(l.max_rank_peak_bytes, f.max_unsplit_peak_bytes)
     )
 }
 
@@ -970,6 +980,7 @@ mod tests {
             max_buffer_bytes: 0,
             max_expert_bytes: 0,
             max_rank_peak_bytes: 0,
+            max_unsplit_peak_bytes: 0,
             max_held_bytes: 0,
             host_probe_ms: None,
             mean_replicas_per_call: 0.0,
@@ -1134,6 +1145,7 @@ mod tests {
             2.4,
         );
         (full.max_rank_peak_bytes, full.max_held_bytes) = (200, 400);
+        full.max_unsplit_peak_bytes = 400;
         (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
         lrmoe.mean_kept_fraction = 0.6;
         lrmoe.mean_replicas_per_call = 1.25;
@@ -1146,7 +1158,7 @@ mod tests {
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
         assert_eq!(
             rows[2],
-            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60; 1.25 replicas a call) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% |"
+            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60; 1.25 replicas a call) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% / −75.0% |"
         );
         // SYMI-like stopped short at step 20 (80 s); nothing changes the
         // backward and there is no LRMoE run.

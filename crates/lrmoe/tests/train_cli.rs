@@ -294,6 +294,52 @@ fn replication_only_and_a_hot_expert_workload_train() {
     one_line_error(&err, "hot_experts");
 }
 
+/// Fixed ownership fit to the budget splits its steps; each line states
+/// what the step would hold unsplit (the micro-batches' buffers summed),
+/// which is more than it held split and equal where it ran whole, and the
+/// comparison's summary carries the run's largest.
+#[test]
+fn a_split_step_states_what_it_needs_unsplit() {
+    let dir = tmp("unsplit");
+    // A target out of reach: all 4 steps run.
+    let cfg = tiny_config(&dir, "target_val_loss = 0.5");
+    let text = std::fs::read_to_string(&cfg)
+        .unwrap()
+        .replace("ranks = 2\n", "ranks = 2\nfit_budget = true\n");
+    std::fs::write(&cfg, text).unwrap();
+    let out = dir.join("cmp");
+    let (ok, _, err) = compare(&cfg, &out, "full,lrmoe", &["--steps", "4"]);
+    assert!(ok, "{err}");
+    let metrics = std::fs::read_to_string(out.join("full").join("metrics.jsonl")).unwrap();
+    let mut split = 0;
+    for line in metrics.lines() {
+        let m: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (peak, unsplit) = (
+            m["rank_peak_bytes"].as_u64().unwrap(),
+            m["unsplit_peak_bytes"].as_u64().unwrap(),
+        );
+        if m["micro_batches"].as_u64().unwrap() > 1 {
+            // Every buffer holds rows, and each micro-batch routes some.
+            assert!(unsplit > peak, "{m}");
+            split += 1;
+        } else {
+            assert_eq!(unsplit, peak, "{m}");
+        }
+    }
+    assert!(split > 0, "no step was split: {metrics}");
+    let c: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
+    let runs = c["runs"].as_array().unwrap();
+    let figure = |i: usize, k: &str| runs[i][k].as_u64().unwrap();
+    assert_eq!(runs[0]["mode"], "full", "{c}");
+    assert!(figure(0, "max_unsplit_peak_bytes") > figure(0, "max_rank_peak_bytes"));
+    // LRMoE never splits a step.
+    assert_eq!(
+        figure(1, "max_unsplit_peak_bytes"),
+        figure(1, "max_rank_peak_bytes")
+    );
+}
+
 #[test]
 fn launched_ranks_without_nccl_fail_fast_and_name_the_rank() {
     if lrmoe::kernels::comm::COMPILED {

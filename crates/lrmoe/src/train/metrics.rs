@@ -46,6 +46,11 @@ pub(super) struct StepMetrics {
     /// `expert_bytes`) and its largest backward buffer of the step
     /// together ([`rank_peak_bytes`]).
     pub(super) rank_peak_bytes: u64,
+    /// The same were the step one micro-batch: each rank's buffers summed
+    /// over its micro-batches per layer (`train::run::Tally::unsplit_buffer`),
+    /// what the step needs without gradient accumulation. Equal to
+    /// `rank_peak_bytes` for a step of one micro-batch.
+    pub(super) unsplit_peak_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) val_loss: Option<f64>,
     /// The device-resident model's step split, device milliseconds: dense

@@ -132,6 +132,13 @@ pub struct TrainSummary {
     /// `metrics.jsonl`); 0 in summaries written before it was recorded.
     #[serde(default)]
     pub max_rank_peak_bytes: u64,
+    /// The same were every step one micro-batch (`unsplit_peak_bytes` in
+    /// `metrics.jsonl`): what the run's steps need without gradient
+    /// accumulation, modelled by summing each rank's micro-batches' buffer
+    /// peaks per layer. Equal to `max_rank_peak_bytes` in a run that never
+    /// split a step; 0 in summaries written before it was recorded.
+    #[serde(default)]
+    pub max_unsplit_peak_bytes: u64,
     /// Timed in-process ranks on a GPU: the most device memory one rank
     /// held at once, measured from the pool (`simulated.held_bytes` in
     /// `metrics.jsonl`: all of that rank's buffers, the dense model's and

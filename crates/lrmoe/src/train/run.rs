@@ -319,6 +319,9 @@ pub(super) struct StepGrads {
     /// Routed pairs per expert and layer over every rank, summed over the
     /// micro-batches.
     pub(super) expert_load: Vec<Vec<u64>>,
+    /// This rank's backward buffer were the step one micro-batch
+    /// ([`Tally::unsplit_buffer`]).
+    pub(super) unsplit_buffer: u64,
 }
 
 /// The device model of one rank (`comm`), from the run's first state.
@@ -364,14 +367,17 @@ pub(super) struct StepOut {
     pub(super) kept_routed: Vec<u64>,
     pub(super) busiest: u64,
     pub(super) expert_load: Vec<Vec<u64>>,
+    /// This rank's backward buffer were the step one micro-batch
+    /// ([`Tally::unsplit_buffer`]).
+    pub(super) unsplit_buffer: u64,
     pub(super) device_ms: Option<[f64; 5]>,
     pub(super) device_mem_bytes: Option<u64>,
 }
 
 /// Kept and routed pairs per layer, the most pairs rank `me` processed in
-/// one layer call, and the routed pairs per expert and layer, summed over
-/// a step's micro-batches.
-pub(super) struct Tally(Vec<u64>, u64, Vec<Vec<u64>>);
+/// one layer call, the routed pairs per expert and layer, and rank `me`'s
+/// backward buffer per layer, summed over a step's micro-batches.
+pub(super) struct Tally(Vec<u64>, u64, Vec<Vec<u64>>, Vec<u64>);
 
 impl Tally {
     pub(super) fn new(mcfg: &ModelConfig) -> Self {
@@ -379,7 +385,16 @@ impl Tally {
             vec![0; 2 * mcfg.n_layers],
             0,
             vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
+            vec![0; mcfg.n_layers],
         )
+    }
+
+    /// The backward buffer rank `me` would hold were the step's tokens one
+    /// micro-batch: per layer, its micro-batches' buffer peaks summed (the
+    /// buffers hold rows, so they scale with the rows a call receives),
+    /// the largest layer's. A step of one micro-batch gives its own peak.
+    pub(super) fn unsplit_buffer(&self) -> u64 {
+        self.3.iter().copied().max().unwrap_or(0)
     }
 
     /// Adds one micro-batch's per-layer backward figures.
@@ -397,6 +412,9 @@ impl Tally {
             }
             self.0[2 * li] += st.kept_pairs as u64;
             self.0[2 * li + 1] += st.routed_pairs as u64;
+            if let Some(b) = self.3.get_mut(li) {
+                *b += st.buffer_bytes;
+            }
             let mine = if st.pairs_per_rank.len() == ranks {
                 st.pairs_per_rank[me]
             } else {
@@ -490,6 +508,7 @@ pub(super) fn step_grads<X: Transport>(
         moe_seconds,
         plans,
         grads,
+        unsplit_buffer: tally.unsplit_buffer(),
         kept_routed: tally.0,
         busiest: tally.1,
         expert_load: tally.2,
@@ -556,9 +575,9 @@ pub(super) fn rank_loop<X: Transport>(
         let simulated = simulated_step(comm, &cfg.cluster, s.step, layer_calls)?;
         account(cfg, &mut s, &out, agreed.step_s, simulated.as_ref());
         let step_micro = micro;
-        let (layers, next, buffers) = gather_layers(comm, lp, &out, micro)?;
+        let g = gather_layers(comm, lp, &out, micro)?;
         let instances = expert_bytes_per_rank(lp, &out.plans, device_model.is_some());
-        micro = next;
+        micro = g.next_micro;
         let val_loss = evaluate_due(comm, lp, &mut s, agreed.loss, device_model)?;
         if val_loss.is_some() {
             reached = reached_now(cfg, &s).or(reached);
@@ -574,12 +593,13 @@ pub(super) fn rank_loop<X: Transport>(
             aux_loss: (cfg.moe.aux_loss_coeff != 0.0).then_some(out.aux_loss),
             micro_batches: step_micro,
             expert_bytes: instances.iter().copied().max().unwrap_or(0),
-            rank_peak_bytes: rank_peak_bytes(&instances, &buffers),
+            rank_peak_bytes: rank_peak_bytes(&instances, &g.buffers),
+            unsplit_peak_bytes: rank_peak_bytes(&instances, &g.unsplit_buffers),
             val_loss,
             device_ms: out.device_ms,
             device_mem_bytes: out.device_mem_bytes,
             simulated,
-            layers,
+            layers: g.layers,
         };
         log_and_checkpoint(comm, lp, &mut s, &m, device_model)?;
         reason = crate::stop::decide(
@@ -777,7 +797,8 @@ pub(super) fn train_step<X: Transport>(
         for m in &st.stats {
             t.add(mcfg, m, me, ranks);
         }
-        let Tally(kept_routed, busiest, expert_load) = t;
+        let unsplit_buffer = t.unsplit_buffer();
+        let Tally(kept_routed, busiest, expert_load, _) = t;
         return Ok(StepOut {
             loss: st.loss,
             aux_loss: st.aux_loss,
@@ -788,6 +809,7 @@ pub(super) fn train_step<X: Transport>(
             kept_routed,
             busiest,
             expert_load,
+            unsplit_buffer,
             device_ms: Some(st.split_ms),
             device_mem_bytes: Some(st.device_bytes),
         });
@@ -816,6 +838,7 @@ pub(super) fn train_step<X: Transport>(
         kept_routed: sg.kept_routed,
         busiest: sg.busiest,
         expert_load: sg.expert_load,
+        unsplit_buffer: sg.unsplit_buffer,
         device_ms: None,
         device_mem_bytes: None,
     })
@@ -838,16 +861,27 @@ pub(super) fn agree<X: Transport>(
     })
 }
 
-/// The step's per-layer metrics (kept fractions over all ranks), the
-/// next step's micro-batches (with `moe.fit_budget`: the busiest rank's
-/// pairs of a whole step over the budget's rows) and each rank's largest
-/// backward buffer of the step, in rank order.
+/// What [`gather_layers`] agrees on after a step.
+pub(super) struct Gathered {
+    /// Per-layer metrics (kept fractions over all ranks).
+    pub(super) layers: Vec<LayerMetrics>,
+    /// The next step's micro-batches (with `moe.fit_budget`: the busiest
+    /// rank's pairs of a whole step over the budget's rows).
+    pub(super) next_micro: usize,
+    /// Each rank's largest backward buffer of the step, in rank order.
+    pub(super) buffers: Vec<u64>,
+    /// Each rank's backward buffer were the step one micro-batch
+    /// ([`Tally::unsplit_buffer`]), in rank order.
+    pub(super) unsplit_buffers: Vec<u64>,
+}
+
+/// The step's figures over every rank ([`Gathered`]), in one all-gather.
 pub(super) fn gather_layers<X: Transport>(
     comm: &X,
     lp: &Loop<'_>,
     out: &StepOut,
     micro: usize,
-) -> Result<(Vec<LayerMetrics>, usize, Vec<u64>), TrainError> {
+) -> Result<Gathered, TrainError> {
     let (cfg, n_layers) = (lp.cfg, lp.mcfg.n_layers);
     let mut kept = out.kept_routed.clone();
     kept.push(out.busiest);
@@ -858,8 +892,10 @@ pub(super) fn gather_layers<X: Transport>(
             .max()
             .unwrap_or(0),
     );
+    kept.push(out.unsplit_buffer);
     let totals = all_gather(comm, &kept)?;
     let buffers = totals.iter().map(|t| t[2 * n_layers + 1]).collect();
+    let unsplit_buffers = totals.iter().map(|t| t[2 * n_layers + 2]).collect();
     let next = if splits_steps(cfg) {
         let ranks = comm.world_size();
         let per_rank = cfg.data.batch_size / ranks;
@@ -882,7 +918,12 @@ pub(super) fn gather_layers<X: Transport>(
             layer_metrics(li, plan, st, k, n)
         })
         .collect();
-    Ok((layers, next, buffers))
+    Ok(Gathered {
+        layers,
+        next_micro: next,
+        buffers,
+        unsplit_buffers,
+    })
 }
 
 /// Whether step `step` evaluates: every `run.eval_every` steps, the last
@@ -1035,6 +1076,7 @@ pub(super) fn finish<X: Transport>(
         max_buffer_bytes: s.logged.max_buffer,
         max_expert_bytes: s.logged.max_experts,
         max_rank_peak_bytes: s.logged.max_rank_peak,
+        max_unsplit_peak_bytes: s.logged.max_unsplit_peak,
         max_held_bytes: s.logged.max_held,
         host_probe_ms: s.logged.mean_probe_ms(),
         mean_replicas_per_call: s.logged.mean_replicas(),

@@ -41,6 +41,8 @@ pub(super) struct Logged {
     pub(super) max_buffer: u64,
     pub(super) max_experts: u64,
     pub(super) max_rank_peak: u64,
+    /// The same were every step one micro-batch (`unsplit_peak_bytes`).
+    pub(super) max_unsplit_peak: u64,
     /// The most device memory one timed rank held at once (measured).
     pub(super) max_held: u64,
     /// Timed in-process ranks: the host probe's seconds summed over the
@@ -96,6 +98,7 @@ impl Logged {
     pub(super) fn add_step(&mut self, m: &StepMetrics) {
         self.max_experts = self.max_experts.max(m.expert_bytes);
         self.max_rank_peak = self.max_rank_peak.max(m.rank_peak_bytes);
+        self.max_unsplit_peak = self.max_unsplit_peak.max(m.unsplit_peak_bytes);
         if let Some(sim) = &m.simulated {
             let held = sim.held_bytes.iter().copied().max().unwrap_or(0);
             self.max_held = self.max_held.max(held);
@@ -112,6 +115,9 @@ impl Logged {
         self.max_experts = self.max_experts.max(experts);
         let peak = line["rank_peak_bytes"].as_u64().unwrap_or(0);
         self.max_rank_peak = self.max_rank_peak.max(peak);
+        // Lines written before it was recorded: the step as it ran.
+        let unsplit = line["unsplit_peak_bytes"].as_u64().unwrap_or(peak);
+        self.max_unsplit_peak = self.max_unsplit_peak.max(unsplit);
         let held = line["simulated"]["held_bytes"]
             .as_array()
             .into_iter()

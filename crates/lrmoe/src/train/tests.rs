@@ -18,6 +18,28 @@ fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
     assert_eq!(rank_peak_bytes(&[], &[]), 0);
 }
 
+#[test]
+fn a_step_s_unsplit_buffer_sums_its_micro_batches_per_layer() {
+    let mcfg = ModelConfig {
+        n_layers: 2,
+        n_experts: 4,
+        ..ModelConfig::small(11)
+    };
+    let stats = |b0: u64, b1: u64| {
+        [b0, b1].map(|buffer_bytes| layer::BackwardStats {
+            buffer_bytes,
+            ..Default::default()
+        })
+    };
+    let mut t = Tally::new(&mcfg);
+    assert_eq!(t.unsplit_buffer(), 0);
+    t.add(&mcfg, &stats(10, 30), 0, 1);
+    assert_eq!(t.unsplit_buffer(), 30, "one micro-batch: its own peak");
+    t.add(&mcfg, &stats(25, 2), 0, 1);
+    // Layer 0: 10 + 25, layer 1: 30 + 2; not the two largest (25 + 30).
+    assert_eq!(t.unsplit_buffer(), 35);
+}
+
 /// `moe.keep_projections` reaches every mode's call settings (the
 /// device executor reads it there); unset, it is on in `full` mode only.
 #[test]
