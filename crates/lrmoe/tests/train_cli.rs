@@ -327,6 +327,33 @@ fn a_split_step_states_what_it_needs_unsplit() {
         }
     }
     assert!(split > 0, "no step was split: {metrics}");
+    // The same first step run whole (same seed, same batch, same model):
+    // the host executor's buffers are not all rows, so the micro-batches'
+    // peaks summed bound the whole step's peak from above, and closely.
+    let first = |text: &str| -> serde_json::Value {
+        serde_json::from_str(text.lines().next().unwrap()).unwrap()
+    };
+    let modelled = first(&metrics)["unsplit_peak_bytes"].as_u64().unwrap();
+    let whole_dir = tmp("unsplit-whole");
+    let whole_cfg = tiny_config(&whole_dir, "");
+    let (ok, _, err) = lrmoe(&[
+        "train",
+        "--config",
+        whole_cfg.to_str().unwrap(),
+        "--mode",
+        "full",
+        "--steps",
+        "1",
+        "--no-progress",
+    ]);
+    assert!(ok, "{err}");
+    let whole = first(&std::fs::read_to_string(whole_dir.join("out/metrics.jsonl")).unwrap());
+    assert_eq!(whole["micro_batches"], 1, "{whole}");
+    let held = whole["rank_peak_bytes"].as_u64().unwrap();
+    assert!(
+        modelled >= held && (modelled as f64) <= 1.25 * held as f64,
+        "modelled {modelled}, held whole {held}"
+    );
     let c: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("compare.json")).unwrap()).unwrap();
     let runs = c["runs"].as_array().unwrap();
