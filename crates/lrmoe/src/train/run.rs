@@ -393,10 +393,11 @@ impl Tally {
     /// micro-batch: per layer, its micro-batches' buffer peaks summed, the
     /// largest layer's. A step of one micro-batch gives its own peak. Where
     /// `buffer_bytes` counts rows (in-process ranks on one GPU: the kept
-    /// `[x | g·δ]` rows) the sum is the step's rows exactly; the host
-    /// executor's metered peak also holds parts that do not grow with the
-    /// rows, so there the sum bounds the whole step's peak from above
-    /// (`tests/train_cli.rs` holds it within 1.25×).
+    /// `[x | g·δ]` rows) the sum is the step's rows exactly; where it is a
+    /// peak of live buffers (the host executor's meter, one rank per GPU's
+    /// pool) some of what it holds does not grow with the rows, so the sum
+    /// bounds the whole step's peak from above (`tests/train_cli.rs` holds
+    /// the host's within 1.25×).
     pub(super) fn unsplit_buffer(&self) -> u64 {
         self.3.iter().copied().max().unwrap_or(0)
     }
