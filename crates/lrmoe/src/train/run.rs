@@ -374,19 +374,27 @@ pub(super) struct StepOut {
     pub(super) device_mem_bytes: Option<u64>,
 }
 
-/// Kept and routed pairs per layer, the most pairs rank `me` processed in
-/// one layer call, the routed pairs per expert and layer, and rank `me`'s
-/// backward buffer per layer, summed over a step's micro-batches.
-pub(super) struct Tally(Vec<u64>, u64, Vec<Vec<u64>>, Vec<u64>);
+/// One rank's figures of a step, over its micro-batches.
+pub(super) struct Tally {
+    /// Kept and routed pairs per layer (`[kept₀, routed₀, kept₁, …]`),
+    /// summed.
+    pub(super) kept_routed: Vec<u64>,
+    /// The most pairs this rank processed in one layer call.
+    pub(super) busiest: u64,
+    /// Routed pairs per expert and layer over every rank, summed.
+    pub(super) expert_load: Vec<Vec<u64>>,
+    /// This rank's backward buffer per layer, summed.
+    buffers: Vec<u64>,
+}
 
 impl Tally {
     pub(super) fn new(mcfg: &ModelConfig) -> Self {
-        Self(
-            vec![0; 2 * mcfg.n_layers],
-            0,
-            vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
-            vec![0; mcfg.n_layers],
-        )
+        Self {
+            kept_routed: vec![0; 2 * mcfg.n_layers],
+            busiest: 0,
+            expert_load: vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
+            buffers: vec![0; mcfg.n_layers],
+        }
     }
 
     /// The backward buffer rank `me` would hold were the step's tokens one
@@ -399,7 +407,7 @@ impl Tally {
     /// bounds the whole step's peak from above (`tests/train_cli.rs` holds
     /// the host's within 1.25×).
     pub(super) fn unsplit_buffer(&self) -> u64 {
-        self.3.iter().copied().max().unwrap_or(0)
+        self.buffers.iter().copied().max().unwrap_or(0)
     }
 
     /// Adds one micro-batch's per-layer backward figures.
@@ -410,14 +418,14 @@ impl Tally {
         me: usize,
         ranks: usize,
     ) {
-        debug_assert_eq!(self.2.len(), mcfg.n_layers);
+        debug_assert_eq!(self.expert_load.len(), mcfg.n_layers);
         for (li, st) in stats.iter().enumerate() {
-            for (a, &b) in self.2[li].iter_mut().zip(&st.expert_load) {
+            for (a, &b) in self.expert_load[li].iter_mut().zip(&st.expert_load) {
                 *a += b;
             }
-            self.0[2 * li] += st.kept_pairs as u64;
-            self.0[2 * li + 1] += st.routed_pairs as u64;
-            if let Some(b) = self.3.get_mut(li) {
+            self.kept_routed[2 * li] += st.kept_pairs as u64;
+            self.kept_routed[2 * li + 1] += st.routed_pairs as u64;
+            if let Some(b) = self.buffers.get_mut(li) {
                 *b += st.buffer_bytes;
             }
             let mine = if st.pairs_per_rank.len() == ranks {
@@ -425,7 +433,7 @@ impl Tally {
             } else {
                 st.pairs_per_rank.first().copied().unwrap_or(0)
             };
-            self.1 = self.1.max(mine);
+            self.busiest = self.busiest.max(mine);
         }
     }
 }
@@ -514,9 +522,9 @@ pub(super) fn step_grads<X: Transport>(
         plans,
         grads,
         unsplit_buffer: tally.unsplit_buffer(),
-        kept_routed: tally.0,
-        busiest: tally.1,
-        expert_load: tally.2,
+        kept_routed: tally.kept_routed,
+        busiest: tally.busiest,
+        expert_load: tally.expert_load,
     })
 }
 
@@ -803,7 +811,12 @@ pub(super) fn train_step<X: Transport>(
             t.add(mcfg, m, me, ranks);
         }
         let unsplit_buffer = t.unsplit_buffer();
-        let Tally(kept_routed, busiest, expert_load, _) = t;
+        let Tally {
+            kept_routed,
+            busiest,
+            expert_load,
+            ..
+        } = t;
         return Ok(StepOut {
             loss: st.loss,
             aux_loss: st.aux_loss,
