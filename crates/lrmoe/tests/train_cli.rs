@@ -49,6 +49,17 @@ checkpoint_every = 2
     path
 }
 
+/// Rewrites the configuration at `cfg`, each `(from, to)` in turn (each
+/// `from` must be in it).
+fn edit_config(cfg: &Path, swaps: &[(&str, &str)]) {
+    let mut text = std::fs::read_to_string(cfg).unwrap();
+    for (from, to) in swaps {
+        assert!(text.contains(from), "{from:?} is not in {}", cfg.display());
+        text = text.replace(from, to);
+    }
+    std::fs::write(cfg, text).unwrap();
+}
+
 /// `lrmoe train --config CFG --compare --modes MODES STOP… --no-progress
 /// --out OUT`.
 fn compare(cfg: &Path, out: &Path, modes: &str, stop: &[&str]) -> (bool, String, String) {
@@ -232,11 +243,13 @@ fn bad_inputs_are_one_line_errors_and_keep_the_good_checkpoint() {
 fn replication_only_and_a_hot_expert_workload_train() {
     let dir = tmp("replicate");
     let cfg = tiny_config(&dir, "");
-    let text = std::fs::read_to_string(&cfg).unwrap().replace(
-        "ranks = 2\n",
-        "ranks = 2\nhot_experts = 1\nhot_bias = 2.0\n",
+    edit_config(
+        &cfg,
+        &[(
+            "ranks = 2\n",
+            "ranks = 2\nhot_experts = 1\nhot_bias = 2.0\n",
+        )],
     );
-    std::fs::write(&cfg, text).unwrap();
     let (ok, out, err) = lrmoe(&[
         "train",
         "--config",
@@ -285,10 +298,7 @@ fn replication_only_and_a_hot_expert_workload_train() {
         "{last}"
     );
     // Bad hot-expert settings are one-line errors.
-    let bad = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("hot_experts = 1", "hot_experts = 9");
-    std::fs::write(&cfg, bad).unwrap();
+    edit_config(&cfg, &[("hot_experts = 1", "hot_experts = 9")]);
     let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(!ok);
     one_line_error(&err, "hot_experts");
@@ -303,10 +313,7 @@ fn a_split_step_states_what_it_needs_unsplit() {
     let dir = tmp("unsplit");
     // A target out of reach: all 4 steps run.
     let cfg = tiny_config(&dir, "target_val_loss = 0.5");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("ranks = 2\n", "ranks = 2\nfit_budget = true\n");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(&cfg, &[("ranks = 2\n", "ranks = 2\nfit_budget = true\n")]);
     let out = dir.join("cmp");
     let (ok, _, err) = compare(&cfg, &out, "full,lrmoe", &["--steps", "4"]);
     assert!(ok, "{err}");
@@ -451,11 +458,13 @@ fn ranks_stop_together_at_the_time_cap_and_checkpoint() {
     // rank 1) and a short time cap used to split the ranks.
     let dir = tmp("timecap");
     let cfg = tiny_config(&dir, "");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("checkpoint_every = 2", "checkpoint_every = 1")
-        .replace("steps = 6", "steps = 100000");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(
+        &cfg,
+        &[
+            ("checkpoint_every = 2", "checkpoint_every = 1"),
+            ("steps = 6", "steps = 100000"),
+        ],
+    );
     let (ok, out, err) = lrmoe(&[
         "train",
         "--config",
@@ -493,11 +502,13 @@ fn bad_time_caps_are_one_line_errors() {
 fn a_signal_stops_at_a_step_boundary_with_checkpoint_and_summary() {
     let dir = tmp("sigint");
     let cfg = tiny_config(&dir, "");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("steps = 6", "steps = 100000")
-        .replace("checkpoint_every = 2", "checkpoint_every = 0");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(
+        &cfg,
+        &[
+            ("steps = 6", "steps = 100000"),
+            ("checkpoint_every = 2", "checkpoint_every = 0"),
+        ],
+    );
     let child = Command::new(env!("CARGO_BIN_EXE_lrmoe"))
         .args(["train", "--config", cfg.to_str().unwrap(), "--no-progress"])
         .env("LRMOE_LOG", "warn")
@@ -701,14 +712,9 @@ fn the_balancing_bias_evens_out_a_hot_expert_and_is_checkpointed() {
     let imbalance = |rate: &str| -> (f64, PathBuf) {
         let dir = tmp(&format!("bias-{rate}"));
         let cfg = tiny_config(&dir, "");
-        let text = std::fs::read_to_string(&cfg)
-            .unwrap()
-            .replace("steps = 6", "steps = 40")
-            .replace(
-                "ranks = 2\n",
-                &format!("ranks = 2\nhot_experts = 1\nhot_bias = 2.0\nexpert_bias_rate = {rate}\n"),
-            );
-        std::fs::write(&cfg, text).unwrap();
+        let moe =
+            format!("ranks = 2\nhot_experts = 1\nhot_bias = 2.0\nexpert_bias_rate = {rate}\n");
+        edit_config(&cfg, &[("steps = 6", "steps = 40"), ("ranks = 2\n", &moe)]);
         let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap(), "--no-progress"]);
         assert!(ok, "{err}");
         let log = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
@@ -735,10 +741,10 @@ fn the_balancing_bias_evens_out_a_hot_expert_and_is_checkpointed() {
     assert!(bias[0][0] < 0.0, "the hot expert's bias falls: {bias:?}");
     // A negative rate is a one-line error.
     let cfg = tiny_config(&tmp("bias-bad"), "");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("ranks = 2\n", "ranks = 2\nexpert_bias_rate = -1.0\n");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(
+        &cfg,
+        &[("ranks = 2\n", "ranks = 2\nexpert_bias_rate = -1.0\n")],
+    );
     let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap()]);
     assert!(!ok);
     one_line_error(&err, "expert_bias_rate");
@@ -1057,10 +1063,7 @@ fn a_final_evaluation_at_the_target_counts_as_reaching_it() {
     // where the run reached it.
     let dir = tmp("final-reach");
     let cfg = tiny_config(&dir, "target_val_loss = 50.0");
-    let text = std::fs::read_to_string(&cfg)
-        .unwrap()
-        .replace("eval_every = 3", "eval_every = 100");
-    std::fs::write(&cfg, text).unwrap();
+    edit_config(&cfg, &[("eval_every = 3", "eval_every = 100")]);
     let out = dir.join("cmp");
     let (ok, _, err) = compare(&cfg, &out, "full", &["--max-minutes", "0.000001"]);
     assert!(ok, "{err}");
