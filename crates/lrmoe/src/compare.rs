@@ -801,7 +801,7 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
     }
     let mut verdicts = Vec::new();
     let mut t = String::from(
-        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step one micro-batch |\n|---|---|---|---|---|---|---|\n",
+        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step one micro-batch (floor: fixed ownership's own experts alone, the same way) |\n|---|---|---|---|---|---|---|\n",
     );
     for (path, name) in inputs.iter().zip(labels(inputs)) {
         let c = read_comparison(path)?;
@@ -866,8 +866,11 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
 /// LRMoE's accounted and measured memory against fixed ownership's, and
 /// its accounted memory against what fixed ownership's steps need unsplit
 /// (`max_unsplit_peak_bytes`: its buffers were each step one micro-batch),
-/// as changes ("−35.2% / −30.7% / −61.0%"); "—" for a figure either run
-/// lacks.
+/// as changes ("−35.2% / −30.7% / −61.0% (floor −70.0%)"); "—" for a
+/// figure either run lacks. The floor is fixed ownership's expert
+/// instances alone (`max_expert_bytes`: no replica, no buffer) against its
+/// unsplit need: no placement that holds every expert can go below it, so
+/// it says how much of the third figure is left to any rule.
 fn memory_against_fixed(runs: &[TrainSummary]) -> String {
     let find = |m: Mode| runs.iter().find(|r| r.mode == m);
     let (Some(l), Some(f)) = (find(Mode::Lrmoe), find(Mode::Full)) else {
@@ -880,11 +883,15 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
             format!("{:+.1}%", (a as f64 / b as f64 - 1.0) * 100.0).replace('-', "−")
         }
     };
+    let unsplit = change(l.max_rank_peak_bytes, f.max_unsplit_peak_bytes);
+    let floor = match change(f.max_expert_bytes, f.max_unsplit_peak_bytes).as_str() {
+        "—" => String::new(),
+        x => format!(" (floor {x})"),
+    };
     format!(
-        "{} / {} / {}",
+        "{} / {} / {unsplit}{floor}",
         change(l.max_rank_peak_bytes, f.max_rank_peak_bytes),
         change(l.max_held_bytes, f.max_held_bytes),
-        change(l.max_rank_peak_bytes, f.max_unsplit_peak_bytes)
     )
 }
 
@@ -1146,6 +1153,7 @@ mod tests {
         );
         (full.max_rank_peak_bytes, full.max_held_bytes) = (200, 400);
         full.max_unsplit_peak_bytes = 400;
+        full.max_expert_bytes = 120;
         (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
         lrmoe.mean_kept_fraction = 0.6;
         lrmoe.mean_replicas_per_call = 1.25;
@@ -1158,7 +1166,7 @@ mod tests {
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
         assert_eq!(
             rows[2],
-            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60; 1.25 replicas a call) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% / −75.0% |"
+            "| a | — | 2.400 | Full 60.00 / 120.00 (30); LRMoE 40.00 / 80.00 (40; kept 0.60; 1.25 replicas a call) | Full | LRMoE 0.67×, 1.33× (0.70×, 1.40×) | −50.0% / −25.0% / −75.0% (floor −70.0%) |"
         );
         // SYMI-like stopped short at step 20 (80 s); nothing changes the
         // backward and there is no LRMoE run.

@@ -322,6 +322,9 @@ pub(super) struct StepGrads {
     /// This rank's backward buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]).
     pub(super) unsplit_buffer: u64,
+    /// This rank's largest backward buffer over every micro-batch
+    /// ([`Tally::peak_buffer`]).
+    pub(super) peak_buffer: u64,
 }
 
 /// The device model of one rank (`comm`), from the run's first state.
@@ -363,6 +366,8 @@ pub(super) struct StepOut {
     pub(super) moe_seconds: f64,
     pub(super) grad_norm: f64,
     pub(super) plans: Vec<layer::CallPlan>,
+    /// The first micro-batch's per-layer figures (they feed the per-layer
+    /// metrics).
     pub(super) stats: Vec<layer::BackwardStats>,
     pub(super) kept_routed: Vec<u64>,
     pub(super) busiest: u64,
@@ -370,6 +375,9 @@ pub(super) struct StepOut {
     /// This rank's backward buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]).
     pub(super) unsplit_buffer: u64,
+    /// This rank's largest backward buffer over every micro-batch
+    /// ([`Tally::peak_buffer`]).
+    pub(super) peak_buffer: u64,
     pub(super) device_ms: Option<[f64; 5]>,
     pub(super) device_mem_bytes: Option<u64>,
 }
@@ -385,6 +393,9 @@ pub(super) struct Tally {
     pub(super) expert_load: Vec<Vec<u64>>,
     /// This rank's backward buffer per layer, summed.
     buffers: Vec<u64>,
+    /// This rank's largest backward buffer in any one layer call of any
+    /// micro-batch: what it held at once as the step ran.
+    pub(super) peak_buffer: u64,
 }
 
 impl Tally {
@@ -394,6 +405,7 @@ impl Tally {
             busiest: 0,
             expert_load: vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
             buffers: vec![0; mcfg.n_layers],
+            peak_buffer: 0,
         }
     }
 
@@ -428,6 +440,7 @@ impl Tally {
             if let Some(b) = self.buffers.get_mut(li) {
                 *b += st.buffer_bytes;
             }
+            self.peak_buffer = self.peak_buffer.max(st.buffer_bytes);
             let mine = if st.pairs_per_rank.len() == ranks {
                 st.pairs_per_rank[me]
             } else {
@@ -522,6 +535,7 @@ pub(super) fn step_grads<X: Transport>(
         plans,
         grads,
         unsplit_buffer: tally.unsplit_buffer(),
+        peak_buffer: tally.peak_buffer,
         kept_routed: tally.kept_routed,
         busiest: tally.busiest,
         expert_load: tally.expert_load,
@@ -815,6 +829,7 @@ pub(super) fn train_step<X: Transport>(
             kept_routed,
             busiest,
             expert_load,
+            peak_buffer,
             ..
         } = t;
         return Ok(StepOut {
@@ -828,6 +843,7 @@ pub(super) fn train_step<X: Transport>(
             busiest,
             expert_load,
             unsplit_buffer,
+            peak_buffer,
             device_ms: Some(st.split_ms),
             device_mem_bytes: Some(st.device_bytes),
         });
@@ -857,6 +873,7 @@ pub(super) fn train_step<X: Transport>(
         busiest: sg.busiest,
         expert_load: sg.expert_load,
         unsplit_buffer: sg.unsplit_buffer,
+        peak_buffer: sg.peak_buffer,
         device_ms: None,
         device_mem_bytes: None,
     })
@@ -886,7 +903,8 @@ pub(super) struct Gathered {
     /// The next step's micro-batches (with `moe.fit_budget`: the busiest
     /// rank's pairs of a whole step over the budget's rows).
     pub(super) next_micro: usize,
-    /// Each rank's largest backward buffer of the step, in rank order.
+    /// Each rank's largest backward buffer of the step, over every
+    /// micro-batch ([`Tally::peak_buffer`]), in rank order.
     pub(super) buffers: Vec<u64>,
     /// Each rank's backward buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]), in rank order.
@@ -903,13 +921,7 @@ pub(super) fn gather_layers<X: Transport>(
     let (cfg, n_layers) = (lp.cfg, lp.mcfg.n_layers);
     let mut kept = out.kept_routed.clone();
     kept.push(out.busiest);
-    kept.push(
-        out.stats
-            .iter()
-            .map(|st| st.buffer_bytes)
-            .max()
-            .unwrap_or(0),
-    );
+    kept.push(out.peak_buffer);
     kept.push(out.unsplit_buffer);
     let totals = all_gather(comm, &kept)?;
     let buffers = totals.iter().map(|t| t[2 * n_layers + 1]).collect();

@@ -40,6 +40,32 @@ fn a_step_s_unsplit_buffer_sums_its_micro_batches_per_layer() {
     assert_eq!(t.unsplit_buffer(), 35);
 }
 
+#[test]
+fn a_split_step_s_peak_buffer_is_its_largest_micro_batch_s() {
+    // The step holds one micro-batch's buffer at a time: its peak is the
+    // largest layer call of any micro-batch, a later one included.
+    let mcfg = ModelConfig {
+        n_layers: 2,
+        n_experts: 4,
+        ..ModelConfig::small(11)
+    };
+    let stats = |b0: u64, b1: u64| {
+        [b0, b1].map(|buffer_bytes| layer::BackwardStats {
+            buffer_bytes,
+            ..Default::default()
+        })
+    };
+    let mut t = Tally::new(&mcfg);
+    assert_eq!(t.peak_buffer, 0);
+    t.add(&mcfg, &stats(10, 30), 0, 1);
+    assert_eq!(t.peak_buffer, 30);
+    t.add(&mcfg, &stats(45, 2), 0, 1);
+    assert_eq!(t.peak_buffer, 45, "the second micro-batch's layer 0");
+    t.add(&mcfg, &stats(5, 5), 0, 1);
+    assert_eq!(t.peak_buffer, 45);
+    assert_eq!(t.unsplit_buffer(), 60);
+}
+
 /// `moe.keep_projections` reaches every mode's call settings (the
 /// device executor reads it there); unset, it is on in `full` mode only.
 #[test]
