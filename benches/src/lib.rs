@@ -61,6 +61,7 @@ pub fn placement_with_replicas(
         expert_grad_bytes: 1,
         flops_per_pair: 1.0,
         forward_flops_per_pair: 0.0,
+        exchange_row_bytes: 0,
         link_bytes_per_s: 1.0,
         flops_per_s: 1.0,
     };

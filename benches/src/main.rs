@@ -468,6 +468,7 @@ fn scale_table() {
             expert_grad_bytes: 1 << 20,
             flops_per_pair: 1e7,
             forward_flops_per_pair: 0.0,
+            exchange_row_bytes: 0,
             link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
             flops_per_s: quota::H200_FLOPS_PER_S,
         };

@@ -81,25 +81,45 @@
 //! forward and its gradient back after the backward. With
 //! [`ReplicaRule::Paying`] (the default) the controller keeps the prefix of
 //! the greedy's sequence whose modelled call time is smallest
-//! ([`modelled_call_seconds`]): with `m_r` the routed pairs rank `r` serves
-//! (each expert's split over its instances as a min-max split would,
-//! approximated by water-filling: the experts with the fewest instances
-//! first, then the largest) and `in_r`, `out_r` the replica bytes it
-//! receives and sends (a host receives `W` and sends `G` per replica it
-//! holds, an owner the reverse per replica of its experts),
+//! ([`modelled_call_seconds`]). The model follows the layer call's
+//! phases, each ending when its busiest rank does: the expert work, with
+//! `m_r` the routed pairs rank `r` serves (each expert's split over its
+//! instances as a min-max split would, approximated by water-filling: the
+//! experts with the fewest instances first, then the largest); the
+//! replicas' traffic, with `in_r`, `out_r` the bytes rank `r` receives and
+//! sends (a host receives `W` and sends `G` per replica it holds, an owner
+//! the reverse per replica of its experts); and, with `x =
+//! exchange_row_bytes > 0`, the four token exchanges (the forward's
+//! dispatch and combine, the backward's dispatch of kept `[x | δ]` rows and
+//! return of input gradients; every pair counted as kept, since the quotas
+//! come later), in which `a_r`, the pairs rank `r` serves for other ranks,
+//! and `d_r`, its own pairs served elsewhere, each cross once per exchange
+//! (each source's pairs of an expert are taken to spread over its
+//! instances as the expert's do, so a rank serving a share of an expert
+//! serves that share of its own pairs locally):
 //!
 //! ```text
-//! t_r = m_r·(flops_per_pair + forward_flops_per_pair) / flops_per_s
-//!     + max(in_r, out_r) / link_bytes_per_s,      T = max_r t_r
+//! T = max_r m_r·(flops_per_pair + forward_flops_per_pair) / flops_per_s
+//!   + max_r max(in_r, out_r) / link_bytes_per_s
+//!   + max_r max(a_r, d_r)·(3·x + row) / link_bytes_per_s
 //! ```
 //!
-//! Moving `m` pairs off the slowest rank pays once `m·(b + f) / F > W / L`:
-//! for a SwiGLU expert in bf16 (`W = 6·hidden·ffn` bytes, `b + f =
-//! 22·hidden·ffn` FLOP) that is `m > 3·F / (11·L)` whatever the shape —
-//! about 485 pairs at an H200's 800 TFLOP/s and 450 GB/s. So at small
-//! batches (tens of pairs per expert) no replica pays, and the slots'
-//! memory stays with the token buffers; [`ReplicaRule::Fill`] places every
-//! replica the slots allow.
+//! Without the token rows (`x = 0`), moving `m` pairs off the busiest rank
+//! pays once `m·(b + f) / F > W / L`: for a SwiGLU expert in bf16 (`W =
+//! 6·hidden·ffn` bytes, `b + f = 22·hidden·ffn` FLOP) that is `m > 3·F /
+//! (11·L)` whatever the shape — about 485 pairs at an H200's 800 TFLOP/s
+//! and 450 GB/s. The rows (`10·hidden` bytes a remote pair in bf16) shift
+//! that both ways. Pairs routed from other ranks cross the links whichever
+//! instance serves them, so moving them off the busiest rank also takes
+//! their rows off its link: the replica pays once `m > 6·ffn / (22·ffn·L/F
+//! + 10)` (≈ 236 at `ffn` 768 over NVLink, ≈ 421 over a 45 GB/s
+//! inter-node link, which also makes the weights dearer). Pairs routed
+//! from the owner's own rank start crossing a link when a replica serves
+//! them, so for those it pays only once `m > 6·ffn / (22·ffn·L/F − 10)`,
+//! and never where `22·ffn·L/F ≤ 10` (the A3B and qwen3-moe-mini experts
+//! over NVLink). At small batches (tens of pairs per expert) no replica
+//! pays, and the slots' memory stays with the token buffers;
+//! [`ReplicaRule::Fill`] places every replica the slots allow.
 //!
 //! ## Tile alignment ([`align_to_tiles`])
 //!
@@ -240,6 +260,13 @@ pub struct CostModel {
     /// forward is left out of the replicas' gain.
     #[serde(default)]
     pub forward_flops_per_pair: f64,
+    /// Bytes of one token row (`hidden` values) that the call's exchanges
+    /// move per routed pair: the forward's dispatch and combine, the
+    /// backward's return of input gradients (see [`ReplicaRule::Paying`];
+    /// only the replica rule reads it). 0: the token exchanges are left out
+    /// of the replicas' gain.
+    #[serde(default)]
+    pub exchange_row_bytes: u64,
     /// Link bandwidth per rank and direction, bytes/s.
     pub link_bytes_per_s: f64,
     /// Compute rate per rank, FLOP/s.
@@ -282,6 +309,7 @@ impl CostModel {
             expert_grad_bytes: matrices,
             flops_per_pair: 16.0 * hidden as f64 * ffn as f64,
             forward_flops_per_pair: 6.0 * hidden as f64 * ffn as f64,
+            exchange_row_bytes: row,
             link_bytes_per_s,
             flops_per_s,
         }
@@ -1238,10 +1266,12 @@ fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]
 }
 
 /// The modelled time of one layer call's expert work under `placement`,
-/// seconds (the crate doc's `T`, which [`ReplicaRule::Paying`] minimises):
-/// the slowest rank's compute for the routed pairs it serves plus its
-/// replica traffic (weights out to the replicas before the forward,
-/// gradients back after the backward, the larger direction). The pairs
+/// seconds (the crate doc's `T`, which [`ReplicaRule::Paying`] minimises),
+/// phase by phase, each ending with its busiest rank: the compute for the
+/// routed pairs each rank serves, the replica traffic (weights out to the
+/// replicas before the forward, gradients back after the backward, the
+/// larger direction), and with `cost.exchange_row_bytes > 0` the token
+/// exchanges of the pairs served away from their source. The pairs
 /// are split over each expert's instances as the executors' min-max split
 /// would, approximately: the experts with the fewest instances first (one
 /// instance: no choice), then the largest, each pour theirs into their
@@ -1276,6 +1306,9 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
     );
     let mut pairs = vec![0.0f64; n_ranks];
     let (mut bytes_in, mut bytes_out) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
+    // Pairs each rank serves for other ranks, and sends to other ranks.
+    let (mut served_in, mut sent_away) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
+    let rows = cost.exchange_row_bytes > 0;
     let mut levels: Vec<(f64, usize)> = Vec::new();
     for &e in &order {
         let owner = placement.owner[e];
@@ -1302,6 +1335,26 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
                 pairs[r] = level;
             }
         }
+        if rows && n > 0.0 {
+            // Every source's pairs of e spread over its instances as e's
+            // do: a rank serving a share of e serves that share of its own
+            // pairs locally; the rest cross the links.
+            let share = |r: usize| {
+                levels
+                    .iter()
+                    .find(|&&(_, i)| i == r)
+                    .map_or(0.0, |&(load, _)| (pairs[r] - load).max(0.0) / n)
+            };
+            for &(_, r) in &levels {
+                let here = share(r);
+                served_in[r] += here * (n - inputs.counts[r][e] as f64);
+            }
+            for (s, row) in inputs.counts.iter().enumerate() {
+                if row[e] > 0 {
+                    sent_away[s] += row[e] as f64 * (1.0 - share(s));
+                }
+            }
+        }
         bytes_out[owner] += reps.len() as f64 * w;
         bytes_in[owner] += reps.len() as f64 * g;
         for &r in reps {
@@ -1309,9 +1362,19 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
             bytes_out[r] += g;
         }
     }
-    (0..n_ranks)
-        .map(|r| pairs[r] * per_pair + bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s)
-        .fold(0.0, f64::max)
+    let most = |v: &mut dyn Iterator<Item = f64>| v.fold(0.0f64, f64::max);
+    let compute = most(&mut pairs.iter().map(|&p| p * per_pair));
+    let replicas = most(&mut (0..n_ranks).map(|r| bytes_in[r].max(bytes_out[r])));
+    // Each exchange (dispatch, combine, the backward's dispatch and
+    // return) moves every remote pair once, in one direction or the other,
+    // and ends with its busiest rank.
+    let per_remote = (3 * cost.exchange_row_bytes).saturating_add(cost.row_bytes()) as f64;
+    let exchanges = if rows {
+        most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote
+    } else {
+        0.0
+    };
+    compute + (replicas + exchanges) / cost.link_bytes_per_s
 }
 
 /// A total order on the finite loads the replica planner compares.

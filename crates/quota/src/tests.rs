@@ -10,6 +10,7 @@ fn cost() -> CostModel {
         expert_grad_bytes: 100,
         flops_per_pair: 1e3,
         forward_flops_per_pair: 0.0,
+        exchange_row_bytes: 0,
         link_bytes_per_s: 1e9,
         flops_per_s: 1e12,
     }
@@ -579,6 +580,8 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
     let mut experts: Vec<usize> = (0..routed.len()).collect();
     experts.sort_by_key(|&e| (p.instances(e).len(), std::cmp::Reverse(routed[e]), e));
     let mut load = vec![0.0f64; inputs.n_ranks()];
+    // served[e][r]: the pairs of expert e that rank r serves.
+    let mut served = vec![vec![0.0f64; inputs.n_ranks()]; routed.len()];
     for &e in &experts {
         let inst = p.instances(e);
         let poured = |level: f64| {
@@ -599,11 +602,17 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
             }
         }
         for &r in &inst {
+            served[e][r] = (hi - load[r]).max(0.0);
             load[r] = load[r].max(hi);
         }
     }
-    let mut worst = 0.0f64;
-    for (r, &pairs) in load.iter().enumerate() {
+    let n_ranks = inputs.n_ranks();
+    // Phase by phase, each ending with its busiest rank and direction:
+    // the expert work, the replicas' weights and gradients, then the four
+    // token exchanges.
+    let compute = load.iter().fold(0.0f64, |a, &l| a.max(l * per_pair));
+    let mut replicas = 0.0f64;
+    for r in 0..n_ranks {
         let (mut got, mut sent) = (0.0, 0.0);
         for e in 0..routed.len() {
             let inst = p.instances(e);
@@ -616,9 +625,46 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
                 sent += c.expert_grad_bytes as f64;
             }
         }
-        worst = worst.max(pairs * per_pair + f64::max(got, sent) / c.link_bytes_per_s);
+        replicas = replicas.max(got).max(sent);
     }
-    worst
+    let x = c.exchange_row_bytes as f64;
+    let mut exchanges = 0.0;
+    if x > 0.0 {
+        // (bytes a pair carries, whether it goes to the serving rank).
+        let phases = [
+            (x, true),
+            (x, false),
+            (c.row_bytes() as f64, true),
+            (x, false),
+        ];
+        for (bytes, to_server) in phases {
+            let mut worst = 0.0f64;
+            for r in 0..n_ranks {
+                let (mut got, mut sent) = (0.0, 0.0);
+                for e in 0..routed.len() {
+                    if routed[e] == 0 {
+                        continue;
+                    }
+                    let n = routed[e] as f64;
+                    let mine = inputs.counts[r][e] as f64;
+                    // Served here for other ranks; this rank's pairs served
+                    // elsewhere.
+                    let remote_in = served[e][r] * (n - mine) / n;
+                    let away = mine * (1.0 - served[e][r] / n);
+                    if to_server {
+                        got += remote_in * bytes;
+                        sent += away * bytes;
+                    } else {
+                        got += away * bytes;
+                        sent += remote_in * bytes;
+                    }
+                }
+                worst = worst.max(got).max(sent);
+            }
+            exchanges += worst;
+        }
+    }
+    compute + (replicas + exchanges) / c.link_bytes_per_s
 }
 
 proptest! {
@@ -634,12 +680,14 @@ proptest! {
         weight in 1u64..120,
         flops_per_pair in 1e2f64..1e5,
         forward in prop_oneof![Just(0.0f64), 1e2f64..1e4],
+        exchange_row_bytes in prop_oneof![Just(0u64), 1u64..8],
     ) {
         let cost = CostModel {
             expert_weight_bytes: weight,
             expert_grad_bytes: weight + 3,
             flops_per_pair,
             forward_flops_per_pair: forward,
+            exchange_row_bytes,
             ..cost()
         };
         let mut c = c;
@@ -703,38 +751,96 @@ fn paying_and_filled(c: &Case, cost: &CostModel, cfg: Config) -> (Plan, Plan) {
 
 #[test]
 fn a_replica_pays_once_it_moves_more_pairs_than_its_weights_cost() {
-    // SwiGLU in bf16 on an H200: moving m pairs saves m·22·h·f / F s, the
-    // replica's weights take 6·h·f / L s each way, so it pays once
-    // m > 6·F / (22·L) ≈ 484.8, whatever the shape.
+    // SwiGLU in bf16 on an H200, exchanges left out: moving m pairs saves
+    // m·22·h·f / F s, the replica's weights take 6·h·f / L s each way, so
+    // it pays once m > 6·F / (22·L) ≈ 484.8, whatever the shape.
     let break_even = 6.0 * H200_FLOPS_PER_S / (22.0 * H200_LINK_BYTES_PER_S);
     assert!((484.0..486.0).contains(&break_even), "{break_even}");
     for (hidden, ffn) in [(2048, 768), (512, 256)] {
-        let cost =
-            CostModel::swiglu_expert(hidden, ffn, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+        let cost = CostModel {
+            exchange_row_bytes: 0,
+            ..CostModel::swiglu_expert(hidden, ffn, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S)
+        };
         // Rank 0 owns the hot expert, rank 1 an idle one: a replica on
         // rank 1 moves half the hot expert's pairs.
         for (hot, pays) in [(960u64, false), (980, true), (100, false), (20_000, true)] {
-            let c = Case {
-                counts: vec![vec![hot, 0], vec![0, 0]],
-                placement: Placement {
-                    owner: vec![0, 1],
-                    replicas: vec![],
-                },
-                budgets: vec![RankBudget::UNLIMITED; 2],
-            };
-            let cfg = Config {
-                replica_slots_per_rank: 1,
-                ..Config::default()
-            };
-            let (p, fill) = paying_and_filled(&c, &cost, cfg);
             assert_eq!(
-                p.replicas_added.len(),
+                replicas_placed(&cost, vec![vec![hot, 0], vec![0, 0]]),
                 usize::from(pays),
                 "{hidden}×{ffn}, {hot} pairs"
             );
-            assert_eq!(fill.replicas_added, vec![(0, 1)]);
         }
     }
+}
+
+#[test]
+fn a_replica_weighs_the_token_rows_it_moves() {
+    // The same with the call's token exchanges (`exchange_row_bytes`): a
+    // remote pair moves 6·h bytes to the rank that serves it (x, then
+    // [x | δ]) and 4·h back, 10·h in all. Half of m pairs served on a
+    // replica:
+    // - all routed from the owner's rank: they now cross the link, so the
+    //   replica pays only once m·(22·h·f/F − 10·h/L) > 6·h·f/L, and never
+    //   where 22·f·L/F ≤ 10 (the A3B and qwen3-moe-mini experts over
+    //   NVLink);
+    // - all routed from the replica's rank: they stop crossing it, so it
+    //   pays once m·(22·h·f/F + 10·h/L) > 6·h·f/L.
+    let ratio = H200_LINK_BYTES_PER_S / H200_FLOPS_PER_S;
+    for (hidden, ffn) in [(2048usize, 768usize), (512, 256), (1024, 2048)] {
+        let cost =
+            CostModel::swiglu_expert(hidden, ffn, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+        assert_eq!(cost.exchange_row_bytes, 2 * hidden as u64);
+        let f = ffn as f64;
+        let local = 22.0 * f * ratio - 10.0;
+        assert_eq!(local > 0.0, ffn == 2048, "{ffn}");
+        let remote = 6.0 * f / (22.0 * f * ratio + 10.0);
+        // From the owner's rank.
+        let cases: Vec<(u64, bool)> = if local > 0.0 {
+            let m = 6.0 * f / local;
+            vec![((2.0 * m) as u64 - 4, false), ((2.0 * m) as u64 + 4, true)]
+        } else {
+            vec![(2_000, false), (2_000_000, false)]
+        };
+        for (hot, pays) in cases {
+            assert_eq!(
+                replicas_placed(&cost, vec![vec![hot, 0], vec![0, 0]]),
+                usize::from(pays),
+                "{hidden}×{ffn}, {hot} pairs from the owner's rank"
+            );
+        }
+        // From the replica's rank.
+        for (hot, pays) in [
+            ((2.0 * remote) as u64 - 4, false),
+            ((2.0 * remote) as u64 + 4, true),
+        ] {
+            assert_eq!(
+                replicas_placed(&cost, vec![vec![0, 0], vec![hot, 0]]),
+                usize::from(pays),
+                "{hidden}×{ffn}, {hot} pairs from the other rank"
+            );
+        }
+    }
+}
+
+/// How many replicas the paying rule places for `counts` (2 ranks, rank
+/// r owning expert r, one slot each, no budget); filling the slots always
+/// places one, on rank 1.
+fn replicas_placed(cost: &CostModel, counts: Vec<Vec<u64>>) -> usize {
+    let c = Case {
+        counts,
+        placement: Placement {
+            owner: vec![0, 1],
+            replicas: vec![],
+        },
+        budgets: vec![RankBudget::UNLIMITED; 2],
+    };
+    let cfg = Config {
+        replica_slots_per_rank: 1,
+        ..Config::default()
+    };
+    let (p, fill) = paying_and_filled(&c, cost, cfg);
+    assert_eq!(fill.replicas_added, vec![(0, 1)]);
+    p.replicas_added.len()
 }
 
 #[test]
