@@ -639,14 +639,13 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
         ];
         for (bytes, to_server) in phases {
             let mut worst = 0.0f64;
-            for r in 0..n_ranks {
+            for (r, own) in inputs.counts.iter().enumerate() {
                 let (mut got, mut sent) = (0.0, 0.0);
-                for e in 0..routed.len() {
-                    if routed[e] == 0 {
+                for (e, &n) in routed.iter().enumerate() {
+                    if n == 0 {
                         continue;
                     }
-                    let n = routed[e] as f64;
-                    let mine = inputs.counts[r][e] as f64;
+                    let (n, mine) = (n as f64, own[e] as f64);
                     // Served here for other ranks; this rank's pairs served
                     // elsewhere.
                     let remote_in = served[e][r] * (n - mine) / n;
