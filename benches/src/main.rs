@@ -625,6 +625,7 @@ fn replay_table() {
             replica_rule: Default::default(),
             tile_trim: 0.0,
             cluster: Default::default(),
+            slots_reserved: false,
         };
         let t = Instant::now();
         let r = replay(&trace, &cfg).expect("replay runs");

@@ -351,7 +351,13 @@ fn plan_call_bytes(
         Retention::Budgeted { .. } => {
             let trimmed;
             let budgets = if bwd.slots_reserved {
-                trimmed = without_empty_slots(&budgets, bwd, placement, &with_replicas, &cost);
+                trimmed = quota::budgets_without_empty_slots(
+                    &budgets,
+                    bwd.replica_slots_per_rank,
+                    placement,
+                    &with_replicas,
+                    &cost,
+                );
                 &trimmed
             } else {
                 &budgets
@@ -383,36 +389,6 @@ fn plan_call_bytes(
         selection,
         caps,
     })
-}
-
-/// `budgets` less the instances of the replica slots `with` leaves empty
-/// on each rank ([`CallConfig::slots_reserved`]): a rank hosting `h`
-/// replicas beyond those `given` already had keeps
-/// `replica_slots_per_rank − h` slots' bytes out of its rows.
-fn without_empty_slots(
-    budgets: &[RankBudget],
-    bwd: &CallConfig,
-    given: &Placement,
-    with: &Placement,
-    cost: &CostModel,
-) -> Vec<RankBudget> {
-    let n = budgets.len();
-    let (before, after) = (given.instances_per_rank(n), with.instances_per_rank(n));
-    budgets
-        .iter()
-        .enumerate()
-        .map(|(r, b)| {
-            let hosted = after[r].saturating_sub(before[r]);
-            let empty = (bwd.replica_slots_per_rank as u64).saturating_sub(hosted);
-            let memory_bytes = if b.memory_bytes == u64::MAX {
-                u64::MAX // unlimited stays unlimited
-            } else {
-                b.memory_bytes
-                    .saturating_sub(empty.saturating_mul(cost.instance_bytes()))
-            };
-            RankBudget { memory_bytes, ..*b }
-        })
-        .collect()
 }
 
 /// The ranks' budgets and the quota policy of a call: the configured ones

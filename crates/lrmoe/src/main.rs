@@ -331,6 +331,10 @@ struct ReplayArgs {
     /// the GPU executors (0: off, as the host executor runs).
     #[arg(long, default_value_t = 0.0, value_parser = fraction)]
     tile_trim: f64,
+    /// Keep the replica slots LRMoE's rule leaves empty out of its token
+    /// buffer, as `lrmoe train` does (off: an empty slot's bytes hold rows).
+    #[arg(long)]
+    slots_reserved: bool,
     /// Cluster model: GPUs per node (ranks are numbered node by node).
     #[arg(long, default_value_t = 8, value_parser = at_least::<1>)]
     gpus_per_node: usize,
@@ -433,6 +437,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
         },
         tile_trim: a.tile_trim,
         cluster,
+        slots_reserved: a.slots_reserved,
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;

@@ -596,6 +596,12 @@ pub struct ReplayConfig {
     /// The links between the ranks (exchange times).
     #[serde(default)]
     pub cluster: cluster::Cluster,
+    /// Whether LRMoE's budgets keep the replica slots its rule leaves
+    /// empty out of the token buffer, as the trainer's do
+    /// (`quota::budgets_without_empty_slots`). `false`: an empty slot's
+    /// bytes hold rows.
+    #[serde(default)]
+    pub slots_reserved: bool,
 }
 
 impl ReplayConfig {
@@ -985,6 +991,22 @@ fn replication_and_lrmoe(
     let with_inputs = quota::Inputs {
         placement: &lrmoe_replicas,
         ..inputs
+    };
+    let reserved;
+    let with_inputs = if cfg.slots_reserved {
+        reserved = quota::budgets_without_empty_slots(
+            &budgets,
+            cfg.replica_slots_per_rank,
+            cell.base,
+            &lrmoe_replicas,
+            &cost,
+        );
+        quota::Inputs {
+            budgets: &reserved,
+            ..with_inputs
+        }
+    } else {
+        with_inputs
     };
     let plan = quota::quotas(&with_inputs, cfg.policy).map_err(qerr)?;
     let caps = plan.ranks.iter().map(|r| r.pair_capacity).collect();
@@ -1382,6 +1404,7 @@ mod tests {
             replica_rule: quota::ReplicaRule::Paying,
             tile_trim: 0.0,
             cluster: Default::default(),
+            slots_reserved: false,
         }
     }
 
@@ -1544,6 +1567,62 @@ mod tests {
             ..cfg(8)
         };
         assert!(replay(&trace, &bad).is_err());
+    }
+
+    #[test]
+    fn reserved_slots_keep_empty_slots_out_of_lrmoe_s_buffer() {
+        // Balanced routing: the paying rule leaves the slots empty, so with
+        // them reserved LRMoE's buffer (and kept share) shrinks by their
+        // bytes; filled slots reserve nothing more; no other strategy moves.
+        let trace = synthetic(&Synthetic {
+            workload: Workload::Balanced,
+            steps: 3,
+            layers: 2,
+            experts: 32,
+            ranks: 4,
+            tokens: 4096,
+            top_k: 4,
+            zipf: 1.2,
+            seed: 1,
+        })
+        .unwrap();
+        let of = |r: &Report| {
+            *r.summary
+                .iter()
+                .find(|x| x.strategy == Strategy::Lrmoe)
+                .unwrap()
+        };
+        for (rule, budget) in [
+            (quota::ReplicaRule::Paying, 6),
+            (quota::ReplicaRule::Fill, 6),
+        ] {
+            let base = ReplayConfig {
+                replica_rule: rule,
+                ..cfg(budget)
+            };
+            let open = replay(&trace, &base).unwrap();
+            let reserved = replay(
+                &trace,
+                &ReplayConfig {
+                    slots_reserved: true,
+                    ..base
+                },
+            )
+            .unwrap();
+            let (a, b) = (of(&open), of(&reserved));
+            if rule == quota::ReplicaRule::Paying {
+                assert_eq!(a.replica_bytes, 0, "balanced: no replica pays");
+                assert!(b.mean_kept_fraction < a.mean_kept_fraction, "{a:?} {b:?}");
+                assert!(b.total_bytes < a.total_bytes);
+            } else {
+                assert_eq!(a, b, "every slot filled: nothing to reserve");
+            }
+            for (x, y) in open.summary.iter().zip(&reserved.summary) {
+                if x.strategy != Strategy::Lrmoe {
+                    assert_eq!(x, y, "{:?} moved", x.strategy);
+                }
+            }
+        }
     }
 
     #[test]

@@ -313,6 +313,7 @@ fn check_trace(t: &lrmoe::replay::Trace) -> Result<(), TestCaseError> {
         replica_rule: Default::default(),
         tile_trim: 0.0,
         cluster: Default::default(),
+        slots_reserved: false,
     };
     if let Ok(r) = lrmoe::replay::replay(t, &cfg) {
         for f in &r.steps {

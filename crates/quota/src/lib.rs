@@ -1265,6 +1265,38 @@ fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]
     p
 }
 
+/// `budgets` less the replica slots `with` leaves empty on each rank: a
+/// rank hosting `h` replicas beyond those of `given` keeps
+/// `slots_per_rank − h` instances' bytes (`cost.instance_bytes()`) out of
+/// its memory budget, so an empty slot does not hold rows (the trainer's
+/// budgets reserve the slots whether or not [`ReplicaRule::Paying`] fills
+/// them). Unlimited budgets stay unlimited; the network budgets are kept.
+pub fn budgets_without_empty_slots(
+    budgets: &[RankBudget],
+    slots_per_rank: usize,
+    given: &Placement,
+    with: &Placement,
+    cost: &CostModel,
+) -> Vec<RankBudget> {
+    let n = budgets.len();
+    let (before, after) = (given.instances_per_rank(n), with.instances_per_rank(n));
+    budgets
+        .iter()
+        .enumerate()
+        .map(|(r, b)| {
+            let hosted = after[r].saturating_sub(before[r]);
+            let empty = (slots_per_rank as u64).saturating_sub(hosted);
+            let memory_bytes = if b.memory_bytes == u64::MAX {
+                u64::MAX
+            } else {
+                b.memory_bytes
+                    .saturating_sub(empty.saturating_mul(cost.instance_bytes()))
+            };
+            RankBudget { memory_bytes, ..*b }
+        })
+        .collect()
+}
+
 /// The modelled time of one layer call's expert work under `placement`,
 /// seconds (the crate doc's `T`, which [`ReplicaRule::Paying`] minimises),
 /// phase by phase, each ending with its busiest rank: the compute for the

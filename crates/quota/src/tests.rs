@@ -1173,3 +1173,35 @@ fn replicas_by_load_follow_the_previous_load_within_the_slots() {
     assert!(replicas_by_load(&placement, &load[..3], 4, 1).is_err());
     assert_eq!(largest_remainder(&[1.0, 1.0, 2.0], 4.0, 5), vec![1, 1, 3]);
 }
+
+#[test]
+fn empty_replica_slots_come_out_of_the_budgets() {
+    let cost = CostModel::swiglu_expert(64, 32, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+    let inst = cost.instance_bytes();
+    let given = Placement {
+        owner: vec![0, 1, 2],
+        replicas: vec![vec![], vec![], vec![]],
+    };
+    // Rank 2 hosts one new replica of expert 0; ranks 0 and 1 none.
+    let with = Placement {
+        owner: vec![0, 1, 2],
+        replicas: vec![vec![2], vec![], vec![]],
+    };
+    let b = |m| RankBudget {
+        memory_bytes: m,
+        network_bytes: 7,
+    };
+    let budgets = [b(10 * inst), b(u64::MAX), b(10 * inst)];
+    let out = budgets_without_empty_slots(&budgets, 2, &given, &with, &cost);
+    assert_eq!(out, vec![b(8 * inst), b(u64::MAX), b(9 * inst)]);
+    // No slots: nothing reserved; a budget smaller than its slots: zero.
+    assert_eq!(
+        budgets_without_empty_slots(&budgets, 0, &given, &with, &cost),
+        budgets.to_vec()
+    );
+    let small = [b(inst), b(inst), b(inst)];
+    assert_eq!(
+        budgets_without_empty_slots(&small, 3, &given, &with, &cost),
+        vec![b(0), b(0), b(0)]
+    );
+}
