@@ -321,9 +321,11 @@ struct ReplayArgs {
     /// LRMoE quota policy.
     #[arg(long, value_enum, default_value_t = PolicyArg::Maxmin)]
     policy: PolicyArg,
-    /// LRMoE's replicas: `paying` keeps those that pay for their weight and
-    /// gradient traffic in the cost model, `fill` every one the slots allow
-    /// (the replication strategy always fills).
+    /// LRMoE's replicas: `paying` keeps those whose compute and token rows
+    /// taken off the busiest rank pay for their weight and gradient
+    /// traffic in the cost model, `paying-compute` the same without the
+    /// token rows (the rule before 2026-12-04's session 43), `fill` every
+    /// one the slots allow (the replication strategy always fills).
     #[arg(long, value_enum, default_value_t = ReplicaRuleArg::Paying)]
     replica_rule: ReplicaRuleArg,
     /// LRMoE quotas trimmed to whole 128-row GEMM tiles where that drops at
@@ -434,6 +436,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
         replica_rule: match a.replica_rule {
             ReplicaRuleArg::Paying => quota::ReplicaRule::Paying,
             ReplicaRuleArg::Fill => quota::ReplicaRule::Fill,
+            ReplicaRuleArg::PayingCompute => quota::ReplicaRule::PayingCompute,
         },
         tile_trim: a.tile_trim,
         cluster,
@@ -639,6 +642,7 @@ enum PolicyArg {
 enum ReplicaRuleArg {
     Paying,
     Fill,
+    PayingCompute,
 }
 
 fn run(cli: Cli) -> anyhow::Result<()> {

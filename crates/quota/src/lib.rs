@@ -104,7 +104,11 @@
 //!   + max_r max(a_r, d_r)·(3·x + row) / link_bytes_per_s
 //! ```
 //!
-//! Without the token rows (`x = 0`), moving `m` pairs off the busiest rank
+//! With `x = 0` the model is the one the rule used before it counted the
+//! rows, each rank's compute and replica traffic added and the slowest
+//! rank's sum taken, `T = max_r (m_r·(b + f)/F + max(in_r, out_r)/L)`;
+//! [`ReplicaRule::PayingCompute`] plans with it whatever `x` is, to compare
+//! the two in one run. Without the rows, moving `m` pairs off the busiest rank
 //! pays once `m·(b + f) / F > W / L`: for a SwiGLU expert in bf16 (`W =
 //! 6·hidden·ffn` bytes, `b + f = 22·hidden·ffn` FLOP) that is `m > 3·F /
 //! (11·L)` whatever the shape — about 485 pairs at an H200's 800 TFLOP/s
@@ -403,6 +407,11 @@ pub enum ReplicaRule {
     Paying,
     /// Every replica the slots and memory allow (EPLB's greedy as is).
     Fill,
+    /// [`ReplicaRule::Paying`] with the token exchanges left out of the
+    /// model (`exchange_row_bytes` taken as 0): the rule as it was before
+    /// it counted them, kept to compare the two in one run.
+    #[serde(rename = "paying-compute")]
+    PayingCompute,
 }
 
 impl Default for Config {
@@ -1242,6 +1251,17 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
     match cfg.replica_rule {
         ReplicaRule::Fill => Ok(placement),
         ReplicaRule::Paying => Ok(paying_prefix(inputs, given, &added)),
+        ReplicaRule::PayingCompute => {
+            let cost = CostModel {
+                exchange_row_bytes: 0,
+                ..*inputs.cost
+            };
+            let inputs = Inputs {
+                cost: &cost,
+                ..*inputs
+            };
+            Ok(paying_prefix(&inputs, given, &added))
+        }
     }
 }
 
@@ -1395,18 +1415,20 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
         }
     }
     let most = |v: &mut dyn Iterator<Item = f64>| v.fold(0.0f64, f64::max);
+    let replica_s = |r: usize| bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s;
+    if !rows {
+        // The model as it was before it counted the rows: each rank's
+        // compute and replica traffic, the slowest rank's sum.
+        return most(&mut (0..n_ranks).map(|r| pairs[r] * per_pair + replica_s(r)));
+    }
     let compute = most(&mut pairs.iter().map(|&p| p * per_pair));
-    let replicas = most(&mut (0..n_ranks).map(|r| bytes_in[r].max(bytes_out[r])));
+    let replicas = most(&mut (0..n_ranks).map(replica_s));
     // Each exchange (dispatch, combine, the backward's dispatch and
     // return) moves every remote pair once, in one direction or the other,
     // and ends with its busiest rank.
     let per_remote = (3 * cost.exchange_row_bytes).saturating_add(cost.row_bytes()) as f64;
-    let exchanges = if rows {
-        most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote
-    } else {
-        0.0
-    };
-    compute + (replicas + exchanges) / cost.link_bytes_per_s
+    let exchanges = most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote;
+    compute + replicas + exchanges / cost.link_bytes_per_s
 }
 
 /// A total order on the finite loads the replica planner compares.

@@ -609,9 +609,11 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
     let n_ranks = inputs.n_ranks();
     // Phase by phase, each ending with its busiest rank and direction:
     // the expert work, the replicas' weights and gradients, then the four
-    // token exchanges.
+    // token exchanges. Without the rows, each rank's compute and replica
+    // traffic, the slowest rank's sum.
     let compute = load.iter().fold(0.0f64, |a, &l| a.max(l * per_pair));
     let mut replicas = 0.0f64;
+    let mut summed = 0.0f64;
     for r in 0..n_ranks {
         let (mut got, mut sent) = (0.0, 0.0);
         for e in 0..routed.len() {
@@ -626,42 +628,44 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
             }
         }
         replicas = replicas.max(got).max(sent);
+        summed = summed.max(load[r] * per_pair + got.max(sent) / c.link_bytes_per_s);
     }
     let x = c.exchange_row_bytes as f64;
+    if x == 0.0 {
+        return summed;
+    }
     let mut exchanges = 0.0;
-    if x > 0.0 {
-        // (bytes a pair carries, whether it goes to the serving rank).
-        let phases = [
-            (x, true),
-            (x, false),
-            (c.row_bytes() as f64, true),
-            (x, false),
-        ];
-        for (bytes, to_server) in phases {
-            let mut worst = 0.0f64;
-            for (r, own) in inputs.counts.iter().enumerate() {
-                let (mut got, mut sent) = (0.0, 0.0);
-                for (e, &n) in routed.iter().enumerate() {
-                    if n == 0 {
-                        continue;
-                    }
-                    let (n, mine) = (n as f64, own[e] as f64);
-                    // Served here for other ranks; this rank's pairs served
-                    // elsewhere.
-                    let remote_in = served[e][r] * (n - mine) / n;
-                    let away = mine * (1.0 - served[e][r] / n);
-                    if to_server {
-                        got += remote_in * bytes;
-                        sent += away * bytes;
-                    } else {
-                        got += away * bytes;
-                        sent += remote_in * bytes;
-                    }
+    // (bytes a pair carries, whether it goes to the serving rank).
+    let phases = [
+        (x, true),
+        (x, false),
+        (c.row_bytes() as f64, true),
+        (x, false),
+    ];
+    for (bytes, to_server) in phases {
+        let mut worst = 0.0f64;
+        for (r, own) in inputs.counts.iter().enumerate() {
+            let (mut got, mut sent) = (0.0, 0.0);
+            for (e, &n) in routed.iter().enumerate() {
+                if n == 0 {
+                    continue;
                 }
-                worst = worst.max(got).max(sent);
+                let (n, mine) = (n as f64, own[e] as f64);
+                // Served here for other ranks; this rank's pairs served
+                // elsewhere.
+                let remote_in = served[e][r] * (n - mine) / n;
+                let away = mine * (1.0 - served[e][r] / n);
+                if to_server {
+                    got += remote_in * bytes;
+                    sent += away * bytes;
+                } else {
+                    got += away * bytes;
+                    sent += remote_in * bytes;
+                }
             }
-            exchanges += worst;
+            worst = worst.max(got).max(sent);
         }
+        exchanges += worst;
     }
     compute + (replicas + exchanges) / c.link_bytes_per_s
 }
@@ -1204,4 +1208,36 @@ fn empty_replica_slots_come_out_of_the_budgets() {
         budgets_without_empty_slots(&small, 3, &given, &with, &cost),
         vec![b(0), b(0), b(0)]
     );
+}
+
+#[test]
+fn paying_compute_is_the_paying_rule_without_the_rows() {
+    // 700 pairs from the other rank: half of them on a replica repays the
+    // weights once their rows count (> 2·236), not on compute alone
+    // (≤ 2·485).
+    let cost = CostModel::swiglu_expert(2048, 768, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
+    let placed = |rule, cost: &CostModel| {
+        let c = Case {
+            counts: vec![vec![0, 0], vec![700, 0]],
+            placement: Placement {
+                owner: vec![0, 1],
+                replicas: vec![],
+            },
+            budgets: vec![RankBudget::UNLIMITED; 2],
+        };
+        let cfg = Config {
+            replica_slots_per_rank: 1,
+            replica_rule: rule,
+            ..Config::default()
+        };
+        plan(&inputs(&c, cost), &cfg).unwrap().replicas_added.len()
+    };
+    assert_eq!(placed(ReplicaRule::Paying, &cost), 1);
+    assert_eq!(placed(ReplicaRule::PayingCompute, &cost), 0);
+    let no_rows = CostModel {
+        exchange_row_bytes: 0,
+        ..cost
+    };
+    assert_eq!(placed(ReplicaRule::Paying, &no_rows), 0);
+    assert_eq!(placed(ReplicaRule::Fill, &cost), 1);
 }

@@ -66,6 +66,19 @@ fn a_split_step_s_peak_buffer_is_its_largest_micro_batch_s() {
     assert_eq!(t.unsplit_buffer(), 60);
 }
 
+#[test]
+fn the_replica_rules_parse_as_the_configuration_spells_them() {
+    for (name, rule) in [
+        ("paying", quota::ReplicaRule::Paying),
+        ("fill", quota::ReplicaRule::Fill),
+        ("paying-compute", quota::ReplicaRule::PayingCompute),
+    ] {
+        let moe = moe_section_from_json(&format!(r#"{{"replica_rule": "{name}"}}"#), 4).unwrap();
+        assert_eq!(moe.replica_rule, rule, "{name}");
+    }
+    assert!(moe_section_from_json(r#"{"replica_rule": "paying_compute"}"#, 4).is_err());
+}
+
 /// `moe.keep_projections` reaches every mode's call settings (the
 /// device executor reads it there); unset, it is on in `full` mode only.
 #[test]
