@@ -46,10 +46,12 @@ fn layer_call_plan(c: &mut Criterion) {
         (quota::ReplicaRule::Fill, 8usize),
         (quota::ReplicaRule::Fill, 16),
         (quota::ReplicaRule::Paying, 16),
+        (quota::ReplicaRule::PayingCompute, 16),
     ] {
         let tag = match rule {
             quota::ReplicaRule::Fill => "",
             quota::ReplicaRule::Paying => "-paying",
+            quota::ReplicaRule::PayingCompute => "-paying-compute",
         };
         let pairs = 16_384 / ranks * cfg.top_k;
         let moe = MoeSection {

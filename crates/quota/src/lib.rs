@@ -1359,8 +1359,15 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
     let mut pairs = vec![0.0f64; n_ranks];
     let (mut bytes_in, mut bytes_out) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
     // Pairs each rank serves for other ranks, and sends to other ranks.
-    let (mut served_in, mut sent_away) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
     let rows = cost.exchange_row_bytes > 0;
+    let mut served_in = vec![0.0f64; n_ranks];
+    let mut sent_away: Vec<f64> = if rows {
+        (inputs.counts.iter())
+            .map(|row| row.iter().sum::<u64>() as f64)
+            .collect()
+    } else {
+        vec![0.0; n_ranks]
+    };
     let mut levels: Vec<(f64, usize)> = Vec::new();
     for &e in &order {
         let owner = placement.owner[e];
@@ -1390,21 +1397,13 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
         if rows && n > 0.0 {
             // Every source's pairs of e spread over its instances as e's
             // do: a rank serving a share of e serves that share of its own
-            // pairs locally; the rest cross the links.
-            let share = |r: usize| {
-                levels
-                    .iter()
-                    .find(|&&(_, i)| i == r)
-                    .map_or(0.0, |&(load, _)| (pairs[r] - load).max(0.0) / n)
-            };
-            for &(_, r) in &levels {
-                let here = share(r);
-                served_in[r] += here * (n - inputs.counts[r][e] as f64);
-            }
-            for (s, row) in inputs.counts.iter().enumerate() {
-                if row[e] > 0 {
-                    sent_away[s] += row[e] as f64 * (1.0 - share(s));
-                }
+            // pairs locally; the rest cross the links (`sent_away` starts
+            // at every pair a rank routes; its local ones come off here).
+            for &(load, r) in &levels {
+                let here = (pairs[r] - load).max(0.0) / n;
+                let mine = inputs.counts[r][e] as f64;
+                served_in[r] += here * (n - mine);
+                sent_away[r] -= here * mine;
             }
         }
         bytes_out[owner] += reps.len() as f64 * w;

@@ -606,7 +606,6 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
             load[r] = load[r].max(hi);
         }
     }
-    let n_ranks = inputs.n_ranks();
     // Phase by phase, each ending with its busiest rank and direction:
     // the expert work, the replicas' weights and gradients, then the four
     // token exchanges. Without the rows, each rank's compute and replica
@@ -614,7 +613,7 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
     let compute = load.iter().fold(0.0f64, |a, &l| a.max(l * per_pair));
     let mut replicas = 0.0f64;
     let mut summed = 0.0f64;
-    for r in 0..n_ranks {
+    for (r, &pairs) in load.iter().enumerate() {
         let (mut got, mut sent) = (0.0, 0.0);
         for e in 0..routed.len() {
             let inst = p.instances(e);
@@ -628,7 +627,7 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
             }
         }
         replicas = replicas.max(got).max(sent);
-        summed = summed.max(load[r] * per_pair + got.max(sent) / c.link_bytes_per_s);
+        summed = summed.max(pairs * per_pair + got.max(sent) / c.link_bytes_per_s);
     }
     let x = c.exchange_row_bytes as f64;
     if x == 0.0 {
