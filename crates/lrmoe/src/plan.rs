@@ -68,7 +68,8 @@ pub struct ControllerSettings {
     /// Share of post-placement memory replicas may use (default 0.25).
     #[serde(default)]
     pub replica_memory_fraction: Option<f64>,
-    /// Which replicas are placed: `"paying"` (default) or `"fill"`.
+    /// Which replicas are placed: `"paying"` (default), `"paying-compute"`
+    /// or `"fill"`.
     #[serde(default)]
     pub replica_rule: Option<quota::ReplicaRule>,
 }

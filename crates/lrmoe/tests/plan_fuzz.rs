@@ -2,8 +2,8 @@
 
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
-use lrmoe::plan::{run, Options, Problem};
-use lrmoe::quota::{CostModel, Placement, RankBudget};
+use lrmoe::plan::{run, ControllerSettings, Options, Problem};
+use lrmoe::quota::{CostModel, Placement, RankBudget, ReplicaRule};
 use proptest::prelude::*;
 
 fn problem() -> impl Strategy<Value = Problem> {
@@ -14,9 +14,18 @@ fn problem() -> impl Strategy<Value = Problem> {
         any::<bool>(),
         prop::collection::vec((0u64..5000, 0u64..5000), 0..5),
         prop::option::of(prop::collection::vec(0u64..10, 0..5)),
+        (
+            prop_oneof![Just(0u64), 1u64..100, Just(u64::MAX)],
+            0usize..3,
+            prop_oneof![
+                Just(ReplicaRule::Paying),
+                Just(ReplicaRule::PayingCompute),
+                Just(ReplicaRule::Fill)
+            ],
+        ),
     )
         .prop_map(
-            |(n_ranks, owner, counts, routed, budgets, base_load)| Problem {
+            |(n_ranks, owner, counts, routed, budgets, base_load, (rows, slots, rule))| Problem {
                 n_ranks,
                 placement: Placement {
                     owner,
@@ -31,7 +40,7 @@ fn problem() -> impl Strategy<Value = Problem> {
                     expert_grad_bytes: 100,
                     flops_per_pair: 1.0,
                     forward_flops_per_pair: 0.0,
-                    exchange_row_bytes: 0,
+                    exchange_row_bytes: rows,
                     link_bytes_per_s: 1.0,
                     flops_per_s: 1.0,
                 }),
@@ -44,7 +53,11 @@ fn problem() -> impl Strategy<Value = Problem> {
                         })
                         .collect(),
                 ),
-                controller: Default::default(),
+                controller: ControllerSettings {
+                    replica_slots_per_rank: Some(slots),
+                    replica_rule: Some(rule),
+                    ..Default::default()
+                },
                 base_load,
                 load_model: None,
             },

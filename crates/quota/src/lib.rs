@@ -1425,7 +1425,8 @@ fn call_seconds(inputs: &Inputs<'_>, placement: &Placement, routed: &[u64]) -> f
     // Each exchange (dispatch, combine, the backward's dispatch and
     // return) moves every remote pair once, in one direction or the other,
     // and ends with its busiest rank.
-    let per_remote = (3 * cost.exchange_row_bytes).saturating_add(cost.row_bytes()) as f64;
+    let per_remote =
+        (cost.exchange_row_bytes.saturating_mul(3)).saturating_add(cost.row_bytes()) as f64;
     let exchanges = most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote;
     compute + replicas + exchanges / cost.link_bytes_per_s
 }

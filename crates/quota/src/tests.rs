@@ -1240,3 +1240,25 @@ fn paying_compute_is_the_paying_rule_without_the_rows() {
     assert_eq!(placed(ReplicaRule::Paying, &no_rows), 0);
     assert_eq!(placed(ReplicaRule::Fill, &cost), 1);
 }
+
+#[test]
+fn huge_row_bytes_saturate_instead_of_overflowing() {
+    let cost = CostModel {
+        exchange_row_bytes: u64::MAX,
+        ..cost()
+    };
+    let c = Case {
+        counts: vec![vec![0, 0], vec![700, 0]],
+        placement: Placement {
+            owner: vec![0, 1],
+            replicas: vec![],
+        },
+        budgets: vec![RankBudget::UNLIMITED; 2],
+    };
+    let cfg = Config {
+        replica_slots_per_rank: 1,
+        ..Config::default()
+    };
+    let p = plan(&inputs(&c, &cost), &cfg).unwrap();
+    assert!(modelled_call_seconds(&inputs(&c, &cost), &p.placement).is_finite());
+}
