@@ -1409,10 +1409,15 @@ mod tests {
     }
 
     fn hot(steps: usize) -> Trace {
+        small(Workload::HotExperts, steps, 3)
+    }
+
+    /// A synthetic trace of 32 experts on 4 ranks, 4 096 tokens × top-4.
+    fn small(workload: Workload, steps: usize, layers: usize) -> Trace {
         synthetic(&Synthetic {
-            workload: Workload::HotExperts,
+            workload,
             steps,
-            layers: 3,
+            layers,
             experts: 32,
             ranks: 4,
             tokens: 4096,
@@ -1574,18 +1579,7 @@ mod tests {
         // Balanced routing: the paying rule leaves the slots empty, so with
         // them reserved LRMoE's buffer (and kept share) shrinks by their
         // bytes; filled slots reserve nothing more; no other strategy moves.
-        let trace = synthetic(&Synthetic {
-            workload: Workload::Balanced,
-            steps: 3,
-            layers: 2,
-            experts: 32,
-            ranks: 4,
-            tokens: 4096,
-            top_k: 4,
-            zipf: 1.2,
-            seed: 1,
-        })
-        .unwrap();
+        let trace = small(Workload::Balanced, 3, 2);
         let of = |r: &Report| {
             *r.summary
                 .iter()

@@ -828,14 +828,7 @@ fn a_replica_weighs_the_token_rows_it_moves() {
 /// r owning expert r, one slot each, no budget); filling the slots always
 /// places one, on rank 1.
 fn replicas_placed(cost: &CostModel, counts: Vec<Vec<u64>>) -> usize {
-    let c = Case {
-        counts,
-        placement: Placement {
-            owner: vec![0, 1],
-            replicas: vec![],
-        },
-        budgets: vec![RankBudget::UNLIMITED; 2],
-    };
+    let c = two_ranks(counts);
     let cfg = Config {
         replica_slots_per_rank: 1,
         ..Config::default()
@@ -843,6 +836,18 @@ fn replicas_placed(cost: &CostModel, counts: Vec<Vec<u64>>) -> usize {
     let (p, fill) = paying_and_filled(&c, cost, cfg);
     assert_eq!(fill.replicas_added, vec![(0, 1)]);
     p.replicas_added.len()
+}
+
+/// Two ranks, rank r owning expert r, no budget.
+fn two_ranks(counts: Vec<Vec<u64>>) -> Case {
+    Case {
+        counts,
+        placement: Placement {
+            owner: vec![0, 1],
+            replicas: vec![],
+        },
+        budgets: vec![RankBudget::UNLIMITED; 2],
+    }
 }
 
 #[test]
@@ -1216,14 +1221,7 @@ fn paying_compute_is_the_paying_rule_without_the_rows() {
     // (≤ 2·485).
     let cost = CostModel::swiglu_expert(2048, 768, 2, H200_LINK_BYTES_PER_S, H200_FLOPS_PER_S);
     let placed = |rule, cost: &CostModel| {
-        let c = Case {
-            counts: vec![vec![0, 0], vec![700, 0]],
-            placement: Placement {
-                owner: vec![0, 1],
-                replicas: vec![],
-            },
-            budgets: vec![RankBudget::UNLIMITED; 2],
-        };
+        let c = two_ranks(vec![vec![0, 0], vec![700, 0]]);
         let cfg = Config {
             replica_slots_per_rank: 1,
             replica_rule: rule,
@@ -1247,14 +1245,7 @@ fn huge_row_bytes_saturate_instead_of_overflowing() {
         exchange_row_bytes: u64::MAX,
         ..cost()
     };
-    let c = Case {
-        counts: vec![vec![0, 0], vec![700, 0]],
-        placement: Placement {
-            owner: vec![0, 1],
-            replicas: vec![],
-        },
-        budgets: vec![RankBudget::UNLIMITED; 2],
-    };
+    let c = two_ranks(vec![vec![0, 0], vec![700, 0]]);
     let cfg = Config {
         replica_slots_per_rank: 1,
         ..Config::default()

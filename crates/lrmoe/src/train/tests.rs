@@ -18,24 +18,31 @@ fn a_rank_s_peak_adds_its_own_instances_and_buffer() {
     assert_eq!(rank_peak_bytes(&[], &[]), 0);
 }
 
-#[test]
-fn a_step_s_unsplit_buffer_sums_its_micro_batches_per_layer() {
-    let mcfg = ModelConfig {
+/// A model of two layers and four experts, for the tallies.
+fn two_layers() -> ModelConfig {
+    ModelConfig {
         n_layers: 2,
         n_experts: 4,
         ..ModelConfig::small(11)
-    };
-    let stats = |b0: u64, b1: u64| {
-        [b0, b1].map(|buffer_bytes| layer::BackwardStats {
-            buffer_bytes,
-            ..Default::default()
-        })
-    };
+    }
+}
+
+/// One micro-batch's backward figures with these buffers, layer by layer.
+fn buffers(b0: u64, b1: u64) -> [layer::BackwardStats; 2] {
+    [b0, b1].map(|buffer_bytes| layer::BackwardStats {
+        buffer_bytes,
+        ..Default::default()
+    })
+}
+
+#[test]
+fn a_step_s_unsplit_buffer_sums_its_micro_batches_per_layer() {
+    let mcfg = two_layers();
     let mut t = Tally::new(&mcfg);
     assert_eq!(t.unsplit_buffer(), 0);
-    t.add(&mcfg, &stats(10, 30), 0, 1);
+    t.add(&mcfg, &buffers(10, 30), 0, 1);
     assert_eq!(t.unsplit_buffer(), 30, "one micro-batch: its own peak");
-    t.add(&mcfg, &stats(25, 2), 0, 1);
+    t.add(&mcfg, &buffers(25, 2), 0, 1);
     // Layer 0: 10 + 25, layer 1: 30 + 2; not the two largest (25 + 30).
     assert_eq!(t.unsplit_buffer(), 35);
 }
@@ -44,24 +51,14 @@ fn a_step_s_unsplit_buffer_sums_its_micro_batches_per_layer() {
 fn a_split_step_s_peak_buffer_is_its_largest_micro_batch_s() {
     // The step holds one micro-batch's buffer at a time: its peak is the
     // largest layer call of any micro-batch, a later one included.
-    let mcfg = ModelConfig {
-        n_layers: 2,
-        n_experts: 4,
-        ..ModelConfig::small(11)
-    };
-    let stats = |b0: u64, b1: u64| {
-        [b0, b1].map(|buffer_bytes| layer::BackwardStats {
-            buffer_bytes,
-            ..Default::default()
-        })
-    };
+    let mcfg = two_layers();
     let mut t = Tally::new(&mcfg);
     assert_eq!(t.peak_buffer, 0);
-    t.add(&mcfg, &stats(10, 30), 0, 1);
+    t.add(&mcfg, &buffers(10, 30), 0, 1);
     assert_eq!(t.peak_buffer, 30);
-    t.add(&mcfg, &stats(45, 2), 0, 1);
+    t.add(&mcfg, &buffers(45, 2), 0, 1);
     assert_eq!(t.peak_buffer, 45, "the second micro-batch's layer 0");
-    t.add(&mcfg, &stats(5, 5), 0, 1);
+    t.add(&mcfg, &buffers(5, 5), 0, 1);
     assert_eq!(t.peak_buffer, 45);
     assert_eq!(t.unsplit_buffer(), 60);
 }
