@@ -7,6 +7,11 @@
 # with them (`paying`, the default) and with every slot filled (`fill`).
 #
 #   bash benches/replay-rules.sh
+#   TRACE=runs/x/metrics.jsonl TRACE_TOKENS=16384 bash benches/replay-rules.sh
+#
+# With TRACE (a qwen3-moe-mini run's metrics.jsonl, TRACE_TOKENS tokens a
+# step), its routed loads replace the synthetic workloads: the mini shape
+# at 8 and 16 ranks, the step's tokens split over them.
 #
 # The budget is what the trainer gives a rank: its owned experts, one
 # replica slot and 0.6 of its mean routed rows (bf16), as in the
@@ -31,14 +36,25 @@ ratio() { python3 -c "print(f'{$1 / $2:.3f}')"; }
 
 echo "| shape | ranks | tokens a rank | workload | budget MiB | paying-compute: ms, kept | paying: ms, kept | fill: ms, kept | paying ÷ paying-compute | paying ÷ fill |"
 echo "|---|---|---|---|---|---|---|---|---|---|"
-for shape in a3b mini; do
+shapes="a3b mini"
+[ -n "${TRACE:-}" ] && shapes=mini
+for shape in $shapes; do
   if [ $shape = a3b ]; then H=2048; F=768; else H=512; F=256; fi
   for R in 8 16; do
     small=$((R == 8 ? 2048 : 1024))
-    for T in $small 16384; do
+    sizes="$small 16384"
+    [ -n "${TRACE:-}" ] && sizes=$((${TRACE_TOKENS:-16384} / R))
+    for T in $sizes; do
       B=$(python3 -c "h,f,r,t=$H,$F,$R,$T; inst=6*h*f*2; row=4*h; print(max(1,round(((128//r+1)*inst+0.6*t*8*row)/2**20)))")
-      for W in "balanced" "hot-experts --zipf 0.6" "hot-experts --zipf 1.2" "hot-rank" "rotating" "bursts"; do
-        A="replay --synthetic $W --ranks $R --steps $STEPS --layers 2 --tokens $T --hidden $H --ffn $F --budget-mib $B --replica-slots 1 --replica-memory-fraction 1 --gpus-per-node 8 $reserve"
+      workloads=("balanced" "hot-experts --zipf 0.6" "hot-experts --zipf 1.2" "hot-rank" "rotating" "bursts")
+      [ -n "${TRACE:-}" ] && workloads=("trace")
+      for W in "${workloads[@]}"; do
+        if [ "$W" = trace ]; then
+          src="--lrmoe-metrics $TRACE"
+        else
+          src="--synthetic $W --steps $STEPS --layers 2 --tokens $T"
+        fi
+        A="replay $src --ranks $R --hidden $H --ffn $F --budget-mib $B --replica-slots 1 --replica-memory-fraction 1 --gpus-per-node 8 $reserve"
         # shellcheck disable=SC2086 # $A is the argument list
         read -r ct ck <<<"$(lrmoe_row "$BIN" $A --replica-rule paying-compute)"
         # shellcheck disable=SC2086
