@@ -730,12 +730,17 @@ fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
     want
 }
 
-/// The largest feasible uniform ratio numerator by max-flow: `DEN` if every
-/// pair fits, else a bisection of `[lo, hi)` (`bracket`: `lo` feasible or
-/// 0, `hi` infeasible; `(0, DEN)` knows nothing) that augments the last
-/// feasible flow (raising the ratio only raises capacities).
+/// The largest feasible uniform ratio numerator by max-flow, leaving `net`
+/// holding a feasible uniform flow at it. `bracket`: `lo` feasible or 0,
+/// `hi` infeasible below `DEN` (`hi ≥ DEN`: nothing known above `lo`, and
+/// `DEN` itself is checked first; `(0, DEN)` knows nothing). The search is cut-guided from above (see
+/// `redistribute::flow`): a ratio whose flow falls short names a minimum
+/// cut, the search moves to the largest ratio that cut allows (necessary,
+/// so nothing between is feasible), and the first ratio whose flow carries
+/// every floor is the largest feasible one. Each check augments `lo`'s
+/// saved flow (raising the ratio only raises capacities).
 fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u64 {
-    if uniform_flow(net, inputs, RATIO_DEN).is_some() {
+    if bracket.1 >= RATIO_DEN && uniform_flow(net, inputs, RATIO_DEN).is_some() {
         return RATIO_DEN;
     }
     let (mut lo, mut hi) = (bracket.0.min(RATIO_DEN - 1), bracket.1.min(RATIO_DEN));
@@ -747,20 +752,77 @@ fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u
             uniform_flow(net, inputs, 0).unwrap_or(0)
         }
     };
-    let mut saved = (net.graph.snapshot(), kept);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        net.graph.restore(&saved.0);
-        let want = raise_uniform(net, inputs, mid);
-        let value = saved.1 + net.graph.max_flow(0, net.sink);
-        if value == want {
-            lo = mid;
-            saved = (net.graph.snapshot(), value);
+    let saved = net.graph.snapshot();
+    let mut num = hi - 1;
+    while num > lo {
+        net.graph.restore(&saved);
+        let want = raise_uniform(net, inputs, num);
+        if kept + net.graph.max_flow(0, net.sink) == want {
+            return num;
+        }
+        num = cut_ratio(net, inputs, lo, num);
+    }
+    net.graph.restore(&saved);
+    lo
+}
+
+/// The largest numerator in `[lo, num)` at which the minimum cut of the
+/// network's current flow (short at `num`; `lo` feasible) carries every
+/// floor: with `fixed` the capacity of the edges it crosses whose capacity
+/// does not follow the ratio, the floors of the cells whose mandatory edge
+/// it does not cross must sum to at most `fixed`.
+fn cut_ratio(net: &mut Network, inputs: &Inputs<'_>, lo: u64, num: u64) -> u64 {
+    let side = net.graph.source_side(0);
+    let graph = &net.graph;
+    let mut mandatory = vec![false; graph.edges().len()];
+    let mut behind: Vec<u64> = Vec::new();
+    for &(s, e, edge, _) in &net.cells {
+        mandatory[edge.index()] = true;
+        if graph.crosses(edge, &side) {
+            continue;
+        }
+        if s == AGGREGATED {
+            behind.extend(inputs.counts.iter().map(|row| row[e]).filter(|&n| n > 0));
         } else {
-            hi = mid;
+            behind.push(inputs.counts[s][e]);
         }
     }
-    lo
+    let fixed = graph
+        .edges()
+        .filter(|&(e, _, _)| !mandatory[e.index()] && graph.crosses(e, &side))
+        .fold(0u128, |a, (e, _, _)| a + u128::from(graph.capacity(e)));
+    let floors = |x: u64| -> u128 { behind.iter().map(|&n| u128::from(floor_ratio(n, x))).sum() };
+    // Σ ⌊n·x/DEN⌋ lies within `behind.len()` of x·Σn/DEN: the answer is
+    // within that window of fixed·DEN/Σn, so the bisection is short.
+    let total: u128 = behind.iter().map(|&n| u128::from(n)).sum();
+    let den = u128::from(RATIO_DEN);
+    let (mut a, mut b) = match total {
+        0 => (lo, num), // cannot bind (it always does); step down by one
+        _ => {
+            let within = |x: u128| u64::try_from(x).unwrap_or(u64::MAX).clamp(lo, num);
+            let slack = behind.len() as u128 + 1;
+            (
+                within(fixed * den / total),
+                within((fixed + slack) * den / total + 1),
+            )
+        }
+    };
+    // floors(a) ≤ fixed < floors(b), b ≤ num.
+    if floors(a) > fixed {
+        a = lo;
+    }
+    if b < num && floors(b) <= fixed {
+        b = num;
+    }
+    while b - a > 1 {
+        let mid = a + (b - a) / 2;
+        if floors(mid) <= fixed {
+            a = mid;
+        } else {
+            b = mid;
+        }
+    }
+    a
 }
 
 /// Bounds on the largest feasible ratio numerator that need no flow, from
@@ -927,18 +989,21 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     let (caps, send) = capacities(inputs, &placement)?;
     let mut net = build_network(inputs, &placement, &caps, &send);
 
-    let hall = HallCheck::new(inputs, &placement, &caps, &send);
-    let num = match &hall {
-        Some(h) => h.largest_feasible(inputs),
+    // Either way the network is left holding a feasible uniform flow at
+    // `num`.
+    let num = match HallCheck::new(inputs, &placement, &caps, &send) {
+        Some(h) => {
+            let num = h.largest_feasible(inputs);
+            let ok = uniform_flow(&mut net, inputs, num).is_some();
+            debug_assert!(ok, "invariant: the searched ratio is feasible");
+            num
+        }
         None => flow_search(
             &mut net,
             inputs,
             ratio_bracket(inputs, &placement, &caps, &send),
         ),
     };
-    // Leave the network holding the feasible uniform flow at `num`.
-    let ok = uniform_flow(&mut net, inputs, num).is_some();
-    debug_assert!(ok, "invariant: the searched ratio is feasible");
 
     if policy == Policy::Maxmin {
         for &(s, e, mandatory, extra) in &net.cells {

@@ -4,9 +4,11 @@
 //!
 //! Raising the peak only raises sink capacities, so a flow found for one
 //! peak stays valid for every larger one and is *augmented*, not recomputed:
-//! the search starts at the lower bound (usually already optimal), gallops
-//! upward, then bisects from a saved residual state. When every expert is
-//! held by one rank the assignment is forced and no flow is built.
+//! the search starts at the lower bound (usually already optimal) and, while
+//! the flow falls short, jumps to the smallest peak at which the flow's
+//! minimum cut has room for every pair ([`crate::flow`]'s cut-guided
+//! search). When every expert is held by one rank the assignment is forced
+//! and no flow is built.
 
 use crate::flow::{EdgeId, FlowGraph};
 use crate::{peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
@@ -128,44 +130,68 @@ pub(crate) fn solve(
         .map(|r| problem.base_load[r] + c * problem.cap(r).min(total))
         .max()
         .unwrap_or(0);
-    let mut lo = peak_lower_bound(problem, load).min(t_max);
-    let mut value = raise_to(&mut net, problem, load, lo);
-    if value == total {
-        return Ok(flows_of(&net, problem));
-    }
-    // Gallop upward from the infeasible `lo`, keeping its residual state.
-    let mut saved = (net.graph.snapshot(), value);
-    let mut step = 1u64;
-    let hi = loop {
-        if lo >= t_max {
+    // From the lower bound (usually already optimal) upward: each short flow
+    // names the cut that binds, and the peak jumps to where that cut has
+    // room for every pair. Every jump lands at or below the optimum (a cut's
+    // room is necessary), capacities only rise, so each step augments the
+    // last flow, and the first peak whose flow carries every pair is the
+    // smallest feasible one.
+    let mut peak = peak_lower_bound(problem, load).min(t_max);
+    let mut value = raise_to(&mut net, problem, load, peak);
+    while value < total {
+        let Some(next) = cut_peak(&mut net, problem, load, total, peak, t_max) else {
             return Err(RedistributeError::Infeasible {
                 placeable: value,
                 total,
             });
-        }
-        let next = lo.saturating_add(step).min(t_max);
-        value += raise_to(&mut net, problem, load, next);
-        if value == total {
-            break next;
-        }
-        lo = next;
-        saved = (net.graph.snapshot(), value);
-        step = step.saturating_mul(2);
+        };
+        peak = next;
+        value += raise_to(&mut net, problem, load, peak);
+    }
+    Ok(flows_of(&net, problem))
+}
+
+/// The smallest peak in `(peak, t_max]` at which the minimum cut of the
+/// network's current maximum flow (short of `total` at `peak`) has room for
+/// `total` pairs: its fixed edges plus its ranks' room at that peak. `None`
+/// when not even `t_max` gives it room: no peak is feasible.
+fn cut_peak(
+    net: &mut Network,
+    problem: &Problem,
+    load: &LoadModel,
+    total: u64,
+    peak: u64,
+    t_max: u64,
+) -> Option<u64> {
+    let side = net.graph.source_side(0);
+    let graph = &net.graph;
+    // The cut's capacity: the edges it crosses that do not enter the sink
+    // (fixed), plus the room of its ranks (the peak's).
+    let fixed = graph
+        .edges()
+        .filter(|&(e, _, to)| to != net.sink && graph.crosses(e, &side))
+        .fold(0u64, |a, (e, _, _)| a.saturating_add(graph.capacity(e)));
+    let ranks: Vec<usize> = (0..problem.n_ranks)
+        .filter(|&r| graph.crosses(net.sink_edges[r], &side))
+        .collect();
+    let room = |p: u64| {
+        ranks.iter().fold(0u64, |a, &r| {
+            a.saturating_add(rank_room(problem, load, r, p))
+        })
     };
-    // Bisect (lo, hi]: lo infeasible (state saved), hi feasible.
-    let mut best = flows_of(&net, problem);
-    let mut hi = hi;
+    let need = total.saturating_sub(fixed);
+    if peak >= t_max || room(t_max) < need {
+        return None;
+    }
+    // room(lo) < need ≤ room(hi); room only grows with the peak.
+    let (mut lo, mut hi) = (peak, t_max);
     while hi - lo > 1 {
         let mid = lo + (hi - lo) / 2;
-        net.graph.restore(&saved.0);
-        let v = saved.1 + raise_to(&mut net, problem, load, mid);
-        if v == total {
+        if room(mid) >= need {
             hi = mid;
-            best = flows_of(&net, problem);
         } else {
             lo = mid;
-            saved = (net.graph.snapshot(), v);
         }
     }
-    Ok(best)
+    Some(hi)
 }

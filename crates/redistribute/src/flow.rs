@@ -4,10 +4,24 @@
 //! capacities (the exact solver's search over the peak, the quota
 //! controller's search over the retention ratio), so capacities can be reset
 //! and edges can be frozen without rebuilding.
+//!
+//! Those searches are *cut-guided*: after a max-flow falls short,
+//! [`FlowGraph::source_side`] gives a minimum cut, and the cut's capacity as
+//! a function of the searched parameter says how far the parameter must move
+//! before that cut stops binding — a necessary condition, so the search
+//! jumps there instead of bisecting (a Newton step on the parametric cut; a
+//! few flows where a bisection takes twenty).
 
 /// Handle of an edge returned by [`FlowGraph::add_edge`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EdgeId(u32);
+
+impl EdgeId {
+    /// The edge's position among the edges added: `0, 1, 2, …`.
+    pub fn index(self) -> usize {
+        self.0 as usize / 2
+    }
+}
 
 const NONE: u32 = u32::MAX;
 
@@ -89,6 +103,39 @@ impl FlowGraph {
     pub fn flow(&self, e: EdgeId) -> u64 {
         let i = e.0 as usize;
         self.capacity[i] - self.cap[i]
+    }
+
+    /// An edge's capacity.
+    pub fn capacity(&self, e: EdgeId) -> u64 {
+        self.capacity[e.0 as usize]
+    }
+
+    /// Every added edge as `(id, from, to)`, in the order added (the
+    /// `n`-th has [`EdgeId::index`] `n`).
+    pub fn edges(&self) -> impl ExactSizeIterator<Item = (EdgeId, usize, usize)> + '_ {
+        (0..self.to.len()).step_by(2).map(|i| {
+            (
+                EdgeId(i as u32),
+                self.to[i + 1] as usize,
+                self.to[i] as usize,
+            )
+        })
+    }
+
+    /// The nodes reachable from `s` in the residual graph. After
+    /// [`Self::max_flow`] from `s` they are the source side of a minimum
+    /// cut: every edge from this side to the other is saturated, and the
+    /// flow's value is the sum of their capacities (frozen edges' reverse
+    /// residuals count as absent, as in the search).
+    pub fn source_side(&mut self, s: usize) -> Vec<bool> {
+        self.bfs(s, s);
+        self.level.iter().map(|&l| l != u32::MAX).collect()
+    }
+
+    /// Whether edge `e` goes from the `side` nodes to the others.
+    pub fn crosses(&self, e: EdgeId, side: &[bool]) -> bool {
+        let i = e.0 as usize;
+        side[self.to[i ^ 1] as usize] && !side[self.to[i] as usize]
     }
 
     fn residual(&self, i: usize) -> u64 {
@@ -209,6 +256,39 @@ mod tests {
         assert_eq!(g.max_flow(0, 5), 23);
         g.clear_flow();
         assert_eq!(g.max_flow(0, 5), 23);
+    }
+
+    #[test]
+    fn the_source_side_is_a_minimum_cut() {
+        // Same network as above: the cut's capacity is the flow's value.
+        let mut g = FlowGraph::new(6);
+        for (u, v, c) in [
+            (0, 1, 16),
+            (0, 2, 13),
+            (2, 1, 4),
+            (1, 3, 12),
+            (3, 2, 9),
+            (2, 4, 14),
+            (4, 3, 7),
+            (3, 5, 20),
+            (4, 5, 4),
+        ] {
+            g.add_edge(u, v, c);
+        }
+        let value = g.max_flow(0, 5);
+        let side = g.source_side(0);
+        assert!(side[0] && !side[5]);
+        let cut: u64 = g
+            .edges()
+            .filter(|&(e, _, _)| g.crosses(e, &side))
+            .map(|(e, _, _)| g.capacity(e))
+            .sum();
+        assert_eq!(cut, value);
+        for (e, u, v) in g.edges() {
+            if g.crosses(e, &side) {
+                assert_eq!(g.flow(e), g.capacity(e), "{u}→{v} is saturated");
+            }
+        }
     }
 
     #[test]

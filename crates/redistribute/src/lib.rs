@@ -30,9 +30,12 @@
 //! * **Exact** (compute-only, `m = 0`): for a candidate peak `T`, rank `r` can
 //!   take `min(cap_r, ⌊(T − base_r)/c⌋)` pairs; `T` is feasible iff the
 //!   integral max-flow source → expert (`K_e`) → instance ranks → sink carries
-//!   every kept pair. A binary search over integer `T` between the lower
-//!   bounds of [`peak_lower_bound`] and the greedy plan's peak, each step one
-//!   Dinic max-flow ([`flow`]), returns the optimum of the ILP below.
+//!   every kept pair. A search upward from the lower bounds of
+//!   [`peak_lower_bound`], each step one Dinic max-flow ([`flow`]) that
+//!   augments the last one, returns the optimum of the ILP below: while the
+//!   flow falls short, its minimum cut (a set of experts and the ranks they
+//!   can reach) says how far `T` must rise before that cut has room, and `T`
+//!   jumps there (usually one or two steps, where a bisection took fifteen).
 //! * **ILP** (good_lp; microlp by default, `highs` / `coin_cbc` as cargo
 //!   features): integer `x[e][r]` (or `y[s][e][r]` when `m > 0`) and an
 //!   *integer* peak `T` (a continuous peak makes microlp and CBC stall),

@@ -93,6 +93,26 @@ proptest! {
     }
 
     #[test]
+    fn exact_equals_ilp_at_any_compute_cost(p in problem_strategy(5, 8, 30), c in 1u64..5) {
+        // The cut-guided search jumps by whole pairs of room: the optimum
+        // must not depend on how many load units a pair costs.
+        let load = LoadModel { compute_per_pair: c, network_per_pair: 0 };
+        let exact = check(&p, &Config { solver: Solver::Exact, load, ..Config::default() });
+        let ilp = check(&p, &Config { solver: Solver::Ilp, load, ..Config::default() });
+        match (exact, ilp) {
+            // An ILP stopped by its time limit holds an incumbent, not a
+            // certified optimum: exact must be no worse.
+            (Ok(exact), Ok(ilp)) if ilp.status != Status::Done => prop_assert!(exact.peak <= ilp.peak),
+            (Ok(exact), Ok(ilp)) => prop_assert_eq!(exact.peak, ilp.peak),
+            (Err(RedistributeError::Infeasible { .. }), Err(_)) => {}
+            (Err(RedistributeError::Infeasible { .. }), Ok(ilp)) => {
+                prop_assert!(ilp.status != Status::Done, "ILP placed what exact calls infeasible");
+            }
+            (e, i) => prop_assert!(false, "exact {:?} against ILP {:?}", e.map(|a| a.peak), i.map(|a| a.peak)),
+        }
+    }
+
+    #[test]
     fn one_instance_an_expert_is_the_forced_assignment_or_infeasible(p in problem_strategy(5, 8, 12)) {
         let mut p = p;
         p.instances.iter_mut().for_each(|i| i.truncate(1));
