@@ -387,25 +387,30 @@ pub fn solve(problem: &Problem, cfg: &Config) -> Result<Assignment, Redistribute
 /// sorted by (expert, source, rank).
 pub fn even_split(kept: &[Vec<u64>], instances: &[Vec<usize>]) -> Vec<Route> {
     let mut routes = Vec::new();
+    let mut by_rank: Vec<usize> = Vec::new();
     for (expert, inst) in instances.iter().enumerate() {
         let m = inst.len().max(1);
+        // Positions in rank order, so each (expert, source)'s routes come
+        // out sorted by rank with no sort of the whole list.
+        by_rank.clear();
+        by_rank.extend(0..inst.len());
+        by_rank.sort_by_key(|&i| inst[i]);
         for (source, row) in kept.iter().enumerate() {
             let n = row.get(expert).copied().unwrap_or(0);
-            for (i, &rank) in inst.iter().enumerate() {
+            for &i in &by_rank {
                 let turn = ((i + m - source % m) % m) as u64;
                 let pairs = n / m as u64 + u64::from(turn < n % m as u64);
                 if pairs > 0 {
                     routes.push(Route {
                         source,
                         expert,
-                        rank,
+                        rank: inst[i],
                         pairs,
                     });
                 }
             }
         }
     }
-    routes.sort_by_key(|r| (r.expert, r.source, r.rank));
     routes
 }
 
