@@ -1023,9 +1023,10 @@ impl HallCheck {
         let den = u128::from(RATIO_DEN);
         let (mut lo, mut hi) = (den, den);
         for m in 0..self.cap.len() {
-            if routed[m] > 0 {
-                let cap = u128::from(self.cap[m]);
-                lo = lo.min(cap * den / routed[m]);
+            let cap = u128::from(self.cap[m]);
+            // No pairs within `M`: no bound.
+            if let Some(x) = (cap * den).checked_div(routed[m]) {
+                lo = lo.min(x);
                 hi = hi.min((cap + cells[m]) * den / routed[m] + 1);
             }
         }
