@@ -647,25 +647,62 @@ fn capacities(
 /// Source index of a per-expert cell (unlimited send capacities).
 const AGGREGATED: usize = usize::MAX;
 
-/// `(routed, uniform floor)` of a cell at ratio `num / DEN`: one (source,
-/// expert) cell, or the sum over sources of an aggregated expert cell.
-fn cell_counts(inputs: &Inputs<'_>, s: usize, e: usize, num: u64) -> (u64, u64) {
-    if s == AGGREGATED {
-        inputs.counts.iter().fold((0, 0), |(n, k), row| {
-            (n + row[e], k + floor_ratio(row[e], num))
-        })
-    } else {
-        let n = inputs.counts[s][e];
-        (n, floor_ratio(n, num))
-    }
-}
-
 /// The quota flow network (see the crate doc).
 struct Network {
     graph: FlowGraph,
     /// `(source, expert, mandatory edge, extra edge)` per non-empty cell.
     cells: Vec<(usize, usize, EdgeId, EdgeId)>,
+    /// Each cell's floor terms: its routed count, or an aggregated cell's
+    /// non-zero count per source.
+    terms: Terms,
     sink: usize,
+}
+
+/// Cell `i`'s terms are `wide[start[i]..start[i + 1]]`; `narrow` holds the
+/// same in 32 bits when every one fits (the floors' fast path).
+struct Terms {
+    wide: Vec<u64>,
+    narrow: Option<Vec<u32>>,
+    start: Vec<usize>,
+}
+
+impl Terms {
+    fn new(cells: &[(usize, usize, EdgeId, EdgeId)], inputs: &Inputs<'_>) -> Self {
+        let (mut wide, mut start) = (Vec::new(), vec![0]);
+        for &(s, e, _, _) in cells {
+            if s == AGGREGATED {
+                wide.extend(inputs.counts.iter().map(|row| row[e]).filter(|&n| n > 0));
+            } else {
+                wide.push(inputs.counts[s][e]);
+            }
+            start.push(wide.len());
+        }
+        let narrow = wide.iter().map(|&n| u32::try_from(n).ok()).collect();
+        Self {
+            wide,
+            narrow,
+            start,
+        }
+    }
+
+    fn range(&self, cell: usize) -> std::ops::Range<usize> {
+        self.start[cell]..self.start[cell + 1]
+    }
+
+    /// Cell `cell`'s pairs routed.
+    fn routed(&self, cell: usize) -> u64 {
+        self.wide[self.range(cell)].iter().sum()
+    }
+
+    /// Cell `cell`'s uniform floor at ratio `num / DEN`: the sum of its
+    /// terms' floors (each source keeps its own).
+    fn floor(&self, cell: usize, num: u64) -> u64 {
+        let r = self.range(cell);
+        match &self.narrow {
+            Some(v) => floor_sum_u32(&v[r], num),
+            None => self.wide[r].iter().map(|&n| floor_ratio(n, num)).sum(),
+        }
+    }
 }
 
 fn build_network(
@@ -711,10 +748,26 @@ fn build_network(
     for (r, &cap) in caps.iter().enumerate() {
         graph.add_edge(rank_node(r), sink, cap);
     }
-    Network { graph, cells, sink }
+    let terms = Terms::new(&cells, inputs);
+    Network {
+        graph,
+        cells,
+        terms,
+        sink,
+    }
 }
 
 const RATIO_DEN: u64 = 1 << 20;
+
+/// `Σ ⌊n·x/DEN⌋` over 32-bit counts, `x ≤ DEN` (no term overflows: each is
+/// below 2³², so the sum of fewer than 2³² terms fits).
+fn floor_sum_u32(counts: &[u32], x: u64) -> u64 {
+    debug_assert!(x <= RATIO_DEN);
+    counts
+        .iter()
+        .map(|&n| (u64::from(n) * x) >> RATIO_DEN.trailing_zeros())
+        .sum()
+}
 
 fn floor_ratio(n: u64, num: u64) -> u64 {
     ((u128::from(n) * u128::from(num)) / u128::from(RATIO_DEN)) as u64
@@ -722,11 +775,11 @@ fn floor_ratio(n: u64, num: u64) -> u64 {
 
 /// Whether every cell can keep `⌊num/DEN · n[s][e]⌋` pairs: the flow of
 /// those pairs, from none, if so.
-fn uniform_flow(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> Option<u64> {
+fn uniform_flow(net: &mut Network, num: u64) -> Option<u64> {
     net.graph.clear_flow();
     let mut want = 0u64;
-    for &(s, e, mandatory, extra) in &net.cells {
-        let k = cell_counts(inputs, s, e, num).1;
+    for (i, &(_, _, mandatory, extra)) in net.cells.iter().enumerate() {
+        let k = net.terms.floor(i, num);
         want += k;
         net.graph.set_capacity(extra, 0);
         net.graph.set_capacity(mandatory, k);
@@ -736,10 +789,10 @@ fn uniform_flow(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> Option<u64>
 
 /// Raises every cell's mandatory capacity to `⌊num/DEN · n[s][e]⌋` on top of
 /// the current flow (capacities only grow); returns the pairs wanted.
-fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
+fn raise_uniform(net: &mut Network, num: u64) -> u64 {
     let mut want = 0u64;
-    for &(s, e, mandatory, _) in &net.cells {
-        let k = cell_counts(inputs, s, e, num).1;
+    for (i, &(_, _, mandatory, _)) in net.cells.iter().enumerate() {
+        let k = net.terms.floor(i, num);
         want += k;
         net.graph.set_capacity(mandatory, k);
     }
@@ -755,28 +808,28 @@ fn raise_uniform(net: &mut Network, inputs: &Inputs<'_>, num: u64) -> u64 {
 /// so nothing between is feasible), and the first ratio whose flow carries
 /// every floor is the largest feasible one. Each check augments `lo`'s
 /// saved flow (raising the ratio only raises capacities).
-fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u64 {
-    if bracket.1 >= RATIO_DEN && uniform_flow(net, inputs, RATIO_DEN).is_some() {
+fn flow_search(net: &mut Network, bracket: (u64, u64)) -> u64 {
+    if bracket.1 >= RATIO_DEN && uniform_flow(net, RATIO_DEN).is_some() {
         return RATIO_DEN;
     }
     let (mut lo, mut hi) = (bracket.0.min(RATIO_DEN - 1), bracket.1.min(RATIO_DEN));
-    let kept = match uniform_flow(net, inputs, lo).filter(|_| lo < hi) {
+    let kept = match uniform_flow(net, lo).filter(|_| lo < hi) {
         Some(kept) => kept,
         None => {
             // A bracket that does not hold (it never should): search it all.
             (lo, hi) = (0, RATIO_DEN);
-            uniform_flow(net, inputs, 0).unwrap_or(0)
+            uniform_flow(net, 0).unwrap_or(0)
         }
     };
     let saved = net.graph.snapshot();
     let mut num = hi - 1;
     while num > lo {
         net.graph.restore(&saved);
-        let want = raise_uniform(net, inputs, num);
+        let want = raise_uniform(net, num);
         if kept + net.graph.max_flow(0, net.sink) == want {
             return num;
         }
-        num = cut_ratio(net, inputs, lo, num);
+        num = cut_ratio(net, lo, num);
     }
     net.graph.restore(&saved);
     lo
@@ -787,27 +840,34 @@ fn flow_search(net: &mut Network, inputs: &Inputs<'_>, bracket: (u64, u64)) -> u
 /// floor: with `fixed` the capacity of the edges it crosses whose capacity
 /// does not follow the ratio, the floors of the cells whose mandatory edge
 /// it does not cross must sum to at most `fixed`.
-fn cut_ratio(net: &mut Network, inputs: &Inputs<'_>, lo: u64, num: u64) -> u64 {
+fn cut_ratio(net: &mut Network, lo: u64, num: u64) -> u64 {
     let side = net.graph.source_side(0);
-    let graph = &net.graph;
+    let (graph, terms) = (&net.graph, &net.terms);
     let mut mandatory = vec![false; graph.edges().len()];
     let mut behind: Vec<u64> = Vec::new();
-    for &(s, e, edge, _) in &net.cells {
+    let mut narrow: Option<Vec<u32>> = terms.narrow.as_ref().map(|_| Vec::new());
+    for (i, &(_, _, edge, _)) in net.cells.iter().enumerate() {
         mandatory[edge.index()] = true;
         if graph.crosses(edge, &side) {
             continue;
         }
-        if s == AGGREGATED {
-            behind.extend(inputs.counts.iter().map(|row| row[e]).filter(|&n| n > 0));
-        } else {
-            behind.push(inputs.counts[s][e]);
+        behind.extend_from_slice(&terms.wide[terms.range(i)]);
+        if let (Some(v), Some(all)) = (&mut narrow, &terms.narrow) {
+            v.extend_from_slice(&all[terms.range(i)]);
         }
     }
     let fixed = graph
         .edges()
         .filter(|&(e, _, _)| !mandatory[e.index()] && graph.crosses(e, &side))
         .fold(0u128, |a, (e, _, _)| a + u128::from(graph.capacity(e)));
-    let floors = |x: u64| -> u128 { behind.iter().map(|&n| u128::from(floor_ratio(n, x))).sum() };
+    // Counts that fit 32 bits (every realistic one) take a loop the
+    // compiler vectorises: n·x < 2⁵² with x ≤ DEN = 2²⁰.
+    let floors = |x: u64| -> u128 {
+        match &narrow {
+            Some(v) => u128::from(floor_sum_u32(v, x)),
+            None => behind.iter().map(|&n| u128::from(floor_ratio(n, x))).sum(),
+        }
+    };
     // Σ ⌊n·x/DEN⌋ lies within `behind.len()` of x·Σn/DEN: the answer is
     // within that window of fixed·DEN/Σn, so the bisection is short.
     let total: u128 = behind.iter().map(|&n| u128::from(n)).sum();
@@ -1048,21 +1108,17 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     let num = match HallCheck::new(inputs, &placement, &caps, &send) {
         Some(h) => {
             let num = h.largest_feasible(inputs);
-            let ok = uniform_flow(&mut net, inputs, num).is_some();
+            let ok = uniform_flow(&mut net, num).is_some();
             debug_assert!(ok, "invariant: the searched ratio is feasible");
             num
         }
-        None => flow_search(
-            &mut net,
-            inputs,
-            ratio_bracket(inputs, &placement, &caps, &send),
-        ),
+        None => flow_search(&mut net, ratio_bracket(inputs, &placement, &caps, &send)),
     };
 
     if policy == Policy::Maxmin {
-        for &(s, e, mandatory, extra) in &net.cells {
+        for (i, &(_, _, mandatory, extra)) in net.cells.iter().enumerate() {
             net.graph.freeze(mandatory);
-            let (n, k) = cell_counts(inputs, s, e, num);
+            let (n, k) = (net.terms.routed(i), net.terms.floor(i, num));
             net.graph.set_capacity(extra, n - k);
         }
         net.graph.max_flow(0, net.sink);

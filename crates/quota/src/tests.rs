@@ -175,7 +175,40 @@ proptest! {
         let (caps, send) = capacities(&inputs, &c.placement).unwrap();
         let hall = HallCheck::new(&inputs, &c.placement, &caps, &send).expect("few ranks, unlimited sends");
         let mut net = build_network(&inputs, &c.placement, &caps, &send);
-        prop_assert_eq!(hall.largest_feasible(&inputs), flow_search(&mut net, &inputs, (0, RATIO_DEN)));
+        prop_assert_eq!(hall.largest_feasible(&inputs), flow_search(&mut net, (0, RATIO_DEN)));
+    }
+
+    #[test]
+    fn counts_past_32_bits_search_alike(c in case_strategy(), shift in 30u32..40, with_sends in any::<bool>()) {
+        // Counts and budgets scaled past 32 bits take the floors' wide
+        // path; Gale's check and the cut-guided search must still agree,
+        // and (with sends limited) the bracketed search the plain one.
+        let mut c = c;
+        c.counts.iter_mut().flatten().for_each(|n| *n = (*n << shift) + *n);
+        c.budgets.iter_mut().for_each(|b| {
+            b.memory_bytes = b.memory_bytes.saturating_mul(1 << shift);
+            b.network_bytes = if with_sends { b.network_bytes.saturating_mul(1 << shift) } else { u64::MAX };
+        });
+        let cost = cost();
+        let inputs = inputs(&c, &cost);
+        let Ok((caps, send)) = capacities(&inputs, &c.placement) else { return Ok(()) };
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        prop_assert_eq!(net.terms.narrow.is_none(), c.counts.iter().flatten().any(|&n| n > u64::from(u32::MAX)));
+        let plain = flow_search(&mut net, (0, RATIO_DEN));
+        match HallCheck::new(&inputs, &c.placement, &caps, &send) {
+            Some(hall) => prop_assert_eq!(hall.largest_feasible(&inputs), plain),
+            None => {
+                let mut net = build_network(&inputs, &c.placement, &caps, &send);
+                let bracket = ratio_bracket(&inputs, &c.placement, &caps, &send);
+                prop_assert_eq!(flow_search(&mut net, bracket), plain);
+            }
+        }
+    }
+
+    #[test]
+    fn the_narrow_floors_equal_the_wide_ones(counts in prop::collection::vec(any::<u32>(), 0..64), x in 0..=RATIO_DEN) {
+        let wide: u64 = counts.iter().map(|&n| floor_ratio(u64::from(n), x)).sum();
+        prop_assert_eq!(floor_sum_u32(&counts, x), wide);
     }
 
     #[test]
@@ -185,13 +218,13 @@ proptest! {
         let (caps, send) = capacities(&inputs, &c.placement).unwrap();
         let (lo, hi) = ratio_bracket(&inputs, &c.placement, &caps, &send);
         let mut net = build_network(&inputs, &c.placement, &caps, &send);
-        let plain = flow_search(&mut net, &inputs, (0, RATIO_DEN));
+        let plain = flow_search(&mut net, (0, RATIO_DEN));
         prop_assert!(lo < hi);
         if plain < RATIO_DEN {
             prop_assert!(lo <= plain && plain < hi, "bracket [{}, {}) misses {}", lo, hi, plain);
         }
         let mut net = build_network(&inputs, &c.placement, &caps, &send);
-        prop_assert_eq!(flow_search(&mut net, &inputs, (lo, hi)), plain);
+        prop_assert_eq!(flow_search(&mut net, (lo, hi)), plain);
     }
 
     #[test]
