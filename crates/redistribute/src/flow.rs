@@ -236,9 +236,8 @@ impl FlowGraph {
 mod tests {
     use super::*;
 
-    #[test]
-    fn textbook_network() {
-        // CLRS figure 26.1: max flow 23.
+    /// CLRS figure 26.1: source 0, sink 5, max flow 23.
+    fn textbook() -> FlowGraph {
         let mut g = FlowGraph::new(6);
         for (u, v, c) in [
             (0, 1, 16),
@@ -253,6 +252,12 @@ mod tests {
         ] {
             g.add_edge(u, v, c);
         }
+        g
+    }
+
+    #[test]
+    fn textbook_network() {
+        let mut g = textbook();
         assert_eq!(g.max_flow(0, 5), 23);
         g.clear_flow();
         assert_eq!(g.max_flow(0, 5), 23);
@@ -260,21 +265,8 @@ mod tests {
 
     #[test]
     fn the_source_side_is_a_minimum_cut() {
-        // Same network as above: the cut's capacity is the flow's value.
-        let mut g = FlowGraph::new(6);
-        for (u, v, c) in [
-            (0, 1, 16),
-            (0, 2, 13),
-            (2, 1, 4),
-            (1, 3, 12),
-            (3, 2, 9),
-            (2, 4, 14),
-            (4, 3, 7),
-            (3, 5, 20),
-            (4, 5, 4),
-        ] {
-            g.add_edge(u, v, c);
-        }
+        // The cut's capacity is the flow's value.
+        let mut g = textbook();
         let value = g.max_flow(0, 5);
         let side = g.source_side(0);
         assert!(side[0] && !side[5]);
