@@ -101,7 +101,7 @@ proptest! {
         // microlp can stall on these at 2+ units a pair (2 ranks × 7
         // experts once ran past 2 s): a short limit, its incumbent checked.
         let limit = std::time::Duration::from_millis(300);
-        let ilp = check(&p, &Config { solver: Solver::Ilp, load, ilp_time_limit: limit, ..Config::default() });
+        let ilp = check(&p, &Config { solver: Solver::Ilp, load, ilp_time_limit: limit });
         match (exact, ilp) {
             // An ILP stopped by its time limit holds an incumbent, not a
             // certified optimum: exact must be no worse.
