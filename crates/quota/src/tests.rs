@@ -24,12 +24,23 @@ struct Case {
 }
 
 fn case_strategy() -> impl Strategy<Value = Case> {
-    (1usize..5, 1usize..7).prop_flat_map(|(n_ranks, n_experts)| {
+    sized_case_strategy((1, 5), (1, 7), 30, (3000, 2000))
+}
+
+/// Ranks and experts in the half-open ranges, counts below `most`, extra
+/// memory and network bytes per rank below `bytes`.
+fn sized_case_strategy(
+    ranks: (usize, usize),
+    experts: (usize, usize),
+    most: u64,
+    bytes: (u64, u64),
+) -> impl Strategy<Value = Case> {
+    (ranks.0..ranks.1, experts.0..experts.1).prop_flat_map(move |(n_ranks, n_experts)| {
         (
-            prop::collection::vec(prop::collection::vec(0u64..30, n_experts), n_ranks),
+            prop::collection::vec(prop::collection::vec(0u64..most, n_experts), n_ranks),
             prop::collection::vec(0..n_ranks, n_experts),
             prop::collection::vec(prop::collection::vec(0..n_ranks, 0..2), n_experts),
-            prop::collection::vec((0u64..3000, 0u64..2000), n_ranks),
+            prop::collection::vec((0u64..bytes.0, 0u64..bytes.1), n_ranks),
         )
             .prop_map(move |(counts, owner, reps, budgets)| {
                 let replicas = reps
@@ -203,6 +214,41 @@ proptest! {
                 prop_assert_eq!(flow_search(&mut net, bracket), plain);
             }
         }
+    }
+
+    #[test]
+    fn past_gale_s_ranks_the_cut_guided_search_finds_the_bisection_s_ratio(
+        c in sized_case_strategy((13, 25), (8, 48), 200, (60_000, 40_000)),
+        with_sends in any::<bool>(),
+    ) {
+        // Beyond 12 ranks only the flow search runs; a plain bisection with
+        // a fresh flow for every ratio is the reference.
+        let mut c = c;
+        if !with_sends {
+            c.budgets.iter_mut().for_each(|b| b.network_bytes = u64::MAX);
+        }
+        let cost = cost();
+        let inputs = inputs(&c, &cost);
+        let (caps, send) = capacities(&inputs, &c.placement).unwrap();
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        let reference = if uniform_flow(&mut net, RATIO_DEN).is_some() {
+            RATIO_DEN
+        } else {
+            let (mut lo, mut hi) = (0, RATIO_DEN);
+            while hi - lo > 1 {
+                let mid = lo + (hi - lo) / 2;
+                if uniform_flow(&mut net, mid).is_some() { lo = mid } else { hi = mid }
+            }
+            lo
+        };
+        let bracket = ratio_bracket(&inputs, &c.placement, &caps, &send);
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        prop_assert_eq!(flow_search(&mut net, bracket), reference);
+        let mut net = build_network(&inputs, &c.placement, &caps, &send);
+        prop_assert_eq!(flow_search(&mut net, (0, RATIO_DEN)), reference);
+        // And the whole plan keeps every promise on a real assignment.
+        let m = check(&c, Policy::Maxmin);
+        prop_assert_eq!(m.retention_floor, reference as f64 / RATIO_DEN as f64);
     }
 
     #[test]
