@@ -113,6 +113,16 @@ fn forced(problem: &Problem, kept: &[u64]) -> Option<ExpertFlows> {
     )
 }
 
+/// Whether a fresh max-flow at `peak` places every kept pair: the
+/// certificate the tests hold the search's optimum to (feasible at its
+/// peak, not one unit below).
+#[cfg(test)]
+pub(crate) fn feasible_at(problem: &Problem, load: &LoadModel, peak: u64) -> bool {
+    let kept = problem.kept_per_expert();
+    let mut net = build(problem, &kept);
+    raise_to(&mut net, problem, load, peak) == kept.iter().sum::<u64>()
+}
+
 /// Optimal expert-level flows; `kept` is [`Problem::kept_per_expert`].
 pub(crate) fn solve(
     problem: &Problem,

@@ -116,6 +116,29 @@ proptest! {
     }
 
     #[test]
+    fn at_scale_exact_s_peak_is_feasible_and_one_unit_less_is_not(
+        p in problem_strategy(24, 64, 400),
+        c in 1u64..4,
+    ) {
+        // Too large for the ILP: the optimum's certificate is a fresh flow
+        // at the peak that places every pair and one at peak − 1 that
+        // cannot. Caps scaled to the pairs, so that most problems place.
+        let mut p = p;
+        let total: u64 = p.kept.iter().flatten().sum();
+        let share = total / p.n_ranks as u64 + 1;
+        if let Some(caps) = &mut p.rank_capacity {
+            caps.iter_mut().for_each(|cap| *cap = share + share * (*cap % 4) / 2);
+        }
+        let load = LoadModel { compute_per_pair: c, network_per_pair: 0 };
+        if let Ok(a) = check(&p, &Config { solver: Solver::Exact, load, ..Config::default() }) {
+            prop_assert!(exact::feasible_at(&p, &load, a.peak));
+            if a.peak > 0 {
+                prop_assert!(!exact::feasible_at(&p, &load, a.peak - 1), "peak {} not the least", a.peak);
+            }
+        }
+    }
+
+    #[test]
     fn one_instance_an_expert_is_the_forced_assignment_or_infeasible(p in problem_strategy(5, 8, 12)) {
         let mut p = p;
         p.instances.iter_mut().for_each(|i| i.truncate(1));
