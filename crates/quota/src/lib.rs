@@ -472,14 +472,11 @@ impl Inputs<'_> {
             )?;
         }
         for expert in 0..n_experts {
-            let replicas: &[usize] =
-                (self.placement.replicas.get(expert)).map_or(&[], Vec::as_slice);
-            let owner = self.placement.owner[expert];
-            let bad = |i: usize, rank: usize| {
-                rank >= n_ranks || (i > 0 && (rank == owner || replicas[..i - 1].contains(&rank)))
-            };
+            // Each instance a rank below `n_ranks` that no earlier one
+            // (the owner first) holds.
+            let earlier = |i: usize| self.placement.instance_ranks(expert).take(i);
             for (i, rank) in self.placement.instance_ranks(expert).enumerate() {
-                if bad(i, rank) {
+                if rank >= n_ranks || earlier(i).any(|r| r == rank) {
                     return Err(QuotaError::BadRank {
                         expert,
                         rank,
@@ -698,10 +695,22 @@ impl Terms {
     /// terms' floors (each source keeps its own).
     fn floor(&self, cell: usize, num: u64) -> u64 {
         let r = self.range(cell);
-        match &self.narrow {
-            Some(v) => floor_sum_u32(&v[r], num),
-            None => self.wide[r].iter().map(|&n| floor_ratio(n, num)).sum(),
-        }
+        floor_sum(
+            &self.wide[r.clone()],
+            self.narrow.as_ref().map(|v| &v[r]),
+            num,
+        )
+    }
+}
+
+/// `Σ ⌊n·x/DEN⌋` over `wide`, from `narrow` (the same counts in 32 bits)
+/// when there is one: a loop the compiler vectorises, n·x < 2⁵² with
+/// x ≤ DEN = 2²⁰. The routed totals were checked to fit `u64`, so their
+/// floors do.
+fn floor_sum(wide: &[u64], narrow: Option<&[u32]>, x: u64) -> u64 {
+    match narrow {
+        Some(v) => floor_sum_u32(v, x),
+        None => wide.iter().map(|&n| floor_ratio(n, x)).sum(),
     }
 }
 
@@ -802,12 +811,13 @@ fn raise_uniform(net: &mut Network, num: u64) -> u64 {
 /// The largest feasible uniform ratio numerator by max-flow, leaving `net`
 /// holding a feasible uniform flow at it. `bracket`: `lo` feasible or 0,
 /// `hi` infeasible below `DEN` (`hi ≥ DEN`: nothing known above `lo`, and
-/// `DEN` itself is checked first; `(0, DEN)` knows nothing). The search is cut-guided from above (see
-/// `redistribute::flow`): a ratio whose flow falls short names a minimum
-/// cut, the search moves to the largest ratio that cut allows (necessary,
-/// so nothing between is feasible), and the first ratio whose flow carries
-/// every floor is the largest feasible one. Each check augments `lo`'s
-/// saved flow (raising the ratio only raises capacities).
+/// `DEN` itself is checked first; `(0, DEN)` knows nothing). The search is
+/// cut-guided from above (see `redistribute::flow`): a ratio whose flow
+/// falls short names a minimum cut, the search moves to the largest ratio
+/// that cut allows (necessary, so nothing between is feasible), and the
+/// first ratio whose flow carries every floor is the largest feasible one.
+/// Each check augments `lo`'s saved flow (raising the ratio only raises
+/// capacities).
 fn flow_search(net: &mut Network, bracket: (u64, u64)) -> u64 {
     if bracket.1 >= RATIO_DEN && uniform_flow(net, RATIO_DEN).is_some() {
         return RATIO_DEN;
@@ -857,17 +867,10 @@ fn cut_ratio(net: &mut Network, lo: u64, num: u64) -> u64 {
         }
     }
     let fixed = graph
-        .edges()
-        .filter(|&(e, _, _)| !mandatory[e.index()] && graph.crosses(e, &side))
+        .cut_edges(&side)
+        .filter(|&(e, _, _)| !mandatory[e.index()])
         .fold(0u128, |a, (e, _, _)| a + u128::from(graph.capacity(e)));
-    // Counts that fit 32 bits (every realistic one) take a loop the
-    // compiler vectorises: n·x < 2⁵² with x ≤ DEN = 2²⁰.
-    let floors = |x: u64| -> u128 {
-        match &narrow {
-            Some(v) => u128::from(floor_sum_u32(v, x)),
-            None => behind.iter().map(|&n| u128::from(floor_ratio(n, x))).sum(),
-        }
-    };
+    let floors = |x: u64| u128::from(floor_sum(&behind, narrow.as_deref(), x));
     // Σ ⌊n·x/DEN⌋ lies within `behind.len()` of x·Σn/DEN: the answer is
     // within that window of fixed·DEN/Σn, so the bisection is short.
     let total: u128 = behind.iter().map(|&n| u128::from(n)).sum();

@@ -458,6 +458,23 @@ fn bad_inputs_are_typed_errors() {
         quotas(&inputs(&c, &cost), Policy::Uniform),
         Err(QuotaError::BadRank { rank: 3, .. })
     ));
+    // A rank holding two instances of one expert: a replica on its owner,
+    // or the same replica twice; out of range among the replicas.
+    for (replicas, rank) in [(vec![1, 0], 0), (vec![2, 1, 2], 2), (vec![1, 4], 4)] {
+        let c = Case {
+            counts: vec![vec![1]; 3],
+            placement: Placement {
+                owner: vec![0],
+                replicas: vec![replicas.clone()],
+            },
+            budgets: vec![RankBudget::UNLIMITED; 3],
+        };
+        let got = quotas(&inputs(&c, &cost), Policy::Uniform);
+        assert!(
+            matches!(got, Err(QuotaError::BadRank { expert: 0, rank: r, n_ranks: 3 }) if r == rank),
+            "{replicas:?}: {got:?}"
+        );
+    }
     let c = Case {
         counts: vec![vec![1, 2]],
         placement: Placement {

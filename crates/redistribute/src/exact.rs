@@ -178,8 +178,8 @@ fn cut_peak(
     // The cut's capacity: the edges it crosses that do not enter the sink
     // (fixed), plus the room of its ranks (the peak's).
     let fixed = graph
-        .edges()
-        .filter(|&(e, _, to)| to != net.sink && graph.crosses(e, &side))
+        .cut_edges(&side)
+        .filter(|&(_, _, to)| to != net.sink)
         .fold(0u64, |a, (e, _, _)| a.saturating_add(graph.capacity(e)));
     let ranks: Vec<usize> = (0..problem.n_ranks)
         .filter(|&r| graph.crosses(net.sink_edges[r], &side))

@@ -132,6 +132,15 @@ impl FlowGraph {
         self.level.iter().map(|&l| l != u32::MAX).collect()
     }
 
+    /// The edges from the `side` nodes to the others (a cut's edges, with
+    /// `side` from [`Self::source_side`]), as [`Self::edges`] gives them.
+    pub fn cut_edges<'a>(
+        &'a self,
+        side: &'a [bool],
+    ) -> impl Iterator<Item = (EdgeId, usize, usize)> + 'a {
+        self.edges().filter(move |&(e, _, _)| self.crosses(e, side))
+    }
+
     /// Whether edge `e` goes from the `side` nodes to the others.
     pub fn crosses(&self, e: EdgeId, side: &[bool]) -> bool {
         let i = e.0 as usize;
@@ -270,17 +279,14 @@ mod tests {
         let value = g.max_flow(0, 5);
         let side = g.source_side(0);
         assert!(side[0] && !side[5]);
-        let cut: u64 = g
-            .edges()
-            .filter(|&(e, _, _)| g.crosses(e, &side))
-            .map(|(e, _, _)| g.capacity(e))
-            .sum();
+        let cut: u64 = g.cut_edges(&side).map(|(e, _, _)| g.capacity(e)).sum();
         assert_eq!(cut, value);
-        for (e, u, v) in g.edges() {
-            if g.crosses(e, &side) {
-                assert_eq!(g.flow(e), g.capacity(e), "{u}→{v} is saturated");
-            }
+        for (e, u, v) in g.cut_edges(&side) {
+            assert_eq!(g.flow(e), g.capacity(e), "{u}→{v} is saturated");
         }
+        // Every edge from the side to the rest, and only those.
+        let crossing = g.edges().filter(|&(_, u, v)| side[u] && !side[v]).count();
+        assert_eq!(g.cut_edges(&side).count(), crossing);
     }
 
     #[test]
