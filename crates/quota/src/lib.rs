@@ -127,7 +127,10 @@
 //! and never where `22·ffn·L/F ≤ 10` (the A3B and qwen3-moe-mini experts
 //! over NVLink). At small batches (tens of pairs per expert) no replica
 //! pays, and the slots' memory stays with the token buffers;
-//! [`ReplicaRule::Fill`] places every replica the slots allow.
+//! [`ReplicaRule::Fill`] places every replica the slots allow. A caller
+//! that reserves the slots whatever the rule places (the trainer) plans
+//! the quotas with [`budgets_without_empty_slots`], so an empty slot's
+//! bytes hold no rows.
 //!
 //! ## Tile alignment ([`align_to_tiles`])
 //!
