@@ -119,18 +119,19 @@
 //! and 450 GB/s. The rows (`10·hidden` bytes a remote pair in bf16) shift
 //! that both ways. Pairs routed from other ranks cross the links whichever
 //! instance serves them, so moving them off the busiest rank also takes
-//! their rows off its link: the replica pays once `m > 6·ffn / (22·ffn·L/F
-//! + 10)` (≈ 236 at `ffn` 768 over NVLink, ≈ 421 over a 45 GB/s
-//! inter-node link, which also makes the weights dearer). Pairs routed
-//! from the owner's own rank start crossing a link when a replica serves
-//! them, so for those it pays only once `m > 6·ffn / (22·ffn·L/F − 10)`,
-//! and never where `22·ffn·L/F ≤ 10` (the A3B and qwen3-moe-mini experts
-//! over NVLink). At small batches (tens of pairs per expert) no replica
-//! pays, and the slots' memory stays with the token buffers;
+//! their rows off its link: the replica pays once
+//! `m > 6·ffn / (22·ffn·L/F + 10)` (≈ 236 at `ffn` 768 over NVLink, ≈ 421
+//! over a 45 GB/s inter-node link, which also makes the weights dearer).
+//! Pairs routed from the owner's own rank start crossing a link when a
+//! replica serves them, so for those it pays only once
+//! `m > 6·ffn / (22·ffn·L/F − 10)`, and never where `22·ffn·L/F ≤ 10`
+//! (the A3B and qwen3-moe-mini experts over NVLink). At small batches (tens
+//! of pairs per expert) no replica pays, and the slots' memory stays with
+//! the token buffers;
 //! [`ReplicaRule::Fill`] places every replica the slots allow. A caller
-//! that reserves the slots whatever the rule places (the trainer) plans
-//! the quotas with [`budgets_without_empty_slots`], so an empty slot's
-//! bytes hold no rows.
+//! that reserves the slots whatever the rule places (the trainer) plans the
+//! quotas with [`budgets_without_empty_slots`], so that an empty slot's bytes
+//! hold no rows.
 //!
 //! ## Tile alignment ([`align_to_tiles`])
 //!
