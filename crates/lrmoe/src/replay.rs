@@ -972,22 +972,11 @@ fn replication_and_lrmoe(
         policy: cfg.policy,
         replica_slots_per_rank: cfg.replica_slots_per_rank,
         replica_memory_fraction: cfg.replica_memory_fraction,
-        replica_rule: quota::ReplicaRule::Fill,
+        replica_rule: cfg.replica_rule,
     };
     let qerr = |error| ReplayError::Quota { step, layer, error };
-    let with = quota::plan_replicas(&inputs, &qcfg).map_err(qerr)?;
+    let (lrmoe_replicas, with) = quota::plan_replicas_and_fill(&inputs, &qcfg).map_err(qerr)?;
     let spread = cell.solve(counts, &with, None)?;
-    let lrmoe_replicas = match cfg.replica_rule {
-        quota::ReplicaRule::Fill => with.clone(),
-        rule => quota::plan_replicas(
-            &inputs,
-            &quota::Config {
-                replica_rule: rule,
-                ..qcfg
-            },
-        )
-        .map_err(qerr)?,
-    };
     let with_inputs = quota::Inputs {
         placement: &lrmoe_replicas,
         ..inputs

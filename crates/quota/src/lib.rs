@@ -935,9 +935,11 @@ fn ratio_bracket(
     let mut even = vec![0.0f64; n_ranks];
     let mut slots = vec![0.0f64; n_ranks];
     let mut alone = vec![(0.0f64, 0.0f64); n_ranks];
+    let mut inst = Vec::new();
     for e in 0..n_experts {
         let n = routed[e] as f64;
-        let mut inst = placement.instances(e);
+        inst.clear();
+        inst.extend(placement.instance_ranks(e));
         inst.sort_unstable();
         inst.dedup();
         owned[placement.owner[e]] += n;
@@ -1307,6 +1309,59 @@ pub fn replicas_by_load(
 
 /// Adds replicas of hot experts to `inputs.placement` (see the crate doc).
 pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
+    let filled = fill_replicas(inputs, cfg)?;
+    Ok(apply_rule(inputs, cfg.replica_rule, filled))
+}
+
+/// [`plan_replicas`]' placement under `cfg.replica_rule`, then the one
+/// [`ReplicaRule::Fill`] gives (every replica the slots allow), from one
+/// pass over the slots: the rule's replicas are a prefix of the filled
+/// ones. For a caller that needs both (`lrmoe replay`: replication and
+/// LRMoE).
+pub fn plan_replicas_and_fill(
+    inputs: &Inputs<'_>,
+    cfg: &Config,
+) -> Result<(Placement, Placement), QuotaError> {
+    let filled = fill_replicas(inputs, cfg)?;
+    let all = filled.placement.clone();
+    Ok((apply_rule(inputs, cfg.replica_rule, filled), all))
+}
+
+/// Every replica the slots allow: the placement with them, the placement
+/// before them and the replicas in the order they were added.
+struct Filled {
+    placement: Placement,
+    given: Placement,
+    added: Vec<(usize, usize)>,
+}
+
+/// The rule's placement from the filled one.
+fn apply_rule(inputs: &Inputs<'_>, rule: ReplicaRule, filled: Filled) -> Placement {
+    let Filled {
+        placement,
+        given,
+        added,
+    } = filled;
+    match rule {
+        ReplicaRule::Fill => placement,
+        ReplicaRule::Paying => paying_prefix(inputs, given, &added),
+        ReplicaRule::PayingCompute => {
+            let cost = CostModel {
+                exchange_row_bytes: 0,
+                ..*inputs.cost
+            };
+            let inputs = Inputs {
+                cost: &cost,
+                ..*inputs
+            };
+            paying_prefix(&inputs, given, &added)
+        }
+    }
+}
+
+/// [`ReplicaRule::Fill`]'s replicas, the hottest expert per instance onto
+/// the least-loaded rank with room, in order (see the crate doc).
+fn fill_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Filled, QuotaError> {
     inputs.validate()?;
     if !(0.0..=1.0).contains(&cfg.replica_memory_fraction) {
         return Err(QuotaError::BadFraction {
@@ -1430,21 +1485,11 @@ pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, Quo
         }
         heap.push(key(e, &placement));
     }
-    match cfg.replica_rule {
-        ReplicaRule::Fill => Ok(placement),
-        ReplicaRule::Paying => Ok(paying_prefix(inputs, given, &added)),
-        ReplicaRule::PayingCompute => {
-            let cost = CostModel {
-                exchange_row_bytes: 0,
-                ..*inputs.cost
-            };
-            let inputs = Inputs {
-                cost: &cost,
-                ..*inputs
-            };
-            Ok(paying_prefix(&inputs, given, &added))
-        }
-    }
+    Ok(Filled {
+        placement,
+        given,
+        added,
+    })
 }
 
 /// The placement `given` plus the prefix of `added` with the smallest

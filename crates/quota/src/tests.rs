@@ -794,6 +794,13 @@ proptest! {
         let fill = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Fill };
         let (_, order) = naive_plan_replicas(&inputs, &fill).unwrap();
         let paying = plan_replicas(&inputs, &Config { replica_rule: ReplicaRule::Paying, ..fill }).unwrap();
+        // One pass gives both what the rule places and every slot filled.
+        let filled = plan_replicas(&inputs, &fill).unwrap();
+        for rule in [ReplicaRule::Fill, ReplicaRule::Paying, ReplicaRule::PayingCompute] {
+            let cfg = Config { replica_rule: rule, ..fill };
+            let alone = plan_replicas(&inputs, &cfg).unwrap();
+            prop_assert_eq!(plan_replicas_and_fill(&inputs, &cfg).unwrap(), (alone, filled.clone()));
+        }
         let t = modelled_call_seconds(&inputs, &paying);
         let tol = 1e-9 * t.max(1e-30);
         prop_assert!((t - naive_call_seconds(&inputs, &paying)).abs() <= tol);

@@ -24,7 +24,12 @@ struct Network {
 fn build(problem: &Problem, kept: &[u64]) -> Network {
     let (n_experts, n_ranks) = (problem.n_experts(), problem.n_ranks);
     let sink = n_experts + n_ranks + 1;
-    let mut graph = FlowGraph::new(sink + 1);
+    let edges = n_ranks
+        + (problem.instances.iter().zip(kept))
+            .filter(|&(_, &k)| k > 0)
+            .map(|(inst, _)| 1 + inst.len())
+            .sum::<usize>();
+    let mut graph = FlowGraph::with_capacity(sink + 1, edges);
     // Sink edges first: Dinic scans adjacency lists newest-first, so experts
     // are tried before the (few) long residual paths through ranks.
     let sink_edges = (0..n_ranks)

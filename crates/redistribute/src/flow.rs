@@ -51,6 +51,20 @@ impl FlowGraph {
         }
     }
 
+    /// [`Self::new`] with room for `n_edges` edges (each with its
+    /// reverse), so that adding them does not reallocate.
+    pub fn with_capacity(n_nodes: usize, n_edges: usize) -> Self {
+        let arcs = 2 * n_edges;
+        Self {
+            next: Vec::with_capacity(arcs),
+            to: Vec::with_capacity(arcs),
+            cap: Vec::with_capacity(arcs),
+            capacity: Vec::with_capacity(arcs),
+            blocked: Vec::with_capacity(arcs),
+            ..Self::new(n_nodes)
+        }
+    }
+
     /// Adds `from → to` with capacity `cap` (zero flow).
     pub fn add_edge(&mut self, from: usize, to: usize, cap: u64) -> EdgeId {
         let id = self.to.len() as u32;

@@ -544,11 +544,14 @@ pub(crate) type ExpertFlows = Vec<Vec<u64>>;
 /// the remaining sources fill the remaining instances in rank order. Routes
 /// come out sorted by (expert, source, rank) without a sort.
 fn split_to_sources(problem: &Problem, flows: &ExpertFlows) -> Vec<Route> {
-    let mut routes = Vec::with_capacity(problem.n_ranks * problem.n_experts());
+    // Per expert at most one local route per instance, and the other
+    // routes each end a source's pairs or an instance's room: at most
+    // sources + instances of them.
+    let instances: usize = problem.instances.iter().map(Vec::len).sum();
+    let mut routes = Vec::with_capacity(problem.n_ranks * problem.n_experts() + 2 * instances);
     let mut left_inst: Vec<u64> = Vec::new();
     let mut local: Vec<u64> = vec![0; problem.n_ranks];
     let mut order: Vec<usize> = Vec::new();
-    let mut mine: Vec<Route> = Vec::new();
     for (expert, inst) in problem.instances.iter().enumerate() {
         left_inst.clear();
         left_inst.extend_from_slice(&flows[expert]);
@@ -560,27 +563,29 @@ fn split_to_sources(problem: &Problem, flows: &ExpertFlows) -> Vec<Route> {
         order.extend(0..inst.len());
         order.sort_unstable_by_key(|&i| inst[i]);
         let mut oi = 0;
-        for (source, &local_here) in local.iter().enumerate() {
-            let here = if inst.contains(&source) {
-                local_here
-            } else {
-                0
-            };
+        // `local` is zero off this expert's instances (reset below).
+        for (source, &here) in local.iter().enumerate() {
             let mut left = problem.kept[source][expert] - here;
-            mine.clear();
-            if here > 0 {
-                mine.push(Route {
-                    source,
-                    expert,
-                    rank: source,
-                    pairs: here,
-                });
-            }
+            let local_route = Route {
+                source,
+                expert,
+                rank: source,
+                pairs: here,
+            };
+            // The local route goes in before the first other route past
+            // its rank, so the source's routes stay in rank order (no other
+            // route reaches the source's own instance: its local pairs
+            // either filled it or were all the source had).
+            let mut local_due = here > 0;
             while left > 0 {
                 let Some(&i) = order.get(oi) else { break };
                 let take = left.min(left_inst[i]);
                 if take > 0 {
-                    mine.push(Route {
+                    if local_due && inst[i] > source {
+                        routes.push(local_route);
+                        local_due = false;
+                    }
+                    routes.push(Route {
                         source,
                         expert,
                         rank: inst[i],
@@ -593,9 +598,9 @@ fn split_to_sources(problem: &Problem, flows: &ExpertFlows) -> Vec<Route> {
                     oi += 1;
                 }
             }
-            // At most one route (the local one) is out of rank order.
-            mine.sort_unstable_by_key(|r| r.rank);
-            routes.extend_from_slice(&mine);
+            if local_due {
+                routes.push(local_route);
+            }
         }
         for &rank in inst {
             local[rank] = 0;

@@ -51,6 +51,13 @@ fn cfg(solver: Solver) -> Config {
 fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeError> {
     let a = solve(problem, cfg)?;
     assert_eq!(conservation_error(problem, &a.routes), None);
+    let key = |r: &Route| (r.expert, r.source, r.rank);
+    assert!(
+        a.routes.windows(2).all(|w| key(&w[0]) < key(&w[1])),
+        "routes not sorted by (expert, source, rank): {:?}",
+        a.routes
+    );
+    assert!(a.routes.iter().all(|r| r.pairs > 0), "an empty route");
     for r in 0..problem.n_ranks {
         assert!(
             a.pairs_per_rank[r] <= problem.cap(r),
@@ -71,6 +78,27 @@ fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeErro
 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(96))]
+
+    /// The exact flows' routes come out of `split_to_sources` already in
+    /// (expert, source, rank) order (so `assignment_from_routes` need not
+    /// sort them), non-empty, and each source's local pairs stay home.
+    #[test]
+    fn split_routes_come_out_sorted_with_local_pairs_home(p in problem_strategy(5, 8, 30)) {
+        let kept = p.kept_per_expert();
+        if let Ok(flows) = exact::solve(&p, &LoadModel::default(), &kept) {
+            let routes = split_to_sources(&p, &flows);
+            prop_assert_eq!(conservation_error(&p, &routes), None);
+            let key = |r: &Route| (r.expert, r.source, r.rank);
+            prop_assert!(routes.windows(2).all(|w| key(&w[0]) < key(&w[1])), "{:?}", routes);
+            prop_assert!(routes.iter().all(|r| r.pairs > 0));
+            for (e, inst) in p.instances.iter().enumerate() {
+                for &r in inst {
+                    let home: u64 = routes.iter().filter(|x| x.expert == e && x.source == r && x.rank == r).map(|x| x.pairs).sum();
+                    prop_assert_eq!(home, p.kept[r][e].min(flows[e][inst.iter().position(|&x| x == r).unwrap()]));
+                }
+            }
+        }
+    }
 
     #[test]
     fn exact_equals_ilp_optimum_and_greedy_is_never_better(p in problem_strategy(4, 6, 12)) {
