@@ -85,7 +85,8 @@
 //! forward and its gradient back after the backward. With
 //! [`ReplicaRule::Paying`] (the default) the controller keeps the prefix of
 //! the greedy's sequence whose modelled call time is smallest
-//! ([`modelled_call_seconds`]). The model follows the layer call's
+//! ([`modelled_call_seconds`]); [`plan_replicas_and_fill`] returns that
+//! prefix and the whole sequence from one pass. The model follows the layer call's
 //! phases, each ending when its busiest rank does: the expert work, with
 //! `m_r` the routed pairs rank `r` serves (each expert's split over its
 //! instances as a min-max split would, approximated by water-filling: the
