@@ -230,11 +230,7 @@ pub struct Placement {
 impl Placement {
     /// Every rank holding an instance of `expert`: owner first.
     pub fn instances(&self, expert: usize) -> Vec<usize> {
-        let mut v = vec![self.owner[expert]];
-        if let Some(r) = self.replicas.get(expert) {
-            v.extend_from_slice(r);
-        }
-        v
+        self.instance_ranks(expert).collect()
     }
 
     /// [`Self::instances`] without the allocation: the owner, then the
