@@ -2,10 +2,13 @@
 beside each part's device limit on one H200: the bf16 dense GEMM rate
 (989 TFLOP/s) for GEMM parts, HBM bandwidth (4.8 TB/s) for the others.
 
-    python3 benches/parts.py LOG CONFIG LAYERS SEQ BATCH [SKIP]
+    python3 benches/parts.py LOG CONFIG LAYERS SEQ BATCH [SKIP] [--torch FILE]
 
 LOG is the run's stderr (the `parts_ms` lines); SKIP steps are dropped
 (warm-up, default 5); the median of each part over the rest is printed.
+FILE is benches/torch_parts.py's output for the same shapes, run in the same
+call: PyTorch's time for each part (the faster of eager and compiled), and
+ours ÷ PyTorch's, go beside ours.
 """
 
 import json
@@ -49,8 +52,17 @@ def limits(c, layers, n, seq):
 
 
 def main():
-    log, cfg_path, layers, seq, batch = sys.argv[1:6]
-    skip = int(sys.argv[6]) if len(sys.argv) > 6 else 5
+    args = sys.argv[1:]
+    torch_ms = {}
+    if "--torch" in args:
+        i = args.index("--torch")
+        for line in open(args[i + 1]):
+            if line.startswith("{"):
+                r = json.loads(line)
+                torch_ms[r["part"]] = r["ms"]
+        del args[i:i + 2]
+    log, cfg_path, layers, seq, batch = args[0:5]
+    skip = int(args[5]) if len(args) > 5 else 5
     layers, seq, batch = int(layers), int(seq), int(batch)
     c = json.load(open(cfg_path))
     steps = []
@@ -63,18 +75,31 @@ def main():
         sys.exit("no parts_ms lines (LRMOE_PARTS=1, log level info)")
     lim = limits(c, layers, seq * batch, seq)
     total = 0.0
-    print(f"| part | ours ms | device limit ms | bound | ours ÷ limit |")
-    print("|---|---|---|---|---|")
+    print("| part | ours ms | PyTorch ms | device limit ms | bound | ours ÷ limit | PyTorch ÷ limit | ours ÷ PyTorch |")
+    print("|---|---|---|---|---|---|---|---|")
+    both_ours, both_torch = 0.0, 0.0
     for name in steps[-1]:
         vals = sorted(s.get(name, 0.0) for s in steps)
         ms = vals[len(vals) // 2]
         total += ms
+        t = torch_ms.get(name)
+        if t is not None:
+            both_ours += ms
+            both_torch += t
+        ts = f"{t:.2f}" if t is not None else "—"
+        ratio = f"{ms / t:.2f}" if t else "—"
         if name in lim:
             l, bound = lim[name]
-            print(f"| {name} | {ms:.2f} | {l:.2f} | {bound} | {ms / l:.2f} |")
+            tl = f"{t / l:.2f}" if t is not None else "—"
+            print(f"| {name} | {ms:.2f} | {ts} | {l:.2f} | {bound} | {ms / l:.2f} | {tl} | {ratio} |")
         else:
-            print(f"| {name} | {ms:.2f} | — | — | — |")
-    print(f"| step (sum of medians) | {total:.2f} | | | |")
+            print(f"| {name} | {ms:.2f} | {ts} | — | — | — | — | {ratio} |")
+    for name, t in torch_ms.items():
+        if name not in steps[-1]:
+            print(f"| {name} (PyTorch only) | — | {t:.2f} | | | | | |")
+    if torch_ms:
+        print(f"| the parts both have (sum) | {both_ours:.2f} | {both_torch:.2f} | | | | | {both_ours / both_torch:.2f} |")
+    print(f"| step (sum of medians) | {total:.2f} | | | | | | |")
 
 
 if __name__ == "__main__":

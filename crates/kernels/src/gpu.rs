@@ -777,6 +777,9 @@ mod imp {
         /// (`LRMOE_DENSE_GEMM=cutlass`, or libcublas missing): the grouped
         /// kernels.
         blas: Option<cudarc::cublas::CudaBlas>,
+        /// The workspace cuBLAS runs in ([`open_blas`]); declared after
+        /// `blas`, so the handle is destroyed before its workspace is freed.
+        _blas_workspace: Option<CudaSlice<u8>>,
         /// Fill every output buffer with 0xFF bytes before its kernel runs
         /// (device tests: a kernel that skips an element is caught).
         poison: std::sync::atomic::AtomicBool,
@@ -795,19 +798,65 @@ mod imp {
         }
     }
 
-    /// cuBLAS on `stream` unless `LRMOE_DENSE_GEMM=cutlass` asks for the
-    /// grouped kernels or libcublas does not load (then the grouped
-    /// kernels run every GEMM).
-    fn open_blas(stream: &Arc<CudaStream>) -> Option<cudarc::cublas::CudaBlas> {
+    /// The workspace [`open_blas`] gives cuBLAS, MiB, unless
+    /// `LRMOE_CUBLAS_WORKSPACE_MIB` sets one: 0, cuBLAS's own default.
+    /// cuBLAS recommends 32 MiB on Hopper (its `cublasSetWorkspace`
+    /// reference) and PyTorch gives its handles that on sm_90, where its
+    /// o projection's GEMMs ran 1.17–1.30× faster than ours at the A3B
+    /// shape (2026-12-05); whether the workspace is the difference is
+    /// unmeasured, so the default stays cuBLAS's until a device run
+    /// (`LRMOE_CUBLAS_WORKSPACE_MIB=32` against 0, `docs/benchmarks.md`)
+    /// says otherwise.
+    const BLAS_WORKSPACE_MIB: usize = 0;
+
+    /// cuBLAS on `stream`, with a workspace of its own where one is asked
+    /// for ([`BLAS_WORKSPACE_MIB`]),
+    /// unless `LRMOE_DENSE_GEMM=cutlass` asks for the grouped kernels or
+    /// libcublas does not load (then the grouped kernels run every GEMM).
+    #[allow(clippy::type_complexity)]
+    fn open_blas(
+        stream: &Arc<CudaStream>,
+    ) -> (Option<cudarc::cublas::CudaBlas>, Option<CudaSlice<u8>>) {
         if std::env::var("LRMOE_DENSE_GEMM").as_deref() == Ok("cutlass") {
-            return None;
+            return (None, None);
         }
         // cudarc panics when it cannot load the library; probe first.
         // SAFETY: a presence probe of the library (dlopen only).
         if !unsafe { cudarc::cublas::sys::is_culib_present() } {
-            return None;
+            return (None, None);
         }
-        cudarc::cublas::CudaBlas::new(stream.clone()).ok()
+        let Ok(blas) = cudarc::cublas::CudaBlas::new(stream.clone()) else {
+            return (None, None);
+        };
+        let mib = std::env::var("LRMOE_CUBLAS_WORKSPACE_MIB")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+            .unwrap_or(BLAS_WORKSPACE_MIB);
+        if mib == 0 {
+            return (Some(blas), None);
+        }
+        // Without a workspace of its own cuBLAS runs on its default one;
+        // a failed allocation keeps that (slower, still correct).
+        let Ok(ws) = stream.alloc_zeros::<u8>(mib << 20) else {
+            return (Some(blas), None);
+        };
+        let set = {
+            use cudarc::driver::DevicePtr;
+            let (ptr, _guard) = ws.device_ptr(stream);
+            // SAFETY: the handle runs on `stream`; `ws` outlives it (the
+            // field order of `Gpu`) and nothing else uses it.
+            unsafe {
+                cudarc::cublas::sys::cublasSetWorkspace_v2(
+                    *blas.handle(),
+                    ptr as *mut std::ffi::c_void,
+                    mib << 20,
+                )
+            }
+        };
+        match set {
+            cudarc::cublas::sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS => (Some(blas), Some(ws)),
+            _ => (Some(blas), None),
+        }
     }
 
     /// What [`pool_set`] does to the device's stream-ordered memory pool.
@@ -921,6 +970,7 @@ mod imp {
             let n_sms = ctx
                 .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
                 .map_err(cuda)? as u32;
+            let (blas, blas_workspace) = open_blas(&stream);
             Ok(Self {
                 scores: module.load_function("lrm_scores_bf16").map_err(cuda)?,
                 gather: module.load_function("gather_rows_u16").map_err(cuda)?,
@@ -951,7 +1001,8 @@ mod imp {
                 f_gather_u8: module.load_function("gather_u8").map_err(cuda)?,
                 f_expand_runs: module.load_function("expand_runs").map_err(cuda)?,
                 dense: dense::DenseFns::load(&ctx, DENSE_FATBIN)?,
-                blas: open_blas(&stream),
+                blas,
+                _blas_workspace: blas_workspace,
                 poison: std::sync::atomic::AtomicBool::new(false),
                 _module: module,
                 ctx,
