@@ -156,6 +156,15 @@ eval_near_every = ${NEAR_EVERY:-0}
 eval_near_margin = ${NEAR_MARGIN:-0.1}
 checkpoint = false
 T
+  # A whole-comparison limit below the modes' own caps cuts the last mode
+  # off before its target, and its run is lost (session 46 lost three so).
+  python3 - "${MODES:-full,replicate,lrmoe,capacity}" "${CMP_MIN:-1.6}" "${CMP_TIMEOUT:-590}" <<'P'
+import sys
+modes, cap, limit = len(sys.argv[1].split(",")), float(sys.argv[2]), float(sys.argv[3])
+if limit < modes * cap * 60:
+    print(f"warning: CMP_TIMEOUT={limit:.0f} s is less than {modes} modes × CMP_MIN {cap} min "
+          f"({modes * cap * 60:.0f} s): the last mode may be cut off before its target")
+P
   # shellcheck disable=SC2086 # $cmpj carries the config and its layer count
   time timeout ${CMP_TIMEOUT:-590} .device/lrmoe train --device cuda --executor device --ranks ${CMP_RANKS:-8} \
     --model-config $cmpj --config /tmp/cmp.toml --steps ${CMP_STEPS:-300} \
