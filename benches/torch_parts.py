@@ -42,6 +42,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+import qwen3_shape
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--config", required=True)
 ap.add_argument("--layers", type=int, default=None)
@@ -50,12 +52,8 @@ ap.add_argument("--batch", type=int, default=8)
 ap.add_argument("--no-compile", action="store_true")
 ap.add_argument("--precision", choices=["master", "bf16"], default="master")
 a = ap.parse_args()
-c = json.load(open(a.config))
-L = a.layers or c["num_hidden_layers"]
-D, H, KV = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-DH = c.get("head_dim", D // H)
-E, FF, V = c["num_experts"], c["moe_intermediate_size"], c["vocab_size"]
-EPS, THETA = c.get("rms_norm_eps", 1e-6), c.get("rope_theta", 1e4)
+S = qwen3_shape.load(a.config, a.layers)
+L, D, H, KV, DH, E, FF, V, EPS, THETA = S.L, S.D, S.H, S.KV, S.DH, S.E, S.FF, S.V, S.EPS, S.THETA
 B, T = a.batch, a.seq
 N = B * T
 dev, bf = "cuda", torch.bfloat16

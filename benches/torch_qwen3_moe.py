@@ -41,6 +41,8 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as dnn
 import torch.nn.functional as F
 
+import qwen3_shape
+
 ap = argparse.ArgumentParser()
 ap.add_argument("--config", required=True)
 ap.add_argument("--seq", type=int, default=512)
@@ -51,12 +53,9 @@ ap.add_argument("--corpus", default="crates/lrmoe/data/shakespeare.txt")
 ap.add_argument("--compile", action="store_true")
 ap.add_argument("--precision", choices=["master", "bf16"], default="master")
 a = ap.parse_args()
-c = json.load(open(a.config))
-L = a.layers or c["num_hidden_layers"]
-D, H, KV = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
-DH = c.get("head_dim", D // H)
-E, K, FF = c["num_experts"], c["num_experts_per_tok"], c["moe_intermediate_size"]
-V, EPS, THETA = c["vocab_size"], c.get("rms_norm_eps", 1e-6), c.get("rope_theta", 1e4)
+S = qwen3_shape.load(a.config, a.layers)
+L, D, H, KV, DH = S.L, S.D, S.H, S.KV, S.DH
+E, K, FF, V, EPS, THETA = S.E, S.K, S.FF, S.V, S.EPS, S.THETA
 WORLD = int(os.environ.get("WORLD_SIZE", "1"))
 RANK = int(os.environ.get("RANK", "0"))
 if WORLD > 1:
