@@ -813,7 +813,6 @@ mod imp {
     /// for ([`BLAS_WORKSPACE_MIB`]),
     /// unless `LRMOE_DENSE_GEMM=cutlass` asks for the grouped kernels or
     /// libcublas does not load (then the grouped kernels run every GEMM).
-    #[allow(clippy::type_complexity)]
     fn open_blas(
         stream: &Arc<CudaStream>,
     ) -> (Option<cudarc::cublas::CudaBlas>, Option<CudaSlice<u8>>) {
@@ -828,10 +827,16 @@ mod imp {
         let Ok(blas) = cudarc::cublas::CudaBlas::new(stream.clone()) else {
             return (None, None);
         };
-        let mib = std::env::var("LRMOE_CUBLAS_WORKSPACE_MIB")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .unwrap_or(BLAS_WORKSPACE_MIB);
+        let mib = match std::env::var("LRMOE_CUBLAS_WORKSPACE_MIB") {
+            Ok(v) => v.trim().parse::<usize>().unwrap_or_else(|_| {
+                tracing::warn!(
+                    "LRMOE_CUBLAS_WORKSPACE_MIB={v:?} is not a whole number of MiB; \
+                     using {BLAS_WORKSPACE_MIB}"
+                );
+                BLAS_WORKSPACE_MIB
+            }),
+            Err(_) => BLAS_WORKSPACE_MIB,
+        };
         if mib == 0 {
             return (Some(blas), None);
         }

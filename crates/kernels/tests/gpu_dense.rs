@@ -749,8 +749,9 @@ fn cudnn_attention_backward_matches_the_twin() {
 /// under `LRMOE_DENSE_GEMM=cutlass`: run it both ways) against the CPU twin, every variant, on shapes that are
 /// not tile multiples, outputs poisoned: within bf16 rounding of the f32
 /// product (1% in norm) and no element left unwritten. The tall case
-/// (8 192 rows into a 256 × 136 weight gradient) is where cuBLAS splits
-/// the reduction through its workspace.
+/// (8 192 rows into a 256 × 136 weight gradient) is the kind cuBLAS may
+/// split along the reduction, through its workspace
+/// (`LRMOE_CUBLAS_WORKSPACE_MIB`: run it with 0 and 32 too).
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn one_group_gemms_match_the_cpu_twin() {
