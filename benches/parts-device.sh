@@ -25,9 +25,13 @@ case ${SHAPE:-a3b2} in
 esac
 tag=parts-${SHAPE:-a3b2}
 exact_toml "$tag" "$steps" "$seq" "$batch" false
-LRMOE_PARTS=1 LRMOE_LOG=info timeout 300 .device/lrmoe train --device cuda --model-config $cfg --layers $layers \
-  --config /tmp/$tag.toml --no-progress --force > /tmp/$tag.out 2> "$OUT/$tag.log"
-tail -1 /tmp/$tag.out
+# lrmoe's step by part: the run's last line to stdout, its stderr (the
+# `parts_ms` lines) to $1.
+parts_run() {
+  LRMOE_PARTS=1 LRMOE_LOG=info timeout 300 .device/lrmoe train --device cuda --model-config $cfg --layers $layers \
+    --config /tmp/$tag.toml --no-progress --force 2> "$1" | tail -1
+}
+parts_run "$OUT/$tag.log"
 for prec in master bf16; do
   timeout 300 python3 benches/torch_parts.py --config $cfg --layers $layers --seq $seq --batch $batch \
     --precision $prec > "$OUT/torch-$tag-$prec.jsonl" 2> /tmp/torch-$tag-$prec.err
@@ -36,8 +40,7 @@ done
 python3 benches/parts.py "$OUT/$tag.log" $cfg $layers $seq $batch 5 --torch "$OUT/torch-$tag-master.jsonl" | tee "$OUT/$tag.md"
 for round in 1 2; do
   for ws in ${WORKSPACES:-}; do
-    LRMOE_CUBLAS_WORKSPACE_MIB=$ws LRMOE_PARTS=1 LRMOE_LOG=info timeout 120 .device/lrmoe train --device cuda \
-      --model-config $cfg --layers $layers --config /tmp/$tag.toml --no-progress --force > /dev/null 2> "$OUT/$tag-ws$ws-$round.log"
+    LRMOE_CUBLAS_WORKSPACE_MIB=$ws parts_run "$OUT/$tag-ws$ws-$round.log" > /dev/null
     echo "== cuBLAS workspace $ws MiB, round $round"
     python3 benches/parts.py "$OUT/$tag-ws$ws-$round.log" $cfg $layers $seq $batch 5 | grep -E "projection|lm head|step"
   done

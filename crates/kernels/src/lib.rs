@@ -33,7 +33,8 @@
 //!   `Gpu::wait_for_stream` / `Gpu::stream_waits` order this GPU's stream
 //!   against that library's stream by events (the Python package's CUDA
 //!   path). `Gpu::gemm_dev`'s one-group GEMMs run on cuBLAS (the grouped kernels
-//!   with `LRMOE_DENSE_GEMM=cutlass` or without libcublas).
+//!   with `LRMOE_DENSE_GEMM=cutlass` or without libcublas), in cuBLAS's own
+//!   workspace unless `LRMOE_CUBLAS_WORKSPACE_MIB` gives it one.
 //! * [`dense`] — CPU twins of the dense transformer kernels
 //!   (`kernels/dense.cu`, its own fatbin): embedding and its scatter-add,
 //!   RMSNorm forward/backward (f32 residual or bf16 head rows; the

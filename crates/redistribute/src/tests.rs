@@ -48,16 +48,21 @@ fn cfg(solver: Solver) -> Config {
 }
 
 /// Solves and checks the contract every solver must meet.
+/// Routes strictly in (expert, source, rank) order, none empty: what
+/// every solver's routes (and `split_to_sources`') must be.
+fn sorted_and_nonempty(routes: &[Route]) -> bool {
+    let key = |r: &Route| (r.expert, r.source, r.rank);
+    routes.windows(2).all(|w| key(&w[0]) < key(&w[1])) && routes.iter().all(|r| r.pairs > 0)
+}
+
 fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeError> {
     let a = solve(problem, cfg)?;
     assert_eq!(conservation_error(problem, &a.routes), None);
-    let key = |r: &Route| (r.expert, r.source, r.rank);
     assert!(
-        a.routes.windows(2).all(|w| key(&w[0]) < key(&w[1])),
-        "routes not sorted by (expert, source, rank): {:?}",
+        sorted_and_nonempty(&a.routes),
+        "routes not sorted by (expert, source, rank), or an empty one: {:?}",
         a.routes
     );
-    assert!(a.routes.iter().all(|r| r.pairs > 0), "an empty route");
     for r in 0..problem.n_ranks {
         assert!(
             a.pairs_per_rank[r] <= problem.cap(r),
@@ -88,9 +93,7 @@ proptest! {
         if let Ok(flows) = exact::solve(&p, &LoadModel::default(), &kept) {
             let routes = split_to_sources(&p, &flows);
             prop_assert_eq!(conservation_error(&p, &routes), None);
-            let key = |r: &Route| (r.expert, r.source, r.rank);
-            prop_assert!(routes.windows(2).all(|w| key(&w[0]) < key(&w[1])), "{:?}", routes);
-            prop_assert!(routes.iter().all(|r| r.pairs > 0));
+            prop_assert!(sorted_and_nonempty(&routes), "{:?}", routes);
             for (e, inst) in p.instances.iter().enumerate() {
                 for &r in inst {
                     let home: u64 = routes.iter().filter(|x| x.expert == e && x.source == r && x.rank == r).map(|x| x.pairs).sum();
