@@ -194,6 +194,9 @@ pub use config::{ExpertWeights, Experts, MoeConfig, MoeParams};
 pub use dist::{DistEnv, DistError, NcclTransport};
 pub use experts::ExpertBackend;
 pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};
+/// The `(source, expert, rank)` counts of [`EpPlan::forward`] and
+/// [`DevicePlanner::backward`].
+pub use pack::ep::Split;
 pub use plan::{
     check_device_call, check_device_shape, check_plan, check_split, device_plan_call, plan_call,
     CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection, TileAlign,

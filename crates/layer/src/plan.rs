@@ -9,6 +9,7 @@
 //! (the same `plan_call`, restricted to what they run today) and take its
 //! per-expert quotas.
 
+use pack::ep::Split;
 use quota::{CostModel, Placement, Policy, RankBudget};
 use serde::Serialize;
 
@@ -625,8 +626,8 @@ pub struct EpPlan {
     /// then its replicas (no rank twice).
     pub instances: Vec<Vec<usize>>,
     /// The forward's split of every routed pair over the instances,
-    /// `[source][expert][rank]` (zero where a rank holds no instance).
-    pub forward: Vec<Vec<Vec<u32>>>,
+    /// `(source, expert, rank)` (zero where a rank holds no instance).
+    pub forward: Split,
     /// Pairs each expert keeps in the backward, selected over every
     /// source's pairs (more than routed keeps all).
     pub quotas: Vec<u32>,
@@ -660,43 +661,51 @@ pub fn one_instance_each(instances: &[Vec<usize>]) -> bool {
     instances.iter().all(|i| i.len() == 1)
 }
 
-/// Checks a split `[source][expert][rank]` against the counts it divides
+/// Checks a split `(source, expert, rank)` against the counts it divides
 /// and the instances it may use; the plan's error otherwise.
 pub fn check_split(
-    split: &[Vec<Vec<u32>>],
+    split: &Split,
     counts: &[Vec<u32>],
     instances: &[Vec<usize>],
 ) -> Result<(), LayerError> {
     let bad = |m: String| Err(LayerError::Config(m));
     let world = counts.len();
-    if split.len() != world {
+    if split.sources() != world || split.ranks() != world {
         return bad(format!(
-            "a split for {} sources, {world} expected",
-            split.len()
+            "a split for {} sources and {} ranks, {world} expected",
+            split.sources(),
+            split.ranks()
         ));
     }
-    for (s, (row, n)) in split.iter().zip(counts).enumerate() {
-        if row.len() != n.len() || row.len() != instances.len() {
+    let experts = instances.len();
+    // `away[e·world + r]`: all ones where rank `r` holds no instance of
+    // expert `e`, so a cell sends astray iff `cell & away` is not zero.
+    let mut away = vec![u32::MAX; experts * world];
+    for (e, inst) in instances.iter().enumerate() {
+        inst.iter()
+            .filter(|&&r| r < world)
+            .for_each(|&r| away[e * world + r] = 0);
+    }
+    for (s, n) in counts.iter().enumerate() {
+        if split.experts() != n.len() || split.experts() != experts {
             return bad(format!(
                 "source {s}: a split for {} experts, {} expected",
-                row.len(),
+                split.experts(),
                 n.len()
             ));
         }
-        for (e, (cell, &c)) in row.iter().zip(n).enumerate() {
-            if cell.len() != world {
-                return bad(format!(
-                    "source {s}, expert {e}: {} ranks, {world} expected",
-                    cell.len()
-                ));
-            }
+        for (e, (cell, &c)) in split.row(s).zip(n).enumerate() {
             let sum: u64 = cell.iter().map(|&v| u64::from(v)).sum();
             if sum != u64::from(c) {
                 return bad(format!(
                     "source {s}, expert {e}: the split carries {sum} pairs, {c} expected"
                 ));
             }
-            if let Some(r) = (0..world).find(|&r| cell[r] > 0 && !instances[e].contains(&r)) {
+            let m = &away[e * world..(e + 1) * world];
+            if cell.iter().zip(m).fold(0u32, |acc, (&v, &m)| acc | (v & m)) != 0 {
+                let r = (0..world)
+                    .find(|&r| cell[r] & m[r] != 0)
+                    .unwrap_or_default();
                 return bad(format!(
                     "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
                 ));
@@ -861,7 +870,7 @@ impl DevicePlanner {
         instances: &[Vec<usize>],
         caps: Option<Vec<u64>>,
         solver: redistribute::Solver,
-    ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
+    ) -> Result<Split, LayerError> {
         let n_ranks = counts.len();
         if one_instance_each(instances) {
             // One instance per expert: nothing to choose (the caps were
@@ -883,9 +892,9 @@ impl DevicePlanner {
             ..redistribute::Config::default()
         };
         let a = redistribute::solve(&problem, &cfg)?;
-        let mut split = vec![vec![vec![0u32; n_ranks]; instances.len()]; n_ranks];
+        let mut split = Split::zeros(n_ranks, instances.len(), n_ranks);
         for r in &a.routes {
-            let cell = &mut split[r.source][r.expert][r.rank];
+            let cell = &mut split[(r.source, r.expert, r.rank)];
             *cell = u32::try_from(u64::from(*cell) + r.pairs).map_err(|_| {
                 LayerError::Config(format!("{} pairs in one route exceed u32", r.pairs))
             })?;
@@ -946,43 +955,40 @@ impl DevicePlanner {
     }
 
     /// The backward's split of the kept pairs (`kept[s][e]`, after
-    /// selection) over the plan's instances, `[source][expert][rank]`,
+    /// selection) over the plan's instances, `(source, expert, rank)`,
     /// under the plan's caps ([`CallConfig::solver`]).
-    pub fn backward(
-        &self,
-        plan: &EpPlan,
-        kept: &[Vec<u32>],
-    ) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
+    pub fn backward(&self, plan: &EpPlan, kept: &[Vec<u32>]) -> Result<Split, LayerError> {
         self.solve(kept, &plan.instances, plan.caps.clone(), self.call.solver)
     }
 }
 
-/// The split `[source][expert][rank]` of a call whose experts each have one
-/// instance, `owner(e)`: every pair goes to its expert's owner (what the
-/// exact solver gives for one instance per expert). The one-instance rule
-/// of every executor.
+/// The split `(source, expert, rank)` of a call whose experts each have
+/// one instance, `owner(e)`: every pair goes to its expert's owner (what
+/// the exact solver gives for one instance per expert). The one-instance
+/// rule of every executor.
 pub(crate) fn owners_split(
     counts: &[Vec<u32>],
     owner: impl Fn(usize) -> usize,
     n_ranks: usize,
-) -> Result<Vec<Vec<Vec<u32>>>, LayerError> {
-    counts
-        .iter()
-        .map(|row| {
-            row.iter()
-                .enumerate()
-                .map(|(e, &c)| {
-                    let o = owner(e);
-                    if o >= n_ranks {
-                        return Err(LayerError::Config(format!(
-                            "expert {e}'s owner {o} is not a rank"
-                        )));
-                    }
-                    let mut cell = vec![0u32; n_ranks];
-                    cell[o] = c;
-                    Ok(cell)
-                })
-                .collect()
-        })
-        .collect()
+) -> Result<Split, LayerError> {
+    let experts = counts.first().map_or(0, Vec::len);
+    let mut split = Split::zeros(counts.len(), experts, n_ranks);
+    for (s, row) in counts.iter().enumerate() {
+        if row.len() != experts {
+            return Err(LayerError::Config(format!(
+                "source {s}: counts for {} experts, {experts} expected",
+                row.len()
+            )));
+        }
+        for (e, &c) in row.iter().enumerate() {
+            let o = owner(e);
+            if o >= n_ranks {
+                return Err(LayerError::Config(format!(
+                    "expert {e}'s owner {o} is not a rank"
+                )));
+            }
+            split[(s, e, o)] = c;
+        }
+    }
+    Ok(split)
 }

@@ -1021,8 +1021,7 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     );
     assert_eq!(plan.quotas, vec![35, 2, 3, 2]);
     // The forward's split balances the load: the replica takes a share.
-    let load =
-        |split: &[Vec<Vec<u32>>], r: usize| -> u32 { split.iter().flatten().map(|c| c[r]).sum() };
+    let load = |split: &crate::Split, r: usize| split.loads()[r];
     let (l0, l1) = (load(&plan.forward, 0), load(&plan.forward, 1));
     assert_eq!(l0 + l1, 81);
     assert!(l0.abs_diff(l1) <= 1, "forward loads {l0} and {l1}");
@@ -1035,7 +1034,7 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     assert!(planner.take_last_plan().is_some());
     // A plan that disagrees with the counts is an error, not a launch.
     let mut bad = plan.clone();
-    bad.forward[0][0][0] += 1;
+    bad.forward[(0, 0, 0)] += 1;
     assert!(check_plan(&bad, &routed, 2).is_err());
     let mut bad = plan.clone();
     bad.instances[1] = vec![1];
@@ -1044,13 +1043,24 @@ fn the_device_planner_spreads_pairs_over_replicas_and_redistributes_kept_ones() 
     let owners = DevicePlanner::new(cfg, CallConfig::default()).unwrap();
     let plan = owners.forward(&routed).unwrap();
     check_plan(&plan, &routed, 2).unwrap();
-    for (s, row) in plan.forward.iter().enumerate() {
-        for (e, cell) in row.iter().enumerate() {
-            assert_eq!(cell[e / 2], routed[s][e]);
+    for (s, row) in routed.iter().enumerate() {
+        for (e, &c) in row.iter().enumerate() {
+            assert_eq!(plan.forward.cell(s, e)[e / 2], c);
         }
     }
     let split = owners.backward(&plan, &kept).unwrap();
     check_split(&split, &kept, &plan.instances).unwrap();
+    // Pairs moved to a rank without the expert's instance: the same sums,
+    // refused all the same.
+    let mut astray = split.clone();
+    astray[(1, 0, 0)] -= 1;
+    astray[(1, 0, 1)] += 1;
+    let err = check_split(&astray, &kept, &plan.instances).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("source 1, expert 0: pairs sent to rank 1"),
+        "{err}"
+    );
     // Capacity-factor dropping runs on the device executor too.
     let capped = DevicePlanner::new(
         cfg,

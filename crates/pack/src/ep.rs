@@ -166,13 +166,147 @@ fn group_offsets(sizes: impl IntoIterator<Item = usize>) -> Vec<u32> {
     v
 }
 
+/// Rows of one exchange per (source, expert, rank): [`Split::cell`]`(s, e)[r]`
+/// rows of source `s`'s expert `e` go to rank `r`. Dense and source-major
+/// in one allocation (`sources × experts × ranks` counts), so a plan of
+/// 16 ranks and 128 experts is one buffer, not 2 048.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Split {
+    sources: usize,
+    experts: usize,
+    ranks: usize,
+    cells: Vec<u32>,
+}
+
+impl Split {
+    /// All zero.
+    pub fn zeros(sources: usize, experts: usize, ranks: usize) -> Self {
+        Self {
+            sources,
+            experts,
+            ranks,
+            cells: vec![0; sources * experts * ranks],
+        }
+    }
+
+    /// From nested `[source][expert][rank]` counts; every source must have
+    /// the same experts and every cell the same ranks.
+    pub fn from_nested(split: &[Vec<Vec<u32>>]) -> Result<Self, PackError> {
+        let experts = split.first().map_or(0, Vec::len);
+        let ranks = split.first().and_then(|r| r.first()).map_or(0, Vec::len);
+        let mut out = Self::zeros(split.len(), experts, ranks);
+        for (s, row) in split.iter().enumerate() {
+            if row.len() != experts {
+                return Err(PackError::Shape {
+                    what: "experts of the split",
+                    expected: experts,
+                    got: row.len(),
+                });
+            }
+            for (e, cell) in row.iter().enumerate() {
+                if cell.len() != ranks {
+                    return Err(PackError::Shape {
+                        what: "ranks of the split",
+                        expected: ranks,
+                        got: cell.len(),
+                    });
+                }
+                out.cell_mut(s, e).copy_from_slice(cell);
+            }
+        }
+        Ok(out)
+    }
+
+    /// As nested `[source][expert][rank]` counts.
+    pub fn to_nested(&self) -> Vec<Vec<Vec<u32>>> {
+        (0..self.sources)
+            .map(|s| self.row(s).map(<[u32]>::to_vec).collect())
+            .collect()
+    }
+
+    /// Sources (the first index).
+    pub fn sources(&self) -> usize {
+        self.sources
+    }
+
+    /// Experts (the second index).
+    pub fn experts(&self) -> usize {
+        self.experts
+    }
+
+    /// Ranks (the third index).
+    pub fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    fn at(&self, s: usize, e: usize) -> usize {
+        assert!(
+            s < self.sources && e < self.experts,
+            "split cell ({s}, {e}) outside {} sources × {} experts",
+            self.sources,
+            self.experts
+        );
+        (s * self.experts + e) * self.ranks
+    }
+
+    /// Source `s`'s rows of expert `e` per rank (panics outside the shape).
+    pub fn cell(&self, s: usize, e: usize) -> &[u32] {
+        let at = self.at(s, e);
+        &self.cells[at..at + self.ranks]
+    }
+
+    /// The same, to write.
+    pub fn cell_mut(&mut self, s: usize, e: usize) -> &mut [u32] {
+        let at = self.at(s, e);
+        let r = self.ranks;
+        &mut self.cells[at..at + r]
+    }
+
+    /// Source `s`'s cells, expert by expert.
+    pub fn row(&self, s: usize) -> impl ExactSizeIterator<Item = &[u32]> + '_ {
+        (0..self.experts).map(move |e| self.cell(s, e))
+    }
+
+    /// Every count, source-major, then expert, then rank.
+    pub fn counts(&self) -> &[u32] {
+        &self.cells
+    }
+
+    /// Rows each rank receives over every source and expert.
+    pub fn loads(&self) -> Vec<u64> {
+        let mut loads = vec![0u64; self.ranks];
+        if self.ranks > 0 {
+            for cell in self.cells.chunks_exact(self.ranks) {
+                loads
+                    .iter_mut()
+                    .zip(cell)
+                    .for_each(|(l, &c)| *l += u64::from(c));
+            }
+        }
+        loads
+    }
+}
+
+impl std::ops::Index<(usize, usize, usize)> for Split {
+    type Output = u32;
+    fn index(&self, (s, e, r): (usize, usize, usize)) -> &u32 {
+        &self.cell(s, e)[r]
+    }
+}
+
+impl std::ops::IndexMut<(usize, usize, usize)> for Split {
+    fn index_mut(&mut self, (s, e, r): (usize, usize, usize)) -> &mut u32 {
+        &mut self.cell_mut(s, e)[r]
+    }
+}
+
 /// One exchange of an expert-parallel call whose experts may have several
-/// instances (owner and replicas): `split[s][e][r]` rows of source `s` and
+/// instances (owner and replicas): `split[(s, e, r)]` rows of source `s` and
 /// expert `e` go to rank `r`, which must host an instance of `e`
 /// (`local[r]`: the experts with an instance on rank `r`, ascending).
 ///
 /// A source's rows of expert `e` (consecutive in its expert-major order)
-/// are cut in rank order: the first `split[s][e][0]` to rank 0, the next
+/// are cut in rank order: the first `split[(s, e, 0)]` to rank 0, the next
 /// to rank 1, and so on. They go out destination-major, and within a
 /// destination in the order of its `local` list, which is also the order
 /// the instance regroups them in ([`receive_plan`](crate::receive_plan)).
@@ -192,7 +326,7 @@ pub struct InstanceLayout {
 /// [`InstanceLayout`] of rank `me`; errors name a split that sends rows to
 /// a rank without an instance, or shapes that disagree.
 pub fn instance_layout(
-    split: &[Vec<Vec<u32>>],
+    split: &Split,
     local: &[Vec<usize>],
     me: usize,
 ) -> Result<InstanceLayout, PackError> {
@@ -202,58 +336,52 @@ pub fn instance_layout(
         expected,
         got,
     };
-    if split.len() != world || me >= world {
-        return Err(shape("sources of the split", world, split.len()));
+    if split.sources() != world || me >= world {
+        return Err(shape("sources of the split", world, split.sources()));
     }
-    let experts = split[me].len();
-    for row in split {
-        if row.len() != experts {
-            return Err(shape("experts of the split", experts, row.len()));
-        }
-        for cell in row {
-            if cell.len() != world {
-                return Err(shape("ranks of the split", world, cell.len()));
-            }
-        }
+    if split.ranks() != world {
+        return Err(shape("ranks of the split", world, split.ranks()));
     }
+    let experts = split.experts();
+    // `away[e·world + r]`: all ones where rank `r` holds no instance of
+    // expert `e`, so a cell sends astray iff `cell & away` is not zero.
+    let mut away = vec![u32::MAX; experts * world];
     for (r, l) in local.iter().enumerate() {
         if l.windows(2).any(|w| w[0] >= w[1]) || l.last().is_some_and(|&e| e >= experts) {
             return Err(shape("ascending local experts", experts, l.len()));
         }
-        for (s, row) in split.iter().enumerate() {
-            for (e, cell) in row.iter().enumerate() {
-                if cell[r] > 0 && l.binary_search(&e).is_err() {
-                    return Err(PackError::NoInstance {
-                        from: s,
-                        expert: e,
-                        rank: r,
-                    });
-                }
-            }
-        }
+        l.iter().for_each(|&e| away[e * world + r] = 0);
     }
-    // Source side: expert-major starts, then each expert's cut per rank.
-    let mine = &split[me];
-    let mut start = Vec::with_capacity(experts);
+    let astray = |s: usize| {
+        (split.counts()[s * experts * world..(s + 1) * experts * world].iter())
+            .zip(&away)
+            .fold(0u32, |acc, (&c, &m)| acc | (c & m))
+            != 0
+    };
+    if (0..world).any(astray) {
+        // The first such cell by rank, source, expert.
+        let (rank, from, expert) = (0..world)
+            .flat_map(|r| (0..world).flat_map(move |s| (0..experts).map(move |e| (r, s, e))))
+            .find(|&(r, s, e)| split[(s, e, r)] & away[e * world + r] != 0)
+            .unwrap_or_default();
+        return Err(PackError::NoInstance { from, expert, rank });
+    }
+    // Source side: expert-major starts, then each expert's cut per rank
+    // (`cut[e·world + r]`: where its rows to rank `r` begin).
+    let mut cut = vec![0usize; experts * world];
     let mut at = 0usize;
-    for cell in mine {
-        start.push(at);
-        at += cell.iter().map(|&c| c as usize).sum::<usize>();
-    }
-    let mut cut = vec![vec![0usize; world]; experts];
-    for (e, cell) in mine.iter().enumerate() {
-        let mut a = start[e];
+    for (e, cell) in split.row(me).enumerate() {
         for (r, &c) in cell.iter().enumerate() {
-            cut[e][r] = a;
-            a += c as usize;
+            cut[e * world + r] = at;
+            at += c as usize;
         }
     }
     let mut send = vec![0usize; world];
     let mut send_order = Runs::new(1);
     for (d, l) in local.iter().enumerate() {
         for &e in l {
-            let c = mine[e][d] as usize;
-            send_order.push(cut[e][d] as u32, c);
+            let c = split[(me, e, d)] as usize;
+            send_order.push(cut[e * world + d] as u32, c);
             send[d] += c;
         }
     }
@@ -263,9 +391,13 @@ pub fn instance_layout(
     let send_inv = send_order.inverse()?;
     // Instance side: each source's rows arrive grouped by local instance;
     // expert-major is instance, then source.
-    let blocks: Vec<Vec<usize>> = split
-        .iter()
-        .map(|row| local[me].iter().map(|&e| row[e][me] as usize).collect())
+    let blocks: Vec<Vec<usize>> = (0..world)
+        .map(|s| {
+            local[me]
+                .iter()
+                .map(|&e| split[(s, e, me)] as usize)
+                .collect()
+        })
         .collect();
     let groups = local[me].len();
     let chunks: Vec<Vec<u32>> = blocks
@@ -608,6 +740,40 @@ mod tests {
     }
 
     #[test]
+    fn splits_are_dense_and_refuse_ragged_input() {
+        let nested = vec![vec![vec![2, 1], vec![0, 2]], vec![vec![0, 1], vec![4, 0]]];
+        let split = Split::from_nested(&nested).unwrap();
+        assert_eq!((split.sources(), split.experts(), split.ranks()), (2, 2, 2));
+        assert_eq!(split.cell(1, 0), &[0, 1]);
+        assert_eq!(split[(1, 1, 0)], 4);
+        assert_eq!(split.counts(), &[2, 1, 0, 2, 0, 1, 4, 0]);
+        assert_eq!(split.loads(), vec![6, 4]);
+        assert_eq!(split.to_nested(), nested);
+        assert_eq!(split.row(0).collect::<Vec<_>>(), vec![&[2, 1], &[0, 2]]);
+        let mut z = Split::zeros(2, 2, 2);
+        z[(1, 1, 0)] = 4;
+        z.cell_mut(0, 0).copy_from_slice(&[2, 1]);
+        assert_eq!(z.loads(), vec![6, 1]);
+        assert!(matches!(
+            Split::from_nested(&[vec![vec![1, 2]], vec![vec![1]]]),
+            Err(PackError::Shape {
+                what: "ranks of the split",
+                ..
+            })
+        ));
+        assert!(matches!(
+            Split::from_nested(&[vec![vec![1]], vec![]]),
+            Err(PackError::Shape {
+                what: "experts of the split",
+                ..
+            })
+        ));
+        assert_eq!(Split::from_nested(&[]).unwrap(), Split::zeros(0, 0, 0));
+        assert_eq!(Split::zeros(3, 2, 0).loads(), Vec::<u64>::new());
+        assert_eq!(Split::zeros(3, 2, 0).row(2).count(), 2);
+    }
+
+    #[test]
     fn instance_layouts_cut_experts_over_their_instances() {
         // Two ranks, two experts; expert 0 (owner 0) has a replica on rank 1.
         let instances = vec![vec![0, 1], vec![1]];
@@ -615,7 +781,9 @@ mod tests {
         assert_eq!(local, vec![vec![0], vec![0, 1]]);
         // Source 0: 3 pairs of e0 (2 → rank 0, 1 → rank 1), 2 of e1.
         // Source 1: 1 pair of e0 (→ rank 1), 1 of e1.
-        let split = vec![vec![vec![2, 1], vec![0, 2]], vec![vec![0, 1], vec![0, 1]]];
+        let split =
+            Split::from_nested(&[vec![vec![2, 1], vec![0, 2]], vec![vec![0, 1], vec![0, 1]]])
+                .unwrap();
         let l0 = instance_layout(&split, &local, 0).unwrap();
         assert_eq!(l0.send, vec![2, 3]);
         assert_eq!(l0.send_order.expand(), vec![0, 1, 2, 3, 4]);
@@ -628,7 +796,8 @@ mod tests {
         assert_eq!(l1.recv.perm.expand(), vec![0, 3, 1, 2, 4]);
         assert_eq!(l1.recv.offsets, vec![0, 2, 5]);
         // A split to a rank without the expert is refused.
-        let bad = vec![vec![vec![0, 0], vec![1, 0]], vec![vec![0, 0], vec![0, 0]]];
+        let bad = Split::from_nested(&[vec![vec![0, 0], vec![1, 0]], vec![vec![0, 0], vec![0, 0]]])
+            .unwrap();
         assert!(matches!(
             instance_layout(&bad, &local, 0),
             Err(PackError::NoInstance {
@@ -665,7 +834,7 @@ mod tests {
                 .collect();
             let local = local_experts(&instances, world);
             let mut state = seed | 1;
-            let split: Vec<Vec<Vec<u32>>> = counts.iter().map(|row| {
+            let nested: Vec<Vec<Vec<u32>>> = counts.iter().map(|row| {
                 row.iter().enumerate().map(|(e, &n)| {
                     let mut cell = vec![0u32; world];
                     let mut left = n;
@@ -678,6 +847,8 @@ mod tests {
                     cell
                 }).collect()
             }).collect();
+            let split = Split::from_nested(&nested).unwrap();
+            prop_assert_eq!(split.to_nested(), nested);
             // What each rank receives, as (source, expert, expert-major row).
             let mut got: Vec<Vec<(usize, usize, u32)>> = vec![Vec::new(); world];
             for (s, row_counts) in counts.iter().enumerate() {
@@ -710,7 +881,7 @@ mod tests {
                 sorted.sort();
                 prop_assert_eq!(&regrouped, &sorted);
                 for (li, &e) in local[me].iter().enumerate() {
-                    let want: u32 = (0..world).map(|s| split[s][e][me]).sum();
+                    let want: u32 = (0..world).map(|s| split[(s, e, me)]).sum();
                     prop_assert_eq!(l.recv.per_expert[li], want);
                 }
                 // Each source's chunk, read by its own offsets, holds that

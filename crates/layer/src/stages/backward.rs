@@ -382,9 +382,7 @@ fn redistribute_kept<F: Family>(
 ) -> Result<(InstanceLayout, Vec<u64>), LayerError> {
     let split = planner.backward(&sv.plan, kept)?;
     check_split(&split, kept, &sv.plan.instances)?;
-    let loads: Vec<u64> = (0..kept.len())
-        .map(|r| split.iter().flatten().map(|c| u64::from(c[r])).sum())
-        .collect();
+    let loads = split.loads();
     if let Some(caps) = &sv.plan.caps {
         for (r, (&cap, &load)) in caps.iter().zip(&loads).enumerate() {
             if load > cap {

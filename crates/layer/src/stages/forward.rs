@@ -1,7 +1,7 @@
 //! The forward: route → plan → dispatch → experts → combine, and the state
 //! it keeps for the backward ([`Saved`]).
 
-use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs};
+use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Runs, Split};
 
 use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Sc, Scalar, Wts};
 use crate::config::at_least;
@@ -141,7 +141,7 @@ struct ForwardPlan {
     /// controller runs while the experts compute).
     early: Option<EpPlan>,
     /// Without replica slots: every expert's rows to its owner.
-    owner_split: Vec<Vec<Vec<u32>>>,
+    owner_split: Split,
     /// Each rank's instances.
     local: Vec<Vec<usize>>,
     /// This source's layout of the split.
@@ -157,8 +157,12 @@ fn forward_plan<B: Backend>(
     planner: &DevicePlanner,
     counts: &[u32],
     (rank, world, el): (usize, usize, usize),
+    laps: &mut Laps<B::F>,
 ) -> Result<ForwardPlan, LayerError> {
     let counts_all = b.all_gather_counts(counts)?;
+    // The grouping's launch and the counts' all-gather apart from the
+    // planning (the simulator's parts: where a host-bound step waits).
+    laps.lap(b, "group+counts")?;
     let early = if planner.owners_only() {
         None
     } else {
@@ -167,7 +171,7 @@ fn forward_plan<B: Backend>(
         Some(plan)
     };
     let owner_split = match &early {
-        Some(_) => Vec::new(),
+        Some(_) => Split::default(),
         None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
     };
     let (split, local) = match &early {
@@ -342,12 +346,12 @@ fn rows_to_send<B: Backend>(
 fn late_plan(
     planner: &DevicePlanner,
     counts_all: &[Vec<u32>],
-    owner_split: &[Vec<Vec<u32>>],
+    owner_split: &Split,
     el: usize,
 ) -> Result<EpPlan, LayerError> {
     let plan = planner.forward(counts_all)?;
     check_plan(&plan, counts_all, el)?;
-    if plan.forward != owner_split {
+    if plan.forward != *owner_split {
         return Err(LayerError::Config(
             "the controller placed replicas though the planner has no replica slots".into(),
         ));
@@ -560,7 +564,7 @@ fn dispatch<B: Backend>(
     // Rows reaching an expert (p without dropping), grouped by expert.
     let offsets = exclusive_scan(&capped.counts);
     let n = offsets[e] as usize;
-    let fp = forward_plan(b, planner, &capped.counts, (rank, world, el))?;
+    let fp = forward_plan(b, planner, &capped.counts, (rank, world, el), laps)?;
     laps.lap(b, "counts+plan")?;
     let (weights, w_bytes) = replica_weights(b, cfg, w, fp.early.as_ref(), &fp.local, el)?;
     laps.lap(b, "replica weights")?;
