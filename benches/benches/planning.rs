@@ -30,10 +30,19 @@ fn solvers(c: &mut Criterion) {
 /// the forward (quotas, replicas, the forward's split) and the backward's
 /// redistribution of the kept pairs, with every slot's replica placed
 /// (`fill`) and, at 16 ranks, with the default rule (`-paying`: at this
-/// even routing no replica pays, so none is placed). On the in-process
-/// ranks of issue 30 this host time is time the GPU waits for.
+/// even routing no replica pays, so none is placed), and fixed ownership
+/// (`-owners`: the owners' split alone). `backward+layout` is the whole
+/// `redistribute` piece of the simulator's phases: the split, its checks,
+/// the ranks' loads and this rank's layout. On the in-process ranks of
+/// issue 30 this host time is time the GPU waits for; the host probe
+/// printed first (`simulated.host_probe_s`'s workload) scales it to the
+/// device machine's host.
 fn layer_call_plan(c: &mut Criterion) {
-    use lrmoe::train::{layer_call_config, Executor, MoeSection};
+    use lrmoe::train::{layer_call_config, Executor, Mode, MoeSection};
+    let probe = (0..9)
+        .map(|_| lrmoe::simulate::host_probe())
+        .fold(f64::INFINITY, f64::min);
+    eprintln!("host probe: {:.3} ms", probe * 1e3);
     let cfg = layer::MoeConfig {
         hidden: 512,
         ffn: 256,
@@ -44,18 +53,20 @@ fn layer_call_plan(c: &mut Criterion) {
     let mut g = c.benchmark_group("layer_call_plan");
     // (rule, ranks, Zipf exponent of the experts' popularity: 0 is even
     // routing, 1.0 gives the hottest expert ~25× the mean at 128 experts).
-    for (rule, ranks, skew) in [
-        (quota::ReplicaRule::Fill, 8usize, 0.0),
-        (quota::ReplicaRule::Fill, 16, 0.0),
-        (quota::ReplicaRule::Paying, 16, 0.0),
-        (quota::ReplicaRule::PayingCompute, 16, 0.0),
-        (quota::ReplicaRule::Paying, 16, 1.0),
-        (quota::ReplicaRule::PayingCompute, 16, 1.0),
+    for (mode, rule, ranks, skew) in [
+        (Mode::Lrmoe, quota::ReplicaRule::Fill, 8usize, 0.0),
+        (Mode::Lrmoe, quota::ReplicaRule::Fill, 16, 0.0),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 0.0),
+        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 0.0),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 1.0),
+        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 1.0),
+        (Mode::Full, quota::ReplicaRule::Paying, 16, 1.0),
     ] {
-        let tag = match rule {
-            quota::ReplicaRule::Fill => "",
-            quota::ReplicaRule::Paying => "-paying",
-            quota::ReplicaRule::PayingCompute => "-paying-compute",
+        let tag = match (mode, rule) {
+            (Mode::Full, _) => "-owners",
+            (_, quota::ReplicaRule::Fill) => "",
+            (_, quota::ReplicaRule::Paying) => "-paying",
+            (_, quota::ReplicaRule::PayingCompute) => "-paying-compute",
         };
         let tag = if skew > 0.0 {
             format!("{tag}-zipf{skew}")
@@ -65,6 +76,7 @@ fn layer_call_plan(c: &mut Criterion) {
         let pairs = 16_384 / ranks * cfg.top_k;
         let moe = MoeSection {
             ranks,
+            mode,
             executor: Executor::Device,
             replica_rule: rule,
             ..MoeSection::default()
@@ -123,6 +135,21 @@ fn layer_call_plan(c: &mut Criterion) {
         g.bench_function(BenchmarkId::new(format!("backward{tag}"), ranks), |b| {
             b.iter(|| planner.backward(&plan, &kept).expect("a split"))
         });
+        let local = pack::ep::local_experts(&plan.instances, ranks);
+        g.bench_function(
+            BenchmarkId::new(format!("backward+layout{tag}"), ranks),
+            |b| {
+                b.iter(|| {
+                    let split = planner.backward(&plan, &kept).expect("a split");
+                    layer::check_split(&split, &kept, &plan.instances).expect("a valid split");
+                    let loads = split.loads();
+                    (
+                        pack::ep::instance_layout(&split, &local, 1).expect("a layout"),
+                        loads,
+                    )
+                })
+            },
+        );
     }
     g.finish();
 }

@@ -37,7 +37,6 @@ enum Table {
     Replay,
     Scale,
     Planning,
-    TrainerPlan,
     Cluster,
 }
 
@@ -316,9 +315,6 @@ fn main() {
     }
     if matches!(args.table, Table::All | Table::Planning) {
         planning_table(budget);
-    }
-    if matches!(args.table, Table::All | Table::TrainerPlan) {
-        trainer_plan_table(budget);
     }
     if matches!(args.table, Table::All | Table::Cluster) {
         cluster_table();
@@ -644,114 +640,6 @@ fn replay_table() {
                 .map_or(f64::NAN, |x| x.mean_kept_fraction),
             100.0 * r.lrmoe_memory_saving
         );
-    }
-    println!();
-}
-
-/// What one rank's host computes per MoE layer call in the device trainer
-/// besides its kernels, at the trainer's default LRMoE settings and in
-/// fixed ownership: the forward's plan (the controller and the split;
-/// fixed ownership has only the owners' split) and layout, and the
-/// backward's split of the kept pairs, its checks and layout (the
-/// `redistribute` piece of `simulated.phases`).
-fn trainer_plan_table(budget: Duration) {
-    // The simulator's fixed host workload: planning seconds here scale to
-    // the device host's by the ratio of this to its `host_probe_s`.
-    let probe = median(
-        &(0..9)
-            .map(|_| lrmoe::simulate::host_probe())
-            .collect::<Vec<_>>(),
-    );
-    println!(
-        "## One rank's host work per MoE layer call (device trainer's settings; Zipf 1.2 counts)\n"
-    );
-    println!(
-        "Host probe (the workload of `simulated.host_probe_s`): {:.3} ms\n",
-        probe * 1e3
-    );
-    println!("| shape | ranks | tokens a rank | mode | forward: plan + layout, median µs | backward: split + checks + layout, median µs | replicas |");
-    println!("|---|---|---|---|---|---|---|");
-    for &(name, d, ffn, experts, ranks, tokens) in &[
-        ("mini", 512usize, 256usize, 128usize, 8usize, 2048usize),
-        ("mini", 512, 256, 128, 16, 1024),
-        ("A3B", 2048, 768, 128, 16, 1024),
-    ] {
-        for mode in [lrmoe::train::Mode::Full, lrmoe::train::Mode::Lrmoe] {
-            let cfg = layer::MoeConfig {
-                hidden: d,
-                ffn,
-                n_experts: experts,
-                top_k: 8,
-                renormalize: true,
-            };
-            let moe = lrmoe::train::MoeSection {
-                ranks,
-                mode,
-                executor: lrmoe::train::Executor::Device,
-                ..Default::default()
-            };
-            let placement = quota::Placement {
-                owner: (0..experts).map(|e| e * ranks / experts).collect(),
-                replicas: vec![],
-            };
-            let call = lrmoe::train::layer_call_config(
-                &moe,
-                (d, ffn),
-                (tokens * 8) as f64,
-                &placement,
-                true,
-                0,
-            );
-            let counts: Vec<Vec<u32>> =
-                lrmoe_benches::zipf_counts(ranks, experts, (tokens * 8) as u64, 1.2, 11)
-                    .into_iter()
-                    .map(|r| r.into_iter().map(|c| c as u32).collect())
-                    .collect();
-            let planner = layer::DevicePlanner::new(cfg, call).expect("planner");
-            let me = ranks / 2;
-            let mut plan = None;
-            let tf = time_runs(budget, || {
-                let p = planner.forward(black_box(&counts)).expect("plans");
-                let local = pack::ep::local_experts(&p.instances, ranks);
-                black_box(pack::ep::instance_layout(&p.forward, &local, me).expect("lays out"));
-                plan = Some(p);
-            });
-            let plan = plan.expect("ran");
-            // Each expert's quota spread over the sources in proportion to
-            // their pairs (the selection keeps about that many from each).
-            let totals: Vec<u64> = (0..experts)
-                .map(|e| counts.iter().map(|r| u64::from(r[e])).sum())
-                .collect();
-            let kept: Vec<Vec<u32>> = counts
-                .iter()
-                .map(|r| {
-                    r.iter()
-                        .enumerate()
-                        .map(|(e, &c)| {
-                            let (t, q) = (totals[e], u64::from(plan.quotas[e]));
-                            if t <= q {
-                                c
-                            } else {
-                                (u64::from(c) * q / t) as u32
-                            }
-                        })
-                        .collect()
-                })
-                .collect();
-            let local = pack::ep::local_experts(&plan.instances, ranks);
-            let tb = time_runs(budget, || {
-                let split = planner.backward(&plan, black_box(&kept)).expect("splits");
-                layer::check_split(&split, &kept, &plan.instances).expect("checks");
-                black_box(split.loads());
-                black_box(pack::ep::instance_layout(&split, &local, me).expect("lays out"));
-            });
-            let replicas: usize = plan.instances.iter().map(|i| i.len() - 1).sum();
-            println!(
-                "| {name} | {ranks} | {tokens} | {mode:?} | {:.1} | {:.1} | {replicas} |",
-                median(&tf) * 1e6,
-                median(&tb) * 1e6
-            );
-        }
     }
     println!();
 }

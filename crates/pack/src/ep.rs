@@ -795,6 +795,28 @@ mod tests {
         assert_eq!(l1.recv.from, vec![3, 2]);
         assert_eq!(l1.recv.perm.expand(), vec![0, 3, 1, 2, 4]);
         assert_eq!(l1.recv.offsets, vec![0, 2, 5]);
+        // A split of another shape is refused.
+        assert!(matches!(
+            instance_layout(&Split::zeros(2, 2, 3), &local, 0),
+            Err(PackError::Shape {
+                what: "ranks of the split",
+                ..
+            })
+        ));
+        assert!(matches!(
+            instance_layout(&Split::zeros(3, 2, 2), &local, 0),
+            Err(PackError::Shape {
+                what: "sources of the split",
+                ..
+            })
+        ));
+        assert!(matches!(
+            instance_layout(&Split::zeros(2, 1, 2), &local, 0),
+            Err(PackError::Shape {
+                what: "ascending local experts",
+                ..
+            })
+        ));
         // A split to a rank without the expert is refused.
         let bad = Split::from_nested(&[vec![vec![0, 0], vec![1, 0]], vec![vec![0, 0], vec![0, 0]]])
             .unwrap();
