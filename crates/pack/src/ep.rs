@@ -195,21 +195,18 @@ impl Split {
         let experts = split.first().map_or(0, Vec::len);
         let ranks = split.first().and_then(|r| r.first()).map_or(0, Vec::len);
         let mut out = Self::zeros(split.len(), experts, ranks);
+        let shape = |what, expected, got| PackError::Shape {
+            what,
+            expected,
+            got,
+        };
         for (s, row) in split.iter().enumerate() {
             if row.len() != experts {
-                return Err(PackError::Shape {
-                    what: "experts of the split",
-                    expected: experts,
-                    got: row.len(),
-                });
+                return Err(shape("experts of the split", experts, row.len()));
             }
             for (e, cell) in row.iter().enumerate() {
                 if cell.len() != ranks {
-                    return Err(PackError::Shape {
-                        what: "ranks of the split",
-                        expected: ranks,
-                        got: cell.len(),
-                    });
+                    return Err(shape("ranks of the split", ranks, cell.len()));
                 }
                 out.cell_mut(s, e).copy_from_slice(cell);
             }
