@@ -1392,3 +1392,74 @@ fn quotas_of(
 ) -> Result<Vec<u32>, LayerError> {
     Ok(device_plan_call(cfg, call, routed)?.device_quotas())
 }
+
+/// The split checks against a search cell by cell.
+mod split_checks {
+    use proptest::prelude::*;
+
+    proptest! {
+        /// `check_split` refuses exactly the splits whose cells do not add up
+        /// to their counts or send pairs to a rank without the expert's
+        /// instance, and names the first such cell, as a search cell by cell
+        /// does.
+        #[test]
+        fn check_split_refuses_exactly_the_bad_cells(
+            (world, experts, cells, extra) in (1usize..5, 1usize..6).prop_flat_map(|(w, e)| (
+                Just(w),
+                Just(e),
+                prop::collection::vec(0u32..3, w * e * w),
+                prop::collection::vec(prop::collection::vec(0usize..5, 0..3), e),
+            )),
+        ) {
+            use crate::plan::check_split;
+            // Owner `e % world` plus any extra ranks (below the world or not).
+            let instances: Vec<Vec<usize>> = (0..experts)
+                .map(|e| {
+                    let mut v = vec![e % world];
+                    for &r in &extra[e] {
+                        if !v.contains(&r) {
+                            v.push(r);
+                        }
+                    }
+                    v
+                })
+                .collect();
+            let mut split = crate::Split::zeros(world, experts, world);
+            for s in 0..world {
+                for e in 0..experts {
+                    for r in 0..world {
+                        split[(s, e, r)] = cells[(s * experts + e) * world + r];
+                    }
+                }
+            }
+            let counts: Vec<Vec<u32>> = (0..world)
+                .map(|s| (0..experts).map(|e| split.cell(s, e).iter().sum()).collect())
+                .collect();
+            // The first cell, source-major, that sends to a rank without an
+            // instance, and its first such rank.
+            let stray = (0..world)
+                .flat_map(|s| (0..experts).map(move |e| (s, e)))
+                .find_map(|(s, e)| {
+                    (0..world)
+                        .find(|&r| split[(s, e, r)] > 0 && !instances[e].contains(&r))
+                        .map(|r| (s, e, r))
+                });
+            match (check_split(&split, &counts, &instances), stray) {
+                (Ok(()), None) => {}
+                (Err(err), Some((s, e, r))) => prop_assert!(
+                    err.to_string().contains(&format!(
+                        "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
+                    )),
+                    "{err}"
+                ),
+                (got, want) => prop_assert!(false, "check_split {got:?}, first stray cell {want:?}"),
+            }
+            // One pair more than its count in any cell is refused.
+            if let Some(first) = counts.first() {
+                let mut more = counts.clone();
+                more[0][0] = first[0] + 1;
+                prop_assert!(check_split(&split, &more, &instances).is_err());
+            }
+        }
+    }
+}
