@@ -246,20 +246,31 @@ impl Split {
         (s * self.experts + e) * self.ranks
     }
 
-    /// Source `s`'s rows of expert `e` per rank (panics outside the shape).
+    /// Source `s`'s rows of expert `e` per rank, or `None` outside the
+    /// shape.
+    pub fn get(&self, s: usize, e: usize) -> Option<&[u32]> {
+        (s < self.sources && e < self.experts).then(|| self.cell(s, e))
+    }
+
+    /// Source `s`'s rows of expert `e` per rank.
+    ///
+    /// # Panics
+    ///
+    /// Outside the shape, as slice indexing does ([`Split::get`] does not).
     pub fn cell(&self, s: usize, e: usize) -> &[u32] {
         let at = self.at(s, e);
         &self.cells[at..at + self.ranks]
     }
 
-    /// The same, to write.
+    /// The same, to write (panics outside the shape).
     pub fn cell_mut(&mut self, s: usize, e: usize) -> &mut [u32] {
         let at = self.at(s, e);
         let r = self.ranks;
         &mut self.cells[at..at + r]
     }
 
-    /// Source `s`'s cells, expert by expert.
+    /// Source `s`'s cells, expert by expert (panics for a source outside
+    /// the shape, unless there are no experts).
     pub fn row(&self, s: usize) -> impl ExactSizeIterator<Item = &[u32]> + '_ {
         (0..self.experts).map(move |e| self.cell(s, e))
     }
@@ -742,6 +753,9 @@ mod tests {
         let split = Split::from_nested(&nested).unwrap();
         assert_eq!((split.sources(), split.experts(), split.ranks()), (2, 2, 2));
         assert_eq!(split.cell(1, 0), &[0, 1]);
+        assert_eq!(split.get(1, 1), Some(&[4, 0][..]));
+        assert_eq!(split.get(2, 0), None);
+        assert_eq!(split.get(0, 2), None);
         assert_eq!(split[(1, 1, 0)], 4);
         assert_eq!(split.counts(), &[2, 1, 0, 2, 0, 1, 4, 0]);
         assert_eq!(split.loads(), vec![6, 4]);
