@@ -39,10 +39,7 @@ fn solvers(c: &mut Criterion) {
 /// device machine's host.
 fn layer_call_plan(c: &mut Criterion) {
     use lrmoe::train::{layer_call_config, Executor, Mode, MoeSection};
-    let probe = (0..9)
-        .map(|_| lrmoe::simulate::host_probe())
-        .fold(f64::INFINITY, f64::min);
-    eprintln!("host probe: {:.3} ms", probe * 1e3);
+    eprintln!("host probe: {:.3} ms", lrmoe::simulate::host_probe() * 1e3);
     let cfg = layer::MoeConfig {
         hidden: 512,
         ffn: 256,

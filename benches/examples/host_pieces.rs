@@ -6,15 +6,15 @@
 //! negligible and what remains is the host work every backend does:
 //! planning, layouts, checks, selection bookkeeping. 128 experts, top-8,
 //! 1 024 tokens a rank (qwen3-moe-mini's routing at 16 ranks), the
-//! trainer's LRMoE settings and fixed ownership; median over steps of the
-//! slowest rank's seconds per part.
+//! trainer's LRMoE settings and fixed ownership; each part's seconds as
+//! the simulator counts them (`lrmoe::simulate::simulate`: between two
+//! collectives the slowest rank's), median over steps.
 //!
 //! `cargo run --release -p lrmoe-benches --example host_pieces [-- STEPS]`
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use layer::timeline::Entry;
 use layer::{MoeConfig, MoeParams, Transport};
 
 use lrmoe::train::{layer_call_config, Executor, Mode, MoeSection};
@@ -42,12 +42,9 @@ fn main() -> anyhow::Result<()> {
     };
     println!(
         "host probe: {:.3} ms\n",
-        (0..9)
-            .map(|_| lrmoe::simulate::host_probe())
-            .fold(f64::INFINITY, f64::min)
-            * 1e3
+        lrmoe::simulate::host_probe() * 1e3
     );
-    println!("| mode | part | median ms a call (slowest rank) |\n|---|---|---|");
+    println!("| mode | part | median ms a call (as simulated) |\n|---|---|---|");
     for mode in [Mode::Full, Mode::Lrmoe] {
         let moe = MoeSection {
             ranks,
@@ -71,10 +68,12 @@ fn main() -> anyhow::Result<()> {
         let results = layer::run_local_timed(ranks, Duration::from_secs(600), |t| {
             let hd = cfg.hidden;
             let mut steps_read = Vec::new();
-            let mut read = |t: &layer::LocalTransport, step: usize| {
+            let cluster = cluster::Cluster::default();
+            let mut read = |t: &layer::LocalTransport, step: usize| -> anyhow::Result<()> {
                 if let Some(all) = t.take_step(step) {
-                    steps_read.push(slowest_per_part(&all));
+                    steps_read.push(lrmoe::simulate::simulate(&all, &cluster, 0)?.phases);
                 }
+                Ok(())
             };
             for step in 0..steps {
                 let seed = (step * ranks + t.rank()) as f64;
@@ -87,7 +86,7 @@ fn main() -> anyhow::Result<()> {
                 // Past the forward's collectives every rank has closed the
                 // step before.
                 if t.rank() == 0 && step > 0 {
-                    read(t, step - 1);
+                    read(t, step - 1).map_err(|e| layer::LayerError::Config(e.to_string()))?;
                 }
                 t.phase("moe backward")?;
                 drop(layer::backward(t, &cfg, &call, &params, &saved, &dy)?);
@@ -96,7 +95,7 @@ fn main() -> anyhow::Result<()> {
             }
             t.all_gather_bytes(&[])?;
             if t.rank() == 0 {
-                read(t, steps - 1);
+                read(t, steps - 1).map_err(|e| layer::LayerError::Config(e.to_string()))?;
             }
             Ok::<_, layer::LayerError>(steps_read)
         });
@@ -115,25 +114,4 @@ fn main() -> anyhow::Result<()> {
         }
     }
     Ok(())
-}
-
-/// Each part's seconds on the rank that took longest for it (host seconds:
-/// the ranks run without a clock).
-fn slowest_per_part(all: &[Vec<Entry>]) -> BTreeMap<String, f64> {
-    let mut out: BTreeMap<String, f64> = BTreeMap::new();
-    for entries in all {
-        let mut mine: BTreeMap<&str, f64> = BTreeMap::new();
-        for e in entries {
-            if let Entry::Work { phase, seconds, .. } = e {
-                if !layer::timeline::is_bookkeeping(phase) {
-                    *mine.entry(phase.as_str()).or_default() += seconds;
-                }
-            }
-        }
-        for (p, s) in mine {
-            let v = out.entry(p.to_string()).or_default();
-            *v = v.max(s);
-        }
-    }
-    out
 }

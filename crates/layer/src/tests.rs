@@ -1454,7 +1454,7 @@ mod split_checks {
                 ),
                 (got, want) => prop_assert!(false, "check_split {got:?}, first stray cell {want:?}"),
             }
-            // One pair more than its count in any cell is refused.
+            // A count one above the first cell's pairs is refused.
             if let Some(first) = counts.first() {
                 let mut more = counts.clone();
                 more[0][0] = first[0] + 1;

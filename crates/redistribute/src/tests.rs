@@ -47,7 +47,6 @@ fn cfg(solver: Solver) -> Config {
     }
 }
 
-/// Solves and checks the contract every solver must meet.
 /// Routes strictly in (expert, source, rank) order, none empty: what
 /// every solver's routes (and `split_to_sources`') must be.
 fn sorted_and_nonempty(routes: &[Route]) -> bool {
@@ -55,6 +54,7 @@ fn sorted_and_nonempty(routes: &[Route]) -> bool {
     routes.windows(2).all(|w| key(&w[0]) < key(&w[1])) && routes.iter().all(|r| r.pairs > 0)
 }
 
+/// Solves and checks the contract every solver must meet.
 fn check(problem: &Problem, cfg: &Config) -> Result<Assignment, RedistributeError> {
     let a = solve(problem, cfg)?;
     assert_eq!(conservation_error(problem, &a.routes), None);
