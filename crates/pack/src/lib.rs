@@ -35,7 +35,8 @@
 //!
 //! For the device expert-parallel executor, [`ep::instance_layout`] is one
 //! exchange under a split of rows over expert instances (owner and
-//! replicas): what each source sends where, in which order, and how each
+//! replicas; an [`ep::Split`], rows per source, expert and rank in one
+//! dense buffer): what each source sends where, in which order, and how each
 //! instance regroups what it receives (with the inverse permutation and
 //! group offsets a device executor uploads). Its maps are [`ep::Runs`]:
 //! blocks of consecutive rows, so the host's work grows with experts and
