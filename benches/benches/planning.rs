@@ -114,6 +114,22 @@ fn layer_call_plan(c: &mut Criterion) {
                 })
             },
         );
+        // What the forward's dispatch waits for: the replicas, the split
+        // over the instances, its checks and this rank's layout (the
+        // quotas follow while the experts compute).
+        g.bench_function(
+            BenchmarkId::new(format!("routes+layout{tag}"), ranks),
+            |b| {
+                b.iter(|| {
+                    let routes = planner.routes(&routed).expect("routes");
+                    let el = cfg.n_experts / ranks;
+                    layer::check_routes(&routes.instances, &routes.forward, &routed, el)
+                        .expect("valid routes");
+                    let local = pack::ep::local_experts(&routes.instances, ranks);
+                    pack::ep::instance_layout(&routes.forward, &local, 1).expect("a layout")
+                })
+            },
+        );
         let plan = planner.forward(&routed).expect("a plan");
         let total: Vec<u64> = (0..cfg.n_experts)
             .map(|e| routed.iter().map(|r| u64::from(r[e])).sum())

@@ -8,7 +8,8 @@
 //! 1 024 tokens a rank (qwen3-moe-mini's routing at 16 ranks), the
 //! trainer's LRMoE settings and fixed ownership; each part's seconds as
 //! the simulator counts them (`lrmoe::simulate::simulate`: between two
-//! collectives the slowest rank's), median over steps.
+//! collectives the slowest rank's), median over steps; and the number of
+//! collectives (exchanges and sums over the ranks) a call makes.
 //!
 //! `cargo run --release -p lrmoe-benches --example host_pieces [-- STEPS]`
 
@@ -18,6 +19,10 @@ use std::time::Duration;
 use layer::{MoeConfig, MoeParams, Transport};
 
 use lrmoe::train::{layer_call_config, Executor, Mode, MoeSection};
+
+/// The row that counts a call's collectives (exchanges and sums over the
+/// ranks) instead of timing a part.
+const COLLECTIVES: &str = "collectives a call (a count)";
 
 fn main() -> anyhow::Result<()> {
     let steps: usize = std::env::args()
@@ -71,7 +76,20 @@ fn main() -> anyhow::Result<()> {
             let cluster = cluster::Cluster::default();
             let mut read = |t: &layer::LocalTransport, step: usize| -> anyhow::Result<()> {
                 if let Some(all) = t.take_step(step) {
-                    steps_read.push(lrmoe::simulate::simulate(&all, &cluster, 0)?.phases);
+                    // The collectives of a call (rank 0's; every rank
+                    // makes the same ones), counted as a part.
+                    let collectives = (all.first().into_iter().flatten())
+                        .filter(|e| {
+                            matches!(
+                                e,
+                                layer::timeline::Entry::Exchange { .. }
+                                    | layer::timeline::Entry::Reduce { .. }
+                            )
+                        })
+                        .count();
+                    let mut phases = lrmoe::simulate::simulate(&all, &cluster, 0)?.phases;
+                    phases.insert(COLLECTIVES.into(), collectives as f64 * 1e-3);
+                    steps_read.push(phases);
                 }
                 Ok(())
             };
@@ -110,7 +128,12 @@ fn main() -> anyhow::Result<()> {
         }
         for (part, mut v) in by_part {
             v.sort_by(f64::total_cmp);
-            println!("| {mode:?} | {part} | {:.3} |", v[v.len() / 2] * 1e3);
+            let median = v[v.len() / 2] * 1e3;
+            if part == COLLECTIVES {
+                println!("| {mode:?} | {part} | {median:.0} |");
+            } else {
+                println!("| {mode:?} | {part} | {median:.3} |");
+            }
         }
     }
     Ok(())

@@ -198,8 +198,9 @@ pub use moe::{backward, forward, BackwardStats, Saved, StageTimes};
 /// [`DevicePlanner::backward`].
 pub use pack::ep::Split;
 pub use plan::{
-    check_device_call, check_device_shape, check_plan, check_split, device_plan_call, plan_call,
-    CallConfig, CallPlan, DevicePlanner, EpPlan, Retention, Selection, TileAlign,
+    check_device_call, check_device_shape, check_plan, check_routes, check_split, device_plan_call,
+    plan_call, CallConfig, CallPlan, DevicePlanner, EpPlan, EpRoutes, Retention, Selection,
+    TileAlign,
 };
 pub use transport::{run_local, run_local_timed, LocalTransport, Transport, TransportError};
 

@@ -306,7 +306,8 @@ pub fn plan_call<T>(
     plan_call_bytes(cfg, bwd, routed, placement, std::mem::size_of::<T>() as u64)
 }
 
-/// [`plan_call`] with elements of `bytes`.
+/// [`plan_call`] with elements of `bytes`: the call's replicas, then its
+/// quotas.
 fn plan_call_bytes(
     cfg: &MoeConfig,
     bwd: &CallConfig,
@@ -314,10 +315,32 @@ fn plan_call_bytes(
     placement: &Placement,
     bytes: u64,
 ) -> Result<CallPlan, LayerError> {
+    let with_replicas = call_replicas(cfg, bwd, &routed, placement, bytes)?;
+    call_quotas(cfg, bwd, routed, placement, with_replicas, bytes)
+}
+
+/// The first half of a call's plan, all its forward needs: `placement`
+/// with this call's replicas (the configured replica load's, or the
+/// controller's [`quota::plan_replicas`]).
+fn call_replicas(
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    routed: &[Vec<u64>],
+    placement: &Placement,
+    bytes: u64,
+) -> Result<Placement, LayerError> {
+    if let Some(load) = &bwd.replica_load {
+        return Ok(quota::replicas_by_load(
+            placement,
+            load,
+            routed.len(),
+            bwd.replica_slots_per_rank,
+        )?);
+    }
     let cost = cost_model(cfg, bwd, bytes);
     let (budgets, policy) = call_budgets(bwd, routed.len())?;
     let inputs = quota::Inputs {
-        counts: &routed,
+        counts: routed,
         placement,
         cost: &cost,
         budgets: &budgets,
@@ -328,13 +351,21 @@ fn plan_call_bytes(
         replica_memory_fraction: bwd.replica_memory_fraction,
         replica_rule: bwd.replica_rule,
     };
-    let with_replicas = match &bwd.replica_load {
-        Some(load) => {
-            quota::replicas_by_load(placement, load, routed.len(), bwd.replica_slots_per_rank)?
-        }
-        None => quota::plan_replicas(&inputs, &qcfg)?,
-    };
-    let (mut kept, caps) = match &bwd.retention {
+    Ok(quota::plan_replicas(&inputs, &qcfg)?)
+}
+
+/// The second half of a call's plan, what only its backward needs: the
+/// quotas (and caps) under the call's retention over `with_replicas`
+/// ([`call_replicas`]'s placement from `placement`, the owners').
+fn call_quotas(
+    cfg: &MoeConfig,
+    bwd: &CallConfig,
+    routed: Vec<Vec<u64>>,
+    placement: &Placement,
+    with_replicas: Placement,
+    bytes: u64,
+) -> Result<CallPlan, LayerError> {
+    let (kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
         Retention::Surplus(f) => (surplus_kept(cfg, &routed, &with_replicas, *f)?, None),
         Retention::Ratio(r) => {
@@ -350,6 +381,8 @@ fn plan_call_bytes(
             )
         }
         Retention::Budgeted { .. } => {
+            let cost = cost_model(cfg, bwd, bytes);
+            let (budgets, policy) = call_budgets(bwd, routed.len())?;
             let trimmed;
             let budgets = if bwd.slots_reserved {
                 trimmed = quota::budgets_without_empty_slots(
@@ -364,15 +397,17 @@ fn plan_call_bytes(
                 &budgets
             };
             let inputs = quota::Inputs {
+                counts: &routed,
                 placement: &with_replicas,
+                cost: &cost,
                 budgets,
-                ..inputs
             };
             let p = quota::quotas(&inputs, policy)?;
             let caps = p.ranks.iter().map(|r| r.pair_capacity).collect();
             (p.quotas.per_source().to_vec(), Some(caps))
         }
     };
+    let mut kept = kept;
     // Quotas that keep every routed pair (full retention) never bind, so
     // alignment leaves them whole.
     if let Some(a) = bwd.tile_align {
@@ -545,6 +580,16 @@ fn plan_over_blocks(
     routed: &[Vec<u32>],
     bytes: u64,
 ) -> Result<CallPlan, LayerError> {
+    let (counts, placement) = owned_in_blocks(cfg, routed)?;
+    plan_call_bytes(cfg, call, counts, &placement, bytes)
+}
+
+/// The routed counts in 64 bits and the owners' placement of a call whose
+/// experts are owned in contiguous blocks (`e / (E / W)`), checked.
+fn owned_in_blocks(
+    cfg: &MoeConfig,
+    routed: &[Vec<u32>],
+) -> Result<(Vec<Vec<u64>>, Placement), LayerError> {
     cfg.validate()?;
     let n_ranks = routed.len();
     if n_ranks == 0 || cfg.n_experts % n_ranks != 0 {
@@ -566,7 +611,7 @@ fn plan_over_blocks(
             .collect(),
         replicas: vec![],
     };
-    plan_call_bytes(cfg, call, counts, &placement, bytes)
+    Ok((counts, placement))
 }
 
 /// Rejects layers the device operations cannot run: widths must be
@@ -654,6 +699,25 @@ impl EpPlan {
     }
 }
 
+/// The forward's half of a call's plan ([`DevicePlanner::routes`]):
+/// this call's instances of each expert and the forward's split of every
+/// routed pair over them. The quotas and caps only the backward needs
+/// follow from it ([`DevicePlanner::complete`]), so an executor sends the
+/// rows out first and runs the rest of the controller while the experts
+/// compute.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EpRoutes {
+    /// As [`EpPlan::instances`].
+    pub instances: Vec<Vec<usize>>,
+    /// As [`EpPlan::forward`].
+    pub forward: Split,
+    /// The routed counts `[source][expert]` the routes split.
+    routed: Vec<Vec<u64>>,
+    /// The owners' placement, and the same with this call's replicas.
+    owners: Placement,
+    placement: Placement,
+}
+
 /// Whether every expert has exactly one instance (its owner): no replica
 /// in the call, so nothing is split, no weight is sent and no gradient
 /// returns — the rule every executor's shortcut tests.
@@ -718,16 +782,28 @@ pub fn check_split(
 /// Checks a plan for `world` ranks with experts owned in blocks of
 /// `per_rank` against the routed counts.
 pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result<(), LayerError> {
+    check_routes(&plan.instances, &plan.forward, routed, per_rank)?;
+    check_quotas(plan, routed.len())
+}
+
+/// The forward's half of [`check_plan`]: each expert's instances (its
+/// owner first, each rank once) and the split of the routed counts over
+/// them.
+pub fn check_routes(
+    instances: &[Vec<usize>],
+    forward: &Split,
+    routed: &[Vec<u32>],
+    per_rank: usize,
+) -> Result<(), LayerError> {
     let world = routed.len();
     let experts = routed.first().map_or(0, Vec::len);
-    if plan.instances.len() != experts || plan.quotas.len() != experts {
+    if instances.len() != experts {
         return Err(LayerError::Config(format!(
-            "a plan for {} experts ({} quotas), {experts} expected",
-            plan.instances.len(),
-            plan.quotas.len()
+            "a plan for {} experts, {experts} expected",
+            instances.len(),
         )));
     }
-    for (e, inst) in plan.instances.iter().enumerate() {
+    for (e, inst) in instances.iter().enumerate() {
         let owner = e / per_rank.max(1);
         let dup = inst.iter().enumerate().any(|(i, r)| inst[..i].contains(r));
         if inst.first() != Some(&owner) || dup || inst.iter().any(|&r| r >= world) {
@@ -735,6 +811,19 @@ pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result
                 "expert {e}: instances {inst:?} must start with its owner {owner}, each rank once, below {world}"
             )));
         }
+    }
+    check_split(forward, routed, instances)
+}
+
+/// The backward's half of [`check_plan`]: a quota per expert, a cap per
+/// rank if any.
+fn check_quotas(plan: &EpPlan, world: usize) -> Result<(), LayerError> {
+    if plan.quotas.len() != plan.instances.len() {
+        return Err(LayerError::Config(format!(
+            "{} quotas for {} experts",
+            plan.quotas.len(),
+            plan.instances.len()
+        )));
     }
     if let Some(c) = &plan.caps {
         if c.len() != world {
@@ -744,7 +833,7 @@ pub fn check_plan(plan: &EpPlan, routed: &[Vec<u32>], per_rank: usize) -> Result
             )));
         }
     }
-    check_split(&plan.forward, routed, &plan.instances)
+    Ok(())
 }
 
 /// The controller of the device executor
@@ -907,10 +996,48 @@ impl DevicePlanner {
     /// This call's plan from every source's routed pairs per expert
     /// (`[sources][experts]`): the controller's quotas, replicas and caps,
     /// and the forward's pairs spread over the instances (exact solver).
+    /// [`DevicePlanner::routes`] then [`DevicePlanner::complete`].
     pub fn forward(&self, routed: &[Vec<u32>]) -> Result<EpPlan, LayerError> {
-        let plan = plan_over_blocks(&self.cfg, &self.call, routed, self.value_bytes)?;
-        let instances = plan.placement.all_instances();
+        self.complete(self.routes(routed)?)
+    }
+
+    /// The forward's half of [`DevicePlanner::forward`]: this call's
+    /// replicas and the forward's pairs spread over the instances (exact
+    /// solver), all the forward's dispatch waits for.
+    pub fn routes(&self, routed: &[Vec<u32>]) -> Result<EpRoutes, LayerError> {
+        let (counts, owners) = owned_in_blocks(&self.cfg, routed)?;
+        let placement = call_replicas(&self.cfg, &self.call, &counts, &owners, self.value_bytes)?;
+        let instances = placement.all_instances();
         let forward = self.solve(routed, &instances, None, self.call.forward_solver())?;
+        Ok(EpRoutes {
+            instances,
+            forward,
+            routed: counts,
+            owners,
+            placement,
+        })
+    }
+
+    /// The backward's half of [`DevicePlanner::forward`]: the quotas and
+    /// caps of the call `routes` places (the controller under the call's
+    /// retention), which an executor may compute while the forward's
+    /// experts run. The plan is the one [`DevicePlanner::forward`] gives.
+    pub fn complete(&self, routes: EpRoutes) -> Result<EpPlan, LayerError> {
+        let EpRoutes {
+            instances,
+            forward,
+            routed,
+            owners,
+            placement,
+        } = routes;
+        let plan = call_quotas(
+            &self.cfg,
+            &self.call,
+            routed,
+            &owners,
+            placement,
+            self.value_bytes,
+        )?;
         let cells = (plan.selection == Selection::PerSourceExpert).then(|| {
             (plan.kept.iter())
                 .map(|row| {

@@ -810,18 +810,49 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
     // correct layer never reads them — replicas get the owner's weights over
     // the transport, and gradients come back from the owners.
     let (cfg, params, x, dy) = replica_case(17);
-    let all = vec![true; 48 * cfg.top_k];
-    let (y_ref, dx_ref, g_ref) = reference(&cfg, &params, &x, &dy, &all);
+    replicas_match_the_reference(&cfg, (&params, &x, &dy), 2, 1);
+}
+
+#[test]
+fn replicas_from_several_owners_in_one_exchange_match_the_reference() {
+    // 4 ranks of 4 experts, two slots each, every slot filled: ranks get
+    // blocks from several owners, owners send several blocks to one rank
+    // and take gradients back from several replicas of one expert, all in
+    // one exchange of the three tensors each way.
+    let cfg = MoeConfig {
+        hidden: 6,
+        ffn: 5,
+        n_experts: 16,
+        top_k: 3,
+        renormalize: true,
+    };
+    let (params, x, dy) = setup(&cfg, 96, 23);
+    replicas_match_the_reference(&cfg, (&params, &x, &dy), 4, 2);
+}
+
+/// The layer on `n_ranks` in-process ranks with `slots` replica slots a
+/// rank, every slot filled, each rank's copies of the experts it does not
+/// own poisoned: outputs and gradients as the one-rank reference gives
+/// them (full retention, and half kept).
+fn replicas_match_the_reference(
+    cfg: &MoeConfig,
+    (params, x, dy): (&MoeParams<f64>, &[f64], &[f64]),
+    n_ranks: usize,
+    slots: usize,
+) {
+    let hd = cfg.hidden;
+    let tokens = x.len() / hd;
+    let all = vec![true; tokens * cfg.top_k];
+    let (y_ref, dx_ref, g_ref) = reference(cfg, params, x, dy, &all);
     for retention in [Retention::Full, Retention::Ratio(0.5)] {
-        let n_ranks = 2;
         let bwd = CallConfig {
             retention: retention.clone(),
-            replica_slots_per_rank: 1,
+            replica_slots_per_rank: slots,
             replica_rule: quota::ReplicaRule::Fill,
             ..CallConfig::default()
         };
         let place = placement(cfg.n_experts, n_ranks);
-        let hd = cfg.hidden;
+        let per = tokens / n_ranks;
         let res: Vec<Result<_, LayerError>> = run_local(n_ranks, TIMEOUT, |t| {
             let r = t.rank();
             let mut mine = params.clone();
@@ -832,8 +863,8 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
                     }
                 }
             }
-            let (lo, hi) = (r * 24, (r + 1) * 24);
-            let (y, saved) = forward(t, &cfg, &bwd, &mine, &place, &x[lo * hd..hi * hd])?;
+            let (lo, hi) = (r * per, (r + 1) * per);
+            let (y, saved) = forward(t, cfg, &bwd, &mine, &place, &x[lo * hd..hi * hd])?;
             let replicas = saved
                 .plan
                 .placement
@@ -841,7 +872,7 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
                 .iter()
                 .map(Vec::len)
                 .sum::<usize>();
-            let (dx, grads, stats) = backward(t, &cfg, &bwd, &mine, &saved, &dy[lo * hd..hi * hd])?;
+            let (dx, grads, stats) = backward(t, cfg, &bwd, &mine, &saved, &dy[lo * hd..hi * hd])?;
             Ok((y, dx, grads, stats.kept, replicas))
         });
         let mut y = vec![];
@@ -850,19 +881,21 @@ fn replicas_compute_with_the_owners_weights_copied_to_them() {
         let mut grads = vec![];
         for r in res {
             let (yr, dxr, g, k, replicas) = r.unwrap();
-            assert!(replicas > 0, "the controller placed no replica");
+            assert_eq!(replicas, slots * n_ranks, "every slot filled");
             y.extend(yr);
             dx.extend(dxr);
             kept.extend(k);
             grads.push(g);
         }
-        assert_eq!(grads[0], grads[1], "ranks disagree on the gradients");
+        for g in &grads[1..] {
+            assert_eq!(&grads[0], g, "ranks disagree on the gradients");
+        }
         if retention == Retention::Full {
             assert_close("y", &y, &y_ref, 1e-12);
             assert_close("dx", &dx, &dx_ref, 1e-12);
             assert_grads_close(&grads[0], &g_ref, 1e-12);
         } else {
-            let (_, dx_k, g_k) = reference(&cfg, &params, &x, &dy, &kept);
+            let (_, dx_k, g_k) = reference(cfg, params, x, dy, &kept);
             assert_close("y", &y, &y_ref, 1e-12);
             assert_close("dx", &dx, &dx_k, 1e-12);
             assert_grads_close(&grads[0], &g_k, 1e-12);
@@ -993,6 +1026,117 @@ fn device_quotas_are_the_host_plans_per_expert_quotas() {
     assert!(DevicePlanner::host(cfg, send_bound).is_ok());
     assert!(quotas_of(&cfg, &CallConfig::default(), &routed[..1]).is_ok());
     assert!(quotas_of(&cfg, &CallConfig::default(), &[vec![1; 3]]).is_err());
+}
+
+#[test]
+fn the_forward_plan_is_its_routes_then_its_quotas() {
+    use crate::plan::{check_plan, check_routes};
+    let cfg = MoeConfig {
+        hidden: 16,
+        ffn: 8,
+        n_experts: 16,
+        top_k: 2,
+        renormalize: false,
+    };
+    // Room for the 4 owned experts, a replica slot and ~120 rows (bf16).
+    let per_expert = 3 * 16 * 8 * 2 * 2;
+    let budget = quota::RankBudget {
+        memory_bytes: 5 * per_expert + 120 * 16 * 2 * 2,
+        network_bytes: u64::MAX,
+    };
+    let call = |rule| CallConfig {
+        retention: Retention::Budgeted {
+            budgets: vec![budget; 4],
+            policy: quota::Policy::Maxmin,
+        },
+        replica_slots_per_rank: 1,
+        replica_memory_fraction: 1.0,
+        replica_rule: rule,
+        slots_reserved: true,
+        ..CallConfig::default()
+    };
+    let (mut replicated, mut binding) = (0, 0);
+    for (i, rule) in [quota::ReplicaRule::Paying, quota::ReplicaRule::Fill]
+        .into_iter()
+        .enumerate()
+    {
+        let planner = DevicePlanner::new(cfg, call(rule)).unwrap();
+        for seed in 0..6u64 {
+            // Skewed counts: expert e gets ~ 60 / (e + 1) of each source's pairs.
+            let routed: Vec<Vec<u32>> = (0..4u64)
+                .map(|s| {
+                    (0..16u64)
+                        .map(|e| (60 / (e + 1) + (seed * 7 + s * 3 + e * 5) % 9) as u32)
+                        .collect()
+                })
+                .collect();
+            let routes = planner.routes(&routed).unwrap();
+            check_routes(&routes.instances, &routes.forward, &routed, 4).unwrap();
+            let whole = planner.forward(&routed).unwrap();
+            let (instances, forward) = (routes.instances.clone(), routes.forward.clone());
+            let plan = planner.complete(routes).unwrap();
+            assert_eq!(plan, whole, "rule {i}, seed {seed}");
+            assert_eq!(
+                (plan.instances.clone(), plan.forward.clone()),
+                (instances, forward)
+            );
+            // The controller's own answer, from `quota` directly.
+            let counts: Vec<Vec<u64>> = (routed.iter())
+                .map(|r| r.iter().map(|&c| u64::from(c)).collect())
+                .collect();
+            let d = CallConfig::default();
+            let cost = quota::CostModel::swiglu_expert(16, 8, 2, d.link_bytes_per_s, d.flops_per_s);
+            let owners = Placement {
+                owner: (0..16).map(|e| e / 4).collect(),
+                replicas: vec![],
+            };
+            let budgets = vec![budget; 4];
+            let inputs = quota::Inputs {
+                counts: &counts,
+                placement: &owners,
+                cost: &cost,
+                budgets: &budgets,
+            };
+            let qcfg = quota::Config {
+                policy: quota::Policy::Maxmin,
+                replica_slots_per_rank: 1,
+                replica_memory_fraction: 1.0,
+                replica_rule: rule,
+            };
+            let with = quota::plan_replicas(&inputs, &qcfg).unwrap();
+            assert_eq!(plan.instances, with.all_instances());
+            let trimmed = quota::budgets_without_empty_slots(&budgets, 1, &owners, &with, &cost);
+            let inputs = quota::Inputs {
+                placement: &with,
+                budgets: &trimmed,
+                ..inputs
+            };
+            let q = quota::quotas(&inputs, quota::Policy::Maxmin).unwrap();
+            let per_expert: Vec<u32> = (0..16)
+                .map(|e| q.quotas.per_source().iter().map(|r| r[e] as u32).sum())
+                .collect();
+            assert_eq!(plan.quotas, per_expert);
+            let caps: Vec<u64> = q.ranks.iter().map(|r| r.pair_capacity).collect();
+            assert_eq!(plan.caps.as_ref(), Some(&caps));
+            binding += usize::from(q.kept_fraction < 1.0);
+            check_plan(&plan, &routed, 4).unwrap();
+            replicated += usize::from(!crate::plan::one_instance_each(&plan.instances));
+            assert!(plan.caps.is_some(), "a budgeted call has caps");
+            // The backward's half is checked too.
+            let mut bad = plan.clone();
+            bad.quotas.pop();
+            assert!(check_plan(&bad, &routed, 4).is_err());
+            let mut bad = plan.clone();
+            bad.caps = Some(vec![1; 3]);
+            assert!(check_plan(&bad, &routed, 4).is_err());
+        }
+    }
+    assert!(replicated > 0, "some calls place replicas");
+    assert!(binding > 0, "some calls' quotas bind");
+    // Counts of another shape are refused before anything is planned.
+    let planner = DevicePlanner::new(cfg, call(quota::ReplicaRule::Paying)).unwrap();
+    assert!(planner.routes(&[vec![1; 16], vec![1; 15]]).is_err());
+    assert!(planner.routes(&vec![vec![1; 16]; 3]).is_err());
 }
 
 #[test]
@@ -1462,4 +1606,36 @@ mod split_checks {
             }
         }
     }
+}
+
+#[test]
+fn block_moves_merge_only_where_both_sides_continue() {
+    use crate::stages::common::{block_runs, tensor_block};
+    let moves = [
+        (0, 5),
+        (1, 6),
+        (2, 7),
+        (2, 8),
+        (5, 9),
+        (6, 10),
+        (6, 10),
+        (8, 12),
+    ];
+    assert_eq!(
+        block_runs(moves),
+        vec![(0, 5, 3), (2, 8, 1), (5, 9, 2), (6, 10, 1), (8, 12, 1)]
+    );
+    assert!(block_runs([]).is_empty());
+    // Parts of 2, 0 and 3 blocks, three tensors: part by part, each
+    // tensor's blocks in turn, every position once.
+    let starts = [0, 2, 2, 5];
+    let mut seen: Vec<usize> = [(0, 2), (2, 3)]
+        .iter()
+        .flat_map(|&(d, n)| (0..3).flat_map(move |t| (0..n).map(move |i| (d, t, i))))
+        .map(|dti| tensor_block(&starts, 3, dti))
+        .collect();
+    assert_eq!(&seen[..4], &[0, 1, 2, 3]);
+    assert_eq!(tensor_block(&starts, 3, (2, 1, 0)), 9);
+    seen.sort_unstable();
+    assert_eq!(seen, (0..15).collect::<Vec<_>>());
 }

@@ -12,8 +12,8 @@ use crate::plan::{check_split, one_instance_each, DevicePlanner, EpPlan};
 use crate::LayerError;
 
 use super::common::{
-    copy_rows, elems, exchange_rows, exclusive_scan, off_rank, pack_blocks, packed_parts, permute4,
-    permute_rows, Held, Laps,
+    block_runs, copy_rows, elems, exchange_rows, exclusive_scan, off_rank, pack_blocks,
+    pack_tensor_blocks, packed_parts, permute4, permute_rows, tensor_block, Held, Laps,
 };
 use super::forward::Saved;
 use super::weights::{local_weights, Weights};
@@ -745,7 +745,7 @@ fn sent_bytes<F: Family>(
 
 /// This rank's own experts' gradients from those of its instances
 /// (`local` order): replicas' gradients go to their owners (one
-/// all-to-all per tensor) and are added there.
+/// all-to-all of the three tensors) and are added there.
 fn owner_gradients<B: Backend>(
     b: &B,
     cfg: &MoeConfig,
@@ -761,27 +761,36 @@ fn owner_gradients<B: Backend>(
     }
     let traffic = replica_traffic(&plan.instances, local, rank, el);
     let below = traffic.below;
-    // Replica gradients go back the way the weights came.
+    // Replica gradients go back the way the weights came, the three
+    // tensors in one exchange (each owner's blocks of each in turn).
     let (out_blocks, send, recv, from_blocks) = (
         &traffic.grads_out,
         &traffic.weights_recv,
         &traffic.weights_send,
         &traffic.grads_in,
     );
-    let owners_sum = |g: &Rows<B>| -> Result<Rows<B>, LayerError> {
-        let packed = pack_blocks(b, g, out_blocks, hf)?;
-        let got = b.exchange(packed, &elems(send, hf), &elems(recv, hf))?;
-        // This rank's block of the instance gradients.
-        let mut own = pack_blocks(b, g, &(below..below + el).collect::<Vec<_>>(), hf)?;
-        for (i, &blk) in from_blocks.iter().enumerate() {
-            b.add_into(&mut own, blk * hf, &got, i * hf, hf)?;
+    let tensors = [&grads.gate, &grads.up, &grads.down];
+    let packed = pack_tensor_blocks(b, &tensors, out_blocks, send, hf)?;
+    let got = b.exchange(packed, &elems(send, 3 * hf), &elems(recv, 3 * hf))?;
+    let starts = exclusive_scan(recv);
+    let source_of = |j: usize| starts.partition_point(|&x| x <= j) - 1;
+    let owners_sum = |t: usize| -> Result<Rows<B>, LayerError> {
+        // This rank's block of the instance gradients, plus each replica's
+        // gradient of it, in the order received.
+        let mut own = pack_blocks(b, tensors[t], &(below..below + el).collect::<Vec<_>>(), hf)?;
+        let moves = from_blocks.iter().enumerate().map(|(j, &blk)| {
+            let s = source_of(j);
+            (tensor_block(&starts, 3, (s, t, j - starts[s])), blk)
+        });
+        for (from, to, n) in block_runs(moves) {
+            b.add_into(&mut own, to * hf, &got, from * hf, n * hf)?;
         }
         Ok(own)
     };
     let summed = Experts {
-        gate: owners_sum(&grads.gate)?,
-        up: owners_sum(&grads.up)?,
-        down: owners_sum(&grads.down)?,
+        gate: owners_sum(0)?,
+        up: owners_sum(1)?,
+        down: owners_sum(2)?,
     };
     Ok((
         summed,

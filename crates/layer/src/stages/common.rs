@@ -224,21 +224,75 @@ pub(crate) fn permute4<B: Backend, E: Elem>(
     unsafe { b.gather32(&vals, &pd, perm.len) }
 }
 
-/// `n` consecutive blocks of `width` elements of `src`, starting at the
-/// listed block indices, packed into one buffer.
+/// Block moves `(from, to)` merged into runs `(from, to, blocks)` where
+/// both sides continue consecutively (a pair repeated, or out of order,
+/// starts a new run), so that each run is one copy.
+pub(crate) fn block_runs(
+    moves: impl IntoIterator<Item = (usize, usize)>,
+) -> Vec<(usize, usize, usize)> {
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    for (from, to) in moves {
+        match runs.last_mut() {
+            Some((f, t, n)) if *f + *n == from && *t + *n == to => *n += 1,
+            _ => runs.push((from, to, 1)),
+        }
+    }
+    runs
+}
+
+/// The blocks of `width` elements of `src` at the listed block indices,
+/// packed into one buffer in that order (a run of consecutive blocks is
+/// one copy).
 pub(crate) fn pack_blocks<B: Backend>(
     b: &B,
     src: &Rows<B>,
     blocks: &[usize],
     width: usize,
 ) -> Result<Rows<B>, LayerError> {
-    // SAFETY: every block of the output is written by the copies below.
-    let mut out = unsafe { b.uninit(blocks.len() * width) }?;
-    for (i, &blk) in blocks.iter().enumerate() {
-        if (blk + 1) * width > B::len(src) {
-            return Err(LayerError::Config("a weight block past its tensor".into()));
+    pack_tensor_blocks(b, &[src], blocks, &[blocks.len()], width)
+}
+
+/// Block `i` of tensor `t` of part `d` in a buffer that
+/// [`pack_tensor_blocks`] packed from `tensors` tensors with `starts` the
+/// parts' first blocks ([`exclusive_scan`] of their counts): parts one
+/// after another, within a part each tensor's blocks in turn.
+pub(crate) fn tensor_block(
+    starts: &[usize],
+    tensors: usize,
+    (d, t, i): (usize, usize, usize),
+) -> usize {
+    let count = starts[d + 1] - starts[d];
+    tensors * starts[d] + t * count + i
+}
+
+/// The listed blocks (`blocks`, in parts of `counts`) of every tensor of
+/// `tensors`, packed for one exchange of them all: part by part (one part
+/// per destination), within a part each tensor's blocks in turn
+/// ([`tensor_block`]). A run of consecutive blocks is one copy.
+pub(crate) fn pack_tensor_blocks<B: Backend>(
+    b: &B,
+    tensors: &[&Rows<B>],
+    blocks: &[usize],
+    counts: &[usize],
+    width: usize,
+) -> Result<Rows<B>, LayerError> {
+    let starts = exclusive_scan(counts);
+    crate::config::shape("blocks of the parts", starts[counts.len()], blocks.len())?;
+    // SAFETY: every block of the output is written by the copies below
+    // (each part's blocks of each tensor).
+    let mut out = unsafe { b.uninit(tensors.len() * blocks.len() * width) }?;
+    let (starts, nt) = (&starts, tensors.len());
+    for (t, &src) in tensors.iter().enumerate() {
+        let moves = (0..counts.len()).flat_map(|d| {
+            (starts[d]..starts[d + 1])
+                .map(move |j| (blocks[j], tensor_block(starts, nt, (d, t, j - starts[d]))))
+        });
+        for (from, to, n) in block_runs(moves) {
+            if (from + n) * width > B::len(src) {
+                return Err(LayerError::Config("a weight block past its tensor".into()));
+            }
+            b.copy(src, from * width, &mut out, to * width, n * width)?;
         }
-        b.copy(src, blk * width, &mut out, i * width, width)?;
     }
     Ok(out)
 }

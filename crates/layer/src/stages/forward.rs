@@ -6,7 +6,7 @@ use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Run
 use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Sc, Scalar, Wts};
 use crate::config::at_least;
 use crate::config::MoeConfig;
-use crate::plan::{check_plan, one_instance_each, DevicePlanner, EpPlan};
+use crate::plan::{check_plan, check_routes, one_instance_each, DevicePlanner, EpPlan, EpRoutes};
 use crate::LayerError;
 
 use super::common::{
@@ -137,9 +137,11 @@ fn group_and_cap<B: Backend>(
 struct ForwardPlan {
     /// Every rank's rows per expert.
     counts_all: Vec<Vec<u32>>,
-    /// The whole plan, when the call has replica slots (otherwise the
-    /// controller runs while the experts compute).
-    early: Option<EpPlan>,
+    /// The plan's routes (replicas and the forward's split), when the
+    /// call has replica slots; the rest of the controller (the backward's
+    /// quotas) runs while the experts compute, and all of it without
+    /// replica slots.
+    early: Option<EpRoutes>,
     /// Without replica slots: every expert's rows to its owner.
     owner_split: Split,
     /// Each rank's instances.
@@ -150,8 +152,10 @@ struct ForwardPlan {
 
 /// Everyone's counts, then the split every rank follows. Without replica
 /// slots (alike on every rank) the split is the routed counts, each
-/// expert's to its owner: the rows go out now and the controller (the
-/// backward's quotas) runs on the host while the experts compute.
+/// expert's to its owner; with them the controller places this call's
+/// replicas and splits the rows over the instances. Either way the rows
+/// go out next and the rest of the controller (the backward's quotas)
+/// runs on the host while the experts compute.
 fn forward_plan<B: Backend>(
     b: &B,
     planner: &DevicePlanner,
@@ -166,16 +170,16 @@ fn forward_plan<B: Backend>(
     let early = if planner.owners_only() {
         None
     } else {
-        let plan = planner.forward(&counts_all)?;
-        check_plan(&plan, &counts_all, el)?;
-        Some(plan)
+        let routes = planner.routes(&counts_all)?;
+        check_routes(&routes.instances, &routes.forward, &counts_all, el)?;
+        Some(routes)
     };
     let owner_split = match &early {
         Some(_) => Split::default(),
         None => crate::plan::owners_split(&counts_all, |e| e / el, world)?,
     };
     let (split, local) = match &early {
-        Some(plan) => (&plan.forward, local_experts(&plan.instances, world)),
+        Some(routes) => (&routes.forward, local_experts(&routes.instances, world)),
         None => (
             &owner_split,
             (0..world)
@@ -473,9 +477,13 @@ pub(crate) fn forward<B: Backend>(
     let mut laps = Laps::new(b, false)?;
     let d = dispatch(b, cfg, w, x, planner, &mut laps)?;
     let (fp, n, p) = (d.fp, d.offsets[cfg.n_experts] as usize, d.tokens * k);
-    // The controller, while the experts compute (owners only).
+    // The controller's quotas, while the experts compute.
     let controller = || match fp.early {
-        Some(plan) => Ok(plan),
+        Some(routes) => {
+            let plan = planner.complete(routes)?;
+            check_plan(&plan, &fp.counts_all, el)?;
+            Ok(plan)
+        }
         None => late_plan(planner, &fp.counts_all, &fp.owner_split, el),
     };
     // Projections are kept on one rank only, where its own rows are every
@@ -566,13 +574,14 @@ fn dispatch<B: Backend>(
     let n = offsets[e] as usize;
     let fp = forward_plan(b, planner, &capped.counts, (rank, world, el), laps)?;
     laps.lap(b, "counts+plan")?;
-    let (weights, w_bytes) = replica_weights(b, cfg, w, fp.early.as_ref(), &fp.local, el)?;
+    let instances = fp.early.as_ref().map(|r| &r.instances[..]);
+    let (weights, w_bytes) = replica_weights(b, cfg, w, instances, &fp.local, el)?;
     laps.lap(b, "replica weights")?;
     let xs = rows_to_send(b, x, &capped.src, &fp.lay.send_order, (n, k, h))?;
     laps.lap(b, "pack x")?;
     // Without replicas (decided from the plan, so alike on every rank)
     // owners keep their forward rows (source-major) for the backward.
-    let keep_rows = (fp.early.as_ref()).is_none_or(|plan| one_instance_each(&plan.instances));
+    let keep_rows = instances.is_none_or(one_instance_each);
     let lay = &fp.lay;
     let rows = exchange_rows(b, xs, (&lay.send, &lay.recv.from), h, keep_rows)?;
     laps.sent(b, "x out")?;

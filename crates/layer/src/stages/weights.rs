@@ -3,12 +3,12 @@
 
 use pack::ep::replica_traffic;
 
-use crate::backend::{Backend, Family, Rows, Wts};
+use crate::backend::{Backend, Family, Wts};
 use crate::config::{Experts, MoeConfig};
-use crate::plan::{one_instance_each, EpPlan};
+use crate::plan::one_instance_each;
 use crate::LayerError;
 
-use super::common::{elems, pack_blocks};
+use super::common::{block_runs, elems, exclusive_scan, pack_tensor_blocks, tensor_block};
 
 /// One rank's weights: the router `H × E` (every rank holds it) and the
 /// rank's own experts, `E_l × H × F` (gate, up) and `E_l × F × H` (down),
@@ -28,63 +28,65 @@ pub struct Weights<F: Family> {
 /// the replicas it received), in the order of its local expert list.
 pub(crate) type LocalWeights<F> = Experts<<F as Family>::Buf<<F as Family>::V>>;
 
-/// The weights of this rank's instances for `plan`: owners send every
-/// replicated expert's weights to the replicas' ranks (one all-to-all per
-/// tensor); `None` where this rank holds only its own block (no plan yet,
+/// The weights of this rank's instances in this call (`instances`: each
+/// expert's ranks, its owner first): owners send every
+/// replicated expert's weights to the replicas' ranks (one all-to-all of
+/// the three tensors); `None` where this rank holds only its own block (no plan yet,
 /// or one instance per expert).
 #[allow(clippy::type_complexity)]
 pub(crate) fn replica_weights<B: Backend>(
     b: &B,
     cfg: &MoeConfig,
     w: &Weights<B::F>,
-    plan: Option<&EpPlan>,
+    instances: Option<&[Vec<usize>]>,
     local: &[Vec<usize>],
     el: usize,
 ) -> Result<(Option<LocalWeights<B::F>>, usize), LayerError> {
     let rank = b.rank();
-    let Some(plan) = plan.filter(|plan| !one_instance_each(&plan.instances)) else {
+    let Some(instances) = instances.filter(|i| !one_instance_each(i)) else {
         return Ok((None, 0));
     };
     let hf = cfg.hidden * cfg.ffn;
-    let traffic = replica_traffic(&plan.instances, local, rank, el);
-    let mut got = Vec::with_capacity(3);
-    for t in [&w.experts.gate, &w.experts.up, &w.experts.down] {
-        let packed = pack_blocks(b, t, &traffic.weights_out, hf)?;
-        got.push(b.exchange(
-            packed,
-            &elems(&traffic.weights_send, hf),
-            &elems(&traffic.weights_recv, hf),
-        )?);
-    }
+    let traffic = replica_traffic(instances, local, rank, el);
+    let tensors = [&w.experts.gate, &w.experts.up, &w.experts.down];
+    // One exchange of the three tensors' blocks, each destination's in turn.
+    let packed = pack_tensor_blocks(b, &tensors, &traffic.weights_out, &traffic.weights_send, hf)?;
+    let got = b.exchange(
+        packed,
+        &elems(&traffic.weights_send, 3 * hf),
+        &elems(&traffic.weights_recv, 3 * hf),
+    )?;
     let bytes = traffic.weights_out.len() * 3 * hf * 2;
     let n_in: usize = traffic.weights_recv.iter().sum();
     if n_in == 0 {
         return Ok((None, bytes));
     }
     // This rank's instances, ascending: replicas below its block, its
-    // block, replicas above.
-    let below = traffic.below;
-    let nl = local[rank].len();
-    let build = |own: &Rows<B>, rep: &Rows<B>| {
-        // SAFETY: the three copies below write all nl blocks.
-        let mut t = unsafe { b.uninit(nl * hf) }?;
-        let parts = [
-            (rep, 0, below, 0),
-            (own, 0, el, below),
-            (rep, below, n_in, below + el),
-        ];
-        for (from, lo, hi, at) in parts {
-            if hi > lo {
-                b.copy(from, lo * hf, &mut t, at * hf, (hi - lo) * hf)?;
-            }
+    // block, replicas above; the `j`-th block received (source by source)
+    // is tensor `t`'s at `tensor_block` of `got`.
+    let (below, nl) = (traffic.below, local[rank].len());
+    let starts = exclusive_scan(&traffic.weights_recv);
+    let source_of = |j: usize| starts.partition_point(|&x| x <= j) - 1;
+    let build = |t: usize| {
+        // SAFETY: the copies below write all nl blocks: every received
+        // block and the own block.
+        let mut out = unsafe { b.uninit(nl * hf) }?;
+        b.copy(tensors[t], 0, &mut out, below * hf, el * hf)?;
+        let moves = (0..n_in).map(|j| {
+            let s = source_of(j);
+            let at = if j < below { j } else { j + el };
+            (tensor_block(&starts, 3, (s, t, j - starts[s])), at)
+        });
+        for (from, to, n) in block_runs(moves) {
+            b.copy(&got, from * hf, &mut out, to * hf, n * hf)?;
         }
-        Ok::<_, LayerError>(t)
+        Ok::<_, LayerError>(out)
     };
     Ok((
         Some(LocalWeights::<B::F> {
-            gate: build(&w.experts.gate, &got[0])?,
-            up: build(&w.experts.up, &got[1])?,
-            down: build(&w.experts.down, &got[2])?,
+            gate: build(0)?,
+            up: build(1)?,
+            down: build(2)?,
         }),
         bytes,
     ))
