@@ -1492,13 +1492,12 @@ fn fill_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Filled, QuotaError
 /// The placement `given` plus the prefix of `added` with the smallest
 /// [`modelled_call_seconds`] (the first smallest: fewer replicas on a tie).
 fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]) -> Placement {
-    let routed = inputs.routed_per_expert();
+    let mut model = CallModel::new(inputs);
     let mut p = given.clone();
-    let order = by_load(&routed);
-    let mut best = (call_seconds(inputs, &p, &routed, &order), 0);
+    let mut best = (model.seconds(&p), 0);
     for (k, &(e, r)) in added.iter().enumerate() {
         p.replicas[e].push(r);
-        let t = call_seconds(inputs, &p, &routed, &order);
+        let t = model.seconds(&p);
         if t < best.0 {
             best = (t, k + 1);
         }
@@ -1556,8 +1555,7 @@ pub fn budgets_without_empty_slots(
 /// `inputs`' placement is ignored; its counts and cost model are used as
 /// given (call [`plan_replicas`] or [`plan`] for checked inputs).
 pub fn modelled_call_seconds(inputs: &Inputs<'_>, placement: &Placement) -> f64 {
-    let routed = inputs.routed_per_expert();
-    call_seconds(inputs, placement, &routed, &by_load(&routed))
+    CallModel::new(inputs).seconds(placement)
 }
 
 /// Experts by most routed pairs, then smaller id: [`fill_order`]'s order
@@ -1570,115 +1568,190 @@ fn by_load(routed: &[u64]) -> Vec<usize> {
 
 /// The order the modelled split fills experts in: fewest instances first
 /// (an expert on one rank has no choice), then most routed pairs, then
-/// smaller id — `by_load` ([`by_load`]) bucketed stably by instance count.
-fn fill_order(by_load: &[usize], placement: &Placement) -> Vec<usize> {
+/// smaller id — `by_load` ([`by_load`]) bucketed stably by instance count;
+/// into `order`, with `start` as scratch.
+fn fill_order(
+    by_load: &[usize],
+    placement: &Placement,
+    start: &mut Vec<usize>,
+    order: &mut [usize],
+) {
     let n_inst = |e: usize| placement.replicas.get(e).map_or(0, Vec::len);
     let most = by_load.iter().map(|&e| n_inst(e)).max().unwrap_or(0);
-    let mut start = vec![0usize; most + 2];
+    start.clear();
+    start.resize(most + 2, 0);
     for &e in by_load {
         start[n_inst(e) + 1] += 1;
     }
     for k in 1..start.len() {
         start[k] += start[k - 1];
     }
-    let mut order = vec![0usize; by_load.len()];
     for &e in by_load {
         let k = n_inst(e);
         order[start[k]] = e;
         start[k] += 1;
     }
-    order
 }
 
-/// [`modelled_call_seconds`] with the routed pairs per expert and their
-/// [`by_load`] order computed once.
-fn call_seconds(
-    inputs: &Inputs<'_>,
-    placement: &Placement,
-    routed: &[u64],
-    by_load: &[usize],
-) -> f64 {
-    let order = fill_order(by_load, placement);
-    let cost = inputs.cost;
-    let n_ranks = inputs.n_ranks();
-    let per_pair = (cost.flops_per_pair + cost.forward_flops_per_pair) / cost.flops_per_s;
-    let (w, g) = (
-        cost.expert_weight_bytes as f64,
-        cost.expert_grad_bytes as f64,
-    );
-    let mut pairs = vec![0.0f64; n_ranks];
-    let (mut bytes_in, mut bytes_out) = (vec![0.0f64; n_ranks], vec![0.0f64; n_ranks]);
-    // Pairs each rank serves for other ranks, and sends to other ranks.
-    let rows = cost.exchange_row_bytes > 0;
-    let mut served_in = vec![0.0f64; n_ranks];
-    let mut sent_away: Vec<f64> = if rows {
-        (inputs.counts.iter())
-            .map(|row| row.iter().sum::<u64>() as f64)
-            .collect()
-    } else {
-        vec![0.0; n_ranks]
-    };
-    let mut levels: Vec<(f64, usize)> = Vec::new();
-    for &e in &order {
-        let owner = placement.owner[e];
-        let reps: &[usize] = placement.replicas.get(e).map_or(&[], Vec::as_slice);
-        levels.clear();
-        levels.extend(
-            std::iter::once(owner)
-                .chain(reps.iter().copied())
-                .map(|r| (pairs[r], r)),
+/// [`modelled_call_seconds`] for one call's inputs under any number of
+/// placements: what does not depend on the placement (the routed pairs
+/// per expert, their [`by_load`] order, each rank's routed pairs) is
+/// computed once, and the scratch is kept between placements.
+struct CallModel<'a> {
+    inputs: &'a Inputs<'a>,
+    routed: Vec<u64>,
+    by_load: Vec<usize>,
+    /// Pairs each rank routes (where the rows count).
+    routes: Vec<f64>,
+    order: Vec<usize>,
+    start: Vec<usize>,
+    pairs: Vec<f64>,
+    bytes_in: Vec<f64>,
+    bytes_out: Vec<f64>,
+    served_in: Vec<f64>,
+    sent_away: Vec<f64>,
+    levels: Vec<(f64, usize)>,
+}
+
+impl<'a> CallModel<'a> {
+    fn new(inputs: &'a Inputs<'a>) -> Self {
+        let routed = inputs.routed_per_expert();
+        let by_load = by_load(&routed);
+        let n_ranks = inputs.n_ranks();
+        let routes = if inputs.cost.exchange_row_bytes > 0 {
+            (inputs.counts.iter())
+                .map(|row| row.iter().sum::<u64>() as f64)
+                .collect()
+        } else {
+            vec![0.0; n_ranks]
+        };
+        Self {
+            inputs,
+            order: vec![0; routed.len()],
+            routed,
+            by_load,
+            routes,
+            start: Vec::new(),
+            pairs: vec![0.0; n_ranks],
+            bytes_in: vec![0.0; n_ranks],
+            bytes_out: vec![0.0; n_ranks],
+            served_in: vec![0.0; n_ranks],
+            sent_away: vec![0.0; n_ranks],
+            levels: Vec::new(),
+        }
+    }
+
+    /// The modelled seconds of the call under `placement`.
+    fn seconds(&mut self, placement: &Placement) -> f64 {
+        fill_order(&self.by_load, placement, &mut self.start, &mut self.order);
+        let inputs = self.inputs;
+        let cost = inputs.cost;
+        let n_ranks = inputs.n_ranks();
+        let per_pair = (cost.flops_per_pair + cost.forward_flops_per_pair) / cost.flops_per_s;
+        let (w, g) = (
+            cost.expert_weight_bytes as f64,
+            cost.expert_grad_bytes as f64,
         );
-        levels.sort_by(|a, b| a.0.total_cmp(&b.0));
-        // The level L with Σ max(0, L − load) = n over the instances.
-        let n = routed[e] as f64;
-        let (mut sum, mut level) = (0.0, 0.0);
-        for (j, &(load, _)) in levels.iter().enumerate() {
-            if j > 0 && load * j as f64 - sum > n {
-                break;
+        let Self {
+            routed,
+            order,
+            pairs,
+            bytes_in,
+            bytes_out,
+            served_in,
+            sent_away,
+            levels,
+            ..
+        } = self;
+        for v in [
+            &mut *pairs,
+            &mut *bytes_in,
+            &mut *bytes_out,
+            &mut *served_in,
+        ] {
+            v.fill(0.0);
+        }
+        // Pairs each rank serves for other ranks, and sends to other ranks.
+        let rows = cost.exchange_row_bytes > 0;
+        sent_away.copy_from_slice(&self.routes);
+        for &e in order.iter() {
+            let owner = placement.owner[e];
+            let reps: &[usize] = placement.replicas.get(e).map_or(&[], Vec::as_slice);
+            let n = routed[e] as f64;
+            if reps.is_empty() {
+                // One instance (most experts): the general case below with
+                // one level, the same operations in the same order.
+                let load = pairs[owner];
+                let level = n + load;
+                if load < level {
+                    pairs[owner] = level;
+                }
+                if rows && n > 0.0 {
+                    let here = (pairs[owner] - load).max(0.0) / n;
+                    let mine = inputs.counts[owner][e] as f64;
+                    served_in[owner] += here * (n - mine);
+                    sent_away[owner] -= here * mine;
+                }
+                continue;
             }
-            sum += load;
-            level = (n + sum) / (j + 1) as f64;
-        }
-        for &(load, r) in &levels {
-            if load < level {
-                pairs[r] = level;
+            levels.clear();
+            levels.extend(
+                std::iter::once(owner)
+                    .chain(reps.iter().copied())
+                    .map(|r| (pairs[r], r)),
+            );
+            levels.sort_by(|a, b| a.0.total_cmp(&b.0));
+            // The level L with Σ max(0, L − load) = n over the instances.
+            let (mut sum, mut level) = (0.0, 0.0);
+            for (j, &(load, _)) in levels.iter().enumerate() {
+                if j > 0 && load * j as f64 - sum > n {
+                    break;
+                }
+                sum += load;
+                level = (n + sum) / (j + 1) as f64;
+            }
+            for &(load, r) in levels.iter() {
+                if load < level {
+                    pairs[r] = level;
+                }
+            }
+            if rows && n > 0.0 {
+                // Every source's pairs of e spread over its instances as e's
+                // do: a rank serving a share of e serves that share of its own
+                // pairs locally; the rest cross the links (`sent_away` starts
+                // at every pair a rank routes; its local ones come off here).
+                for &(load, r) in levels.iter() {
+                    let here = (pairs[r] - load).max(0.0) / n;
+                    let mine = inputs.counts[r][e] as f64;
+                    served_in[r] += here * (n - mine);
+                    sent_away[r] -= here * mine;
+                }
+            }
+            bytes_out[owner] += reps.len() as f64 * w;
+            bytes_in[owner] += reps.len() as f64 * g;
+            for &r in reps {
+                bytes_in[r] += w;
+                bytes_out[r] += g;
             }
         }
-        if rows && n > 0.0 {
-            // Every source's pairs of e spread over its instances as e's
-            // do: a rank serving a share of e serves that share of its own
-            // pairs locally; the rest cross the links (`sent_away` starts
-            // at every pair a rank routes; its local ones come off here).
-            for &(load, r) in &levels {
-                let here = (pairs[r] - load).max(0.0) / n;
-                let mine = inputs.counts[r][e] as f64;
-                served_in[r] += here * (n - mine);
-                sent_away[r] -= here * mine;
-            }
+        let most = |v: &mut dyn Iterator<Item = f64>| v.fold(0.0f64, f64::max);
+        let replica_s = |r: usize| bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s;
+        if !rows {
+            // The model as it was before it counted the rows: each rank's
+            // compute and replica traffic, the slowest rank's sum.
+            return most(&mut (0..n_ranks).map(|r| pairs[r] * per_pair + replica_s(r)));
         }
-        bytes_out[owner] += reps.len() as f64 * w;
-        bytes_in[owner] += reps.len() as f64 * g;
-        for &r in reps {
-            bytes_in[r] += w;
-            bytes_out[r] += g;
-        }
+        let compute = most(&mut pairs.iter().map(|&p| p * per_pair));
+        let replicas = most(&mut (0..n_ranks).map(replica_s));
+        // Each exchange (dispatch, combine, the backward's dispatch and
+        // return) moves every remote pair once, in one direction or the
+        // other, and ends with its busiest rank.
+        let per_remote =
+            (cost.exchange_row_bytes.saturating_mul(3)).saturating_add(cost.row_bytes()) as f64;
+        let exchanges =
+            most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote;
+        compute + replicas + exchanges / cost.link_bytes_per_s
     }
-    let most = |v: &mut dyn Iterator<Item = f64>| v.fold(0.0f64, f64::max);
-    let replica_s = |r: usize| bytes_in[r].max(bytes_out[r]) / cost.link_bytes_per_s;
-    if !rows {
-        // The model as it was before it counted the rows: each rank's
-        // compute and replica traffic, the slowest rank's sum.
-        return most(&mut (0..n_ranks).map(|r| pairs[r] * per_pair + replica_s(r)));
-    }
-    let compute = most(&mut pairs.iter().map(|&p| p * per_pair));
-    let replicas = most(&mut (0..n_ranks).map(replica_s));
-    // Each exchange (dispatch, combine, the backward's dispatch and
-    // return) moves every remote pair once, in one direction or the other,
-    // and ends with its busiest rank.
-    let per_remote =
-        (cost.exchange_row_bytes.saturating_mul(3)).saturating_add(cost.row_bytes()) as f64;
-    let exchanges = most(&mut (0..n_ranks).map(|r| served_in[r].max(sent_away[r]))) * per_remote;
-    compute + replicas + exchanges / cost.link_bytes_per_s
 }
 
 /// A total order on the finite loads the replica planner compares.
