@@ -141,7 +141,10 @@
 //! buffers ([`backend::Family`]). One plan per call ([`DevicePlanner`]:
 //! the controller's [`CallPlan`] resolved into an [`EpPlan`] — instances,
 //! the forward's split, quotas, caps, the selection rule) is handed to the
-//! stages; experts are owned in contiguous blocks of `E / W`.
+//! stages; experts are owned in contiguous blocks of `E / W`. The plan comes
+//! in two halves: [`DevicePlanner::routes`] (replicas and the forward's
+//! split), which the rows wait for, and [`DevicePlanner::complete`] (the
+//! backward's quotas and caps), which runs while the experts compute.
 //!
 //! * The host backend ([`host::Host`]: CPU rows of `f32`/`f64` over any
 //!   [`Transport`], every index checked) runs [`forward`] and
