@@ -1639,3 +1639,55 @@ fn block_moves_merge_only_where_both_sides_continue() {
     seen.sort_unstable();
     assert_eq!(seen, (0..15).collect::<Vec<_>>());
 }
+
+#[test]
+fn a_budget_that_cannot_hold_the_experts_is_an_error_on_every_rank() {
+    // The quotas (the plan's second half) run while the experts compute,
+    // after the rows went out: a budget they refuse must still end every
+    // rank with the controller's error, not a hang or a panic.
+    let cfg = MoeConfig {
+        hidden: 8,
+        ffn: 8,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: false,
+    };
+    let (params, x, _) = setup(&cfg, 64, 5);
+    for (slots, memory_bytes) in [(1, 100), (0, 100), (1, 1)] {
+        let bwd = CallConfig {
+            retention: Retention::Budgeted {
+                budgets: vec![
+                    quota::RankBudget {
+                        memory_bytes,
+                        network_bytes: u64::MAX,
+                    };
+                    4
+                ],
+                policy: quota::Policy::Maxmin,
+            },
+            replica_slots_per_rank: slots,
+            replica_rule: quota::ReplicaRule::Fill,
+            ..CallConfig::default()
+        };
+        // The routes (replicas, the forward's split) pass; the quotas fail.
+        let planner = DevicePlanner::host(cfg, bwd.clone())
+            .unwrap()
+            .for_values::<f64>();
+        let routes = planner.routes(&vec![vec![4u32; 8]; 4]).unwrap();
+        assert!(planner.complete(routes).is_err());
+        let place = placement(cfg.n_experts, 4);
+        let started = std::time::Instant::now();
+        let res: Vec<Result<_, LayerError>> = run_local(4, TIMEOUT, |t| {
+            let lo = t.rank() * 16 * cfg.hidden;
+            forward(t, &cfg, &bwd, &params, &place, &x[lo..lo + 16 * cfg.hidden]).map(|_| ())
+        });
+        for r in res {
+            let err = r.expect_err("a budget below the experts' bytes");
+            assert!(err.to_string().contains("memory"), "slots {slots}: {err}");
+        }
+        assert!(
+            started.elapsed() < TIMEOUT / 2,
+            "the ranks waited for a peer"
+        );
+    }
+}
