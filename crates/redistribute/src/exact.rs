@@ -8,7 +8,12 @@
 //! the flow falls short, jumps to the smallest peak at which the flow's
 //! minimum cut has room for every pair ([`crate::flow`]'s cut-guided
 //! search). When every expert is held by one rank the assignment is forced
-//! and no flow is built.
+//! and no flow is built; otherwise the experts held by one rank are placed
+//! before the search (their pairs are their rank's, and no peak below that
+//! load is tried) and the flow carries only the experts with a choice —
+//! at 16 ranks with a replica slot each, ~16 of 128 experts. The peak is
+//! the same optimum; the split among equally good ones may differ from a
+//! flow over every expert.
 
 use crate::flow::{EdgeId, FlowGraph};
 use crate::{peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
@@ -19,9 +24,14 @@ struct Network {
     instance_edges: Vec<Vec<EdgeId>>,
     sink_edges: Vec<EdgeId>,
     sink: usize,
+    /// Pairs already on each rank before the flow: those of the experts
+    /// held by that rank alone (none in the certificate's network).
+    fixed: Vec<u64>,
 }
 
-fn build(problem: &Problem, kept: &[u64]) -> Network {
+/// The flow network over `kept` (pairs per expert; an expert with none
+/// gets no edge), with `fixed` pairs on each rank beside it.
+fn build(problem: &Problem, kept: &[u64], fixed: Vec<u64>) -> Network {
     let (n_experts, n_ranks) = (problem.n_experts(), problem.n_ranks);
     let sink = n_experts + n_ranks + 1;
     let edges = n_ranks
@@ -53,14 +63,18 @@ fn build(problem: &Problem, kept: &[u64]) -> Network {
         instance_edges,
         sink_edges,
         sink,
+        fixed,
     }
 }
 
-/// Pairs rank `r` can take without its load exceeding `peak`.
-fn rank_room(problem: &Problem, load: &LoadModel, r: usize, peak: u64) -> u64 {
+/// Pairs rank `r` can take without its load exceeding `peak`, less the
+/// `fixed` pairs already on it (the search starts where they fit).
+fn rank_room(problem: &Problem, load: &LoadModel, (r, fixed): (usize, u64), peak: u64) -> u64 {
     match peak.checked_sub(problem.base_load[r]) {
         None => 0,
-        Some(slack) => (slack / load.compute_per_pair).min(problem.cap(r)),
+        Some(slack) => (slack / load.compute_per_pair)
+            .min(problem.cap(r))
+            .saturating_sub(fixed),
     }
 }
 
@@ -68,24 +82,50 @@ fn rank_room(problem: &Problem, load: &LoadModel, r: usize, peak: u64) -> u64 {
 /// the flow added.
 fn raise_to(net: &mut Network, problem: &Problem, load: &LoadModel, peak: u64) -> u64 {
     for (r, &e) in net.sink_edges.iter().enumerate() {
-        net.graph.set_capacity(e, rank_room(problem, load, r, peak));
+        let room = rank_room(problem, load, (r, net.fixed[r]), peak);
+        net.graph.set_capacity(e, room);
     }
     net.graph.max_flow(0, net.sink)
 }
 
-fn flows_of(net: &Network, problem: &Problem) -> ExpertFlows {
+/// Each expert's flow per instance; an expert with pairs but no edge was
+/// fixed on its one rank ([`one_rank_experts`]) and keeps them all there.
+fn flows_of(net: &Network, problem: &Problem, kept: &[u64]) -> ExpertFlows {
     problem
         .instances
         .iter()
         .zip(&net.instance_edges)
-        .map(|(inst, edges)| {
+        .zip(kept)
+        .map(|((inst, edges), &k)| {
             if edges.is_empty() {
-                vec![0; inst.len()]
+                let mut f = vec![0; inst.len()];
+                if let Some(first) = f.first_mut() {
+                    *first = k;
+                }
+                f
             } else {
                 edges.iter().map(|&e| net.graph.flow(e)).collect()
             }
         })
         .collect()
+}
+
+/// The experts held by one rank have no choice: their pairs are that
+/// rank's before the search (`fixed`, per rank) and the flow carries the
+/// others' (`free`, per expert: zero for a fixed one). `None` when those
+/// pairs alone exceed a rank's cap (the full network's search then
+/// reports what fits).
+fn one_rank_experts(problem: &Problem, kept: &[u64]) -> Option<(Vec<u64>, Vec<u64>)> {
+    let mut fixed = vec![0u64; problem.n_ranks];
+    let mut free = kept.to_vec();
+    for (e, inst) in problem.instances.iter().enumerate() {
+        if let [r] = inst[..] {
+            fixed[r] = fixed[r].checked_add(kept[e])?;
+            free[e] = 0;
+        }
+    }
+    let fits = fixed.iter().enumerate().all(|(r, &f)| f <= problem.cap(r));
+    fits.then_some((fixed, free))
 }
 
 /// The one assignment there is when every expert is held by one rank (its
@@ -124,7 +164,7 @@ fn forced(problem: &Problem, kept: &[u64]) -> Option<ExpertFlows> {
 #[cfg(test)]
 pub(crate) fn feasible_at(problem: &Problem, load: &LoadModel, peak: u64) -> bool {
     let kept = problem.kept_per_expert();
-    let mut net = build(problem, &kept);
+    let mut net = build(problem, &kept, vec![0; problem.n_ranks]);
     raise_to(&mut net, problem, load, peak) == kept.iter().sum::<u64>()
 }
 
@@ -138,8 +178,17 @@ pub(crate) fn solve(
         return Ok(f);
     }
     let total: u64 = kept.iter().sum();
-    let mut net = build(problem, kept);
+    // The flow carries only the experts with a choice; the others' pairs
+    // sit on their rank, and no peak below their load is tried.
+    let (fixed, free) = one_rank_experts(problem, kept)
+        .unwrap_or_else(|| (vec![0; problem.n_ranks], kept.to_vec()));
     let c = load.compute_per_pair;
+    let floor = (0..problem.n_ranks)
+        .map(|r| problem.base_load[r] + c * fixed[r])
+        .max()
+        .unwrap_or(0);
+    let placed = total - free.iter().sum::<u64>();
+    let mut net = build(problem, &free, fixed);
     // At this peak every rank has room for every pair (caps aside).
     let t_max = (0..problem.n_ranks)
         .map(|r| problem.base_load[r] + c * problem.cap(r).min(total))
@@ -151,10 +200,10 @@ pub(crate) fn solve(
     // room is necessary), capacities only rise, so each step augments the
     // last flow, and the first peak whose flow carries every pair is the
     // smallest feasible one.
-    let mut peak = peak_lower_bound(problem, load).min(t_max);
-    let mut value = raise_to(&mut net, problem, load, peak);
+    let mut peak = peak_lower_bound(problem, load).max(floor).min(t_max);
+    let mut value = placed + raise_to(&mut net, problem, load, peak);
     while value < total {
-        let Some(next) = cut_peak(&mut net, problem, load, total, peak, t_max) else {
+        let Some(next) = cut_peak(&mut net, problem, load, total - placed, peak, t_max) else {
             return Err(RedistributeError::Infeasible {
                 placeable: value,
                 total,
@@ -163,7 +212,7 @@ pub(crate) fn solve(
         peak = next;
         value += raise_to(&mut net, problem, load, peak);
     }
-    Ok(flows_of(&net, problem))
+    Ok(flows_of(&net, problem, kept))
 }
 
 /// The smallest peak in `(peak, t_max]` at which the minimum cut of the
@@ -191,7 +240,7 @@ fn cut_peak(
         .collect();
     let room = |p: u64| {
         ranks.iter().fold(0u64, |a, &r| {
-            a.saturating_add(rank_room(problem, load, r, p))
+            a.saturating_add(rank_room(problem, load, (r, net.fixed[r]), p))
         })
     };
     let need = total.saturating_sub(fixed);
