@@ -827,8 +827,9 @@ pub fn check_routes(
 }
 
 /// The backward's half of [`check_plan`]: a quota per expert, a cap per
-/// rank if any.
-fn check_quotas(plan: &EpPlan, world: usize) -> Result<(), LayerError> {
+/// rank if any (what [`DevicePlanner::complete`] adds to routes that
+/// [`check_routes`] passed).
+pub(crate) fn check_quotas(plan: &EpPlan, world: usize) -> Result<(), LayerError> {
     if plan.quotas.len() != plan.instances.len() {
         return Err(LayerError::Config(format!(
             "{} quotas for {} experts",

@@ -6,7 +6,9 @@ use pack::ep::{global_order, instance_layout, local_experts, InstanceLayout, Run
 use crate::backend::{Backend, Buf, Family, Overlap, RoutedOf, Rows, Sc, Scalar, Wts};
 use crate::config::at_least;
 use crate::config::MoeConfig;
-use crate::plan::{check_plan, check_routes, one_instance_each, DevicePlanner, EpPlan, EpRoutes};
+use crate::plan::{
+    check_plan, check_quotas, check_routes, one_instance_each, DevicePlanner, EpPlan, EpRoutes,
+};
 use crate::LayerError;
 
 use super::common::{
@@ -477,11 +479,12 @@ pub(crate) fn forward<B: Backend>(
     let mut laps = Laps::new(b, false)?;
     let d = dispatch(b, cfg, w, x, planner, &mut laps)?;
     let (fp, n, p) = (d.fp, d.offsets[cfg.n_experts] as usize, d.tokens * k);
-    // The controller's quotas, while the experts compute.
+    // The controller's quotas, while the experts compute (the routes
+    // were checked before the rows went out).
     let controller = || match fp.early {
         Some(routes) => {
             let plan = planner.complete(routes)?;
-            check_plan(&plan, &fp.counts_all, el)?;
+            check_quotas(&plan, world)?;
             Ok(plan)
         }
         None => late_plan(planner, &fp.counts_all, &fp.owner_split, el),
