@@ -830,27 +830,78 @@ fn replicas_from_several_owners_in_one_exchange_match_the_reference() {
     replicas_match_the_reference(&cfg, (&params, &x, &dy), 4, 2);
 }
 
+proptest::proptest! {
+    #![proptest_config(proptest::prelude::ProptestConfig::with_cases(24))]
+
+    /// Replicas placed by a random previous load (`replicas_by_load`: up
+    /// to every rank holding an expert, several blocks to one rank, several
+    /// owners to one rank): every rank's poisoned copies are replaced by
+    /// the owners' weights and the replicas' gradients summed back, as
+    /// the one-rank reference gives them.
+    #[test]
+    fn replicas_anywhere_match_the_reference(
+        n_ranks in 2usize..=4,
+        per_rank in 1usize..=3,
+        slots in 1usize..=3,
+        load in proptest::collection::vec(0u64..50, 12),
+        seed in 0u64..1000,
+    ) {
+        let cfg = MoeConfig {
+            hidden: 4,
+            ffn: 3,
+            n_experts: n_ranks * per_rank,
+            top_k: 2,
+            renormalize: true,
+        };
+        let load = load[..cfg.n_experts].to_vec();
+        let owners = placement(cfg.n_experts, n_ranks);
+        let placed = quota::replicas_by_load(&owners, &load, n_ranks, slots).unwrap();
+        let replicas = placed.replicas.iter().map(Vec::len).sum::<usize>();
+        let (params, x, dy) = setup(&cfg, 8 * n_ranks, seed);
+        let call = |retention| CallConfig {
+            retention,
+            replica_slots_per_rank: slots,
+            replica_load: Some(load.clone()),
+            ..CallConfig::default()
+        };
+        replicas_match_the_reference_under(&cfg, (&params, &x, &dy), n_ranks, &call, replicas);
+    }
+}
+
 /// The layer on `n_ranks` in-process ranks with `slots` replica slots a
 /// rank, every slot filled, each rank's copies of the experts it does not
 /// own poisoned: outputs and gradients as the one-rank reference gives
 /// them (full retention, and half kept).
 fn replicas_match_the_reference(
     cfg: &MoeConfig,
-    (params, x, dy): (&MoeParams<f64>, &[f64], &[f64]),
+    data: (&MoeParams<f64>, &[f64], &[f64]),
     n_ranks: usize,
     slots: usize,
+) {
+    let call = |retention| CallConfig {
+        retention,
+        replica_slots_per_rank: slots,
+        replica_rule: quota::ReplicaRule::Fill,
+        ..CallConfig::default()
+    };
+    replicas_match_the_reference_under(cfg, data, n_ranks, &call, slots * n_ranks);
+}
+
+/// [`replicas_match_the_reference`] with the call `call` makes of a
+/// retention, `replicas` replicas expected in the call.
+fn replicas_match_the_reference_under(
+    cfg: &MoeConfig,
+    (params, x, dy): (&MoeParams<f64>, &[f64], &[f64]),
+    n_ranks: usize,
+    call: &dyn Fn(Retention) -> CallConfig,
+    replicas_expected: usize,
 ) {
     let hd = cfg.hidden;
     let tokens = x.len() / hd;
     let all = vec![true; tokens * cfg.top_k];
     let (y_ref, dx_ref, g_ref) = reference(cfg, params, x, dy, &all);
     for retention in [Retention::Full, Retention::Ratio(0.5)] {
-        let bwd = CallConfig {
-            retention: retention.clone(),
-            replica_slots_per_rank: slots,
-            replica_rule: quota::ReplicaRule::Fill,
-            ..CallConfig::default()
-        };
+        let bwd = call(retention.clone());
         let place = placement(cfg.n_experts, n_ranks);
         let per = tokens / n_ranks;
         let res: Vec<Result<_, LayerError>> = run_local(n_ranks, TIMEOUT, |t| {
@@ -881,7 +932,7 @@ fn replicas_match_the_reference(
         let mut grads = vec![];
         for r in res {
             let (yr, dxr, g, k, replicas) = r.unwrap();
-            assert_eq!(replicas, slots * n_ranks, "every slot filled");
+            assert_eq!(replicas, replicas_expected, "the call's replicas");
             y.extend(yr);
             dx.extend(dxr);
             kept.extend(k);
