@@ -365,7 +365,7 @@ fn call_quotas(
     with_replicas: Placement,
     bytes: u64,
 ) -> Result<CallPlan, LayerError> {
-    let (kept, caps) = match &bwd.retention {
+    let (mut kept, caps) = match &bwd.retention {
         Retention::Full => (routed.clone(), None),
         Retention::Surplus(f) => (surplus_kept(cfg, &routed, &with_replicas, *f)?, None),
         Retention::Ratio(r) => {
@@ -407,7 +407,6 @@ fn call_quotas(
             (p.quotas.per_source().to_vec(), Some(caps))
         }
     };
-    let mut kept = kept;
     // Quotas that keep every routed pair (full retention) never bind, so
     // alignment leaves them whole.
     if let Some(a) = bwd.tile_align {
@@ -750,7 +749,6 @@ pub fn check_split(
             .filter(|&&r| r < world)
             .for_each(|&r| away[e * world + r] = 0);
     }
-    let per_source = experts * world;
     for (s, n) in counts.iter().enumerate() {
         if split.experts() != n.len() || split.experts() != experts {
             return bad(format!(
@@ -761,11 +759,9 @@ pub fn check_split(
         }
         // The common case in one pass over the source's cells: no pair
         // astray (one OR against the mask), every cell's sum as counted.
-        let row = &split.counts()[s * per_source..(s + 1) * per_source];
-        let stray = (row.iter().zip(&away)).fold(0u32, |acc, (&v, &m)| acc | (v & m));
-        let sums_hold = (row.chunks_exact(world.max(1)).zip(n))
+        let sums_hold = (split.row(s).zip(n))
             .all(|(cell, &c)| cell.iter().map(|&v| u64::from(v)).sum::<u64>() == u64::from(c));
-        if stray == 0 && sums_hold {
+        if sums_hold && !split.astray(s, &away) {
             continue;
         }
         // Otherwise the first bad cell, named.
@@ -777,10 +773,7 @@ pub fn check_split(
                 ));
             }
             let m = &away[e * world..(e + 1) * world];
-            if cell.iter().zip(m).fold(0u32, |acc, (&v, &m)| acc | (v & m)) != 0 {
-                let r = (0..world)
-                    .find(|&r| cell[r] & m[r] != 0)
-                    .unwrap_or_default();
+            if let Some(r) = (0..world).find(|&r| cell[r] & m[r] != 0) {
                 return bad(format!(
                     "source {s}, expert {e}: pairs sent to rank {r}, which holds no instance"
                 ));

@@ -280,6 +280,23 @@ impl Split {
         &self.cells
     }
 
+    /// Whether source `s` sends a row where `away` forbids it: `away`
+    /// holds one mask per (expert, rank), `experts × ranks`, all ones where
+    /// the rank holds no instance of the expert and zero where it does.
+    /// One OR over the source's cells, the common case of the checks that
+    /// then name the first such cell.
+    ///
+    /// # Panics
+    ///
+    /// For a source outside the shape.
+    pub fn astray(&self, s: usize, away: &[u32]) -> bool {
+        let n = self.experts * self.ranks;
+        (self.cells[s * n..(s + 1) * n].iter())
+            .zip(away)
+            .fold(0u32, |acc, (&c, &m)| acc | (c & m))
+            != 0
+    }
+
     /// Rows each rank receives over every source and expert.
     pub fn loads(&self) -> Vec<u64> {
         let mut loads = vec![0u64; self.ranks];
@@ -360,13 +377,7 @@ pub fn instance_layout(
         }
         l.iter().for_each(|&e| away[e * world + r] = 0);
     }
-    let astray = |s: usize| {
-        (split.counts()[s * experts * world..(s + 1) * experts * world].iter())
-            .zip(&away)
-            .fold(0u32, |acc, (&c, &m)| acc | (c & m))
-            != 0
-    };
-    if (0..world).any(astray) {
+    if (0..world).any(|s| split.astray(s, &away)) {
         // The first such cell by rank, source, expert.
         let (rank, from, expert) = (0..world)
             .flat_map(|r| (0..world).flat_map(move |s| (0..experts).map(move |e| (r, s, e))))
@@ -761,6 +772,11 @@ mod tests {
         assert_eq!(split.loads(), vec![6, 4]);
         assert_eq!(split.to_nested(), nested);
         assert_eq!(split.row(0).collect::<Vec<_>>(), vec![&[2, 1], &[0, 2]]);
+        // Expert 0 on both ranks, expert 1 on rank 1 only: source 0 sends
+        // none of expert 1's rows to rank 0, source 1 sends it 4.
+        let away = [0, 0, u32::MAX, 0];
+        assert!(!split.astray(0, &away));
+        assert!(split.astray(1, &away));
         let mut z = Split::zeros(2, 2, 2);
         z[(1, 1, 0)] = 4;
         z.cell_mut(0, 0).copy_from_slice(&[2, 1]);
