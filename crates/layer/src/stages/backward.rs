@@ -773,15 +773,12 @@ fn owner_gradients<B: Backend>(
     let packed = pack_tensor_blocks(b, &tensors, out_blocks, send, hf)?;
     let got = b.exchange(packed, &elems(send, 3 * hf), &elems(recv, 3 * hf))?;
     let starts = exclusive_scan(recv);
-    let source_of = |j: usize| starts.partition_point(|&x| x <= j) - 1;
     let owners_sum = |t: usize| -> Result<Rows<B>, LayerError> {
         // This rank's block of the instance gradients, plus each replica's
         // gradient of it, in the order received.
         let mut own = pack_blocks(b, tensors[t], &(below..below + el).collect::<Vec<_>>(), hf)?;
-        let moves = from_blocks.iter().enumerate().map(|(j, &blk)| {
-            let s = source_of(j);
-            (tensor_block(&starts, 3, (s, t, j - starts[s])), blk)
-        });
+        let moves =
+            (from_blocks.iter().enumerate()).map(|(j, &blk)| (tensor_block(&starts, 3, t, j), blk));
         for (from, to, n) in block_runs(moves) {
             b.add_into(&mut own, to * hf, &got, from * hf, n * hf)?;
         }

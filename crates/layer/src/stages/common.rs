@@ -252,17 +252,16 @@ pub(crate) fn pack_blocks<B: Backend>(
     pack_tensor_blocks(b, &[src], blocks, &[blocks.len()], width)
 }
 
-/// Block `i` of tensor `t` of part `d` in a buffer that
-/// [`pack_tensor_blocks`] packed from `tensors` tensors with `starts` the
+/// Where tensor `t`'s copy of listed block `j` lies in a buffer that
+/// [`pack_tensor_blocks`] packed from `tensors` tensors, `starts` the
 /// parts' first blocks ([`exclusive_scan`] of their counts): parts one
-/// after another, within a part each tensor's blocks in turn.
-pub(crate) fn tensor_block(
-    starts: &[usize],
-    tensors: usize,
-    (d, t, i): (usize, usize, usize),
-) -> usize {
+/// after another, within a part each tensor's blocks in turn. The same
+/// layout arrives at the receiver, parts by source.
+pub(crate) fn tensor_block(starts: &[usize], tensors: usize, t: usize, j: usize) -> usize {
+    // The part holding `j` (the last one starting at or before it).
+    let d = starts.partition_point(|&x| x <= j) - 1;
     let count = starts[d + 1] - starts[d];
-    tensors * starts[d] + t * count + i
+    tensors * starts[d] + t * count + (j - starts[d])
 }
 
 /// The listed blocks (`blocks`, in parts of `counts`) of every tensor of
@@ -281,12 +280,9 @@ pub(crate) fn pack_tensor_blocks<B: Backend>(
     // SAFETY: every block of the output is written by the copies below
     // (each part's blocks of each tensor).
     let mut out = unsafe { b.uninit(tensors.len() * blocks.len() * width) }?;
-    let (starts, nt) = (&starts, tensors.len());
     for (t, &src) in tensors.iter().enumerate() {
-        let moves = (0..counts.len()).flat_map(|d| {
-            (starts[d]..starts[d + 1])
-                .map(move |j| (blocks[j], tensor_block(starts, nt, (d, t, j - starts[d]))))
-        });
+        let moves = (blocks.iter().enumerate())
+            .map(|(j, &blk)| (blk, tensor_block(&starts, tensors.len(), t, j)));
         for (from, to, n) in block_runs(moves) {
             if (from + n) * width > B::len(src) {
                 return Err(LayerError::Config("a weight block past its tensor".into()));

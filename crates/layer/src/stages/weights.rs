@@ -66,16 +66,14 @@ pub(crate) fn replica_weights<B: Backend>(
     // is tensor `t`'s at `tensor_block` of `got`.
     let (below, nl) = (traffic.below, local[rank].len());
     let starts = exclusive_scan(&traffic.weights_recv);
-    let source_of = |j: usize| starts.partition_point(|&x| x <= j) - 1;
     let build = |t: usize| {
         // SAFETY: the copies below write all nl blocks: every received
         // block and the own block.
         let mut out = unsafe { b.uninit(nl * hf) }?;
         b.copy(tensors[t], 0, &mut out, below * hf, el * hf)?;
         let moves = (0..n_in).map(|j| {
-            let s = source_of(j);
             let at = if j < below { j } else { j + el };
-            (tensor_block(&starts, 3, (s, t, j - starts[s])), at)
+            (tensor_block(&starts, 3, t, j), at)
         });
         for (from, to, n) in block_runs(moves) {
             b.copy(&got, from * hf, &mut out, to * hf, n * hf)?;
