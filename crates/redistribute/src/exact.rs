@@ -7,13 +7,13 @@
 //! the search starts at the lower bound (usually already optimal) and, while
 //! the flow falls short, jumps to the smallest peak at which the flow's
 //! minimum cut has room for every pair ([`crate::flow`]'s cut-guided
-//! search). When every expert is held by one rank the assignment is forced
-//! and no flow is built; otherwise the experts held by one rank are placed
-//! before the search (their pairs are their rank's, and no peak below that
-//! load is tried) and the flow carries only the experts with a choice —
-//! at 16 ranks with a replica slot each, ~16 of 128 experts. The peak is
-//! the same optimum; the split among equally good ones may differ from a
-//! flow over every expert.
+//! search). The experts held by one rank are placed before the search
+//! (their pairs are their rank's, and no peak below that load is tried)
+//! and the flow carries only the experts with a choice — at 16 ranks with
+//! a replica slot each, ~16 of 128 experts; none when every expert is held
+//! by one rank, whose assignment is then forced. The peak is the same
+//! optimum; the split among equally good ones may differ from a flow over
+//! every expert.
 
 use crate::flow::{EdgeId, FlowGraph};
 use crate::{peak_lower_bound, ExpertFlows, LoadModel, Problem, RedistributeError};
@@ -128,36 +128,6 @@ fn one_rank_experts(problem: &Problem, kept: &[u64]) -> Option<(Vec<u64>, Vec<u6
     fits.then_some((fixed, free))
 }
 
-/// The one assignment there is when every expert is held by one rank (its
-/// instances all the same rank): every kept pair on it. `None` when some
-/// expert has instances on two ranks, or a rank's pairs exceed its
-/// capacity (the search then reports it).
-fn forced(problem: &Problem, kept: &[u64]) -> Option<ExpertFlows> {
-    let mut on = vec![0u64; problem.n_ranks];
-    for (inst, &k) in problem.instances.iter().zip(kept) {
-        let (&first, rest) = inst.split_first()?;
-        if rest.iter().any(|&r| r != first) {
-            return None;
-        }
-        on[first] = on[first].checked_add(k)?;
-    }
-    if on.iter().enumerate().any(|(r, &n)| n > problem.cap(r)) {
-        return None;
-    }
-    Some(
-        problem
-            .instances
-            .iter()
-            .zip(kept)
-            .map(|(inst, &k)| {
-                let mut f = vec![0; inst.len()];
-                f[0] = k;
-                f
-            })
-            .collect(),
-    )
-}
-
 /// Whether a fresh max-flow at `peak` places every kept pair: the
 /// certificate the tests hold the search's optimum to (feasible at its
 /// peak, not one unit below).
@@ -174,9 +144,6 @@ pub(crate) fn solve(
     load: &LoadModel,
     kept: &[u64],
 ) -> Result<ExpertFlows, RedistributeError> {
-    if let Some(f) = forced(problem, kept) {
-        return Ok(f);
-    }
     let total: u64 = kept.iter().sum();
     // The flow carries only the experts with a choice; the others' pairs
     // sit on their rank, and no peak below their load is tried.
