@@ -20,10 +20,6 @@ use layer::{MoeConfig, MoeParams, Transport};
 
 use lrmoe::train::{layer_call_config, Executor, Mode, MoeSection};
 
-/// The row that counts a call's collectives (exchanges and sums over the
-/// ranks) instead of timing a part.
-const COLLECTIVES: &str = "collectives a call (a count)";
-
 fn main() -> anyhow::Result<()> {
     let steps: usize = std::env::args()
         .nth(1)
@@ -77,7 +73,7 @@ fn main() -> anyhow::Result<()> {
             let mut read = |t: &layer::LocalTransport, step: usize| -> anyhow::Result<()> {
                 if let Some(all) = t.take_step(step) {
                     // The collectives of a call (rank 0's; every rank
-                    // makes the same ones), counted as a part.
+                    // makes the same ones).
                     let collectives = (all.first().into_iter().flatten())
                         .filter(|e| {
                             matches!(
@@ -87,9 +83,8 @@ fn main() -> anyhow::Result<()> {
                             )
                         })
                         .count();
-                    let mut phases = lrmoe::simulate::simulate(&all, &cluster, 0)?.phases;
-                    phases.insert(COLLECTIVES.into(), collectives as f64 * 1e-3);
-                    steps_read.push(phases);
+                    let phases = lrmoe::simulate::simulate(&all, &cluster, 0)?.phases;
+                    steps_read.push((phases, collectives));
                 }
                 Ok(())
             };
@@ -118,22 +113,23 @@ fn main() -> anyhow::Result<()> {
             Ok::<_, layer::LayerError>(steps_read)
         });
         let mut by_part: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        let mut collectives = Vec::new();
         for r in results {
             // The first step warms the caches and the GEMM crate's packing.
-            for step in r.map_err(|e| anyhow::anyhow!("{e}"))?.into_iter().skip(1) {
+            for (step, n) in r.map_err(|e| anyhow::anyhow!("{e}"))?.into_iter().skip(1) {
                 for (part, s) in step {
                     by_part.entry(part).or_default().push(s);
                 }
+                collectives.push(n);
             }
         }
         for (part, mut v) in by_part {
             v.sort_by(f64::total_cmp);
-            let median = v[v.len() / 2] * 1e3;
-            if part == COLLECTIVES {
-                println!("| {mode:?} | {part} | {median:.0} |");
-            } else {
-                println!("| {mode:?} | {part} | {median:.3} |");
-            }
+            println!("| {mode:?} | {part} | {:.3} |", v[v.len() / 2] * 1e3);
+        }
+        collectives.sort_unstable();
+        if let Some(n) = collectives.get(collectives.len() / 2) {
+            println!("| {mode:?} | collectives a call (a count) | {n} |");
         }
     }
     Ok(())
