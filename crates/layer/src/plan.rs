@@ -759,7 +759,8 @@ pub fn check_split(
         }
         // The common case in one pass over the source's cells: no pair
         // astray (one OR against the mask), every cell's sum as counted.
-        let sums_hold = (split.row(s).zip(n))
+        let cells = &split.counts()[s * experts * world..(s + 1) * experts * world];
+        let sums_hold = (cells.chunks_exact(world.max(1)).zip(n))
             .all(|(cell, &c)| cell.iter().map(|&v| u64::from(v)).sum::<u64>() == u64::from(c));
         if sums_hold && !split.astray(s, &away) {
             continue;
