@@ -893,6 +893,125 @@ extern "C" __global__ void adamw_bf16(float* p, float* m, float* v, const uint16
     adamw(p, m, v, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
 }
 
+// AdamW through the bulk-copy engine (TMA, `cp.async.bulk`): each block
+// owns tiles of T parameters (tile b, b + grid, …) and keeps S of them in
+// flight, each stage holding the tile's p, m, v and gradient in shared
+// memory, filled by four bulk loads that complete an mbarrier and drained
+// by four bulk stores (p, m, v and the bf16 copy). The arithmetic per
+// element is `adamw_one`'s, so the result is the grid-stride kernel's bit
+// for bit. Full tiles only: the host runs the grid-stride kernel on the
+// rest. Every pointer 16-byte aligned (the host checks).
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                 :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
+                 :: "l"(dst), "r"(smem_addr(src)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_expect(uint64_t* bar, uint32_t bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void bar_wait(uint64_t* bar, uint32_t parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n wait:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait;\n}" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+template <typename G, int T, int S>
+__device__ void adamw_bulk(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v, const G* __restrict__ g,
+                           uint16_t* __restrict__ p16, long long tiles, float lr, float b1, float b2, float eps,
+                           float wd, float bc1, float bc2, const float* __restrict__ norm_sq, float clip) {
+    // A stage: p, m, v (f32), the gradient (G), the bf16 copy.
+    constexpr int STAGE = T * (12 + (int)sizeof(G) + 2);
+    extern __shared__ __align__(128) unsigned char smem[];
+    __shared__ __align__(8) uint64_t bars[S];
+    float norm = sqrtf(*norm_sq);
+    float scale = (clip > 0.f && norm > clip) ? clip / norm : 1.f;
+    auto ps = [&](int s) { return reinterpret_cast<float*>(smem + s * STAGE); };
+    auto ms = [&](int s) { return ps(s) + T; };
+    auto vs = [&](int s) { return ps(s) + 2 * T; };
+    auto gs = [&](int s) { return reinterpret_cast<G*>(ps(s) + 3 * T); };
+    auto cs = [&](int s) { return reinterpret_cast<uint16_t*>(gs(s) + T); };
+    const bool lead = threadIdx.x == 0;
+    auto load_tile = [&](int s, long long t) {
+        long long o = t * T;
+        bar_expect(&bars[s], T * (12 + (int)sizeof(G)));
+        bulk_load(ps(s), p + o, T * 4, &bars[s]);
+        bulk_load(ms(s), m + o, T * 4, &bars[s]);
+        bulk_load(vs(s), v + o, T * 4, &bars[s]);
+        bulk_load(gs(s), g + o, T * (int)sizeof(G), &bars[s]);
+    };
+    if (lead) {
+        for (int s = 0; s < S; ++s)
+            asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(smem_addr(&bars[s])) : "memory");
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+        for (int s = 0; s < S; ++s)
+            if (blockIdx.x + (long long)s * gridDim.x < tiles) load_tile(s, blockIdx.x + (long long)s * gridDim.x);
+    }
+    __syncthreads();
+    uint32_t phase = 0;  // bit s: the parity stage s waits for next
+    for (long long k = 0;; ++k) {
+        long long t = blockIdx.x + k * gridDim.x;
+        if (t >= tiles) break;
+        int s = (int)(k % S);
+        bar_wait(&bars[s], (phase >> s) & 1);
+        phase ^= 1u << s;
+        float *pp = ps(s), *mm = ms(s), *vv = vs(s);
+        const G* gg = gs(s);
+        uint16_t* cc = cs(s);
+        for (int i = threadIdx.x * 4; i < T; i += blockDim.x * 4) {
+            float4 pq = *reinterpret_cast<float4*>(pp + i), mq = *reinterpret_cast<float4*>(mm + i),
+                   vq = *reinterpret_cast<float4*>(vv + i);
+            float gv[4];
+            load4(gg, i / 4, gv);
+            float a[4] = {pq.x, pq.y, pq.z, pq.w}, b[4] = {mq.x, mq.y, mq.z, mq.w}, c[4] = {vq.x, vq.y, vq.z, vq.w};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) adamw_one(a[j], b[j], c[j], gv[j] * scale, lr, b1, b2, eps, wd, bc1, bc2);
+            *reinterpret_cast<float4*>(pp + i) = make_float4(a[0], a[1], a[2], a[3]);
+            *reinterpret_cast<float4*>(mm + i) = make_float4(b[0], b[1], b[2], b[3]);
+            *reinterpret_cast<float4*>(vv + i) = make_float4(c[0], c[1], c[2], c[3]);
+            uint2 w;
+            w.x = (uint32_t)to_bf(a[0]) | ((uint32_t)to_bf(a[1]) << 16);
+            w.y = (uint32_t)to_bf(a[2]) | ((uint32_t)to_bf(a[3]) << 16);
+            *reinterpret_cast<uint2*>(cc + i) = w;
+        }
+        // The threads' shared writes, then seen by the bulk stores.
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+        __syncthreads();
+        if (lead) {
+            long long o = t * T;
+            bulk_store(p + o, pp, T * 4);
+            bulk_store(m + o, mm, T * 4);
+            bulk_store(v + o, vv, T * 4);
+            if (p16) bulk_store(p16 + o, cc, T * 2);
+            asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+            long long next = t + (long long)S * gridDim.x;
+            if (next < tiles) {
+                // The stage's stores have read it before the next load fills it.
+                asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+                load_tile(s, next);
+            }
+        }
+    }
+    if (lead) asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
+#define ADAMW_BULK(NAME, G, T, S)                                                                                   \
+    extern "C" __global__ void NAME(float* p, float* m, float* v, const G* g, uint16_t* p16, long long tiles,        \
+                                    float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,         \
+                                    const float* norm_sq, float clip) {                                              \
+        adamw_bulk<G, T, S>(p, m, v, g, p16, tiles, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);                    \
+    }
+ADAMW_BULK(adamw_bulk_f32_2048x2, float, 2048, 2)
+ADAMW_BULK(adamw_bulk_bf16_2048x2, uint16_t, 2048, 2)
+ADAMW_BULK(adamw_bulk_f32_1024x4, float, 1024, 4)
+ADAMW_BULK(adamw_bulk_bf16_1024x4, uint16_t, 1024, 4)
+ADAMW_BULK(adamw_bulk_f32_4096x2, float, 4096, 2)
+ADAMW_BULK(adamw_bulk_bf16_4096x2, uint16_t, 4096, 2)
+
 // x += y (f32; gradients accumulated over micro-batches).
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)

@@ -32,8 +32,8 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 #[cfg(feature = "cuda")]
 pub use imp::{
     dense::{
-        attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping, SumPart,
-        XentLaunch, ATTN_DS_MAX_BYTES,
+        attn_ds_bytes, AdamLaunch, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping,
+        SumPart, XentLaunch, ATTN_DS_MAX_BYTES,
     },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
@@ -267,7 +267,7 @@ mod imp {
     use super::Timing;
     use crate::cpu::GemmVariant;
     use crate::KernelError;
-    use dense::XentLaunch;
+    use dense::{AdamLaunch, XentLaunch};
 
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -2361,9 +2361,15 @@ mod imp {
         }
 
         /// AdamW over `n` parameters (f32 masters and moments, the bf16
-        /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient, 10
-        /// timed runs: bytes = what it must move, 28 or 30 a parameter.
-        pub fn bench_adamw(&self, n: usize, bf16_grad: bool) -> Result<Timing, KernelError> {
+        /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient and
+        /// the launch `launch`, 10 timed runs: bytes = what it must move,
+        /// 28 or 30 a parameter.
+        pub fn bench_adamw(
+            &self,
+            n: usize,
+            bf16_grad: bool,
+            launch: AdamLaunch,
+        ) -> Result<Timing, KernelError> {
             let hp = crate::dense::AdamHp {
                 lr: 1e-4,
                 beta1: 0.9,
@@ -2380,12 +2386,30 @@ mod imp {
             let ms = if bf16_grad {
                 let g = self.zeros::<u16>(n)?;
                 self.time(10, || {
-                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                    self.adamw_with(
+                        launch,
+                        &mut p,
+                        &mut m,
+                        &mut v,
+                        &g,
+                        Some(&mut p16),
+                        &hp,
+                        &norm,
+                    )
                 })?
             } else {
                 let g = self.zeros::<f32>(n)?;
                 self.time(10, || {
-                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                    self.adamw_with(
+                        launch,
+                        &mut p,
+                        &mut m,
+                        &mut v,
+                        &g,
+                        Some(&mut p16),
+                        &hp,
+                        &norm,
+                    )
                 })?
             };
             let per = if bf16_grad { 28.0 } else { 30.0 };

@@ -8,7 +8,7 @@
 
 use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
 use kernels::dense::*;
-use kernels::gpu::{AttnDq, AttnFwd, CudaSlice, Gpu};
+use kernels::gpu::{AdamLaunch, AttnDq, AttnFwd, CudaSlice, Gpu};
 
 mod common;
 
@@ -402,6 +402,82 @@ fn gradient_norm_and_adamw_match_the_twins() {
             max_ulps(&g.download(&p16, n).unwrap(), &w16) <= 1,
             "bf16 copy"
         );
+    }
+}
+
+/// Every AdamW launch gives the grid-stride launch's masters, moments and
+/// bf16 copy bit for bit — with f32 and bf16 gradients, with and without
+/// the copy, counts below a tile and between tiles (the rest on the
+/// grid-stride kernel) — and the CPU twin's within the tolerances above.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn every_adamw_launch_matches_the_grid_stride_launch_bit_for_bit() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    let ns = g.upload(&[7.5f32]).unwrap();
+    let hp = AdamHp {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        bc1: 1.0 - 0.9f32.powi(3),
+        bc2: 1.0 - 0.95f32.powi(3),
+        clip: 1.0,
+    };
+    for n in [100, 4096, 3 * 4096 + 1234, 1 << 20] {
+        let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
+        let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
+        let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
+        for bf16 in [false, true] {
+            for copy in [true, false] {
+                let run = |launch: AdamLaunch| {
+                    let (mut p, mut m, mut v) = (
+                        g.upload(&p0).unwrap(),
+                        g.upload(&m0).unwrap(),
+                        g.upload(&v0).unwrap(),
+                    );
+                    let mut p16 = g.upload(&vec![0xFFFFu16; n]).unwrap();
+                    let c = copy.then_some(&mut p16);
+                    if bf16 {
+                        let gd = g.upload(&gb).unwrap();
+                        g.adamw_with(launch, &mut p, &mut m, &mut v, &gd, c, &hp, &ns)
+                    } else {
+                        let gd = g.upload(&gf).unwrap();
+                        g.adamw_with(launch, &mut p, &mut m, &mut v, &gd, c, &hp, &ns)
+                    }
+                    .unwrap();
+                    let bits = |x: Vec<f32>| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    (
+                        bits(g.download(&p, n).unwrap()),
+                        bits(g.download(&m, n).unwrap()),
+                        bits(g.download(&v, n).unwrap()),
+                        g.download(&p16, n).unwrap(),
+                    )
+                };
+                let want = run(AdamLaunch::GridStride);
+                let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
+                let grads = if bf16 { wide(&gb) } else { gf.clone() };
+                let w16 = adamw_reference(&mut wp, &mut wm, &mut wv, &grads, &hp, 7.5);
+                let f = |b: &[u32]| b.iter().map(|&x| f32::from_bits(x)).collect::<Vec<_>>();
+                assert!(rel(&f(&want.0), &wp) < 1e-6, "p, n {n}");
+                assert!(rel(&f(&want.1), &wm) < 1e-6, "m, n {n}");
+                assert!(rel(&f(&want.2), &wv) < 1e-6, "v, n {n}");
+                if copy {
+                    assert!(max_ulps(&want.3, &w16) <= 1, "bf16 copy, n {n}");
+                } else {
+                    assert!(want.3.iter().all(|&x| x == 0xFFFF), "no copy asked, n {n}");
+                }
+                for launch in AdamLaunch::BULK {
+                    let got = run(launch);
+                    let what = format!("{} n {n} bf16 {bf16} copy {copy}", launch.name());
+                    assert!(got.0 == want.0, "p: {what}");
+                    assert!(got.1 == want.1, "m: {what}");
+                    assert!(got.2 == want.2, "v: {what}");
+                    assert!(got.3 == want.3, "bf16 copy: {what}");
+                }
+            }
+        }
     }
 }
 
