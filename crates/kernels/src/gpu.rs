@@ -269,6 +269,14 @@ mod imp {
     use crate::KernelError;
     use dense::{AdamLaunch, XentLaunch};
 
+    /// AdamW's masters, moments and bf16 copy, for its bench.
+    type AdamBufs<'a> = (
+        &'a mut CudaSlice<f32>,
+        &'a mut CudaSlice<f32>,
+        &'a mut CudaSlice<f32>,
+        &'a mut CudaSlice<u16>,
+    );
+
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../kernels/out/lrmoe.fatbin"
@@ -2383,39 +2391,32 @@ mod imp {
             let (mut p, mut m, mut v) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
             let mut p16 = self.zeros::<u16>(n)?;
             let norm = self.upload(&[4.0f32])?;
+            let mut bufs = (&mut p, &mut m, &mut v, &mut p16);
             let ms = if bf16_grad {
-                let g = self.zeros::<u16>(n)?;
-                self.time(10, || {
-                    self.adamw_with(
-                        launch,
-                        &mut p,
-                        &mut m,
-                        &mut v,
-                        &g,
-                        Some(&mut p16),
-                        &hp,
-                        &norm,
-                    )
-                })?
+                self.time_adamw(launch, &mut bufs, &self.zeros::<u16>(n)?, &hp, &norm)?
             } else {
-                let g = self.zeros::<f32>(n)?;
-                self.time(10, || {
-                    self.adamw_with(
-                        launch,
-                        &mut p,
-                        &mut m,
-                        &mut v,
-                        &g,
-                        Some(&mut p16),
-                        &hp,
-                        &norm,
-                    )
-                })?
+                self.time_adamw(launch, &mut bufs, &self.zeros::<f32>(n)?, &hp, &norm)?
             };
             let per = if bf16_grad { 28.0 } else { 30.0 };
             Ok(Timing {
                 ms,
                 bytes: per * n as f64,
+            })
+        }
+
+        /// 10 timed runs of AdamW with the launch `launch` over `bufs`
+        /// (masters, moments, bf16 copy) and the gradient `g`: median ms.
+        fn time_adamw<G: dense::GradElem>(
+            &self,
+            launch: AdamLaunch,
+            bufs: &mut AdamBufs<'_>,
+            g: &CudaSlice<G>,
+            hp: &crate::dense::AdamHp,
+            norm: &CudaSlice<f32>,
+        ) -> Result<f64, KernelError> {
+            let (p, m, v, p16) = bufs;
+            self.time(10, || {
+                self.adamw_with(launch, p, m, v, g, Some(&mut **p16), hp, norm)
             })
         }
 

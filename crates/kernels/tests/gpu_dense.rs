@@ -327,6 +327,20 @@ fn fused_cross_entropy_matches_the_twin() {
     }
 }
 
+/// The AdamW hyperparameters of the tests (the third step) with `clip`.
+fn adam_hp(clip: f32) -> AdamHp {
+    AdamHp {
+        lr: 3e-3,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        bc1: 1.0 - 0.9f32.powi(3),
+        bc2: 1.0 - 0.95f32.powi(3),
+        clip,
+    }
+}
+
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn gradient_norm_and_adamw_match_the_twins() {
@@ -349,16 +363,7 @@ fn gradient_norm_and_adamw_match_the_twins() {
         "{norm_sq} vs {want}"
     );
     for (clip, grads) in [(0.5f32, gf.clone()), (0.0, wide(&gb)), (1e9, gf)] {
-        let hp = AdamHp {
-            lr: 3e-3,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.1,
-            bc1: 1.0 - 0.9f32.powi(3),
-            bc2: 1.0 - 0.95f32.powi(3),
-            clip,
-        };
+        let hp = adam_hp(clip);
         let (p0, m0, v0) = (r.f32s(n, 1.0), r.f32s(n, 0.01), r.f32s(n, 0.001));
         let v0: Vec<f32> = v0.iter().map(|x| x.abs()).collect();
         let (mut p, mut m, mut v) = (
@@ -415,16 +420,7 @@ fn every_adamw_launch_matches_the_grid_stride_launch_bit_for_bit() {
     let g = gpu();
     let mut r = Rng(seed());
     let ns = g.upload(&[7.5f32]).unwrap();
-    let hp = AdamHp {
-        lr: 3e-3,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        bc1: 1.0 - 0.9f32.powi(3),
-        bc2: 1.0 - 0.95f32.powi(3),
-        clip: 1.0,
-    };
+    let hp = adam_hp(1.0);
     for n in [100, 4096, 3 * 4096 + 1234, 1 << 20] {
         let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
         let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
