@@ -12,7 +12,7 @@
 //! `xent` (the fused cross-entropy's launches at the LM head's shape,
 //! against HBM's bandwidth and the copy); the first four by default.
 
-use kernels::gpu::{AdamLaunch, Gpu};
+use kernels::gpu::{AdamLaunch, Gpu, SqLaunch};
 
 fn anchor(anchors: &serde_json::Value, key: &str) -> Option<f64> {
     anchors.get(key).and_then(serde_json::Value::as_f64)
@@ -400,6 +400,24 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
                 gbps / 48.0,
                 gbps / copy.gbps(),
                 peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
+            );
+        }
+    }
+    println!();
+    println!("The gradient norm's squared sum over {n} elements (the input read once):");
+    println!();
+    println!("| launch | input | median ms | GB/s | of 4.8 TB/s | / copy |");
+    println!("|---|---|---|---|---|---|");
+    for launch in [SqLaunch::Vec4, SqLaunch::Wide] {
+        for bf16 in [true, false] {
+            let t = gpu.bench_sq_sum(n, bf16, launch)?;
+            println!(
+                "| {launch:?} | {} | {:.3} | {:.0} | {:.1}% | {:.3} |",
+                if bf16 { "bf16" } else { "f32" },
+                t.ms,
+                t.gbps(),
+                t.gbps() / 48.0,
+                t.gbps() / copy.gbps(),
             );
         }
     }

@@ -33,7 +33,7 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 pub use imp::{
     dense::{
         attn_ds_bytes, AdamLaunch, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping,
-        SumPart, XentLaunch, ATTN_DS_MAX_BYTES,
+        SqLaunch, SumPart, XentLaunch, ATTN_DS_MAX_BYTES,
     },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
@@ -267,7 +267,7 @@ mod imp {
     use super::Timing;
     use crate::cpu::GemmVariant;
     use crate::KernelError;
-    use dense::{AdamLaunch, XentLaunch};
+    use dense::{AdamLaunch, SqLaunch, XentLaunch};
 
     /// AdamW's masters, moments and bf16 copy, for its bench.
     type AdamBufs<'a> = (
@@ -2417,6 +2417,28 @@ mod imp {
             let (p, m, v, p16) = bufs;
             self.time(10, || {
                 self.adamw_with(launch, p, m, v, g, Some(&mut **p16), hp, norm)
+            })
+        }
+
+        /// The squared norm of `n` bf16 (`bf16`) or f32 zeros with the
+        /// launch `launch`, 10 timed runs: bytes = the input read once.
+        pub fn bench_sq_sum(
+            &self,
+            n: usize,
+            bf16: bool,
+            launch: SqLaunch,
+        ) -> Result<Timing, KernelError> {
+            let mut out = self.zeros::<f32>(1)?;
+            let ms = if bf16 {
+                let x = self.zeros::<u16>(n)?;
+                self.time(10, || self.sq_sum_into_with(launch, &x, n, &mut out))?
+            } else {
+                let x = self.zeros::<f32>(n)?;
+                self.time(10, || self.sq_sum_into_with(launch, &x, n, &mut out))?
+            };
+            Ok(Timing {
+                ms,
+                bytes: (if bf16 { 2 } else { 4 } * n) as f64,
             })
         }
 

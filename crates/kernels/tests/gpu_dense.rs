@@ -8,7 +8,7 @@
 
 use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
 use kernels::dense::*;
-use kernels::gpu::{AdamLaunch, AttnDq, AttnFwd, CudaSlice, Gpu};
+use kernels::gpu::{AdamLaunch, AttnDq, AttnFwd, CudaSlice, Gpu, SqLaunch};
 
 mod common;
 
@@ -349,15 +349,37 @@ fn gradient_norm_and_adamw_match_the_twins() {
     let n = 100_003;
     let gf = r.f32s(n, 0.1);
     let gb = r.bf16s(n, 0.1);
-    let mut ns = g.upload(&[0f32]).unwrap();
-    g.sq_sum_into(&g.upload(&gf).unwrap(), n, &mut ns).unwrap();
-    g.sq_sum_into(&g.upload(&gb).unwrap(), n, &mut ns).unwrap();
-    let norm_sq = g.download(&ns, 1).unwrap()[0];
     let want: f64 = gf
         .iter()
         .chain(wide(&gb).iter())
         .map(|&x| f64::from(x).powi(2))
         .sum();
+    // Each launch, on whole buffers and on odd lengths (the tail loop).
+    for launch in [SqLaunch::Vec4, SqLaunch::Wide] {
+        let mut part = g.upload(&[0f32]).unwrap();
+        g.sq_sum_into_with(launch, &g.upload(&gf).unwrap(), n - 7, &mut part)
+            .unwrap();
+        let part = f64::from(g.download(&part, 1).unwrap()[0]);
+        let part_want: f64 = gf[..n - 7].iter().map(|&x| f64::from(x).powi(2)).sum();
+        assert!(
+            (part - part_want).abs() <= 1e-5 * part_want,
+            "{launch:?}: {part} vs {part_want}"
+        );
+        let mut one = g.upload(&[0f32]).unwrap();
+        g.sq_sum_into_with(launch, &g.upload(&gf).unwrap(), n, &mut one)
+            .unwrap();
+        g.sq_sum_into_with(launch, &g.upload(&gb).unwrap(), n, &mut one)
+            .unwrap();
+        let got = f64::from(g.download(&one, 1).unwrap()[0]);
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{launch:?}: {got} vs {want}"
+        );
+    }
+    let mut ns = g.upload(&[0f32]).unwrap();
+    g.sq_sum_into(&g.upload(&gf).unwrap(), n, &mut ns).unwrap();
+    g.sq_sum_into(&g.upload(&gb).unwrap(), n, &mut ns).unwrap();
+    let norm_sq = g.download(&ns, 1).unwrap()[0];
     assert!(
         (f64::from(norm_sq) - want).abs() <= 1e-5 * want,
         "{norm_sq} vs {want}"

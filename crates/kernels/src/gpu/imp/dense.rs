@@ -59,6 +59,8 @@ pub(crate) struct DenseFns {
     xent_l2: [CudaFunction; 2],
     sq_f32: CudaFunction,
     sq_bf16: CudaFunction,
+    sq_wide_f32: CudaFunction,
+    sq_wide_bf16: CudaFunction,
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
     /// The bulk-copy AdamW per [`AdamLaunch::BULK`] shape: f32, bf16
@@ -87,9 +89,27 @@ pub(crate) struct DenseFns {
     /// The cross-entropy's launch (`LRMOE_XENT=streamed|resident`);
     /// unset: [`XentLaunch::DEFAULT`].
     xent_launch: XentLaunch,
+    /// The squared norm's launch (`LRMOE_SQ_SUM=vec4|wide`); unset:
+    /// [`SqLaunch::DEFAULT`].
+    sq_launch: SqLaunch,
     /// AdamW's launch (`LRMOE_ADAMW=grid|bulk2048x2|bulk1024x4|bulk4096x2`);
     /// unset: [`AdamLaunch::DEFAULT`].
     adam_launch: AdamLaunch,
+}
+
+/// How the squared norm ([`Gpu::sq_sum_into_with`]) reads its input.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SqLaunch {
+    /// One 4-element load a thread in flight (8 bytes for bf16).
+    Vec4,
+    /// 16-byte loads (4 f32 or 8 bf16 elements), two a thread in flight.
+    Wide,
+}
+
+impl SqLaunch {
+    /// What [`Gpu::sq_sum_into`] runs unless `LRMOE_SQ_SUM` says otherwise
+    /// (the launch measured on the device; `Wide` is not yet).
+    pub const DEFAULT: SqLaunch = SqLaunch::Vec4;
 }
 
 /// How AdamW ([`Gpu::adamw_with`]) walks the parameters. Every launch
@@ -352,6 +372,8 @@ impl DenseFns {
             xent_l2: [f("cross_entropy_l2")?, f("cross_entropy_l2_hint")?],
             sq_f32: f("sq_sum_f32")?,
             sq_bf16: f("sq_sum_bf16")?,
+            sq_wide_f32: f("sq_sum_wide_f32")?,
+            sq_wide_bf16: f("sq_sum_wide_bf16")?,
             adam_f32: f("adamw_f32")?,
             adam_bf16: f("adamw_bf16")?,
             adam_bulk: AdamLaunch::BULK
@@ -417,6 +439,11 @@ impl DenseFns {
                 Ok("streamed") => XentLaunch::Streamed,
                 _ => XentLaunch::DEFAULT,
             },
+            sq_launch: match std::env::var("LRMOE_SQ_SUM").as_deref() {
+                Ok("vec4") => SqLaunch::Vec4,
+                Ok("wide") => SqLaunch::Wide,
+                _ => SqLaunch::DEFAULT,
+            },
             adam_launch: std::env::var("LRMOE_ADAMW")
                 .ok()
                 .and_then(|v| AdamLaunch::from_name(&v))
@@ -448,11 +475,12 @@ impl GradElem for u16 {
 }
 
 impl DenseFns {
-    fn sq<G: GradElem>(&self) -> &CudaFunction {
-        if G::BF16 {
-            &self.sq_bf16
-        } else {
-            &self.sq_f32
+    fn sq<G: GradElem>(&self, launch: SqLaunch) -> &CudaFunction {
+        match (launch, G::BF16) {
+            (SqLaunch::Vec4, true) => &self.sq_bf16,
+            (SqLaunch::Vec4, false) => &self.sq_f32,
+            (SqLaunch::Wide, true) => &self.sq_wide_bf16,
+            (SqLaunch::Wide, false) => &self.sq_wide_f32,
         }
     }
     fn adam<G: GradElem>(&self) -> &CudaFunction {
@@ -1307,9 +1335,24 @@ impl Gpu {
         Ok(d)
     }
 
-    /// `out[0] += Σ x[..n]²` (f32 or bf16 gradients).
+    /// `out[0] += Σ x[..n]²` (f32 or bf16 gradients), with `LRMOE_SQ_SUM`'s
+    /// launch, else [`SqLaunch::DEFAULT`]. Twin: the sum in f64 on the host
+    /// (the device test).
     pub fn sq_sum_into<G: GradElem>(
         &self,
+        x: &CudaSlice<G>,
+        n: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        self.sq_sum_into_with(self.dense.sq_launch, x, n, out)
+    }
+
+    /// [`Gpu::sq_sum_into`] with the launch `launch` (the sum's order,
+    /// so its last bits, differ between launches and runs: blocks add
+    /// their partial sums atomically).
+    pub fn sq_sum_into_with<G: GradElem>(
+        &self,
+        launch: SqLaunch,
         x: &CudaSlice<G>,
         n: usize,
         out: &mut CudaSlice<f32>,
@@ -1319,7 +1362,7 @@ impl Gpu {
             return Ok(());
         }
         let nl = n as i64;
-        let mut l = self.stream.launch_builder(self.dense.sq::<G>());
+        let mut l = self.stream.launch_builder(self.dense.sq::<G>(launch));
         l.arg(x).arg(out).arg(&nl);
         // SAFETY: (G*, f32*, long long); n entries.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
