@@ -435,7 +435,9 @@ fn gradient_norm_and_adamw_match_the_twins() {
 /// Every AdamW launch gives the grid-stride launch's masters, moments and
 /// bf16 copy bit for bit — with f32 and bf16 gradients, with and without
 /// the copy, counts below a tile and between tiles (the rest on the
-/// grid-stride kernel) — and the CPU twin's within the tolerances above.
+/// grid-stride kernel), and enough tiles (2²³ parameters) that every
+/// block reuses each of its stages several times — and the CPU twin's
+/// within the tolerances above.
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn every_adamw_launch_matches_the_grid_stride_launch_bit_for_bit() {
@@ -443,7 +445,7 @@ fn every_adamw_launch_matches_the_grid_stride_launch_bit_for_bit() {
     let mut r = Rng(seed());
     let ns = g.upload(&[7.5f32]).unwrap();
     let hp = adam_hp(1.0);
-    for n in [100, 4096, 3 * 4096 + 1234, 1 << 20] {
+    for n in [100, 4096, 3 * 4096 + 1234, (1 << 23) + 2048] {
         let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
         let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
         let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
