@@ -12,7 +12,7 @@
 //! `xent` (the fused cross-entropy's launches at the LM head's shape,
 //! against HBM's bandwidth and the copy); the first four by default.
 
-use kernels::gpu::{AdamLaunch, Gpu, SqLaunch};
+use kernels::gpu::Gpu;
 
 fn anchor(anchors: &serde_json::Value, key: &str) -> Option<f64> {
     anchors.get(key).and_then(serde_json::Value::as_f64)
@@ -369,8 +369,7 @@ fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
 }
 
 /// AdamW over 2²⁸ parameters (`Gpu::bench_adamw`: f32 masters and
-/// moments, the bf16 copy written) with a bf16 and an f32 gradient, each
-/// launch (`AdamLaunch`: grid-stride and the bulk-copy shapes): median
+/// moments, the bf16 copy written) with a bf16 and an f32 gradient: median
 /// device ms, the bytes it must move (28 and 30 a parameter), and that rate
 /// against HBM's 4.8 TB/s, the device copy and PyTorch's fused AdamW
 /// (`adamw_GBps` of the anchors: f32 gradient, no bf16 copy, 28 bytes).
@@ -383,43 +382,37 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
         copy.gbps()
     );
     println!();
-    println!("| launch | gradient | median ms | bytes/param | GB/s | of 4.8 TB/s | / copy | / torch fused AdamW |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| gradient | median ms | bytes/param | GB/s | of 4.8 TB/s | / copy | / torch fused AdamW |");
+    println!("|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
-    let launches = std::iter::once(AdamLaunch::GridStride).chain(AdamLaunch::BULK);
-    for launch in launches {
-        for bf16 in [true, false] {
-            let t = gpu.bench_adamw(n, bf16, launch)?;
-            let gbps = t.gbps();
-            println!(
-                "| {} | {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
-                launch.name(),
-                if bf16 { "bf16" } else { "f32" },
-                t.ms,
-                t.bytes / n as f64,
-                gbps / 48.0,
-                gbps / copy.gbps(),
-                peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
-            );
-        }
+    for bf16 in [true, false] {
+        let t = gpu.bench_adamw(n, bf16)?;
+        let gbps = t.gbps();
+        println!(
+            "| {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
+            if bf16 { "bf16" } else { "f32" },
+            t.ms,
+            t.bytes / n as f64,
+            gbps / 48.0,
+            gbps / copy.gbps(),
+            peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
+        );
     }
     println!();
     println!("The gradient norm's squared sum over {n} elements (the input read once):");
     println!();
-    println!("| launch | input | median ms | GB/s | of 4.8 TB/s | / copy |");
-    println!("|---|---|---|---|---|---|");
-    for launch in [SqLaunch::Vec4, SqLaunch::Wide] {
-        for bf16 in [true, false] {
-            let t = gpu.bench_sq_sum(n, bf16, launch)?;
-            println!(
-                "| {launch:?} | {} | {:.3} | {:.0} | {:.1}% | {:.3} |",
-                if bf16 { "bf16" } else { "f32" },
-                t.ms,
-                t.gbps(),
-                t.gbps() / 48.0,
-                t.gbps() / copy.gbps(),
-            );
-        }
+    println!("| input | median ms | GB/s | of 4.8 TB/s | / copy |");
+    println!("|---|---|---|---|---|");
+    for bf16 in [true, false] {
+        let t = gpu.bench_sq_sum(n, bf16)?;
+        println!(
+            "| {} | {:.3} | {:.0} | {:.1}% | {:.3} |",
+            if bf16 { "bf16" } else { "f32" },
+            t.ms,
+            t.gbps(),
+            t.gbps() / 48.0,
+            t.gbps() / copy.gbps(),
+        );
     }
     Ok(())
 }

@@ -32,8 +32,8 @@ pub use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, ValidAsZe
 #[cfg(feature = "cuda")]
 pub use imp::{
     dense::{
-        attn_ds_bytes, AdamLaunch, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping,
-        SqLaunch, SumPart, XentLaunch, ATTN_DS_MAX_BYTES,
+        attn_ds_bytes, AttnDq, AttnFwd, AttnSaved, AttnShape, GradElem, NormKeeping, SumPart,
+        XentLaunch, ATTN_DS_MAX_BYTES,
     },
     ops::{Borrowed, ExpertsBackward, Routed},
     Download, Gpu, Mark,
@@ -267,15 +267,7 @@ mod imp {
     use super::Timing;
     use crate::cpu::GemmVariant;
     use crate::KernelError;
-    use dense::{AdamLaunch, SqLaunch, XentLaunch};
-
-    /// AdamW's masters, moments and bf16 copy, for its bench.
-    type AdamBufs<'a> = (
-        &'a mut CudaSlice<f32>,
-        &'a mut CudaSlice<f32>,
-        &'a mut CudaSlice<f32>,
-        &'a mut CudaSlice<u16>,
-    );
+    use dense::XentLaunch;
 
     static FATBIN: &[u8] = include_bytes!(concat!(
         env!("CARGO_MANIFEST_DIR"),
@@ -2369,15 +2361,9 @@ mod imp {
         }
 
         /// AdamW over `n` parameters (f32 masters and moments, the bf16
-        /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient and
-        /// the launch `launch`, 10 timed runs: bytes = what it must move,
-        /// 28 or 30 a parameter.
-        pub fn bench_adamw(
-            &self,
-            n: usize,
-            bf16_grad: bool,
-            launch: AdamLaunch,
-        ) -> Result<Timing, KernelError> {
+        /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient, 10
+        /// timed runs: bytes = what it must move, 28 or 30 a parameter.
+        pub fn bench_adamw(&self, n: usize, bf16_grad: bool) -> Result<Timing, KernelError> {
             let hp = crate::dense::AdamHp {
                 lr: 1e-4,
                 beta1: 0.9,
@@ -2391,11 +2377,16 @@ mod imp {
             let (mut p, mut m, mut v) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
             let mut p16 = self.zeros::<u16>(n)?;
             let norm = self.upload(&[4.0f32])?;
-            let mut bufs = (&mut p, &mut m, &mut v, &mut p16);
             let ms = if bf16_grad {
-                self.time_adamw(launch, &mut bufs, &self.zeros::<u16>(n)?, &hp, &norm)?
+                let g = self.zeros::<u16>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
             } else {
-                self.time_adamw(launch, &mut bufs, &self.zeros::<f32>(n)?, &hp, &norm)?
+                let g = self.zeros::<f32>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
             };
             let per = if bf16_grad { 28.0 } else { 30.0 };
             Ok(Timing {
@@ -2404,37 +2395,16 @@ mod imp {
             })
         }
 
-        /// 10 timed runs of AdamW with the launch `launch` over `bufs`
-        /// (masters, moments, bf16 copy) and the gradient `g`: median ms.
-        fn time_adamw<G: dense::GradElem>(
-            &self,
-            launch: AdamLaunch,
-            bufs: &mut AdamBufs<'_>,
-            g: &CudaSlice<G>,
-            hp: &crate::dense::AdamHp,
-            norm: &CudaSlice<f32>,
-        ) -> Result<f64, KernelError> {
-            let (p, m, v, p16) = bufs;
-            self.time(10, || {
-                self.adamw_with(launch, p, m, v, g, Some(&mut **p16), hp, norm)
-            })
-        }
-
-        /// The squared norm of `n` bf16 (`bf16`) or f32 zeros with the
-        /// launch `launch`, 10 timed runs: bytes = the input read once.
-        pub fn bench_sq_sum(
-            &self,
-            n: usize,
-            bf16: bool,
-            launch: SqLaunch,
-        ) -> Result<Timing, KernelError> {
+        /// The squared norm of `n` bf16 (`bf16`) or f32 zeros, 10 timed
+        /// runs: bytes = the input read once.
+        pub fn bench_sq_sum(&self, n: usize, bf16: bool) -> Result<Timing, KernelError> {
             let mut out = self.zeros::<f32>(1)?;
             let ms = if bf16 {
                 let x = self.zeros::<u16>(n)?;
-                self.time(10, || self.sq_sum_into_with(launch, &x, n, &mut out))?
+                self.time(10, || self.sq_sum_into(&x, n, &mut out))?
             } else {
                 let x = self.zeros::<f32>(n)?;
-                self.time(10, || self.sq_sum_into_with(launch, &x, n, &mut out))?
+                self.time(10, || self.sq_sum_into(&x, n, &mut out))?
             };
             Ok(Timing {
                 ms,

@@ -59,13 +59,8 @@ pub(crate) struct DenseFns {
     xent_l2: [CudaFunction; 2],
     sq_f32: CudaFunction,
     sq_bf16: CudaFunction,
-    sq_wide_f32: CudaFunction,
-    sq_wide_bf16: CudaFunction,
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
-    /// The bulk-copy AdamW per [`AdamLaunch::BULK`] shape: f32, bf16
-    /// gradient.
-    adam_bulk: Vec<(AdamLaunch, [CudaFunction; 2])>,
     to_bf16: CudaFunction,
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV,
     /// dQ recomputing, dQ from the stored dS.
@@ -89,83 +84,6 @@ pub(crate) struct DenseFns {
     /// The cross-entropy's launch (`LRMOE_XENT=streamed|resident`);
     /// unset: [`XentLaunch::DEFAULT`].
     xent_launch: XentLaunch,
-    /// The squared norm's launch (`LRMOE_SQ_SUM=vec4|wide`); unset:
-    /// [`SqLaunch::DEFAULT`].
-    sq_launch: SqLaunch,
-    /// AdamW's launch (`LRMOE_ADAMW=grid|bulk2048x2|bulk1024x4|bulk4096x2`);
-    /// unset: [`AdamLaunch::DEFAULT`].
-    adam_launch: AdamLaunch,
-}
-
-/// How the squared norm ([`Gpu::sq_sum_into_with`]) reads its input.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SqLaunch {
-    /// One 4-element load a thread in flight (8 bytes for bf16).
-    Vec4,
-    /// 16-byte loads (4 f32 or 8 bf16 elements), two a thread in flight.
-    Wide,
-}
-
-impl SqLaunch {
-    /// What [`Gpu::sq_sum_into`] runs unless `LRMOE_SQ_SUM` says otherwise
-    /// (the launch measured on the device; `Wide` is not yet).
-    pub const DEFAULT: SqLaunch = SqLaunch::Vec4;
-}
-
-/// How AdamW ([`Gpu::adamw_with`]) walks the parameters. Every launch
-/// does the same arithmetic per element, so they agree bit for bit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AdamLaunch {
-    /// Grid-stride, at most 32 blocks of 256 a SM, one 4-wide vector a
-    /// thread in flight.
-    GridStride,
-    /// Through the bulk-copy engine (TMA): each block keeps `stages`
-    /// tiles of `tile` parameters in shared memory at once, loaded and
-    /// stored by `cp.async.bulk`; the parameters past the last whole
-    /// tile, and buffers not 16-byte aligned, go through the grid-stride
-    /// kernel.
-    Bulk {
-        /// Parameters a tile.
-        tile: u32,
-        /// Tiles in flight a block.
-        stages: u32,
-    },
-}
-
-impl AdamLaunch {
-    /// What [`Gpu::adamw`] runs unless `LRMOE_ADAMW` says otherwise.
-    pub const DEFAULT: AdamLaunch = AdamLaunch::GridStride;
-    /// The bulk-copy shapes `dense.cu` instantiates.
-    pub const BULK: [AdamLaunch; 3] = [
-        AdamLaunch::Bulk {
-            tile: 2048,
-            stages: 2,
-        },
-        AdamLaunch::Bulk {
-            tile: 1024,
-            stages: 4,
-        },
-        AdamLaunch::Bulk {
-            tile: 4096,
-            stages: 2,
-        },
-    ];
-
-    /// The launch `LRMOE_ADAMW` names (`grid`, `bulk<tile>x<stages>`).
-    pub fn from_name(name: &str) -> Option<AdamLaunch> {
-        if name == "grid" {
-            return Some(AdamLaunch::GridStride);
-        }
-        Self::BULK.into_iter().find(|l| l.name() == name)
-    }
-
-    /// The launch's name, as `from_name` reads it.
-    pub fn name(&self) -> String {
-        match self {
-            AdamLaunch::GridStride => "grid".into(),
-            AdamLaunch::Bulk { tile, stages } => format!("bulk{tile}x{stages}"),
-        }
-    }
 }
 
 /// How the fused cross-entropy ([`Gpu::cross_entropy_with`]) reads each
@@ -372,31 +290,8 @@ impl DenseFns {
             xent_l2: [f("cross_entropy_l2")?, f("cross_entropy_l2_hint")?],
             sq_f32: f("sq_sum_f32")?,
             sq_bf16: f("sq_sum_bf16")?,
-            sq_wide_f32: f("sq_sum_wide_f32")?,
-            sq_wide_bf16: f("sq_sum_wide_bf16")?,
             adam_f32: f("adamw_f32")?,
             adam_bf16: f("adamw_bf16")?,
-            adam_bulk: AdamLaunch::BULK
-                .into_iter()
-                .filter_map(|launch| match launch {
-                    AdamLaunch::Bulk { tile, stages } => Some((launch, tile, stages)),
-                    AdamLaunch::GridStride => None,
-                })
-                .map(|(launch, tile, stages)| {
-                    let fns = [
-                        f(&format!("adamw_bulk_f32_{tile}x{stages}"))?,
-                        f(&format!("adamw_bulk_bf16_{tile}x{stages}"))?,
-                    ];
-                    for (func, per) in fns.iter().zip([18u32, 16]) {
-                        func.set_attribute(
-                            cudarc::driver::sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                            (per * tile * stages) as i32,
-                        )
-                        .map_err(cuda)?;
-                    }
-                    Ok((launch, fns))
-                })
-                .collect::<Result<_, KernelError>>()?,
             to_bf16: f("f32_to_bf16")?,
             flash: [16usize, 32, 64, 128]
                 .into_iter()
@@ -439,15 +334,6 @@ impl DenseFns {
                 Ok("streamed") => XentLaunch::Streamed,
                 _ => XentLaunch::DEFAULT,
             },
-            sq_launch: match std::env::var("LRMOE_SQ_SUM").as_deref() {
-                Ok("vec4") => SqLaunch::Vec4,
-                Ok("wide") => SqLaunch::Wide,
-                _ => SqLaunch::DEFAULT,
-            },
-            adam_launch: std::env::var("LRMOE_ADAMW")
-                .ok()
-                .and_then(|v| AdamLaunch::from_name(&v))
-                .unwrap_or(AdamLaunch::DEFAULT),
         })
     }
 
@@ -475,12 +361,11 @@ impl GradElem for u16 {
 }
 
 impl DenseFns {
-    fn sq<G: GradElem>(&self, launch: SqLaunch) -> &CudaFunction {
-        match (launch, G::BF16) {
-            (SqLaunch::Vec4, true) => &self.sq_bf16,
-            (SqLaunch::Vec4, false) => &self.sq_f32,
-            (SqLaunch::Wide, true) => &self.sq_wide_bf16,
-            (SqLaunch::Wide, false) => &self.sq_wide_f32,
+    fn sq<G: GradElem>(&self) -> &CudaFunction {
+        if G::BF16 {
+            &self.sq_bf16
+        } else {
+            &self.sq_f32
         }
     }
     fn adam<G: GradElem>(&self) -> &CudaFunction {
@@ -1335,24 +1220,11 @@ impl Gpu {
         Ok(d)
     }
 
-    /// `out[0] += Σ x[..n]²` (f32 or bf16 gradients), with `LRMOE_SQ_SUM`'s
-    /// launch, else [`SqLaunch::DEFAULT`]. Twin: the sum in f64 on the host
-    /// (the device test).
+    /// `out[0] += Σ x[..n]²` (f32 or bf16 gradients; the sum's order, so
+    /// its last bits, differ between runs: blocks add their partial sums
+    /// atomically). Twin: the sum in f64 on the host (the device test).
     pub fn sq_sum_into<G: GradElem>(
         &self,
-        x: &CudaSlice<G>,
-        n: usize,
-        out: &mut CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        self.sq_sum_into_with(self.dense.sq_launch, x, n, out)
-    }
-
-    /// [`Gpu::sq_sum_into`] with the launch `launch` (the sum's order,
-    /// so its last bits, differ between launches and runs: blocks add
-    /// their partial sums atomically).
-    pub fn sq_sum_into_with<G: GradElem>(
-        &self,
-        launch: SqLaunch,
         x: &CudaSlice<G>,
         n: usize,
         out: &mut CudaSlice<f32>,
@@ -1362,7 +1234,7 @@ impl Gpu {
             return Ok(());
         }
         let nl = n as i64;
-        let mut l = self.stream.launch_builder(self.dense.sq::<G>(launch));
+        let mut l = self.stream.launch_builder(self.dense.sq::<G>());
         l.arg(x).arg(out).arg(&nl);
         // SAFETY: (G*, f32*, long long); n entries.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
@@ -1372,8 +1244,7 @@ impl Gpu {
     /// One AdamW update of the f32 master `p` and moments `m`, `v` with the
     /// gradient `g`, clipped by `hp.clip / sqrt(norm_sq[0])` (read on the
     /// device) when that norm exceeds the clip; writes the bf16 copy when
-    /// given. The launch is `LRMOE_ADAMW`'s, else [`AdamLaunch::DEFAULT`].
-    /// Twin: [`crate::dense::adamw_reference`].
+    /// given. Twin: [`crate::dense::adamw_reference`].
     #[allow(clippy::too_many_arguments)]
     pub fn adamw<G: GradElem>(
         &self,
@@ -1382,23 +1253,6 @@ impl Gpu {
         v: &mut CudaSlice<f32>,
         g: &CudaSlice<G>,
         p16: Option<&mut CudaSlice<u16>>,
-        hp: &AdamHp,
-        norm_sq: &CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        self.adamw_with(self.dense.adam_launch, p, m, v, g, p16, hp, norm_sq)
-    }
-
-    /// [`Gpu::adamw`] with the launch `launch`: the same result bit for
-    /// bit whichever launch runs.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw_with<G: GradElem>(
-        &self,
-        launch: AdamLaunch,
-        p: &mut CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
-        g: &CudaSlice<G>,
-        mut p16: Option<&mut CudaSlice<u16>>,
         hp: &AdamHp,
         norm_sq: &CudaSlice<f32>,
     ) -> Result<(), KernelError> {
@@ -1412,102 +1266,35 @@ impl Gpu {
         if n == 0 {
             return Ok(());
         }
-        let bulk = match launch {
-            AdamLaunch::Bulk { tile, stages } => self
-                .dense
-                .adam_bulk
-                .iter()
-                .find(|(l, _)| *l == launch)
-                .map(|(_, f)| (tile as usize, stages as usize, &f[usize::from(G::BF16)])),
-            AdamLaunch::GridStride => None,
-        };
-        let aligned = {
-            let addr = |a: u64| a % 16 == 0;
-            let (pp, _a) = p.device_ptr(&self.stream);
-            let (pm, _b) = m.device_ptr(&self.stream);
-            let (pv, _c) = v.device_ptr(&self.stream);
-            let (pg, _d) = g.device_ptr(&self.stream);
-            let pc = p16.as_deref().map(|c| c.device_ptr(&self.stream).0);
-            addr(pp) && addr(pm) && addr(pv) && addr(pg) && pc.is_none_or(addr)
-        };
-        let mut done = 0usize;
-        if let (Some((tile, stages, f)), true) = (bulk, aligned) {
-            let tiles = n / tile;
-            if tiles > 0 {
-                let shared = (if G::BF16 { 16 } else { 18 }) * tile * stages;
-                let per_sm = f
-                    .occupancy_max_active_blocks_per_multiprocessor(256, shared, None)
-                    .unwrap_or(1)
-                    .max(1) as usize;
-                let grid = tiles.min(self.n_sms as usize * per_sm);
-                let (tl, null) = (tiles as i64, 0u64);
-                let mut l = self.stream.launch_builder(f);
-                l.arg(&mut *p).arg(&mut *m).arg(&mut *v).arg(g);
-                match p16.as_deref_mut() {
-                    Some(c) => l.arg(c),
-                    None => l.arg(&null),
-                };
-                adam_args(&mut l, &tl, hp, norm_sq);
-                let cfg = LaunchConfig {
-                    grid_dim: (grid as u32, 1, 1),
-                    block_dim: (256, 1, 1),
-                    shared_mem_bytes: shared as u32,
-                };
-                // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long
-                // tiles, float×7, f32*, float); `tiles · tile` ≤ n entries
-                // each, every pointer 16-byte aligned (checked above).
-                unsafe { l.launch(cfg) }.map_err(cuda)?;
-                done = tiles * tile;
-            }
-        }
-        if done == n {
-            return Ok(());
-        }
-        let rest = (n - done) as i64;
-        let (mut pv, mut mv, mut vv) = (
-            p.slice_mut(done..),
-            m.slice_mut(done..),
-            v.slice_mut(done..),
-        );
-        let gv = g.slice(done..);
-        let null: u64 = 0;
-        let mut cv = p16.map(|c| c.slice_mut(done..));
+        let (nl, null) = (n as i64, 0u64);
         let mut l = self.stream.launch_builder(self.dense.adam::<G>());
-        l.arg(&mut pv).arg(&mut mv).arg(&mut vv).arg(&gv);
-        match cv.as_mut() {
+        l.arg(p).arg(m).arg(v).arg(g);
+        match p16 {
             Some(c) => l.arg(c),
             None => l.arg(&null),
         };
-        adam_args(&mut l, &rest, hp, norm_sq);
+        l.arg(&nl)
+            .arg(&hp.lr)
+            .arg(&hp.beta1)
+            .arg(&hp.beta2)
+            .arg(&hp.eps)
+            .arg(&hp.weight_decay)
+            .arg(&hp.bc1)
+            .arg(&hp.bc2)
+            .arg(norm_sq)
+            .arg(&hp.clip);
         // (Measured on the H200, 2026-12-03, 2²⁸ parameters: one resident
         // wave of blocks, a contiguous stretch a block, or one thread per
         // four parameters and no loop were 9%, 44% and 2% slower than this
         // grid-stride launch: `docs/benchmarks.md`, "AdamW".)
+        // (Through the bulk-copy engine, tiles of 1 024–4 096 parameters
+        // and 2–4 stages a block in shared memory, it was 3–150% slower:
+        // 2026-12-05.)
         // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long, float×7,
-        // f32*, float); `rest` entries each past `done`, norm_sq one.
-        unsafe { l.launch(self.elementwise_config(n - done)) }.map_err(cuda)?;
+        // f32*, float); n entries each (checked above), norm_sq one.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(())
     }
-}
-
-/// AdamW's arguments after the buffers: the count, the hyperparameters,
-/// the squared norm and the clip.
-fn adam_args<'a>(
-    l: &mut cudarc::driver::LaunchArgs<'a>,
-    count: &'a i64,
-    hp: &'a AdamHp,
-    norm_sq: &'a CudaSlice<f32>,
-) {
-    l.arg(count)
-        .arg(&hp.lr)
-        .arg(&hp.beta1)
-        .arg(&hp.beta2)
-        .arg(&hp.eps)
-        .arg(&hp.weight_decay)
-        .arg(&hp.bc1)
-        .arg(&hp.bc2)
-        .arg(norm_sq)
-        .arg(&hp.clip);
 }
 
 /// One causal grouped-query attention call's shape: `n_seq` sequences of
