@@ -917,7 +917,6 @@ extern "C" __global__ void adamw_bf16(float* p, float* m, float* v, const uint16
     adamw(p, m, v, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
 }
 
-
 // x += y (f32; gradients accumulated over micro-batches).
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
