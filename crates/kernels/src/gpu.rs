@@ -1059,16 +1059,25 @@ mod imp {
             self.stream.clone_htod(host).map_err(cuda)
         }
 
-        fn poisoned<T: cudarc::driver::DeviceRepr + bytemuck::Pod>(
+        /// A buffer of `max(n, 1)` elements, every byte 0xFF (NaN for
+        /// floats), filled on the device: the host-slice entry points' and
+        /// the benches' outputs, so a kernel that skips an element shows.
+        fn poisoned<T: cudarc::driver::DeviceRepr>(
             &self,
             n: usize,
         ) -> Result<CudaSlice<T>, KernelError> {
-            let bytes = vec![0xFFu8; n.max(1) * std::mem::size_of::<T>()];
-            let host: Vec<T> = bytes
-                .chunks_exact(std::mem::size_of::<T>())
-                .map(bytemuck::pod_read_unaligned)
-                .collect();
-            self.stream.clone_htod(&host).map_err(cuda)
+            use cudarc::driver::DevicePtrMut;
+            // SAFETY: every byte is written by the fill below before any use.
+            let mut out = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)?;
+            let bytes = out.num_bytes();
+            let (ptr, sync) = out.device_ptr_mut(&self.stream);
+            // SAFETY: a byte fill of the buffer just allocated, on its stream.
+            unsafe {
+                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+            }
+            .map_err(cuda)?;
+            drop(sync);
+            Ok(out)
         }
 
         /// The first `n` elements of a device buffer, on the host (waits
@@ -1628,7 +1637,10 @@ mod imp {
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
             at_least("scores and ids", n, score.len().min(id.len()))?;
-            let mut out = self.poisoned::<f32>(n)?;
+            // SAFETY: the kernel below writes all n keys (nothing reads a
+            // zero-size output). A poisoned upload here cost a host
+            // round trip a layer call (session 51).
+            let mut out = unsafe { self.uninit::<f32>(n) }?;
             if n > 0 {
                 let n_i = dim("n", n)?;
                 let mut l = self.stream.launch_builder(&self.f_priority_keys);
@@ -1639,9 +1651,9 @@ mod imp {
             Ok(out)
         }
 
-        /// Priority sampling weights per expert segment of `offsets` from
-        /// the keys, the scores and the masks kept at `q` and `q + 1`
-        /// (twin: [`crate::cpu::priority_weights_reference`]).
+        /// Priority sampling weights per expert segment of `offsets` (from
+        /// 0 to the rows) from the keys, the scores and the masks kept at
+        /// `q` and `q + 1` (twin: [`crate::cpu::priority_weights_reference`]).
         pub fn priority_weights(
             &self,
             rho: &[f32],
@@ -1653,12 +1665,12 @@ mod imp {
             check("score", n, score.len())?;
             check("kept at q", n, kept_q.len())?;
             check("kept at q + 1", n, kept_q1.len())?;
-            if offsets.is_empty()
+            if offsets.first() != Some(&0)
                 || offsets.windows(2).any(|w| w[0] > w[1])
-                || offsets[offsets.len() - 1] as usize > n
+                || offsets[offsets.len() - 1] as usize != n
             {
                 return Err(KernelError::Shape {
-                    what: "offsets (ascending, within the rows)",
+                    what: "offsets (ascending from 0 to the rows)",
                     expected: n,
                     got: offsets.last().copied().unwrap_or(0) as usize,
                 });
@@ -1681,8 +1693,10 @@ mod imp {
         ///
         /// # Safety
         ///
-        /// 1. `offsets` holds `groups + 1` ascending entries ending at most
-        ///    at `n`, and `rho`, `score` and both masks hold `n` entries.
+        /// 1. `rho`, `score` and both masks hold `n` entries.
+        /// 2. `offsets` holds `groups + 1` ascending entries from 0 to `n`
+        ///    (every row in one segment: the output is written nowhere
+        ///    else).
         pub unsafe fn priority_weights_dev(
             &self,
             rho: &CudaSlice<f32>,
@@ -1692,7 +1706,9 @@ mod imp {
             n: usize,
             groups: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
-            let mut out = self.poisoned::<f32>(n)?;
+            // SAFETY: the caller's offsets partition 0..n (2.), so the
+            // blocks write every row's weight.
+            let mut out = unsafe { self.uninit::<f32>(n) }?;
             if groups > 0 && n > 0 {
                 let grid = u32::try_from(groups).map_err(|_| KernelError::Shape {
                     what: "groups",
@@ -1737,7 +1753,8 @@ mod imp {
             n: usize,
         ) -> Result<CudaSlice<f32>, KernelError> {
             at_least("factors", n, a.len().min(b.len()))?;
-            let mut out = self.poisoned::<f32>(n)?;
+            // SAFETY: the kernel below writes all n products.
+            let mut out = unsafe { self.uninit::<f32>(n) }?;
             if n > 0 {
                 let n_i = dim("n", n)?;
                 let mut l = self.stream.launch_builder(&self.f_mul_f32);

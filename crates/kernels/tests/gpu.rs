@@ -241,6 +241,8 @@ fn biased_logits_match_the_cpu_twin_exactly() {
 fn priority_sampling_kernels_match_the_cpu_twins_exactly() {
     use kernels::cpu::{priority_keys_reference, priority_weights_reference};
     let g = gpu();
+    // Outputs start as 0xFF (NaN), so an element no kernel writes shows.
+    g.set_poison(true);
     let mut rng = Rng(seed());
     for &(n, groups) in &[(0usize, 1usize), (1, 1), (37, 3), (5000, 64)] {
         let score: Vec<f32> = (0..n)
@@ -295,7 +297,15 @@ fn priority_sampling_kernels_match_the_cpu_twins_exactly() {
     assert!(g
         .priority_weights(&[1.0], &[1.0], (&[1], &[1]), &[0, 2])
         .is_err());
+    // Offsets that leave a row outside every segment.
+    assert!(g
+        .priority_weights(&[1.0; 3], &[1.0; 3], (&[1; 3], &[1; 3]), &[0, 2])
+        .is_err());
+    assert!(g
+        .priority_weights(&[1.0; 3], &[1.0; 3], (&[1; 3], &[1; 3]), &[1, 3])
+        .is_err());
     assert!(g.mul_f32(&[1.0], &[]).is_err());
+    g.set_poison(false);
 }
 
 #[test]

@@ -262,6 +262,11 @@ impl Backend for Device<'_> {
     ) -> Result<(CudaSlice<u8>, Option<CudaSlice<f32>>), LayerError> {
         let groups = quotas.len();
         crate::config::shape("selection offsets", groups + 1, offsets.len())?;
+        if offsets[0] != 0 || offsets.windows(2).any(|w| w[0] > w[1]) {
+            return Err(LayerError::Config(
+                "selection offsets must ascend from 0".into(),
+            ));
+        }
         let n = offsets[groups] as usize;
         let (god, qd) = (self.gpu.upload(offsets)?, self.gpu.upload(quotas)?);
         // Top-q by score, or priority sampling: top-q by key, weights from
@@ -290,7 +295,8 @@ impl Backend for Device<'_> {
             Some(rho) => {
                 let more: Vec<u32> = quotas.iter().map(|q| q.saturating_add(1)).collect();
                 let kept1 = select(&self.gpu.upload(&more)?)?;
-                // SAFETY: offsets partitions the n rows every buffer holds.
+                // SAFETY: offsets ascends from 0 to n (checked above), the
+                // rows every buffer holds.
                 Some(unsafe {
                     (self.gpu).priority_weights_dev(rho, scores, (&kept, &kept1), &god, n, groups)
                 }?)
