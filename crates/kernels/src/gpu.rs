@@ -81,6 +81,8 @@ impl Gpu {
     /// See the CUDA build.
     pub fn set_gemm_sm_reserve(&self, _sms: u32) {}
     /// See the CUDA build.
+    pub fn set_poison(&self, _on: bool) {}
+    /// See the CUDA build.
     pub fn sync(&self) -> Result<(), KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }
