@@ -100,6 +100,11 @@ pub struct BackwardStats {
     /// regrouped rows, scores and flags, `dX`, the gradients; the
     /// transport's own copies and the GEMMs' scratch excluded).
     pub buffer_bytes: u64,
+    /// The forward's token buffers of the same call on this rank: the rows
+    /// its instances computed, in and out (`2 × rows × hidden` values of
+    /// the executor's rows). With no replica a hot expert's owner computes
+    /// every one of its rows here, however few the backward keeps.
+    pub forward_buffer_bytes: u64,
     /// Bytes this rank sent to other ranks in the backward's exchanges:
     /// scores, kept rows, `dX` replies, replica gradients (not the router
     /// gradient's sum nor the experts' gradients gathered for the model).
@@ -212,7 +217,13 @@ pub fn backward<T: Real + Scalar, X: Transport>(
     let peak = crate::host::meter_peak_since(base);
     let trace = trace.ok_or_else(|| LayerError::Config("the backward left no trace".into()))?;
     let grads = whole_layer(comm, cfg, g.router.into_vec(), &g.experts)?;
-    let stats = stats_of(saved, trace, (g.bytes_sent as u64, peak), comm.rank());
+    let forward = (2 * g.forward_rows * cfg.hidden * std::mem::size_of::<T>()) as u64;
+    let stats = stats_of(
+        saved,
+        trace,
+        (g.bytes_sent as u64, peak, forward),
+        comm.rank(),
+    );
     Ok((g.dx.into_vec(), grads, stats))
 }
 
@@ -254,7 +265,7 @@ fn whole_layer<T: Real, X: Transport>(
 fn stats_of<T: Real + Scalar>(
     saved: &Saved<T>,
     trace: Trace<crate::host::HostMem<T>>,
-    (bytes_sent, peak): (u64, u64),
+    (bytes_sent, peak, forward): (u64, u64, u64),
     rank: usize,
 ) -> BackwardStats {
     let sv = &saved.sv;
@@ -285,6 +296,7 @@ fn stats_of<T: Real + Scalar>(
         pairs_per_rank: trace.loads,
         expert_load: sv.expert_load(),
         buffer_bytes: peak,
+        forward_buffer_bytes: forward,
         bytes_sent,
         times,
     }

@@ -362,6 +362,44 @@ fn kept_pairs_are_the_highest_scoring_of_each_expert() {
 }
 
 #[test]
+fn forward_buffers_hold_the_rows_each_rank_s_owned_experts_computed() {
+    // No replica: every rank computes all the rows of the experts it owns
+    // in the forward, however few its backward keeps.
+    let cfg = cfg(false);
+    let (params, x, dy) = setup(&cfg, 48, 5);
+    let ranks = 2;
+    let place = placement(cfg.n_experts, ranks);
+    let bwd = CallConfig {
+        retention: Retention::Ratio(0.25),
+        ..CallConfig::default()
+    };
+    let n_tok = x.len() / cfg.hidden;
+    let res: Vec<Result<_, LayerError>> = run_local(ranks, TIMEOUT, |t| {
+        let r = t.rank();
+        let (lo, hi) = (r * n_tok / ranks, (r + 1) * n_tok / ranks);
+        let rows = lo * cfg.hidden..hi * cfg.hidden;
+        let (_, saved) = forward(t, &cfg, &bwd, &params, &place, &x[rows.clone()])?;
+        let (_, _, stats) = backward(t, &cfg, &bwd, &params, &saved, &dy[rows])?;
+        Ok(stats)
+    });
+    let row_bytes = (2 * cfg.hidden * std::mem::size_of::<f64>()) as u64;
+    let mut total = 0;
+    for (r, stats) in res.into_iter().enumerate() {
+        let stats = stats.unwrap();
+        assert_eq!(stats.forward_buffer_bytes % row_bytes, 0);
+        let rows = stats.forward_buffer_bytes / row_bytes;
+        let owned: u64 = (0..cfg.n_experts)
+            .filter(|&e| place.owner[e] == r)
+            .map(|e| stats.expert_load[e])
+            .sum();
+        assert_eq!(rows, owned, "rank {r}");
+        assert!(rows > 0);
+        total += rows;
+    }
+    assert_eq!(total as usize, n_tok * cfg.top_k, "every pair once");
+}
+
+#[test]
 fn f32_layer_matches_f64_within_tolerance() {
     let cfg = MoeConfig {
         hidden: 16,

@@ -780,7 +780,8 @@ fn labels(inputs: &[PathBuf]) -> Vec<String> {
 /// the best exact-backward baseline, every mode that changes the backward
 /// against it on the evaluation grid and between evaluations, and LRMoE's
 /// memory against fixed ownership's (accounted: expert instances and
-/// backward buffers on the busiest rank; measured: the most one rank
+/// token buffers, a layer call's the larger of its forward's rows and its
+/// backward's buffers, on the busiest rank; measured: the most one rank
 /// held; and accounted against what fixed ownership's steps need were
 /// each one micro-batch). With `bounds`, a closing line counts the comparisons where
 /// LRMoE meets them ([`Bounds`]). Each input is read as `lrmoe redraw`
@@ -888,8 +889,15 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
         "—" => String::new(),
         x => format!(" (floor {x})"),
     };
+    // Runs from before the forward's rows were counted: their accounted
+    // buffers are the backward's alone.
+    let older = if l.forward_buffers_counted && f.forward_buffers_counted {
+        ""
+    } else {
+        " (backward buffers only)"
+    };
     format!(
-        "{} / {} / {unsplit}{floor}",
+        "{} / {} / {unsplit}{floor}{older}",
         change(l.max_rank_peak_bytes, f.max_rank_peak_bytes),
         change(l.max_held_bytes, f.max_held_bytes),
     )
@@ -991,6 +999,7 @@ mod tests {
             max_held_bytes: 0,
             host_probe_ms: None,
             mean_replicas_per_call: 0.0,
+            forward_buffers_counted: true,
             stop_reason: if reached_target.is_some() {
                 StopReason::Target
             } else {
@@ -1157,9 +1166,9 @@ mod tests {
         (lrmoe.max_rank_peak_bytes, lrmoe.max_held_bytes) = (100, 300);
         lrmoe.mean_kept_fraction = 0.6;
         lrmoe.mean_replicas_per_call = 1.25;
-        let a = write("a", &comparison(vec![full.clone(), lrmoe]));
+        let a = write("a", &comparison(vec![full.clone(), lrmoe.clone()]));
         let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
-        let b = write("b", &comparison(vec![short, full]));
+        let b = write("b", &comparison(vec![short, full.clone()]));
         let t = summary(&[a.clone(), b.clone()], None).unwrap();
         let rows: Vec<&str> = t.lines().collect();
         assert_eq!(rows.len(), 4, "{t}");
@@ -1173,6 +1182,18 @@ mod tests {
         assert_eq!(
             rows[3],
             "| b | — | 2.400 | SYMI-like > 80.00 / > 160.00 (> 20); Full 60.00 / 120.00 (30) | Full | — | — |"
+        );
+        // A file from before the forward's rows were counted says so.
+        let mut older = lrmoe;
+        older.forward_buffers_counted = false;
+        let c = write("c", &comparison(vec![full, older]));
+        let t = summary(&[c], None).unwrap();
+        assert!(
+            t.lines()
+                .nth(2)
+                .unwrap()
+                .ends_with("(floor −70.0%) (backward buffers only) |"),
+            "{t}"
         );
         // A bad input is named; no input is an error.
         let bad = dir.join("bad.json");

@@ -1486,6 +1486,9 @@ mod imp {
                 // staged ranks: the kept `[x | g·δ]` bf16 rows, the
                 // controller's unit.
                 buffer_bytes: pool_peak.unwrap_or((mg.kept_pairs * 2 * d * 2) as u64),
+                // The forward's rows on this rank's instances, in and out,
+                // bf16 (the same unit as the staged ranks' backward rows).
+                forward_buffer_bytes: (mg.forward_rows * 2 * d * 2) as u64,
                 bytes_sent: mg.bytes_sent as u64,
                 times: layer::StageTimes::default(),
             };

@@ -86,6 +86,7 @@ pub fn backward_host(
             down: gpu.download(&g.experts.down, ew)?,
         },
         kept_pairs: g.kept_pairs,
+        forward_rows: g.forward_rows,
         kept_total: g.kept_total,
         bytes_sent: g.bytes_sent,
     })

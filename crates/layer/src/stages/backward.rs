@@ -31,6 +31,10 @@ pub struct Grads<B, R> {
     pub experts: Experts<B>,
     /// Kept pairs this rank's instances processed.
     pub kept_pairs: usize,
+    /// Rows this rank's instances computed in the forward of the call (the
+    /// forward's split of every routed pair over the instances: a hot
+    /// expert's owner with no replica gets all of its rows).
+    pub forward_rows: usize,
     /// Kept pairs over all ranks (what the selection kept).
     pub kept_total: usize,
     /// Bytes this rank sent to other ranks in the backward (scores, kept
@@ -722,10 +726,19 @@ pub(crate) fn backward_traced<B: Backend>(
         router,
         experts,
         kept_pairs: lay.recv.perm.len,
+        forward_rows: rows_on(&sv.plan.forward, rank),
         kept_total,
         bytes_sent,
     };
     Ok((g, traced))
+}
+
+/// The rows `split` sends to `rank`'s instances, from every source.
+fn rows_on(split: &pack::ep::Split, rank: usize) -> usize {
+    (0..split.sources())
+        .flat_map(|s| (0..split.experts()).map(move |e| (s, e)))
+        .map(|(s, e)| split.cell(s, e).get(rank).map_or(0, |&c| c as usize))
+        .sum()
 }
 
 /// Bytes this rank sends to others in a backward: scores, kept `x` rows

@@ -18,7 +18,11 @@ pub(super) struct LayerMetrics {
     pub(super) load_max_over_mean: f64,
     pub(super) kept_fraction: f64,
     pub(super) peak_rank_pairs: u64,
+    /// This rank's backward buffer of the call (`BackwardStats::buffer_bytes`).
     pub(super) buffer_bytes: u64,
+    /// This rank's forward token buffers of the call
+    /// (`BackwardStats::forward_buffer_bytes`).
+    pub(super) forward_buffer_bytes: u64,
     pub(super) replicas: usize,
     pub(super) times: layer::StageTimes,
 }
@@ -43,8 +47,9 @@ pub(super) struct StepMetrics {
     /// layer calls ([`expert_bytes_per_rank`]).
     pub(super) expert_bytes: u64,
     /// The most bytes one rank held for expert instances (as
-    /// `expert_bytes`) and its largest backward buffer of the step
-    /// together ([`rank_peak_bytes`]).
+    /// `expert_bytes`) and its largest token buffer of the step together
+    /// ([`rank_peak_bytes`]): a layer call's buffer is the larger of its
+    /// forward's and its backward's (`train::run::Tally::add`).
     pub(super) rank_peak_bytes: u64,
     /// The same were the step one micro-batch: each rank's buffers summed
     /// over its micro-batches per layer (`train::run::Tally::unsplit_buffer`),
@@ -103,6 +108,7 @@ pub(super) fn layer_metrics(
         },
         peak_rank_pairs: stats.pairs_per_rank.iter().copied().max().unwrap_or(0),
         buffer_bytes: stats.buffer_bytes,
+        forward_buffer_bytes: stats.forward_buffer_bytes,
         replicas: plan.placement.replicas.iter().map(Vec::len).sum(),
         times: stats.times,
     }

@@ -128,7 +128,7 @@ pub struct TrainSummary {
     #[serde(default)]
     pub max_expert_bytes: u64,
     /// The most bytes any one rank held for expert placement, replicas and
-    /// backward buffers together in one step (`rank_peak_bytes` in
+    /// token buffers together in one step (`rank_peak_bytes` in
     /// `metrics.jsonl`); 0 in summaries written before it was recorded.
     #[serde(default)]
     pub max_rank_peak_bytes: u64,
@@ -156,6 +156,13 @@ pub struct TrainSummary {
     /// before it was recorded.
     #[serde(default)]
     pub mean_replicas_per_call: f64,
+    /// Whether the token buffers in `max_rank_peak_bytes` and
+    /// `max_unsplit_peak_bytes` count the forward's rows beside the
+    /// backward's buffers (a layer call's buffer is the larger of the two:
+    /// `train::run::Tally::add`); `false` in summaries written before they
+    /// did (2026-12-05), whose buffers are the backward's alone.
+    #[serde(default)]
+    pub forward_buffers_counted: bool,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
 }

@@ -319,10 +319,10 @@ pub(super) struct StepGrads {
     /// Routed pairs per expert and layer over every rank, summed over the
     /// micro-batches.
     pub(super) expert_load: Vec<Vec<u64>>,
-    /// This rank's backward buffer were the step one micro-batch
+    /// This rank's token buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]).
     pub(super) unsplit_buffer: u64,
-    /// This rank's largest backward buffer over every micro-batch
+    /// This rank's largest token buffer over every micro-batch
     /// ([`Tally::peak_buffer`]).
     pub(super) peak_buffer: u64,
 }
@@ -372,10 +372,10 @@ pub(super) struct StepOut {
     pub(super) kept_routed: Vec<u64>,
     pub(super) busiest: u64,
     pub(super) expert_load: Vec<Vec<u64>>,
-    /// This rank's backward buffer were the step one micro-batch
+    /// This rank's token buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]).
     pub(super) unsplit_buffer: u64,
-    /// This rank's largest backward buffer over every micro-batch
+    /// This rank's largest token buffer over every micro-batch
     /// ([`Tally::peak_buffer`]).
     pub(super) peak_buffer: u64,
     pub(super) device_ms: Option<[f64; 5]>,
@@ -391,9 +391,11 @@ pub(super) struct Tally {
     pub(super) busiest: u64,
     /// Routed pairs per expert and layer over every rank, summed.
     pub(super) expert_load: Vec<Vec<u64>>,
-    /// This rank's backward buffer per layer, summed.
+    /// This rank's token buffer per layer, summed over the micro-batches:
+    /// a call's is the larger of its forward's rows (in and out) and its
+    /// backward's buffer, which do not live at once.
     buffers: Vec<u64>,
-    /// This rank's largest backward buffer in any one layer call of any
+    /// This rank's largest token buffer in any one layer call of any
     /// micro-batch: what it held at once as the step ran.
     pub(super) peak_buffer: u64,
 }
@@ -409,7 +411,7 @@ impl Tally {
         }
     }
 
-    /// The backward buffer rank `me` would hold were the step's tokens one
+    /// The token buffer rank `me` would hold were the step's tokens one
     /// micro-batch: per layer, its micro-batches' buffer peaks summed, the
     /// largest layer's. A step of one micro-batch gives its own peak. Where
     /// `buffer_bytes` counts rows (in-process ranks on one GPU: the kept
@@ -437,10 +439,13 @@ impl Tally {
             }
             self.kept_routed[2 * li] += st.kept_pairs as u64;
             self.kept_routed[2 * li + 1] += st.routed_pairs as u64;
+            // The forward's rows are gone (or kept, inside the backward's
+            // figure) by the time the backward's buffers are made.
+            let held = st.buffer_bytes.max(st.forward_buffer_bytes);
             if let Some(b) = self.buffers.get_mut(li) {
-                *b += st.buffer_bytes;
+                *b += held;
             }
-            self.peak_buffer = self.peak_buffer.max(st.buffer_bytes);
+            self.peak_buffer = self.peak_buffer.max(held);
             let mine = if st.pairs_per_rank.len() == ranks {
                 st.pairs_per_rank[me]
             } else {
@@ -670,7 +675,7 @@ pub(super) fn expert_bytes_per_rank(
 }
 
 /// The most bytes one rank held: its expert instances plus its largest
-/// backward buffer of the step (both per rank, in rank order).
+/// token buffer of the step (both per rank, in rank order).
 pub(super) fn rank_peak_bytes(instances: &[u64], buffers: &[u64]) -> u64 {
     (0..instances.len().max(buffers.len()))
         .map(|r| instances.get(r).copied().unwrap_or(0) + buffers.get(r).copied().unwrap_or(0))
@@ -903,10 +908,10 @@ pub(super) struct Gathered {
     /// The next step's micro-batches (with `moe.fit_budget`: the busiest
     /// rank's pairs of a whole step over the budget's rows).
     pub(super) next_micro: usize,
-    /// Each rank's largest backward buffer of the step, over every
+    /// Each rank's largest token buffer of the step, over every
     /// micro-batch ([`Tally::peak_buffer`]), in rank order.
     pub(super) buffers: Vec<u64>,
-    /// Each rank's backward buffer were the step one micro-batch
+    /// Each rank's token buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]), in rank order.
     pub(super) unsplit_buffers: Vec<u64>,
 }
@@ -1110,6 +1115,7 @@ pub(super) fn finish<X: Transport>(
         max_held_bytes: s.logged.max_held,
         host_probe_ms: s.logged.mean_probe_ms(),
         mean_replicas_per_call: s.logged.mean_replicas(),
+        forward_buffers_counted: true,
         stop_reason: reason,
     }))
 }

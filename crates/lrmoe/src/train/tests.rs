@@ -64,6 +64,26 @@ fn a_split_step_s_peak_buffer_is_its_largest_micro_batch_s() {
 }
 
 #[test]
+fn a_layer_call_s_token_buffer_is_the_larger_of_its_forward_s_and_backward_s() {
+    // A hot expert's owner with no replica computes all its rows in the
+    // forward though the backward keeps few: the forward's rows count.
+    let mcfg = two_layers();
+    let mut t = Tally::new(&mcfg);
+    let mut st = buffers(10, 30);
+    st[0].forward_buffer_bytes = 70;
+    st[1].forward_buffer_bytes = 20;
+    t.add(&mcfg, &st, 0, 1);
+    assert_eq!(t.peak_buffer, 70);
+    assert_eq!(t.unsplit_buffer(), 70);
+    // A second micro-batch: per layer max(70, ·) + max(5, 40) and 30 + 5.
+    let mut st = buffers(5, 5);
+    st[0].forward_buffer_bytes = 40;
+    t.add(&mcfg, &st, 0, 1);
+    assert_eq!(t.peak_buffer, 70);
+    assert_eq!(t.unsplit_buffer(), 110);
+}
+
+#[test]
 fn the_replica_rules_parse_as_the_configuration_spells_them() {
     for (name, rule) in [
         ("paying", quota::ReplicaRule::Paying),
