@@ -105,6 +105,8 @@ pub struct BackwardStats {
     /// the executor's rows). With no replica a hot expert's owner computes
     /// every one of its rows here, however few the backward keeps.
     pub forward_buffer_bytes: u64,
+    /// The rows this rank's instances computed in that forward.
+    pub forward_rows: usize,
     /// Bytes this rank sent to other ranks in the backward's exchanges:
     /// scores, kept rows, `dX` replies, replica gradients (not the router
     /// gradient's sum nor the experts' gradients gathered for the model).
@@ -221,7 +223,7 @@ pub fn backward<T: Real + Scalar, X: Transport>(
     let stats = stats_of(
         saved,
         trace,
-        (g.bytes_sent as u64, peak, forward),
+        (g.bytes_sent as u64, peak, (forward, g.forward_rows)),
         comm.rank(),
     );
     Ok((g.dx.into_vec(), grads, stats))
@@ -265,7 +267,7 @@ fn whole_layer<T: Real, X: Transport>(
 fn stats_of<T: Real + Scalar>(
     saved: &Saved<T>,
     trace: Trace<crate::host::HostMem<T>>,
-    (bytes_sent, peak, forward): (u64, u64, u64),
+    (bytes_sent, peak, (forward, forward_rows)): (u64, u64, (u64, usize)),
     rank: usize,
 ) -> BackwardStats {
     let sv = &saved.sv;
@@ -297,6 +299,7 @@ fn stats_of<T: Real + Scalar>(
         expert_load: sv.expert_load(),
         buffer_bytes: peak,
         forward_buffer_bytes: forward,
+        forward_rows,
         bytes_sent,
         times,
     }

@@ -1489,6 +1489,7 @@ mod imp {
                 // The forward's rows on this rank's instances, in and out,
                 // bf16 (the same unit as the staged ranks' backward rows).
                 forward_buffer_bytes: (mg.forward_rows * 2 * d * 2) as u64,
+                forward_rows: mg.forward_rows,
                 bytes_sent: mg.bytes_sent as u64,
                 times: layer::StageTimes::default(),
             };

@@ -1497,3 +1497,51 @@ fn evaluations_come_more_often_near_the_target() {
         "run.eval_near_every evaluates more often near the target",
     );
 }
+
+/// With `moe.budget_forward` the budget holds the forward's rows too:
+/// LRMoE's forward computes every pair, more than the 0.6 budget, so its
+/// steps split as fixed ownership's do; without it LRMoE never splits.
+/// Asked for without `fit_budget` it is a one-line error.
+#[test]
+fn a_budget_that_holds_the_forward_splits_lrmoe_s_steps() {
+    let micro_batches = |name: &str, moe: &str| -> Vec<u64> {
+        let dir = tmp(name);
+        let cfg = tiny_config(&dir, "");
+        edit_config(&cfg, &[("ranks = 2\n", &format!("ranks = 2\n{moe}"))]);
+        let (ok, _, err) = lrmoe(&[
+            "train",
+            "--config",
+            cfg.to_str().unwrap(),
+            "--mode",
+            "lrmoe",
+            "--steps",
+            "3",
+            "--no-progress",
+        ]);
+        assert!(ok, "{err}");
+        let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| {
+                let m: serde_json::Value = serde_json::from_str(l).unwrap();
+                m["micro_batches"].as_u64().unwrap()
+            })
+            .collect()
+    };
+    assert_eq!(
+        micro_batches("budget-fwd", "fit_budget = true\nbudget_forward = true\n"),
+        [2, 2, 2]
+    );
+    assert_eq!(
+        micro_batches("budget-bwd", "fit_budget = true\n"),
+        [1, 1, 1]
+    );
+    let dir = tmp("budget-fwd-alone");
+    let cfg = tiny_config(&dir, "");
+    edit_config(
+        &cfg,
+        &[("ranks = 2\n", "ranks = 2\nbudget_forward = true\n")],
+    );
+    let (ok, _, err) = lrmoe(&["train", "--config", cfg.to_str().unwrap(), "--no-progress"]);
+    assert!(!ok);
+    one_line_error(&err, "moe.budget_forward");
+}

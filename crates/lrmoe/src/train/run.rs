@@ -316,6 +316,9 @@ pub(super) struct StepGrads {
     pub(super) kept_routed: Vec<u64>,
     /// The most pairs this rank processed in one layer call.
     pub(super) busiest: u64,
+    /// The most rows this rank's instances computed in one layer call's
+    /// forward.
+    pub(super) busiest_forward: u64,
     /// Routed pairs per expert and layer over every rank, summed over the
     /// micro-batches.
     pub(super) expert_load: Vec<Vec<u64>>,
@@ -371,6 +374,7 @@ pub(super) struct StepOut {
     pub(super) stats: Vec<layer::BackwardStats>,
     pub(super) kept_routed: Vec<u64>,
     pub(super) busiest: u64,
+    pub(super) busiest_forward: u64,
     pub(super) expert_load: Vec<Vec<u64>>,
     /// This rank's token buffer were the step one micro-batch
     /// ([`Tally::unsplit_buffer`]).
@@ -389,6 +393,9 @@ pub(super) struct Tally {
     pub(super) kept_routed: Vec<u64>,
     /// The most pairs this rank processed in one layer call.
     pub(super) busiest: u64,
+    /// The most rows this rank's instances computed in one layer call's
+    /// forward.
+    pub(super) busiest_forward: u64,
     /// Routed pairs per expert and layer over every rank, summed.
     pub(super) expert_load: Vec<Vec<u64>>,
     /// This rank's token buffer per layer, summed over the micro-batches:
@@ -405,6 +412,7 @@ impl Tally {
         Self {
             kept_routed: vec![0; 2 * mcfg.n_layers],
             busiest: 0,
+            busiest_forward: 0,
             expert_load: vec![vec![0; mcfg.n_experts]; mcfg.n_layers],
             buffers: vec![0; mcfg.n_layers],
             peak_buffer: 0,
@@ -452,6 +460,7 @@ impl Tally {
                 st.pairs_per_rank.first().copied().unwrap_or(0)
             };
             self.busiest = self.busiest.max(mine);
+            self.busiest_forward = self.busiest_forward.max(st.forward_rows as u64);
         }
     }
 }
@@ -543,6 +552,7 @@ pub(super) fn step_grads<X: Transport>(
         peak_buffer: tally.peak_buffer,
         kept_routed: tally.kept_routed,
         busiest: tally.busiest,
+        busiest_forward: tally.busiest_forward,
         expert_load: tally.expert_load,
     })
 }
@@ -774,8 +784,8 @@ pub(super) fn simulated_step<X: Transport>(
     }))
 }
 
-/// Micro-batches of the first step: with `moe.fit_budget` in full and
-/// replicate modes, the worst case (every rank's pairs on one), else one.
+/// Micro-batches of the first step: where steps split to fit the budget
+/// ([`splits_steps`]), the worst case (every rank's pairs on one), else one.
 pub(super) fn first_micro_batches(cfg: &TrainConfig, ranks: usize) -> usize {
     if splits_steps(cfg) {
         micro_divisor(
@@ -788,9 +798,12 @@ pub(super) fn first_micro_batches(cfg: &TrainConfig, ranks: usize) -> usize {
     }
 }
 
-/// Whether steps split into micro-batches to fit the budget.
+/// Whether steps split into micro-batches to fit the budget: the modes
+/// that keep every pair, and with `moe.budget_forward` LRMoE too (its
+/// forward keeps every pair).
 pub(super) fn splits_steps(cfg: &TrainConfig) -> bool {
-    cfg.moe.fit_budget && cfg.moe.mode.is_exact()
+    let m = cfg.moe.mode;
+    cfg.moe.fit_budget && (m.is_exact() || (cfg.moe.budget_forward && m.is_lrmoe()))
 }
 
 /// The smallest divisor of a rank's sequences that is at least `need`, so
@@ -833,6 +846,7 @@ pub(super) fn train_step<X: Transport>(
         let Tally {
             kept_routed,
             busiest,
+            busiest_forward,
             expert_load,
             peak_buffer,
             ..
@@ -846,6 +860,7 @@ pub(super) fn train_step<X: Transport>(
             stats: st.stats.into_iter().next().unwrap_or_default(),
             kept_routed,
             busiest,
+            busiest_forward,
             expert_load,
             unsplit_buffer,
             peak_buffer,
@@ -876,6 +891,7 @@ pub(super) fn train_step<X: Transport>(
         stats: sg.grads.moe_stats,
         kept_routed: sg.kept_routed,
         busiest: sg.busiest,
+        busiest_forward: sg.busiest_forward,
         expert_load: sg.expert_load,
         unsplit_buffer: sg.unsplit_buffer,
         peak_buffer: sg.peak_buffer,
@@ -928,13 +944,22 @@ pub(super) fn gather_layers<X: Transport>(
     kept.push(out.busiest);
     kept.push(out.peak_buffer);
     kept.push(out.unsplit_buffer);
+    kept.push(out.busiest_forward);
     let totals = all_gather(comm, &kept)?;
     let buffers = totals.iter().map(|t| t[2 * n_layers + 1]).collect();
     let unsplit_buffers = totals.iter().map(|t| t[2 * n_layers + 2]).collect();
     let next = if splits_steps(cfg) {
         let ranks = comm.world_size();
         let per_rank = cfg.data.batch_size / ranks;
-        let peak = totals.iter().map(|t| t[2 * n_layers]).max().unwrap_or(0);
+        // The busiest rank's backward pairs, and with `moe.budget_forward`
+        // its forward rows (the same bytes a pair).
+        let peak = (totals.iter())
+            .map(|t| match cfg.moe.budget_forward {
+                true => t[2 * n_layers].max(t[2 * n_layers + 3]),
+                false => t[2 * n_layers],
+            })
+            .max()
+            .unwrap_or(0);
         let budget_rows =
             cfg.moe.buffer_fraction * (per_rank * cfg.data.seq_len * lp.mcfg.top_k) as f64;
         let need = ((peak * micro as u64) as f64 / budget_rows.max(1.0)).ceil() as usize;
