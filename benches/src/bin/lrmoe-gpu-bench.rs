@@ -305,6 +305,7 @@ fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
     use kernels::gpu::XentLaunch;
     let (n, v) = (16384usize, 151_936usize);
     let copy = gpu.bench_copy(2 << 30)?;
+    let hbm = hbm(gpu);
     let mut launches = vec![(
         "streamed (256 threads, ≤ 32 blocks a SM)".to_string(),
         XentLaunch::Streamed,
@@ -326,9 +327,10 @@ fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
     }
     println!();
     println!(
-        "Cross-entropy, {n} × {v} bf16 logits; the least HBM must move: {:.2} GB (limit {:.3} ms at 4.8 TB/s); device copy {:.0} GB/s:",
+        "Cross-entropy, {n} × {v} bf16 logits; the least HBM must move: {:.2} GB (limit {:.3} ms at {}); device copy {:.0} GB/s:",
         4.0 * (n * v) as f64 / 1e9,
-        4.0 * (n * v) as f64 / 4.8e9,
+        4.0 * (n * v) as f64 / 1e6 / hbm.gbps,
+        hbm.label,
         copy.gbps()
     );
     println!();
@@ -337,7 +339,7 @@ fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
     let mut base: Option<(f64, f32, Vec<u16>)> = None;
     for (name, how) in launches {
         let (t, loss, rows) = gpu.bench_cross_entropy((n, v), how, 64)?;
-        let limit = t.bytes / 4.8e9;
+        let limit = t.bytes / 1e6 / hbm.gbps;
         let (ratio, dl, dg) = match &base {
             None => ("1.000".to_string(), "—".to_string(), "—".to_string()),
             Some((ms, l0, r0)) => {
@@ -368,10 +370,36 @@ fn xent_table(gpu: &Gpu) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A device's nominal HBM bandwidth, GB/s, and how the tables name it.
+struct Hbm {
+    gbps: f64,
+    label: String,
+}
+
+/// The nominal HBM bandwidth of the GPU the bench runs on, by its name
+/// (H200: 4.8 TB/s; H100 SXM: 3.35; H100 PCIe: 2.0); another GPU is
+/// taken as an H200, and the tables say so.
+fn hbm(gpu: &Gpu) -> Hbm {
+    let name = gpu.device_name().unwrap_or_default();
+    let (tbps, what) = if name.contains("H200") {
+        (4.8, "H200")
+    } else if name.contains("H100") && name.contains("PCIe") {
+        (2.0, "H100 PCIe")
+    } else if name.contains("H100") {
+        (3.35, "H100 SXM")
+    } else {
+        (4.8, "an H200's, the GPU unknown")
+    };
+    Hbm {
+        gbps: tbps * 1e3,
+        label: format!("{tbps} TB/s ({what} HBM)"),
+    }
+}
+
 /// AdamW over 2²⁸ parameters (`Gpu::bench_adamw`: f32 masters and
 /// moments, the bf16 copy written) with a bf16 and an f32 gradient: median
 /// device ms, the bytes it must move (28 and 30 a parameter), and that rate
-/// against HBM's 4.8 TB/s, the device copy and PyTorch's fused AdamW
+/// against the nominal HBM bandwidth ([`hbm`]), the device copy and PyTorch's fused AdamW
 /// (`adamw_GBps` of the anchors: f32 gradient, no bf16 copy, 28 bytes).
 fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     let n = 1usize << 28;
@@ -382,7 +410,11 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
         copy.gbps()
     );
     println!();
-    println!("| gradient | median ms | bytes/param | GB/s | of 4.8 TB/s | / copy | / torch fused AdamW |");
+    let hbm = hbm(gpu);
+    println!(
+        "| gradient | median ms | bytes/param | GB/s | of {} | / copy | / torch fused AdamW |",
+        hbm.label
+    );
     println!("|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
     for bf16 in [true, false] {
@@ -393,7 +425,7 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
             if bf16 { "bf16" } else { "f32" },
             t.ms,
             t.bytes / n as f64,
-            gbps / 48.0,
+            gbps / hbm.gbps * 100.0,
             gbps / copy.gbps(),
             peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
         );
@@ -401,7 +433,7 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     println!();
     println!("The gradient norm's squared sum over {n} elements (the input read once):");
     println!();
-    println!("| input | median ms | GB/s | of 4.8 TB/s | / copy |");
+    println!("| input | median ms | GB/s | of {} | / copy |", hbm.label);
     println!("|---|---|---|---|---|");
     for bf16 in [true, false] {
         let t = gpu.bench_sq_sum(n, bf16)?;
@@ -410,7 +442,7 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
             if bf16 { "bf16" } else { "f32" },
             t.ms,
             t.gbps(),
-            t.gbps() / 48.0,
+            t.gbps() / hbm.gbps * 100.0,
             t.gbps() / copy.gbps(),
         );
     }

@@ -83,6 +83,10 @@ impl Gpu {
     /// See the CUDA build.
     pub fn set_poison(&self, _on: bool) {}
     /// See the CUDA build.
+    pub fn device_name(&self) -> Result<String, KernelError> {
+        Err(KernelError::NotCompiledWithCuda)
+    }
+    /// See the CUDA build.
     pub fn sync(&self) -> Result<(), KernelError> {
         Err(KernelError::NotCompiledWithCuda)
     }

@@ -237,6 +237,11 @@ impl Gpu {
         self.ctx.ordinal()
     }
 
+    /// The device's name as the driver gives it ("NVIDIA H200", …).
+    pub fn device_name(&self) -> Result<String, KernelError> {
+        self.ctx.name().map_err(cuda)
+    }
+
     /// The device address of element `off` of `buf`, for an exchange
     /// between ranks of one process that share this device's context
     /// (`layer`'s in-process ranks): the peer copies from it with
