@@ -784,9 +784,17 @@ fn labels(inputs: &[PathBuf]) -> Vec<String> {
 /// backward's buffers, on the busiest rank; measured: the most one rank
 /// held; and accounted against what fixed ownership's steps need were
 /// each one micro-batch). With `bounds`, a closing line counts the comparisons where
-/// LRMoE meets them ([`Bounds`]). Each input is read as `lrmoe redraw`
+/// LRMoE meets them ([`Bounds`]); with `memory_bound` (a share, 0.5 for
+/// issue 30's target) another counts those where LRMoE's accounted memory
+/// is at least that share below fixed ownership's unsplit need, apart for
+/// the pairs of runs that counted the forward's buffers and the older ones
+/// ([`memory_line`]). Each input is read as `lrmoe redraw`
 /// reads it; a bad one is an error naming it and nothing is printed.
-pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, TrainError> {
+pub fn summary(
+    inputs: &[PathBuf],
+    bounds: Option<Bounds>,
+    memory_bound: Option<f64>,
+) -> Result<String, TrainError> {
     if inputs.is_empty() {
         return Err(TrainError::Config(
             "nothing to summarise: no --input".into(),
@@ -800,7 +808,15 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
             )));
         }
     }
+    if let Some(m) = memory_bound {
+        if !(m.is_finite() && m > 0.0 && m < 1.0) {
+            return Err(TrainError::Config(format!(
+                "the memory bound is a share in (0, 1): {m}"
+            )));
+        }
+    }
     let mut verdicts = Vec::new();
+    let mut savings = Vec::new();
     let mut t = String::from(
         "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step one micro-batch (floor: fixed ownership's own experts alone, the same way) |\n|---|---|---|---|---|---|---|\n",
     );
@@ -857,11 +873,68 @@ pub fn summary(inputs: &[PathBuf], bounds: Option<Bounds>) -> Result<String, Tra
             if versus.is_empty() { "—" } else { &versus },
             memory_against_fixed(&c.runs)
         );
+        if let Some(s) = memory_saving(&c.runs) {
+            savings.push((name, s));
+        }
     }
     if let Some(b) = bounds {
         t.push_str(&bounds_line(&verdicts, b));
     }
+    if let Some(m) = memory_bound {
+        t.push_str(&memory_line(&savings, m));
+    }
     Ok(t)
+}
+
+/// LRMoE's accounted memory below fixed ownership's unsplit need, as a
+/// share (`1 − LRMoE ÷ fixed`), and whether both runs counted the
+/// forward's buffers; `None` where either run or figure is missing.
+fn memory_saving(runs: &[TrainSummary]) -> Option<(f64, bool)> {
+    let find = |m: Mode| runs.iter().find(|r| r.mode == m);
+    let (l, f) = (find(Mode::Lrmoe)?, find(Mode::Full)?);
+    if l.max_rank_peak_bytes == 0 || f.max_unsplit_peak_bytes == 0 {
+        return None;
+    }
+    let counted = l.forward_buffers_counted && f.forward_buffers_counted;
+    Some((
+        1.0 - l.max_rank_peak_bytes as f64 / f.max_unsplit_peak_bytes as f64,
+        counted,
+    ))
+}
+
+/// The memory bound's closing line: the comparisons whose saving is at
+/// least `bound`, those whose runs counted the forward's buffers and the
+/// older ones (the backward's alone) apart, each missed one named.
+fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
+    let mut t = format!(
+        "\nLRMoE's accounted memory (expert instances and token buffers) at least {:.0}% below fixed ownership's unsplit need:",
+        bound * 100.0
+    );
+    for (counted, what) in [
+        (true, "forward buffers counted"),
+        (false, "backward buffers only (runs before 2026-12-05)"),
+    ] {
+        let rows: Vec<_> = savings.iter().filter(|(_, (_, c))| *c == counted).collect();
+        if rows.is_empty() {
+            continue;
+        }
+        let met = rows.iter().filter(|(_, (s, _))| *s >= bound).count();
+        let missed: Vec<String> = (rows.iter())
+            .filter(|(_, (s, _))| *s < bound)
+            .map(|(n, (s, _))| {
+                let change = format!("{:+.1}%", 0.0 - s * 100.0).replace('-', "−");
+                format!("{n} ({change})")
+            })
+            .collect();
+        let _ = write!(t, " {what}, in {met} of {}", rows.len());
+        if !missed.is_empty() {
+            let _ = write!(t, " (missed: {})", missed.join("; "));
+        }
+        t.push(';');
+    }
+    t.pop();
+    t.push_str(".\n");
+    t
 }
 
 /// LRMoE's accounted and measured memory against fixed ownership's, and
@@ -1169,7 +1242,7 @@ mod tests {
         let a = write("a", &comparison(vec![full.clone(), lrmoe.clone()]));
         let short = run(Mode::Symi, &[(10, 2.8), (20, 2.5)], 4.0, 2.4);
         let b = write("b", &comparison(vec![short, full.clone()]));
-        let t = summary(&[a.clone(), b.clone()], None).unwrap();
+        let t = summary(&[a.clone(), b.clone()], None, None).unwrap();
         let rows: Vec<&str> = t.lines().collect();
         assert_eq!(rows.len(), 4, "{t}");
         // Full 60 s at step 30, LRMoE 40 s at 40; between: 50 s at 25, 35 s at 35.
@@ -1187,7 +1260,7 @@ mod tests {
         let mut older = lrmoe;
         older.forward_buffers_counted = false;
         let c = write("c", &comparison(vec![full, older]));
-        let t = summary(&[c], None).unwrap();
+        let t = summary(std::slice::from_ref(&c), None, None).unwrap();
         assert!(
             t.lines()
                 .nth(2)
@@ -1195,12 +1268,24 @@ mod tests {
                 .ends_with("(floor −70.0%) (backward buffers only) |"),
             "{t}"
         );
+        // The memory bound counts the two kinds apart: a (forward counted)
+        // saves 75%, c (backward only) the same.
+        let t = summary(&[a.clone(), c.clone()], None, Some(0.8)).unwrap();
+        assert!(
+            t.ends_with("at least 80% below fixed ownership's unsplit need: forward buffers counted, in 0 of 1 (missed: a (−75.0%)); backward buffers only (runs before 2026-12-05), in 0 of 1 (missed: c (−75.0%)).\n"),
+            "{t}"
+        );
+        let t = summary(std::slice::from_ref(&a), None, Some(0.5)).unwrap();
+        assert!(t.ends_with("forward buffers counted, in 1 of 1.\n"), "{t}");
+        assert!(summary(std::slice::from_ref(&a), None, Some(1.5)).is_err());
         // A bad input is named; no input is an error.
         let bad = dir.join("bad.json");
         std::fs::write(&bad, "{").unwrap();
-        let e = summary(&[a, bad.clone()], None).unwrap_err().to_string();
+        let e = summary(&[a, bad.clone()], None, None)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains(&bad.display().to_string()), "{e}");
-        assert!(summary(&[], None).is_err());
+        assert!(summary(&[], None, None).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -1246,7 +1331,7 @@ mod tests {
         let early = against_full("early", &[(10, 2.8), (20, 2.5)], 0.1);
         // No LRMoE run: not counted.
         let none = write("none", vec![full]);
-        let t = summary(&[met, over, short, open, early, none], bounds).unwrap();
+        let t = summary(&[met, over, short, open, early, none], bounds, None).unwrap();
         let last = t.lines().last().unwrap();
         assert!(
             last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in 1 of 5 comparisons with an LRMoE run (the time in 1, the steps in 2)."),
@@ -1265,13 +1350,13 @@ mod tests {
             "{last}"
         );
         // No bounds: no closing line; bad bounds: an error.
-        let plain = summary(&[dir.join("met/compare.json")], None).unwrap();
+        let plain = summary(&[dir.join("met/compare.json")], None, None).unwrap();
         assert!(!plain.contains("LRMoE against"), "{plain}");
         let bad = Some(Bounds {
             time: f64::NAN,
             steps: 1.0,
         });
-        assert!(summary(&[dir.join("met/compare.json")], bad).is_err());
+        assert!(summary(&[dir.join("met/compare.json")], bad, None).is_err());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -96,6 +96,11 @@ enum Command {
         /// 30: 1.15).
         #[arg(long, requires = "time_bound")]
         steps_bound: Option<f64>,
+        /// Count the comparisons where LRMoE's accounted memory is at least
+        /// this share below fixed ownership's unsplit need (issue 30: 0.5),
+        /// runs that counted the forward's buffers apart from older ones.
+        #[arg(long)]
+        memory_bound: Option<f64>,
         /// Also write the table to this file (atomically).
         #[arg(long)]
         out: Option<PathBuf>,
@@ -695,12 +700,13 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             input,
             time_bound,
             steps_bound,
+            memory_bound,
             out,
         } => {
             let bounds = time_bound
                 .zip(steps_bound)
                 .map(|(time, steps)| lrmoe::compare::Bounds { time, steps });
-            let table = lrmoe::compare::summary(&input, bounds)?;
+            let table = lrmoe::compare::summary(&input, bounds, memory_bound)?;
             if let Some(path) = &out {
                 lrmoe::fsutil::write_atomic(path, table.as_bytes())
                     .with_context(|| format!("writing {}", path.display()))?;
