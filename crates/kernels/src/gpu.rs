@@ -1072,17 +1072,9 @@ mod imp {
             &self,
             n: usize,
         ) -> Result<CudaSlice<T>, KernelError> {
-            use cudarc::driver::DevicePtrMut;
             // SAFETY: every byte is written by the fill below before any use.
             let mut out = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)?;
-            let bytes = out.num_bytes();
-            let (ptr, sync) = out.device_ptr_mut(&self.stream);
-            // SAFETY: a byte fill of the buffer just allocated, on its stream.
-            unsafe {
-                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
-            }
-            .map_err(cuda)?;
-            drop(sync);
+            self.fill_ff(&mut out)?;
             Ok(out)
         }
 

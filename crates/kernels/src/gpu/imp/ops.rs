@@ -431,16 +431,24 @@ impl Gpu {
         // SAFETY: the caller promises (1): no read before a full write.
         let mut out = unsafe { self.stream.alloc::<T>(n.max(1)) }.map_err(cuda)?;
         if self.poison.load(std::sync::atomic::Ordering::Relaxed) {
-            use cudarc::driver::DevicePtrMut;
-            let bytes = out.num_bytes();
-            let (ptr, _g) = out.device_ptr_mut(&self.stream);
-            // SAFETY: a byte fill of the buffer just allocated, on its stream.
-            unsafe {
-                cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
-            }
-            .map_err(cuda)?;
+            self.fill_ff(&mut out)?;
         }
         Ok(out)
+    }
+
+    /// Every byte of `out` set to 0xFF (NaN for floats), on the stream.
+    pub(super) fn fill_ff<T: cudarc::driver::DeviceRepr>(
+        &self,
+        out: &mut CudaSlice<T>,
+    ) -> Result<(), KernelError> {
+        use cudarc::driver::DevicePtrMut;
+        let bytes = out.num_bytes();
+        let (ptr, _sync) = out.device_ptr_mut(&self.stream);
+        // SAFETY: a byte fill of the whole buffer, on its stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(ptr, 0xFF, bytes, self.stream.cu_stream())
+        }
+        .map_err(cuda)
     }
 
     /// `n` copies of `value`, filled on the device.
