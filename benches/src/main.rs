@@ -626,6 +626,7 @@ fn replay_table() {
             tile_trim: 0.0,
             cluster: Default::default(),
             slots_reserved: false,
+            count_forward: false,
         };
         let t = Instant::now();
         let r = replay(&trace, &cfg).expect("replay runs");

@@ -342,6 +342,12 @@ struct ReplayArgs {
     /// buffer, as `lrmoe train` does (off: an empty slot's bytes hold rows).
     #[arg(long)]
     slots_reserved: bool,
+    /// Count the forward's rows in each rank's token buffers, as `lrmoe
+    /// train`'s accounting does (a rank holds the larger of its forward's
+    /// rows and its backward's; off: the backward's alone, the
+    /// controller's model).
+    #[arg(long)]
+    count_forward: bool,
     /// Cluster model: GPUs per node (ranks are numbered node by node).
     #[arg(long, default_value_t = 8, value_parser = at_least::<1>)]
     gpus_per_node: usize,
@@ -446,6 +452,7 @@ fn replay(a: &ReplayArgs) -> anyhow::Result<()> {
         tile_trim: a.tile_trim,
         cluster,
         slots_reserved: a.slots_reserved,
+        count_forward: a.count_forward,
     };
     let report = rp::replay(&trace, &cfg)?;
     let files = rp::write(&a.out, &report, cfg.memory_budget_bytes)?;

@@ -19,7 +19,9 @@
 //!   controller's per-rank caps.
 //!
 //! Memory per rank = placement (owned experts' weights + gradients) +
-//! replicas + token buffers (pairs processed × row bytes). Modelled backward
+//! replicas + token buffers (pairs processed in the backward × row bytes;
+//! with [`ReplayConfig::count_forward`] the larger of that and the rows
+//! computed in the forward × an activation row in and out). Modelled backward
 //! time = slowest rank's compute + the all-to-all at link bandwidth (bytes
 //! into or out of the busiest rank). Straggler ratio = max / mean pairs per
 //! rank.
@@ -602,6 +604,14 @@ pub struct ReplayConfig {
     /// bytes hold rows.
     #[serde(default)]
     pub slots_reserved: bool,
+    /// Whether a rank's token buffers count the forward's rows as the
+    /// trainer's accounting does since 2026-12-05 (`lrmoe train`'s
+    /// `rank_peak_bytes`): the larger of the rows its instances compute in
+    /// the forward (an activation row in, one out) and the backward's kept
+    /// `[x | g·δ]` rows. `false`: the backward's alone, the controller's
+    /// model (what LRMoE's quotas budget).
+    #[serde(default)]
+    pub count_forward: bool,
 }
 
 impl ReplayConfig {
@@ -793,9 +803,16 @@ fn figures(
         let bwd = pair_matrix(&call.backward, n_ranks);
         let pairs = computed(&bwd);
         kept += pairs.iter().sum::<u64>();
+        // The forward computes every routed pair, and its buffers are gone
+        // when the backward's rows arrive: a rank holds the larger.
+        let fwd_rows = match (&call.forward, cfg.count_forward) {
+            (Some(f), true) => computed(&pair_matrix(f, n_ranks)),
+            _ => pairs.clone(),
+        };
         for r in 0..n_ranks {
             let owned = call.placement.owner.iter().filter(|&&o| o == r).count() as u64;
-            let (p, rp, b) = (owned * inst, (ranks[r] - owned) * inst, pairs[r] * row);
+            let b = (pairs[r] * row).max(fwd_rows[r] * 2 * cost.act_row_bytes);
+            let (p, rp) = (owned * inst, (ranks[r] - owned) * inst);
             if p + rp + b > cfg.memory_budget_bytes {
                 fits = false;
             }
@@ -1394,6 +1411,7 @@ mod tests {
             tile_trim: 0.0,
             cluster: Default::default(),
             slots_reserved: false,
+            count_forward: false,
         }
     }
 
@@ -1606,6 +1624,34 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn counting_the_forward_raises_only_what_lrmoe_s_forward_holds_beyond_its_backward() {
+        // Every pair kept (fixed, replication, SYMI-like): the forward's
+        // rows are the backward's, nothing moves. LRMoE computes every pair
+        // in the forward but keeps fewer: its buffers can only grow, here
+        // past the budget its backward keeps to.
+        let trace = hot(5);
+        let plain = replay(&trace, &cfg(8)).unwrap();
+        let counted = replay(
+            &trace,
+            &ReplayConfig {
+                count_forward: true,
+                ..cfg(8)
+            },
+        )
+        .unwrap();
+        for (a, b) in plain.summary.iter().zip(&counted.summary) {
+            if a.strategy == Strategy::Lrmoe {
+                assert!(b.buffer_bytes > a.buffer_bytes, "{a:?} {b:?}");
+                assert_eq!(b.mean_kept_fraction, a.mean_kept_fraction);
+                assert!(a.fits && !b.fits, "{a:?} {b:?}");
+            } else {
+                assert_eq!(a, b, "{:?} moved", a.strategy);
+            }
+        }
+        assert!(counted.lrmoe_memory_saving < plain.lrmoe_memory_saving);
     }
 
     #[test]

@@ -314,6 +314,7 @@ fn check_trace(t: &lrmoe::replay::Trace) -> Result<(), TestCaseError> {
         tile_trim: 0.0,
         cluster: Default::default(),
         slots_reserved: false,
+        count_forward: false,
     };
     if let Ok(r) = lrmoe::replay::replay(t, &cfg) {
         for f in &r.steps {
