@@ -37,11 +37,11 @@ for prec in master bf16; do
     --precision $prec > "$OUT/torch-$tag-$prec.jsonl" 2> /tmp/torch-$tag-$prec.err
   cat "$OUT/torch-$tag-$prec.jsonl"; tail -3 /tmp/torch-$tag-$prec.err
 done
-python3 benches/parts.py "$OUT/$tag.log" $cfg $layers $seq $batch 5 --torch "$OUT/torch-$tag-master.jsonl" | tee "$OUT/$tag.md"
+python3 benches/parts.py "$OUT/$tag.log" $cfg $layers $seq $batch 5 --torch "$OUT/torch-$tag-master.jsonl" --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$OUT/$tag.md"
 for round in 1 2; do
   for ws in ${WORKSPACES:-}; do
     LRMOE_CUBLAS_WORKSPACE_MIB=$ws parts_run "$OUT/$tag-ws$ws-$round.log" > /dev/null
     echo "== cuBLAS workspace $ws MiB, round $round"
-    python3 benches/parts.py "$OUT/$tag-ws$ws-$round.log" $cfg $layers $seq $batch 5 | grep -E "projection|lm head|step"
+    python3 benches/parts.py "$OUT/$tag-ws$ws-$round.log" $cfg $layers $seq $batch 5 --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | grep -E "projection|lm head|step"
   done
 done

@@ -1,9 +1,13 @@
 """The device model's step by part (`LRMOE_PARTS=1 lrmoe train --device cuda`)
-beside each part's device limit on one H200: the bf16 dense GEMM rate
-(989 TFLOP/s) for GEMM parts, HBM bandwidth (4.8 TB/s) for the others.
+beside each part's device limit: the bf16 dense GEMM rate (989 TFLOP/s on an
+H200 or an H100 SXM) for GEMM parts, HBM bandwidth (4.8 TB/s on an H200,
+3.35 on an H100 SXM) for the others.
 
-    python3 benches/parts.py LOG CONFIG LAYERS SEQ BATCH [SKIP] [--torch FILE]
+    python3 benches/parts.py LOG CONFIG LAYERS SEQ BATCH [SKIP] [--torch FILE] [--gpu NAME]
 
+NAME is the GPU the log came from (`nvidia-smi --query-gpu=name`); without
+it, or for a GPU not listed, the limits are an H200's, and the table says
+which it used.
 LOG is the run's stderr (the `parts_ms` lines); SKIP steps are dropped
 (warm-up, default 5); the median of each part over the rest is printed.
 FILE is benches/torch_parts.py's output for the same shapes, run in the same
@@ -15,16 +19,27 @@ import json
 import re
 import sys
 
+# Nominal dense bf16 FLOP/s and HBM bytes/s by GPU name (H100 PCIe before
+# H100: the first name contained wins).
+LIMITS = [("H200", 989e12, 4.8e12), ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12)]
 FLOPS, HBM = 989e12, 4.8e12
 
 
-def limits(c, layers, n, seq):
+def device_limits(name):
+    """(FLOP/s, HBM bytes/s, label) for GPU `name`; an H200's if unknown."""
+    for key, flops, hbm in LIMITS:
+        if key in (name or ""):
+            return flops, hbm, key
+    return FLOPS, HBM, "H200 (GPU not named)" if not name else f"H200 ({name} not listed)"
+
+
+def limits(c, layers, n, seq, flops=FLOPS, hbm=HBM):
     d, h, kv = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"]
     dh = c.get("head_dim", d // h)
     v, e, f = c["vocab_size"], c["num_experts"], c["moe_intermediate_size"]
     qd, kd = h * dh, kv * dh
-    gemm = lambda flop: flop / FLOPS * 1e3  # noqa: E731
-    mem = lambda b: b / HBM * 1e3  # noqa: E731
+    gemm = lambda flop: flop / flops * 1e3  # noqa: E731
+    mem = lambda b: b / hbm * 1e3  # noqa: E731
     attn_f = 2 * n * seq * h * dh  # causal: QKᵀ and PV, half the square each
     dense_params = v * d * 2 + layers * (d * (qd + 2 * kd) + qd * d + d * e)
     expert_params = layers * e * 3 * d * f
@@ -61,6 +76,12 @@ def main():
                 r = json.loads(line)
                 torch_ms[r["part"]] = r["ms"]
         del args[i:i + 2]
+    gpu = None
+    if "--gpu" in args:
+        i = args.index("--gpu")
+        gpu = args[i + 1]
+        del args[i:i + 2]
+    flops, hbm, label = device_limits(gpu)
     log, cfg_path, layers, seq, batch = args[0:5]
     skip = int(args[5]) if len(args) > 5 else 5
     layers, seq, batch = int(layers), int(seq), int(batch)
@@ -73,7 +94,9 @@ def main():
     steps = steps[skip:]
     if not steps:
         sys.exit("no parts_ms lines (LRMOE_PARTS=1, log level info)")
-    lim = limits(c, layers, seq * batch, seq)
+    lim = limits(c, layers, seq * batch, seq, flops, hbm)
+    print(f"Limits of an {label}: {flops / 1e12:.0f} TFLOP/s dense bf16, {hbm / 1e12:.2f} TB/s HBM.")
+    print()
     total = 0.0
     print("| part | ours ms | PyTorch ms | device limit ms | bound | ours ÷ limit | PyTorch ÷ limit | ours ÷ PyTorch |")
     print("|---|---|---|---|---|---|---|---|")
