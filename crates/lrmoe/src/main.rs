@@ -199,6 +199,11 @@ struct TrainArgs {
     /// factor [default: moe.fit_budget, false].
     #[arg(long, help_heading = "MoE backward")]
     fit_budget: bool,
+    /// With --fit-budget: the budget holds the forward's rows too, so LRMoE
+    /// (whose forward computes every pair) splits its steps where its
+    /// forward does not fit [default: moe.budget_forward, false].
+    #[arg(long, help_heading = "MoE backward")]
+    budget_forward: bool,
     /// Train several modes to the same --target-val-loss, one after the
     /// other into <out>/<mode>, and write a comparison table and plot.
     #[arg(long, help_heading = "Comparison")]
@@ -534,6 +539,9 @@ fn train_config(
     }
     if a.fit_budget {
         cfg.moe.fit_budget = true;
+    }
+    if a.budget_forward {
+        cfg.moe.budget_forward = true;
     }
     if let Some(v) = a.executor {
         cfg.moe.executor = v;

@@ -1504,20 +1504,14 @@ fn evaluations_come_more_often_near_the_target() {
 /// Asked for without `fit_budget` it is a one-line error.
 #[test]
 fn a_budget_that_holds_the_forward_splits_lrmoe_s_steps() {
-    let micro_batches = |name: &str, moe: &str| -> Vec<u64> {
+    let micro_batches = |name: &str, moe: &str, flags: &[&str]| -> Vec<u64> {
         let dir = tmp(name);
         let cfg = tiny_config(&dir, "");
         edit_config(&cfg, &[("ranks = 2\n", &format!("ranks = 2\n{moe}"))]);
-        let (ok, _, err) = lrmoe(&[
-            "train",
-            "--config",
-            cfg.to_str().unwrap(),
-            "--mode",
-            "lrmoe",
-            "--steps",
-            "3",
-            "--no-progress",
-        ]);
+        let mut args = vec!["train", "--config", cfg.to_str().unwrap()];
+        args.extend(["--mode", "lrmoe", "--steps", "3", "--no-progress"]);
+        args.extend(flags);
+        let (ok, _, err) = lrmoe(&args);
         assert!(ok, "{err}");
         let text = std::fs::read_to_string(dir.join("out/metrics.jsonl")).unwrap();
         text.lines()
@@ -1528,13 +1522,20 @@ fn a_budget_that_holds_the_forward_splits_lrmoe_s_steps() {
             .collect()
     };
     assert_eq!(
-        micro_batches("budget-fwd", "fit_budget = true\nbudget_forward = true\n"),
+        micro_batches(
+            "budget-fwd",
+            "fit_budget = true\nbudget_forward = true\n",
+            &[]
+        ),
         [2, 2, 2]
     );
     assert_eq!(
-        micro_batches("budget-bwd", "fit_budget = true\n"),
+        micro_batches("budget-bwd", "fit_budget = true\n", &[]),
         [1, 1, 1]
     );
+    // The flags say the same.
+    let flags = ["--fit-budget", "--budget-forward"];
+    assert_eq!(micro_batches("budget-flags", "", &flags), [2, 2, 2]);
     let dir = tmp("budget-fwd-alone");
     let cfg = tiny_config(&dir, "");
     edit_config(
