@@ -219,11 +219,10 @@ pub fn backward<T: Real + Scalar, X: Transport>(
     let peak = crate::host::meter_peak_since(base);
     let trace = trace.ok_or_else(|| LayerError::Config("the backward left no trace".into()))?;
     let grads = whole_layer(comm, cfg, g.router.into_vec(), &g.experts)?;
-    let forward = (2 * g.forward_rows * cfg.hidden * std::mem::size_of::<T>()) as u64;
     let stats = stats_of(
         saved,
         trace,
-        (g.bytes_sent as u64, peak, (forward, g.forward_rows)),
+        (g.bytes_sent as u64, peak, g.forward_rows),
         comm.rank(),
     );
     Ok((g.dx.into_vec(), grads, stats))
@@ -267,7 +266,7 @@ fn whole_layer<T: Real, X: Transport>(
 fn stats_of<T: Real + Scalar>(
     saved: &Saved<T>,
     trace: Trace<crate::host::HostMem<T>>,
-    (bytes_sent, peak, (forward, forward_rows)): (u64, u64, (u64, usize)),
+    (bytes_sent, peak, forward_rows): (u64, u64, usize),
     rank: usize,
 ) -> BackwardStats {
     let sv = &saved.sv;
@@ -298,7 +297,8 @@ fn stats_of<T: Real + Scalar>(
         pairs_per_rank: trace.loads,
         expert_load: sv.expert_load(),
         buffer_bytes: peak,
-        forward_buffer_bytes: forward,
+        // An `x` row in and an `o` row out per row, in the layer's values.
+        forward_buffer_bytes: (2 * forward_rows * sv.cfg.hidden * std::mem::size_of::<T>()) as u64,
         forward_rows,
         bytes_sent,
         times,

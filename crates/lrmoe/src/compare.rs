@@ -890,16 +890,31 @@ pub fn summary(
 /// share (`1 − LRMoE ÷ fixed`), and whether both runs counted the
 /// forward's buffers; `None` where either run or figure is missing.
 fn memory_saving(runs: &[TrainSummary]) -> Option<(f64, bool)> {
-    let find = |m: Mode| runs.iter().find(|r| r.mode == m);
-    let (l, f) = (find(Mode::Lrmoe)?, find(Mode::Full)?);
+    let (l, f) = lrmoe_and_fixed(runs)?;
     if l.max_rank_peak_bytes == 0 || f.max_unsplit_peak_bytes == 0 {
         return None;
     }
-    let counted = l.forward_buffers_counted && f.forward_buffers_counted;
     Some((
         1.0 - l.max_rank_peak_bytes as f64 / f.max_unsplit_peak_bytes as f64,
-        counted,
+        forward_counted(l, f),
     ))
+}
+
+/// A comparison's LRMoE and fixed-ownership runs, where it has both.
+fn lrmoe_and_fixed(runs: &[TrainSummary]) -> Option<(&TrainSummary, &TrainSummary)> {
+    let find = |m: Mode| runs.iter().find(|r| r.mode == m);
+    Some((find(Mode::Lrmoe)?, find(Mode::Full)?))
+}
+
+/// Whether both runs' token buffers count the forward's rows (files
+/// written before 2026-12-05 count the backward's alone).
+fn forward_counted(l: &TrainSummary, f: &TrainSummary) -> bool {
+    l.forward_buffers_counted && f.forward_buffers_counted
+}
+
+/// A relative change as a signed percentage with a true minus ("−35.2%").
+fn signed_percent(x: f64) -> String {
+    format!("{:+.1}%", x * 100.0).replace('-', "−")
 }
 
 /// The memory bound's closing line: the comparisons whose saving is at
@@ -921,10 +936,7 @@ fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
         let met = rows.iter().filter(|(_, (s, _))| *s >= bound).count();
         let missed: Vec<String> = (rows.iter())
             .filter(|(_, (s, _))| *s < bound)
-            .map(|(n, (s, _))| {
-                let change = format!("{:+.1}%", 0.0 - s * 100.0).replace('-', "−");
-                format!("{n} ({change})")
-            })
+            .map(|(n, (s, _))| format!("{n} ({})", signed_percent(0.0 - s)))
             .collect();
         let _ = write!(t, " {what}, in {met} of {}", rows.len());
         if !missed.is_empty() {
@@ -946,15 +958,14 @@ fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
 /// unsplit need: no placement that holds every expert can go below it, so
 /// it says how much of the third figure is left to any rule.
 fn memory_against_fixed(runs: &[TrainSummary]) -> String {
-    let find = |m: Mode| runs.iter().find(|r| r.mode == m);
-    let (Some(l), Some(f)) = (find(Mode::Lrmoe), find(Mode::Full)) else {
+    let Some((l, f)) = lrmoe_and_fixed(runs) else {
         return "—".into();
     };
     let change = |a: u64, b: u64| {
         if a == 0 || b == 0 {
             "—".to_string()
         } else {
-            format!("{:+.1}%", (a as f64 / b as f64 - 1.0) * 100.0).replace('-', "−")
+            signed_percent(a as f64 / b as f64 - 1.0)
         }
     };
     let unsplit = change(l.max_rank_peak_bytes, f.max_unsplit_peak_bytes);
@@ -964,7 +975,7 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
     };
     // Runs from before the forward's rows were counted: their accounted
     // buffers are the backward's alone.
-    let older = if l.forward_buffers_counted && f.forward_buffers_counted {
+    let older = if forward_counted(l, f) {
         ""
     } else {
         " (backward buffers only)"

@@ -806,12 +806,15 @@ fn figures(
         // The forward computes every routed pair, and its buffers are gone
         // when the backward's rows arrive: a rank holds the larger.
         let fwd_rows = match (&call.forward, cfg.count_forward) {
-            (Some(f), true) => computed(&pair_matrix(f, n_ranks)),
-            _ => pairs.clone(),
+            (Some(f), true) => Some(computed(&pair_matrix(f, n_ranks))),
+            _ => None,
         };
         for r in 0..n_ranks {
             let owned = call.placement.owner.iter().filter(|&&o| o == r).count() as u64;
-            let b = (pairs[r] * row).max(fwd_rows[r] * 2 * cost.act_row_bytes);
+            let b = match &fwd_rows {
+                Some(f) => (pairs[r] * row).max(f[r] * 2 * cost.act_row_bytes),
+                None => pairs[r] * row,
+            };
             let (p, rp) = (owned * inst, (ranks[r] - owned) * inst);
             if p + rp + b > cfg.memory_budget_bytes {
                 fits = false;

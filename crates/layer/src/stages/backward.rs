@@ -726,19 +726,11 @@ pub(crate) fn backward_traced<B: Backend>(
         router,
         experts,
         kept_pairs: lay.recv.perm.len,
-        forward_rows: rows_on(&sv.plan.forward, rank),
+        forward_rows: (sv.plan.forward.loads().get(rank)).map_or(0, |&r| r as usize),
         kept_total,
         bytes_sent,
     };
     Ok((g, traced))
-}
-
-/// The rows `split` sends to `rank`'s instances, from every source.
-fn rows_on(split: &pack::ep::Split, rank: usize) -> usize {
-    (0..split.sources())
-        .flat_map(|s| (0..split.experts()).map(move |e| (s, e)))
-        .map(|(s, e)| split.cell(s, e).get(rank).map_or(0, |&c| c as usize))
-        .sum()
 }
 
 /// Bytes this rank sends to others in a backward: scores, kept `x` rows

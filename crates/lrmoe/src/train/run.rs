@@ -954,9 +954,13 @@ pub(super) fn gather_layers<X: Transport>(
         // The busiest rank's backward pairs, and with `moe.budget_forward`
         // its forward rows (the same bytes a pair).
         let peak = (totals.iter())
-            .map(|t| match cfg.moe.budget_forward {
-                true => t[2 * n_layers].max(t[2 * n_layers + 3]),
-                false => t[2 * n_layers],
+            .map(|t| {
+                let forward = if cfg.moe.budget_forward {
+                    t[2 * n_layers + 3]
+                } else {
+                    0
+                };
+                t[2 * n_layers].max(forward)
             })
             .max()
             .unwrap_or(0);
