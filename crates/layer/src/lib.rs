@@ -124,6 +124,10 @@
 //! [`BackwardStats::buffer_bytes`] reports the peak of the backend's
 //! buffers live at once per rank (metered as they are made and dropped;
 //! `tests/host_memory.rs` holds it to the allocator's measured peak).
+//! The forward is not pruned: [`BackwardStats::forward_rows`] are the rows
+//! the rank's instances computed in the call's forward (every routed pair
+//! lands on one instance), and [`BackwardStats::forward_buffer_bytes`] their
+//! `x` and `o` rows.
 //!
 //! ## Not here
 //!
