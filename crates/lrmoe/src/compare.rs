@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use serde::{Deserialize, Serialize};
 
 use crate::fsutil::write_atomic;
-use crate::train::{io_err, train, Mode, RunOptions, TrainConfig, TrainError, TrainSummary};
+use crate::train::{
+    io_err, train, BudgetHeld, Mode, RunOptions, TrainConfig, TrainError, TrainSummary,
+};
 
 /// What the comparison wrote.
 #[derive(Debug, Clone)]
@@ -663,6 +665,9 @@ struct AgainstBounds {
     time: Verdict,
     steps: Verdict,
     ratios: String,
+    /// Whether LRMoE's budget held the forward's rows (its runs split
+    /// their steps as the exact modes do); set by [`summary`].
+    forward_budget: bool,
 }
 
 /// LRMoE's verdicts against `bounds` in the comparison `name`, set
@@ -710,36 +715,60 @@ fn verdict(
         time,
         steps,
         ratios,
+        forward_budget: false,
     })
 }
 
 /// The line under [`summary`]'s table: in how many comparisons LRMoE
-/// meets `bounds`, which miss them and which cannot be decided.
+/// meets `bounds`, which miss them and which cannot be decided — the
+/// comparisons whose budget held the forward's rows apart from the older
+/// ones, whose budget bound the backward alone (LRMoE never split).
 fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let both = |r: &AgainstBounds| r.time.and(r.steps);
-    let count = |f: &dyn Fn(&AgainstBounds) -> bool| rows.iter().filter(|r| f(r)).count();
-    let (met, time, steps) = (
-        count(&|r| both(r) == Verdict::Met),
-        count(&|r| r.time == Verdict::Met),
-        count(&|r| r.steps == Verdict::Met),
-    );
     let mut t = format!(
-        "\nLRMoE against the best exact backward on the evaluation grid, at most {:.2}× its MoE-layer time and {:.2}× its steps to the target: both in {met} of {} comparisons with an LRMoE run (the time in {time}, the steps in {steps}).",
-        bounds.time,
-        bounds.steps,
-        rows.len()
+        "\nLRMoE against the best exact backward on the evaluation grid, at most {:.2}× its MoE-layer time and {:.2}× its steps to the target:",
+        bounds.time, bounds.steps,
     );
-    for (want, what) in [
-        (Verdict::Missed, "Missed"),
-        (Verdict::Undecided, "Undecided (a run stopped short)"),
+    for (forward, what) in [
+        (true, "the budget holding the forward's rows"),
+        (
+            false,
+            "the budget binding the backward alone (runs before 2026-12-05)",
+        ),
     ] {
-        let names: Vec<String> = (rows.iter())
-            .filter(|r| both(r) == want)
-            .map(|r| format!("{} ({})", r.name, r.ratios))
+        let group: Vec<&AgainstBounds> = (rows.iter())
+            .filter(|r| r.forward_budget == forward)
             .collect();
-        if !names.is_empty() {
-            let _ = write!(t, " {what}: {}.", names.join("; "));
+        if group.is_empty() {
+            continue;
         }
+        let count = |f: &dyn Fn(&AgainstBounds) -> bool| group.iter().filter(|r| f(r)).count();
+        let (met, time, steps) = (
+            count(&|r| both(r) == Verdict::Met),
+            count(&|r| r.time == Verdict::Met),
+            count(&|r| r.steps == Verdict::Met),
+        );
+        let _ = write!(
+            t,
+            " {what}, both in {met} of {} comparisons with an LRMoE run (the time in {time}, the steps in {steps})",
+            group.len()
+        );
+        for (want, label) in [
+            (Verdict::Missed, "missed"),
+            (Verdict::Undecided, "undecided (a run stopped short)"),
+        ] {
+            let names: Vec<String> = (group.iter())
+                .filter(|r| both(r) == want)
+                .map(|r| format!("{} ({})", r.name, r.ratios))
+                .collect();
+            if !names.is_empty() {
+                let _ = write!(t, "; {label}: {}", names.join("; "));
+            }
+        }
+        t.push('.');
+    }
+    if rows.is_empty() {
+        t.push_str(" both in 0 of 0 comparisons with an LRMoE run.");
     }
     t.push('\n');
     t
@@ -818,16 +847,18 @@ pub fn summary(
     let mut verdicts = Vec::new();
     let mut savings = Vec::new();
     let mut t = String::from(
-        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step one micro-batch (floor: fixed ownership's own experts alone, the same way) |\n|---|---|---|---|---|---|---|\n",
+        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step of both one micro-batch (floor: fixed ownership's own experts alone, the same way) |\n|---|---|---|---|---|---|---|\n",
     );
     for (path, name) in inputs.iter().zip(labels(inputs)) {
         let c = read_comparison(path)?;
         let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
         let standings = standings(&c);
         let against = against(&standings);
-        if let Some(v) =
+        let held = lrmoe_and_fixed(&c.runs).map(|(l, _)| l.budget_held);
+        if let Some(mut v) =
             (bounds.zip(against.as_ref())).and_then(|(b, a)| verdict(&name, &standings, a, b))
         {
+            v.forward_budget = held == Some(BudgetHeld::ForwardAndBackward);
             verdicts.push(v);
         }
         let modes: Vec<String> = (standings.iter())
@@ -865,9 +896,15 @@ pub fn summary(
             }
             None => ("—".into(), String::new()),
         };
+        let budget = match held {
+            Some(BudgetHeld::Backward) => " (budget: the backward only)",
+            Some(BudgetHeld::Unrecorded) => " (budget unrecorded: the backward only, if fit)",
+            Some(BudgetHeld::Nothing) => " (no budget)",
+            Some(BudgetHeld::ForwardAndBackward) | None => "",
+        };
         let _ = writeln!(
             t,
-            "| {name} | {gpus} | {:.3} | {} | {base} | {} | {} |",
+            "| {name} | {gpus} | {:.3} | {} | {base} | {}{budget} | {} |",
             c.target_val_loss,
             modes.join("; "),
             if versus.is_empty() { "—" } else { &versus },
@@ -886,18 +923,34 @@ pub fn summary(
     Ok(t)
 }
 
-/// LRMoE's accounted memory below fixed ownership's unsplit need, as a
-/// share (`1 − LRMoE ÷ fixed`), and whether both runs counted the
-/// forward's buffers; `None` where either run or figure is missing.
+/// LRMoE's accounted memory below fixed ownership's unsplit need, both
+/// each step one micro-batch ([`unsplit_need`]), as a share (`1 − LRMoE ÷
+/// fixed`), and whether both runs counted the forward's buffers; `None`
+/// where either run or figure is missing.
 fn memory_saving(runs: &[TrainSummary]) -> Option<(f64, bool)> {
     let (l, f) = lrmoe_and_fixed(runs)?;
-    if l.max_rank_peak_bytes == 0 || f.max_unsplit_peak_bytes == 0 {
+    let lrmoe = unsplit_need(l);
+    if lrmoe == 0 || f.max_unsplit_peak_bytes == 0 {
         return None;
     }
     Some((
-        1.0 - l.max_rank_peak_bytes as f64 / f.max_unsplit_peak_bytes as f64,
+        1.0 - lrmoe as f64 / f.max_unsplit_peak_bytes as f64,
         forward_counted(l, f),
     ))
+}
+
+/// What a run's steps need were each one micro-batch: its largest
+/// `unsplit_peak_bytes`, or, in files written before session 42 (0
+/// there), its accounted peak. A run whose budget held the forward splits
+/// LRMoE's steps as well, and set against fixed ownership's unsplit need
+/// its split peak would credit LRMoE with the micro-batching any mode can
+/// do; a run that never split has the two equal.
+fn unsplit_need(r: &TrainSummary) -> u64 {
+    if r.max_unsplit_peak_bytes > 0 {
+        r.max_unsplit_peak_bytes
+    } else {
+        r.max_rank_peak_bytes
+    }
 }
 
 /// A comparison's LRMoE and fixed-ownership runs, where it has both.
@@ -950,8 +1003,8 @@ fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
 }
 
 /// LRMoE's accounted and measured memory against fixed ownership's, and
-/// its accounted memory against what fixed ownership's steps need unsplit
-/// (`max_unsplit_peak_bytes`: its buffers were each step one micro-batch),
+/// what LRMoE's steps need unsplit against what fixed ownership's need
+/// ([`unsplit_need`]: the buffers were each step one micro-batch),
 /// as changes ("−35.2% / −30.7% / −61.0% (floor −70.0%)"); "—" for a
 /// figure either run lacks. The floor is fixed ownership's expert
 /// instances alone (`max_expert_bytes`: no replica, no buffer) against its
@@ -968,7 +1021,7 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
             signed_percent(a as f64 / b as f64 - 1.0)
         }
     };
-    let unsplit = change(l.max_rank_peak_bytes, f.max_unsplit_peak_bytes);
+    let unsplit = change(unsplit_need(l), f.max_unsplit_peak_bytes);
     let floor = match change(f.max_expert_bytes, f.max_unsplit_peak_bytes).as_str() {
         "—" => String::new(),
         x => format!(" (floor {x})"),
@@ -1084,6 +1137,7 @@ mod tests {
             host_probe_ms: None,
             mean_replicas_per_call: 0.0,
             forward_buffers_counted: true,
+            budget_held: BudgetHeld::ForwardAndBackward,
             stop_reason: if reached_target.is_some() {
                 StopReason::Target
             } else {
@@ -1267,6 +1321,19 @@ mod tests {
             rows[3],
             "| b | — | 2.400 | SYMI-like > 80.00 / > 160.00 (> 20); Full 60.00 / 120.00 (30) | Full | — | — |"
         );
+        // LRMoE split its steps (its budget held the forward): its unsplit
+        // need, not its split peak, is set against fixed ownership's.
+        let mut split = lrmoe.clone();
+        split.max_unsplit_peak_bytes = 150;
+        let s = write("s", &comparison(vec![full.clone(), split]));
+        let t = summary(std::slice::from_ref(&s), None, None).unwrap();
+        assert!(
+            t.lines()
+                .nth(2)
+                .unwrap()
+                .ends_with("| −50.0% / −25.0% / −62.5% (floor −70.0%) |"),
+            "{t}"
+        );
         // A file from before the forward's rows were counted says so.
         let mut older = lrmoe;
         older.forward_buffers_counted = false;
@@ -1341,25 +1408,45 @@ mod tests {
         // undecided.
         let early = against_full("early", &[(10, 2.8), (20, 2.5)], 0.1);
         // No LRMoE run: not counted.
-        let none = write("none", vec![full]);
-        let t = summary(&[met, over, short, open, early, none], bounds, None).unwrap();
+        let none = write("none", vec![full.clone()]);
+        // A comparison from before the budget was recorded (it bound the
+        // backward alone): counted apart, and its row says so.
+        let mut older_lrmoe = run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.0, 2.4);
+        older_lrmoe.budget_held = BudgetHeld::Unrecorded;
+        let older = write("older", vec![full.clone(), older_lrmoe]);
+        let t = summary(&[met, over, short, open, early, none, older], bounds, None).unwrap();
         let last = t.lines().last().unwrap();
         assert!(
-            last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: both in 1 of 5 comparisons with an LRMoE run (the time in 1, the steps in 2)."),
+            last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: the budget holding the forward's rows, both in 1 of 5 comparisons with an LRMoE run (the time in 1, the steps in 2);"),
             "{t}"
         );
         assert!(
             last.contains(
-                "Missed: over (time 0.810×, steps 1.000×); short (time > 0.067×, steps > 1.333×)."
+                "; missed: over (time 0.810×, steps 1.000×); short (time > 0.067×, steps > 1.333×);"
             ),
             "{last}"
         );
         assert!(
             last.contains(
-                "Undecided (a run stopped short): open (time 0.750×, steps 1.000×); early (time > 0.033×, steps > 0.667×)."
+                "; undecided (a run stopped short): open (time 0.750×, steps 1.000×); early (time > 0.033×, steps > 0.667×)."
             ),
             "{last}"
         );
+        assert!(
+            last.ends_with(" the budget binding the backward alone (runs before 2026-12-05), both in 1 of 1 comparisons with an LRMoE run (the time in 1, the steps in 1)."),
+            "{last}"
+        );
+        let row = |name: &str| {
+            t.lines()
+                .find(|l| l.starts_with(&format!("| {name} |")))
+                .unwrap()
+                .to_string()
+        };
+        assert!(
+            row("older").contains("(budget unrecorded: the backward only, if fit)"),
+            "{t}"
+        );
+        assert!(!row("met").contains("budget"), "{t}");
         // No bounds: no closing line; bad bounds: an error.
         let plain = summary(&[dir.join("met/compare.json")], None, None).unwrap();
         assert!(!plain.contains("LRMoE against"), "{plain}");

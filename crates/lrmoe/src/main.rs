@@ -199,11 +199,14 @@ struct TrainArgs {
     /// factor [default: moe.fit_budget, false].
     #[arg(long, help_heading = "MoE backward")]
     fit_budget: bool,
-    /// With --fit-budget: the budget holds the forward's rows too, so LRMoE
-    /// (whose forward computes every pair) splits its steps where its
-    /// forward does not fit [default: moe.budget_forward, false].
-    #[arg(long, help_heading = "MoE backward")]
-    budget_forward: bool,
+    /// With --fit-budget: whether the budget holds the forward's rows too,
+    /// so that LRMoE (whose forward computes every pair) splits its steps
+    /// where its forward does not fit; `false` binds the backward's buffers
+    /// alone, as runs before 2026-12-05 did [default: moe.budget_forward,
+    /// true; the flag alone: true].
+    #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true",
+          help_heading = "MoE backward")]
+    budget_forward: Option<bool>,
     /// Train several modes to the same --target-val-loss, one after the
     /// other into <out>/<mode>, and write a comparison table and plot.
     #[arg(long, help_heading = "Comparison")]
@@ -540,8 +543,8 @@ fn train_config(
     if a.fit_budget {
         cfg.moe.fit_budget = true;
     }
-    if a.budget_forward {
-        cfg.moe.budget_forward = true;
+    if let Some(v) = a.budget_forward {
+        cfg.moe.budget_forward = v;
     }
     if let Some(v) = a.executor {
         cfg.moe.executor = v;

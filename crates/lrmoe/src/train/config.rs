@@ -255,15 +255,16 @@ pub struct MoeSection {
     /// capacity factor (its per-rank buffers then equal the budget);
     /// `lrmoe` fits by its quotas.
     pub fit_budget: bool,
-    /// With `fit_budget`: the budget holds the forward's token buffers too.
-    /// The forward computes every routed pair, so a rank's forward rows
-    /// (its instances' share of them) count against the same rows as its
-    /// backward's; every mode that keeps the forward whole (`full`,
-    /// `replicate`, `symi`, `lrmoe`, `lrmoe-top-q`) splits a step into as
-    /// many micro-batches as the busier of the two needs. Off (the
-    /// default): the budget binds the backward's buffers only, and `lrmoe`
-    /// never splits — its forward may hold more than the budget (the
-    /// accounted memory shows it, `rank_peak_bytes`).
+    /// With `fit_budget`: the budget holds the forward's token buffers too
+    /// (the default). The forward computes every routed pair, so a rank's
+    /// forward rows (its instances' share of them) count against the same
+    /// rows as its backward's; every mode that keeps the forward whole
+    /// (`full`, `replicate`, `symi`, `lrmoe`, `lrmoe-top-q`) splits a step
+    /// into as many micro-batches as the busier of the two needs. Off: the
+    /// budget binds the backward's buffers only, and `lrmoe` never splits —
+    /// its forward may hold more than the budget (the accounted memory
+    /// shows it, `rank_peak_bytes`); every comparison before 2026-12-05
+    /// ran so. No effect without `fit_budget`.
     pub budget_forward: bool,
     /// On bf16 device rows (the GPU executors), an LRMoE quota that binds
     /// and exceeds a whole number of the grouped GEMM's 128-row blocks by at
@@ -307,7 +308,7 @@ impl Default for MoeSection {
             aux_loss_coeff: 0.0,
             expert_bias_rate: 0.0,
             fit_budget: false,
-            budget_forward: false,
+            budget_forward: true,
             tile_trim: layer::TileAlign::DEVICE.max_drop,
             keep_projections: None,
         }
@@ -558,12 +559,6 @@ impl TrainConfig {
                 self.moe.selection_rule,
                 lrm_score::Rule::ALL.map(|r| r.name()).join(", ")
             ));
-        }
-        if self.moe.budget_forward && !self.moe.fit_budget {
-            return bad(
-                "moe.budget_forward = true needs moe.fit_budget = true (--fit-budget): it says what the budget holds"
-                    .into(),
-            );
         }
         let bf = self.moe.buffer_fraction;
         if !(bf.is_finite() && bf > 0.0 && bf <= self.moe.ranks as f64) {

@@ -163,8 +163,40 @@ pub struct TrainSummary {
     /// did (2026-12-05), whose buffers are the backward's alone.
     #[serde(default)]
     pub forward_buffers_counted: bool,
+    /// What the memory budget held (`moe.fit_budget`, `moe.budget_forward`).
+    #[serde(default)]
+    pub budget_held: BudgetHeld,
     /// Why the run ended.
     pub stop_reason: crate::stop::StopReason,
+}
+
+/// What a run's memory budget held: with `moe.fit_budget` the modes fit
+/// it (micro-batches, quotas), and with `moe.budget_forward` the forward's
+/// rows count against it beside the backward's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BudgetHeld {
+    /// Not recorded: summaries written before 2026-12-05. Their
+    /// comparisons that fit a budget held the backward's buffers alone.
+    #[default]
+    Unrecorded,
+    /// No budget (`moe.fit_budget` off).
+    Nothing,
+    /// The backward's buffers alone (`moe.budget_forward = false`).
+    Backward,
+    /// The forward's rows and the backward's buffers.
+    ForwardAndBackward,
+}
+
+impl BudgetHeld {
+    /// What `cfg`'s budget holds.
+    pub fn of(cfg: &TrainConfig) -> Self {
+        match (cfg.moe.fit_budget, cfg.moe.budget_forward) {
+            (false, _) => Self::Nothing,
+            (true, false) => Self::Backward,
+            (true, true) => Self::ForwardAndBackward,
+        }
+    }
 }
 
 /// Command-line choices around a run.

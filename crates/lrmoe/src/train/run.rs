@@ -1145,6 +1145,7 @@ pub(super) fn finish<X: Transport>(
         host_probe_ms: s.logged.mean_probe_ms(),
         mean_replicas_per_call: s.logged.mean_replicas(),
         forward_buffers_counted: true,
+        budget_held: super::BudgetHeld::of(cfg),
         stop_reason: reason,
     }))
 }

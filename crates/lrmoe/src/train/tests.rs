@@ -303,3 +303,22 @@ fn evaluations_come_more_often_near_the_target() {
         assert!(cfg.validate().is_err(), "{bad}");
     }
 }
+
+/// What a run's budget held follows `fit_budget` and `budget_forward`.
+#[test]
+fn the_budget_held_follows_the_two_switches() {
+    let mut cfg = TrainConfig::default();
+    assert!(
+        cfg.moe.budget_forward,
+        "the budget holds the forward by default"
+    );
+    assert_eq!(BudgetHeld::of(&cfg), BudgetHeld::Nothing);
+    cfg.moe.fit_budget = true;
+    assert_eq!(BudgetHeld::of(&cfg), BudgetHeld::ForwardAndBackward);
+    cfg.moe.budget_forward = false;
+    assert_eq!(BudgetHeld::of(&cfg), BudgetHeld::Backward);
+    // A summary written before it was recorded reads as unrecorded.
+    let held: BudgetHeld = serde_json::from_str("\"backward\"").unwrap();
+    assert_eq!(held, BudgetHeld::Backward);
+    assert_eq!(BudgetHeld::default(), BudgetHeld::Unrecorded);
+}
