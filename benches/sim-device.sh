@@ -23,7 +23,10 @@
 #           loss-free balancing bias; default 0), RULE `moe.selection_rule`
 #           (default priority; top_q is the paper's), SEED the seed,
 #           MOE_EXTRA more lines of the [moe] section (for example
-#           "replica_slots_per_rank = 0").
+#           "replica_slots_per_rank = 0"; "budget_forward = false" binds
+#           the budget to the backward alone, as every comparison before
+#           session 52 did — since then it holds the forward's rows too,
+#           and LRMoE splits its steps as fixed ownership does).
 #           NEAR_EVERY evaluates every that many steps as well once
 #           the last evaluation is within NEAR_MARGIN (default 0.1) of
 #           the target (`run.eval_near_every`; default 0: off), so the
@@ -55,7 +58,9 @@
 #           PARTS=compare CMP_MODEL=a3b2 SKEW=0.3 SEED=0 CMP_MIN=1.2 \
 #             MODES=full,symi,lrmoe,capacity bash benches/sim-device.sh
 #   hot     the 2-GPU time-to-loss table of docs/benchmarks.md ("Time to a
-#           validation loss", measured on 2 × H200 on 2026-12-01) simulated
+#           validation loss", measured on 2 × H200 on 2026-12-01 with the
+#           budget binding the backward alone: BUDGET_FORWARD=false repeats
+#           that; the default, true, holds LRMoE's forward too) simulated
 #           with 2 staged ranks, the same command: benches/hot-compare.toml,
 #           all four modes to 2.1, `--fit-budget`, seed SEED (default 1);
 #           CALL_US sets `cluster.call_overhead_us`, LAYER_US
@@ -218,7 +223,7 @@ fi
 if part hot; then
   { cat benches/hot-compare.toml; printf '[cluster]\ncall_overhead_us = %s\nlayer_call_overhead_us = %s\n' "${CALL_US:-0}" "${LAYER_US:-0}"; } > /tmp/hot.toml
   time timeout ${HOT_TIMEOUT:-590} .device/lrmoe train --config /tmp/hot.toml --compare --modes full,replicate,capacity,lrmoe \
-    --target-val-loss 2.1 --fit-budget --seed "${SEED:-1}" --device cuda --executor device \
+    --target-val-loss 2.1 --fit-budget --budget-forward "${BUDGET_FORWARD:-true}" --seed "${SEED:-1}" --device cuda --executor device \
     --out "$OUT/hot${TAG:-}" --no-progress > "$OUT/hot${TAG:-}.log" 2>&1
   echo "hot: rc=$?"
   grep -E "^\|" "$OUT/hot${TAG:-}.log"
