@@ -490,6 +490,7 @@ fn scale_table() {
             replica_slots_per_rank: slots,
             replica_memory_fraction: 1.0,
             replica_rule: quota::ReplicaRule::Fill,
+            forward_rows_cap: None,
         };
         let t = Instant::now();
         let placed = quota::plan_replicas(&inputs, &cfg).expect("plans");

@@ -59,6 +59,11 @@ pub struct CallConfig {
     /// instead of holding rows, so the token buffer keeps the size the
     /// budget gave it. `false`: every byte no instance takes may hold rows.
     pub slots_reserved: bool,
+    /// The budget holding the forward's rows: the most routed pairs one
+    /// rank may compute in this call's forward, which the controller's
+    /// replicas try to bring every rank within
+    /// ([`quota::Config::forward_rows_cap`]). `None`: not held.
+    pub forward_rows_cap: Option<u64>,
     /// The link rate the controller's cost model times replica traffic
     /// with, bytes/s per rank and direction.
     pub link_bytes_per_s: f64,
@@ -196,6 +201,7 @@ impl Default for CallConfig {
             replica_memory_fraction: 0.25,
             replica_rule: quota::ReplicaRule::Paying,
             slots_reserved: false,
+            forward_rows_cap: None,
             link_bytes_per_s: quota::H200_LINK_BYTES_PER_S,
             flops_per_s: quota::H200_FLOPS_PER_S,
             solver: redistribute::Solver::Exact,
@@ -350,6 +356,7 @@ fn call_replicas(
         replica_slots_per_rank: bwd.replica_slots_per_rank,
         replica_memory_fraction: bwd.replica_memory_fraction,
         replica_rule: bwd.replica_rule,
+        forward_rows_cap: bwd.forward_rows_cap,
     };
     Ok(quota::plan_replicas(&inputs, &qcfg)?)
 }

@@ -1191,6 +1191,7 @@ fn the_forward_plan_is_its_routes_then_its_quotas() {
                 replica_slots_per_rank: 1,
                 replica_memory_fraction: 1.0,
                 replica_rule: rule,
+                forward_rows_cap: None,
             };
             let with = quota::plan_replicas(&inputs, &qcfg).unwrap();
             assert_eq!(plan.instances, with.all_instances());

@@ -353,7 +353,9 @@ struct ReplayArgs {
     /// Count the forward's rows in each rank's token buffers, as `lrmoe
     /// train`'s accounting does (a rank holds the larger of its forward's
     /// rows and its backward's; off: the backward's alone, the
-    /// controller's model).
+    /// controller's model), and let LRMoE's controller place the replicas
+    /// that bring every rank's forward within the budget, as the trainer's
+    /// does where its budget holds the forward.
     #[arg(long)]
     count_forward: bool,
     /// Cluster model: GPUs per node (ranks are numbered node by node).

@@ -338,6 +338,7 @@ pub fn run(p: &Problem, opts: &Options) -> Result<PlanReport, PlanError> {
                     .replica_memory_fraction
                     .unwrap_or(defaults.replica_memory_fraction),
                 replica_rule: p.controller.replica_rule.unwrap_or(defaults.replica_rule),
+                ..defaults
             };
             let inputs = quota::Inputs {
                 counts: routed,

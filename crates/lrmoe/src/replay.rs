@@ -608,8 +608,10 @@ pub struct ReplayConfig {
     /// trainer's accounting does since 2026-12-05 (`lrmoe train`'s
     /// `rank_peak_bytes`): the larger of the rows its instances compute in
     /// the forward (an activation row in, one out) and the backward's kept
-    /// `[x | g·δ]` rows. `false`: the backward's alone, the controller's
-    /// model (what LRMoE's quotas budget).
+    /// `[x | g·δ]` rows; LRMoE's controller then also holds its replicas
+    /// to the forward's rows ([`quota::Config::forward_rows_cap`]).
+    /// `false`: the backward's alone, the controller's model (what LRMoE's
+    /// quotas budget).
     #[serde(default)]
     pub count_forward: bool,
 }
@@ -965,6 +967,19 @@ impl Cell<'_> {
     }
 }
 
+/// The forward rows a rank may compute where the budget holds them
+/// ([`ReplayConfig::count_forward`]): what the memory budget leaves beside
+/// the most instances a rank can host (its owned experts and every replica
+/// slot), at an activation row in and one out per row.
+fn forward_rows_cap(cfg: &ReplayConfig, cost: &CostModel, base: &Placement, ranks: usize) -> u64 {
+    let owned = (0..ranks)
+        .map(|r| base.owner.iter().filter(|&&o| o == r).count())
+        .max()
+        .unwrap_or(0);
+    let instances = (owned + cfg.replica_slots_per_rank) as u64 * cost.instance_bytes();
+    cfg.memory_budget_bytes.saturating_sub(instances) / (2 * cost.act_row_bytes).max(1)
+}
+
 /// Replication (EPLB-style greedy replicas of the cell's own load, every
 /// pair kept) and LRMoE (the controller's replicas and quotas) of one cell:
 /// the controller's replicas are a prefix of the replication strategy's
@@ -993,6 +1008,9 @@ fn replication_and_lrmoe(
         replica_slots_per_rank: cfg.replica_slots_per_rank,
         replica_memory_fraction: cfg.replica_memory_fraction,
         replica_rule: cfg.replica_rule,
+        forward_rows_cap: cfg
+            .count_forward
+            .then(|| forward_rows_cap(cfg, &cost, cell.base, cell.trace.ranks)),
     };
     let qerr = |error| ReplayError::Quota { step, layer, error };
     let (lrmoe_replicas, with) = quota::plan_replicas_and_fill(&inputs, &qcfg).map_err(qerr)?;
@@ -1655,6 +1673,25 @@ mod tests {
             }
         }
         assert!(counted.lrmoe_memory_saving < plain.lrmoe_memory_saving);
+    }
+
+    /// Where the budget holds the forward, LRMoE's forward cap is what the
+    /// budget leaves beside a rank's owned experts and every replica slot,
+    /// in rows of an activation in and one out.
+    #[test]
+    fn the_forward_cap_is_the_budget_beside_the_fullest_rank_s_instances() {
+        let c = cfg(8);
+        let cost = c.cost();
+        // 32 experts on 4 ranks, 8 each, and 2 slots: 10 instances.
+        let base = Placement {
+            owner: (0..32).map(|e| e / 8).collect(),
+            replicas: vec![],
+        };
+        let rows = forward_rows_cap(&c, &cost, &base, 4);
+        let left = (8u64 << 20) - 10 * cost.instance_bytes();
+        assert_eq!(rows, left / (2 * cost.act_row_bytes));
+        // A budget the instances alone exceed leaves no rows.
+        assert_eq!(forward_rows_cap(&cfg(0), &cost, &base, 4), 0);
     }
 
     #[test]

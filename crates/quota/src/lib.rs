@@ -134,6 +134,14 @@
 //! quotas with [`budgets_without_empty_slots`], so that an empty slot's bytes
 //! hold no rows.
 //!
+//! Where the caller's budget holds the forward's rows too
+//! ([`Config::forward_rows_cap`]: the most routed pairs one rank may compute
+//! in the forward), a call whose busiest rank is over it must be split into
+//! micro-batches, a cost `T` does not price. The paying rule then lengthens
+//! its prefix to the shortest one whose modelled forward rows `m_r`
+//! ([`modelled_forward_rows`]) are within the cap on every rank, if any
+//! prefix's are; otherwise it keeps its own.
+//!
 //! ## Tile alignment ([`align_to_tiles`])
 //!
 //! The expert GEMMs pad each expert's rows to whole `tile`-row blocks, so a
@@ -404,6 +412,16 @@ pub struct Config {
     pub replica_memory_fraction: f64,
     /// Which of the greedy's replicas are placed.
     pub replica_rule: ReplicaRule,
+    /// The budget holding the forward's rows: the most routed pairs one
+    /// rank may compute in the call's forward (`None`: not held). Where the
+    /// prefix [`ReplicaRule::Paying`] (or `PayingCompute`) picks leaves a
+    /// rank's modelled forward rows ([`modelled_forward_rows`]) above it,
+    /// the rule takes the shortest longer prefix of the greedy's sequence
+    /// that brings every rank within it — a call over the budget must be
+    /// split into micro-batches, which the model does not price — or,
+    /// where no prefix does, the one it picked. [`ReplicaRule::Fill`]
+    /// places every replica either way.
+    pub forward_rows_cap: Option<u64>,
 }
 
 /// Which replicas [`plan_replicas`] places (see the crate doc).
@@ -433,6 +451,7 @@ impl Default for Config {
             replica_slots_per_rank: 0,
             replica_memory_fraction: 0.25,
             replica_rule: ReplicaRule::Paying,
+            forward_rows_cap: None,
         }
     }
 }
@@ -1307,7 +1326,7 @@ pub fn replicas_by_load(
 /// Adds replicas of hot experts to `inputs.placement` (see the crate doc).
 pub fn plan_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Placement, QuotaError> {
     let filled = fill_replicas(inputs, cfg)?;
-    Ok(apply_rule(inputs, cfg.replica_rule, filled))
+    Ok(apply_rule(inputs, cfg, filled))
 }
 
 /// [`plan_replicas`]' placement under `cfg.replica_rule`, then the one
@@ -1321,7 +1340,7 @@ pub fn plan_replicas_and_fill(
 ) -> Result<(Placement, Placement), QuotaError> {
     let filled = fill_replicas(inputs, cfg)?;
     let all = filled.placement.clone();
-    Ok((apply_rule(inputs, cfg.replica_rule, filled), all))
+    Ok((apply_rule(inputs, cfg, filled), all))
 }
 
 /// Every replica the slots allow: the placement with them, the placement
@@ -1333,15 +1352,16 @@ struct Filled {
 }
 
 /// The rule's placement from the filled one.
-fn apply_rule(inputs: &Inputs<'_>, rule: ReplicaRule, filled: Filled) -> Placement {
+fn apply_rule(inputs: &Inputs<'_>, cfg: &Config, filled: Filled) -> Placement {
     let Filled {
         placement,
         given,
         added,
     } = filled;
-    match rule {
+    let cap = cfg.forward_rows_cap;
+    match cfg.replica_rule {
         ReplicaRule::Fill => placement,
-        ReplicaRule::Paying => paying_prefix(inputs, given, &added),
+        ReplicaRule::Paying => paying_prefix(inputs, given, &added, cap),
         ReplicaRule::PayingCompute => {
             let cost = CostModel {
                 exchange_row_bytes: 0,
@@ -1351,7 +1371,7 @@ fn apply_rule(inputs: &Inputs<'_>, rule: ReplicaRule, filled: Filled) -> Placeme
                 cost: &cost,
                 ..*inputs
             };
-            paying_prefix(&inputs, given, &added)
+            paying_prefix(&inputs, given, &added, cap)
         }
     }
 }
@@ -1491,22 +1511,50 @@ fn fill_replicas(inputs: &Inputs<'_>, cfg: &Config) -> Result<Filled, QuotaError
 
 /// The placement `given` plus the prefix of `added` with the smallest
 /// [`modelled_call_seconds`] (the first smallest: fewer replicas on a tie).
-fn paying_prefix(inputs: &Inputs<'_>, given: Placement, added: &[(usize, usize)]) -> Placement {
+fn paying_prefix(
+    inputs: &Inputs<'_>,
+    given: Placement,
+    added: &[(usize, usize)],
+    forward_cap: Option<u64>,
+) -> Placement {
     let mut model = CallModel::new(inputs);
     let mut p = given.clone();
-    let mut best = (model.seconds(&p), 0);
-    for (k, &(e, r)) in added.iter().enumerate() {
+    // Each prefix's modelled time and busiest forward rows.
+    let mut prefixes = Vec::with_capacity(added.len() + 1);
+    prefixes.push((model.seconds(&p), model.busiest()));
+    for &(e, r) in added {
         p.replicas[e].push(r);
-        let t = model.seconds(&p);
-        if t < best.0 {
-            best = (t, k + 1);
+        prefixes.push((model.seconds(&p), model.busiest()));
+    }
+    let mut best = 0;
+    for (k, &(t, _)) in prefixes.iter().enumerate() {
+        if t < prefixes[best].0 {
+            best = k;
+        }
+    }
+    if let Some(cap) = forward_cap {
+        let fits = |k: usize| prefixes[k].1 <= cap as f64;
+        if !fits(best) {
+            best = (best + 1..prefixes.len())
+                .find(|&k| fits(k))
+                .unwrap_or(best);
         }
     }
     let mut p = given;
-    for &(e, r) in &added[..best.1] {
+    for &(e, r) in &added[..best] {
         p.replicas[e].push(r);
     }
     p
+}
+
+/// The routed pairs each rank computes in the forward under `placement`,
+/// as [`modelled_call_seconds`] splits them over each expert's instances
+/// (water-filling, the experts with the fewest instances first): what
+/// [`Config::forward_rows_cap`] holds the forward to.
+pub fn modelled_forward_rows(inputs: &Inputs<'_>, placement: &Placement) -> Vec<f64> {
+    let mut model = CallModel::new(inputs);
+    model.seconds(placement);
+    model.pairs
 }
 
 /// `budgets` less the replica slots `with` leaves empty on each rank: a
@@ -1639,6 +1687,12 @@ impl<'a> CallModel<'a> {
             sent_away: vec![0.0; n_ranks],
             levels: Vec::new(),
         }
+    }
+
+    /// The most routed pairs one rank computes under the placement the
+    /// last [`CallModel::seconds`] modelled.
+    fn busiest(&self) -> f64 {
+        self.pairs.iter().fold(0.0f64, |a, &b| a.max(b))
     }
 
     /// The modelled seconds of the call under `placement`.

@@ -404,6 +404,63 @@ fn replicas_go_to_the_hottest_expert_on_the_least_loaded_rank() {
     assert!(p.replicas_added.is_empty());
 }
 
+/// With the forward held to a cap, replicas that do not pay in time are
+/// placed where they bring every rank's forward rows within it; where none
+/// can, the rule places what it would without the cap.
+#[test]
+fn a_forward_cap_places_the_replicas_that_let_the_forward_fit() {
+    // Expert 0 is hot (180 of 200 pairs on rank 0); its weights are so
+    // dear on this slow link that no replica pays in time.
+    let cost = CostModel {
+        expert_weight_bytes: 1 << 40,
+        expert_grad_bytes: 1 << 40,
+        ..cost()
+    };
+    let c = Case {
+        counts: vec![vec![90, 5, 5], vec![90, 5, 5], vec![0, 0, 0]],
+        placement: Placement {
+            owner: vec![0, 1, 2],
+            replicas: vec![],
+        },
+        budgets: vec![RankBudget::UNLIMITED; 3],
+    };
+    let cfg = Config {
+        replica_slots_per_rank: 1,
+        replica_memory_fraction: 1.0,
+        ..Config::default()
+    };
+    let inputs = inputs(&c, &cost);
+    let paying = plan_replicas(&inputs, &cfg).unwrap();
+    assert!(paying.replicas.iter().all(Vec::is_empty), "{paying:?}");
+    let busiest =
+        |p: &Placement| (modelled_forward_rows(&inputs, p).into_iter()).fold(0.0f64, f64::max);
+    assert_eq!(busiest(&paying), 180.0);
+    // At most 100 rows a rank: expert 0 spread over ranks 0 and 1 (the
+    // first of the two least loaded) fits, 95 rows each.
+    let capped = plan_replicas(
+        &inputs,
+        &Config {
+            forward_rows_cap: Some(100),
+            ..cfg
+        },
+    )
+    .unwrap();
+    assert_eq!(capped.instances(0), vec![0, 1], "{capped:?}");
+    assert_eq!(busiest(&capped), 95.0, "{capped:?}");
+    // At most 40 rows cannot be reached with one slot a rank: unchanged.
+    let out_of_reach = Config {
+        forward_rows_cap: Some(40),
+        ..cfg
+    };
+    assert_eq!(plan_replicas(&inputs, &out_of_reach).unwrap(), paying);
+    // A cap the rule's own placement already meets changes nothing.
+    let met = Config {
+        forward_rows_cap: Some(180),
+        ..cfg
+    };
+    assert_eq!(plan_replicas(&inputs, &met).unwrap(), paying);
+}
+
 #[test]
 fn replicas_stay_within_their_memory_fraction() {
     let cost = cost();
@@ -555,7 +612,7 @@ proptest! {
             2
         ];
         let inputs = Inputs { counts: &counts, placement: &placement, cost: &cost(), budgets: &budgets };
-        let cfg = Config { policy: Policy::Maxmin, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Paying };
+        let cfg = Config { policy: Policy::Maxmin, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Paying, forward_rows_cap: None };
         let total: u128 = counts.iter().flatten().map(|&c| u128::from(c)).sum();
         match plan(&inputs, &cfg) {
             Err(QuotaError::Overflow { .. }) => prop_assert!(total > u128::from(u64::MAX)),
@@ -660,19 +717,15 @@ proptest! {
             c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
         }
         let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost(), budgets: &c.budgets };
-        let cfg = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: fraction, replica_rule: ReplicaRule::Fill };
+        let cfg = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: fraction, replica_rule: ReplicaRule::Fill, forward_rows_cap: None };
         prop_assert_eq!(plan_replicas(&inputs, &cfg), naive_plan_replicas(&inputs, &cfg).map(|(p, _)| p));
     }
 }
 
-/// The crate doc's `T` the slow way: each expert (fewest instances
-/// first, then largest, then smaller id) raises its instances' loads to
-/// the level its pairs fill, found by bisection; traffic counted rank by
-/// rank from the instances. The reference for [`modelled_call_seconds`].
-fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
-    let c = inputs.cost;
+/// The modelled split by bisection on each expert's level: the pairs
+/// each rank serves (`load`) and, per expert, each rank's share.
+fn naive_split(inputs: &Inputs<'_>, p: &Placement) -> (Vec<f64>, Vec<Vec<f64>>) {
     let routed = inputs.routed_per_expert();
-    let per_pair = (c.flops_per_pair + c.forward_flops_per_pair) / c.flops_per_s;
     let mut experts: Vec<usize> = (0..routed.len()).collect();
     experts.sort_by_key(|&e| (p.instances(e).len(), std::cmp::Reverse(routed[e]), e));
     let mut load = vec![0.0f64; inputs.n_ranks()];
@@ -702,6 +755,18 @@ fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
             load[r] = load[r].max(hi);
         }
     }
+    (load, served)
+}
+
+/// The crate doc's `T` the slow way: each expert (fewest instances
+/// first, then largest, then smaller id) raises its instances' loads to
+/// the level its pairs fill, found by bisection; traffic counted rank by
+/// rank from the instances. The reference for [`modelled_call_seconds`].
+fn naive_call_seconds(inputs: &Inputs<'_>, p: &Placement) -> f64 {
+    let c = inputs.cost;
+    let routed = inputs.routed_per_expert();
+    let per_pair = (c.flops_per_pair + c.forward_flops_per_pair) / c.flops_per_s;
+    let (load, served) = naive_split(inputs, p);
     // Phase by phase, each ending with its busiest rank and direction:
     // the expert work, the replicas' weights and gradients, then the four
     // token exchanges. Without the rows, each rank's compute and replica
@@ -791,7 +856,7 @@ proptest! {
         let mut c = c;
         c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
         let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost, budgets: &c.budgets };
-        let fill = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Fill };
+        let fill = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Fill, forward_rows_cap: None };
         let (_, order) = naive_plan_replicas(&inputs, &fill).unwrap();
         let paying = plan_replicas(&inputs, &Config { replica_rule: ReplicaRule::Paying, ..fill }).unwrap();
         // One pass gives both what the rule places and every slot filled.
@@ -821,6 +886,52 @@ proptest! {
         };
         prop_assert!(times.iter().all(|&x| t <= x + tol), "{t} vs {times:?}");
         prop_assert!(times[..k].iter().all(|&x| x > t - tol), "a shorter prefix is as fast: {times:?}");
+    }
+
+    /// With the forward held to a cap, the paying rule keeps its own
+    /// prefix of the greedy's replicas where its busiest rank's forward
+    /// rows fit, and otherwise the shortest longer prefix that fits, or its
+    /// own where none does; the public forward rows are the naive split's.
+    #[test]
+    fn a_forward_cap_takes_the_first_longer_prefix_that_fits(
+        c in case_strategy(),
+        slots in 1usize..4,
+        weight in 1u64..120,
+        flops_per_pair in 1e2f64..1e5,
+        cap_share in 0.0f64..1.2,
+    ) {
+        let cost = CostModel { expert_weight_bytes: weight, expert_grad_bytes: weight + 3, flops_per_pair, ..cost() };
+        let mut c = c;
+        c.budgets.iter_mut().for_each(|b| b.memory_bytes = b.memory_bytes.saturating_mul(50));
+        let inputs = Inputs { counts: &c.counts, placement: &c.placement, cost: &cost, budgets: &c.budgets };
+        let fill = Config { policy: Policy::Uniform, replica_slots_per_rank: slots, replica_memory_fraction: 1.0, replica_rule: ReplicaRule::Fill, forward_rows_cap: None };
+        let (_, order) = naive_plan_replicas(&inputs, &fill).unwrap();
+        let paying_cfg = Config { replica_rule: ReplicaRule::Paying, ..fill };
+        let paying = plan_replicas(&inputs, &paying_cfg).unwrap();
+        let mut prefix = c.placement.clone();
+        prefix.replicas.resize(c.placement.owner.len(), Vec::new());
+        let mut prefixes = vec![prefix.clone()];
+        for &(e, r) in &order {
+            prefix.replicas[e].push(r);
+            prefixes.push(prefix.clone());
+        }
+        let busiest = |p: &Placement| naive_split(&inputs, p).0.into_iter().fold(0.0f64, f64::max);
+        let total: u64 = c.counts.iter().flatten().sum();
+        let cap = (cap_share * total as f64) as u64;
+        // Away from the boundary, where the naive bisection and the exact
+        // level could disagree by rounding.
+        prop_assume!(prefixes.iter().all(|p| (busiest(p) - cap as f64).abs() > 1e-6 * (cap as f64).max(1.0)));
+        let Some(k) = prefixes.iter().position(|p| *p == paying) else {
+            return Err(TestCaseError::fail("not a prefix of the greedy's replicas"));
+        };
+        let fits = |j: usize| busiest(&prefixes[j]) <= cap as f64;
+        let want = if fits(k) { k } else { (k + 1..prefixes.len()).find(|&j| fits(j)).unwrap_or(k) };
+        let capped = plan_replicas(&inputs, &Config { forward_rows_cap: Some(cap), ..paying_cfg }).unwrap();
+        prop_assert_eq!(&capped, &prefixes[want]);
+        let naive = naive_split(&inputs, &capped).0;
+        for (a, b) in modelled_forward_rows(&inputs, &capped).into_iter().zip(naive) {
+            prop_assert!((a - b).abs() <= 1e-6 * b.max(1.0), "{a} vs {b}");
+        }
     }
 
     /// The modelled split neither loses nor invents pairs: without traffic

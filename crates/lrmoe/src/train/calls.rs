@@ -141,6 +141,12 @@ pub fn layer_call_config(
             // The budgets below hold the slots' instances; an empty slot
             // does not widen the buffer beyond `buffer_fraction`.
             slots_reserved: true,
+            // A budget that holds the forward's rows (each as a kept pair's
+            // bytes, as the split rule counts them): the replicas try to
+            // bring every rank's forward within the buffer's rows, so the
+            // step need not split.
+            forward_rows_cap: (moe.fit_budget && moe.budget_forward)
+                .then(|| (moe.buffer_fraction * pairs_per_rank).ceil() as u64),
             rule,
             rule_seed: seed,
             tile_align: (device_rows && moe.tile_trim > 0.0).then_some(layer::TileAlign {

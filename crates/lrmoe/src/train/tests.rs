@@ -322,3 +322,32 @@ fn the_budget_held_follows_the_two_switches() {
     assert_eq!(held, BudgetHeld::Backward);
     assert_eq!(BudgetHeld::default(), BudgetHeld::Unrecorded);
 }
+
+/// LRMoE's controller holds the forward to the budget's rows where the
+/// budget holds the forward (and only there); other modes place no
+/// replicas by the cap.
+#[test]
+fn the_forward_cap_follows_the_budget() {
+    let placement = Placement {
+        owner: (0..8).map(|e| e / 4).collect(),
+        replicas: vec![],
+    };
+    let cap = |mode: Mode, fit: bool, forward: bool| {
+        let moe = MoeSection {
+            ranks: 2,
+            mode,
+            fit_budget: fit,
+            budget_forward: forward,
+            buffer_fraction: 0.6,
+            ..MoeSection::default()
+        };
+        layer_call_config(&moe, (16, 8), 1000.0, &placement, false, 0).forward_rows_cap
+    };
+    assert_eq!(cap(Mode::Lrmoe, true, true), Some(600));
+    assert_eq!(cap(Mode::LrmoeTopQ, true, true), Some(600));
+    assert_eq!(cap(Mode::Lrmoe, true, false), None);
+    assert_eq!(cap(Mode::Lrmoe, false, true), None);
+    for mode in [Mode::Full, Mode::Replicate, Mode::Symi, Mode::Capacity] {
+        assert_eq!(cap(mode, true, true), None, "{mode:?}");
+    }
+}
