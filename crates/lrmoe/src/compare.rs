@@ -721,8 +721,8 @@ fn verdict(
 
 /// The line under [`summary`]'s table: in how many comparisons LRMoE
 /// meets `bounds`, which miss them and which cannot be decided — the
-/// comparisons whose budget held the forward's rows apart from the older
-/// ones, whose budget bound the backward alone (LRMoE never split).
+/// comparisons whose budget held the forward's rows apart from the rest,
+/// whose budget bound the backward alone (LRMoE never split) or nothing.
 fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let both = |r: &AgainstBounds| r.time.and(r.steps);
     let mut t = format!(
@@ -733,7 +733,7 @@ fn bounds_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
         (true, "the budget holding the forward's rows"),
         (
             false,
-            "the budget binding the backward alone (runs before 2026-12-05)",
+            "the budget not holding the forward (the backward alone, as in every run before 2026-12-05, or none)",
         ),
     ] {
         let group: Vec<&AgainstBounds> = (rows.iter())
@@ -1433,7 +1433,7 @@ mod tests {
             "{last}"
         );
         assert!(
-            last.ends_with(" the budget binding the backward alone (runs before 2026-12-05), both in 1 of 1 comparisons with an LRMoE run (the time in 1, the steps in 1)."),
+            last.ends_with(" the budget not holding the forward (the backward alone, as in every run before 2026-12-05, or none), both in 1 of 1 comparisons with an LRMoE run (the time in 1, the steps in 1)."),
             "{last}"
         );
         let row = |name: &str| {
