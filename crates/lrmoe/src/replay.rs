@@ -814,7 +814,7 @@ fn figures(
         for r in 0..n_ranks {
             let owned = call.placement.owner.iter().filter(|&&o| o == r).count() as u64;
             let b = match &fwd_rows {
-                Some(f) => (pairs[r] * row).max(f[r] * 2 * cost.act_row_bytes),
+                Some(f) => (pairs[r] * row).max(f[r] * forward_row_bytes(&cost)),
                 None => pairs[r] * row,
             };
             let (p, rp) = (owned * inst, (ranks[r] - owned) * inst);
@@ -967,17 +967,24 @@ impl Cell<'_> {
     }
 }
 
+/// Bytes a forward row holds in a rank's token buffers: an activation
+/// row in and one out.
+fn forward_row_bytes(cost: &CostModel) -> u64 {
+    2 * cost.act_row_bytes
+}
+
 /// The forward rows a rank may compute where the budget holds them
 /// ([`ReplayConfig::count_forward`]): what the memory budget leaves beside
 /// the most instances a rank can host (its owned experts and every replica
-/// slot), at an activation row in and one out per row.
+/// slot), in [`forward_row_bytes`].
 fn forward_rows_cap(cfg: &ReplayConfig, cost: &CostModel, base: &Placement, ranks: usize) -> u64 {
-    let owned = (0..ranks)
-        .map(|r| base.owner.iter().filter(|&&o| o == r).count())
+    let owned = base
+        .instances_per_rank(ranks)
+        .into_iter()
         .max()
         .unwrap_or(0);
-    let instances = (owned + cfg.replica_slots_per_rank) as u64 * cost.instance_bytes();
-    cfg.memory_budget_bytes.saturating_sub(instances) / (2 * cost.act_row_bytes).max(1)
+    let instances = (owned + cfg.replica_slots_per_rank as u64) * cost.instance_bytes();
+    cfg.memory_budget_bytes.saturating_sub(instances) / forward_row_bytes(cost).max(1)
 }
 
 /// Replication (EPLB-style greedy replicas of the cell's own load, every

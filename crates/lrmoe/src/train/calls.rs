@@ -29,6 +29,12 @@ pub(super) fn device_rows(cfg: &TrainConfig, whole_gpu: bool) -> bool {
     whole_gpu || cfg.moe.executor == Executor::Device
 }
 
+/// The rows a rank's token buffer holds: `moe.buffer_fraction` of the
+/// average routed pairs per rank, rounded up.
+fn budget_rows(moe: &MoeSection, pairs_per_rank: f64) -> u64 {
+    (moe.buffer_fraction * pairs_per_rank).ceil() as u64
+}
+
 /// Byte and memory model the controller plans with: each rank holds its
 /// owned experts, `moe.replica_slots_per_rank` replicas and a token buffer
 /// of `moe.buffer_fraction` of the average routed pairs per rank.
@@ -41,7 +47,7 @@ pub(super) fn budgets(
 ) -> Vec<RankBudget> {
     let cost = executor_cost((d_model, ffn), device_rows);
     let (instance, row) = (cost.instance_bytes(), cost.row_bytes());
-    let buffer = (moe.buffer_fraction * pairs_per_rank).ceil() as u64 * row;
+    let buffer = budget_rows(moe, pairs_per_rank) * row;
     (0..moe.ranks)
         .map(|r| {
             let owned = placement.owner.iter().filter(|&&o| o == r).count() as u64;
@@ -146,7 +152,7 @@ pub fn layer_call_config(
             // bring every rank's forward within the buffer's rows, so the
             // step need not split.
             forward_rows_cap: (moe.fit_budget && moe.budget_forward)
-                .then(|| (moe.buffer_fraction * pairs_per_rank).ceil() as u64),
+                .then(|| budget_rows(moe, pairs_per_rank)),
             rule,
             rule_seed: seed,
             tile_align: (device_rows && moe.tile_trim > 0.0).then_some(layer::TileAlign {
