@@ -666,7 +666,7 @@ struct AgainstBounds {
     steps: Verdict,
     ratios: String,
     /// Whether LRMoE's budget held the forward's rows (its runs split
-    /// their steps as the exact modes do); set by [`summary`].
+    /// their steps as the exact modes do).
     forward_budget: bool,
 }
 
@@ -685,7 +685,7 @@ fn verdict(
     a: &Against,
     bounds: Bounds,
 ) -> Option<AgainstBounds> {
-    let (_, l) = standings.iter().find(|(r, _)| r.mode == Mode::Lrmoe)?;
+    let (run, l) = standings.iter().find(|(r, _)| r.mode == Mode::Lrmoe)?;
     let b = a.b;
     let ratios = format!(
         "time {}, steps {}",
@@ -715,7 +715,7 @@ fn verdict(
         time,
         steps,
         ratios,
-        forward_budget: false,
+        forward_budget: run.budget_held == BudgetHeld::ForwardAndBackward,
     })
 }
 
@@ -855,10 +855,9 @@ pub fn summary(
         let standings = standings(&c);
         let against = against(&standings);
         let held = lrmoe_and_fixed(&c.runs).map(|(l, _)| l.budget_held);
-        if let Some(mut v) =
+        if let Some(v) =
             (bounds.zip(against.as_ref())).and_then(|(b, a)| verdict(&name, &standings, a, b))
         {
-            v.forward_budget = held == Some(BudgetHeld::ForwardAndBackward);
             verdicts.push(v);
         }
         let modes: Vec<String> = (standings.iter())
