@@ -412,16 +412,17 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     println!();
     let hbm = hbm(gpu);
     println!(
-        "| gradient | median ms | bytes/param | GB/s | of {} | / copy | / torch fused AdamW |",
+        "| moments | gradient | median ms | bytes/param | GB/s | of {} | / copy | / torch fused AdamW |",
         hbm.label
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
-    for bf16 in [true, false] {
-        let t = gpu.bench_adamw(n, bf16)?;
+    for (interleaved, bf16) in [(false, true), (false, false), (true, true), (true, false)] {
+        let t = gpu.bench_adamw_layout(n, bf16, interleaved)?;
         let gbps = t.gbps();
         println!(
-            "| {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
+            "| {} | {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
+            if interleaved { "interleaved" } else { "planar" },
             if bf16 { "bf16" } else { "f32" },
             t.ms,
             t.bytes / n as f64,

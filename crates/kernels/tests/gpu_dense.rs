@@ -473,6 +473,79 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
     }
 }
 
+/// AdamW with interleaved moments against its CPU twin and bit for bit
+/// against the planar kernel, at lengths below, at and past a 4-wide
+/// vector's multiple and at 2²³ + 3, bf16 and f32 gradients, with and
+/// without the copy (poisoned outputs: the moments start as NaN-free
+/// values, the copy as 0xFFFF).
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn interleaved_adamw_matches_the_twin_and_the_planar_kernel() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    let ns = g.upload(&[7.5f32]).unwrap();
+    let hp = adam_hp(1.0);
+    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
+        let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
+        let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
+        let mv0: Vec<f32> = m0.iter().zip(&v0).flat_map(|(&m, &v)| [m, v]).collect();
+        let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
+        for bf16 in [false, true] {
+            for copy in [true, false] {
+                let (mut p, mut mv) = (g.upload(&p0).unwrap(), g.upload(&mv0).unwrap());
+                let (mut pp, mut m, mut v) = (
+                    g.upload(&p0).unwrap(),
+                    g.upload(&m0).unwrap(),
+                    g.upload(&v0).unwrap(),
+                );
+                let mut p16 = g.upload(&vec![0xFFFFu16; n]).unwrap();
+                let mut q16 = g.upload(&vec![0xFFFFu16; n]).unwrap();
+                let (c, d) = (copy.then_some(&mut p16), copy.then_some(&mut q16));
+                if bf16 {
+                    let gd = g.upload(&gb).unwrap();
+                    g.adamw_interleaved(&mut p, &mut mv, &gd, c, &hp, &ns)
+                        .unwrap();
+                    g.adamw(&mut pp, &mut m, &mut v, &gd, d, &hp, &ns).unwrap();
+                } else {
+                    let gd = g.upload(&gf).unwrap();
+                    g.adamw_interleaved(&mut p, &mut mv, &gd, c, &hp, &ns)
+                        .unwrap();
+                    g.adamw(&mut pp, &mut m, &mut v, &gd, d, &hp, &ns).unwrap();
+                }
+                let (mut wp, mut wmv) = (p0.clone(), mv0.clone());
+                let grads = if bf16 { wide(&gb) } else { gf.clone() };
+                let w16 = adamw_interleaved_reference(&mut wp, &mut wmv, &grads, &hp, 7.5);
+                let what = format!("n {n} bf16 {bf16} copy {copy}");
+                let (got_p, got_mv) = (g.download(&p, n).unwrap(), g.download(&mv, 2 * n).unwrap());
+                assert!(rel(&got_p, &wp) < 1e-6, "p, {what}");
+                assert!(rel(&got_mv, &wmv) < 1e-6, "mv, {what}");
+                let planar_mv: Vec<f32> = (g.download(&m, n).unwrap().iter())
+                    .zip(&g.download(&v, n).unwrap())
+                    .flat_map(|(&m, &v)| [m, v])
+                    .collect();
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got_p),
+                    bits(&g.download(&pp, n).unwrap()),
+                    "p vs planar, {what}"
+                );
+                assert_eq!(bits(&got_mv), bits(&planar_mv), "mv vs planar, {what}");
+                let got16 = g.download(&p16, n).unwrap();
+                assert_eq!(
+                    got16,
+                    g.download(&q16, n).unwrap(),
+                    "copy vs planar, {what}"
+                );
+                if copy {
+                    assert!(max_ulps(&got16, &w16) <= 1, "bf16 copy, {what}");
+                } else {
+                    assert!(got16.iter().all(|&x| x == 0xFFFF), "no copy asked, {what}");
+                }
+            }
+        }
+    }
+}
+
 /// Attention's products as grouped GEMMs with one group per (sequence,
 /// key/value head) whose rows are that head's queries, against a CPU
 /// product per group: scores `Q·Kᵀ`, context `P·V`, and `dV = Pᵀ·dC`
