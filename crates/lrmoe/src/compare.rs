@@ -847,7 +847,7 @@ pub fn summary(
     let mut verdicts = Vec::new();
     let mut savings = Vec::new();
     let mut t = String::from(
-        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step of both one micro-batch (floor: fixed ownership's own experts alone, the same way) |\n|---|---|---|---|---|---|---|\n",
+        "| comparison | GPUs | target | MoE-layer / whole-step s to the target (steps; kept share of the pairs) | best exact backward | ÷ the best: time, steps (between evaluations) | LRMoE memory vs fixed ownership: accounted / measured / accounted, each step of both one micro-batch (floor: fixed ownership's own experts alone, the same way; with an even forward: those experts beside one call's forward rows spread evenly over the ranks, the least a run computing every pair unsplit can need) |\n|---|---|---|---|---|---|---|\n",
     );
     for (path, name) in inputs.iter().zip(labels(inputs)) {
         let c = read_comparison(path)?;
@@ -926,16 +926,41 @@ pub fn summary(
 /// each step one micro-batch ([`unsplit_need`]), as a share (`1 − LRMoE ÷
 /// fixed`), and whether both runs counted the forward's buffers; `None`
 /// where either run or figure is missing.
-fn memory_saving(runs: &[TrainSummary]) -> Option<(f64, bool)> {
+fn memory_saving(runs: &[TrainSummary]) -> Option<Saving> {
     let (l, f) = lrmoe_and_fixed(runs)?;
     let lrmoe = unsplit_need(l);
     if lrmoe == 0 || f.max_unsplit_peak_bytes == 0 {
         return None;
     }
-    Some((
-        1.0 - lrmoe as f64 / f.max_unsplit_peak_bytes as f64,
-        forward_counted(l, f),
-    ))
+    Some(Saving {
+        share: 1.0 - lrmoe as f64 / f.max_unsplit_peak_bytes as f64,
+        forward_counted: forward_counted(l, f),
+        reach: even_floor(l, f),
+    })
+}
+
+/// One comparison's memory figure for [`memory_line`].
+#[derive(Debug, Clone, Copy)]
+struct Saving {
+    /// LRMoE's unsplit need below fixed ownership's, as a share.
+    share: f64,
+    /// Whether both runs counted the forward's buffers.
+    forward_counted: bool,
+    /// The most any run computing every pair unsplit could save
+    /// ([`even_floor`]), where recorded.
+    reach: Option<f64>,
+}
+
+/// The most a run that computes every pair of an unsplit step could save
+/// against fixed ownership's unsplit need, as a share: fixed ownership's
+/// own experts (no replica) and one call's forward rows spread evenly over
+/// the ranks (`even_forward_bytes`: the least buffer such a run holds).
+/// `None` where either run predates the figure or counts the backward's
+/// buffers alone.
+fn even_floor(l: &TrainSummary, f: &TrainSummary) -> Option<f64> {
+    let need = f.max_unsplit_peak_bytes;
+    (forward_counted(l, f) && f.even_forward_bytes > 0 && f.max_expert_bytes > 0 && need > 0)
+        .then(|| 1.0 - (f.max_expert_bytes + f.even_forward_bytes) as f64 / need as f64)
 }
 
 /// What a run's steps need were each one micro-batch: its largest
@@ -972,7 +997,7 @@ fn signed_percent(x: f64) -> String {
 /// The memory bound's closing line: the comparisons whose saving is at
 /// least `bound`, those whose runs counted the forward's buffers and the
 /// older ones (the backward's alone) apart, each missed one named.
-fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
+fn memory_line(savings: &[(String, Saving)], bound: f64) -> String {
     let mut t = format!(
         "\nLRMoE's accounted memory (expert instances and token buffers) at least {:.0}% below fixed ownership's unsplit need:",
         bound * 100.0
@@ -981,16 +1006,34 @@ fn memory_line(savings: &[(String, (f64, bool))], bound: f64) -> String {
         (true, "forward buffers counted"),
         (false, "backward buffers only (runs before 2026-12-05)"),
     ] {
-        let rows: Vec<_> = savings.iter().filter(|(_, (_, c))| *c == counted).collect();
+        let rows: Vec<_> = (savings.iter())
+            .filter(|(_, s)| s.forward_counted == counted)
+            .collect();
         if rows.is_empty() {
             continue;
         }
-        let met = rows.iter().filter(|(_, (s, _))| *s >= bound).count();
+        let met = rows.iter().filter(|(_, s)| s.share >= bound).count();
         let missed: Vec<String> = (rows.iter())
-            .filter(|(_, (s, _))| *s < bound)
-            .map(|(n, (s, _))| format!("{n} ({})", signed_percent(0.0 - s)))
+            .filter(|(_, s)| s.share < bound)
+            .map(|(n, s)| match s.reach {
+                Some(r) => format!(
+                    "{n} ({}; at most {} with every pair computed unsplit)",
+                    signed_percent(0.0 - s.share),
+                    signed_percent(0.0 - r)
+                ),
+                None => format!("{n} ({})", signed_percent(0.0 - s.share)),
+            })
             .collect();
         let _ = write!(t, " {what}, in {met} of {}", rows.len());
+        let recorded: Vec<f64> = rows.iter().filter_map(|(_, s)| s.reach).collect();
+        if !recorded.is_empty() {
+            let within = recorded.iter().filter(|&&r| r >= bound).count();
+            let _ = write!(
+                t,
+                " (within reach of any placement that computes every pair unsplit in {within} of the {} that record it)",
+                recorded.len()
+            );
+        }
         if !missed.is_empty() {
             let _ = write!(t, " (missed: {})", missed.join("; "));
         }
@@ -1021,9 +1064,12 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
         }
     };
     let unsplit = change(unsplit_need(l), f.max_unsplit_peak_bytes);
+    let even = even_floor(l, f).map_or(String::new(), |r| {
+        format!("; with an even forward {}", signed_percent(0.0 - r))
+    });
     let floor = match change(f.max_expert_bytes, f.max_unsplit_peak_bytes).as_str() {
         "—" => String::new(),
-        x => format!(" (floor {x})"),
+        x => format!(" (floor {x}{even})"),
     };
     // Runs from before the forward's rows were counted: their accounted
     // buffers are the backward's alone.
@@ -1136,6 +1182,7 @@ mod tests {
             host_probe_ms: None,
             mean_replicas_per_call: 0.0,
             forward_buffers_counted: true,
+            even_forward_bytes: 0,
             budget_held: BudgetHeld::ForwardAndBackward,
             stop_reason: if reached_target.is_some() {
                 StopReason::Target
@@ -1331,6 +1378,25 @@ mod tests {
                 .nth(2)
                 .unwrap()
                 .ends_with("| −50.0% / −25.0% / −62.5% (floor −70.0%) |"),
+            "{t}"
+        );
+        // With the even forward recorded (fixed ownership's 120 B of experts
+        // and 80 B of evenly spread rows against its 400 B unsplit need:
+        // at most −50%), the column and a missed bound say how far any
+        // placement computing every pair unsplit could go.
+        let (mut fe, mut le) = (full.clone(), lrmoe.clone());
+        (fe.even_forward_bytes, le.even_forward_bytes) = (80, 80);
+        let e = write("e", &comparison(vec![fe, le]));
+        let t = summary(std::slice::from_ref(&e), None, Some(0.8)).unwrap();
+        assert!(
+            t.lines()
+                .nth(2)
+                .unwrap()
+                .ends_with("| −50.0% / −25.0% / −75.0% (floor −70.0%; with an even forward −50.0%) |"),
+            "{t}"
+        );
+        assert!(
+            t.ends_with("forward buffers counted, in 0 of 1 (within reach of any placement that computes every pair unsplit in 0 of the 1 that record it) (missed: e (−75.0%; at most −50.0% with every pair computed unsplit)).\n"),
             "{t}"
         );
         // A file from before the forward's rows were counted says so.

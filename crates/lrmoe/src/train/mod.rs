@@ -163,6 +163,13 @@ pub struct TrainSummary {
     /// did (2026-12-05), whose buffers are the backward's alone.
     #[serde(default)]
     pub forward_buffers_counted: bool,
+    /// One layer call's forward token buffer on a rank were the step's
+    /// routed rows spread evenly over the ranks, one micro-batch
+    /// ([`run::even_forward_bytes`]): the least buffer a run that computes
+    /// every pair unsplit can hold, beside its expert instances. 0 in
+    /// summaries written before it was recorded (2026-12-05, session 53).
+    #[serde(default)]
+    pub even_forward_bytes: u64,
     /// What the memory budget held (`moe.fit_budget`, `moe.budget_forward`).
     #[serde(default)]
     pub budget_held: BudgetHeld,

@@ -233,6 +233,51 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
     assert!(bad[0].is_err());
 }
 
+/// At one rank every routed pair is that rank's, so the even forward's
+/// buffer is the layer's own forward buffer; at four ranks it is a quarter
+/// of it, and in the device's bf16 values half.
+#[test]
+fn the_even_forward_is_the_layer_s_forward_buffer_at_one_rank() {
+    let mcfg = ModelConfig {
+        vocab: 11,
+        d_model: 16,
+        n_layers: 1,
+        n_heads: 2,
+        ffn: 16,
+        n_experts: 4,
+        top_k: 2,
+        renormalize: true,
+        max_seq: 8,
+        ..ModelConfig::small(11)
+    };
+    let model = Model::<f32>::init(&mcfg, 7);
+    let placement = Placement {
+        owner: vec![0; 4],
+        replicas: vec![],
+    };
+    let call = CallConfig::default();
+    let run = MoeRun {
+        placement: &placement,
+        backward: &call,
+        expert_bias: &[],
+        replica_load: &[],
+    };
+    let seq = 8;
+    let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();
+    let targets: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 5 + 1) % 11).collect();
+    let got = layer::run_local(1, std::time::Duration::from_secs(60), |t| {
+        step_grads(t, &mcfg, &model, &run, (&tokens, &targets), seq, 1)
+            .map(|g| g.grads.moe_stats[0].forward_buffer_bytes)
+    });
+    let layer_bytes = got[0].as_ref().copied().unwrap();
+    let mut cfg = TrainConfig::default();
+    (cfg.data.batch_size, cfg.data.seq_len) = (4, seq);
+    assert_eq!(layer_bytes, (2 * 4 * seq * 2 * 16 * 4) as u64);
+    assert_eq!(even_forward_bytes(&cfg, &mcfg, 1, false), layer_bytes);
+    assert_eq!(4 * even_forward_bytes(&cfg, &mcfg, 4, false), layer_bytes);
+    assert_eq!(2 * even_forward_bytes(&cfg, &mcfg, 1, true), layer_bytes);
+}
+
 /// `lrmoe_top_q` is LRMoE's backward with the paper's rule whatever
 /// `moe.selection_rule` says; `lrmoe` follows the setting; both budget
 /// the backward (the other modes keep every pair).
