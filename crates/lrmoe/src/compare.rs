@@ -1389,10 +1389,9 @@ mod tests {
         let e = write("e", &comparison(vec![fe, le]));
         let t = summary(std::slice::from_ref(&e), None, Some(0.8)).unwrap();
         assert!(
-            t.lines()
-                .nth(2)
-                .unwrap()
-                .ends_with("| −50.0% / −25.0% / −75.0% (floor −70.0%; with an even forward −50.0%) |"),
+            t.lines().nth(2).unwrap().ends_with(
+                "| −50.0% / −25.0% / −75.0% (floor −70.0%; with an even forward −50.0%) |"
+            ),
             "{t}"
         );
         assert!(

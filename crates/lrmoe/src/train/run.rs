@@ -1145,7 +1145,12 @@ pub(super) fn finish<X: Transport>(
         host_probe_ms: s.logged.mean_probe_ms(),
         mean_replicas_per_call: s.logged.mean_replicas(),
         forward_buffers_counted: true,
-        even_forward_bytes: even_forward_bytes(cfg, lp.mcfg, comm.world_size(), device_model.is_some()),
+        even_forward_bytes: even_forward_bytes(
+            cfg,
+            lp.mcfg,
+            comm.world_size(),
+            device_model.is_some(),
+        ),
         budget_held: super::BudgetHeld::of(cfg),
         stop_reason: reason,
     }))
@@ -1164,7 +1169,11 @@ pub(super) fn even_forward_bytes(
     ranks: usize,
     device: bool,
 ) -> u64 {
-    let value = if device { 2 } else { std::mem::size_of::<f32>() } as u64;
+    let value = if device {
+        2
+    } else {
+        std::mem::size_of::<f32>()
+    } as u64;
     let rows = ((cfg.data.batch_size * cfg.data.seq_len * mcfg.top_k) as u64)
         .div_ceil(ranks.max(1) as u64);
     2 * rows * mcfg.d_model as u64 * value

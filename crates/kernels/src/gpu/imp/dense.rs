@@ -1311,7 +1311,9 @@ impl Gpu {
     /// [`Gpu::adamw`] with the moments interleaved: `mv` holds `2·n`
     /// values, `mv[2i]` = m and `mv[2i + 1]` = v of parameter `i` — the same
     /// update bit for bit, over four streams instead of five. Twin:
-    /// [`crate::dense::adamw_interleaved_reference`].
+    /// [`crate::dense::adamw_interleaved_reference`]. An experiment the
+    /// model does not use: written 2026-12-05, its device test
+    /// (`gpu_dense`) and bench row not yet run on a GPU.
     #[allow(clippy::too_many_arguments)]
     pub fn adamw_interleaved<G: GradElem>(
         &self,
