@@ -157,9 +157,10 @@ fn a_checkpoint_that_cannot_fit_is_refused_with_the_way_out() {
 /// Micro-batches accumulate the whole batch's gradient (the exact
 /// backward, two in-process ranks): the same gradients within f32
 /// summation noise, the same loss.
-#[test]
-fn micro_batches_accumulate_the_whole_batch_gradient() {
-    let mcfg = ModelConfig {
+/// One MoE layer of four experts, top-2, width 16 over an 11-symbol
+/// vocabulary: the step tests' model.
+fn one_layer_of_four_experts() -> ModelConfig {
+    ModelConfig {
         vocab: 11,
         d_model: 16,
         n_layers: 1,
@@ -170,7 +171,21 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
         renormalize: true,
         max_seq: 8,
         ..ModelConfig::small(11)
-    };
+    }
+}
+
+/// Four sequences of `seq` tokens and their targets over that vocabulary.
+fn four_sequences(seq: usize) -> (Vec<u32>, Vec<u32>) {
+    let n = 4 * seq as u32;
+    (
+        (0..n).map(|i| (i * 7 + 3) % 11).collect(),
+        (0..n).map(|i| (i * 5 + 1) % 11).collect(),
+    )
+}
+
+#[test]
+fn micro_batches_accumulate_the_whole_batch_gradient() {
+    let mcfg = one_layer_of_four_experts();
     let model = Model::<f32>::init(&mcfg, 7);
     let placement = Placement {
         owner: vec![0, 0, 1, 1],
@@ -184,8 +199,7 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
         replica_load: &[],
     };
     let seq = 8;
-    let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();
-    let targets: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 5 + 1) % 11).collect();
+    let (tokens, targets) = four_sequences(seq);
     let go = |micro: usize| {
         layer::run_local(2, std::time::Duration::from_secs(60), |t| {
             let me = t.rank();
@@ -238,18 +252,7 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
 /// of it, and in the device's bf16 values half.
 #[test]
 fn the_even_forward_is_the_layer_s_forward_buffer_at_one_rank() {
-    let mcfg = ModelConfig {
-        vocab: 11,
-        d_model: 16,
-        n_layers: 1,
-        n_heads: 2,
-        ffn: 16,
-        n_experts: 4,
-        top_k: 2,
-        renormalize: true,
-        max_seq: 8,
-        ..ModelConfig::small(11)
-    };
+    let mcfg = one_layer_of_four_experts();
     let model = Model::<f32>::init(&mcfg, 7);
     let placement = Placement {
         owner: vec![0; 4],
@@ -263,8 +266,7 @@ fn the_even_forward_is_the_layer_s_forward_buffer_at_one_rank() {
         replica_load: &[],
     };
     let seq = 8;
-    let tokens: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 7 + 3) % 11).collect();
-    let targets: Vec<u32> = (0..4 * seq as u32).map(|i| (i * 5 + 1) % 11).collect();
+    let (tokens, targets) = four_sequences(seq);
     let got = layer::run_local(1, std::time::Duration::from_secs(60), |t| {
         step_grads(t, &mcfg, &model, &run, (&tokens, &targets), seq, 1)
             .map(|g| g.grads.moe_stats[0].forward_buffer_bytes)
