@@ -665,6 +665,9 @@ struct AgainstBounds {
     time: Verdict,
     steps: Verdict,
     ratios: String,
+    /// LRMoE ÷ the best on the evaluation grid: time and steps as measured
+    /// (bounds where a run stopped short: see `time` and `steps`).
+    point: [f64; 2],
     /// Whether LRMoE's budget held the forward's rows (its runs split
     /// their steps as the exact modes do).
     forward_budget: bool,
@@ -715,8 +718,61 @@ fn verdict(
         time,
         steps,
         ratios,
+        point: [t, s],
         forward_budget: run.budget_held == BudgetHeld::ForwardAndBackward,
     })
+}
+
+/// A row label's setting and variant: `setting/variant` splits at its
+/// last `/`; a label without one is its own setting.
+fn setting_of(name: &str) -> (&str, &str) {
+    name.rsplit_once('/').unwrap_or((name, ""))
+}
+
+/// Per setting with more than one comparison whose budget held the
+/// forward, the one closest to `bounds`: the least of the larger of
+/// time ÷ its bound and steps ÷ its bound (met where at most 1), so that a
+/// setting run at several budgets or rules says which came closest.
+fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
+    let held: Vec<&AgainstBounds> = rows.iter().filter(|r| r.forward_budget).collect();
+    let excess = |r: &AgainstBounds| (r.point[0] / bounds.time).max(r.point[1] / bounds.steps);
+    let mut settings: Vec<&str> = Vec::new();
+    for r in &held {
+        let (setting, _) = setting_of(&r.name);
+        if !settings.contains(&setting) {
+            settings.push(setting);
+        }
+    }
+    let mut parts = Vec::new();
+    for setting in settings {
+        let group: Vec<&&AgainstBounds> = (held.iter())
+            .filter(|r| setting_of(&r.name).0 == setting)
+            .collect();
+        let best = group
+            .iter()
+            .filter(|r| excess(r).is_finite())
+            .min_by(|a, b| excess(a).total_cmp(&excess(b)));
+        if let (true, Some(b)) = (group.len() > 1, best) {
+            parts.push(format!(
+                "{setting}: {} (time {:.2}×, steps {:.2}×; {})",
+                setting_of(&b.name).1,
+                b.point[0],
+                b.point[1],
+                match b.time.and(b.steps) {
+                    Verdict::Met => "both met",
+                    Verdict::Missed => "missed",
+                    Verdict::Undecided => "undecided",
+                }
+            ));
+        }
+    }
+    if parts.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nClosest to both bounds per setting run more than one way with the budget holding the forward: {}.\n",
+        parts.join("; ")
+    )
 }
 
 /// The line under [`summary`]'s table: in how many comparisons LRMoE
@@ -915,6 +971,7 @@ pub fn summary(
     }
     if let Some(b) = bounds {
         t.push_str(&bounds_line(&verdicts, b));
+        t.push_str(&closest_line(&verdicts, b));
     }
     if let Some(m) = memory_bound {
         t.push_str(&memory_line(&savings, m));
@@ -1190,6 +1247,42 @@ mod tests {
                 StopReason::Time
             },
         }
+    }
+
+    /// Per setting run more than one way under a forward-holding budget,
+    /// the way closest to both bounds is named, with its verdict; a
+    /// setting run once, and runs whose budget bound the backward alone,
+    /// are left out.
+    #[test]
+    fn the_closest_way_per_setting_is_named() {
+        let row = |name: &str, point: [f64; 2], forward_budget: bool| {
+            let of = |x: f64, b: f64| Verdict::of(x, x, b);
+            AgainstBounds {
+                name: name.into(),
+                time: of(point[0], 0.8),
+                steps: of(point[1], 1.15),
+                ratios: String::new(),
+                point,
+                forward_budget,
+            }
+        };
+        let bounds = Bounds {
+            time: 0.8,
+            steps: 1.15,
+        };
+        let rows = [
+            row("s1/low", [1.1, 1.0], true),
+            row("s1/high", [0.6, 1.2], true),
+            row("s1/old", [0.3, 1.0], false),
+            row("s2/only", [0.5, 1.0], true),
+            row("s3/a", [0.7, 1.1], true),
+            row("s3/b", [0.75, 0.9], true),
+        ];
+        assert_eq!(
+            closest_line(&rows, bounds),
+            "\nClosest to both bounds per setting run more than one way with the budget holding the forward: s1: high (time 0.60×, steps 1.20×; missed); s3: b (time 0.75×, steps 0.90×; both met).\n"
+        );
+        assert_eq!(closest_line(&rows[2..4], bounds), "");
     }
 
     fn comparison(runs: Vec<TrainSummary>) -> Comparison {
