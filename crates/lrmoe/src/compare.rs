@@ -1098,7 +1098,57 @@ fn memory_line(savings: &[(String, Saving)], bound: f64) -> String {
     }
     t.pop();
     t.push_str(".\n");
+    t.push_str(&closest_memory(savings, bound));
     t
+}
+
+/// Per setting ([`setting_of`]) with more than one comparison whose
+/// buffers count the forward, the one whose LRMoE saves the most against
+/// `bound`, with how far any placement computing every pair unsplit could
+/// go where recorded.
+fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
+    let counted: Vec<&(String, Saving)> = (savings.iter())
+        .filter(|(_, s)| s.forward_counted)
+        .collect();
+    let mut settings: Vec<&str> = Vec::new();
+    for (name, _) in &counted {
+        let (setting, _) = setting_of(name);
+        if !settings.contains(&setting) {
+            settings.push(setting);
+        }
+    }
+    let parts: Vec<String> = (settings.into_iter())
+        .filter_map(|setting| {
+            let group: Vec<&&(String, Saving)> = (counted.iter())
+                .filter(|(n, _)| setting_of(n).0 == setting)
+                .collect();
+            let (name, best) = group
+                .iter()
+                .map(|e| (&e.0, e.1))
+                .max_by(|a, b| a.1.share.total_cmp(&b.1.share))?;
+            (group.len() > 1).then(|| {
+                let reach = best.reach.map_or(String::new(), |r| {
+                    format!(
+                        "; at most {} with every pair computed unsplit",
+                        signed_percent(0.0 - r)
+                    )
+                });
+                format!(
+                    "{setting}: {} ({}{reach}; {})",
+                    setting_of(name).1,
+                    signed_percent(0.0 - best.share),
+                    if best.share >= bound { "met" } else { "missed" }
+                )
+            })
+        })
+        .collect();
+    if parts.is_empty() {
+        return String::new();
+    }
+    format!(
+        "\nClosest to the memory bound per setting run more than one way, forward buffers counted: {}.\n",
+        parts.join("; ")
+    )
 }
 
 /// LRMoE's accounted and measured memory against fixed ownership's, and
@@ -1283,6 +1333,30 @@ mod tests {
             "\nClosest to both bounds per setting run more than one way with the budget holding the forward: s1: high (time 0.60×, steps 1.20×; missed); s3: b (time 0.75×, steps 0.90×; both met).\n"
         );
         assert_eq!(closest_line(&rows[2..4], bounds), "");
+    }
+
+    /// Per setting with more than one forward-counted comparison, the one
+    /// saving the most is named, with its reach where recorded.
+    #[test]
+    fn the_closest_memory_per_setting_is_named() {
+        let saving = |share: f64, forward_counted: bool, reach: Option<f64>| Saving {
+            share,
+            forward_counted,
+            reach,
+        };
+        let rows = vec![
+            ("s1/a".to_string(), saving(0.40, true, Some(0.45))),
+            ("s1/b".to_string(), saving(0.45, true, None)),
+            ("s1/old".to_string(), saving(0.60, false, None)),
+            ("s2/only".to_string(), saving(0.55, true, Some(0.6))),
+            ("s3/a".to_string(), saving(0.52, true, Some(0.6))),
+            ("s3/b".to_string(), saving(0.30, true, Some(0.6))),
+        ];
+        assert_eq!(
+            closest_memory(&rows, 0.5),
+            "\nClosest to the memory bound per setting run more than one way, forward buffers counted: s1: b (−45.0%; missed); s3: a (−52.0%; at most −60.0% with every pair computed unsplit; met).\n"
+        );
+        assert_eq!(closest_memory(&rows[2..4], 0.5), "");
     }
 
     fn comparison(runs: Vec<TrainSummary>) -> Comparison {
