@@ -63,8 +63,8 @@ enum Command {
     /// target and simulated GPUs, each mode once unless --rerun) are joined into one
     /// comparison, written with its compare.json into --out.
     Redraw {
-        /// The comparison (compare.json); repeat it to join comparisons
-        /// trained in parts.
+        /// The comparison (compare.json, or the folder holding one);
+        /// repeat it to join comparisons trained in parts.
         #[arg(long, required = true)]
         input: Vec<PathBuf>,
         /// Folder to write into (default: the input's folder; required
@@ -84,7 +84,8 @@ enum Command {
     /// and LRMoE's memory against fixed ownership's.
     #[command(allow_negative_numbers = true)]
     Summary {
-        /// A comparison (compare.json); repeat it, one row each.
+        /// A comparison (compare.json, or the folder holding one); repeat
+        /// it, one row each.
         #[arg(long, required = true)]
         input: Vec<PathBuf>,
         /// With --steps-bound: count the comparisons where LRMoE takes at
@@ -695,6 +696,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Replay(a) => replay(&a),
         Command::Redraw { input, out, rerun } => {
+            let input = lrmoe::compare::comparison_files(&input);
             if rerun && input.len() < 2 {
                 anyhow::bail!("--rerun replaces runs when joining: give two or more --input");
             }
@@ -726,6 +728,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let bounds = time_bound
                 .zip(steps_bound)
                 .map(|(time, steps)| lrmoe::compare::Bounds { time, steps });
+            let input = lrmoe::compare::comparison_files(&input);
             let table = lrmoe::compare::summary(&input, bounds, memory_bound)?;
             if let Some(path) = &out {
                 lrmoe::fsutil::write_atomic(path, table.as_bytes())

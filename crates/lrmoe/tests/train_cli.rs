@@ -1387,6 +1387,14 @@ fn redraw_joins_comparisons_trained_in_parts() {
     let err = String::from_utf8_lossy(&done.stderr);
     assert!(done.status.success() && !err.contains("panicked"), "{err}");
     assert!(md.exists());
+    // A folder stands for the compare.json in it; one without is one line.
+    let (ok, by_folder, err) = lrmoe(&["summary", "--input", path(&joined)]);
+    assert!(ok, "{err}");
+    assert_eq!(
+        by_folder.lines().nth(2),
+        rows.get(2).copied(),
+        "{by_folder}"
+    );
     let (ok, _, err) = lrmoe(&["summary", "--input", path(&ja), "--input", path(&dir)]);
     assert!(!ok);
     one_line_error(&err, &dir.display().to_string());
