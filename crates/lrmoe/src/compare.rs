@@ -888,7 +888,7 @@ fn labels(inputs: &[PathBuf]) -> Vec<String> {
 /// issue 30's target) another counts those where LRMoE's accounted memory
 /// is at least that share below fixed ownership's unsplit need, apart for
 /// the pairs of runs that counted the forward's buffers and the older ones
-/// ([`memory_line`]). Each input is read as `lrmoe redraw`
+/// (`memory_line`). Each input is read as `lrmoe redraw`
 /// reads it; a bad one is an error naming it and nothing is printed.
 pub fn summary(
     inputs: &[PathBuf],

@@ -165,7 +165,7 @@ pub struct TrainSummary {
     pub forward_buffers_counted: bool,
     /// One layer call's forward token buffer on a rank were the step's
     /// routed rows spread evenly over the ranks, one micro-batch
-    /// ([`run::even_forward_bytes`]): the least buffer a run that computes
+    /// (`train::run::even_forward_bytes`): the least buffer a run that computes
     /// every pair unsplit can hold, beside its expert instances. 0 in
     /// summaries written before it was recorded (2026-12-05, session 53).
     #[serde(default)]
