@@ -193,8 +193,6 @@ pub fn merge(inputs: &[PathBuf], out_dir: &Path, rerun: bool) -> Result<Report, 
     draw(out_dir, &merged, vec![json])
 }
 
-/// A `compare.json`, checked: runs present, a finite target, simulated
-/// GPUs and cluster model in range.
 /// The comparison files `inputs` name: a folder stands for the
 /// `compare.json` in it (as `lrmoe train --compare --out DIR` writes it),
 /// a file for itself.
@@ -210,6 +208,8 @@ pub fn comparison_files(inputs: &[PathBuf]) -> Vec<PathBuf> {
         .collect()
 }
 
+/// A `compare.json`, checked: runs present, a finite target, simulated
+/// GPUs and cluster model in range.
 fn read_comparison(json: &Path) -> Result<Comparison, TrainError> {
     let text = std::fs::read_to_string(json).map_err(io_err(json))?;
     let comparison: Comparison = serde_json::from_str(&text)

@@ -154,9 +154,6 @@ fn a_checkpoint_that_cannot_fit_is_refused_with_the_way_out() {
     assert!(free_bytes(&dir.join("not/yet/made")).is_some_and(|b| b > 0));
 }
 
-/// Micro-batches accumulate the whole batch's gradient (the exact
-/// backward, two in-process ranks): the same gradients within f32
-/// summation noise, the same loss.
 /// One MoE layer of four experts, top-2, width 16 over an 11-symbol
 /// vocabulary: the step tests' model.
 fn one_layer_of_four_experts() -> ModelConfig {
@@ -183,6 +180,9 @@ fn four_sequences(seq: usize) -> (Vec<u32>, Vec<u32>) {
     )
 }
 
+/// Micro-batches accumulate the whole batch's gradient (the exact
+/// backward, two in-process ranks): the same gradients within f32
+/// summation noise, the same loss.
 #[test]
 fn micro_batches_accumulate_the_whole_batch_gradient() {
     let mcfg = one_layer_of_four_experts();
