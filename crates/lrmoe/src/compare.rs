@@ -751,24 +751,10 @@ fn setting_of(name: &str) -> (&str, &str) {
 fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let held: Vec<&AgainstBounds> = rows.iter().filter(|r| r.forward_budget).collect();
     let excess = |r: &AgainstBounds| (r.point[0] / bounds.time).max(r.point[1] / bounds.steps);
-    let mut settings: Vec<&str> = Vec::new();
-    for r in &held {
-        let (setting, _) = setting_of(&r.name);
-        if !settings.contains(&setting) {
-            settings.push(setting);
-        }
-    }
-    let mut parts = Vec::new();
-    for setting in settings {
-        let group: Vec<&&AgainstBounds> = (held.iter())
-            .filter(|r| setting_of(&r.name).0 == setting)
-            .collect();
-        let best = group
-            .iter()
-            .filter(|r| excess(r).is_finite())
-            .min_by(|a, b| excess(a).total_cmp(&excess(b)));
-        if let (true, Some(b)) = (group.len() > 1, best) {
-            parts.push(format!(
+    let parts: Vec<String> = least_per_setting(&held, |r| &r.name, excess)
+        .into_iter()
+        .map(|(setting, b)| {
+            format!(
                 "{setting}: {} (time {:.2}×, steps {:.2}×; {})",
                 setting_of(&b.name).1,
                 b.point[0],
@@ -778,9 +764,9 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
                     Verdict::Missed => "missed",
                     Verdict::Undecided => "undecided",
                 }
-            ));
-        }
-    }
+            )
+        })
+        .collect();
     if parts.is_empty() {
         return String::new();
     }
@@ -788,6 +774,35 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
         "\nClosest to both bounds per setting run more than one way with the budget holding the forward: {}.\n",
         parts.join("; ")
     )
+}
+
+/// Per setting ([`setting_of`] of `name`) with more than one of `rows`,
+/// in the order the settings first come, the row with the least finite
+/// `key` (the first of equals); a setting whose keys are none finite is
+/// left out.
+fn least_per_setting<'a, T>(
+    rows: &[&'a T],
+    name: impl Fn(&T) -> &str,
+    key: impl Fn(&T) -> f64,
+) -> Vec<(&'a str, &'a T)> {
+    let mut settings: Vec<&str> = Vec::new();
+    for &r in rows {
+        let (setting, _) = setting_of(name(r));
+        if !settings.contains(&setting) {
+            settings.push(setting);
+        }
+    }
+    (settings.into_iter())
+        .filter_map(|setting| {
+            let group: Vec<&'a T> = (rows.iter().copied())
+                .filter(|&r| setting_of(name(r)).0 == setting)
+                .collect();
+            let best = (group.iter().copied())
+                .filter(|&r| key(r).is_finite())
+                .min_by(|&a, &b| key(a).total_cmp(&key(b)))?;
+            (group.len() > 1).then_some((setting, best))
+        })
+        .collect()
 }
 
 /// The line under [`summary`]'s table: in how many comparisons LRMoE
@@ -1125,36 +1140,21 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
     let counted: Vec<&(String, Saving)> = (savings.iter())
         .filter(|(_, s)| s.forward_counted)
         .collect();
-    let mut settings: Vec<&str> = Vec::new();
-    for (name, _) in &counted {
-        let (setting, _) = setting_of(name);
-        if !settings.contains(&setting) {
-            settings.push(setting);
-        }
-    }
-    let parts: Vec<String> = (settings.into_iter())
-        .filter_map(|setting| {
-            let group: Vec<&&(String, Saving)> = (counted.iter())
-                .filter(|(n, _)| setting_of(n).0 == setting)
-                .collect();
-            let (name, best) = group
-                .iter()
-                .map(|e| (&e.0, e.1))
-                .max_by(|a, b| a.1.share.total_cmp(&b.1.share))?;
-            (group.len() > 1).then(|| {
-                let reach = best.reach.map_or(String::new(), |r| {
-                    format!(
-                        "; at most {} with every pair computed unsplit",
-                        signed_percent(0.0 - r)
-                    )
-                });
+    let parts: Vec<String> = least_per_setting(&counted, |(n, _)| n, |(_, s)| -s.share)
+        .into_iter()
+        .map(|(setting, (name, best))| {
+            let reach = best.reach.map_or(String::new(), |r| {
                 format!(
-                    "{setting}: {} ({}{reach}; {})",
-                    setting_of(name).1,
-                    signed_percent(0.0 - best.share),
-                    if best.share >= bound { "met" } else { "missed" }
+                    "; at most {} with every pair computed unsplit",
+                    signed_percent(0.0 - r)
                 )
-            })
+            });
+            format!(
+                "{setting}: {} ({}{reach}; {})",
+                setting_of(name).1,
+                signed_percent(0.0 - best.share),
+                if best.share >= bound { "met" } else { "missed" }
+            )
         })
         .collect();
     if parts.is_empty() {
