@@ -423,6 +423,27 @@ fn gradient_norm_and_adamw_match_the_twins() {
     }
 }
 
+/// The AdamW tests' lengths: below, at and past a 4-wide vector's
+/// multiple (the one-by-one tail) and 2²³ + 3 (every thread loops).
+const ADAM_LENGTHS: [usize; 5] = [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3];
+
+/// One AdamW test's fresh inputs: master, moments (v non-negative) and
+/// the gradient in f32 and bf16.
+struct AdamCase {
+    p0: Vec<f32>,
+    m0: Vec<f32>,
+    v0: Vec<f32>,
+    gf: Vec<f32>,
+    gb: Vec<u16>,
+}
+
+fn adam_case(r: &mut Rng, n: usize) -> AdamCase {
+    let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
+    let v0 = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
+    let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
+    AdamCase { p0, m0, v0, gf, gb }
+}
+
 /// AdamW against the CPU twin at lengths below, at and past a 4-wide
 /// vector's multiple (the one-by-one tail) and at 2²³ + 3 parameters (every
 /// thread loops), with f32 and bf16 gradients, with the bf16 copy and
@@ -434,10 +455,8 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
     let mut r = Rng(seed());
     let ns = g.upload(&[7.5f32]).unwrap();
     let hp = adam_hp(1.0);
-    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
-        let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
-        let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
-        let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
+    for n in ADAM_LENGTHS {
+        let AdamCase { p0, m0, v0, gf, gb } = adam_case(&mut r, n);
         for bf16 in [false, true] {
             for copy in [true, false] {
                 let (mut p, mut m, mut v) = (
@@ -476,8 +495,7 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
 /// AdamW with interleaved moments against its CPU twin and bit for bit
 /// against the planar kernel, at lengths below, at and past a 4-wide
 /// vector's multiple and at 2²³ + 3, bf16 and f32 gradients, with and
-/// without the copy (poisoned outputs: the moments start as NaN-free
-/// values, the copy as 0xFFFF).
+/// without the copy (a poisoned copy must stay untouched).
 #[test]
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn interleaved_adamw_matches_the_twin_and_the_planar_kernel() {
@@ -485,11 +503,9 @@ fn interleaved_adamw_matches_the_twin_and_the_planar_kernel() {
     let mut r = Rng(seed());
     let ns = g.upload(&[7.5f32]).unwrap();
     let hp = adam_hp(1.0);
-    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
-        let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
-        let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
+    for n in ADAM_LENGTHS {
+        let AdamCase { p0, m0, v0, gf, gb } = adam_case(&mut r, n);
         let mv0: Vec<f32> = m0.iter().zip(&v0).flat_map(|(&m, &v)| [m, v]).collect();
-        let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
         for bf16 in [false, true] {
             for copy in [true, false] {
                 let (mut p, mut mv) = (g.upload(&p0).unwrap(), g.upload(&mv0).unwrap());
