@@ -20,7 +20,10 @@
 //!   from `compare.json`; each run's crossing of the target interpolated
 //!   between evaluations, [`compare::crossing`]; many comparisons in one
 //!   table, [`compare::summary`], with an optional count of where LRMoE
-//!   meets [`compare::Bounds`]);
+//!   meets [`compare::Bounds`] and of where its memory is within reach of
+//!   a bound, and per setting the budget or rule that came closest; a
+//!   comparison's folder stands for its `compare.json`,
+//!   [`compare::comparison_files`]);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
 //!   one layer call's settings from an `[moe]` section, as the trainer and
 //!   the Python package (`python/`) do;
