@@ -1158,25 +1158,21 @@ pub(super) fn finish<X: Transport>(
 
 /// One layer call's forward token buffer on a rank were a step's routed
 /// rows spread evenly over `ranks`, in one micro-batch: an `x` row in and
-/// an `o` row out per routed pair, in the executor's values (bf16 on the
-/// device model, f32 on the host), as the layer's
-/// `BackwardStats::forward_buffer_bytes` counts them. Any placement that
-/// computes every pair of an unsplit step holds at least this on its
-/// busiest rank.
+/// an `o` row out per routed pair, in the rows the executor plans with
+/// ([`executor_cost`]: bf16 on the device, f32 on the host), as the
+/// layer's `BackwardStats::forward_buffer_bytes` counts them. Any
+/// placement that computes every pair of an unsplit step holds at least
+/// this on its busiest rank.
 pub(super) fn even_forward_bytes(
     cfg: &TrainConfig,
     mcfg: &ModelConfig,
     ranks: usize,
-    device: bool,
+    whole_gpu: bool,
 ) -> u64 {
-    let value = if device {
-        2
-    } else {
-        std::mem::size_of::<f32>()
-    } as u64;
+    let cost = executor_cost((mcfg.d_model, mcfg.ffn), device_rows(cfg, whole_gpu));
     let rows = ((cfg.data.batch_size * cfg.data.seq_len * mcfg.top_k) as u64)
         .div_ceil(ranks.max(1) as u64);
-    2 * rows * mcfg.d_model as u64 * value
+    rows * 2 * cost.act_row_bytes
 }
 
 /// Mean validation loss over the fixed evaluation batches.
