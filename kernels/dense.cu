@@ -917,58 +917,6 @@ extern "C" __global__ void adamw_bf16(float* p, float* m, float* v, const uint16
     adamw(p, m, v, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
 }
 
-// AdamW with the moments interleaved (`mv[2i]` = m, `mv[2i+1]` = v of
-// parameter i): the same update as `adamw`, bit for bit, over four streams
-// (p, mv, g, the bf16 copy) instead of five — an experiment on whether
-// fewer, wider streams move the optimizer's bytes closer to the copy's rate.
-template <typename G>
-__device__ void adamw_mv(float* __restrict__ p, float* __restrict__ mv, const G* __restrict__ g,
-                         uint16_t* __restrict__ p16, long long n, float lr, float b1, float b2, float eps, float wd,
-                         float bc1, float bc2, const float* __restrict__ norm_sq, float clip) {
-    float norm = sqrtf(*norm_sq);
-    float scale = (clip > 0.f && norm > clip) ? clip / norm : 1.f;
-    long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
-    bool wide = (((uintptr_t)p | (uintptr_t)mv) & 15) == 0 && ((uintptr_t)g & (4 * sizeof(G) - 1)) == 0 &&
-                ((uintptr_t)p16 & 7) == 0;
-    long long n4 = wide ? n / 4 : 0;
-    for (long long i = first; i < n4; i += stride) {
-        float4 pq = reinterpret_cast<float4*>(p)[i], a = reinterpret_cast<float4*>(mv)[2 * i],
-               b = reinterpret_cast<float4*>(mv)[2 * i + 1];
-        float gs[4];
-        load4(g, i, gs);
-        float pp[4] = {pq.x, pq.y, pq.z, pq.w}, mm[4] = {a.x, a.z, b.x, b.z}, vv[4] = {a.y, a.w, b.y, b.w};
-#pragma unroll
-        for (int t = 0; t < 4; ++t) adamw_one(pp[t], mm[t], vv[t], gs[t] * scale, lr, b1, b2, eps, wd, bc1, bc2);
-        reinterpret_cast<float4*>(p)[i] = make_float4(pp[0], pp[1], pp[2], pp[3]);
-        reinterpret_cast<float4*>(mv)[2 * i] = make_float4(mm[0], vv[0], mm[1], vv[1]);
-        reinterpret_cast<float4*>(mv)[2 * i + 1] = make_float4(mm[2], vv[2], mm[3], vv[3]);
-        if (p16) {
-            uint2 w;
-            w.x = (uint32_t)to_bf(pp[0]) | ((uint32_t)to_bf(pp[1]) << 16);
-            w.y = (uint32_t)to_bf(pp[2]) | ((uint32_t)to_bf(pp[3]) << 16);
-            reinterpret_cast<uint2*>(p16)[i] = w;
-        }
-    }
-    for (long long i = n4 * 4 + first; i < n; i += stride) {
-        float pi = p[i], mi = mv[2 * i], vi = mv[2 * i + 1];
-        adamw_one(pi, mi, vi, load(g, i) * scale, lr, b1, b2, eps, wd, bc1, bc2);
-        mv[2 * i] = mi;
-        mv[2 * i + 1] = vi;
-        p[i] = pi;
-        if (p16) p16[i] = to_bf(pi);
-    }
-}
-extern "C" __global__ void adamw_mv_f32(float* p, float* mv, const float* g, uint16_t* p16, long long n, float lr,
-                                        float b1, float b2, float eps, float wd, float bc1, float bc2,
-                                        const float* norm_sq, float clip) {
-    adamw_mv(p, mv, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
-}
-extern "C" __global__ void adamw_mv_bf16(float* p, float* mv, const uint16_t* g, uint16_t* p16, long long n,
-                                         float lr, float b1, float b2, float eps, float wd, float bc1, float bc2,
-                                         const float* norm_sq, float clip) {
-    adamw_mv(p, mv, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
-}
-
 // x += y (f32; gradients accumulated over micro-batches).
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)

@@ -412,17 +412,16 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     println!();
     let hbm = hbm(gpu);
     println!(
-        "| moments | gradient | median ms | bytes/param | GB/s | of {} | / copy | / torch fused AdamW |",
+        "| gradient | median ms | bytes/param | GB/s | of {} | / copy | / torch fused AdamW |",
         hbm.label
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
-    for (interleaved, bf16) in [(false, true), (false, false), (true, true), (true, false)] {
-        let t = gpu.bench_adamw_layout(n, bf16, interleaved)?;
+    for bf16 in [true, false] {
+        let t = gpu.bench_adamw(n, bf16)?;
         let gbps = t.gbps();
         println!(
-            "| {} | {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
-            if interleaved { "interleaved" } else { "planar" },
+            "| {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
             if bf16 { "bf16" } else { "f32" },
             t.ms,
             t.bytes / n as f64,

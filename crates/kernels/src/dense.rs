@@ -424,26 +424,6 @@ pub fn adamw_reference(
     p.iter().map(|&x| to_bf16_bits(x)).collect()
 }
 
-/// [`adamw_reference`] with the moments interleaved (`mv[2i]` = m,
-/// `mv[2i + 1]` = v of parameter `i`; `mv` holds `2·p.len()`): the twin of
-/// `Gpu::adamw_interleaved`.
-pub fn adamw_interleaved_reference(
-    p: &mut [f32],
-    mv: &mut [f32],
-    g: &[f32],
-    hp: &AdamHp,
-    norm_sq: f32,
-) -> Vec<u16> {
-    let mut m: Vec<f32> = mv.iter().step_by(2).copied().collect();
-    let mut v: Vec<f32> = mv.iter().skip(1).step_by(2).copied().collect();
-    let copy = adamw_reference(p, &mut m, &mut v, g, hp, norm_sq);
-    for (pair, (&mi, &vi)) in mv.chunks_exact_mut(2).zip(m.iter().zip(&v)) {
-        pair[0] = mi;
-        pair[1] = vi;
-    }
-    copy
-}
-
 /// Twin of `Gpu::sum_parts`: the sum of `sources`, element by element, in
 /// source order — from `0.0` when `from_zero` (the bits of adding each
 /// source into a zeroed buffer), else from the first source (one source:

@@ -2379,18 +2379,6 @@ mod imp {
         /// copy written) with a bf16 (`bf16_grad`) or an f32 gradient, 10
         /// timed runs: bytes = what it must move, 28 or 30 a parameter.
         pub fn bench_adamw(&self, n: usize, bf16_grad: bool) -> Result<Timing, KernelError> {
-            self.bench_adamw_layout(n, bf16_grad, false)
-        }
-
-        /// [`Gpu::bench_adamw`] with the moments planar (`interleaved`
-        /// false: `Gpu::adamw`) or interleaved (`Gpu::adamw_interleaved`):
-        /// the same bytes a parameter either way.
-        pub fn bench_adamw_layout(
-            &self,
-            n: usize,
-            bf16_grad: bool,
-            interleaved: bool,
-        ) -> Result<Timing, KernelError> {
             let hp = crate::dense::AdamHp {
                 lr: 1e-4,
                 beta1: 0.9,
@@ -2401,35 +2389,19 @@ mod imp {
                 bc2: 0.05,
                 clip: 1.0,
             };
-            let mut p = self.zeros(n)?;
+            let (mut p, mut m, mut v) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
             let mut p16 = self.zeros::<u16>(n)?;
             let norm = self.upload(&[4.0f32])?;
-            let ms = if interleaved {
-                let mut mv = self.zeros(2 * n)?;
-                if bf16_grad {
-                    let g = self.zeros::<u16>(n)?;
-                    self.time(10, || {
-                        self.adamw_interleaved(&mut p, &mut mv, &g, Some(&mut p16), &hp, &norm)
-                    })?
-                } else {
-                    let g = self.zeros::<f32>(n)?;
-                    self.time(10, || {
-                        self.adamw_interleaved(&mut p, &mut mv, &g, Some(&mut p16), &hp, &norm)
-                    })?
-                }
+            let ms = if bf16_grad {
+                let g = self.zeros::<u16>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
             } else {
-                let (mut m, mut v) = (self.zeros(n)?, self.zeros(n)?);
-                if bf16_grad {
-                    let g = self.zeros::<u16>(n)?;
-                    self.time(10, || {
-                        self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
-                    })?
-                } else {
-                    let g = self.zeros::<f32>(n)?;
-                    self.time(10, || {
-                        self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
-                    })?
-                }
+                let g = self.zeros::<f32>(n)?;
+                self.time(10, || {
+                    self.adamw(&mut p, &mut m, &mut v, &g, Some(&mut p16), &hp, &norm)
+                })?
             };
             let per = if bf16_grad { 28.0 } else { 30.0 };
             Ok(Timing {

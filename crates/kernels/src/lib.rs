@@ -43,8 +43,7 @@
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy (two passes a row; `gpu::XentLaunch`: many rows in
 //!   flight, or one a SM with L2 cache hints, the default), gradient squared norms and the fused AdamW update
-//!   (clip read on the device; `Gpu::adamw_interleaved` with the moments
-//!   interleaved, an experiment the model does not use yet), many sums or copies through device
+//!   (clip read on the device), many sums or copies through device
 //!   addresses in one launch (`sum_parts_reference`, `Gpu::sum_parts`: the
 //!   in-process ranks' reduce-scatter and all-gather), and fused causal grouped-query attention
 //!   (FlashAttention-2's forward and backward, twins in f64; the backward

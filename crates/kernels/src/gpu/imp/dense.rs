@@ -61,9 +61,6 @@ pub(crate) struct DenseFns {
     sq_bf16: CudaFunction,
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
-    /// AdamW with interleaved moments ([`Gpu::adamw_interleaved`]).
-    adam_mv_f32: CudaFunction,
-    adam_mv_bf16: CudaFunction,
     to_bf16: CudaFunction,
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV,
     /// dQ recomputing, dQ from the stored dS.
@@ -295,8 +292,6 @@ impl DenseFns {
             sq_bf16: f("sq_sum_bf16")?,
             adam_f32: f("adamw_f32")?,
             adam_bf16: f("adamw_bf16")?,
-            adam_mv_f32: f("adamw_mv_f32")?,
-            adam_mv_bf16: f("adamw_mv_bf16")?,
             to_bf16: f("f32_to_bf16")?,
             flash: [16usize, 32, 64, 128]
                 .into_iter()
@@ -378,13 +373,6 @@ impl DenseFns {
             &self.adam_bf16
         } else {
             &self.adam_f32
-        }
-    }
-    fn adam_mv<G: GradElem>(&self) -> &CudaFunction {
-        if G::BF16 {
-            &self.adam_mv_bf16
-        } else {
-            &self.adam_mv_f32
         }
     }
 }
@@ -1304,55 +1292,6 @@ impl Gpu {
         // 2026-12-05.)
         // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long, float×7,
         // f32*, float); n entries each (checked above), norm_sq one.
-        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
-        Ok(())
-    }
-
-    /// [`Gpu::adamw`] with the moments interleaved: `mv` holds `2·n`
-    /// values, `mv[2i]` = m and `mv[2i + 1]` = v of parameter `i` — the same
-    /// update bit for bit, over four streams instead of five. Twin:
-    /// [`crate::dense::adamw_interleaved_reference`]. An experiment the
-    /// model does not use: written 2026-12-05, its device test
-    /// (`gpu_dense`) and bench row not yet run on a GPU.
-    #[allow(clippy::too_many_arguments)]
-    pub fn adamw_interleaved<G: GradElem>(
-        &self,
-        p: &mut CudaSlice<f32>,
-        mv: &mut CudaSlice<f32>,
-        g: &CudaSlice<G>,
-        p16: Option<&mut CudaSlice<u16>>,
-        hp: &AdamHp,
-        norm_sq: &CudaSlice<f32>,
-    ) -> Result<(), KernelError> {
-        let n = p.len();
-        at_least("interleaved moments", 2 * n, mv.len())?;
-        at_least("gradient", n, g.len())?;
-        if let Some(c) = p16.as_deref() {
-            at_least("bf16 copy", n, c.len())?;
-        }
-        if n == 0 {
-            return Ok(());
-        }
-        let (nl, null) = (n as i64, 0u64);
-        let mut l = self.stream.launch_builder(self.dense.adam_mv::<G>());
-        l.arg(p).arg(mv).arg(g);
-        match p16 {
-            Some(c) => l.arg(c),
-            None => l.arg(&null),
-        };
-        l.arg(&nl)
-            .arg(&hp.lr)
-            .arg(&hp.beta1)
-            .arg(&hp.beta2)
-            .arg(&hp.eps)
-            .arg(&hp.weight_decay)
-            .arg(&hp.bc1)
-            .arg(&hp.bc2)
-            .arg(norm_sq)
-            .arg(&hp.clip);
-        // SAFETY: (f32*, f32*, G*, u16* or null, long long, float×7, f32*,
-        // float); p, g, the copy n entries and mv 2n (checked above),
-        // norm_sq one.
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(())
     }
