@@ -744,19 +744,23 @@ fn setting_of(name: &str) -> (&str, &str) {
     name.rsplit_once('/').unwrap_or((name, ""))
 }
 
-/// Per setting with more than one comparison whose budget held the
-/// forward, the one closest to `bounds`: the least of the larger of
-/// time ÷ its bound and steps ÷ its bound (met where at most 1), so that a
-/// setting run at several budgets or rules says which came closest.
+/// Per setting whose budget held the forward, the comparison closest to
+/// `bounds`: the least of the larger of time ÷ its bound and steps ÷ its
+/// bound (met where at most 1), so that each setting says how far it is
+/// from the bounds and, run at several budgets or rules, which came
+/// closest; with how many settings meet both bounds at all.
 fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let held: Vec<&AgainstBounds> = rows.iter().filter(|r| r.forward_budget).collect();
     let excess = |r: &AgainstBounds| (r.point[0] / bounds.time).max(r.point[1] / bounds.steps);
-    let parts: Vec<String> = least_per_setting(&held, |r| &r.name, excess)
-        .into_iter()
+    let best = least_per_setting(&held, |r| &r.name, excess);
+    let met = (best.iter())
+        .filter(|(_, b)| b.time.and(b.steps) == Verdict::Met)
+        .count();
+    let parts: Vec<String> = (best.iter())
         .map(|(setting, b)| {
             format!(
-                "{setting}: {} (time {:.2}×, steps {:.2}×; {})",
-                setting_of(&b.name).1,
+                "{setting}{} (time {:.2}×, steps {:.2}×; {})",
+                way(&b.name),
                 b.point[0],
                 b.point[1],
                 match b.time.and(b.steps) {
@@ -771,15 +775,24 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
         return String::new();
     }
     format!(
-        "\nClosest to both bounds per setting run more than one way with the budget holding the forward: {}.\n",
+        "\nClosest to both bounds per setting with the budget holding the forward (both met in {met} of {} settings): {}.\n",
+        parts.len(),
         parts.join("; ")
     )
 }
 
-/// Per setting ([`setting_of`] of `name`) with more than one of `rows`,
-/// in the order the settings first come, the row with the least finite
-/// `key` (the first of equals); a setting whose keys are none finite is
-/// left out.
+/// ": variant" of a `setting/variant` label, or nothing for a label that
+/// is its own setting.
+fn way(name: &str) -> String {
+    match setting_of(name).1 {
+        "" => String::new(),
+        v => format!(": {v}"),
+    }
+}
+
+/// Per setting ([`setting_of`] of `name`) of `rows`, in the order the
+/// settings first come, the row with the least finite `key` (the first of
+/// equals); a setting whose keys are none finite is left out.
 fn least_per_setting<'a, T>(
     rows: &[&'a T],
     name: impl Fn(&T) -> &str,
@@ -800,7 +813,7 @@ fn least_per_setting<'a, T>(
             let best = (group.iter().copied())
                 .filter(|&r| key(r).is_finite())
                 .min_by(|&a, &b| key(a).total_cmp(&key(b)))?;
-            (group.len() > 1).then_some((setting, best))
+            Some((setting, best))
         })
         .collect()
 }
@@ -1132,28 +1145,39 @@ fn memory_line(savings: &[(String, Saving)], bound: f64) -> String {
     t
 }
 
-/// Per setting ([`setting_of`]) with more than one comparison whose
-/// buffers count the forward, the one whose LRMoE saves the most against
-/// `bound`, with how far any placement computing every pair unsplit could
-/// go where recorded.
+/// Per setting ([`setting_of`]) whose buffers count the forward, the
+/// comparison whose LRMoE saves the most against `bound`, with how far any
+/// placement computing every pair unsplit could go where recorded; with
+/// how many settings meet the bound, and in how many every recorded reach
+/// falls short of it (no rule could).
 fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
     let counted: Vec<&(String, Saving)> = (savings.iter())
         .filter(|(_, s)| s.forward_counted)
         .collect();
-    let parts: Vec<String> = least_per_setting(&counted, |(n, _)| n, |(_, s)| -s.share)
-        .into_iter()
-        .map(|(setting, (name, best))| {
-            let reach = best.reach.map_or(String::new(), |r| {
+    let best = least_per_setting(&counted, |(n, _)| n, |(_, s)| -s.share);
+    let met = best.iter().filter(|(_, (_, b))| b.share >= bound).count();
+    let out_of_reach = (best.iter())
+        .filter(|(setting, _)| {
+            let reaches: Vec<f64> = (counted.iter())
+                .filter(|(n, _)| setting_of(n).0 == *setting)
+                .filter_map(|(_, s)| s.reach)
+                .collect();
+            !reaches.is_empty() && reaches.iter().all(|&r| r < bound)
+        })
+        .count();
+    let parts: Vec<String> = (best.iter())
+        .map(|(setting, (name, b))| {
+            let reach = b.reach.map_or(String::new(), |r| {
                 format!(
                     "; at most {} with every pair computed unsplit",
                     signed_percent(0.0 - r)
                 )
             });
             format!(
-                "{setting}: {} ({}{reach}; {})",
-                setting_of(name).1,
-                signed_percent(0.0 - best.share),
-                if best.share >= bound { "met" } else { "missed" }
+                "{setting}{} ({}{reach}; {})",
+                way(name),
+                signed_percent(0.0 - b.share),
+                if b.share >= bound { "met" } else { "missed" }
             )
         })
         .collect();
@@ -1161,7 +1185,8 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
         return String::new();
     }
     format!(
-        "\nClosest to the memory bound per setting run more than one way, forward buffers counted: {}.\n",
+        "\nClosest to the memory bound per setting, forward buffers counted (met in {met} of {} settings; out of reach of every pair computed unsplit in {out_of_reach}): {}.\n",
+        parts.len(),
         parts.join("; ")
     )
 }
@@ -1314,10 +1339,9 @@ mod tests {
         }
     }
 
-    /// Per setting run more than one way under a forward-holding budget,
-    /// the way closest to both bounds is named, with its verdict; a
-    /// setting run once, and runs whose budget bound the backward alone,
-    /// are left out.
+    /// Per setting under a forward-holding budget, the way closest to both
+    /// bounds is named, with its verdict and the count of settings meeting
+    /// both; runs whose budget bound the backward alone are left out.
     #[test]
     fn the_closest_way_per_setting_is_named() {
         let row = |name: &str, point: [f64; 2], forward_budget: bool| {
@@ -1345,13 +1369,18 @@ mod tests {
         ];
         assert_eq!(
             closest_line(&rows, bounds),
-            "\nClosest to both bounds per setting run more than one way with the budget holding the forward: s1: high (time 0.60×, steps 1.20×; missed); s3: b (time 0.75×, steps 0.90×; both met).\n"
+            "\nClosest to both bounds per setting with the budget holding the forward (both met in 2 of 3 settings): s1: high (time 0.60×, steps 1.20×; missed); s2: only (time 0.50×, steps 1.00×; both met); s3: b (time 0.75×, steps 0.90×; both met).\n"
         );
-        assert_eq!(closest_line(&rows[2..4], bounds), "");
+        assert_eq!(closest_line(&rows[2..3], bounds), "");
+        assert_eq!(
+            closest_line(&[row("alone", [0.9, 1.0], true)], bounds),
+            "\nClosest to both bounds per setting with the budget holding the forward (both met in 0 of 1 settings): alone (time 0.90×, steps 1.00×; missed).\n"
+        );
     }
 
-    /// Per setting with more than one forward-counted comparison, the one
-    /// saving the most is named, with its reach where recorded.
+    /// Per setting with forward-counted comparisons, the one saving the
+    /// most is named, with its reach where recorded, the count meeting the
+    /// bound and the count no rule could bring to it.
     #[test]
     fn the_closest_memory_per_setting_is_named() {
         let saving = |share: f64, forward_counted: bool, reach: Option<f64>| Saving {
@@ -1369,9 +1398,9 @@ mod tests {
         ];
         assert_eq!(
             closest_memory(&rows, 0.5),
-            "\nClosest to the memory bound per setting run more than one way, forward buffers counted: s1: b (−45.0%; missed); s3: a (−52.0%; at most −60.0% with every pair computed unsplit; met).\n"
+            "\nClosest to the memory bound per setting, forward buffers counted (met in 2 of 3 settings; out of reach of every pair computed unsplit in 1): s1: b (−45.0%; missed); s2: only (−55.0%; at most −60.0% with every pair computed unsplit; met); s3: a (−52.0%; at most −60.0% with every pair computed unsplit; met).\n"
         );
-        assert_eq!(closest_memory(&rows[2..4], 0.5), "");
+        assert_eq!(closest_memory(&rows[2..3], 0.5), "");
     }
 
     fn comparison(runs: Vec<TrainSummary>) -> Comparison {
@@ -1577,7 +1606,11 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.ends_with("forward buffers counted, in 0 of 1 (within reach of any placement that computes every pair unsplit in 0 of the 1 that record it) (missed: e (−75.0%; at most −50.0% with every pair computed unsplit)).\n"),
+            t.contains("forward buffers counted, in 0 of 1 (within reach of any placement that computes every pair unsplit in 0 of the 1 that record it) (missed: e (−75.0%; at most −50.0% with every pair computed unsplit)).\n"),
+            "{t}"
+        );
+        assert!(
+            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; out of reach of every pair computed unsplit in 1): e (−75.0%; at most −50.0% with every pair computed unsplit; missed).\n"),
             "{t}"
         );
         // A file from before the forward's rows were counted says so.
@@ -1596,11 +1629,17 @@ mod tests {
         // saves 75%, c (backward only) the same.
         let t = summary(&[a.clone(), c.clone()], None, Some(0.8)).unwrap();
         assert!(
-            t.ends_with("at least 80% below fixed ownership's unsplit need: forward buffers counted, in 0 of 1 (missed: a (−75.0%)); backward buffers only (runs before 2026-12-05), in 0 of 1 (missed: c (−75.0%)).\n"),
+            t.contains("at least 80% below fixed ownership's unsplit need: forward buffers counted, in 0 of 1 (missed: a (−75.0%)); backward buffers only (runs before 2026-12-05), in 0 of 1 (missed: c (−75.0%)).\n"),
+            "{t}"
+        );
+        // The closest per setting counts the forward-counted ones only.
+        assert!(
+            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; out of reach of every pair computed unsplit in 0): a (−75.0%; missed).\n"),
             "{t}"
         );
         let t = summary(std::slice::from_ref(&a), None, Some(0.5)).unwrap();
-        assert!(t.ends_with("forward buffers counted, in 1 of 1.\n"), "{t}");
+        assert!(t.contains("forward buffers counted, in 1 of 1.\n"), "{t}");
+        assert!(t.contains("(met in 1 of 1 settings;"), "{t}");
         assert!(summary(std::slice::from_ref(&a), None, Some(1.5)).is_err());
         // A bad input is named; no input is an error.
         let bad = dir.join("bad.json");
@@ -1661,7 +1700,9 @@ mod tests {
         older_lrmoe.budget_held = BudgetHeld::Unrecorded;
         let older = write("older", vec![full.clone(), older_lrmoe]);
         let t = summary(&[met, over, short, open, early, none, older], bounds, None).unwrap();
-        let last = t.lines().last().unwrap();
+        let last = (t.lines())
+            .find(|l| l.starts_with("LRMoE against"))
+            .unwrap();
         assert!(
             last.starts_with("LRMoE against the best exact backward on the evaluation grid, at most 0.80× its MoE-layer time and 1.15× its steps to the target: the budget holding the forward's rows, both in 1 of 5 comparisons with an LRMoE run (the time in 1, the steps in 2);"),
             "{t}"
