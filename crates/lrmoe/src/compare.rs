@@ -1185,7 +1185,7 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
         return String::new();
     }
     format!(
-        "\nClosest to the memory bound per setting, forward buffers counted (met in {met} of {} settings; out of reach of every pair computed unsplit in {out_of_reach}): {}.\n",
+        "\nClosest to the memory bound per setting, forward buffers counted (met in {met} of {} settings; beyond any placement computing every pair unsplit in {out_of_reach}): {}.\n",
         parts.len(),
         parts.join("; ")
     )
@@ -1398,7 +1398,7 @@ mod tests {
         ];
         assert_eq!(
             closest_memory(&rows, 0.5),
-            "\nClosest to the memory bound per setting, forward buffers counted (met in 2 of 3 settings; out of reach of every pair computed unsplit in 1): s1: b (−45.0%; missed); s2: only (−55.0%; at most −60.0% with every pair computed unsplit; met); s3: a (−52.0%; at most −60.0% with every pair computed unsplit; met).\n"
+            "\nClosest to the memory bound per setting, forward buffers counted (met in 2 of 3 settings; beyond any placement computing every pair unsplit in 1): s1: b (−45.0%; missed); s2: only (−55.0%; at most −60.0% with every pair computed unsplit; met); s3: a (−52.0%; at most −60.0% with every pair computed unsplit; met).\n"
         );
         assert_eq!(closest_memory(&rows[2..3], 0.5), "");
     }
@@ -1610,7 +1610,7 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; out of reach of every pair computed unsplit in 1): e (−75.0%; at most −50.0% with every pair computed unsplit; missed).\n"),
+            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; beyond any placement computing every pair unsplit in 1): e (−75.0%; at most −50.0% with every pair computed unsplit; missed).\n"),
             "{t}"
         );
         // A file from before the forward's rows were counted says so.
@@ -1634,7 +1634,7 @@ mod tests {
         );
         // The closest per setting counts the forward-counted ones only.
         assert!(
-            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; out of reach of every pair computed unsplit in 0): a (−75.0%; missed).\n"),
+            t.ends_with("\nClosest to the memory bound per setting, forward buffers counted (met in 0 of 1 settings; beyond any placement computing every pair unsplit in 0): a (−75.0%; missed).\n"),
             "{t}"
         );
         let t = summary(std::slice::from_ref(&a), None, Some(0.5)).unwrap();
