@@ -451,6 +451,17 @@ pub struct MoeRun<'a> {
     pub replica_load: &'a [Vec<u64>],
 }
 
+/// A step's MoE run with `placement` and `backward` alone: no balancing
+/// bias and no previous load for SYMI-like replicas.
+pub fn plain_moe_run<'a>(placement: &'a Placement, backward: &'a CallConfig) -> MoeRun<'a> {
+    MoeRun {
+        placement,
+        backward,
+        expert_bias: &[],
+        replica_load: &[],
+    }
+}
+
 /// Layer `li`'s call when it differs from `run.backward`: with its
 /// balancing bias, and with its previous load as the SYMI-like replicas'
 /// input.
@@ -1302,12 +1313,7 @@ mod tests {
                 .collect(),
             replicas: vec![],
         };
-        let run = MoeRun {
-            placement: &placement,
-            backward: bwd,
-            expert_bias: &[],
-            replica_load: &[],
-        };
+        let run = plain_moe_run(&placement, bwd);
         let per = tokens.len() / ranks;
         let res: Vec<Result<_, ModelError>> = run_local(ranks, Duration::from_secs(60), |t| {
             let r = t.rank();
@@ -1540,12 +1546,7 @@ mod tests {
             replicas: vec![],
         };
         let bwd = CallConfig::default();
-        let run = MoeRun {
-            placement: &placement,
-            backward: &bwd,
-            expert_bias: &[],
-            replica_load: &[],
-        };
+        let run = plain_moe_run(&placement, &bwd);
         let res: Vec<Result<(), ModelError>> = run_local(1, Duration::from_secs(5), |t| {
             forward(t, &cfg, &model, &run, &[9, 1], &[1, 1], 2).map(|_| ())
         });

@@ -224,12 +224,7 @@ pub fn train(cfg: &TrainConfig, opts: &RunOptions) -> Result<TrainSummary, Train
         replicas: vec![],
     };
     let call = run_call_config(cfg, opts, &mcfg, &placement, whole_gpu);
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-        replica_load: &[],
-    };
+    let run = model::plain_moe_run(&placement, &call);
     // One device model for this process's rank (staged in-process ranks
     // build theirs in their threads).
     let device_model = if whole_gpu && !staged {

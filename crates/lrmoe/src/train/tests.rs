@@ -5,7 +5,7 @@ use super::config::*;
 use super::files::*;
 use super::run::*;
 use super::*;
-use crate::model::{Model, ModelConfig, MoeRun};
+use crate::model::{plain_moe_run, Model, ModelConfig};
 use layer::CallConfig;
 use quota::Placement;
 
@@ -192,12 +192,7 @@ fn micro_batches_accumulate_the_whole_batch_gradient() {
         replicas: vec![],
     };
     let call = CallConfig::default();
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-        replica_load: &[],
-    };
+    let run = plain_moe_run(&placement, &call);
     let seq = 8;
     let (tokens, targets) = four_sequences(seq);
     let go = |micro: usize| {
@@ -259,12 +254,7 @@ fn the_even_forward_is_the_layer_s_forward_buffer_at_one_rank() {
         replicas: vec![],
     };
     let call = CallConfig::default();
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-        replica_load: &[],
-    };
+    let run = plain_moe_run(&placement, &call);
     let seq = 8;
     let (tokens, targets) = four_sequences(seq);
     let got = layer::run_local(1, std::time::Duration::from_secs(60), |t| {

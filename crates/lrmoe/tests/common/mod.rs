@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use lrmoe::data::windows;
 use lrmoe::layer::{run_local, CallConfig};
-use lrmoe::model::{self, Model, ModelConfig, MoeRun};
+use lrmoe::model::{self, Model, ModelConfig};
 use lrmoe::optim::AdamWState;
 use lrmoe::quota::Placement;
 
@@ -70,12 +70,7 @@ pub fn cpu_loss_and_grads(
         replicas: vec![],
     };
     let call = CallConfig::default();
-    let run = MoeRun {
-        placement: &placement,
-        backward: &call,
-        expert_bias: &[],
-        replica_load: &[],
-    };
+    let run = model::plain_moe_run(&placement, &call);
     let mut out = run_local(1, Duration::from_secs(60), |t| {
         let (l, c) = model::forward(t, cfg, m, &run, &tok, &tgt, seq)?;
         let g = model::backward(t, cfg, m, &run, c, seq)?;
