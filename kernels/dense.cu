@@ -917,6 +917,44 @@ extern "C" __global__ void adamw_bf16(float* p, float* m, float* v, const uint16
     adamw(p, m, v, g, p16, n, lr, b1, b2, eps, wd, bc1, bc2, norm_sq, clip);
 }
 
+// AdamW's loads and stores with its arithmetic replaced by adds (p += g,
+// m += g, v += g, the bf16 copy of p written; bf16 gradient), in the same
+// grid-stride launch with the same vectors: what the update's access
+// pattern alone reaches on this device, the ceiling against which
+// `adamw_bf16`'s bandwidth is read (a probe for the benchmark; twin:
+// `dense::adamw_streams_reference`).
+extern "C" __global__ void adamw_streams_bf16(float* __restrict__ p, float* __restrict__ m, float* __restrict__ v,
+                                              const uint16_t* __restrict__ g, uint16_t* __restrict__ p16,
+                                              long long n) {
+    long long stride = (long long)gridDim.x * blockDim.x, first = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    bool wide = (((uintptr_t)p | (uintptr_t)m | (uintptr_t)v) & 15) == 0 && ((uintptr_t)g & 7) == 0 &&
+                ((uintptr_t)p16 & 7) == 0;
+    long long n4 = wide ? n / 4 : 0;
+    for (long long i = first; i < n4; i += stride) {
+        float4 pq = reinterpret_cast<float4*>(p)[i], mq = reinterpret_cast<float4*>(m)[i],
+               vq = reinterpret_cast<float4*>(v)[i];
+        float gs[4];
+        load4(g, i, gs);
+        pq = make_float4(pq.x + gs[0], pq.y + gs[1], pq.z + gs[2], pq.w + gs[3]);
+        mq = make_float4(mq.x + gs[0], mq.y + gs[1], mq.z + gs[2], mq.w + gs[3]);
+        vq = make_float4(vq.x + gs[0], vq.y + gs[1], vq.z + gs[2], vq.w + gs[3]);
+        reinterpret_cast<float4*>(p)[i] = pq;
+        reinterpret_cast<float4*>(m)[i] = mq;
+        reinterpret_cast<float4*>(v)[i] = vq;
+        uint2 w;
+        w.x = (uint32_t)to_bf(pq.x) | ((uint32_t)to_bf(pq.y) << 16);
+        w.y = (uint32_t)to_bf(pq.z) | ((uint32_t)to_bf(pq.w) << 16);
+        reinterpret_cast<uint2*>(p16)[i] = w;
+    }
+    for (long long i = n4 * 4 + first; i < n; i += stride) {
+        float gi = load(g, i);
+        p[i] += gi;
+        m[i] += gi;
+        v[i] += gi;
+        p16[i] = to_bf(p[i]);
+    }
+}
+
 // x += y (f32; gradients accumulated over micro-batches).
 extern "C" __global__ void add_f32(float* __restrict__ x, const float* __restrict__ y, long long n) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)

@@ -430,6 +430,17 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
             peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
         );
     }
+    // The update's loads and stores with adds for its arithmetic: the
+    // ceiling of its access pattern on this device, beside the copy's.
+    let t = gpu.bench_adamw_streams(n)?;
+    let gbps = t.gbps();
+    println!(
+        "| its loads and stores alone (bf16 gradient, adds for the arithmetic) | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | - |",
+        t.ms,
+        t.bytes / n as f64,
+        gbps / hbm.gbps * 100.0,
+        gbps / copy.gbps(),
+    );
     println!();
     println!("The gradient norm's squared sum over {n} elements (the input read once):");
     println!();

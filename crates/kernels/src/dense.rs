@@ -424,6 +424,18 @@ pub fn adamw_reference(
     p.iter().map(|&x| to_bf16_bits(x)).collect()
 }
 
+/// Twin of `Gpu::adamw_streams` (AdamW's access pattern without its
+/// arithmetic, a bandwidth probe): `p += g`, `m += g`, `v += g` in f32;
+/// returns the bf16 copy of the new `p`.
+pub fn adamw_streams_reference(p: &mut [f32], m: &mut [f32], v: &mut [f32], g: &[f32]) -> Vec<u16> {
+    for i in 0..p.len() {
+        p[i] += g[i];
+        m[i] += g[i];
+        v[i] += g[i];
+    }
+    p.iter().map(|&x| to_bf16_bits(x)).collect()
+}
+
 /// Twin of `Gpu::sum_parts`: the sum of `sources`, element by element, in
 /// source order — from `0.0` when `from_zero` (the bits of adding each
 /// source into a zeroed buffer), else from the first source (one source:

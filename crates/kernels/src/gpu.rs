@@ -2410,6 +2410,23 @@ mod imp {
             })
         }
 
+        /// AdamW's access pattern alone over `n` parameters
+        /// ([`Gpu::adamw_streams`]: the same loads and stores as
+        /// [`Gpu::bench_adamw`] with a bf16 gradient, adds for the
+        /// arithmetic), 10 timed runs: bytes = 28 a parameter.
+        pub fn bench_adamw_streams(&self, n: usize) -> Result<Timing, KernelError> {
+            let (mut p, mut m, mut v) = (self.zeros(n)?, self.zeros(n)?, self.zeros(n)?);
+            let mut p16 = self.zeros::<u16>(n)?;
+            let g = self.zeros::<u16>(n)?;
+            let ms = self.time(10, || {
+                self.adamw_streams(&mut p, &mut m, &mut v, &g, &mut p16)
+            })?;
+            Ok(Timing {
+                ms,
+                bytes: 28.0 * n as f64,
+            })
+        }
+
         /// The squared norm of `n` bf16 (`bf16`) or f32 zeros, 10 timed
         /// runs: bytes = the input read once.
         pub fn bench_sq_sum(&self, n: usize, bf16: bool) -> Result<Timing, KernelError> {

@@ -473,6 +473,35 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
     }
 }
 
+/// AdamW's access-pattern probe (`Gpu::adamw_streams`, the benchmark's
+/// ceiling) against its twin, at lengths below, at and past a 4-wide
+/// vector's multiple and at 2²³ + 3: the adds exact (f32, one add each),
+/// the bf16 copy bit for bit over a poisoned buffer.
+#[test]
+#[ignore = "needs a GPU: run with --ignored on the device"]
+fn adamw_streams_probe_matches_its_twin() {
+    let g = gpu();
+    let mut r = Rng(seed());
+    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
+        let (p0, m0, v0) = (r.f32s(n, 1.0), r.f32s(n, 0.01), r.f32s(n, 0.001));
+        let gb = r.bf16s(n, 0.1);
+        let (mut p, mut m, mut v) = (
+            g.upload(&p0).unwrap(),
+            g.upload(&m0).unwrap(),
+            g.upload(&v0).unwrap(),
+        );
+        let mut p16 = g.upload(&vec![0xFFFFu16; n]).unwrap();
+        g.adamw_streams(&mut p, &mut m, &mut v, &g.upload(&gb).unwrap(), &mut p16)
+            .unwrap();
+        let (mut wp, mut wm, mut wv) = (p0, m0, v0);
+        let w16 = adamw_streams_reference(&mut wp, &mut wm, &mut wv, &wide(&gb));
+        assert_eq!(g.download(&p, n).unwrap(), wp, "p, n {n}");
+        assert_eq!(g.download(&m, n).unwrap(), wm, "m, n {n}");
+        assert_eq!(g.download(&v, n).unwrap(), wv, "v, n {n}");
+        assert_eq!(g.download(&p16, n).unwrap(), w16, "bf16 copy, n {n}");
+    }
+}
+
 /// Attention's products as grouped GEMMs with one group per (sequence,
 /// key/value head) whose rows are that head's queries, against a CPU
 /// product per group: scores `Q·Kᵀ`, context `P·V`, and `dV = Pᵀ·dC`

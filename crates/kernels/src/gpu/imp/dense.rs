@@ -61,6 +61,7 @@ pub(crate) struct DenseFns {
     sq_bf16: CudaFunction,
     adam_f32: CudaFunction,
     adam_bf16: CudaFunction,
+    adam_streams: CudaFunction,
     to_bf16: CudaFunction,
     /// Fused attention per head width (16, 32, 64, 128): forward, dK/dV,
     /// dQ recomputing, dQ from the stored dS.
@@ -292,6 +293,7 @@ impl DenseFns {
             sq_bf16: f("sq_sum_bf16")?,
             adam_f32: f("adamw_f32")?,
             adam_bf16: f("adamw_bf16")?,
+            adam_streams: f("adamw_streams_bf16")?,
             to_bf16: f("f32_to_bf16")?,
             flash: [16usize, 32, 64, 128]
                 .into_iter()
@@ -1292,6 +1294,36 @@ impl Gpu {
         // 2026-12-05.)
         // SAFETY: (f32*, f32*, f32*, G*, u16* or null, long long, float×7,
         // f32*, float); n entries each (checked above), norm_sq one.
+        unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
+        Ok(())
+    }
+
+    /// AdamW's loads and stores without its arithmetic — `p += g`, `m +=
+    /// g`, `v += g`, the bf16 copy of `p` written — in the update's launch:
+    /// the bandwidth its access pattern alone reaches, the ceiling
+    /// `lrmoe-gpu-bench`'s AdamW table reads the update against. Twin:
+    /// [`crate::dense::adamw_streams_reference`].
+    pub fn adamw_streams(
+        &self,
+        p: &mut CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        g: &CudaSlice<u16>,
+        p16: &mut CudaSlice<u16>,
+    ) -> Result<(), KernelError> {
+        let n = p.len();
+        at_least("m", n, m.len())?;
+        at_least("v", n, v.len())?;
+        at_least("gradient", n, g.len())?;
+        at_least("bf16 copy", n, p16.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let nl = n as i64;
+        let mut l = self.stream.launch_builder(&self.dense.adam_streams);
+        l.arg(p).arg(m).arg(v).arg(g).arg(p16).arg(&nl);
+        // SAFETY: (f32*, f32*, f32*, u16*, u16*, long long); n entries each
+        // (checked above).
         unsafe { l.launch(self.elementwise_config(n)) }.map_err(cuda)?;
         Ok(())
     }
