@@ -526,15 +526,26 @@ mod imp {
         }
         let path = std::env::temp_dir().join(format!("lrmoe-{stem}-{h:016x}.so"));
         if !path.exists() {
-            let tmp = path.with_extension(format!("{}.tmp", std::process::id()));
-            std::fs::write(&tmp, bytes)
-                .and_then(|()| std::fs::rename(&tmp, &path))
-                .map_err(|e| {
-                    KernelError::Cuda(format!(
+            // A temporary name of this process and this call: threads (or
+            // processes) opening devices at once each write their own copy
+            // and rename it over the content-named file; the same bytes,
+            // so whichever lands last is the one all of them open. (One
+            // name per process let one thread rename the file another was
+            // still writing or renaming: "No such file or directory" from
+            // parallel device tests, 2026-12-05.)
+            static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let tmp = path.with_extension(format!("{}-{call}.tmp", std::process::id()));
+            let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+            if let Err(e) = written {
+                let _ = std::fs::remove_file(&tmp);
+                if !path.exists() {
+                    return Err(KernelError::Cuda(format!(
                         "cannot write the {stem} library to {}: {e}",
                         path.display()
-                    ))
-                })?;
+                    )));
+                }
+            }
         }
         // SAFETY: the caller's contract.
         unsafe { libloading::Library::new(&path) }

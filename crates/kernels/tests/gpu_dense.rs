@@ -6,7 +6,7 @@
 #![cfg(feature = "cuda")]
 #![allow(clippy::unwrap_used)] // test helpers panic on set-up failure by design
 
-use kernels::cpu::{bf16_bits_to_f32, GemmVariant};
+use kernels::cpu::{bf16_bits_to_f32, f32_to_bf16_bits as to_bf16_bits, GemmVariant};
 use kernels::dense::*;
 use kernels::gpu::{AttnDq, AttnFwd, CudaSlice, Gpu};
 
@@ -416,11 +416,37 @@ fn gradient_norm_and_adamw_match_the_twins() {
         );
         assert!(rel(&g.download(&m, n).unwrap(), &wm) < 1e-6, "m");
         assert!(rel(&g.download(&v, n).unwrap(), &wv) < 1e-6, "v");
-        assert!(
-            max_ulps(&g.download(&p16, n).unwrap(), &w16) <= 1,
-            "bf16 copy"
+        let p_got = g.download(&p, n).unwrap();
+        check_bf16_copy(
+            &g.download(&p16, n).unwrap(),
+            &p_got,
+            &w16,
+            &format!("clip {clip}"),
         );
     }
+}
+
+/// AdamW's bf16 copy: bit for bit the kernel's own new `p` rounded, and
+/// within a bf16 rounding (1%) of the twin's copy, with a 1e-6 floor near
+/// zero — where the f32 results of the device and the twin, equal to 1e-6
+/// of the whole, may sit on either side of a bf16 boundary or of zero, and
+/// a distance in bits says nothing (one in ~10⁷ parameters: the 1-ulp bound
+/// this replaces failed once at 2²³ + 3, 2026-12-05).
+fn check_bf16_copy(got16: &[u16], p_got: &[f32], want16: &[u16], what: &str) {
+    let own: Vec<u16> = p_got.iter().map(|&x| to_bf16_bits(x)).collect();
+    assert!(
+        got16 == own.as_slice(),
+        "bf16 copy against the kernel's own p, {what}"
+    );
+    let far = got16
+        .iter()
+        .zip(want16)
+        .filter(|&(&a, &b)| {
+            let (x, y) = (bf16_bits_to_f32(a), bf16_bits_to_f32(b));
+            (x - y).abs() > (1e-2 * y.abs()).max(1e-6)
+        })
+        .count();
+    assert_eq!(far, 0, "bf16 copy against the twin's, {what}");
 }
 
 /// AdamW against the CPU twin at lengths below, at and past a 4-wide
@@ -431,7 +457,8 @@ fn gradient_norm_and_adamw_match_the_twins() {
 #[ignore = "needs a GPU: run with --ignored on the device"]
 fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
     let g = gpu();
-    let mut r = Rng(seed());
+    let s = seed();
+    let mut r = Rng(s);
     let ns = g.upload(&[7.5f32]).unwrap();
     let hp = adam_hp(1.0);
     for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
@@ -458,13 +485,13 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
                 let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
                 let grads = if bf16 { wide(&gb) } else { gf.clone() };
                 let w16 = adamw_reference(&mut wp, &mut wm, &mut wv, &grads, &hp, 7.5);
-                let what = format!("n {n} bf16 {bf16} copy {copy}");
+                let what = format!("n {n} bf16 {bf16} copy {copy} seed {s}");
                 assert!(rel(&g.download(&p, n).unwrap(), &wp) < 1e-6, "p, {what}");
                 assert!(rel(&g.download(&m, n).unwrap(), &wm) < 1e-6, "m, {what}");
                 assert!(rel(&g.download(&v, n).unwrap(), &wv) < 1e-6, "v, {what}");
                 let got16 = g.download(&p16, n).unwrap();
                 if copy {
-                    assert!(max_ulps(&got16, &w16) <= 1, "bf16 copy, {what}");
+                    check_bf16_copy(&got16, &g.download(&p, n).unwrap(), &w16, &what);
                 } else {
                     assert!(got16.iter().all(|&x| x == 0xFFFF), "no copy asked, {what}");
                 }
