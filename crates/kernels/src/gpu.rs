@@ -67,6 +67,44 @@ pub fn cudnn_candidates(
     v
 }
 
+/// Writes `bytes` to `dir/lrmoe-{stem}-{hash}.so`, named by a hash of the
+/// bytes, unless that file exists, and returns its path: the embedded
+/// kernel libraries are opened from there. Atomic and safe to race: each
+/// call writes its own temporary file (this process, a per-process call
+/// number) and renames it over the content-named one, so threads or
+/// processes opening devices at once never see a partial file, and a
+/// rename that loses to another writer of the same bytes is no error.
+pub fn write_content_named(
+    dir: &std::path::Path,
+    stem: &str,
+    bytes: &[u8],
+) -> std::io::Result<std::path::PathBuf> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static CALLS: AtomicU64 = AtomicU64::new(0);
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+    }
+    let path = dir.join(format!("lrmoe-{stem}-{h:016x}.so"));
+    if path.exists() {
+        return Ok(path);
+    }
+    let call = CALLS.fetch_add(1, Ordering::Relaxed);
+    let tmp = path.with_extension(format!("{}-{call}.tmp", std::process::id()));
+    let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
+    match written {
+        Ok(()) => Ok(path),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            if path.exists() {
+                Ok(path)
+            } else {
+                Err(e)
+            }
+        }
+    }
+}
+
 /// Stand-in when built without CUDA: every call is an error.
 #[cfg(not(feature = "cuda"))]
 #[derive(Debug)]
@@ -520,33 +558,16 @@ mod imp {
     /// `bytes` must be a library `cargo xtask kernels` built from
     /// `kernels/lib/`, whose initialisers only register CUDA kernels.
     unsafe fn open_embedded(bytes: &[u8], stem: &str) -> Result<libloading::Library, KernelError> {
-        let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-        for &b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
-        }
-        let path = std::env::temp_dir().join(format!("lrmoe-{stem}-{h:016x}.so"));
-        if !path.exists() {
-            // A temporary name of this process and this call: threads (or
-            // processes) opening devices at once each write their own copy
-            // and rename it over the content-named file; the same bytes,
-            // so whichever lands last is the one all of them open. (One
-            // name per process let one thread rename the file another was
-            // still writing or renaming: "No such file or directory" from
-            // parallel device tests, 2026-12-05.)
-            static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-            let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            let tmp = path.with_extension(format!("{}-{call}.tmp", std::process::id()));
-            let written = std::fs::write(&tmp, bytes).and_then(|()| std::fs::rename(&tmp, &path));
-            if let Err(e) = written {
-                let _ = std::fs::remove_file(&tmp);
-                if !path.exists() {
-                    return Err(KernelError::Cuda(format!(
-                        "cannot write the {stem} library to {}: {e}",
-                        path.display()
-                    )));
-                }
-            }
-        }
+        // (One temporary name per process let one thread rename the file
+        // another was still writing: "No such file or directory" from
+        // parallel device tests, 2026-12-05; each call has its own now.)
+        let dir = std::env::temp_dir();
+        let path = super::write_content_named(&dir, stem, bytes).map_err(|e| {
+            KernelError::Cuda(format!(
+                "cannot write the {stem} library to {}: {e}",
+                dir.display()
+            ))
+        })?;
         // SAFETY: the caller's contract.
         unsafe { libloading::Library::new(&path) }
             .map_err(|e| KernelError::Cuda(format!("dlopen {}: {e}", path.display())))
@@ -2617,8 +2638,47 @@ mod imp {
 
 #[cfg(test)]
 mod tests {
-    use super::cudnn_candidates;
+    use super::{cudnn_candidates, write_content_named};
     use std::path::PathBuf;
+
+    /// Sixteen threads writing the same library at once, each reading it
+    /// back as soon as its call returns (as dlopen would), all get the one
+    /// content-named path with whole bytes and leave no temporary file;
+    /// other bytes get another name; an unwritable folder is an error, not
+    /// a panic.
+    #[test]
+    fn content_named_writes_race_safely() {
+        let dir = std::env::temp_dir().join(format!("lrmoe-embed-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let bytes: Vec<u8> = (0..1 << 22).map(|i: u32| (i * 7 + 3) as u8).collect();
+        for round in 0..4 {
+            let stem = format!("t{round}");
+            let paths: Vec<PathBuf> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..16)
+                    .map(|_| {
+                        s.spawn(|| {
+                            let p = write_content_named(&dir, &stem, &bytes).unwrap();
+                            let back = std::fs::read(&p).unwrap();
+                            assert!(back == bytes, "a partial file: {} bytes", back.len());
+                            p
+                        })
+                    })
+                    .collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            assert!(paths.iter().all(|p| *p == paths[0]));
+        }
+        let other = write_content_named(&dir, "t0", &bytes[1..]).unwrap();
+        assert!(other.exists());
+        let left: Vec<_> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(left.len(), 5, "{left:?}");
+        assert!(left.iter().all(|n| n.ends_with(".so")), "{left:?}");
+        assert!(write_content_named(&dir.join("missing/deeper"), "t", &bytes).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 
     /// `LRMOE_CUDNN` is the only candidate when set (a folder names the
     /// library inside it); otherwise the soname, then the Python package
