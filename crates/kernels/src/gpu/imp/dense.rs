@@ -1302,7 +1302,11 @@ impl Gpu {
     /// g`, `v += g`, the bf16 copy of `p` written — in the update's launch:
     /// the bandwidth its access pattern alone reaches, the ceiling
     /// `lrmoe-gpu-bench`'s AdamW table reads the update against. Twin:
-    /// [`crate::dense::adamw_streams_reference`].
+    /// [`crate::dense::adamw_streams_reference`]. (Its loop in
+    /// `kernels/dense.cu` is written beside `adamw`'s, not shared through a
+    /// template: with the adds in place nvcc unrolls the shared loop four
+    /// times over — 48 loads in the PTX against 8 — a different memory
+    /// pattern from the one measured, 2026-12-06.)
     pub fn adamw_streams(
         &self,
         p: &mut CudaSlice<f32>,
