@@ -1304,9 +1304,10 @@ impl Gpu {
     /// `lrmoe-gpu-bench`'s AdamW table reads the update against. Twin:
     /// [`crate::dense::adamw_streams_reference`]. (Its loop in
     /// `kernels/dense.cu` is written beside `adamw`'s, not shared through a
-    /// template: with the adds in place nvcc unrolls the shared loop four
-    /// times over — 48 loads in the PTX against 8 — a different memory
-    /// pattern from the one measured, 2026-12-06.)
+    /// template: with the adds in place nvcc unrolls the shared wide loop
+    /// six times over — 18 four-wide loads in the PTX against the 3 of
+    /// `adamw_bf16`'s loop and of this one's — a different memory pattern
+    /// from the update's, 2026-12-06.)
     pub fn adamw_streams(
         &self,
         p: &mut CudaSlice<f32>,
