@@ -781,6 +781,48 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     )
 }
 
+/// Per budget or rule — the variant of `setting/variant` labels — of the
+/// comparisons whose budget held the forward, in the order the variants
+/// first come, how many meet both bounds of how many run that way (and how
+/// many are undecided): which budget or rule carries the claim across
+/// settings. Nothing when fewer than two named variants ran.
+fn per_way_line(rows: &[AgainstBounds]) -> String {
+    let mut ways: Vec<(&str, [usize; 3])> = Vec::new();
+    for r in rows.iter().filter(|r| r.forward_budget) {
+        let v = setting_of(&r.name).1;
+        if v.is_empty() {
+            continue;
+        }
+        let i = match ways.iter().position(|(w, _)| *w == v) {
+            Some(i) => i,
+            None => {
+                ways.push((v, [0; 3]));
+                ways.len() - 1
+            }
+        };
+        let c = &mut ways[i].1;
+        c[0] += 1;
+        match r.time.and(r.steps) {
+            Verdict::Met => c[1] += 1,
+            Verdict::Undecided => c[2] += 1,
+            Verdict::Missed => {}
+        }
+    }
+    if ways.len() < 2 {
+        return String::new();
+    }
+    let parts: Vec<String> = (ways.iter())
+        .map(|(w, [n, met, und])| match und {
+            0 => format!("{w} {met} of {n}"),
+            u => format!("{w} {met} of {n} ({u} undecided)"),
+        })
+        .collect();
+    format!(
+        "\nBoth bounds per budget or rule with the budget holding the forward (comparisons meeting both, of those run that way): {}.\n",
+        parts.join("; ")
+    )
+}
+
 /// ": variant" of a `setting/variant` label, or nothing for a label that
 /// is its own setting.
 fn way(name: &str) -> String {
@@ -1015,6 +1057,7 @@ pub fn summary(
     if let Some(b) = bounds {
         t.push_str(&bounds_line(&verdicts, b));
         t.push_str(&closest_line(&verdicts, b));
+        t.push_str(&per_way_line(&verdicts));
     }
     if let Some(m) = memory_bound {
         t.push_str(&memory_line(&savings, m));
@@ -1376,6 +1419,38 @@ mod tests {
             closest_line(&[row("alone", [0.9, 1.0], true)], bounds),
             "\nClosest to both bounds per setting with the budget holding the forward (both met in 0 of 1 settings): alone (time 0.90×, steps 1.00×; missed).\n"
         );
+    }
+
+    /// Per budget or rule under a forward-holding budget, the comparisons
+    /// meeting both bounds are counted, undecided ones said; runs whose
+    /// budget bound the backward alone and unnamed variants are left out,
+    /// and a single way gives no line.
+    #[test]
+    fn both_bounds_are_counted_per_budget_or_rule() {
+        let row = |name: &str, time: Verdict, forward_budget: bool| AgainstBounds {
+            name: name.into(),
+            time,
+            steps: Verdict::Met,
+            ratios: String::new(),
+            point: [0.0, 0.0],
+            forward_budget,
+        };
+        use Verdict::{Met, Missed, Undecided};
+        let rows = [
+            row("s1/tight", Met, true),
+            row("s1/loose", Missed, true),
+            row("s1/old", Met, false),
+            row("s2/loose", Met, true),
+            row("s2/tight", Undecided, true),
+            row("s3/tight", Met, true),
+            row("alone", Met, true),
+        ];
+        assert_eq!(
+            per_way_line(&rows),
+            "\nBoth bounds per budget or rule with the budget holding the forward (comparisons meeting both, of those run that way): tight 2 of 3 (1 undecided); loose 1 of 2.\n"
+        );
+        assert_eq!(per_way_line(&rows[..1]), "");
+        assert_eq!(per_way_line(&rows[2..3]), "");
     }
 
     /// Per setting with forward-counted comparisons, the one saving the
