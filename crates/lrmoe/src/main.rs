@@ -90,7 +90,9 @@ enum Command {
         input: Vec<PathBuf>,
         /// With --steps-bound: count the comparisons where LRMoE takes at
         /// most this many times the best exact-backward baseline's MoE-layer
-        /// time to the target (on the evaluation grid; issue 30: 0.8).
+        /// time to the target (on the evaluation grid; issue 30: 0.8), and
+        /// name per setting (`setting/variant` inputs) the variant closest
+        /// to both bounds and count per variant those meeting them.
         #[arg(long, requires = "steps_bound")]
         time_bound: Option<f64>,
         /// With --time-bound: and at most this many times its steps (issue
