@@ -787,34 +787,21 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
 /// many are undecided): which budget or rule carries the claim across
 /// settings. Nothing when fewer than two named variants ran.
 fn per_way_line(rows: &[AgainstBounds]) -> String {
-    let mut ways: Vec<(&str, [usize; 3])> = Vec::new();
-    for r in rows.iter().filter(|r| r.forward_budget) {
-        let v = setting_of(&r.name).1;
-        if v.is_empty() {
-            continue;
-        }
-        let i = match ways.iter().position(|(w, _)| *w == v) {
-            Some(i) => i,
-            None => {
-                ways.push((v, [0; 3]));
-                ways.len() - 1
-            }
-        };
-        let c = &mut ways[i].1;
-        c[0] += 1;
-        match r.time.and(r.steps) {
-            Verdict::Met => c[1] += 1,
-            Verdict::Undecided => c[2] += 1,
-            Verdict::Missed => {}
-        }
-    }
+    let named: Vec<&AgainstBounds> = (rows.iter())
+        .filter(|r| r.forward_budget && !setting_of(&r.name).1.is_empty())
+        .collect();
+    let ways = groups_in_order(&named, |r| setting_of(&r.name).1);
     if ways.len() < 2 {
         return String::new();
     }
     let parts: Vec<String> = (ways.iter())
-        .map(|(w, [n, met, und])| match und {
-            0 => format!("{w} {met} of {n}"),
-            u => format!("{w} {met} of {n} ({u} undecided)"),
+        .map(|(w, group)| {
+            let of = |v: Verdict| (group.iter()).filter(|r| r.time.and(r.steps) == v).count();
+            let (n, met) = (group.len(), of(Verdict::Met));
+            match of(Verdict::Undecided) {
+                0 => format!("{w} {met} of {n}"),
+                u => format!("{w} {met} of {n} ({u} undecided)"),
+            }
         })
         .collect();
     format!(
@@ -832,6 +819,30 @@ fn way(name: &str) -> String {
     }
 }
 
+/// `rows` grouped by `key`, in the order the keys first come.
+fn groups_in_order<'a, T>(
+    rows: &[&'a T],
+    key: impl Fn(&'a T) -> &'a str,
+) -> Vec<(&'a str, Vec<&'a T>)> {
+    let mut groups: Vec<(&'a str, Vec<&'a T>)> = Vec::new();
+    for &r in rows {
+        let k = key(r);
+        match groups.iter_mut().find(|(g, _)| *g == k) {
+            Some((_, members)) => members.push(r),
+            None => groups.push((k, vec![r])),
+        }
+    }
+    groups
+}
+
+/// The member of `group` with the least finite `key` (the first of
+/// equals); none when no key is finite.
+fn least<'a, T>(group: &[&'a T], key: impl Fn(&T) -> f64) -> Option<&'a T> {
+    (group.iter().copied())
+        .filter(|&r| key(r).is_finite())
+        .min_by(|&a, &b| key(a).total_cmp(&key(b)))
+}
+
 /// Per setting ([`setting_of`] of `name`) of `rows`, in the order the
 /// settings first come, the row with the least finite `key` (the first of
 /// equals); a setting whose keys are none finite is left out.
@@ -840,23 +851,8 @@ fn least_per_setting<'a, T>(
     name: impl Fn(&T) -> &str,
     key: impl Fn(&T) -> f64,
 ) -> Vec<(&'a str, &'a T)> {
-    let mut settings: Vec<&str> = Vec::new();
-    for &r in rows {
-        let (setting, _) = setting_of(name(r));
-        if !settings.contains(&setting) {
-            settings.push(setting);
-        }
-    }
-    (settings.into_iter())
-        .filter_map(|setting| {
-            let group: Vec<&'a T> = (rows.iter().copied())
-                .filter(|&r| setting_of(name(r)).0 == setting)
-                .collect();
-            let best = (group.iter().copied())
-                .filter(|&r| key(r).is_finite())
-                .min_by(|&a, &b| key(a).total_cmp(&key(b)))?;
-            Some((setting, best))
-        })
+    (groups_in_order(rows, |r| setting_of(name(r)).0).into_iter())
+        .filter_map(|(setting, group)| Some((setting, least(&group, &key)?)))
         .collect()
 }
 
@@ -1197,17 +1193,19 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
     let counted: Vec<&(String, Saving)> = (savings.iter())
         .filter(|(_, s)| s.forward_counted)
         .collect();
-    let best = least_per_setting(&counted, |(n, _)| n, |(_, s)| -s.share);
+    let mut best = Vec::new();
+    let mut out_of_reach = 0;
+    for (setting, group) in groups_in_order(&counted, |(n, _)| setting_of(n).0) {
+        let Some(b) = least(&group, |(_, s)| -s.share) else {
+            continue;
+        };
+        let reaches: Vec<f64> = group.iter().filter_map(|(_, s)| s.reach).collect();
+        if !reaches.is_empty() && reaches.iter().all(|&r| r < bound) {
+            out_of_reach += 1;
+        }
+        best.push((setting, b));
+    }
     let met = best.iter().filter(|(_, (_, b))| b.share >= bound).count();
-    let out_of_reach = (best.iter())
-        .filter(|(setting, _)| {
-            let reaches: Vec<f64> = (counted.iter())
-                .filter(|(n, _)| setting_of(n).0 == *setting)
-                .filter_map(|(_, s)| s.reach)
-                .collect();
-            !reaches.is_empty() && reaches.iter().all(|&r| r < bound)
-        })
-        .count();
     let parts: Vec<String> = (best.iter())
         .map(|(setting, (name, b))| {
             let reach = b.reach.map_or(String::new(), |r| {
