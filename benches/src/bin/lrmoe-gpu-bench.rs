@@ -12,7 +12,7 @@
 //! `xent` (the fused cross-entropy's launches at the LM head's shape,
 //! against HBM's bandwidth and the copy); the first four by default.
 
-use kernels::gpu::Gpu;
+use kernels::gpu::{Gpu, Timing};
 
 fn anchor(anchors: &serde_json::Value, key: &str) -> Option<f64> {
     anchors.get(key).and_then(serde_json::Value::as_f64)
@@ -417,29 +417,33 @@ fn adamw_table(gpu: &Gpu, anchors: &serde_json::Value) -> anyhow::Result<()> {
     );
     println!("|---|---|---|---|---|---|---|");
     let peer = anchor(anchors, "adamw_GBps");
-    for bf16 in [true, false] {
-        let t = gpu.bench_adamw(n, bf16)?;
+    // One row: the rate against HBM, the copy and (for the update itself)
+    // PyTorch's fused AdamW.
+    let row = |what: &str, t: &Timing, against_peer: bool| {
         let gbps = t.gbps();
+        let versus = match peer {
+            Some(p) if against_peer => format!("{:.3} ({p:.0} GB/s)", gbps / p),
+            _ => "-".into(),
+        };
         println!(
-            "| {} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {} |",
-            if bf16 { "bf16" } else { "f32" },
+            "| {what} | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | {versus} |",
             t.ms,
             t.bytes / n as f64,
             gbps / hbm.gbps * 100.0,
             gbps / copy.gbps(),
-            peer.map_or("-".into(), |p| format!("{:.3} ({p:.0} GB/s)", gbps / p)),
         );
+    };
+    for bf16 in [true, false] {
+        let t = gpu.bench_adamw(n, bf16)?;
+        row(if bf16 { "bf16" } else { "f32" }, &t, true);
     }
     // The update's loads and stores with adds for its arithmetic: the
     // ceiling of its access pattern on this device, beside the copy's.
     let t = gpu.bench_adamw_streams(n)?;
-    let gbps = t.gbps();
-    println!(
-        "| its loads and stores alone (bf16 gradient, adds for the arithmetic) | {:.3} | {} | {gbps:.0} | {:.1}% | {:.3} | - |",
-        t.ms,
-        t.bytes / n as f64,
-        gbps / hbm.gbps * 100.0,
-        gbps / copy.gbps(),
+    row(
+        "its loads and stores alone (bf16 gradient, adds for the arithmetic)",
+        &t,
+        false,
     );
     println!();
     println!("The gradient norm's squared sum over {n} elements (the input read once):");
