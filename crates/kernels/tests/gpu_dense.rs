@@ -410,13 +410,10 @@ fn gradient_norm_and_adamw_match_the_twins() {
         }
         let (mut wp, mut wm, mut wv) = (p0.clone(), m0.clone(), v0.clone());
         let w16 = adamw_reference(&mut wp, &mut wm, &mut wv, &grads, &hp, norm_sq);
-        assert!(
-            rel(&g.download(&p, n).unwrap(), &wp) < 1e-6,
-            "p (clip {clip})"
-        );
+        let p_got = g.download(&p, n).unwrap();
+        assert!(rel(&p_got, &wp) < 1e-6, "p (clip {clip})");
         assert!(rel(&g.download(&m, n).unwrap(), &wm) < 1e-6, "m");
         assert!(rel(&g.download(&v, n).unwrap(), &wv) < 1e-6, "v");
-        let p_got = g.download(&p, n).unwrap();
         check_bf16_copy(
             &g.download(&p16, n).unwrap(),
             &p_got,
@@ -425,6 +422,10 @@ fn gradient_norm_and_adamw_match_the_twins() {
         );
     }
 }
+
+/// The AdamW tests' lengths: below, at and past a 4-wide vector's
+/// multiple (the one-by-one tail) and 2²³ + 3 (every thread loops).
+const ADAM_LENGTHS: [usize; 5] = [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3];
 
 /// AdamW's bf16 copy: bit for bit the kernel's own new `p` rounded, and
 /// within a bf16 rounding (1%) of the twin's copy, with a 1e-6 floor near
@@ -461,7 +462,7 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
     let mut r = Rng(s);
     let ns = g.upload(&[7.5f32]).unwrap();
     let hp = adam_hp(1.0);
-    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
+    for n in ADAM_LENGTHS {
         let (p0, m0) = (r.f32s(n, 1.0), r.f32s(n, 0.01));
         let v0: Vec<f32> = r.f32s(n, 0.001).iter().map(|x| x.abs()).collect();
         let (gf, gb) = (r.f32s(n, 0.1), r.bf16s(n, 0.1));
@@ -486,12 +487,13 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
                 let grads = if bf16 { wide(&gb) } else { gf.clone() };
                 let w16 = adamw_reference(&mut wp, &mut wm, &mut wv, &grads, &hp, 7.5);
                 let what = format!("n {n} bf16 {bf16} copy {copy} seed {s}");
-                assert!(rel(&g.download(&p, n).unwrap(), &wp) < 1e-6, "p, {what}");
+                let p_got = g.download(&p, n).unwrap();
+                assert!(rel(&p_got, &wp) < 1e-6, "p, {what}");
                 assert!(rel(&g.download(&m, n).unwrap(), &wm) < 1e-6, "m, {what}");
                 assert!(rel(&g.download(&v, n).unwrap(), &wv) < 1e-6, "v, {what}");
                 let got16 = g.download(&p16, n).unwrap();
                 if copy {
-                    check_bf16_copy(&got16, &g.download(&p, n).unwrap(), &w16, &what);
+                    check_bf16_copy(&got16, &p_got, &w16, &what);
                 } else {
                     assert!(got16.iter().all(|&x| x == 0xFFFF), "no copy asked, {what}");
                 }
@@ -509,7 +511,7 @@ fn adamw_matches_the_twin_at_every_length_with_and_without_the_copy() {
 fn adamw_streams_probe_matches_its_twin() {
     let g = gpu();
     let mut r = Rng(seed());
-    for n in [3, 100, 4096, 3 * 4096 + 1235, (1 << 23) + 3] {
+    for n in ADAM_LENGTHS {
         let (p0, m0, v0) = (r.f32s(n, 1.0), r.f32s(n, 0.01), r.f32s(n, 0.001));
         let gb = r.bf16s(n, 0.1);
         let (mut p, mut m, mut v) = (
