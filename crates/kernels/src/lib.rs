@@ -10,7 +10,9 @@
 //!   kernels will be tested against.
 //! * [`gpu`] — CUDA kernels from `kernels/lrmoe.cu` (embedded fatbin) and
 //!   the CUTLASS 4.2 sm90 grouped GEMM from `kernels/lib/grouped_gemm.cu`
-//!   (embedded shared library, opened with dlopen), built by
+//!   (embedded shared library, written to a content-named temporary file
+//!   by `gpu::write_content_named` — safe for threads and processes opening
+//!   devices at once — and opened with dlopen), built by
 //!   `cargo xtask kernels` (pinned nvcc and CUTLASS in [`artifacts`]) and
 //!   loaded through cudarc behind the `cuda` feature: fused LRM scores,
 //!   per-expert top-q selection, pack (row gather) and unpack (row scatter
@@ -43,7 +45,8 @@
 //!   token ↔ head layout with RoPE, causal softmax forward/backward, fused
 //!   cross-entropy (two passes a row; `gpu::XentLaunch`: many rows in
 //!   flight, or one a SM with L2 cache hints, the default), gradient squared norms and the fused AdamW update
-//!   (clip read on the device), many sums or copies through device
+//!   (clip read on the device; `Gpu::adamw_streams`, its loads and stores
+//!   alone, the benchmark's ceiling for it), many sums or copies through device
 //!   addresses in one launch (`sum_parts_reference`, `Gpu::sum_parts`: the
 //!   in-process ranks' reduce-scatter and all-gather), and fused causal grouped-query attention
 //!   (FlashAttention-2's forward and backward, twins in f64; the backward

@@ -22,7 +22,8 @@
 //!   table, [`compare::summary`], with an optional count of where LRMoE
 //!   meets [`compare::Bounds`] and of where its memory is within reach of
 //!   a bound, and per setting the budget or rule that came closest with how
-//!   many settings meet each bound; a
+//!   many settings meet each bound, and per budget or rule how many
+//!   comparisons meet both time bounds; a
 //!   comparison's folder stands for its `compare.json`,
 //!   [`compare::comparison_files`]);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
