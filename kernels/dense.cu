@@ -786,13 +786,15 @@ extern "C" __global__ void __launch_bounds__(1024) cross_entropy_l2_hint(const u
     cross_entropy_resident<true, 4>(logits, target, loss_sum, dlogits, n, v, inv_n);
 }
 
-// Elements 4i .. 4i + 3 of an f32 or bf16 array.
+// Elements 4i .. 4i + 3 of an f32 or bf16 array, read through the
+// read-only data path (`ld.global.nc`: the array is not written while the
+// kernel runs).
 __device__ __forceinline__ void load4(const float* g, long long i, float out[4]) {
-    float4 q = reinterpret_cast<const float4*>(g)[i];
+    float4 q = __ldg(reinterpret_cast<const float4*>(g) + i);
     out[0] = q.x, out[1] = q.y, out[2] = q.z, out[3] = q.w;
 }
 __device__ __forceinline__ void load4(const uint16_t* g, long long i, float out[4]) {
-    uint2 q = reinterpret_cast<const uint2*>(g)[i];
+    uint2 q = __ldg(reinterpret_cast<const uint2*>(g) + i);
     out[0] = __uint_as_float(q.x << 16), out[1] = __uint_as_float(q.x & 0xffff0000u);
     out[2] = __uint_as_float(q.y << 16), out[3] = __uint_as_float(q.y & 0xffff0000u);
 }
