@@ -759,10 +759,10 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let parts: Vec<String> = (best.iter())
         .map(|(setting, b)| {
             format!(
-                "{setting}{} (time {:.2}×, steps {:.2}×; {})",
+                "{setting}{} (time {}×, steps {}×; {})",
                 way(&b.name),
-                b.point[0],
-                b.point[1],
+                ratio_beside(b.point[0], bounds.time),
+                ratio_beside(b.point[1], bounds.steps),
                 match b.time.and(b.steps) {
                     Verdict::Met => "both met",
                     Verdict::Missed => "missed",
@@ -1133,6 +1133,29 @@ fn signed_percent(x: f64) -> String {
     format!("{:+.1}%", x * 100.0).replace('-', "−")
 }
 
+/// Decimals enough that `value` printed with them does not read as `bound`
+/// when it is not `bound`: `min`, or one more at a time (at most three more)
+/// while both print alike — so a ratio of 0.802 against a bound of 0.80
+/// prints 0.802, not 0.80 beside "missed".
+fn decimals_beside(value: f64, bound: f64, min: usize) -> usize {
+    (min..=min + 3)
+        .find(|&d| value == bound || format!("{value:.d$}") != format!("{bound:.d$}"))
+        .unwrap_or(min + 3)
+}
+
+/// `value` with two decimals, or more where two would print `bound`.
+fn ratio_beside(value: f64, bound: f64) -> String {
+    let d = decimals_beside(value, bound, 2);
+    format!("{value:.d$}")
+}
+
+/// [`signed_percent`] of `x`, with more decimals where one would print the
+/// bound `against` (both as fractions, e.g. −0.4996 against −0.5).
+fn signed_percent_beside(x: f64, against: f64) -> String {
+    let d = decimals_beside(x * 100.0, against * 100.0, 1);
+    format!("{:+.d$}%", x * 100.0).replace('-', "−")
+}
+
 /// The memory bound's closing line: the comparisons whose saving is at
 /// least `bound`, those whose runs counted the forward's buffers and the
 /// older ones (the backward's alone) apart, each missed one named.
@@ -1157,10 +1180,13 @@ fn memory_line(savings: &[(String, Saving)], bound: f64) -> String {
             .map(|(n, s)| match s.reach {
                 Some(r) => format!(
                     "{n} ({}; at most {} with every pair computed unsplit)",
-                    signed_percent(0.0 - s.share),
-                    signed_percent(0.0 - r)
+                    signed_percent_beside(0.0 - s.share, 0.0 - bound),
+                    signed_percent_beside(0.0 - r, 0.0 - bound)
                 ),
-                None => format!("{n} ({})", signed_percent(0.0 - s.share)),
+                None => format!(
+                    "{n} ({})",
+                    signed_percent_beside(0.0 - s.share, 0.0 - bound)
+                ),
             })
             .collect();
         let _ = write!(t, " {what}, in {met} of {}", rows.len());
@@ -1211,13 +1237,13 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
             let reach = b.reach.map_or(String::new(), |r| {
                 format!(
                     "; at most {} with every pair computed unsplit",
-                    signed_percent(0.0 - r)
+                    signed_percent_beside(0.0 - r, 0.0 - bound)
                 )
             });
             format!(
                 "{setting}{} ({}{reach}; {})",
                 way(name),
-                signed_percent(0.0 - b.share),
+                signed_percent_beside(0.0 - b.share, 0.0 - bound),
                 if b.share >= bound { "met" } else { "missed" }
             )
         })
@@ -1423,6 +1449,24 @@ mod tests {
     /// meeting both bounds are counted, undecided ones said; runs whose
     /// budget bound the backward alone and unnamed variants are left out,
     /// and a single way gives no line.
+    #[test]
+    fn figures_beside_a_bound_do_not_print_as_the_bound() {
+        // A miss that two decimals would print as the bound gets more.
+        assert_eq!(ratio_beside(0.802, 0.8), "0.802");
+        assert_eq!(ratio_beside(0.8004, 0.8), "0.8004");
+        // Clear of the bound, or on it: two decimals.
+        assert_eq!(ratio_beside(0.81, 0.8), "0.81");
+        assert_eq!(ratio_beside(0.8, 0.8), "0.80");
+        assert_eq!(ratio_beside(1.151, 1.15), "1.151");
+        // At most five decimals, however close.
+        assert_eq!(ratio_beside(0.800_000_1, 0.8), "0.80000");
+        // Percentages: −49.96% against −50% is not printed as −50.0%.
+        assert_eq!(signed_percent_beside(-0.4996, -0.5), "−49.96%");
+        assert_eq!(signed_percent_beside(-0.481, -0.5), "−48.1%");
+        assert_eq!(signed_percent_beside(-0.5, -0.5), "−50.0%");
+        assert_eq!(signed_percent_beside(-0.5004, -0.5), "−50.04%");
+    }
+
     #[test]
     fn both_bounds_are_counted_per_budget_or_rule() {
         let row = |name: &str, time: Verdict, forward_budget: bool| AgainstBounds {
