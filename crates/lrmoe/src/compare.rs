@@ -1130,7 +1130,12 @@ fn forward_counted(l: &TrainSummary, f: &TrainSummary) -> bool {
 
 /// A relative change as a signed percentage with a true minus ("−35.2%").
 fn signed_percent(x: f64) -> String {
-    format!("{:+.1}%", x * 100.0).replace('-', "−")
+    signed_percent_places(x, 1)
+}
+
+/// A fraction as a signed percentage with `d` decimals.
+fn signed_percent_places(x: f64, d: usize) -> String {
+    format!("{:+.d$}%", x * 100.0).replace('-', "−")
 }
 
 /// Decimals enough that `value` printed with them does not read as `bound`
@@ -1152,8 +1157,7 @@ fn ratio_beside(value: f64, bound: f64) -> String {
 /// [`signed_percent`] of `x`, with more decimals where one would print the
 /// bound `against` (both as fractions, e.g. −0.4996 against −0.5).
 fn signed_percent_beside(x: f64, against: f64) -> String {
-    let d = decimals_beside(x * 100.0, against * 100.0, 1);
-    format!("{:+.d$}%", x * 100.0).replace('-', "−")
+    signed_percent_places(x, decimals_beside(x * 100.0, against * 100.0, 1))
 }
 
 /// The memory bound's closing line: the comparisons whose saving is at
