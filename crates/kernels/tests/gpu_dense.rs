@@ -32,11 +32,22 @@ fn wide(v: &[u16]) -> Vec<f32> {
     v.iter().map(|&b| bf16_bits_to_f32(b)).collect()
 }
 
-/// Largest difference in bf16 units in the last place (same-sign values).
+/// Largest difference in bf16 units in the last place, across zero too.
 fn max_ulps(a: &[u16], b: &[u16]) -> u32 {
+    // bf16 is sign and magnitude: the position on the number line is the
+    // magnitude's bits, negated below zero (so −0 and +0 are 0 ulps apart
+    // and a pair either side of zero counts the steps between them).
+    let line = |x: u16| {
+        let m = i32::from(x & 0x7fff);
+        if x & 0x8000 != 0 {
+            -m
+        } else {
+            m
+        }
+    };
     a.iter()
         .zip(b)
-        .map(|(&x, &y)| (i32::from(x as i16) - i32::from(y as i16)).unsigned_abs())
+        .map(|(&x, &y)| (line(x) - line(y)).unsigned_abs())
         .max()
         .unwrap_or(0)
 }
