@@ -23,7 +23,8 @@
 //!   meets [`compare::Bounds`] and of where its memory is within reach of
 //!   a bound, and per setting the budget or rule that came closest with how
 //!   many settings meet each bound, and per budget or rule how many
-//!   comparisons meet both time bounds; a
+//!   comparisons meet both time bounds (a figure beside its bound printed
+//!   with the decimals that tell a miss from the bound); a
 //!   comparison's folder stands for its `compare.json`,
 //!   [`compare::comparison_files`]);
 //!   [`train::layer_call_config`] and [`train::moe_section_from_json`] make
