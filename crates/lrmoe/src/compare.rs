@@ -1044,7 +1044,7 @@ pub fn summary(
             c.target_val_loss,
             modes.join("; "),
             if versus.is_empty() { "—" } else { &versus },
-            memory_against_fixed(&c.runs)
+            memory_against_fixed(&c.runs, memory_bound)
         );
         if let Some(s) = memory_saving(&c.runs) {
             savings.push((name, s));
@@ -1270,7 +1270,7 @@ fn closest_memory(savings: &[(String, Saving)], bound: f64) -> String {
 /// instances alone (`max_expert_bytes`: no replica, no buffer) against its
 /// unsplit need: no placement that holds every expert can go below it, so
 /// it says how much of the third figure is left to any rule.
-fn memory_against_fixed(runs: &[TrainSummary]) -> String {
+fn memory_against_fixed(runs: &[TrainSummary], bound: Option<f64>) -> String {
     let Some((l, f)) = lrmoe_and_fixed(runs) else {
         return "—".into();
     };
@@ -1281,7 +1281,12 @@ fn memory_against_fixed(runs: &[TrainSummary]) -> String {
             signed_percent(a as f64 / b as f64 - 1.0)
         }
     };
-    let unsplit = change(unsplit_need(l), f.max_unsplit_peak_bytes);
+    // The figure the memory bound is read against, with the decimals that
+    // tell a miss from the bound.
+    let unsplit = match (bound, unsplit_need(l), f.max_unsplit_peak_bytes) {
+        (Some(m), a, b) if a > 0 && b > 0 => signed_percent_beside(a as f64 / b as f64 - 1.0, -m),
+        (_, a, b) => change(a, b),
+    };
     let even = even_floor(l, f).map_or(String::new(), |r| {
         format!("; with an even forward {}", signed_percent(0.0 - r))
     });
@@ -1711,6 +1716,26 @@ mod tests {
                 .unwrap()
                 .ends_with("| −50.0% / −25.0% / −62.5% (floor −70.0%) |"),
             "{t}"
+        );
+        // Beside a memory bound the column's unsplit figure has the
+        // decimals that tell a miss from the bound (−49.96%, not −50.0%).
+        let (mut fw, mut near) = (full.clone(), lrmoe.clone());
+        (fw.max_unsplit_peak_bytes, near.max_unsplit_peak_bytes) = (10_000, 5_004);
+        let n = write("n", &comparison(vec![fw, near]));
+        let row = |bound| {
+            let t = summary(std::slice::from_ref(&n), None, bound).unwrap();
+            t.lines().nth(2).unwrap().to_string()
+        };
+        assert!(
+            row(Some(0.5)).contains(" / −49.96% (floor"),
+            "{}",
+            row(Some(0.5))
+        );
+        assert!(row(None).contains(" / −50.0% (floor"), "{}", row(None));
+        assert!(
+            row(Some(0.8)).contains(" / −50.0% (floor"),
+            "{}",
+            row(Some(0.8))
         );
         // With the even forward recorded (fixed ownership's 120 B of experts
         // and 80 B of evenly spread rows against its 400 B unsplit need:
