@@ -503,7 +503,12 @@ struct Against<'a> {
     modes: Vec<(Mode, [String; 2], [String; 2])>,
 }
 
-fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>> {
+/// With `bounds`, the grid figures (what the bounds are read against) get
+/// the decimals that tell a miss from its bound ([`decimals_beside`]).
+fn against<'a>(
+    standings: &[(&'a TrainSummary, Standing)],
+    bounds: Option<Bounds>,
+) -> Option<Against<'a>> {
     let least = |reached: Option<bool>| {
         (standings.iter())
             .filter(|(r, x)| r.mode.is_exact() && reached.is_none_or(|want| x.reached == want))
@@ -513,6 +518,13 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
     let below = least(Some(false))
         .filter(|(_, x)| b.reached && x.time < b.time)
         .map(|(r, x)| (*r, *x));
+    let beside = |a: (f64, bool), b: (f64, bool), bound: Option<f64>| {
+        let places = match bound {
+            Some(m) if b.0 > 0.0 => decimals_beside(a.0 / b.0, m, 2),
+            _ => 2,
+        };
+        ratio_to(a.0, a.1, b.0, b.1, places)
+    };
     let modes = standings
         .iter()
         .filter(|(r, _)| !r.mode.is_exact())
@@ -520,8 +532,16 @@ fn against<'a>(standings: &[(&'a TrainSummary, Standing)]) -> Option<Against<'a>
             (
                 r.mode,
                 [
-                    ratio(a.time, a.reached, b.time, b.reached),
-                    ratio(a.steps, a.reached, b.steps, b.reached),
+                    beside(
+                        (a.time, a.reached),
+                        (b.time, b.reached),
+                        bounds.map(|x| x.time),
+                    ),
+                    beside(
+                        (a.steps, a.reached),
+                        (b.steps, b.reached),
+                        bounds.map(|x| x.steps),
+                    ),
                 ],
                 [
                     ratio(a.time_between, a.reached, b.time_between, b.reached),
@@ -608,7 +628,7 @@ fn against_baselines(c: &Comparison) -> String {
             crossings.join("; ")
         );
     }
-    let Some(a) = against(&standings).filter(|a| !a.modes.is_empty()) else {
+    let Some(a) = against(&standings, None).filter(|a| !a.modes.is_empty()) else {
         return t;
     };
     let lines: Vec<String> = (a.modes.iter())
@@ -990,7 +1010,7 @@ pub fn summary(
         let c = read_comparison(path)?;
         let gpus = c.simulated_on.map_or("—".into(), |s| s.gpus.to_string());
         let standings = standings(&c);
-        let against = against(&standings);
+        let against = against(&standings, bounds);
         let held = lrmoe_and_fixed(&c.runs).map(|(l, _)| l.budget_held);
         if let Some(v) =
             (bounds.zip(against.as_ref())).and_then(|(b, a)| verdict(&name, &standings, a, b))
@@ -1845,6 +1865,16 @@ mod tests {
         let mut older_lrmoe = run(Mode::Lrmoe, &[(10, 2.8), (30, 2.3)], 1.0, 2.4);
         older_lrmoe.budget_held = BudgetHeld::Unrecorded;
         let older = write("older", vec![full.clone(), older_lrmoe]);
+        // Beside the bounds the table's grid figure tells a miss from the
+        // bound (0.802×, not 0.80×); without them, two decimals.
+        let near = against_full("near", &[(10, 2.8), (30, 2.3)], 1.604);
+        for (b, want) in [
+            (bounds, "| LRMoE 0.802×, 1.00× ("),
+            (None, "| LRMoE 0.80×, 1.00× ("),
+        ] {
+            let t = summary(std::slice::from_ref(&near), b, None).unwrap();
+            assert!(t.lines().nth(2).unwrap().contains(want), "{t}");
+        }
         let t = summary(&[met, over, short, open, early, none, older], bounds, None).unwrap();
         let last = (t.lines())
             .find(|l| l.starts_with("LRMoE against"))
