@@ -9,7 +9,8 @@
 //! trainer's LRMoE settings and fixed ownership; each part's seconds as
 //! the simulator counts them (`lrmoe::simulate::simulate`: between two
 //! collectives the slowest rank's), median over steps; and the number of
-//! collectives (exchanges and sums over the ranks) a call makes.
+//! collectives (exchanges and sums over the ranks) a call makes, each of
+//! the last call's listed by the part it follows with rank 0's bytes.
 //!
 //! `cargo run --release -p lrmoe-benches --example host_pieces [-- STEPS]`
 
@@ -83,8 +84,27 @@ fn main() -> anyhow::Result<()> {
                             )
                         })
                         .count();
+                    // Each collective of the call, named by the part it
+                    // follows, with the bytes this rank sends or sums.
+                    let mut after = String::new();
+                    let mut listed = Vec::new();
+                    for e in all.first().into_iter().flatten() {
+                        match e {
+                            layer::timeline::Entry::Work { phase, .. } => after = phase.clone(),
+                            layer::timeline::Entry::Exchange { bytes_to, .. } => {
+                                listed.push(format!(
+                                    "exchange after {after}: {} B",
+                                    bytes_to.iter().sum::<u64>()
+                                ))
+                            }
+                            layer::timeline::Entry::Reduce { bytes, .. } => {
+                                listed.push(format!("sum after {after}: {bytes} B"))
+                            }
+                            layer::timeline::Entry::Held { .. } => {}
+                        }
+                    }
                     let phases = lrmoe::simulate::simulate(&all, &cluster, 0)?.phases;
-                    steps_read.push((phases, collectives));
+                    steps_read.push((phases, collectives, listed));
                 }
                 Ok(())
             };
@@ -114,13 +134,15 @@ fn main() -> anyhow::Result<()> {
         });
         let mut by_part: BTreeMap<String, Vec<f64>> = BTreeMap::new();
         let mut collectives = Vec::new();
+        let mut listed = Vec::new();
         for r in results {
             // The first step warms the caches and the GEMM crate's packing.
-            for (step, n) in r.map_err(|e| anyhow::anyhow!("{e}"))?.into_iter().skip(1) {
+            for (step, n, l) in r.map_err(|e| anyhow::anyhow!("{e}"))?.into_iter().skip(1) {
                 for (part, s) in step {
                     by_part.entry(part).or_default().push(s);
                 }
                 collectives.push(n);
+                listed = l;
             }
         }
         for (part, mut v) in by_part {
@@ -130,6 +152,12 @@ fn main() -> anyhow::Result<()> {
         collectives.sort_unstable();
         if let Some(n) = collectives.get(collectives.len() / 2) {
             println!("| {mode:?} | collectives a call (a count) | {n} |");
+        }
+        for (i, c) in listed.iter().enumerate() {
+            println!(
+                "| {mode:?} | collective {} of the last call: {c} | — |",
+                i + 1
+            );
         }
     }
     Ok(())
