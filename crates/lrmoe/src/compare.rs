@@ -1294,19 +1294,17 @@ fn memory_against_fixed(runs: &[TrainSummary], bound: Option<f64>) -> String {
     let Some((l, f)) = lrmoe_and_fixed(runs) else {
         return "—".into();
     };
-    let change = |a: u64, b: u64| {
+    // `against`: the change a bound is read against, printed with the
+    // decimals that tell a miss from it.
+    let change_beside = |a: u64, b: u64, against: Option<f64>| {
         if a == 0 || b == 0 {
-            "—".to_string()
-        } else {
-            signed_percent(a as f64 / b as f64 - 1.0)
+            return "—".to_string();
         }
+        let x = a as f64 / b as f64 - 1.0;
+        against.map_or_else(|| signed_percent(x), |m| signed_percent_beside(x, m))
     };
-    // The figure the memory bound is read against, with the decimals that
-    // tell a miss from the bound.
-    let unsplit = match (bound, unsplit_need(l), f.max_unsplit_peak_bytes) {
-        (Some(m), a, b) if a > 0 && b > 0 => signed_percent_beside(a as f64 / b as f64 - 1.0, -m),
-        (_, a, b) => change(a, b),
-    };
+    let change = |a: u64, b: u64| change_beside(a, b, None);
+    let unsplit = change_beside(unsplit_need(l), f.max_unsplit_peak_bytes, bound.map(|m| -m));
     let even = even_floor(l, f).map_or(String::new(), |r| {
         format!("; with an even forward {}", signed_percent(0.0 - r))
     });
@@ -1474,10 +1472,8 @@ mod tests {
         );
     }
 
-    /// Per budget or rule under a forward-holding budget, the comparisons
-    /// meeting both bounds are counted, undecided ones said; runs whose
-    /// budget bound the backward alone and unnamed variants are left out,
-    /// and a single way gives no line.
+    /// A figure beside its bound prints with the decimals that tell a miss
+    /// from the bound, and with its usual ones otherwise.
     #[test]
     fn figures_beside_a_bound_do_not_print_as_the_bound() {
         // A miss that two decimals would print as the bound gets more.
@@ -1496,6 +1492,10 @@ mod tests {
         assert_eq!(signed_percent_beside(-0.5004, -0.5), "−50.04%");
     }
 
+    /// Per budget or rule under a forward-holding budget, the comparisons
+    /// meeting both bounds are counted, undecided ones said; runs whose
+    /// budget bound the backward alone and unnamed variants are left out,
+    /// and a single way gives no line.
     #[test]
     fn both_bounds_are_counted_per_budget_or_rule() {
         let row = |name: &str, time: Verdict, forward_budget: bool| AgainstBounds {
