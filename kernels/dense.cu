@@ -798,6 +798,13 @@ __device__ __forceinline__ void load4(const uint16_t* g, long long i, float out[
     out[0] = __uint_as_float(q.x << 16), out[1] = __uint_as_float(q.x & 0xffff0000u);
     out[2] = __uint_as_float(q.y << 16), out[3] = __uint_as_float(q.y & 0xffff0000u);
 }
+// Elements 4i .. 4i + 3 of a bf16 array: a, b, c, d rounded.
+__device__ __forceinline__ void store4_bf(uint16_t* out, long long i, float a, float b, float c, float d) {
+    uint2 w;
+    w.x = (uint32_t)to_bf(a) | ((uint32_t)to_bf(b) << 16);
+    w.y = (uint32_t)to_bf(c) | ((uint32_t)to_bf(d) << 16);
+    reinterpret_cast<uint2*>(out)[i] = w;
+}
 
 // s, s2 += the squares of one 16-byte load's elements (the last argument
 // picks the element type).
@@ -892,12 +899,7 @@ __device__ void adamw(float* __restrict__ p, float* __restrict__ m, float* __res
         reinterpret_cast<float4*>(p)[i] = make_float4(pp[0], pp[1], pp[2], pp[3]);
         reinterpret_cast<float4*>(m)[i] = make_float4(mm[0], mm[1], mm[2], mm[3]);
         reinterpret_cast<float4*>(v)[i] = make_float4(vv[0], vv[1], vv[2], vv[3]);
-        if (p16) {
-            uint2 w;
-            w.x = (uint32_t)to_bf(pp[0]) | ((uint32_t)to_bf(pp[1]) << 16);
-            w.y = (uint32_t)to_bf(pp[2]) | ((uint32_t)to_bf(pp[3]) << 16);
-            reinterpret_cast<uint2*>(p16)[i] = w;
-        }
+        if (p16) store4_bf(p16, i, pp[0], pp[1], pp[2], pp[3]);
     }
     for (long long i = n4 * 4 + first; i < n; i += stride) {
         float pi = p[i], mi = m[i], vi = v[i];
@@ -943,10 +945,7 @@ extern "C" __global__ void adamw_streams_bf16(float* __restrict__ p, float* __re
         reinterpret_cast<float4*>(p)[i] = pq;
         reinterpret_cast<float4*>(m)[i] = mq;
         reinterpret_cast<float4*>(v)[i] = vq;
-        uint2 w;
-        w.x = (uint32_t)to_bf(pq.x) | ((uint32_t)to_bf(pq.y) << 16);
-        w.y = (uint32_t)to_bf(pq.z) | ((uint32_t)to_bf(pq.w) << 16);
-        reinterpret_cast<uint2*>(p16)[i] = w;
+        store4_bf(p16, i, pq.x, pq.y, pq.z, pq.w);
     }
     for (long long i = n4 * 4 + first; i < n; i += stride) {
         float gi = load(g, i);
