@@ -49,15 +49,19 @@ fn layer_call_plan(c: &mut Criterion) {
     };
     let mut g = c.benchmark_group("layer_call_plan");
     // (rule, ranks, Zipf exponent of the experts' popularity: 0 is even
-    // routing, 1.0 gives the hottest expert ~25× the mean at 128 experts).
-    for (mode, rule, ranks, skew) in [
-        (Mode::Lrmoe, quota::ReplicaRule::Fill, 8usize, 0.0),
-        (Mode::Lrmoe, quota::ReplicaRule::Fill, 16, 0.0),
-        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 0.0),
-        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 0.0),
-        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 1.0),
-        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 1.0),
-        (Mode::Full, quota::ReplicaRule::Paying, 16, 1.0),
+    // routing, 1.0 gives the hottest expert ~25× the mean at 128 experts;
+    // the buffer, `moe.buffer_fraction`: the default 0.6, or 1.5 as in the
+    // simulated comparisons of issue 30, where every pair is kept).
+    for (mode, rule, ranks, skew, buffer) in [
+        (Mode::Lrmoe, quota::ReplicaRule::Fill, 8usize, 0.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::Fill, 16, 0.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 0.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 0.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 1.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::PayingCompute, 16, 1.0, 0.6),
+        (Mode::Full, quota::ReplicaRule::Paying, 16, 1.0, 0.6),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 8, 1.0, 1.5),
+        (Mode::Lrmoe, quota::ReplicaRule::Paying, 16, 1.0, 1.5),
     ] {
         let tag = match (mode, rule) {
             (Mode::Full, _) => "-owners",
@@ -70,12 +74,18 @@ fn layer_call_plan(c: &mut Criterion) {
         } else {
             tag.to_string()
         };
+        let tag = if buffer != 0.6 {
+            format!("{tag}-buffer{buffer}")
+        } else {
+            tag
+        };
         let pairs = 16_384 / ranks * cfg.top_k;
         let moe = MoeSection {
             ranks,
             mode,
             executor: Executor::Device,
             replica_rule: rule,
+            buffer_fraction: buffer,
             ..MoeSection::default()
         };
         let placement = quota::Placement {
