@@ -768,7 +768,9 @@ fn setting_of(name: &str) -> (&str, &str) {
 /// `bounds`: the least of the larger of time ÷ its bound and steps ÷ its
 /// bound (met where at most 1), so that each setting says how far it is
 /// from the bounds and, run at several budgets or rules, which came
-/// closest; with how many settings meet both bounds at all.
+/// closest; with how many settings meet both bounds at all, and per
+/// setting in how many of its runs (so that picking the closest of
+/// several runs is seen for what it is).
 fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let held: Vec<&AgainstBounds> = rows.iter().filter(|r| r.forward_budget).collect();
     let excess = |r: &AgainstBounds| (r.point[0] / bounds.time).max(r.point[1] / bounds.steps);
@@ -776,18 +778,31 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let met = (best.iter())
         .filter(|(_, b)| b.time.and(b.steps) == Verdict::Met)
         .count();
+    let runs_of = |setting: &str| {
+        let runs: Vec<&&AgainstBounds> = (held.iter())
+            .filter(|r| setting_of(&r.name).0 == setting)
+            .collect();
+        let met = (runs.iter())
+            .filter(|r| r.time.and(r.steps) == Verdict::Met)
+            .count();
+        (met, runs.len())
+    };
     let parts: Vec<String> = (best.iter())
         .map(|(setting, b)| {
+            let verdict = match b.time.and(b.steps) {
+                Verdict::Met => "both met",
+                Verdict::Missed => "missed",
+                Verdict::Undecided => "undecided",
+            };
+            let runs = match runs_of(setting) {
+                (_, 1) => String::new(),
+                (k, n) => format!("; both met in {k} of its {n} runs"),
+            };
             format!(
-                "{setting}{} (time {}×, steps {}×; {})",
+                "{setting}{} (time {}×, steps {}×; {verdict}{runs})",
                 way(&b.name),
                 ratio_beside(b.point[0], bounds.time),
                 ratio_beside(b.point[1], bounds.steps),
-                match b.time.and(b.steps) {
-                    Verdict::Met => "both met",
-                    Verdict::Missed => "missed",
-                    Verdict::Undecided => "undecided",
-                }
             )
         })
         .collect();
@@ -1458,12 +1473,12 @@ mod tests {
             row("s1/high", [0.6, 1.2], true),
             row("s1/old", [0.3, 1.0], false),
             row("s2/only", [0.5, 1.0], true),
-            row("s3/a", [0.7, 1.1], true),
+            row("s3/a", [0.85, 1.1], true),
             row("s3/b", [0.75, 0.9], true),
         ];
         assert_eq!(
             closest_line(&rows, bounds),
-            "\nClosest to both bounds per setting with the budget holding the forward (both met in 2 of 3 settings): s1: high (time 0.60×, steps 1.20×; missed); s2: only (time 0.50×, steps 1.00×; both met); s3: b (time 0.75×, steps 0.90×; both met).\n"
+            "\nClosest to both bounds per setting with the budget holding the forward (both met in 2 of 3 settings): s1: high (time 0.60×, steps 1.20×; missed; both met in 0 of its 2 runs); s2: only (time 0.50×, steps 1.00×; both met); s3: b (time 0.75×, steps 0.90×; both met; both met in 1 of its 2 runs).\n"
         );
         assert_eq!(closest_line(&rows[2..3], bounds), "");
         assert_eq!(
