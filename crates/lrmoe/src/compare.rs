@@ -796,7 +796,7 @@ fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
             };
             let runs = match runs_of(setting) {
                 (_, 1) => String::new(),
-                (k, n) => format!("; both met in {k} of its {n} runs"),
+                (k, n) => format!("; {k} of its {n} runs meet both"),
             };
             format!(
                 "{setting}{} (time {}×, steps {}×; {verdict}{runs})",
@@ -1478,7 +1478,7 @@ mod tests {
         ];
         assert_eq!(
             closest_line(&rows, bounds),
-            "\nClosest to both bounds per setting with the budget holding the forward (both met in 2 of 3 settings): s1: high (time 0.60×, steps 1.20×; missed; both met in 0 of its 2 runs); s2: only (time 0.50×, steps 1.00×; both met); s3: b (time 0.75×, steps 0.90×; both met; both met in 1 of its 2 runs).\n"
+            "\nClosest to both bounds per setting with the budget holding the forward (both met in 2 of 3 settings): s1: high (time 0.60×, steps 1.20×; missed; 0 of its 2 runs meet both); s2: only (time 0.50×, steps 1.00×; both met); s3: b (time 0.75×, steps 0.90×; both met; 1 of its 2 runs meet both).\n"
         );
         assert_eq!(closest_line(&rows[2..3], bounds), "");
         assert_eq!(
