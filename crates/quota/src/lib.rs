@@ -1126,18 +1126,56 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
     inputs.validate()?;
     let placement = inputs.placement.clone();
     let (caps, send) = capacities(inputs, &placement)?;
-    let mut net = build_network(inputs, &placement, &caps, &send);
+    let hall = HallCheck::new(inputs, &placement, &caps, &send);
+    let (num, per_source) = match hall.as_ref().map(|h| h.largest_feasible(inputs)) {
+        // Every pair fits: each cell keeps all it routed, under either
+        // policy (its floor at the full ratio is its count, and nothing is
+        // left over), so no flow is needed to say so.
+        Some(RATIO_DEN) => (RATIO_DEN, inputs.counts.to_vec()),
+        searched => searched_quotas(inputs, &placement, (&caps, &send), searched, policy),
+    };
 
+    let quotas = Quotas { per_source };
+    let routed: u64 = inputs.routed_per_expert().iter().sum();
+    let kept_fraction = if routed == 0 {
+        1.0
+    } else {
+        quotas.total() as f64 / routed as f64
+    };
+    let ranks = rank_models(inputs, &placement, &caps, &quotas);
+    Ok(Plan {
+        quotas,
+        placement,
+        replicas_added: Vec::new(),
+        retention_floor: num as f64 / RATIO_DEN as f64,
+        kept_fraction,
+        ranks,
+        policy,
+    })
+}
+
+/// The largest feasible retention numerator and each source's quota per
+/// expert, from the flow network: at `known` where [`HallCheck`] found it
+/// (and the network only carries its flow), else by the cut-guided search;
+/// under [`Policy::Maxmin`] the capacity left after every cell's floor is
+/// filled as far as it goes.
+fn searched_quotas(
+    inputs: &Inputs<'_>,
+    placement: &Placement,
+    (caps, send): (&[u64], &[u64]),
+    known: Option<u64>,
+    policy: Policy,
+) -> (u64, Vec<Vec<u64>>) {
+    let mut net = build_network(inputs, placement, caps, send);
     // Either way the network is left holding a feasible uniform flow at
     // `num`.
-    let num = match HallCheck::new(inputs, &placement, &caps, &send) {
-        Some(h) => {
-            let num = h.largest_feasible(inputs);
+    let num = match known {
+        Some(num) => {
             let ok = uniform_flow(&mut net, num).is_some();
             debug_assert!(ok, "invariant: the searched ratio is feasible");
             num
         }
-        None => flow_search(&mut net, ratio_bracket(inputs, &placement, &caps, &send)),
+        None => flow_search(&mut net, ratio_bracket(inputs, placement, caps, send)),
     };
 
     if policy == Policy::Maxmin {
@@ -1165,23 +1203,7 @@ pub fn quotas(inputs: &Inputs<'_>, policy: Policy) -> Result<Plan, QuotaError> {
             extra_left -= more;
         }
     }
-    let quotas = Quotas { per_source };
-    let routed: u64 = inputs.routed_per_expert().iter().sum();
-    let kept_fraction = if routed == 0 {
-        1.0
-    } else {
-        quotas.total() as f64 / routed as f64
-    };
-    let ranks = rank_models(inputs, &placement, &caps, &quotas);
-    Ok(Plan {
-        quotas,
-        placement,
-        replicas_added: Vec::new(),
-        retention_floor: num as f64 / RATIO_DEN as f64,
-        kept_fraction,
-        ranks,
-        policy,
-    })
+    (num, per_source)
 }
 
 fn rank_models(

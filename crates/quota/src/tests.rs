@@ -281,6 +281,39 @@ proptest! {
         prop_assert!(m.quotas.total() >= u.quotas.total());
     }
 
+    /// Where Gale's check finds every pair fits (few ranks, unlimited
+    /// sends), `quotas` skips the flow network: the quotas it gives are the
+    /// network's, under either policy, and every other case takes the
+    /// network as before.
+    #[test]
+    fn the_full_retention_shortcut_gives_the_network_s_quotas(
+        c in case_strategy(),
+        policy in prop_oneof![Just(Policy::Uniform), Just(Policy::Maxmin)],
+        roomy in any::<bool>(),
+    ) {
+        let mut c = c;
+        for b in &mut c.budgets {
+            b.network_bytes = u64::MAX;
+            if roomy {
+                // Room for every pair on every rank: the shortcut's case.
+                b.memory_bytes = b.memory_bytes.saturating_add(1 << 40);
+            }
+        }
+        let cost = cost();
+        let inputs = inputs(&c, &cost);
+        let plan = check(&c, policy);
+        let (caps, send) = capacities(&inputs, &c.placement).unwrap();
+        let hall = HallCheck::new(&inputs, &c.placement, &caps, &send).expect("few ranks, unlimited sends");
+        let num = hall.largest_feasible(&inputs);
+        let (net_num, net_quotas) = searched_quotas(&inputs, &c.placement, (&caps, &send), Some(num), policy);
+        prop_assert_eq!(net_num, num);
+        prop_assert_eq!(plan.quotas.per_source(), net_quotas.as_slice());
+        prop_assert_eq!(plan.retention_floor, num as f64 / RATIO_DEN as f64);
+        if roomy {
+            prop_assert_eq!(num, RATIO_DEN);
+        }
+    }
+
     #[test]
     fn unlimited_budgets_keep_every_pair(c in case_strategy(), policy in prop_oneof![Just(Policy::Uniform), Just(Policy::Maxmin)]) {
         let mut c = c;
