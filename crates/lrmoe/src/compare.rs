@@ -774,29 +774,27 @@ fn setting_of(name: &str) -> (&str, &str) {
 fn closest_line(rows: &[AgainstBounds], bounds: Bounds) -> String {
     let held: Vec<&AgainstBounds> = rows.iter().filter(|r| r.forward_budget).collect();
     let excess = |r: &AgainstBounds| (r.point[0] / bounds.time).max(r.point[1] / bounds.steps);
-    let best = least_per_setting(&held, |r| &r.name, excess);
-    let met = (best.iter())
-        .filter(|(_, b)| b.time.and(b.steps) == Verdict::Met)
-        .count();
-    let runs_of = |setting: &str| {
-        let runs: Vec<&&AgainstBounds> = (held.iter())
-            .filter(|r| setting_of(&r.name).0 == setting)
+    let both_met = |r: &AgainstBounds| r.time.and(r.steps) == Verdict::Met;
+    // Each setting's runs, its closest, and how many of them meet both.
+    let best: Vec<(&str, &AgainstBounds, usize, usize)> =
+        (groups_in_order(&held, |r| setting_of(&r.name).0).into_iter())
+            .filter_map(|(setting, runs)| {
+                let b = least(&runs, excess)?;
+                let k = runs.iter().filter(|r| both_met(r)).count();
+                Some((setting, b, k, runs.len()))
+            })
             .collect();
-        let met = (runs.iter())
-            .filter(|r| r.time.and(r.steps) == Verdict::Met)
-            .count();
-        (met, runs.len())
-    };
+    let met = best.iter().filter(|(_, b, _, _)| both_met(b)).count();
     let parts: Vec<String> = (best.iter())
-        .map(|(setting, b)| {
+        .map(|&(setting, b, k, n)| {
             let verdict = match b.time.and(b.steps) {
                 Verdict::Met => "both met",
                 Verdict::Missed => "missed",
                 Verdict::Undecided => "undecided",
             };
-            let runs = match runs_of(setting) {
-                (_, 1) => String::new(),
-                (k, n) => format!("; {k} of its {n} runs meet both"),
+            let runs = match n {
+                1 => String::new(),
+                n => format!("; {k} of its {n} runs meet both"),
             };
             format!(
                 "{setting}{} (time {}×, steps {}×; {verdict}{runs})",
@@ -876,19 +874,6 @@ fn least<'a, T>(group: &[&'a T], key: impl Fn(&T) -> f64) -> Option<&'a T> {
     (group.iter().copied())
         .filter(|&r| key(r).is_finite())
         .min_by(|&a, &b| key(a).total_cmp(&key(b)))
-}
-
-/// Per setting ([`setting_of`] of `name`) of `rows`, in the order the
-/// settings first come, the row with the least finite `key` (the first of
-/// equals); a setting whose keys are none finite is left out.
-fn least_per_setting<'a, T>(
-    rows: &[&'a T],
-    name: impl Fn(&T) -> &str,
-    key: impl Fn(&T) -> f64,
-) -> Vec<(&'a str, &'a T)> {
-    (groups_in_order(rows, |r| setting_of(name(r)).0).into_iter())
-        .filter_map(|(setting, group)| Some((setting, least(&group, &key)?)))
-        .collect()
 }
 
 /// The line under [`summary`]'s table: in how many comparisons LRMoE
