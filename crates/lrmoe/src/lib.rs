@@ -22,7 +22,8 @@
 //!   table, [`compare::summary`], with an optional count of where LRMoE
 //!   meets [`compare::Bounds`] and of where its memory is within reach of
 //!   a bound, and per setting the budget or rule that came closest with how
-//!   many settings meet each bound, and per budget or rule how many
+//!   many settings meet each bound (and how many of a setting's runs meet
+//!   both time bounds), and per budget or rule how many
 //!   comparisons meet both time bounds (a figure beside its bound printed
 //!   with the decimals that tell a miss from the bound); a
 //!   comparison's folder stands for its `compare.json`,
