@@ -10,7 +10,9 @@
 //! fused AdamW against HBM's bandwidth, the copy and PyTorch's fused
 //! AdamW, with `benches/torch_adamw.py`'s output as the anchors file),
 //! `xent` (the fused cross-entropy's launches at the LM head's shape,
-//! against HBM's bandwidth and the copy); the first four by default.
+//! against HBM's bandwidth and the copy), `rows` (the embedding's forward
+//! and the RMSNorm forward and backward at the A3B shape's rows, against
+//! HBM's bandwidth and the copy); the first four by default.
 
 use kernels::gpu::{Gpu, Timing};
 
@@ -273,6 +275,9 @@ fn main() -> anyhow::Result<()> {
     if table("xent") {
         xent_table(&gpu)?;
     }
+    if table("rows") {
+        rows_table(&gpu)?;
+    }
     if table("select") {
         let t = gpu.bench_select(128, 131072)?;
         println!();
@@ -291,6 +296,35 @@ fn main() -> anyhow::Result<()> {
                 println!("| {name} | {ms:.3} |");
             }
         }
+    }
+    Ok(())
+}
+
+/// The embedding's forward and the RMSNorm forward and backward at the
+/// A3B shape's rows (16 384 tokens of 2 048, the Qwen3 vocabulary):
+/// median device ms against the bytes each must move at the nominal HBM
+/// rate ([`hbm`]) and the device copy's rate (issue 31's dense parts).
+fn rows_table(gpu: &Gpu) -> anyhow::Result<()> {
+    let (n, d, v) = (16384usize, 2048usize, 151_936usize);
+    let copy = gpu.bench_copy(2 << 30)?;
+    let hbm = hbm(gpu);
+    println!();
+    println!(
+        "Dense rows, {n} × {d} (vocabulary {v}); device copy {:.0} GB/s; limit at {}:",
+        copy.gbps(),
+        hbm.label
+    );
+    println!();
+    println!("| kernel | median ms | GB/s | ÷ copy's rate | ms ÷ limit |");
+    println!("|---|---|---|---|---|");
+    for (name, t) in gpu.bench_rows(n, d, v)? {
+        println!(
+            "| {name} | {:.4} | {:.0} | {:.3} | {:.3} |",
+            t.ms,
+            t.gbps(),
+            t.gbps() / copy.gbps(),
+            t.ms / (t.bytes / 1e6 / hbm.gbps)
+        );
     }
     Ok(())
 }

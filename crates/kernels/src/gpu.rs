@@ -2476,6 +2476,61 @@ mod imp {
             })
         }
 
+        /// The dense rows' memory-bound kernels at a model's shape (issue
+        /// 31's embedding and norm parts): `n` tokens of width `d`, a
+        /// vocabulary of `vocab`, 10 timed runs each. Rows: the embedding's
+        /// forward (f32 table rows gathered: 8 bytes an element), the
+        /// RMSNorm forward keeping its f32 input (`rmsnorm_keeping`: read
+        /// 4, copy 4, bf16 output 2), and its backward adding into the f32
+        /// residual gradient (`rmsnorm_backward`: x 4, dy 2, dx read and
+        /// written 8).
+        pub fn bench_rows(
+            &self,
+            n: usize,
+            d: usize,
+            vocab: usize,
+        ) -> Result<Vec<(&'static str, Timing)>, KernelError> {
+            let table = self.zeros::<f32>(vocab * d)?;
+            let tok: Vec<u32> = (0..n).map(|i| ((i * 7919) % vocab) as u32).collect();
+            let tok = self.upload(&tok)?;
+            // SAFETY: every token is below `vocab`, the table's rows.
+            let embed = self.time(10, || unsafe { self.embed(&table, &tok, n, d) }.map(drop))?;
+            drop(table);
+            let x = self.upload(&vec![0.5f32; n * d])?;
+            let w = self.upload(&vec![1.0f32; d])?;
+            let fwd = self.time(10, || self.rmsnorm_keeping(&x, &w, n, 1e-6).map(drop))?;
+            let (_, _, inv) = self.rmsnorm_keeping(&x, &w, n, 1e-6)?;
+            let dy = self.zeros::<u16>(n * d)?;
+            let (mut dx, mut dw) = (self.zeros::<f32>(n * d)?, self.zeros::<f32>(d)?);
+            let bwd = self.time(10, || {
+                self.rmsnorm_backward(&x, &w, &inv, &dy, &mut dx, &mut dw, n)
+            })?;
+            let e = (n * d) as f64;
+            Ok(vec![
+                (
+                    "embedding forward (f32 rows gathered)",
+                    Timing {
+                        ms: embed,
+                        bytes: 8.0 * e,
+                    },
+                ),
+                (
+                    "RMSNorm forward, f32 input kept",
+                    Timing {
+                        ms: fwd,
+                        bytes: 10.0 * e,
+                    },
+                ),
+                (
+                    "RMSNorm backward into the f32 residual gradient",
+                    Timing {
+                        ms: bwd,
+                        bytes: 14.0 * e,
+                    },
+                ),
+            ])
+        }
+
         /// Device-to-device copy of `bytes`: the bandwidth peer (bytes read + written).
         pub fn bench_copy(&self, bytes: usize) -> Result<Timing, KernelError> {
             let src = self.upload(&random_bf16(bytes / 2, 7))?;
