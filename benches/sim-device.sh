@@ -195,6 +195,12 @@ for mode in sorted(os.listdir(d)):
     out[mode] = {"steps": len(sims), "step_s": med([s["step_s"] for s in sims]), "moe_s": med([s["moe_s"] for s in sims]),
                  "phases": {k: med([s.get("phases", {}).get(k, 0.0) for s in sims]) for k in names},
                  "host_phases": {k: med([s.get("host_phases", {}).get(k, 0.0) for s in sims]) for k in names}}
+    # What the overlaps saved (cluster.overlap): the step and the MoE
+    # layers without them are these plus step_s and moe_s.
+    if any("moe_overlap_saved_s" in s for s in sims):
+        out[mode]["overlap_saved_s"] = med([s.get("overlap_saved_s", 0.0) for s in sims])
+        out[mode]["moe_overlap_saved_s"] = med([s.get("moe_overlap_saved_s", 0.0) for s in sims])
+        out[mode]["moe_s_without_overlap"] = med([s["moe_s"] + s.get("moe_overlap_saved_s", 0.0) for s in sims])
     probes = [s["host_probe_s"] for s in sims if s.get("host_probe_s")]
     if probes:
         out[mode]["host_probe_s"] = med(probes)
@@ -207,6 +213,8 @@ for mode in sorted(os.listdir(d)):
     probe = f", host probe {out[mode]['host_probe_s'] * 1e3:.3f} ms" if probes else ""
     if reps:
         probe += f", {out[mode]['replicas_per_call']:.2f} replicas a layer call"
+    if "moe_overlap_saved_s" in out[mode]:
+        probe += f", overlaps saved {out[mode]['moe_overlap_saved_s'] * 1e3:.2f} ms of the MoE layers'"
     print(f"phases {mode}: step {out[mode]['step_s'] * 1e3:.2f} ms, MoE {out[mode]['moe_s'] * 1e3:.2f} ms{probe}; "
           + "; ".join(f"{k} {v * 1e3:.2f} (host {host.get(k, 0.0) * 1e3:.2f})" for k, v in top))
 json.dump(out, open(os.path.join(d, "phases.json"), "w"), indent=1)

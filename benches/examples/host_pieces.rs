@@ -100,6 +100,9 @@ fn main() -> anyhow::Result<()> {
                             layer::timeline::Entry::Reduce { bytes, .. } => {
                                 listed.push(format!("sum after {after}: {bytes} B"))
                             }
+                            layer::timeline::Entry::Joined { .. } => {
+                                listed.push(format!("the exchange joined after {after}"))
+                            }
                             layer::timeline::Entry::Held { .. } => {}
                         }
                     }

@@ -34,7 +34,11 @@
 //!   traffic with before it knows where the replica goes.
 //! * **Phases** are bulk-synchronous ([`bulk_synchronous`]): a phase ends
 //!   when its slowest rank does; overlapped work takes the longer of the two
-//!   ([`overlapped`]) — exactly what the executor overlaps, nothing more.
+//!   ([`overlapped`]) — exactly what the executor overlaps, nothing more
+//!   ([`Cluster::overlap`]: the dispatch beside the experts on a rank's own
+//!   rows, the backward's dX return beside the weight gradients; that work
+//!   slowed by [`Cluster::overlap_work_factor`] for the SMs the exchange
+//!   holds meanwhile).
 //! * Defaults ([`Cluster::default`]): the intra-node link is fitted to every
 //!   all-to-all this project measured on 2 and 4 H200s
 //!   ([`measured_exchanges`], within ±14% of each: [`check`]); nominal
@@ -102,6 +106,22 @@ pub struct Cluster {
     /// micro-batches. 0 by default (the ranks' timed work alone); see
     /// [`Cluster::layer_call_s`].
     pub layer_call_overhead_us: f64,
+    /// Whether exchanges overlap what the executor runs beside them: on
+    /// the NCCL path the dispatch runs beside the experts on a rank's own
+    /// rows and the backward's dX return beside the weight gradients (the
+    /// windows timed ranks record as `Joined`), so such an exchange and
+    /// that work take the longer of the two ([`overlapped`], the work
+    /// scaled by [`Cluster::overlap_work_factor`]). `false`: every exchange
+    /// is waited for before the work after it (the executor with its
+    /// overlap switched off, as the 2-GPU layer was measured on
+    /// 2026-11-30). Default `true`.
+    pub overlap: bool,
+    /// The work beside an exchange takes this many times its timed
+    /// seconds: the NCCL path's grouped GEMMs leave `LRMOE_COMM_SMS` (16)
+    /// of an H100's or H200's 132 SMs to the exchange while it runs, where
+    /// the timed ranks ran that work on every SM. 132 / 116 by default;
+    /// at least 1.
+    pub overlap_work_factor: f64,
 }
 
 impl Default for Cluster {
@@ -114,6 +134,8 @@ impl Default for Cluster {
             inter_latency_us: 30.0,
             call_overhead_us: 0.0,
             layer_call_overhead_us: 0.0,
+            overlap: true,
+            overlap_work_factor: 132.0 / 116.0,
         }
     }
 }
@@ -129,7 +151,8 @@ pub enum LinkClass {
 
 impl Cluster {
     /// Every field in range: at least one GPU per node, bandwidths finite
-    /// and positive, latencies finite and non-negative.
+    /// and positive, latencies and overheads finite and non-negative, the
+    /// overlap's work factor finite and at least 1.
     pub fn validate(&self) -> Result<(), ClusterError> {
         if self.gpus_per_node == 0 {
             return Err(ClusterError::Field {
@@ -163,6 +186,13 @@ impl Cluster {
                     got: v.to_string(),
                 });
             }
+        }
+        if !(self.overlap_work_factor.is_finite() && self.overlap_work_factor >= 1.0) {
+            return Err(ClusterError::Field {
+                field: "overlap_work_factor",
+                range: "finite and ≥ 1",
+                got: self.overlap_work_factor.to_string(),
+            });
         }
         Ok(())
     }

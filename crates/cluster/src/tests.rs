@@ -55,6 +55,7 @@ fn an_exchange_is_latency_plus_the_busiest_rank_over_the_bandwidth() {
         inter_latency_us: 20.0,
         call_overhead_us: 0.0,
         layer_call_overhead_us: 0.0,
+        ..Cluster::default()
     };
     // Two ranks on one node: rank 0 sends 1 GB, receives 0.5 GB.
     let b = vec![vec![7, 1_000_000_000], vec![500_000_000, 9]];
@@ -91,6 +92,7 @@ fn collectives_follow_the_ring_model() {
         inter_latency_us: 10.0,
         call_overhead_us: 0.0,
         layer_call_overhead_us: 0.0,
+        ..Cluster::default()
     };
     let s = c.all_reduce_s(800_000_000, 8).unwrap();
     assert!((s - (5e-6 + 14.0 / 8.0 * 0.008)).abs() < 1e-12, "{s}");
@@ -131,6 +133,14 @@ fn bad_clusters_and_shapes_are_errors() {
         },
         Cluster {
             layer_call_overhead_us: f64::NAN,
+            ..Cluster::default()
+        },
+        Cluster {
+            overlap_work_factor: 0.9,
+            ..Cluster::default()
+        },
+        Cluster {
+            overlap_work_factor: f64::INFINITY,
             ..Cluster::default()
         },
     ];

@@ -456,6 +456,11 @@ pub trait Backend {
     /// nothing.
     fn part(&self, name: &'static str) -> Result<(), LayerError>;
 
+    /// Timed in-process ranks: the exchange started last before the work
+    /// since is waited for here — the NCCL path runs that work beside it
+    /// ([`crate::Transport::joined`]). Elsewhere nothing.
+    fn joined(&self) -> Result<(), LayerError>;
+
     /// A mark on the computation's timeline.
     fn mark(&self) -> Result<<Self::F as Family>::Mark, LayerError>;
     /// A mark on the collectives' timeline (none where they do not run
@@ -470,13 +475,23 @@ pub trait Backend {
 }
 
 /// Leaves room in the grouped GEMMs for an exchange running beside them
-/// while it lives.
+/// while it lives; [`Overlap::end`] closes it where the exchange is waited
+/// for, which timed ranks record ([`Backend::joined`]) so the simulator
+/// overlaps exactly this work with the exchange.
 pub(crate) struct Overlap<'a, B: Backend>(&'a B);
 
 impl<'a, B: Backend> Overlap<'a, B> {
     pub(crate) fn new(b: &'a B) -> Self {
         b.reserve_for_exchange(true);
         Self(b)
+    }
+
+    /// The exchange has been waited for (after `finish`): the GEMMs get
+    /// every SM back, and the timeline marks the end of the overlap.
+    pub(crate) fn end(self) -> Result<(), LayerError> {
+        let b = self.0;
+        drop(self);
+        b.joined()
     }
 }
 

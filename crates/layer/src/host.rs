@@ -879,6 +879,9 @@ impl<T: Real + Scalar> Backend for Host<'_, T> {
     fn part(&self, name: &'static str) -> Result<(), LayerError> {
         self.t.part(name).map_err(transport)
     }
+    fn joined(&self) -> Result<(), LayerError> {
+        self.t.joined().map_err(transport)
+    }
     fn mark(&self) -> Result<Instant, LayerError> {
         Ok(Instant::now())
     }

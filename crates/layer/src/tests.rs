@@ -1781,3 +1781,58 @@ fn a_budget_that_cannot_hold_the_experts_is_an_error_on_every_rank() {
         );
     }
 }
+
+/// Timed ranks record where the executor waits for an exchange it ran work
+/// beside (the NCCL path's overlaps): once in the forward (the dispatch,
+/// beside the experts on the rank's own rows) and once in the backward
+/// (the dX return, beside the weight gradients), each after an exchange
+/// with no other collective between, so the simulator can overlap exactly
+/// that work with that exchange.
+#[test]
+fn timed_ranks_mark_the_two_overlapped_exchanges_of_a_call() {
+    use crate::timeline::Entry;
+    let cfg = MoeConfig {
+        hidden: 16,
+        ffn: 8,
+        n_experts: 8,
+        top_k: 2,
+        renormalize: false,
+    };
+    let (params, x, dy) = setup(&cfg, 64, 7);
+    let place = placement(cfg.n_experts, 2);
+    let bwd = CallConfig::default();
+    let res: Vec<Result<_, LayerError>> = run_local_timed(2, TIMEOUT, |t| {
+        let n = 32 * cfg.hidden;
+        let r = t.rank();
+        t.phase("moe forward")?;
+        let (_, saved) = forward(t, &cfg, &bwd, &params, &place, &x[r * n..(r + 1) * n])?;
+        t.phase("moe backward")?;
+        backward(t, &cfg, &bwd, &params, &saved, &dy[r * n..(r + 1) * n])?;
+        t.close_step(0)?;
+        t.fence()?;
+        Ok(t.take_step(0))
+    });
+    let all = res
+        .into_iter()
+        .map(Result::unwrap)
+        .find_map(|x| x)
+        .expect("a rank took the step");
+    for entries in &all {
+        let joined: Vec<usize> = (0..entries.len())
+            .filter(|&i| matches!(entries[i], Entry::Joined { .. }))
+            .collect();
+        let phases: Vec<&str> = joined.iter().map(|&i| entries[i].phase()).collect();
+        assert_eq!(phases, ["moe forward", "moe backward"], "{entries:?}");
+        for &i in &joined {
+            let before = entries[..i]
+                .iter()
+                .rev()
+                .find(|e| !matches!(e, Entry::Work { .. }));
+            assert!(
+                matches!(before, Some(Entry::Exchange { .. })),
+                "the last collective before a join is an exchange: {before:?}"
+            );
+        }
+    }
+    assert_eq!(all[0].len(), all[1].len(), "both ranks record alike");
+}

@@ -14,7 +14,9 @@
 //! ([`crate::Transport::phase`]), or of a part of it
 //! ([`crate::Transport::part`]: recorded as `"<phase>: <part>"`). Every
 //! collective is recorded with the bytes this rank sent to each other rank
-//! ([`Entry::Exchange`]) or summed ([`Entry::Reduce`]), and each step ends
+//! ([`Entry::Exchange`]) or summed ([`Entry::Reduce`]); where the executor
+//! waits for an exchange it started beside other work (the NCCL path's
+//! overlaps) the wait is recorded ([`Entry::Joined`]); and each step ends
 //! with the most device memory the rank held at once ([`Entry::Held`], from
 //! the clock's pool: while a rank holds the turn no other rank allocates or
 //! frees, so the pool's changes are its own). A cluster model turns the
@@ -58,6 +60,15 @@ pub enum Entry {
         /// Bytes to each rank.
         bytes_to: Vec<u64>,
     },
+    /// The exchange recorded last is waited for here: the work recorded
+    /// between it and this entry ran beside it on the NCCL path (the
+    /// executor's overlaps: the dispatch with the experts on a rank's own
+    /// rows, the backward's dX return with the weight gradients), so the
+    /// simulator may overlap the two.
+    Joined {
+        /// The phase it belongs to.
+        phase: String,
+    },
     /// An element-wise sum over ranks of `bytes` per rank.
     Reduce {
         /// The phase it belongs to.
@@ -82,6 +93,7 @@ impl Entry {
         match self {
             Self::Work { phase, .. }
             | Self::Exchange { phase, .. }
+            | Self::Joined { phase }
             | Self::Reduce { phase, .. } => phase,
             Self::Held { .. } => "",
         }
@@ -261,6 +273,16 @@ impl Recorder {
             host_seconds,
         });
         self.since = Instant::now();
+        Ok(())
+    }
+
+    /// The exchange recorded last is waited for: closes the current piece
+    /// and records [`Entry::Joined`].
+    pub(crate) fn joined(&mut self) -> Result<(), String> {
+        self.close_work()?;
+        self.entries.push(Entry::Joined {
+            phase: self.phase.clone(),
+        });
         Ok(())
     }
 

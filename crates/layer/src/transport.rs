@@ -76,6 +76,13 @@ pub trait Transport: Sync {
     fn part(&self, _name: &str) -> Result<(), TransportError> {
         Ok(())
     }
+    /// Timed in-process ranks: the exchange this rank started last is
+    /// waited for here, and the work recorded since it ran beside it on the
+    /// NCCL path (recorded as [`crate::timeline::Entry::Joined`]; the
+    /// simulator overlaps that work with the exchange). Elsewhere a no-op.
+    fn joined(&self) -> Result<(), TransportError> {
+        Ok(())
+    }
     /// Timed in-process ranks: work from here on (`true`) is the
     /// simulation's own bookkeeping, not counted, until `false` returns to
     /// the phase before. Elsewhere a no-op.
@@ -513,6 +520,13 @@ impl Transport for LocalTransport {
     fn part(&self, name: &str) -> Result<(), TransportError> {
         if let Some(mut r) = self.recorder() {
             r.part(name).map_err(|m| self.sync_failed(m))?;
+        }
+        Ok(())
+    }
+
+    fn joined(&self) -> Result<(), TransportError> {
+        if let Some(mut r) = self.recorder() {
+            r.joined().map_err(|m| self.sync_failed(m))?;
         }
         Ok(())
     }

@@ -7,11 +7,17 @@
 //! order; between two collectives they run independently, so that stretch
 //! ends when the slowest rank's work does (bulk-synchronous), and each
 //! collective takes what the cluster model says for the bytes every rank
-//! sent. Nothing overlaps: the in-process exchange does not run beside
-//! the compute stream as the NCCL path's does, so the simulated time is
-//! that of the executor with its overlap switched off (an upper bound of
-//! the overlapped one). Work and collectives in bookkeeping phases
-//! (`layer::timeline::is_bookkeeping`) are not counted.
+//! sent. The in-process exchange completes before the work after it, but
+//! the NCCL path runs some of that work beside its exchange (the dispatch
+//! beside the experts on a rank's own rows, the backward's dX return
+//! beside the weight gradients): the timeline marks where such an exchange
+//! is waited for (`Entry::Joined`), and with `cluster.overlap` (the
+//! default) the simulator overlaps exactly that work with the exchange —
+//! each rank's window, slowed by `cluster.overlap_work_factor`, against the
+//! exchange, the longer of the two, then the rank's rest of the stretch.
+//! With `overlap = false` every exchange is waited for first (the executor
+//! with its overlap switched off). Work and collectives in bookkeeping
+//! phases (`layer::timeline::is_bookkeeping`) are not counted.
 
 use std::collections::BTreeMap;
 
@@ -28,8 +34,17 @@ pub struct Simulated {
     pub step_s: f64,
     /// Its MoE layers (their work and their collectives), seconds.
     pub moe_s: f64,
-    /// Its collectives, seconds (each with `cluster.call_overhead_us`).
+    /// Its collectives, seconds (each with `cluster.call_overhead_us`);
+    /// an overlapped exchange counts with the seconds it adds to its
+    /// stretch (beyond the work beside it), not its own.
     pub collectives_s: f64,
+    /// Seconds the overlaps saved: the step without them (every exchange
+    /// waited for before the work after it) is `step_s` plus these. Zero
+    /// with `cluster.overlap` off.
+    pub overlap_saved_s: f64,
+    /// Those of them in the MoE layers (`moe_s` plus these is the MoE
+    /// layers' time without the overlaps).
+    pub moe_overlap_saved_s: f64,
     /// The collectives counted (the simulation's own bookkeeping not).
     pub calls: usize,
     /// Those of them in the MoE layers.
@@ -82,20 +97,39 @@ pub enum SimError {
     Cluster(#[from] cluster::ClusterError),
 }
 
-/// One rank's timeline cut at its collectives: the work before each
-/// (per phase), then the collective; the work after the last.
+/// The work between two collectives on one rank.
+#[derive(Default)]
+struct Stretch<'a> {
+    /// Per phase: `[GPU seconds, host seconds]`.
+    phases: BTreeMap<&'a str, [f64; 2]>,
+    /// GPU seconds recorded before the stretch's first `Joined` (the work
+    /// the NCCL path runs beside the collective before the stretch), if it
+    /// has one.
+    beside: Option<f64>,
+}
+
+impl Stretch<'_> {
+    fn gpu_s(&self) -> f64 {
+        self.phases.values().map(|v| v[0]).sum()
+    }
+}
+
+/// One rank's timeline cut at its collectives: the work before each, then
+/// the collective; the work after the last.
 struct Cut<'a> {
-    /// Per stretch and phase: `[GPU seconds, host seconds]`.
-    stretches: Vec<BTreeMap<&'a str, [f64; 2]>>,
+    stretches: Vec<Stretch<'a>>,
     collectives: Vec<&'a Entry>,
     held: Option<u64>,
 }
 
 fn cut(entries: &[Entry]) -> Cut<'_> {
-    let mut stretches = vec![BTreeMap::new()];
+    let mut stretches = vec![Stretch::default()];
     let mut collectives = Vec::new();
     let mut held = None;
     for e in entries {
+        let st = stretches
+            .last_mut()
+            .expect("invariant: one stretch per collective plus one");
         match e {
             Entry::Work {
                 phase,
@@ -103,19 +137,20 @@ fn cut(entries: &[Entry]) -> Cut<'_> {
                 host_seconds,
             } => {
                 if !is_bookkeeping(phase) {
-                    let at = stretches
-                        .last_mut()
-                        .expect("invariant: one stretch per collective plus one")
-                        .entry(phase.as_str())
-                        .or_insert([0.0; 2]);
+                    let at = st.phases.entry(phase.as_str()).or_insert([0.0; 2]);
                     at[0] += seconds;
                     at[1] += host_seconds;
+                }
+            }
+            Entry::Joined { .. } => {
+                if st.beside.is_none() {
+                    st.beside = Some(st.gpu_s());
                 }
             }
             Entry::Held { bytes } => held = Some(held.unwrap_or(0).max(*bytes)),
             Entry::Exchange { .. } | Entry::Reduce { .. } => {
                 collectives.push(e);
-                stretches.push(BTreeMap::new());
+                stretches.push(Stretch::default());
             }
         }
     }
@@ -157,9 +192,9 @@ fn collective_s(i: usize, records: &[&Entry], cluster: &Cluster) -> Result<f64, 
                 .unwrap_or(0);
             Ok(cluster.all_reduce_s(most, n)?)
         }
-        Entry::Work { .. } | Entry::Held { .. } => Err(SimError::Mismatch(format!(
-            "collective {i} is not a collective"
-        ))),
+        Entry::Work { .. } | Entry::Held { .. } | Entry::Joined { .. } => Err(SimError::Mismatch(
+            format!("collective {i} is not a collective"),
+        )),
     }
 }
 
@@ -224,21 +259,45 @@ pub fn simulate(
     }
     let mut phases: BTreeMap<String, f64> = BTreeMap::new();
     let mut host_phases: BTreeMap<String, f64> = BTreeMap::new();
-    let (mut step, mut collectives) = (0.0, 0.0);
+    let (mut step, mut collectives, mut saved, mut moe_saved) = (0.0, 0.0, 0.0, 0.0);
     let (mut calls, mut moe_calls) = (0, 0);
+    // The collective before the current stretch where that stretch runs
+    // work beside it: its seconds and phase.
+    let mut beside: Option<(f64, &str)> = None;
+    let factor = cluster.overlap_work_factor;
     for k in 0..=n_coll {
-        // The stretch before collective k (or after the last): the slowest
-        // rank's, split over phases as that rank's is.
-        let gpu_s = |st: &BTreeMap<&str, [f64; 2]>| st.values().map(|v| v[0]).sum::<f64>();
-        let slowest = cuts
-            .iter()
-            .map(|c| &c.stretches[k])
-            .max_by(|a, b| gpu_s(a).total_cmp(&gpu_s(b)));
+        // The stretch before collective k (or after the last): it ends with
+        // its slowest rank, split over phases as that rank's is. After an
+        // overlapped collective of `c` seconds a rank ends at
+        // max(c, factor · beside) + the rest of its stretch.
+        let stretch: Vec<&Stretch<'_>> = cuts.iter().map(|c| &c.stretches[k]).collect();
+        let prev = beside.take();
+        let end = |st: &Stretch<'_>| match prev {
+            None => st.gpu_s(),
+            Some((c, _)) => {
+                let b = st.beside.unwrap_or(0.0);
+                c.max(factor * b) + (st.gpu_s() - b)
+            }
+        };
+        let slowest = stretch.iter().max_by(|a, b| end(a).total_cmp(&end(b)));
         if let Some(st) = slowest {
-            for (p, [s, h]) in st {
+            for (p, [s, h]) in &st.phases {
                 *phases.entry((*p).to_string()).or_insert(0.0) += s;
                 *host_phases.entry((*p).to_string()).or_insert(0.0) += h;
-                step += s;
+            }
+            step += end(st);
+            if let Some((c, phase)) = prev {
+                // The collective's share: what its stretch took beyond the
+                // slowest rank's work; the saving: against waiting for it.
+                let added = end(st) - st.gpu_s();
+                *phases.entry(phase.to_string()).or_insert(0.0) += added;
+                collectives += added;
+                let waited = c + stretch.iter().map(|s| s.gpu_s()).fold(0.0, f64::max);
+                let s = waited - end(st);
+                saved += s;
+                if crate::device_model::phase::is_moe(phase) {
+                    moe_saved += s;
+                }
             }
         }
         if k == n_coll {
@@ -256,12 +315,24 @@ pub fn simulate(
             continue;
         }
         let s = collective_s(k, &records, cluster)? + cluster.call_s();
-        *phases.entry(phase.to_string()).or_insert(0.0) += s;
-        step += s;
-        collectives += s;
         calls += 1;
         if crate::device_model::phase::is_moe(phase) {
             moe_calls += 1;
+        }
+        let next = cuts.iter().map(|c| c.stretches[k + 1].beside.is_some());
+        let joined = next.clone().filter(|&j| j).count();
+        if joined != 0 && joined != cuts.len() {
+            return Err(SimError::Mismatch(format!(
+                "collective {k}: {joined} of {} ranks run work beside it",
+                cuts.len()
+            )));
+        }
+        if cluster.overlap && joined > 0 && matches!(records[0], Entry::Exchange { .. }) {
+            beside = Some((s, phase));
+        } else {
+            *phases.entry(phase.to_string()).or_insert(0.0) += s;
+            step += s;
+            collectives += s;
         }
     }
     let fixed = moe_layer_calls as f64 * cluster.layer_call_s();
@@ -279,13 +350,15 @@ pub fn simulate(
     let held_bytes = cuts.iter().map(|c| c.held).collect::<Option<Vec<u64>>>();
     let work_all_ranks_s = cuts
         .iter()
-        .flat_map(|c| c.stretches.iter().flat_map(|s| s.values().map(|v| v[0])))
+        .flat_map(|c| c.stretches.iter().map(Stretch::gpu_s))
         .sum();
     Ok(Simulated {
         ranks: timelines.len(),
         step_s: step,
         moe_s,
         collectives_s: collectives,
+        overlap_saved_s: saved,
+        moe_overlap_saved_s: moe_saved,
         calls,
         moe_calls,
         moe_layer_calls,
@@ -333,6 +406,7 @@ mod tests {
             inter_latency_us: 0.0,
             call_overhead_us: 0.0,
             layer_call_overhead_us: 0.0,
+            ..Cluster::default()
         };
         let t = vec![
             vec![
@@ -416,6 +490,88 @@ mod tests {
             !s.phases.contains_key("moe forward: layer calls"),
             "none at 0 µs"
         );
+    }
+
+    #[test]
+    fn an_exchange_overlaps_the_work_up_to_its_join_and_no_more() {
+        let joined = |phase: &str| Entry::Joined {
+            phase: phase.into(),
+        };
+        // Two ranks: 1 s, then a dispatch of 2 GB from rank 1 (0.02 s at
+        // 100 GB/s), then each rank's own rows beside it (10 and 50 ms),
+        // the join, and the rest (0.5 and 0.2 s).
+        let rank = |own: f64, rest: f64, bytes_to: Vec<u64>| {
+            vec![
+                work("moe forward", 1.0),
+                ex("moe forward", bytes_to),
+                work("moe forward: experts (own rows)", own),
+                joined("moe forward"),
+                work("moe forward: a2a x + experts", rest),
+            ]
+        };
+        let t = vec![
+            rank(0.01, 0.5, vec![0, 1_000_000_000]),
+            rank(0.05, 0.2, vec![2_000_000_000, 0]),
+        ];
+        let c = Cluster {
+            intra_gb_per_s: 100.0,
+            intra_latency_us: 0.0,
+            overlap_work_factor: 1.0,
+            ..Cluster::default()
+        };
+        let off = simulate(
+            &t,
+            &Cluster {
+                overlap: false,
+                ..c
+            },
+            1,
+        )
+        .unwrap();
+        // Waited for: 1 + 0.02 + rank 0's 0.51.
+        assert!((off.step_s - 1.53).abs() < 1e-12, "{off:?}");
+        assert_eq!((off.overlap_saved_s, off.moe_overlap_saved_s), (0.0, 0.0));
+        // Overlapped: rank 0 ends at max(0.02, 0.01) + 0.5, rank 1 at
+        // max(0.02, 0.05) + 0.2; the exchange adds 0.01 beyond rank 0's work.
+        let on = simulate(&t, &c, 1).unwrap();
+        assert!((on.step_s - 1.52).abs() < 1e-12, "{on:?}");
+        assert!((on.collectives_s - 0.01).abs() < 1e-12, "{on:?}");
+        assert!((on.overlap_saved_s - 0.01).abs() < 1e-12, "{on:?}");
+        assert!((on.step_s + on.overlap_saved_s - off.step_s).abs() < 1e-12);
+        assert!((on.moe_s + on.moe_overlap_saved_s - off.moe_s).abs() < 1e-12);
+        assert!((on.phases["moe forward"] - 1.01).abs() < 1e-12, "{on:?}");
+        assert_eq!(on.phases["moe forward: experts (own rows)"], 0.01);
+        assert_eq!(on.work_all_ranks_s, off.work_all_ranks_s);
+        // The work beside the exchange slowed tenfold: rank 1 now ends last
+        // (max(0.02, 0.5) + 0.2), its parts are the stretch's, and the
+        // overlap costs more than waiting would have (a negative saving).
+        let slow = simulate(
+            &t,
+            &Cluster {
+                overlap_work_factor: 10.0,
+                ..c
+            },
+            1,
+        )
+        .unwrap();
+        assert!((slow.step_s - 1.7).abs() < 1e-12, "{slow:?}");
+        assert_eq!(slow.phases["moe forward: a2a x + experts"], 0.2);
+        assert!((slow.overlap_saved_s - (1.53 - 1.7)).abs() < 1e-12);
+        // A sum before the join is not overlapped (only exchanges are).
+        let sum = |r: &[Entry]| {
+            let mut v = r.to_vec();
+            v[1] = Entry::Reduce {
+                phase: "moe forward".into(),
+                bytes: 400_000_000,
+            };
+            v
+        };
+        let s = simulate(&[sum(&t[0]), sum(&t[1])], &c, 1).unwrap();
+        assert_eq!(s.overlap_saved_s, 0.0);
+        // Ranks that disagree on the join are an error.
+        let mut one = t.clone();
+        one[1].retain(|e| !matches!(e, Entry::Joined { .. }));
+        assert!(matches!(simulate(&one, &c, 1), Err(SimError::Mismatch(_))));
     }
 
     #[test]

@@ -426,6 +426,9 @@ impl Backend for Device<'_> {
     fn part(&self, name: &'static str) -> Result<(), LayerError> {
         self.comm.part(name)
     }
+    fn joined(&self) -> Result<(), LayerError> {
+        self.comm.joined()
+    }
     fn mark(&self) -> Result<Mark, LayerError> {
         Ok(self.gpu.mark()?)
     }

@@ -158,6 +158,16 @@ impl DeviceComm<'_> {
         Ok(())
     }
 
+    /// Timed in-process ranks: the exchange started beside the work since
+    /// it is waited for here (see [`crate::Transport::joined`]). Elsewhere
+    /// nothing.
+    pub fn joined(&self) -> Result<(), crate::LayerError> {
+        if let Self::Staged(t) = self {
+            t.joined()?;
+        }
+        Ok(())
+    }
+
     /// Ranks in the group.
     pub fn world_size(&self) -> usize {
         match self {

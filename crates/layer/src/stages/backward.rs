@@ -619,7 +619,7 @@ fn experts_backward<B: Backend>(
     let grads = b.experts_backward_weights(rest, xk, dk)?;
     laps.lap(b, "experts dW")?;
     let dx_rows = b.finish(dx_fl)?.0;
-    drop(overlap);
+    overlap.end()?;
     laps.lap(b, "a2a dX")?;
     Ok((dx_rows, grads))
 }

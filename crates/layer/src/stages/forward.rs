@@ -401,7 +401,7 @@ fn experts_forward<B: Backend, R>(
     laps.lap(b, "experts (own rows)")?;
     // One rank: its rows are the ones it sent itself.
     let xr = b.finish(fl)?.0;
-    drop(overlap);
+    overlap.end()?;
     for s in (0..world).filter(|&s| s != rank && lay.recv.from[s] > 0) {
         let (a, m) = (roff[s] * h, lay.recv.from[s] * h);
         at_least("rows from a source", a + m, B::len(&xr))?;
