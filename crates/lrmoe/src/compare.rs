@@ -33,6 +33,11 @@ pub struct SimulatedOn {
     pub gpus: usize,
     /// The cluster model the times went through.
     pub cluster: cluster::Cluster,
+    /// Whether the times overlap what the executor overlaps
+    /// (`cluster.overlap`); `false` in files written before the simulator
+    /// could (2026-12-06), whose `cluster` reads as the default.
+    #[serde(default)]
+    pub overlapped: bool,
 }
 
 /// `compare.json`: the target, the runs, and what their simulated times are for.
@@ -84,6 +89,7 @@ pub fn run(cfg: &TrainConfig, opts: &RunOptions, modes: &[Mode]) -> Result<Repor
     let simulated_on = has_simulated(&runs).then_some(SimulatedOn {
         gpus: cfg.moe.ranks,
         cluster: cfg.cluster,
+        overlapped: cfg.cluster.overlap,
     });
     let comparison = Comparison {
         target_val_loss: target,
@@ -279,6 +285,15 @@ fn describe(s: &SimulatedOn) -> String {
     if c.layer_call_overhead_us > 0.0 {
         let _ = write!(line, ", {} µs a MoE-layer call", c.layer_call_overhead_us);
     }
+    if s.overlapped {
+        let _ = write!(
+            line,
+            "; exchanges overlap the work the executor runs beside them (that work ×{:.3})",
+            c.overlap_work_factor
+        );
+    } else {
+        line.push_str("; no overlap of exchanges and compute");
+    }
     line
 }
 
@@ -299,7 +314,7 @@ fn table(c: &Comparison) -> String {
             .map_or_else(|| "the run's cluster model".to_string(), describe);
         let _ = writeln!(
             t,
-            "Simulated columns: in-process ranks timed on one GPU, the step on {on}; no overlap of exchanges and compute. The other times are the in-process run's own (ranks taking turns).\n"
+            "Simulated columns: in-process ranks timed on one GPU, the step on {on}. The other times are the in-process run's own (ranks taking turns).\n"
         );
     }
     let (sim_head, sim_rule) = if simulated {
@@ -1390,6 +1405,28 @@ mod tests {
     use super::*;
     use crate::stop::StopReason;
     use crate::train::EvalPoint;
+
+    #[test]
+    fn the_cluster_line_says_whether_the_times_overlap() {
+        let on = SimulatedOn {
+            gpus: 16,
+            cluster: cluster::Cluster::default(),
+            overlapped: true,
+        };
+        assert!(describe(&on).contains(
+            "exchanges overlap the work the executor runs beside them (that work ×1.138)"
+        ));
+        // A file from before the overlaps reads as not overlapped, whatever
+        // its cluster's default says.
+        let old: SimulatedOn = serde_json::from_value(serde_json::json!({
+            "gpus": 16,
+            "cluster": {"gpus_per_node": 8, "intra_gb_per_s": 336.0, "intra_latency_us": 56.0,
+                        "inter_gb_per_s": 45.0, "inter_latency_us": 30.0}
+        }))
+        .unwrap();
+        assert!(!old.overlapped);
+        assert!(describe(&old).ends_with("; no overlap of exchanges and compute"));
+    }
 
     /// A run of `mode` evaluated at `(step, val_loss)`, every step costing
     /// `per_step` MoE-layer seconds (simulated too); `target` decides where
