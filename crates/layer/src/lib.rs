@@ -165,7 +165,8 @@
 //!   and for [`timeline`]'s N-GPU timing: each rank's work timed by CUDA
 //!   events on its stream, `device::GpuClock`, split into the layer's
 //!   parts, each piece with its host seconds beside, with the most pool
-//!   memory the rank held). It refuses what its
+//!   memory the rank held, and where an exchange run beside work is
+//!   waited for). It refuses what its
 //!   kernels cannot run ([`check_device_call`]: the random and
 //!   proportional rules, selection per source; [`check_device_shape`]).
 //!   Its weights can be another library's device buffers, borrowed by

@@ -38,7 +38,8 @@
 //! * [`launch`]: `lrmoe launch`, the local ranks of a multi-process run;
 //! * [`replay`], [`layer_grad`]: trace replay and one layer's gradients;
 //! * [`simulate`]: N GPUs from N ranks timed on one GPU, through the
-//!   `cluster` model (GPU and host seconds per phase; a host probe);
+//!   `cluster` model (GPU and host seconds per phase; a host probe; the
+//!   executor's overlaps where the timelines mark them);
 //! * [`tensorfile`], [`plots`], [`fsutil`]: safetensors, charts (plotters),
 //!   atomic writes; [`strict`]: JSON/TOML objects that must be objects;
 //!   [`errline`], [`progress`]: one-line errors, log lines above the
