@@ -21,7 +21,7 @@
 
 use std::collections::BTreeMap;
 
-use cluster::Cluster;
+use cluster::{bulk_synchronous, overlapped, Cluster};
 use layer::timeline::{is_bookkeeping, Entry};
 use serde::Serialize;
 
@@ -276,7 +276,7 @@ pub fn simulate(
             None => st.gpu_s(),
             Some((c, _)) => {
                 let b = st.beside.unwrap_or(0.0);
-                c.max(factor * b) + (st.gpu_s() - b)
+                overlapped(c, factor * b) + (st.gpu_s() - b)
             }
         };
         let slowest = stretch.iter().max_by(|a, b| end(a).total_cmp(&end(b)));
@@ -285,15 +285,16 @@ pub fn simulate(
                 *phases.entry((*p).to_string()).or_insert(0.0) += s;
                 *host_phases.entry((*p).to_string()).or_insert(0.0) += h;
             }
-            step += end(st);
+            let ends = end(st);
+            step += ends;
             if let Some((c, phase)) = prev {
                 // The collective's share: what its stretch took beyond the
                 // slowest rank's work; the saving: against waiting for it.
-                let added = end(st) - st.gpu_s();
+                let added = ends - st.gpu_s();
                 *phases.entry(phase.to_string()).or_insert(0.0) += added;
                 collectives += added;
-                let waited = c + stretch.iter().map(|s| s.gpu_s()).fold(0.0, f64::max);
-                let s = waited - end(st);
+                let work: Vec<f64> = stretch.iter().map(|s| s.gpu_s()).collect();
+                let s = c + bulk_synchronous(&work) - ends;
                 saved += s;
                 if crate::device_model::phase::is_moe(phase) {
                     moe_saved += s;
@@ -319,8 +320,10 @@ pub fn simulate(
         if crate::device_model::phase::is_moe(phase) {
             moe_calls += 1;
         }
-        let next = cuts.iter().map(|c| c.stretches[k + 1].beside.is_some());
-        let joined = next.clone().filter(|&j| j).count();
+        let joined = cuts
+            .iter()
+            .filter(|c| c.stretches[k + 1].beside.is_some())
+            .count();
         if joined != 0 && joined != cuts.len() {
             return Err(SimError::Mismatch(format!(
                 "collective {k}: {joined} of {} ranks run work beside it",
